@@ -1,0 +1,5 @@
+"""`python -m layerwise_cli`."""
+
+from .cli.app import main
+
+main()

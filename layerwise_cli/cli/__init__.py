@@ -1,0 +1,1 @@
+"""The `layerwise` command line: one module per command."""

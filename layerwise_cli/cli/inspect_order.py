@@ -1,0 +1,95 @@
+"""`layerwise inspect-order`: what a checkpoint's tensor order will buffer."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from ..units import human_bytes, parse_size
+from ._options import JsonOpt, MappingOpt, RevisionOpt, SourceArg
+from ._output import handle_errors, print_json, stderr, stdout
+
+
+@handle_errors
+def inspect_order_command(
+    source: SourceArg,
+    revision: RevisionOpt = None,
+    top: Annotated[int, typer.Option("--top", help="Show the N worst layers (0: all).", min=0)] = 20,
+    max_buffer: Annotated[
+        str | None,
+        typer.Option("--max-buffer", help="Exit 1 when the file-order peak exceeds SIZE (e.g. 512MiB, 2GB)."),
+    ] = None,
+    mapping: MappingOpt = "auto",
+    as_json: JsonOpt = False,
+) -> None:
+    """Show which engine layer each tensor feeds and what vLLM's read order buffers.
+
+    Reads headers only (HTTP range requests for Hub repos), never tensor data.
+
+    Example: layerwise inspect-order ./checkpoint --top 10 --max-buffer 2GiB
+    """
+    limit = None
+    if max_buffer is not None:
+        try:
+            limit = parse_size(max_buffer)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--max-buffer") from None
+    from ..inspect import inspect_order
+
+    report = inspect_order(source, revision, mapping)
+    data = report.to_dict(top=top)
+    if as_json:
+        print_json(data)
+    else:
+        render(report, data, top)
+    peak = report.file_order.peak_buffer_bytes
+    if limit is not None and peak > limit:
+        from ..errors import LayerwiseError
+
+        raise LayerwiseError(
+            f"file-order peak buffer {human_bytes(peak)} ({peak} bytes) exceeds --max-buffer "
+            f"{human_bytes(limit)}; run `layerwise reorder` on it",
+            where=source,
+        )
+
+
+def render(report, data: dict, top: int) -> None:
+    """Print the summary and the per-layer table on stdout."""
+    largest = data["largest_layer_bytes"]
+    fo, lo = data["file_order"], data["layer_order"]
+    summary = Table.grid(padding=(0, 2))
+    summary.add_column(style="bold")
+    summary.add_column()
+    summary.add_row("source", escape(data["source"]) + (f" @ {escape(data['revision'])}" if data["revision"] else ""))
+    summary.add_row("mapping", escape(data["mapping"]["description"]))
+    summary.add_row("checkpoint", f"{data['shards']} shard(s), {data['tensors']} tensors, "
+                    f"{human_bytes(data['total_bytes'])}, {data['parent_layers']} parent layers")
+    summary.add_row("largest layer", human_bytes(largest))
+    for label, sim in (("file order peak", fo), ("layer order peak", lo)):
+        summary.add_row(
+            label,
+            f"{human_bytes(sim['peak_buffer_bytes'])} = {sim['peak_over_largest_layer']:.2f} x largest layer, "
+            f"{sim['open_layers_at_peak']} layer(s) open at {escape(sim['peak_tensor'])}",
+        )
+    if data["skipped_tensors"]:
+        summary.add_row("skipped", f"{len(data['skipped_tensors'])} tensor(s) the engine does not load")
+    if report.plan.checkpoint.kind != "hub":
+        summary.add_row("read", f"{data['header_bytes_read']} header bytes of "
+                        f"{report.plan.checkpoint.total_bytes + data['header_bytes_read']}")
+    stdout.print(summary)
+    table = Table(title=f"Parent layers, worst first{f' (top {top})' if top else ''}", title_justify="left")
+    table.add_column("layer")
+    table.add_column("tensors", justify="right")
+    table.add_column("bytes", justify="right")
+    table.add_column("shards", justify="right")
+    table.add_column("held in file order", justify="right")
+    for row in data["layers"]:
+        table.add_row(escape(row["name"]), str(row["tensors"]), human_bytes(row["bytes"]),
+                      str(len(row["shards"])), human_bytes(row["file_order_held_bytes"]))
+    stdout.print(table)
+    if fo["peak_buffer_bytes"] > largest:
+        stderr.print(f"[yellow]File order buffers {fo['peak_over_largest_layer']:.2f}x the largest layer; "
+                     "`layerwise reload` streams in layer order, `layerwise reorder` rewrites the file.[/]")

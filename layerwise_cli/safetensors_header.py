@@ -1,0 +1,186 @@
+"""Read and validate safetensors headers without touching tensor data."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from math import prod
+
+from .errors import LayerwiseError
+
+# Bytes per element for every dtype the safetensors format names with a whole
+# number of bytes per element.
+DTYPE_SIZES: dict[str, int] = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8,
+}
+# The safetensors library refuses headers above 100 MB; so do we, before
+# allocating anything.
+MAX_HEADER_BYTES = 100_000_000
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor as a shard's header describes it."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    shard: str
+    # Offsets relative to the start of the data section, as in the header.
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass
+class ShardHeader:
+    """A parsed safetensors header: one shard of a checkpoint."""
+
+    name: str
+    header_len: int
+    file_size: int | None
+    metadata: dict[str, str] = field(default_factory=dict)
+    tensors: list[TensorEntry] = field(default_factory=list)
+
+    @property
+    def data_start(self) -> int:
+        return 8 + self.header_len
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def read_shard_header(path: str | os.PathLike[str], name: str | None = None) -> tuple[ShardHeader, int]:
+    """Read one shard's header from disk, reading only the header bytes.
+
+    Args:
+        path: the `.safetensors` file.
+        name: the name to report (defaults to the file's base name).
+
+    Returns:
+        The validated header and the number of bytes read from the file.
+
+    Raises:
+        LayerwiseError: the file is missing, truncated or its header is invalid.
+    """
+    path = os.fspath(path)
+    display = name or os.path.basename(path)
+    try:
+        with open(path, "rb") as f:
+            file_size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise LayerwiseError(f"truncated: {file_size} bytes, shorter than the 8-byte header length", where=path)
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > file_size - 8:
+                raise LayerwiseError(
+                    f"header length {header_len} runs past the end of the file ({file_size} bytes)", where=path
+                )
+            if header_len > MAX_HEADER_BYTES:
+                raise LayerwiseError(f"header length {header_len} exceeds the 100 MB limit", where=path)
+            raw = f.read(header_len)
+    except LayerwiseError:
+        raise
+    except OSError as exc:
+        from .errors import describe_exception
+
+        raise describe_exception(exc, where=path) from exc
+    shard = parse_header(display, raw, file_size=file_size, where=path)
+    return shard, 8 + header_len
+
+
+def parse_header(name: str, raw: bytes, *, file_size: int | None, where: str | None = None) -> ShardHeader:
+    """Validate a header's JSON bytes and turn them into a `ShardHeader`.
+
+    Checks what a loader would trip on later: JSON object, known dtypes,
+    integer shapes, offsets that match the shape, lie in the data section,
+    and do not overlap; with `file_size`, that the data section is exactly
+    as long as the tensors need.
+
+    Args:
+        name: the shard's name within its checkpoint.
+        raw: the header bytes (without the 8-byte length prefix).
+        file_size: the whole file's size, or None when unknown (Hub).
+        where: the file or URL to name in errors.
+
+    Returns:
+        The parsed header, tensors in the header's own order.
+    """
+    where = where or name
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise LayerwiseError("header is not valid UTF-8", where=where) from None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise LayerwiseError(f"header is not valid JSON ({exc.__class__.__name__})", where=where) from None
+    if not isinstance(doc, dict):
+        raise LayerwiseError(f"header is a JSON {type(doc).__name__}, not an object", where=where)
+    metadata = doc.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise LayerwiseError("__metadata__ must map strings to strings", where=where)
+    tensors = [_parse_entry(name, key, value, where) for key, value in doc.items()]
+    _check_layout(tensors, len(raw), file_size, where)
+    return ShardHeader(name=name, header_len=len(raw), file_size=file_size, metadata=metadata, tensors=tensors)
+
+
+def _parse_entry(shard: str, key: str, value: object, where: str) -> TensorEntry:
+    if not isinstance(value, dict):
+        raise LayerwiseError(f"tensor {key!r}: entry is not an object", where=where)
+    dtype = value.get("dtype")
+    shape = value.get("shape")
+    offsets = value.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise LayerwiseError(f"tensor {key!r}: unknown dtype {dtype!r}", where=where)
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise LayerwiseError(f"tensor {key!r}: shape {shape!r} is not a list of non-negative integers", where=where)
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_count(o) for o in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        raise LayerwiseError(f"tensor {key!r}: data_offsets {offsets!r} are not [begin, end]", where=where)
+    expected = prod(shape) * DTYPE_SIZES[dtype]
+    if offsets[1] - offsets[0] != expected:
+        raise LayerwiseError(
+            f"tensor {key!r}: {dtype}{shape} needs {expected} bytes but its offsets span {offsets[1] - offsets[0]}",
+            where=where,
+        )
+    return TensorEntry(key, dtype, tuple(shape), shard, offsets[0], offsets[1])
+
+
+def _is_count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**63
+
+
+def _check_layout(tensors: list[TensorEntry], header_len: int, file_size: int | None, where: str) -> None:
+    by_begin = sorted((t for t in tensors if t.nbytes), key=lambda t: t.begin)
+    for prev, cur in zip(by_begin, by_begin[1:]):
+        if cur.begin < prev.end:
+            raise LayerwiseError(f"tensors {prev.name!r} and {cur.name!r} overlap", where=where)
+    if file_size is None:
+        return
+    data_len = file_size - 8 - header_len
+    end = max((t.end for t in tensors), default=0)
+    if end > data_len:
+        worst = max(tensors, key=lambda t: t.end)
+        raise LayerwiseError(
+            f"tensor {worst.name!r} ends at byte {end} of the data section, but the file holds {data_len} "
+            "(truncated file?)",
+            where=where,
+        )
+    if end != data_len:
+        raise LayerwiseError(
+            f"file size does not match the header: {data_len - end} bytes after the last tensor", where=where
+        )
