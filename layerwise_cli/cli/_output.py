@@ -10,8 +10,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import click
 import typer
+from typer.exceptions import TyperException
 from rich.console import Console
 
 from ..errors import LayerwiseError, UsageError, describe_exception
@@ -48,7 +48,7 @@ def handle_errors(func: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
-        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit):
+        except (typer.Exit, typer.Abort, TyperException, SystemExit):
             raise  # usage errors keep Click's exit code 2
         except KeyboardInterrupt:
             sys.stderr.write("Error: interrupted\n")
