@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import typer
 
+from .demo import demo_command
 from .inspect_order import inspect_order_command
+from .reload import reload_command
+from .reorder import reorder_command
+from .serve import serve_command
 
 app = typer.Typer(
     name="layerwise",
-    help="Push new weights into running vLLM engines in layer order, and show what it cost.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -25,6 +28,10 @@ def root() -> None:
 
 
 app.command("inspect-order")(inspect_order_command)
+app.command("reload")(reload_command)
+app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(serve_command)
+app.command("reorder")(reorder_command)
+app.command("demo")(demo_command)
 
 
 def main() -> None:
