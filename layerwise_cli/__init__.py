@@ -1,6 +1,31 @@
-"""layerwise: stream new weights into running vLLM engines in layer order."""
+"""layerwise: stream new weights into running vLLM engines in layer order.
+
+The Python API (imported lazily, so that `import layerwise_cli` stays cheap):
+
+    from layerwise_cli import EXTENSION_CLS, reload, start_engine, inspect_order
+"""
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["__version__"]
+# Pass as `LLM(..., worker_extension_cls=EXTENSION_CLS)` to make an engine reloadable.
+EXTENSION_CLS = "layerwise_cli.engine.worker_extension.LayerwiseWorkerExtension"
+
+_LAZY = {
+    "reload": ("layerwise_cli.engine.local", "reload"),
+    "start_engine": ("layerwise_cli.engine.local", "start_engine"),
+    "EngineOptions": ("layerwise_cli.engine.local", "EngineOptions"),
+    "ReloadReport": ("layerwise_cli.engine.report", "ReloadReport"),
+    "inspect_order": ("layerwise_cli.inspect", "inspect_order"),
+    "LayerwiseError": ("layerwise_cli.errors", "LayerwiseError"),
+}
+__all__ = ["__version__", "EXTENSION_CLS", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'layerwise_cli' has no attribute {name!r}")

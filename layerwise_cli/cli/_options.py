@@ -22,3 +22,32 @@ MappingOpt = Annotated[
         "table, vllm or generic.",
     ),
 ]
+
+# Engine options passed through to vLLM (in-process engines and `layerwise serve`).
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="Engine dtype (auto, bfloat16, float16, float32).")]
+TensorParallelOpt = Annotated[
+    int, typer.Option("--tensor-parallel-size", "-tp", min=1, help="Tensor-parallel workers.")
+]
+MaxModelLenOpt = Annotated[int | None, typer.Option("--max-model-len", help="Engine context length.")]
+QuantizationOpt = Annotated[
+    str | None,
+    typer.Option("--quantization", "-q", help="vLLM quantization method, e.g. an online one such as "
+                 "int8_per_channel_weight_only (CPU) or fp8 (GPU)."),
+]
+EnforceEagerOpt = Annotated[
+    bool | None,
+    typer.Option("--enforce-eager/--no-enforce-eager",
+                 help="Skip graph capture. Default: eager on CPU-only machines, graphs on GPU.",
+                 show_default=False),
+]
+MemoryFractionOpt = Annotated[
+    float | None,
+    typer.Option("--memory-fraction", min=0.01, max=1.0,
+                 help="vLLM gpu_memory_utilization (on CPU: the share of host memory for the KV cache; "
+                 "default 0.1 there).", show_default=False),
+]
+OrderOpt = Annotated[
+    str,
+    typer.Option("--order", help="layer: stream every parent layer's tensors together (default); "
+                 "file: the order vLLM's own loader reads, for comparison."),
+]

@@ -1,11 +1,154 @@
-"""`layerwise reorder` (being built)."""
+"""`layerwise reorder`: rewrite a checkpoint so that every loader reads it in layer order."""
 
 from __future__ import annotations
 
-from ._output import handle_errors
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from ..units import human_bytes, human_seconds, parse_size
+from ._options import JsonOpt, MappingOpt, RevisionOpt, SourceArg
+from ._output import handle_errors, print_json, report_error, stderr, stdout
 
 
 @handle_errors
-def reorder_command() -> None:
-    """Not built yet."""
-    raise NotImplementedError("layerwise reorder is not built yet")
+def reorder_command(
+    source: SourceArg,
+    destination: Annotated[
+        str, typer.Argument(help="The directory to write (refused if it exists, unless --force).", show_default=False)
+    ],
+    max_shard_size: Annotated[
+        str,
+        typer.Option("--max-shard-size", help="Most tensor bytes per shard (e.g. 5GB, 512MiB). A parent layer "
+                     "spans two shards only when it alone is larger."),
+    ] = "5GB",
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace an existing destination once the new one is complete.")
+    ] = False,
+    verify: Annotated[
+        bool,
+        typer.Option("--verify", help="Re-read every tensor from the destination and compare its SHA-256 with the "
+                     "source's before putting it in place; exit 1 on any difference."),
+    ] = False,
+    revision: RevisionOpt = None,
+    mapping: MappingOpt = "auto",
+    as_json: JsonOpt = False,
+) -> None:
+    """Rewrite a checkpoint so that vLLM's own loader reads complete parent layers one after another.
+
+    Shard contents are chosen so that, read the way vLLM reads them (shards in
+    natural order, tensors sorted by name inside each), no parent layer waits
+    on another: the file-order peak buffer becomes the largest layer. Tensor
+    bytes are copied raw in small chunks; everything is written beside
+    DESTINATION and renamed into place only when complete.
+
+    Example: layerwise reorder ./trainer-export ./reordered --max-shard-size 2GB --verify
+    """
+    try:
+        limit = parse_size(max_shard_size)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--max-shard-size") from None
+    if limit <= 0:
+        raise typer.BadParameter("must be more than 0 bytes", param_hint="--max-shard-size")
+    from ..errors import LayerwiseError
+    from ..reorder import ReorderInterrupted, reorder
+
+    try:
+        if as_json:
+            _quiet_hub_progress()
+            result = reorder(source, destination, max_shard_size=limit, force=force, verify=verify,
+                             revision=revision, mapping=mapping)
+        else:
+            with _Progress() as bar:
+                result = reorder(source, destination, max_shard_size=limit, force=force, verify=verify,
+                                 revision=revision, mapping=mapping, progress=bar.update)
+    except ReorderInterrupted as stop:
+        state = ("the new checkpoint was already in place" if stop.committed
+                 else "nothing was written there and temporary files were removed")
+        report_error(LayerwiseError(f"interrupted by {stop}; {state}", where=destination))
+        raise typer.Exit(128 + stop.signum) from None
+    data = result.to_dict()
+    if as_json:
+        print_json(data)
+    else:
+        render(data)
+
+
+def _quiet_hub_progress() -> None:
+    # --json turns progress off, the Hub's download bars included.
+    from huggingface_hub.utils import disable_progress_bars
+
+    disable_progress_bars()
+
+
+class _Progress:
+    """Bytes written and shards done, on stderr."""
+
+    def __init__(self) -> None:
+        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                                   TransferSpeedColumn)
+
+        self.progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
+            TransferSpeedColumn(), TextColumn("{task.fields[shards]}"), TimeRemainingColumn(),
+            console=stderr, transient=False,
+        )
+        self.tasks: dict[str, int] = {}
+
+    def __enter__(self) -> _Progress:
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.__exit__(*exc)
+
+    def update(self, event) -> None:
+        label = {"fetch": "write", "write": "write", "verify": "verify"}[event.phase]
+        if label not in self.tasks:
+            title = "writing" if label == "write" else "verifying"
+            self.tasks[label] = self.progress.add_task(title, total=event.bytes_total, shards="")
+        description = f"fetching {escape(event.file)}" if event.phase == "fetch" else (
+            "writing" if label == "write" else "verifying")
+        self.progress.update(
+            self.tasks[label], completed=event.bytes_done, description=description,
+            shards=f"{event.shards_done}/{event.shards_total} shards",
+        )
+
+
+def render(data: dict) -> None:
+    """Print the closing summary and the shard table on stdout."""
+    before, after = data["before"], data["after"]
+    summary = Table.grid(padding=(0, 2))
+    summary.add_column(style="bold")
+    summary.add_column()
+    summary.add_row("source", escape(data["source"]) + (f" @ {escape(data['revision'])}" if data["revision"] else "")
+                    + f" ({before['shards']} shard(s))")
+    summary.add_row("destination", escape(data["destination"]) + f" ({after['shards']} shard(s), at most "
+                    f"{human_bytes(data['max_shard_size'])} each{', replaced' if data['replaced'] else ''})")
+    summary.add_row("checkpoint", f"{data['tensors']} tensors, {human_bytes(data['total_bytes'])}")
+    summary.add_row("largest layer", human_bytes(data["largest_layer_bytes"]))
+    for label, side in (("file order before", before), ("file order after", after)):
+        summary.add_row(label, f"peak {human_bytes(side['file_order_peak_buffer_bytes'])} = "
+                        f"{side['peak_over_largest_layer']:.2f} x largest layer, "
+                        f"{side['open_layers_at_peak']} layer(s) open at {escape(side['peak_tensor'])}")
+    summary.add_row("written", f"{human_bytes(data['bytes_written'])} in {after['shards']} shard(s) and the index; "
+                    f"{len(data['files_copied'])} other file(s) copied")
+    if data["files_skipped"]:
+        summary.add_row("not copied", escape(", ".join(data["files_skipped"])) + " (other weight files)")
+    if data["metadata_conflicts"]:
+        summary.add_row("metadata", "source shards disagree on " + escape(", ".join(data["metadata_conflicts"]))
+                        + "; kept the first shard's value")
+    summary.add_row("verify", "every tensor's SHA-256 matches the source" if data["verified"]
+                    else "headers and tensor set checked (--verify also compares every tensor's bytes)")
+    summary.add_row("time", human_seconds(data["seconds"]))
+    stdout.print(summary)
+    table = Table(title="Shards, in the order vLLM reads them", title_justify="left")
+    table.add_column("shard")
+    table.add_column("tensors", justify="right")
+    table.add_column("parent layers", justify="right")
+    table.add_column("bytes", justify="right")
+    for row in data["shards"]:
+        table.add_row(escape(row["name"]), str(row["tensors"]), str(row["parent_layers"]), human_bytes(row["bytes"]))
+    stdout.print(table)

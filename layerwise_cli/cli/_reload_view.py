@@ -1,0 +1,98 @@
+"""Render reload reports, and follow a reload's per-layer progress, with Rich."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ..engine.progress import read_events
+from ..engine.report import ReloadReport
+from ..units import human_bytes, human_seconds
+from ._output import stderr, stdout
+
+T = TypeVar("T")
+
+
+def run_with_progress(task: Callable[[str | None], T], progress_path: str | None, label: str,
+                      show: bool = True) -> T:
+    """Run `task(progress_path)` in a thread; show a per-layer bar on stderr from the worker's events."""
+    if not show or progress_path is None:
+        return task(None)
+    result: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            result["value"] = task(progress_path)
+        except BaseException as exc:  # re-raised in the caller's thread
+            result["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    offset = 0
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[layer]}"), TimeElapsedColumn(),
+                  console=stderr, transient=True) as progress:
+        bar = progress.add_task(escape(label), total=None, layer="")
+        while thread.is_alive() or offset < _size(progress_path):
+            events, offset = read_events(Path(progress_path), offset)
+            for event in events:
+                if event["event"] == "start":
+                    progress.update(bar, total=event["layers"])
+                elif event["event"] == "layer":
+                    progress.update(bar, advance=1, layer=escape(event["name"]))
+            if not thread.is_alive() and not events:
+                break
+            time.sleep(0.05)
+    thread.join()
+    if "error" in result:
+        raise result["error"]  # type: ignore[misc]
+    return result["value"]  # type: ignore[return-value]
+
+
+def _size(path: str) -> int:
+    try:
+        return Path(path).stat().st_size
+    except OSError:
+        return 0
+
+
+def render_report(report: ReloadReport, title: str = "Reload", top: int = 0) -> None:
+    """The per-layer table and totals on stdout."""
+    table = Table(title=f"{escape(title)}: {report.order} order, {len(report.layers)} parent layers",
+                  title_justify="left")
+    table.add_column("layer")
+    table.add_column("tensors", justify="right")
+    table.add_column("bytes", justify="right")
+    table.add_column("load", justify="right")
+    table.add_column("process", justify="right")
+    table.add_column("buffered at completion", justify="right")
+    layers = report.layers[:top] if top else report.layers
+    for layer in layers:
+        table.add_row(escape(layer.name) + ("" if layer.completed_during_stream else " (finalize)"),
+                      str(layer.tensors), human_bytes(layer.bytes), human_seconds(layer.load_s),
+                      human_seconds(layer.process_s), human_bytes(layer.buffered_bytes_at_completion))
+    if top and len(report.layers) > top:
+        table.add_row(f"... {len(report.layers) - top} more", "", "", "", "", "")
+    stdout.print(table)
+    summary = Table.grid(padding=(0, 2))
+    summary.add_column(style="bold")
+    summary.add_column()
+    summary.add_row("wall", f"{human_seconds(report.wall_s)} for {human_bytes(report.bytes)} "
+                    f"({report.gb_per_s:.2f} GB/s), {report.tensors} tensors, {report.workers} worker(s)")
+    summary.add_row("peak buffered", f"{human_bytes(report.peak_buffer_bytes)} measured = "
+                    f"{report.peak_over_largest:.2f} x largest layer ({human_bytes(report.largest_layer_bytes)})")
+    verdict = "matches" if report.matches_prediction else "[yellow]DIFFERS from[/]"
+    summary.add_row("predicted", f"{human_bytes(report.predicted_peak_buffer_bytes)} ({verdict} the measurement)")
+    summary.add_row("read-ahead", f"{human_bytes(report.readahead_peak_bytes)} held at most, on top of the buffers")
+    for note in report.notes:
+        summary.add_row("note", escape(note))
+    if report.unexpected:
+        summary.add_row("unexpected", f"{len(report.unexpected)} tensor(s) not buffered where the plan said")
+    stdout.print(summary)

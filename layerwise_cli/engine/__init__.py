@@ -1,0 +1,1 @@
+"""Engine side: what runs inside vLLM workers, and how the tool drives an engine."""

