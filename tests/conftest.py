@@ -33,3 +33,21 @@ def make_checkpoint(tmp_path: Path):
         return folder
 
     return make
+
+
+class _DemoModels:
+    """`demo_models["add"]`: a debug checkpoint, built on first use into a session-private cache."""
+
+    def __init__(self, cache: Path) -> None:
+        self._cache = cache
+
+    def __getitem__(self, name: str) -> Path:
+        from layerwise_cli.demo_models import demo_checkpoint
+
+        return demo_checkpoint(name, cache_dir=self._cache)
+
+
+@pytest.fixture(scope="session")
+def demo_models(tmp_path_factory: pytest.TempPathFactory) -> _DemoModels:
+    """The debug checkpoints (multiply, add, moe-multiply, moe-add)."""
+    return _DemoModels(tmp_path_factory.mktemp("layerwise-cache"))

@@ -65,14 +65,14 @@ def _size(path: str) -> int:
 
 def render_report(report: ReloadReport, title: str = "Reload", top: int = 0) -> None:
     """The per-layer table and totals on stdout."""
-    table = Table(title=f"{escape(title)}: {report.order} order, {len(report.layers)} parent layers",
-                  title_justify="left")
-    table.add_column("layer")
+    table = Table(title=f"{escape(title)}: {report.order} order, {len(report.layers)} parent layers "
+                  "(buffered: bytes in vLLM's layer buffers as the layer completed)", title_justify="left")
+    table.add_column("layer", overflow="fold", ratio=1)
     table.add_column("tensors", justify="right")
     table.add_column("bytes", justify="right")
     table.add_column("load", justify="right")
     table.add_column("process", justify="right")
-    table.add_column("buffered at completion", justify="right")
+    table.add_column("buffered", justify="right")
     layers = report.layers[:top] if top else report.layers
     for layer in layers:
         table.add_row(escape(layer.name) + ("" if layer.completed_during_stream else " (finalize)"),

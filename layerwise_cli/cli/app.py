@@ -36,4 +36,9 @@ app.command("demo")(demo_command)
 
 def main() -> None:
     """Console-script entry point."""
+    import os
+
+    # stdout carries our data; vLLM logs to stdout unless told otherwise.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     app()

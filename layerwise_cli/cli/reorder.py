@@ -101,8 +101,11 @@ class _Progress:
         self.progress.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.progress.__exit__(*exc)
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is not None:
+            # On failure the bar goes away, so that the error is the one line left.
+            self.progress.live.transient = True
+        self.progress.__exit__(exc_type, exc, tb)
 
     def update(self, event) -> None:
         label = {"fetch": "write", "write": "write", "verify": "verify"}[event.phase]

@@ -9,12 +9,24 @@ import torch
 
 def tensor_digest(tensor: torch.Tensor) -> str:
     """SHA-256 of a tensor's bytes (on the host), with its dtype and shape."""
-    data = tensor.detach().contiguous().cpu()
+    data = tensor.detach().cpu().contiguous()
     digest = hashlib.sha256(f"{data.dtype}{tuple(data.shape)}".encode())
     if data.numel():
-        digest.update(data.view(torch.uint8).numpy().tobytes() if data.dtype != torch.bool
-                      else data.numpy().tobytes())
+        flat = data.reshape(-1)
+        digest.update(flat.view(torch.uint8).numpy().tobytes() if flat.dtype != torch.bool
+                      else flat.numpy().tobytes())
     return digest.hexdigest()
+
+
+def storage_pointers(model: torch.nn.Module) -> dict[str, int]:
+    """Data pointer of every parameter and buffer that keeps storage (to prove a reload was in place)."""
+    out: dict[str, int] = {}
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):
+            if tensor is not None and tensor.device.type != "meta" and tensor.numel():
+                out[prefix + name] = tensor.data_ptr()
+    return out
 
 
 def model_checksums(model: torch.nn.Module) -> dict[str, str]:

