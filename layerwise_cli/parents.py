@@ -6,8 +6,8 @@ import re
 from dataclasses import dataclass, field
 
 # Fusions vLLM applies in its dense decoder models (`packed_modules_mapping`).
-_DENSE_PACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-                 "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+_QKV_PACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
+_DENSE_PACKED = {**_QKV_PACKED, "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
 
 # Architectures whose mapping is known exactly: checkpoint module -> vLLM module,
 # and whether experts are fused into one module per layer.
@@ -18,7 +18,8 @@ ARCHITECTURE_TABLE: dict[str, dict[str, object]] = {
     "MistralForCausalLM": {"packed": _DENSE_PACKED, "fused_experts": False},
     "Qwen3MoeForCausalLM": {"packed": _DENSE_PACKED, "fused_experts": True},
     "Qwen2MoeForCausalLM": {"packed": _DENSE_PACKED, "fused_experts": True},
-    "MixtralForCausalLM": {"packed": _DENSE_PACKED, "fused_experts": True},
+    # Mixtral has no dense MLP: its experts' w1/w3 fuse inside the experts module.
+    "MixtralForCausalLM": {"packed": _QKV_PACKED, "fused_experts": True},
 }
 
 _EXPERT_RE = re.compile(r"^(?P<head>.*\.experts)\.\d+\.")
@@ -115,12 +116,17 @@ def mapping_for_config(config: dict | None, prefer: str = "auto") -> LayerMappin
     Returns:
         The mapping to plan with; its `kind` says which was used.
     """
-    config = config or {}
-    archs = config.get("architectures") or []
-    arch = archs[0] if archs else None
-    tied = bool(config.get("tie_word_embeddings", False) or (config.get("text_config") or {}).get("tie_word_embeddings", False))
     if prefer not in {"auto", "table", "vllm", "generic"}:
-        raise ValueError(f"unknown mapping {prefer!r}: use auto, table, vllm or generic")
+        from .errors import UsageError
+
+        raise UsageError(f"unknown mapping {prefer!r}: use auto, table, vllm or generic")
+    config = config if isinstance(config, dict) else {}
+    archs = config.get("architectures")
+    # config.json is user data: take the first architecture only if it is a name.
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    text_config = config.get("text_config")
+    text_config = text_config if isinstance(text_config, dict) else {}
+    tied = bool(config.get("tie_word_embeddings", False) or text_config.get("tie_word_embeddings", False))
     if prefer in {"auto", "table"} and arch in ARCHITECTURE_TABLE:
         entry = ARCHITECTURE_TABLE[arch]
         return LayerMapping("table", arch, dict(entry["packed"]), bool(entry["fused_experts"]), tied)
@@ -130,8 +136,10 @@ def mapping_for_config(config: dict | None, prefer: str = "auto") -> LayerMappin
         found = mapping_from_vllm(arch, tied, required=prefer == "vllm")
         if found is not None:
             return found
-    if prefer == "table":
+    if prefer in {"table", "vllm"}:
         from .errors import LayerwiseError
 
+        if arch is None:
+            raise LayerwiseError(f"--mapping {prefer} needs config.json's architectures; the checkpoint has none")
         raise LayerwiseError(f"architecture {arch!r} is not in layerwise's table (try --mapping auto)")
     return LayerMapping("generic", arch, {}, True, tied)

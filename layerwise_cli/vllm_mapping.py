@@ -3,22 +3,28 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 from .errors import LayerwiseError
 from .parents import LayerMapping
 
 
 def vllm_installed() -> bool:
-    """True when `vllm` can be imported, without importing it."""
-    return importlib.util.find_spec("vllm") is not None
+    """True when `vllm` can be found, without importing it."""
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):  # a meta-path finder refused it, or a broken vllm in sys.modules
+        return False
 
 
 def mapping_from_vllm(architecture: str, tie_word_embeddings: bool, *, required: bool) -> LayerMapping | None:
     """Build a mapping from vLLM's model class for `architecture`.
 
-    Reads the class's `packed_modules_mapping` (q/k/v -> qkv_proj, ...) and
-    whether it is a mixture-of-experts model (its experts load into one fused
-    module per layer).
+    Reads what the class's `load_weights` fuses: `packed_modules_mapping`
+    (q/k/v -> qkv_proj, ...) and the stacked renames of its
+    `hf_to_vllm_mapper` (`.gate_proj` -> `.gate_up_proj`, ...), and whether it
+    is a mixture-of-experts model (its experts load into one fused module per
+    layer).
 
     Args:
         architecture: the name in `config.json`'s `architectures`.
@@ -35,7 +41,8 @@ def mapping_from_vllm(architecture: str, tie_word_embeddings: bool, *, required:
     try:
         from vllm.model_executor.models import ModelRegistry
 
-        model_cls = ModelRegistry._try_load_model_cls(architecture)  # noqa: SLF001 - no public lookup by name
+        # No public lookup by name that stops short of building a model config.
+        model_cls = ModelRegistry._try_load_model_cls(architecture)
     except Exception as exc:  # vLLM import failures vary by platform
         if required:
             raise LayerwiseError(f"vLLM could not load the model class for {architecture}: {exc}") from exc
@@ -48,14 +55,26 @@ def mapping_from_vllm(architecture: str, tie_word_embeddings: bool, *, required:
     for fused, parts in (getattr(model_cls, "packed_modules_mapping", None) or {}).items():
         for part in parts:
             packed[part] = fused
-    fused_experts = bool(getattr(model_cls, "is_mixture_of_experts", False)) or _has_moe_interface(model_cls)
-    return LayerMapping("vllm", architecture, packed, fused_experts, tie_word_embeddings)
+    mapper = getattr(model_cls, "hf_to_vllm_mapper", None)
+    for source, (target, _shard) in (getattr(mapper, "orig_to_new_stacked", None) or {}).items():
+        # ".mlp.gate_proj" -> ".mlp.gate_up_proj": the module names are the last parts.
+        packed[source.rsplit(".", 1)[-1]] = target.rsplit(".", 1)[-1]
+    return LayerMapping("vllm", architecture, packed, _is_moe(model_cls), tie_word_embeddings)
 
 
-def _has_moe_interface(model_cls: type) -> bool:
+def _is_moe(model_cls: type) -> bool:
+    # MixtureOfExperts is a Protocol with data members, so issubclass() refuses
+    # it; vLLM's MoE models name it as a base class.
     try:
         from vllm.model_executor.models.interfaces import MixtureOfExperts
-
-        return issubclass(model_cls, MixtureOfExperts)
-    except Exception:
-        return False
+    except Exception:  # noqa: BLE001
+        MixtureOfExperts = None
+    if MixtureOfExperts is not None and MixtureOfExperts in model_cls.__mro__:
+        return True
+    # MoE models that do not implement expert load balancing still expose
+    # their checkpoint -> fused-experts mapping, or build their experts from
+    # vLLM's FusedMoE layers (FusedMoE, SharedFusedMoE, FusedMoEFactory, ...).
+    if callable(getattr(model_cls, "get_expert_mapping", None)):
+        return True
+    module = sys.modules.get(model_cls.__module__)
+    return any("FusedMoE" in name for name in vars(module)) if module is not None else False

@@ -76,12 +76,11 @@ def render(report, data: dict, top: int) -> None:
         )
     if data["skipped_tensors"]:
         summary.add_row("skipped", f"{len(data['skipped_tensors'])} tensor(s) the engine does not load")
-    if report.plan.checkpoint.kind != "hub":
-        summary.add_row("read", f"{data['header_bytes_read']} header bytes of "
-                        f"{report.plan.checkpoint.total_bytes + data['header_bytes_read']}")
+    summary.add_row("read", f"{data['header_bytes_read']} header bytes of "
+                    f"{report.plan.checkpoint.total_bytes + data['header_bytes_read']}")
     stdout.print(summary)
     table = Table(title=f"Parent layers, worst first{f' (top {top})' if top else ''}", title_justify="left")
-    table.add_column("layer")
+    table.add_column("layer", overflow="fold")  # wrap, never cut, a module name
     table.add_column("tensors", justify="right")
     table.add_column("bytes", justify="right")
     table.add_column("shards", justify="right")

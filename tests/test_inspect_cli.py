@@ -1,0 +1,181 @@
+"""`layerwise inspect-order` end to end: JSON keys, tables, --top, --max-buffer, source kinds."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from layerwise_cli.cli.app import app
+from layerwise_cli.synthetic import SyntheticModel, write_checkpoint
+
+runner = CliRunner()
+# The dense model of test_plan: largest parent layer 768 bytes (gate_up_proj);
+# in trainer-export order over 4 shards vLLM's read order buffers 1280.
+DENSE = {"layers": 2, "hidden": 8, "heads": 2, "kv_heads": 1, "head_dim": 4, "intermediate": 24, "vocab": 32}
+
+
+@pytest.fixture
+def trainer_export(tmp_path: Path) -> Path:
+    folder = tmp_path / "trainer-export"
+    write_checkpoint(folder, SyntheticModel(**DENSE), "trainer_export", 4)
+    return folder
+
+
+def run_json(*args: str) -> dict:
+    result = runner.invoke(app, ["inspect-order", *args, "--json"])
+    assert result.exit_code == 0, (result.stdout, result.stderr)
+    return json.loads(result.stdout)
+
+
+def test_json_has_the_documented_keys(trainer_export: Path) -> None:
+    data = run_json(str(trainer_export), "--top", "0")
+    model = SyntheticModel(**DENSE)
+    assert data["tensors"] == len(model.tensors()) == 25
+    assert data["total_bytes"] == sum(2 * _numel(shape) for _, shape in model.tensors())
+    assert data["largest_layer_bytes"] == 768
+    assert data["file_order"]["peak_buffer_bytes"] == 1280
+    assert data["layer_order"]["peak_buffer_bytes"] == 768
+    assert data["mapping"]["kind"] == "table" and data["mapping"]["architecture"] == "Qwen3ForCausalLM"
+    assert all({"name", "bytes", "tensors"} <= set(layer) for layer in data["layers"])
+    assert sum(layer["bytes"] for layer in data["layers"]) == data["total_bytes"]
+    assert sum(layer["tensors"] for layer in data["layers"]) == data["tensors"]
+    assert max(layer["bytes"] for layer in data["layers"]) == data["largest_layer_bytes"]
+    # Bytes are exact integers in JSON.
+    assert all(isinstance(layer["bytes"], int) for layer in data["layers"])
+    assert data["kind"] == "directory" and data["shards"] == 4
+    # Headers only: the bytes read are the four headers, not the data.
+    assert 0 < data["header_bytes_read"] == sum(_header_bytes(p) for p in trainer_export.glob("*.safetensors"))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _header_bytes(path: Path) -> int:
+    return 8 + int.from_bytes(path.read_bytes()[:8], "little")
+
+
+def test_layers_are_worst_first_and_top_limits_them(trainer_export: Path) -> None:
+    everything = run_json(str(trainer_export), "--top", "0")["layers"]
+    assert len(everything) == 2 * 8 + 3
+    held = [layer["file_order_held_bytes"] for layer in everything]
+    assert held == sorted(held, reverse=True) and held[0] > 0
+    top3 = run_json(str(trainer_export), "--top", "3")["layers"]
+    assert top3 == everything[:3]
+
+
+def test_max_buffer_gate(trainer_export: Path) -> None:
+    # File-order peak 1280 bytes: a limit at the peak passes, one byte less fails.
+    ok = runner.invoke(app, ["inspect-order", str(trainer_export), "--max-buffer", "1280", "--json"])
+    assert ok.exit_code == 0, ok.stderr
+    assert runner.invoke(app, ["inspect-order", str(trainer_export), "--max-buffer", "2KiB"]).exit_code == 0
+    fail = runner.invoke(app, ["inspect-order", str(trainer_export), "--max-buffer", "1279", "--json"])
+    assert fail.exit_code == 1
+    assert json.loads(fail.stdout)["file_order"]["peak_buffer_bytes"] == 1280  # the data still comes out
+    [line] = fail.stderr.splitlines()
+    assert line.startswith(f"Error: {trainer_export}: file-order peak buffer") and "(1280 bytes)" in line
+
+
+def test_table_on_stdout_warning_on_stderr(trainer_export: Path) -> None:
+    result = runner.invoke(app, ["inspect-order", str(trainer_export), "--top", "5"])
+    assert result.exit_code == 0, result.stderr
+    out = result.stdout
+    for text in ("Qwen3ForCausalLM: layerwise's architecture table", "file order peak", "layer order peak",
+                 "1.67 x largest layer", "1.00 x largest layer", "Parent layers, worst first (top 5)",
+                 "held in file order"):
+        assert text in out, text
+    rows = [line for line in out.splitlines() if line.startswith("│")]
+    assert len(rows) == 5
+    assert "File order buffers 1.67x the largest layer" in result.stderr
+    assert "File order buffers" not in out
+
+
+def test_no_warning_when_file_order_is_fine(tmp_path: Path) -> None:
+    folder = tmp_path / "ok"
+    write_checkpoint(folder, SyntheticModel(**DENSE), "in_order", 1)
+    result = runner.invoke(app, ["inspect-order", str(folder)])
+    assert result.exit_code == 0 and result.stderr == ""
+    assert "1.00 x largest layer" in result.stdout
+
+
+def test_json_is_all_of_stdout_and_stderr_stays_quiet(trainer_export: Path) -> None:
+    result = runner.invoke(app, ["inspect-order", str(trainer_export), "--json"])
+    assert result.exit_code == 0
+    json.loads(result.stdout)  # nothing else on stdout
+    assert result.stderr == ""  # no warning, no progress
+
+
+def test_tensor_names_with_markup_are_escaped(tmp_path: Path) -> None:
+    from layerwise_cli.synthetic import write_safetensors
+
+    path = tmp_path / "model.safetensors"
+    write_safetensors(path, [("weird.[bold]x[/bold].weight", "U8", (4,))])
+    result = runner.invoke(app, ["inspect-order", str(path)])
+    assert result.exit_code == 0, result.stderr
+    assert "[bold]x[/bold]" in result.stdout
+
+
+def test_single_file_source(tmp_path: Path) -> None:
+    folder = tmp_path / "single"
+    write_checkpoint(folder, SyntheticModel(**DENSE), "in_order", 1)
+    shard = folder / "model.safetensors"
+    data = run_json(str(shard))
+    assert data["kind"] == "file" and data["shards"] == 1 and data["tensors"] == 25
+    assert data["mapping"]["kind"] == "table"  # config.json beside the file is used
+    assert data["file_order"]["peak_buffer_bytes"] == 768  # see test_plan.test_in_order_single_shard
+    # Without a config.json beside it, the generic mapping says so.
+    alone = tmp_path / "alone.safetensors"
+    shutil.copy(shard, alone)
+    data = run_json(str(alone))
+    assert data["mapping"]["kind"] == "generic"
+
+
+def test_directory_without_index(tmp_path: Path, trainer_export: Path) -> None:
+    with_index = run_json(str(trainer_export), "--top", "0")
+    folder = tmp_path / "no-index"
+    shutil.copytree(trainer_export, folder)
+    (folder / "model.safetensors.index.json").unlink()
+    without = run_json(str(folder), "--top", "0")
+    for doc in (with_index, without):
+        doc.pop("source")
+    assert without == with_index
+
+
+def test_help_shows_an_example() -> None:
+    result = runner.invoke(app, ["inspect-order", "--help"])
+    assert result.exit_code == 0 and "layerwise inspect-order ./checkpoint" in result.stdout
+
+
+def _rchar() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs Linux /proc/self/io")
+def test_reads_only_the_header_bytes(trainer_export: Path) -> None:
+    # What the kernel handed this process: the shards' prefixes and headers,
+    # config.json and the index, not one byte more (a buffered reader would
+    # pull 8 KiB of each shard for its 8-byte prefix).
+    from layerwise_cli.sources import open_checkpoint
+
+    open_checkpoint(str(trainer_export))  # imports and lazy set-up out of the way
+    probe = _rchar()
+    probe = _rchar() - probe  # reading /proc/self/io counts too
+    before = _rchar()
+    checkpoint = open_checkpoint(str(trainer_export))
+    read = _rchar() - before - probe
+    headers = sum(_header_bytes(p) for p in trainer_export.glob("*.safetensors"))
+    json_files = sum((trainer_export / n).stat().st_size for n in ("config.json", "model.safetensors.index.json"))
+    assert checkpoint.header_bytes_read == headers
+    assert read == headers + json_files
+    # Every shard has tensor data after its header, so any over-read would show.
+    assert all(p.stat().st_size > _header_bytes(p) for p in trainer_export.glob("*.safetensors"))
