@@ -59,7 +59,7 @@ class LayerMapping:
         return {
             "table": f"{arch}: layerwise's architecture table",
             "vllm": f"{arch}: read from the installed vLLM's model class",
-            "generic": f"{arch}: generic fallback, grouped by module and outermost layer index",
+            "generic": f"{arch}: generic fallback, grouped by outermost layer index (fusions unknown)",
         }[self.kind]
 
     def parent_of(self, tensor_name: str) -> ParentLayer | None:
@@ -86,6 +86,12 @@ class LayerMapping:
             module = f"{head}.{self.packed[leaf]}" if head else self.packed[leaf]
         if self.tie_word_embeddings and _is_head(module):
             return None
+        if self.kind == "generic":
+            # Fusions are unknown, and a fused module never spans two decoder
+            # layers: a whole decoder layer is the one safe unit to complete.
+            match = _LAYER_RE.search(module)
+            if match:
+                module = module[: match.end() - 1]
         return ParentLayer(module, _order_key(module))
 
 
@@ -94,7 +100,7 @@ def _is_head(module: str) -> bool:
 
 
 def _order_key(module: str) -> tuple[int, int]:
-    match = _LAYER_RE.search(module)
+    match = _LAYER_RE.search(module + ".")
     if match:
         return (1, int(match.group(1)))
     if _is_head(module):

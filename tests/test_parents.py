@@ -150,12 +150,18 @@ def test_generic_fallback_for_an_unknown_architecture(tmp_path: Path) -> None:
     assert mapping.kind == "generic"
     assert "generic fallback" in mapping.description and "NoSuchModelForCausalLM" in mapping.description
     got = {n: mapping.parent_of(n) for n in names}
-    # Grouped by module: no fusion it cannot know about, layers in model order.
-    assert got["model.layers.1.self_attn.q_proj.weight"].name == "model.layers.1.self_attn.q_proj"
+    # Grouped by the outermost layer index (fusions are unknown, and none spans
+    # two decoder layers); modules outside the layers stay their own parents.
+    assert got["model.layers.1.self_attn.q_proj.weight"].name == "model.layers.1"
+    assert got["model.layers.1.mlp.down_proj.weight"].name == "model.layers.1"
     assert got["model.layers.1.self_attn.q_proj.weight"].order_key == (1, 1)
     assert got["model.embed_tokens.weight"].order_key == (0, 0)
+    assert got["model.embed_tokens.weight"].name == "model.embed_tokens"
     assert got["lm_head.weight"].order_key == (3, 0)
-    assert {p.name for p in got.values() if p} == {_module_of(n) for n in names if "rotary_emb" not in n}
+    layers = {n.split(".")[2] for n in names if n.startswith("model.layers.")}
+    expected = {f"model.layers.{i}" for i in layers} | {
+        _module_of(n) for n in names if not n.startswith("model.layers.") and "rotary_emb" not in n}
+    assert {p.name for p in got.values() if p} == expected
     # The CLI says which mapping it used.
     folder = tmp_path / "unknown"
     write_checkpoint(folder, SyntheticModel(), "in_order", 2)

@@ -63,11 +63,16 @@ def _size(path: str) -> int:
         return 0
 
 
+def _short(name: str) -> str:
+    # Every decoder module starts with `model.`; the rest is what tells layers apart.
+    return name.removeprefix("model.")
+
+
 def render_report(report: ReloadReport, title: str = "Reload", top: int = 0) -> None:
     """The per-layer table and totals on stdout."""
     table = Table(title=f"{escape(title)}: {report.order} order, {len(report.layers)} parent layers "
                   "(buffered: bytes in vLLM's layer buffers as the layer completed)", title_justify="left")
-    table.add_column("layer", overflow="fold", ratio=1)
+    table.add_column("layer", overflow="fold", min_width=27)
     table.add_column("tensors", justify="right")
     table.add_column("bytes", justify="right")
     table.add_column("load", justify="right")
@@ -75,7 +80,7 @@ def render_report(report: ReloadReport, title: str = "Reload", top: int = 0) -> 
     table.add_column("buffered", justify="right")
     layers = report.layers[:top] if top else report.layers
     for layer in layers:
-        table.add_row(escape(layer.name) + ("" if layer.completed_during_stream else " (finalize)"),
+        table.add_row(escape(_short(layer.name)) + ("" if layer.completed_during_stream else " (finalize)"),
                       str(layer.tensors), human_bytes(layer.bytes), human_seconds(layer.load_s),
                       human_seconds(layer.process_s), human_bytes(layer.buffered_bytes_at_completion))
     if top and len(report.layers) > top:

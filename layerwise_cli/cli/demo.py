@@ -29,7 +29,7 @@ def demo_command(
     """
     from ..demo_models import demo_checkpoint, demo_prompt, expected_answer
     from ..engine.generate import greedy_answers
-    from ..engine.local import EngineOptions, start_engine
+    from ..engine.local import EngineOptions, start_engine, stop_engine
     from ..engine.progress import new_progress_path
     from ..engine.session import reload_with_progress_path
     from ..errors import UsageError
@@ -48,17 +48,20 @@ def demo_command(
     if not as_json:
         stderr.print(f"Starting vLLM on {first} ...")
     llm = start_engine(paths[first], EngineOptions(max_model_len=64))
-    answers = {f"{first} (start)": greedy_answers(llm, prompts)}
-    reports = []
-    for name in (second, first):
-        report = run_with_progress(
-            lambda path, name=name: reload_with_progress_path(llm, paths[name], order, False, True, path),
-            None if as_json else new_progress_path(), f"reload {name}", show=not as_json)
-        report.source = name
-        reports.append(report)
-        if not as_json and name == second:
-            render_report(report, title=f"Reload {name}")
-        answers[f"after reloading {name}"] = greedy_answers(llm, prompts)
+    try:
+        answers = {f"{first} (start)": greedy_answers(llm, prompts)}
+        reports = []
+        for name in (second, first):
+            report = run_with_progress(
+                lambda path, name=name: reload_with_progress_path(llm, paths[name], order, False, True, path),
+                None if as_json else new_progress_path(), f"reload {name}", show=not as_json)
+            report.source = name
+            reports.append(report)
+            if not as_json and name == second:
+                render_report(report, title=f"Reload {name}")
+            answers[f"after reloading {name}"] = greedy_answers(llm, prompts)
+    finally:
+        stop_engine(llm)
     expected = {first: [expected_answer(first, a, b) for a, b in asked],
                 second: [expected_answer(second, a, b) for a, b in asked]}
     flipped = (answers[f"after reloading {second}"] == expected[second]

