@@ -47,6 +47,8 @@ def plan_for_engine(checkpoint: Checkpoint, model: torch.nn.Module, hf_config: d
     config = checkpoint.config or hf_config
     mapping = mapping_for_config(config, "auto")
     mapper = getattr(model, "hf_to_vllm_mapper", None)
+    modules = dict(model.named_modules()) if hasattr(model, "named_modules") else None
+    resolved: dict[str, str] = {}
     vllm_names: dict[str, str] = {}
     for entry in checkpoint.tensors:
         name = entry.name
@@ -54,9 +56,26 @@ def plan_for_engine(checkpoint: Checkpoint, model: torch.nn.Module, hf_config: d
             name = mapper._map_name(name) or name  # noqa: SLF001 - the mapper's per-name API
         parent = mapping.parent_of(name)
         if parent is not None:
-            vllm_names[entry.name] = parent.name
+            if parent.name not in resolved:
+                resolved[parent.name] = holder_of_parameters(modules, parent.name) if modules else parent.name
+            vllm_names[entry.name] = resolved[parent.name]
     plan = build_plan(checkpoint, mapping)
     return plan, vllm_names
+
+
+def holder_of_parameters(modules: dict[str, torch.nn.Module], name: str) -> str:
+    """The module that holds the parameters for parent NAME.
+
+    Usually NAME itself. Some vLLM modules delegate to one child that owns the
+    weights (vLLM 0.32's `MoERunner` at `mlp.experts` keeps them in
+    `mlp.experts.routed_experts`); then that child is the layer vLLM buffers.
+    """
+    module = modules.get(name)
+    if module is None or any(True for _ in module.parameters(recurse=False)):
+        return name
+    holders = [child for child, sub in modules.items()
+               if child.startswith(name + ".") and any(True for _ in sub.parameters(recurse=False))]
+    return holders[0] if len(holders) == 1 else name
 
 
 def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: bool = False,
@@ -120,6 +139,13 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         progress.close()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    else:
+        from .cpu_fixups import repack_cpu_moe_experts
+
+        repacked = repack_cpu_moe_experts(model, set(probe.timings))
+        if repacked:
+            notes.append(f"re-packed {len(repacked)} CPU MoE expert layer(s) after the reload "
+                         "(vLLM's CPU backend skips this on weight updates)")
     end = time.perf_counter()
     layers = []
     for stats_layer in plan.layers:
