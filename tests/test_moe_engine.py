@@ -24,8 +24,22 @@ def prompts() -> list[str]:
     return [demo_prompt(a, b) for a, b in PAIRS]
 
 
+def why_not_here(quantization: str | None) -> str | None:
+    """Why this machine cannot run an online quantization method's MoE kernel, or None."""
+    import torch
+
+    if quantization == "int8_per_channel_weight_only" and not torch.cpu._is_amx_tile_supported():
+        # vLLM's x86 int8 MoE kernel (CPUExpertsInt8) needs AMX tiles; without
+        # them the engine refuses to start ("No Int8 MoE backend supports ...").
+        return "int8_per_channel_weight_only MoE needs a CPU with AMX tiles (vLLM's x86 int8 MoE kernel)"
+    return None
+
+
 @pytest.fixture(scope="module", params=QUANTIZATIONS, ids=["bf16", "int8-online"])
 def quantization(request) -> str | None:
+    reason = why_not_here(request.param)
+    if reason:
+        pytest.skip(reason)
     return request.param
 
 
@@ -67,8 +81,9 @@ def test_reload_b_matches_fresh_b_and_a_comes_back_exactly(engine_a, demo_models
     report = reload(engine_a, str(demo_models["moe-add"]))
     same_outputs(greedy_with_logprobs(engine_a, prompts()), fresh_b, exact=False)
 
-    experts = [layer for layer in report.layers if layer.name.endswith("mlp.experts")]
-    assert [layer.name for layer in experts] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    # The engine module that holds a layer's experts (vLLM 0.32: `mlp.experts.routed_experts`).
+    experts = [layer for layer in report.layers if ".mlp.experts" in layer.name]
+    assert [layer.name.split(".mlp.")[0] for layer in experts] == ["model.layers.0", "model.layers.1"]
     assert all(layer.tensors == 8 * 3 for layer in experts)  # 8 experts x gate/up/down, one parent layer
     assert report.peak_buffer_bytes == report.largest_layer_bytes == max(layer.bytes for layer in experts)
     # Processing (repacking; with online quantization, quantizing) is timed apart from loading.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Self
 
 import typer
 from rich.markup import escape
@@ -87,8 +87,14 @@ class _Progress:
     """Bytes written and shards done, on stderr."""
 
     def __init__(self) -> None:
-        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                                   TransferSpeedColumn)
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
 
         self.progress = Progress(
             TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
@@ -97,7 +103,7 @@ class _Progress:
         )
         self.tasks: dict[str, int] = {}
 
-    def __enter__(self) -> _Progress:
+    def __enter__(self) -> Self:
         self.progress.__enter__()
         return self
 
@@ -120,6 +126,14 @@ class _Progress:
         )
 
 
+def _size_label(n: int) -> str:
+    # Shard limits are usually given in decimal units (the Hub's 5GB): say them back that way.
+    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return human_bytes(n)
+
+
 def render(data: dict) -> None:
     """Print the closing summary and the shard table on stdout."""
     before, after = data["before"], data["after"]
@@ -129,7 +143,7 @@ def render(data: dict) -> None:
     summary.add_row("source", escape(data["source"]) + (f" @ {escape(data['revision'])}" if data["revision"] else "")
                     + f" ({before['shards']} shard(s))")
     summary.add_row("destination", escape(data["destination"]) + f" ({after['shards']} shard(s), at most "
-                    f"{human_bytes(data['max_shard_size'])} each{', replaced' if data['replaced'] else ''})")
+                    f"{_size_label(data['max_shard_size'])} each{', replaced' if data['replaced'] else ''})")
     summary.add_row("checkpoint", f"{data['tensors']} tensors, {human_bytes(data['total_bytes'])}")
     summary.add_row("largest layer", human_bytes(data["largest_layer_bytes"]))
     for label, side in (("file order before", before), ("file order after", after)):
