@@ -265,3 +265,30 @@ def write_checkpoint(
         )
     (folder / "config.json").write_text(json.dumps(model.config(), indent=2))
     return written
+
+
+def normal_weights(model: SyntheticModel, seed: int = 0, std: float = 0.02) -> Callable[[str, int], bytes]:
+    """A `data` source of real weights: normal(0, std) values (norms 1.0) in the model's dtype.
+
+    Random bytes are not valid weights (NaN and inf break online quantization
+    and make outputs meaningless); engines need these. One tensor is drawn per
+    distinct shape and reused, so large checkpoints stay cheap to write.
+    """
+    import torch
+
+    dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[model.dtype]
+    generator = torch.Generator().manual_seed(seed)
+    shapes = dict(model.tensors())
+    cache: dict[tuple, bytes] = {}
+
+    def data(name: str, nbytes: int) -> bytes:
+        shape = tuple(shapes[name])
+        norm = name.endswith("norm.weight")
+        key = (shape, norm)
+        if key not in cache:
+            tensor = torch.ones(shape) if norm else torch.randn(shape, generator=generator) * std
+            cache[key] = tensor.to(dtype).contiguous().view(torch.uint8).numpy().tobytes()
+        assert len(cache[key]) == nbytes
+        return cache[key]
+
+    return data

@@ -1,0 +1,76 @@
+"""Online FP8 quantization reloads (the QeRL flow) on an NVIDIA GPU; skipped on machines without one.
+
+Run by `scripts/gpu_check.sh` on a GPU machine. FP8 kernels do not exist on
+CPU, so these cannot run here or in CI.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from engine_support import engine_state, greedy_with_logprobs
+
+pytestmark = [pytest.mark.gpu, pytest.mark.engine]
+
+PROMPTS = [f"{a} {b} = " for a in range(10) for b in range(0, 10, 3)]
+METHODS = ["fp8_per_tensor", "fp8_per_block"]
+
+
+@pytest.fixture(scope="module")
+def gpu() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU (torch.cuda.is_available() is False)")
+
+
+def write_model(folder: Path, seed: int, experts: int, tokenizer: Path) -> Path:
+    """A small Qwen3 (or Qwen3-MoE) with real weights; every dimension a multiple of 128 for block FP8."""
+    from layerwise_cli.synthetic import SyntheticModel, normal_weights, write_checkpoint
+
+    model = SyntheticModel(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=256,
+                           experts=experts, moe_intermediate=256)
+    write_checkpoint(folder, model, "trainer_export", shards=3, data=normal_weights(model, seed=seed, std=0.05))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (tokenizer / name).is_file():
+            shutil.copy2(tokenizer / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="module", params=[0, 8], ids=["dense", "moe"])
+def models(request, gpu, demo_models, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gpu-models")
+    tokenizer = demo_models["multiply"]
+    return {name: write_model(root / name, seed, request.param, tokenizer) for name, seed in (("a", 1), ("b", 2))}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_online_fp8_reload_a_b_a(models, method):
+    from layerwise_cli.engine.local import EngineOptions, reload, start_engine, stop_engine
+
+    options = EngineOptions(max_model_len=64, quantization=method, memory_fraction=0.3)
+    fresh_b_engine = start_engine(str(models["b"]), options)
+    try:
+        fresh_b = greedy_with_logprobs(fresh_b_engine, PROMPTS)
+    finally:
+        stop_engine(fresh_b_engine)
+    llm = start_engine(str(models["a"]), options)
+    try:
+        fresh_a = greedy_with_logprobs(llm, PROMPTS)
+        before = engine_state(llm)
+        report = reload(llm, str(models["b"]))
+        assert report.device.startswith("cuda")
+        assert report.peak_buffer_bytes == report.largest_layer_bytes
+        quantized = [layer for layer in report.layers if layer.name.endswith(("qkv_proj", "gate_up_proj", "experts"))
+                     or ".experts." in layer.name]
+        assert quantized and all(layer.process_s > 0 for layer in quantized)
+        got = greedy_with_logprobs(llm, PROMPTS)
+        assert [[s[0] for s in steps] for steps in got] == [[s[0] for s in steps] for steps in fresh_b]
+        assert engine_state(llm)["pointers"] == before["pointers"]  # in place: graphs keep their addresses
+        reload(llm, str(models["a"]))
+        assert greedy_with_logprobs(llm, PROMPTS) == fresh_a
+    finally:
+        stop_engine(llm)

@@ -1,0 +1,59 @@
+"""A reload that fails after the engine was touched rolls the engine back to the weights it had.
+
+The failure is real, not injected: the engine was started from a checkpoint
+directory that is gone (trainers clean old steps up), so pre-flight has no
+reference to check shapes against, and vLLM's own weight loader rejects a
+wrong-shaped tensor in the middle of the stream, after earlier layers were
+already processed.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from engine_support import engine_state, parameter_kind, reshard
+
+pytestmark = pytest.mark.engine
+
+PAIRS = [(a, b) for a in range(10) for b in range(10)]
+
+
+def test_failure_mid_stream_rolls_the_engine_back(demo_models, tmp_path):
+    import torch
+
+    from layerwise_cli.demo_models import demo_prompt, expected_answer
+    from layerwise_cli.engine.generate import greedy_answers
+    from layerwise_cli.engine.local import EngineOptions, reload, start_engine, stop_engine
+    from layerwise_cli.errors import LayerwiseError
+
+    started_from = tmp_path / "step-0"
+    shutil.copytree(demo_models["multiply"], started_from)
+
+    def wrong_down_proj(tensors):
+        # Narrower than the layer: vLLM's loader fails (a wider one it would silently crop).
+        key = "model.layers.1.mlp.down_proj.weight"
+        tensors[key] = torch.zeros(tensors[key].shape[0], tensors[key].shape[1] - 8, dtype=tensors[key].dtype)
+        return tensors
+
+    bad = reshard(demo_models["add"], tmp_path / "bad", parameter_kind, transform=wrong_down_proj)
+    prompts = [demo_prompt(a, b) for a, b in PAIRS]
+    llm = start_engine(str(started_from), EngineOptions(max_model_len=64))
+    try:
+        reload(llm, str(demo_models["multiply"]))  # the weights it has now come from here
+        shutil.rmtree(started_from)
+        before = engine_state(llm)
+        with pytest.raises(LayerwiseError) as info:
+            reload(llm, str(bad))
+        text = str(info.value)
+        assert "rolled back" in text and str(demo_models["multiply"]) in text and "\n" not in text
+        after = engine_state(llm)
+        assert after["checksums"] == before["checksums"]
+        assert after["pointers"] == before["pointers"]
+        assert greedy_answers(llm, prompts) == [expected_answer("multiply", a, b) for a, b in PAIRS]
+        # The engine takes the next reload normally.
+        reload(llm, str(demo_models["add"]))
+        assert greedy_answers(llm, prompts) == [expected_answer("add", a, b) for a, b in PAIRS]
+    finally:
+        stop_engine(llm)
