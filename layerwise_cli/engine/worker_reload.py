@@ -148,8 +148,10 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
                          "(vLLM's CPU backend skips this on weight updates)")
     end = time.perf_counter()
     layers = []
+    engine_name = {item.parent: vllm_names.get(item.entry.name, item.parent)
+                   for item in plan.layer_order if item.parent is not None}
     for stats_layer in plan.layers:
-        name = vllm_names_for_parent(stats_layer.name, plan, vllm_names)
+        name = engine_name.get(stats_layer.name, stats_layer.name)
         timing = probe.timings.get(name)
         if timing is None:
             continue
@@ -182,14 +184,6 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         finalize_s=end - timer.get("stream_done", end),
         notes=notes,
     )
-
-
-def vllm_names_for_parent(parent: str, plan: Plan, vllm_names: dict[str, str]) -> str:
-    """The engine module name of a plan parent (they differ only under a name mapper)."""
-    for item in plan.layer_order:
-        if item.parent == parent:
-            return vllm_names.get(item.entry.name, parent)
-    return parent
 
 
 def discard_partial_reload(model: torch.nn.Module) -> None:
