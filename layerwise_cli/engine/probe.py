@@ -62,6 +62,10 @@ class BufferProbe:
         self._pending: tuple[str, str | None, int] | None = None
         self._last_parent: str | None = None
         self._on_layer_done = on_layer_done or (lambda name, timing: None)
+        # (name, info) of every module vLLM keeps reload info for; rebuilt when that set changes.
+        # vLLM resets an info in place, so the objects stay valid for the whole reload.
+        self._scan_list: list[tuple[str, object]] = []
+        self._scan_key = -1
 
     def before_handover(self, tensor_name: str, parent: str | None, nbytes: int) -> None:
         """Account for the previous handover and record the buffer as this tensor arrives."""
@@ -130,9 +134,10 @@ class BufferProbe:
         return entry.bytes
 
     def _full_scan(self) -> None:
-        for name, module in self._modules.items():
-            if name in self._open:
-                continue
-            info = self._infos.get(module)
-            if info is not None and info.loaded_weights:
+        if len(self._infos) != self._scan_key:
+            self._scan_key = len(self._infos)
+            self._scan_list = [(name, info) for name, module in self._modules.items()
+                               if (info := self._infos.get(module)) is not None]
+        for name, info in self._scan_list:
+            if info.loaded_weights and name not in self._open:
                 self._open[name] = _OpenModule(info, info.loaded_weights)

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..plan import PlannedTensor
+
+# Host copies into pinned memory are split into chunks of this size over a
+# few threads: after start-up vLLM sets torch to one CPU thread on GPU
+# workers, and one thread copying out of the page cache is slower than the
+# device's copy engine.
+_STAGING_CHUNK_BYTES = 64 << 20
 
 
 def layer_batches(stream: list[PlannedTensor]) -> list[list[PlannedTensor]]:
@@ -40,8 +48,41 @@ class ShardReader:
             handle = self._handles[shard] = safe_open(str(self._folder / shard), framework="pt", device="cpu")
         return handle.get_tensor(item.entry.name)
 
+    def release(self, shard: str) -> None:
+        """Drop a shard's handle; its file mapping goes once the tensors read from it are freed too."""
+        self._handles.pop(shard, None)
+
     def close(self) -> None:
         self._handles.clear()
+
+
+def staging_threads() -> int:
+    """Threads for host-side staging copies on CUDA: half the CPUs this process may use, 1 to 8."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus // 2))
+
+
+def copy_in_chunks(dst: torch.Tensor, src: torch.Tensor, pool: ThreadPoolExecutor | None,
+                   chunk_bytes: int = _STAGING_CHUNK_BYTES) -> None:
+    """`dst.copy_(src)` for two contiguous tensors of one dtype and shape, in byte ranges over POOL.
+
+    torch releases the GIL inside `copy_`, so the chunks copy in parallel.
+    """
+    nbytes = src.numel() * src.element_size()
+    if pool is None or nbytes <= chunk_bytes:
+        dst.copy_(src)
+        return
+    flat_dst = dst.reshape(-1).view(torch.uint8)
+    flat_src = src.reshape(-1).view(torch.uint8)
+
+    def copy(start: int) -> None:
+        flat_dst[start:start + chunk_bytes].copy_(flat_src[start:start + chunk_bytes])
+
+    for future in [pool.submit(copy, start) for start in range(0, nbytes, chunk_bytes)]:
+        future.result()
 
 
 @dataclass
@@ -72,9 +113,11 @@ def read_in_order(
 
     With `readahead`, a thread reads the next parent layer while the engine
     loads and processes the current one; it never runs more than one layer
-    ahead. On a CUDA device, tensors are staged in pinned host memory and
-    copied asynchronously on a side stream, so the engine's processing
-    (online quantization) runs on the device.
+    ahead. On CPU the tensors are safetensors' lazy views of the file
+    mapping: their bytes are read when the engine copies them. On a CUDA
+    device, tensors are staged in pinned host memory (copied by a few
+    threads) and copied to the device asynchronously on a side stream, so the
+    engine's processing (online quantization) runs on the device.
 
     Args:
         stream: tensors in the order to hand them over.
@@ -90,13 +133,24 @@ def read_in_order(
     reader = ShardReader(folder)
     cuda = device is not None and device.type == "cuda"
     copy_stream = torch.cuda.Stream(device=device) if cuda else None
+    pool = ThreadPoolExecutor(staging_threads(), thread_name_prefix="layerwise-staging") if cuda else None
+
+    # Release each shard once its last planned tensor is read, as vLLM's loader
+    # does file by file: a shard's mapped pages leave the process as soon as
+    # the engine has freed its tensors, not at the end of the stream.
+    last_of_shard = {item.entry.shard: item for item in stream}
 
     def load(item: PlannedTensor):
         tensor = reader.read(item)
+        if last_of_shard.get(item.entry.shard) is item:
+            reader.release(item.entry.shard)
         if not cuda:
             return tensor, None
+        pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        copy_in_chunks(pinned, tensor, pool)
         with torch.cuda.stream(copy_stream):
-            staged = tensor.pin_memory().to(device, non_blocking=True)
+            # The caching host allocator keeps `pinned` from reuse until this copy is done.
+            staged = pinned.to(device, non_blocking=True)
             event = torch.cuda.Event()
             event.record(copy_stream)
         return staged, event
@@ -118,6 +172,8 @@ def read_in_order(
                     yield handover(item, tensor, event)
         finally:
             reader.close()
+            if pool is not None:
+                pool.shutdown(wait=True)
         return
 
     ready: queue.Queue = queue.Queue()
@@ -158,3 +214,5 @@ def read_in_order(
         slot.release()
         thread.join(timeout=60)
         reader.close()
+        if pool is not None:
+            pool.shutdown(wait=True)

@@ -1,0 +1,51 @@
+"""`scripts/bench_reload.py --quick` runs end to end against a real engine and writes sane figures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_quick_benchmark_writes_consistent_json(tmp_path, demo_models):
+    out = tmp_path / "out"
+    command = [sys.executable, str(ROOT / "scripts" / "bench_reload.py"), "--quick", "--runs", "1",
+               "--out", str(out), "--workdir", str(tmp_path / "checkpoints"),
+               "--tokenizer", str(demo_models["multiply"])]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "c/max(d,e)" in done.stdout
+    data = json.loads((out / "bench_reload.json").read_text())
+    assert (out / "bench_reload.png").stat().st_size > 0
+
+    assert data["args"]["runs"] == 1 and data["args"]["quick"] is True
+    assert {r["layout"] for r in data["results"]} == {"in_order", "split_layer", "trainer_export"}
+    assert data["peak_rss"]["engine_bytes"] > 0 and data["peak_rss"]["bench_bytes"] > 0
+    for result in data["results"]:
+        for variant in ("a", "b", "c", "c-nora", "d", "e"):
+            times = result["times"][variant]
+            assert len(times["samples"]) == 1 and times["median"] > 0
+        peaks = result["peaks"]
+        largest = peaks["largest_layer_bytes"]
+        # vLLM's own reload reads in the planner's file order, and buffers what it predicted;
+        # so does --order file; --order layer buffers one parent layer at most.
+        assert result["vllm_read_order_matches_plan"]
+        assert result["vllm_probe_unexpected"] == 0
+        assert peaks["a"] == peaks["b"] == peaks["predicted_file_order_bytes"]
+        assert peaks["c"] == peaks["c-nora"] == peaks["predicted_layer_order_bytes"] == largest
+        # Read-ahead runs at most one parent layer ahead: what it holds is the rest of
+        # the layer being handed over and the next one.
+        assert 0 < peaks["c_readahead_bytes"] <= 2 * largest
+        assert set(result["ratios"]) >= {"c_over_a", "c_over_limit", "nora_over_c",
+                                         "a_peak_over_file_prediction", "c_peak_over_largest"}
+    export = next(r for r in data["results"] if r["layout"] == "trainer_export")
+    assert export["peaks"]["a"] > export["peaks"]["largest_layer_bytes"]
+    assert export["ratios"]["c_peak_over_largest"] == 1.0
+    assert {t["target"] for t in data["targets"]} >= {"trainer export: c peak = 1.0 x largest layer"}
