@@ -57,6 +57,299 @@ class LayerwiseWorkerExtension:
         except Exception as exc:  # noqa: BLE001 - an exception here would take the engine down
             return {"ok": False, "error": str(describe_exception(exc))}
 
+    def layerwise_fingerprints(self) -> dict:
+        """A digest of what every module computes with, including weights hidden in kernel handles.
+
+        Stored tensors are digested as they are; a linear layer whose weight
+        lives only inside an opaque kernel handle (CPU oneDNN repacking) is
+        read back through its own kernel (see `module_fingerprints`). Two
+        engines on the same machine and configuration that hold the same
+        weights give identical fingerprints.
+        """
+        try:
+            model = self.model_runner.get_model()
+            with _engine_context(self):
+                return {"ok": True, "rank": getattr(self, "rank", None), "fingerprints": model_fingerprints(model)}
+        except Exception as exc:  # noqa: BLE001 - an exception here would take the engine down
+            return {"ok": False, "error": str(describe_exception(exc))}
+
+    def layerwise_verify(self, source: str, revision: str | None = None) -> dict:
+        """Check, parent layer by parent layer, that the engine holds what SOURCE must produce.
+
+        Each layer SOURCE covers is loaded afresh into a private copy of the
+        engine's layer (vLLM's own loaders and processing), and the copy's
+        fingerprints are compared with the live layer's. The engine's weights
+        are not changed.
+        """
+        try:
+            with _engine_context(self):
+                result = verify_against_source(self.model_runner.get_model(), source, revision,
+                                               self.model_runner.model_config)
+            return {"ok": True, "rank": getattr(self, "rank", None), "verify": result}
+        except Exception as exc:  # noqa: BLE001 - an exception here would take the engine down
+            return {"ok": False, "error": str(describe_exception(exc)), "traceback": traceback.format_exc()}
+
+
+# Rows of the identity matrix fed through a linear kernel per call when reading its weight back.
+_READBACK_ROWS = 256
+
+
+def _engine_context(worker):
+    """The vLLM config context the worker's own reload runs under (quant methods may read it)."""
+    import contextlib
+
+    config = getattr(worker, "vllm_config", None)
+    if config is None:
+        return contextlib.nullcontext()
+    from vllm.config import set_current_vllm_config
+
+    return set_current_vllm_config(config)
+
+
+def _reads_back(module) -> bool:
+    """Whether a module's weights must be read back through its kernel to be fingerprinted.
+
+    True for a linear layer whose weight lives only inside a kernel handle
+    (CPU repacking empties `weight`), and for any layer with a CPU kernel
+    handle (`cpu_linear`, e.g. the LM head), which may hold its own copy of
+    a weight that is also stored.
+    """
+    if not hasattr(getattr(module, "quant_method", None), "apply"):
+        return False
+    if getattr(module, "cpu_linear", None) is not None:
+        return True
+    from vllm.model_executor.layers.linear import LinearBase
+
+    weight = module._parameters.get("weight")
+    hidden = weight is None or weight.device.type == "meta" or weight.numel() == 0
+    return isinstance(module, LinearBase) and hidden
+
+
+def _kernel_readback_digest(module) -> str:
+    """SHA-256 of the layer's kernel applied to the identity matrix, block by block, without bias.
+
+    Row k of the output is column k of the weight the kernel computes with
+    (one product by 1.0 per output, added to zeros: exact in any precision),
+    so the digest covers every weight element even when the weight itself is
+    an opaque handle.
+    """
+    import hashlib
+
+    import torch
+
+    weight = module._parameters.get("weight")
+    stored = weight is not None and weight.device.type != "meta" and weight.numel() > 0
+    width = getattr(module, "input_size_per_partition", None) or (weight.shape[-1] if stored else None)
+    if width is None:
+        raise LayerwiseError(f"cannot tell the input width of {type(module).__name__} to read its kernel back")
+    dtype = getattr(module, "params_dtype", None) or (weight.dtype if stored else torch.get_default_dtype())
+    device = next((t.device for t in module.parameters(recurse=False) if t.device.type != "meta"),
+                  torch.device("cpu"))
+    digest = hashlib.sha256(f"kernel {width} {dtype}".encode())
+    with torch.no_grad():
+        for start in range(0, width, _READBACK_ROWS):
+            rows = min(_READBACK_ROWS, width - start)
+            probe = torch.zeros(rows, width, dtype=dtype, device=device)
+            index = torch.arange(rows, device=device)
+            probe[index, start + index] = 1
+            out = module.quant_method.apply(module, probe).detach().to("cpu").contiguous()
+            digest.update(str(tuple(out.shape)).encode())
+            digest.update(out.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def module_fingerprints(module, prefix: str = "") -> dict[str, str]:
+    """Digests of one module's own tensors that keep storage, and `<prefix>#kernel` for hidden weights."""
+    from .checksums import tensor_digest
+
+    out: dict[str, str] = {}
+    for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):
+        if tensor is None or tensor.device.type == "meta" or tensor.numel() == 0:
+            continue
+        out[prefix + name] = tensor_digest(tensor)
+    if _reads_back(module):
+        out[prefix + "#kernel"] = _kernel_readback_digest(module)
+    return out
+
+
+def model_fingerprints(model) -> dict[str, str]:
+    """`module_fingerprints` of every module, qualified by module name, sorted."""
+    out: dict[str, str] = {}
+    for module_name, module in model.named_modules():
+        out.update(module_fingerprints(module, f"{module_name}." if module_name else ""))
+    return dict(sorted(out.items()))
+
+
+def verify_against_source(model, source: str, revision: str | None, model_config) -> dict:
+    """Compare every parent layer SOURCE covers with the same layer loaded afresh from SOURCE.
+
+    For each parent layer (read in layer order, one at a time): a private
+    copy of the layer is built from vLLM's reload metadata (the layer in
+    checkpoint format), swapped into the model just long enough for
+    `model.load_weights` to load SOURCE's tensors of that layer into it
+    (so the model's own name mapping, fusing and sharding apply), processed
+    by the layer's quant method (repacking, online quantization), and its
+    fingerprints compared with the live layer's, bit for bit.
+
+    Returns:
+        `layers`: one entry per parent layer (`name`, `status` match,
+        mismatch, skipped or error, `detail`, `compared`); `checked`,
+        `matched`, `tensors_compared`, `kernels_compared`; `mismatched`
+        (layer names); `skipped` and `errors` (layer -> reason).
+    """
+    import torch
+
+    from ..sources import open_checkpoint
+    from .stream import ShardReader, layer_batches
+    from .worker_reload import plan_for_engine, resolve_local
+
+    local = resolve_local(source, revision)
+    checkpoint = open_checkpoint(str(local))
+    checkpoint.source = source
+    hf_config = model_config.hf_config.to_dict() if hasattr(model_config.hf_config, "to_dict") else None
+    plan, vllm_names = plan_for_engine(checkpoint, model, hf_config)
+    stream = [type(item)(item.entry, vllm_names.get(item.entry.name)) for item in plan.layer_order]
+    folder = local if local.is_dir() else local.parent
+    modules = dict(model.named_modules())
+    reader = ShardReader(folder)
+    layers: list[dict] = []
+    try:
+        for batch in layer_batches(stream):
+            parent = batch[0].parent
+            if parent is None:
+                continue
+            tensors = [(item.entry.name, reader.read(item)) for item in batch]
+            try:
+                with torch.no_grad():
+                    layers.append(_verify_layer(model, parent, modules.get(parent), tensors))
+            except Exception as exc:  # noqa: BLE001 - the layer is reported as not checkable, with why
+                layers.append({"name": parent, "status": "error", "compared": [],
+                               "detail": f"could not be loaded alone: {describe_exception(exc)}"})
+    finally:
+        reader.close()
+    matched = [layer for layer in layers if layer["status"] == "match"]
+    return {
+        "source": source,
+        "layers": layers,
+        "checked": sum(1 for layer in layers if layer["status"] in ("match", "mismatch")),
+        "matched": len(matched),
+        "mismatched": [layer["name"] for layer in layers if layer["status"] == "mismatch"],
+        "skipped": {layer["name"]: layer["detail"] for layer in layers if layer["status"] == "skipped"},
+        "errors": {layer["name"]: layer["detail"] for layer in layers if layer["status"] == "error"},
+        "tensors_compared": sum(sum(1 for key in layer["compared"] if key != "#kernel") for layer in layers),
+        "kernels_compared": sum(sum(1 for key in layer["compared"] if key == "#kernel") for layer in layers),
+    }
+
+
+def _verify_layer(model, name: str, module, tensors: list) -> dict:
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from vllm.model_executor.model_loader.reload.meta import CopyCounter
+    from vllm.model_executor.model_loader.reload.utils import get_layer_size
+
+    def entry(status: str, detail: str = "", compared: list | None = None) -> dict:
+        return {"name": name, "status": status, "detail": detail, "compared": compared or []}
+
+    if module is None:
+        return entry("mismatch", "no such module in the engine")
+    info = LAYERWISE_INFO.get(module)
+    if info is None or not any(info.restore_metadata):
+        return entry("skipped", "vLLM recorded no reload metadata for this layer")
+    if is_deferred_attention_layer(module):
+        return entry("skipped", "attention layers are processed with the whole model, not alone")
+    scratch = _scratch_copy(module, info)
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    parent._modules[child] = scratch
+    try:
+        with CopyCounter() as counter:
+            model.load_weights(iter(tensors))
+    finally:
+        parent._modules[child] = module
+    expected_numel = get_layer_size(scratch)
+    if counter.copied_numel < expected_numel:
+        return entry("skipped", f"SOURCE covers {counter.copied_numel} of the layer's {expected_numel} elements")
+    _process(scratch)
+    expected = module_fingerprints(scratch)
+    actual = module_fingerprints(module)
+    compared = sorted(expected.keys() | actual.keys())
+    differing = [key for key in compared if expected.get(key) != actual.get(key)]
+    if differing:
+        return entry("mismatch", "differs from SOURCE: " + ", ".join(differing), compared)
+    return entry("match", "", compared)
+
+
+def _scratch_copy(module, info):
+    """A private copy of `module` in checkpoint format, sharing no tensor a loader could write into."""
+    import copy
+
+    import torch
+
+    scratch = copy.copy(module)
+    scratch._parameters = {}
+    scratch._buffers = {}
+    scratch._modules = dict(module._modules)
+    scratch._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
+    scratch.__dict__.pop("_already_called_process_weights_after_loading", None)
+    # The engine's kernel handle must not answer for the copy: processing builds the copy's own.
+    scratch.__dict__.pop("cpu_linear", None)
+    restore_params, restore_buffers = info.restore_metadata
+    with torch.device(info.restore_device):
+        for name, meta in restore_params.items():
+            scratch.register_parameter(name, _fresh_tensor(meta, scratch, module, zeros=True))
+        for name, meta in restore_buffers.items():
+            scratch.register_buffer(name, _fresh_tensor(meta, scratch, module, zeros=True),
+                                    persistent=name not in scratch._non_persistent_buffers_set)
+    # Tensors vLLM leaves out of its metadata (`bias`, expert maps) stay live on
+    # the engine's layer: give the copy its own clones of them.
+    for name, tensor in module._parameters.items():
+        if tensor is not None and name not in scratch._parameters:
+            scratch.register_parameter(name, _fresh_tensor(tensor, scratch, module, zeros=False))
+    for name, tensor in module._buffers.items():
+        if tensor is not None and name not in scratch._buffers:
+            scratch.register_buffer(name, _fresh_tensor(tensor, scratch, module, zeros=False),
+                                    persistent=name not in scratch._non_persistent_buffers_set)
+    return scratch
+
+
+def _fresh_tensor(template, scratch, module, *, zeros: bool):
+    """A new tensor shaped like `template` (zeros, or a copy of its values), with its attributes.
+
+    Weight loaders bound to the engine's layer (or to vLLM's placeholder) are
+    rebound to the copy, and layerwise's buffering wrappers are removed, so
+    that loading the copy never touches the engine's layer or its buffers.
+    """
+    from types import MethodType
+
+    import torch
+    from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
+
+    if zeros or template.device.type == "meta":
+        tensor = torch.zeros(tuple(template.shape), dtype=template.dtype)
+    else:
+        tensor = template.detach().clone()
+    tensor.__class__ = template.__class__
+    attributes = {}
+    for key, value in template.__dict__.items():
+        while callable(value) and getattr(value, "__name__", "") == "online_process_loader":
+            value = value.__wrapped__
+        if isinstance(value, MethodType) and (value.__self__ is module or value.__self__ is layer_ref_sentinel):
+            value = value.__func__.__get__(scratch)
+        attributes[key] = value
+    tensor.__dict__ = attributes
+    return tensor
+
+
+def _process(scratch) -> None:
+    """What vLLM does to a layer once all its weights are loaded (repacking, online quantization)."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    quant_method = getattr(scratch, "quant_method", None)
+    if isinstance(quant_method, QuantizeMethodBase):
+        quant_method.process_weights_after_loading(scratch)
+        if hasattr(scratch, "update_param_tp_status"):
+            scratch.update_param_tp_status()
+
 
 def _with_rollback(worker, touched: dict, run):
     """Run a reload; if it fails after touching the engine, reload what it had before."""

@@ -1,0 +1,121 @@
+"""`layerwise reload --url`: reload running vLLM servers over HTTP and show what each did."""
+
+from __future__ import annotations
+
+import threading
+
+from rich.markup import escape
+from rich.table import Table
+
+from ..engine.remote import HOLDS_NEW, RemoteOptions, ServerResult, holdings, reload_servers
+from ..units import human_seconds
+from ._output import print_json, report_error, stderr, stdout
+from ._reload_view import render_report
+
+_HOLDS_TEXT = {
+    HOLDS_NEW: "new weights",
+    "previous": "previous weights",
+    "unverified": "UNVERIFIED (differs)",
+    "unknown": "UNKNOWN",
+}
+
+
+def reload_remote(urls: list[str], source: str, options: RemoteOptions, as_json: bool = False,
+                  top: int = 0) -> int:
+    """Reload SOURCE into every server, print one report per server and the verdict.
+
+    Returns:
+        The exit code: 0 when every server took SOURCE (and verified, when
+        asked), 1 otherwise.
+    """
+    lock = threading.Lock()
+
+    def on_event(url: str, event: str, data: dict) -> None:
+        with lock:
+            where = escape(url)
+            if event == "checked" and data["method"] == "vllm":
+                # A warning, not progress: also with --json.
+                stderr.print(f"[yellow]Warning:[/] {where}: {escape(data['fallback_reason'])}; falling back to "
+                             "vLLM's own reload_weights: per-layer figures are unavailable (vLLM reports none; "
+                             "only the wall time is measured)")
+            elif as_json:
+                return
+            elif event == "paused":
+                stderr.print(f"{where}: generation paused ({data['mode']})")
+            elif event == "reloaded":
+                stderr.print(f"{where}: reloaded in {human_seconds(data['report'].wall_s)}")
+            elif event == "verified":
+                verify = data["verify"]
+                state = "verified" if verify.ok else "[red]verify found differences[/]"
+                stderr.print(f"{where}: {state}")
+            elif event == "versioned":
+                stderr.print(f"{where}: weight version set to {escape(data['version'])}")
+            elif event == "resumed":
+                stderr.print(f"{where}: generation resumed after {human_seconds(data['paused_s'])} paused")
+
+    if not as_json:
+        stderr.print(f"Reloading {escape(source)} into {len(urls)} server(s) ...")
+    results = reload_servers(urls, source, options, on_event=on_event)
+    ok = all(result.ok for result in results)
+    if as_json:
+        print_json({"ok": ok, "source": source, "servers": [result.to_dict() for result in results],
+                    "holdings": holdings(results, source)})
+    else:
+        for result in results:
+            _render_server(result, top)
+        _render_summary(results)
+    for result in results:
+        for warning in result.warnings:
+            stderr.print(f"[yellow]Warning:[/] {escape(result.url)}: {escape(warning)}")
+    for result in results:
+        if result.error:
+            from ..errors import LayerwiseError
+
+            report_error(LayerwiseError(result.error, where=result.url))
+    if not ok:
+        # Say where every server stands, the failed ones included.
+        for line in holdings(results, source):
+            stderr.print(escape(line), soft_wrap=True)
+    return 0 if ok else 1
+
+
+def _render_server(result: ServerResult, top: int) -> None:
+    if result.report is not None and result.method == "layerwise":
+        render_report(result.report, title=f"{result.url} reload {result.report.source}", top=top)
+    if result.verify is not None:
+        verify = result.verify
+        line = (f"verify {escape(result.url)}: {verify.matched}/{verify.checked} parent layers match the source "
+                f"bit for bit ({verify.tensors_compared} stored tensors, {verify.kernels_compared} kernel "
+                f"read-backs) in {human_seconds(verify.wall_s)}")
+        if verify.skipped:
+            line += f"; {len(verify.skipped)} not checked"
+        stdout.print(line, soft_wrap=True)
+        for name in verify.mismatched:
+            stdout.print(f"  differs: {escape(name)}: {escape(verify.details.get(name, ''))}", soft_wrap=True)
+        for name, reason in verify.errors.items():
+            stdout.print(f"  could not check: {escape(name)}: {escape(reason)}", soft_wrap=True)
+        for name, reason in verify.skipped.items():
+            stdout.print(f"  not checked: {escape(name)}: {escape(reason)}", soft_wrap=True)
+
+
+def _render_summary(results: list[ServerResult]) -> None:
+    table = Table(title="Servers", title_justify="left")
+    table.add_column("server", overflow="fold")
+    table.add_column("result")
+    table.add_column("method")
+    table.add_column("reload", justify="right")
+    table.add_column("paused", justify="right")
+    table.add_column("holds")
+    table.add_column("weight version")
+    for result in results:
+        state = "[green]ok[/]" if result.ok else f"[red]failed at {result.stage}[/]"
+        reload_s = human_seconds(result.report.wall_s) if result.report is not None else "-"
+        table.add_row(escape(result.url), state, "layerwise" if result.method == "layerwise" else "vLLM reload_weights",
+                      reload_s, human_seconds(result.paused_s) if result.paused_s else "-",
+                      _HOLDS_TEXT.get(result.holds, result.holds),
+                      escape(str(result.version_after)) if result.version_after is not None else "-")
+    stdout.print(table)
+    failed = sum(1 for result in results if not result.ok)
+    verdict = (f"All {len(results)} server(s) reloaded." if not failed
+               else f"{failed} of {len(results)} server(s) failed.")
+    stdout.print(verdict)

@@ -1,0 +1,563 @@
+"""Reload running vLLM servers over HTTP: check, pause, reload, verify, set the version, resume."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import LayerwiseError
+from .report import ReloadReport, merge_reports
+
+PAUSE_MODES = ("wait", "keep", "abort", "none")
+
+# What a server holds after `reload_server`, as far as the tool can tell.
+HOLDS_NEW = "new"  # SOURCE, loaded (and verified, when asked)
+HOLDS_PREVIOUS = "previous"  # the weights it had before: nothing changed, or rolled back
+HOLDS_UNVERIFIED = "unverified"  # loaded, but --verify found layers that differ from SOURCE
+HOLDS_UNKNOWN = "unknown"  # the reload may have changed some layers (timeout, lost connection, fallback failure)
+
+# The longest wait for the small requests (checks, resume, version), whatever --timeout says.
+_SHORT_TIMEOUT_S = 30.0
+
+
+@dataclass
+class RemoteOptions:
+    """How to reload each server (the `layerwise reload --url` options)."""
+
+    order: str = "layer"
+    allow_partial: bool = False
+    readahead: bool = True
+    revision: str | None = None
+    # wait: let in-flight requests finish, queue new ones; keep: freeze in-flight
+    # requests and continue them after the reload; abort: abort in-flight
+    # requests; none: do not pause.
+    pause_mode: str = "wait"
+    weight_version: str | None = None
+    api_key: str | None = None
+    verify: bool = False
+    # Seconds for each request to a server (the reload and the pause included).
+    timeout: float = 600.0
+
+
+@dataclass
+class VerifyResult:
+    """`--verify` on one server (merged across its workers)."""
+
+    ok: bool
+    checked: int
+    matched: int
+    tensors_compared: int
+    kernels_compared: int
+    mismatched: list[str] = field(default_factory=list)
+    # Layers not compared: by design (partial source, attention) ...
+    skipped: dict[str, str] = field(default_factory=dict)
+    # ... or because loading the layer alone failed (these fail --verify: nothing was proven).
+    errors: dict[str, str] = field(default_factory=dict)
+    details: dict[str, str] = field(default_factory=dict)
+    # Seconds the check took, seen from the client (generation stays paused meanwhile).
+    wall_s: float = 0.0
+
+
+@dataclass
+class ServerResult:
+    """What happened on one server."""
+
+    url: str
+    ok: bool = False
+    error: str | None = None
+    # The last step reached: connect, check, pause, reload, verify, version, resume, done.
+    stage: str = "connect"
+    # layerwise: through the worker extension; vllm: vLLM's own reload_weights (no extension).
+    method: str = "layerwise"
+    fallback_reason: str | None = None
+    report: ReloadReport | None = None
+    verify: VerifyResult | None = None
+    holds: str = HOLDS_PREVIOUS
+    version_before: str | None = None
+    version_after: str | None = None
+    rolled_back: bool = False
+    # Whether the server answered at all (a 401 counts).
+    reached: bool = False
+    paused_s: float = 0.0
+    wall_s: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["report"] = self.report.to_dict() if self.report is not None else None
+        return data
+
+
+class _ServerError(LayerwiseError):
+    """A failed step on one server; `holds` says what the server holds afterwards."""
+
+    def __init__(self, message: str, *, holds: str = HOLDS_PREVIOUS, rolled_back: bool = False) -> None:
+        super().__init__(message)
+        self.holds = holds
+        self.rolled_back = rolled_back
+
+
+def reload_servers(urls: list[str], source: str, options: RemoteOptions | None = None,
+                   on_event: Callable[[str, str, dict], None] | None = None) -> list[ServerResult]:
+    """Reload SOURCE into every server at once (one thread per server).
+
+    Args:
+        urls: server base URLs, e.g. `http://127.0.0.1:8000`.
+        source: a checkpoint path as the servers see it, or a Hub repo id.
+        options: how to reload (pause mode, version tag, API key, verify, timeout).
+        on_event: called as `on_event(url, event, data)` from the server's
+            thread at every step (`checked`, `paused`, `reloaded`, `verified`,
+            `versioned`, `resumed`, `failed`), for progress output.
+
+    Returns:
+        One result per URL, in the order given. Never raises for a server's
+        failure: it is in that server's result.
+    """
+    options = options or RemoteOptions()
+    if options.pause_mode not in PAUSE_MODES:
+        raise LayerwiseError(f"unknown pause mode {options.pause_mode!r}: use one of {', '.join(PAUSE_MODES)}")
+    if len(set(urls)) != len(urls):
+        from ..errors import UsageError
+
+        raise UsageError("the same server URL is given twice")
+    with ThreadPoolExecutor(max_workers=max(1, len(urls)), thread_name_prefix="layerwise-remote") as pool:
+        return list(pool.map(lambda url: reload_server(url, source, options, on_event), urls))
+
+
+def reload_server(url: str, source: str, options: RemoteOptions | None = None,
+                  on_event: Callable[[str, str, dict], None] | None = None) -> ServerResult:
+    """Check, pause, reload, verify, set the version and resume one server.
+
+    Nothing on the server changes until it answered, the API key is accepted,
+    the dev endpoints are on, and it is not already paused. Generation is
+    resumed in every case once it was paused, also after a failure.
+
+    Args:
+        url: the server's base URL.
+        source: a checkpoint path as the server sees it, or a Hub repo id.
+        options: see `RemoteOptions`.
+        on_event: see `reload_servers`.
+
+    Returns:
+        The server's result (`ok`, `error` as one line, `holds`).
+    """
+    options = options or RemoteOptions()
+    emit = on_event or (lambda url, event, data: None)
+    result = ServerResult(url=url)
+    start = time.perf_counter()
+    client = ServerClient(url, api_key=options.api_key, timeout=options.timeout)
+    paused_at: float | None = None
+    try:
+        # Few round trips before the pause: on a busy server each one waits behind the traffic.
+        result.stage = "connect"
+        client.check_api_key()  # also proves the server answers
+        result.stage = "check"
+        result.version_before = client.weight_version()  # also proves the dev endpoints are on
+        if client.is_paused():
+            raise _ServerError("the server is already paused (another reload in progress, or paused by hand); "
+                               "refusing to reload. POST /resume to it if the pause is stale")
+        extension = client.ping_extension()
+        if extension is not None:
+            result.method, result.fallback_reason = "vllm", extension
+            if options.verify:
+                raise _ServerError(f"--verify needs layerwise's worker extension, and {extension}; nothing was "
+                                   "changed (start the server with `layerwise serve`, or drop --verify)")
+            if options.revision:
+                result.warnings.append("--revision is ignored by vLLM's own reload_weights")
+        emit(url, "checked", {"method": result.method, "fallback_reason": result.fallback_reason})
+
+        if options.pause_mode != "none":
+            result.stage = "pause"
+            # From here on, resume whatever happens: the engine pauses as soon as the request lands,
+            # even if the answer (which waits for in-flight requests with `wait`) never reaches us.
+            paused_at = time.perf_counter()
+            client.pause(options.pause_mode)
+            emit(url, "paused", {"mode": options.pause_mode})
+
+        result.stage = "reload"
+        if result.method == "layerwise":
+            result.report = client.layerwise_reload(source, options)
+        else:
+            result.report = client.vllm_reload(source)
+        result.holds = HOLDS_NEW
+        _reset_prefix_cache(client, result)
+        emit(url, "reloaded", {"report": result.report})
+
+        if options.verify:
+            result.stage = "verify"
+            result.verify = client.verify(source, options.revision)
+            emit(url, "verified", {"verify": result.verify})
+            if not result.verify.ok:
+                result.holds = HOLDS_UNVERIFIED
+                raise _ServerError(_verify_failure(result.verify), holds=HOLDS_UNVERIFIED)
+
+        if options.weight_version is not None:
+            result.stage = "version"
+            client.set_weight_version(options.weight_version)
+            result.version_after = options.weight_version
+            emit(url, "versioned", {"version": options.weight_version})
+        result.ok = True
+    except _ServerError as exc:
+        result.error = str(exc)
+        result.rolled_back = exc.rolled_back
+        if result.holds != HOLDS_UNVERIFIED:
+            result.holds = exc.holds
+    except Exception as exc:  # noqa: BLE001 - one line per server, never a traceback
+        from ..errors import describe_exception
+
+        result.error = _one_line(str(describe_exception(exc)))
+        if result.stage == "reload" and result.holds == HOLDS_PREVIOUS:
+            result.holds = HOLDS_UNKNOWN
+    finally:
+        if paused_at is not None:
+            try:
+                client.resume()
+                result.paused_s = time.perf_counter() - paused_at
+                emit(url, "resumed", {"paused_s": result.paused_s})
+            except Exception as exc:  # noqa: BLE001 - reported, never raised past the other servers
+                from ..errors import describe_exception
+
+                message = (f"could not resume generation ({_one_line(str(describe_exception(exc)))}): "
+                           "the server may still be paused; POST /resume to it")
+                if result.error is None:
+                    result.stage = "resume"
+                result.ok = False
+                result.error = f"{result.error}; {message}" if result.error else message
+        if result.ok and result.version_after is None:
+            result.version_after = result.version_before
+            if result.version_before not in (None, "default"):
+                result.warnings.append(f"its weight version stays {result.version_before!r}, which named the "
+                                       "weights it held before; pass --weight-version TAG to name the new ones")
+        elif not result.ok and client.reached:
+            # After the resume: it costs the paused traffic nothing.
+            result.version_after = client.weight_version_or_none()
+        result.reached = client.reached
+        result.wall_s = time.perf_counter() - start
+        client.close()
+        if result.error:
+            emit(url, "failed", {"error": result.error})
+    if result.ok:
+        result.stage = "done"
+    return result
+
+
+def holdings(results: list[ServerResult], source: str) -> list[str]:
+    """One line per server saying which weights (and version tag) it holds now."""
+    lines = []
+    for result in results:
+        version = f" (weight version {result.version_after!r})" if result.version_after is not None else ""
+        if result.holds == HOLDS_NEW:
+            what = f"holds {source}{version}"
+        elif result.holds == HOLDS_PREVIOUS and not result.reached:
+            what = "not reached: not changed by this command"
+        elif result.holds == HOLDS_PREVIOUS and result.rolled_back:
+            what = f"rolled back: holds its previous weights{version}"
+        elif result.holds == HOLDS_PREVIOUS:
+            what = f"not changed: holds its previous weights{version}"
+        elif result.holds == HOLDS_UNVERIFIED:
+            what = f"holds weights that differ from {source} in the layers --verify named{version}"
+        else:
+            what = f"holds unknown weights: the reload may have changed some layers{version}"
+        lines.append(f"{result.url}: {what}")
+    return lines
+
+
+def server_fingerprints(url: str, api_key: str | None = None, timeout: float = 600.0) -> dict[str, str]:
+    """The extension's fingerprints of a server's weights (rank-qualified when tensor parallel)."""
+    client = ServerClient(url, api_key=api_key, timeout=timeout)
+    try:
+        results = client.collective_rpc("layerwise_fingerprints")
+    finally:
+        client.close()
+    out: dict[str, str] = {}
+    for rank, item in enumerate(results):
+        if not isinstance(item, dict) or not item.get("ok"):
+            error = item.get("error") if isinstance(item, dict) else item
+            raise LayerwiseError(f"fingerprints failed on worker {rank}: {error}", where=url)
+        prefix = f"rank{rank}:" if len(results) > 1 else ""
+        out.update({prefix + name: digest for name, digest in item["fingerprints"].items()})
+    return out
+
+
+def differing_layers(ours: dict[str, str], theirs: dict[str, str]) -> list[str]:
+    """The modules whose fingerprints differ between two fingerprint maps (sorted)."""
+    keys = ours.keys() | theirs.keys()
+    return sorted({_module_of(key) for key in keys if ours.get(key) != theirs.get(key)})
+
+
+def _module_of(key: str) -> str:
+    return key.rsplit("#", 1)[0].rstrip(".") if "#" in key else key.rpartition(".")[0]
+
+
+def _verify_failure(verify: VerifyResult) -> str:
+    if verify.mismatched:
+        shown = ", ".join(verify.mismatched[:5])
+        more = f" and {len(verify.mismatched) - 5} more" if len(verify.mismatched) > 5 else ""
+        return (f"--verify: {len(verify.mismatched)} layer(s) differ from what the source must produce: "
+                f"{shown}{more}")
+    if verify.errors:
+        name, why = next(iter(verify.errors.items()))
+        more = f" and {len(verify.errors) - 1} more" if len(verify.errors) > 1 else ""
+        return f"--verify: {len(verify.errors)} layer(s) could not be checked: {name} {why}{more}"
+    return "--verify: no layer of the source could be checked"
+
+
+def _reset_prefix_cache(client: ServerClient, result: ServerResult) -> None:
+    # KV blocks computed with the old weights must not serve prompts after the
+    # reload; pause (wait/abort) already dropped them, keep and none did not.
+    try:
+        if not client.reset_prefix_cache():
+            result.warnings.append("the prefix cache could not be reset (blocks still held); cached prompt "
+                                   "prefixes may reuse KV computed with the previous weights")
+    except Exception as exc:  # noqa: BLE001 - a warning, not a failure
+        result.warnings.append(f"the prefix cache could not be reset: {_one_line(str(exc))}")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+class ServerClient:
+    """The HTTP calls `reload_server` makes to one vLLM server (dev mode endpoints)."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, timeout: float = 600.0) -> None:
+        import httpx
+
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.reached = False
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # A fresh connection per request: vLLM's server drops a connection after a failed handler (500),
+        # and a pooled connection would then fail the next call (the resume, say) with a reset.
+        self._http = httpx.Client(base_url=self.url, headers=headers, limits=httpx.Limits(max_keepalive_connections=0),
+                                  timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _request(self, method: str, path: str, *, short: bool = False, what: str | None = None,
+                 **kwargs: Any):
+        import httpx
+
+        what = what or f"{method} {path}"
+        timeout = min(self.timeout, _SHORT_TIMEOUT_S) if short else self.timeout
+        try:
+            response = self._http.request(method, path, timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+                                          **kwargs)
+        except httpx.ConnectError as exc:
+            raise _ServerError(f"cannot connect ({_one_line(str(exc)) or 'connection refused'}); is the "
+                               "server running at this address?") from None
+        except httpx.TimeoutException:
+            raise _ServerError(f"no answer to {what} within {timeout:g} s (--timeout)") from None
+        except httpx.HTTPError as exc:
+            raise _ServerError(f"{what} failed: {_one_line(str(exc)) or type(exc).__name__}") from None
+        self.reached = True
+        if response.status_code == 401:
+            raise _ServerError(f"unauthorized (401) on {path}: the server wants an API key; pass the right one "
+                               "with --api-key or LAYERWISE_API_KEY")
+        return response
+
+    def _json(self, response, what: str) -> Any:
+        if response.status_code >= 400:
+            raise _ServerError(f"{what} failed: HTTP {response.status_code}: {_error_text(response)}")
+        try:
+            return response.json()
+        except ValueError:
+            raise _ServerError(f"{what} answered with something that is not JSON: "
+                               f"{_one_line(response.text)[:200]!r}") from None
+
+    def check_api_key(self) -> None:
+        # vLLM checks the key only on /v1 routes: ask one, so that a wrong key
+        # fails here, before anything changes, even on servers whose dev
+        # endpoints take no key.
+        response = self._request("GET", "/v1/models", short=True)
+        self._json(response, "GET /v1/models")
+
+    def weight_version(self) -> str | None:
+        response = self._request("GET", "/weight_info", short=True)
+        if response.status_code == 404:
+            raise _ServerError("the dev endpoints are off (404 on /weight_info): start the server with "
+                               "VLLM_SERVER_DEV_MODE=1 (`layerwise serve` does)")
+        return self._json(response, "GET /weight_info").get("weight_version")
+
+    def weight_version_or_none(self) -> str | None:
+        try:
+            return self.weight_version()
+        except Exception:  # noqa: BLE001 - best effort, for the closing summary
+            return None
+
+    def is_paused(self) -> bool:
+        response = self._request("GET", "/is_paused", short=True)
+        if response.status_code == 404:
+            raise _ServerError("the dev endpoints are off (404 on /is_paused): start the server with "
+                               "VLLM_SERVER_DEV_MODE=1 (`layerwise serve` does)")
+        return bool(self._json(response, "GET /is_paused").get("is_paused"))
+
+    def collective_rpc(self, method: str, kwargs: dict | None = None, *, short: bool = False) -> list:
+        """POST /collective_rpc; one result per worker."""
+        response = self._request("POST", "/collective_rpc", json={"method": method, "kwargs": kwargs or {}},
+                                 short=short, what=method)
+        if response.status_code == 404:
+            raise _ServerError("the dev endpoints are off (404 on /collective_rpc): start the server with "
+                               "VLLM_SERVER_DEV_MODE=1 (`layerwise serve` does)")
+        if response.status_code >= 400:
+            raise RpcError(method, response.status_code, _error_text(response))
+        if not response.content:
+            return []
+        return self._json(response, method).get("results") or []
+
+    def ping_extension(self) -> str | None:
+        """None when every worker has layerwise's extension, else why not (one clause)."""
+        try:
+            results = self.collective_rpc("layerwise_ping", short=True)
+        except RpcError as exc:
+            if "has no attribute 'layerwise_ping'" in exc.detail:
+                return "the server has no layerwise worker extension (its workers have no method layerwise_ping)"
+            raise _ServerError(f"layerwise_ping failed inside the server: {exc.detail}") from None
+        if not results or not all(isinstance(r, dict) and r.get("ok") for r in results):
+            return f"the server has no layerwise worker extension (layerwise_ping answered {results!r})"
+        return None
+
+    def pause(self, mode: str) -> None:
+        response = self._request("POST", "/pause", params={"mode": mode}, what=f"POST /pause?mode={mode}")
+        self._json(response, f"POST /pause?mode={mode}")
+
+    def resume(self) -> None:
+        response = self._request("POST", "/resume", short=True)
+        self._json(response, "POST /resume")
+        if self.is_paused():
+            raise _ServerError("POST /resume answered, but the server still says it is paused")
+
+    def reset_prefix_cache(self) -> bool:
+        response = self._request("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"},
+                                 short=True)
+        return bool(self._json(response, "POST /reset_prefix_cache").get("success"))
+
+    def set_weight_version(self, version: str) -> None:
+        response = self._request("POST", "/update_weight_version", json={"new_version": version}, short=True)
+        self._json(response, "POST /update_weight_version")
+
+    def layerwise_reload(self, source: str, options: RemoteOptions) -> ReloadReport:
+        kwargs = {"source": source, "order": options.order, "allow_partial": options.allow_partial,
+                  "readahead": options.readahead, "revision": options.revision}
+        try:
+            results = self.collective_rpc("layerwise_reload", kwargs)
+        except _ServerError as exc:
+            # Timed out or lost: the worker may still be streaming into the engine.
+            if isinstance(exc, RpcError):
+                raise _ServerError(f"the reload failed inside the server: {exc.detail}",
+                                   holds=HOLDS_UNKNOWN) from None
+            raise _ServerError(f"{exc}; the reload may still be running on the server",
+                               holds=HOLDS_UNKNOWN) from None
+        failures = [r for r in results if not (isinstance(r, dict) and r.get("ok"))]
+        if failures or not results:
+            failure = failures[0] if failures else {}
+            error = failure.get("error") if isinstance(failure, dict) else str(failure)
+            touched = any(isinstance(r, dict) and r.get("engine_touched") for r in failures)
+            rolled_back = all(isinstance(r, dict) and r.get("rolled_back") for r in failures if r.get("engine_touched"))
+            if not touched:
+                holds, tail = HOLDS_PREVIOUS, "nothing was changed"
+            elif rolled_back:
+                holds, tail = HOLDS_PREVIOUS, "the server was rolled back to its previous weights"
+            else:
+                holds, tail = HOLDS_UNKNOWN, "some layers may hold the new weights"
+            text = error or "a worker failed without saying why"
+            if "rolled back" not in text:
+                text = f"{text}; {tail}"
+            raise _ServerError(_one_line(text), holds=holds, rolled_back=touched and rolled_back)
+        return merge_reports([ReloadReport.from_dict(r["report"]) for r in results])
+
+    def vllm_reload(self, source: str) -> ReloadReport:
+        """vLLM's own `reload_weights(weights_path=SOURCE)`: only its wall time is known."""
+        start = time.perf_counter()
+        try:
+            self.collective_rpc("reload_weights", {"weights_path": source})
+        except RpcError as exc:
+            raise _ServerError(f"vLLM's reload_weights failed inside the server: {exc.detail}",
+                               holds=HOLDS_UNKNOWN) from None
+        except _ServerError as exc:
+            raise _ServerError(f"{exc}; vLLM's reload_weights may still be running on the server",
+                               holds=HOLDS_UNKNOWN) from None
+        wall = time.perf_counter() - start
+        return ReloadReport(order="file", source=source, wall_s=wall, bytes=0, tensors=0, peak_buffer_bytes=0,
+                            peak_tensor="", predicted_peak_buffer_bytes=0, largest_layer_bytes=0,
+                            mapping="vLLM's own reload_weights",
+                            notes=["per-layer figures are unavailable: the server has no layerwise worker "
+                                   "extension, so vLLM's own reload_weights ran (wall time measured by the client, "
+                                   "HTTP included)"])
+
+    def verify(self, source: str, revision: str | None) -> VerifyResult:
+        start = time.perf_counter()
+        try:
+            results = self.collective_rpc("layerwise_verify", {"source": source, "revision": revision})
+        except RpcError as exc:
+            raise _ServerError(f"--verify failed inside the server: {exc.detail}", holds=HOLDS_NEW) from None
+        except _ServerError as exc:
+            raise _ServerError(f"--verify: {exc}", holds=HOLDS_NEW) from None
+        failures = [r for r in results if not (isinstance(r, dict) and r.get("ok"))]
+        if failures or not results:
+            error = failures[0].get("error") if failures and isinstance(failures[0], dict) else results
+            raise _ServerError(f"--verify could not run: {error}", holds=HOLDS_NEW)
+        verify = merge_verify([r["verify"] for r in results])
+        verify.wall_s = time.perf_counter() - start
+        return verify
+
+
+def merge_verify(per_worker: list[dict]) -> VerifyResult:
+    """Merge the workers' verify results: a layer matches only if it matches on every worker."""
+    mismatched: list[str] = []
+    skipped: dict[str, str] = {}
+    errors: dict[str, str] = {}
+    details: dict[str, str] = {}
+    for rank, worker in enumerate(per_worker):
+        suffix = f" (worker {rank})" if len(per_worker) > 1 else ""
+        for layer in worker["layers"]:
+            if layer["status"] == "mismatch":
+                if layer["name"] not in mismatched:
+                    mismatched.append(layer["name"])
+                details[layer["name"]] = layer["detail"] + suffix
+            elif layer["status"] == "skipped":
+                skipped[layer["name"]] = layer["detail"]
+            elif layer["status"] == "error":
+                errors[layer["name"]] = layer["detail"] + suffix
+    first = per_worker[0]
+    checked = first["checked"]
+    return VerifyResult(
+        ok=not mismatched and not errors and checked > 0,
+        checked=checked,
+        matched=checked - len(mismatched),
+        tensors_compared=sum(w["tensors_compared"] for w in per_worker),
+        kernels_compared=sum(w["kernels_compared"] for w in per_worker),
+        mismatched=mismatched,
+        skipped=skipped,
+        errors=errors,
+        details=details,
+    )
+
+
+class RpcError(_ServerError):
+    """The server answered /collective_rpc with an error (the worker method raised, or does not exist)."""
+
+    def __init__(self, method: str, status: int, detail: str) -> None:
+        super().__init__(f"{method} failed: HTTP {status}: {detail}")
+        self.method = method
+        self.status = status
+        self.detail = detail
+
+
+def _error_text(response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return _one_line(response.text)[:300] or response.reason_phrase
+    if isinstance(body, dict):
+        for key in ("detail", "error", "message"):
+            value = body.get(key)
+            if isinstance(value, dict):
+                value = value.get("message") or value
+            if value:
+                return _one_line(str(value))[:300]
+    return _one_line(str(body))[:300]
