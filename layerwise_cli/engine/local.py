@@ -141,7 +141,10 @@ def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = Fals
     """
     results = call_workers(llm, "layerwise_reload", source=source, order=order, allow_partial=allow_partial,
                            readahead=readahead, revision=revision, progress_path=progress_path)
-    return reports_from_results(results)
+    report = reports_from_results(results)
+    # KV blocks cached under the old weights must not serve prompts under the new ones.
+    llm.reset_prefix_cache()
+    return report
 
 
 def reports_from_results(results: list[dict]) -> ReloadReport:
