@@ -78,6 +78,18 @@ def greedy_with_logprobs(llm, prompts: list[str], max_tokens: int = 3, logprobs:
     return result
 
 
+def assert_same_outputs(got: list, want: list, *, exact: bool) -> None:
+    """Same greedy tokens and top-logprob tokens; logprobs equal (or within 1e-6 unless `exact`)."""
+    import pytest
+
+    assert [[s[0] for s in steps] for steps in got] == [[s[0] for s in steps] for steps in want]
+    for ours, theirs in zip(got, want):
+        for (_, top_ours), (_, top_theirs) in zip(ours, theirs):
+            assert [t for t, _ in top_ours] == [t for t, _ in top_theirs]
+            got_lp, want_lp = [lp for _, lp in top_ours], [lp for _, lp in top_theirs]
+            assert got_lp == want_lp if exact else got_lp == pytest.approx(want_lp, abs=1e-6)
+
+
 def engine_state(llm) -> dict:
     """Checksums and storage pointers of rank 0's weights."""
     results = llm.collective_rpc("layerwise_checksums")

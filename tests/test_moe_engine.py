@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_support import engine_state, greedy_with_logprobs, reshard
+from engine_support import assert_same_outputs, engine_state, greedy_with_logprobs, reshard
 
 pytestmark = pytest.mark.engine
 
@@ -66,20 +66,11 @@ def engine_a(demo_models, quantization, fresh_b):
     stop_engine(llm)
 
 
-def same_outputs(got: list, want: list, exact: bool) -> None:
-    assert [[s[0] for s in steps] for steps in got] == [[s[0] for s in steps] for steps in want]
-    for ours, theirs in zip(got, want):
-        for (_, top_ours), (_, top_theirs) in zip(ours, theirs):
-            assert [t for t, _ in top_ours] == [t for t, _ in top_theirs]
-            got_lp, want_lp = [lp for _, lp in top_ours], [lp for _, lp in top_theirs]
-            assert got_lp == want_lp if exact else got_lp == pytest.approx(want_lp, abs=1e-6)
-
-
 def test_reload_b_matches_fresh_b_and_a_comes_back_exactly(engine_a, demo_models, fresh_b, quantization):
     from layerwise_cli.engine.local import reload
 
     report = reload(engine_a, str(demo_models["moe-add"]))
-    same_outputs(greedy_with_logprobs(engine_a, prompts()), fresh_b, exact=False)
+    assert_same_outputs(greedy_with_logprobs(engine_a, prompts()), fresh_b, exact=False)
 
     # The engine module that holds a layer's experts (vLLM 0.32: `mlp.experts.routed_experts`).
     experts = [layer for layer in report.layers if ".mlp.experts" in layer.name]
@@ -90,7 +81,7 @@ def test_reload_b_matches_fresh_b_and_a_comes_back_exactly(engine_a, demo_models
     assert all(layer.process_s > 0 and layer.load_s > 0 for layer in experts)
 
     reload(engine_a, str(demo_models["moe-multiply"]))
-    same_outputs(greedy_with_logprobs(engine_a, prompts()), engine_a.fresh_a, exact=True)
+    assert_same_outputs(greedy_with_logprobs(engine_a, prompts()), engine_a.fresh_a, exact=True)
 
 
 def test_experts_quantized_online_when_asked(engine_a, quantization):

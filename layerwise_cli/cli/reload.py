@@ -93,8 +93,8 @@ def reload_command(
                                       ("--verify", verify or None), ("--timeout", timeout)) if value is not None]
     if given:
         raise UsageError(f"{', '.join(given)} only apply with --url (reloading running servers)")
-    from ..engine.local import EngineOptions
-    from ..engine.session import prepare_sources, reload_with_progress_path, start_for
+    from ..engine.local import EngineOptions, start_engine
+    from ..engine.session import prepare_sources, reload_with_progress_path
 
     source_dir, base = prepare_sources(weights_path, model, revision, quiet=as_json)
     options = EngineOptions(dtype=dtype, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
@@ -102,7 +102,7 @@ def reload_command(
                             memory_fraction=memory_fraction)
     if not as_json:
         stderr.print(f"Starting vLLM on {base} ...")
-    llm = start_for(base, options)
+    llm = start_engine(base, options)
     from ..engine.local import stop_engine
     from ..engine.progress import new_progress_path
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..errors import LayerwiseError
 from ..sources import looks_like_repo_id, open_checkpoint
-from .local import EngineOptions, reload, start_engine
+from .local import reload
 from .report import ReloadReport
 
 
@@ -49,11 +49,6 @@ def prepare_sources(source: str, base: str | None, revision: str | None, quiet: 
                                  where=source)
         base = base_local
     return local, base
-
-
-def start_for(base: str, options: EngineOptions):
-    """Start the engine (see `start_engine`)."""
-    return start_engine(base, options)
 
 
 def reload_with_progress_path(llm, source: str, order: str, allow_partial: bool, readahead: bool,
