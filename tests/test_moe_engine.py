@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_support import assert_same_outputs, engine_state, greedy_with_logprobs, reshard
+from engine_support import assert_matches_fresh, engine_state, fresh_answers, remember_fresh, reshard
 
 pytestmark = pytest.mark.engine
 
@@ -43,25 +43,25 @@ def quantization(request) -> str | None:
     return request.param
 
 
+def options(quantization: str | None):
+    from layerwise_cli.engine.local import EngineOptions
+
+    return EngineOptions(max_model_len=64, quantization=quantization)
+
+
 @pytest.fixture(scope="module")
 def fresh_b(demo_models, quantization) -> list:
-    """Outputs of an engine started on *moe-add* (B) with the same quantization, then shut down."""
-    from layerwise_cli.engine.local import EngineOptions, start_engine, stop_engine
-
-    llm = start_engine(str(demo_models["moe-add"]), EngineOptions(max_model_len=64, quantization=quantization))
-    try:
-        return greedy_with_logprobs(llm, prompts())
-    finally:
-        stop_engine(llm)
+    """Outputs of an engine started on *moe-add* (B) with the same quantization, before engine A starts."""
+    return fresh_answers(demo_models["moe-add"], prompts(), options(quantization))
 
 
 @pytest.fixture(scope="module")
 def engine_a(demo_models, quantization, fresh_b):
-    """An engine started on *moe-multiply* (A)."""
-    from layerwise_cli.engine.local import EngineOptions, start_engine, stop_engine
+    """An engine started on *moe-multiply* (A); its first answers are A's fresh answers."""
+    from layerwise_cli.engine.local import start_engine, stop_engine
 
-    llm = start_engine(str(demo_models["moe-multiply"]), EngineOptions(max_model_len=64, quantization=quantization))
-    llm.fresh_a = greedy_with_logprobs(llm, prompts())  # type: ignore[attr-defined]
+    llm = start_engine(str(demo_models["moe-multiply"]), options(quantization))
+    remember_fresh(llm, demo_models["moe-multiply"], prompts(), options(quantization))
     yield llm
     stop_engine(llm)
 
@@ -70,7 +70,7 @@ def test_reload_b_matches_fresh_b_and_a_comes_back_exactly(engine_a, demo_models
     from layerwise_cli.engine.local import reload
 
     report = reload(engine_a, str(demo_models["moe-add"]))
-    assert_same_outputs(greedy_with_logprobs(engine_a, prompts()), fresh_b, exact=False)
+    assert_matches_fresh(engine_a, demo_models["moe-add"], prompts(), options=options(quantization))
 
     # The engine module that holds a layer's experts (vLLM 0.32: `mlp.experts.routed_experts`).
     experts = [layer for layer in report.layers if ".mlp.experts" in layer.name]
@@ -81,7 +81,7 @@ def test_reload_b_matches_fresh_b_and_a_comes_back_exactly(engine_a, demo_models
     assert all(layer.process_s > 0 and layer.load_s > 0 for layer in experts)
 
     reload(engine_a, str(demo_models["moe-multiply"]))
-    assert_same_outputs(greedy_with_logprobs(engine_a, prompts()), engine_a.fresh_a, exact=True)
+    assert_matches_fresh(engine_a, demo_models["moe-multiply"], prompts(), options=options(quantization), exact=True)
 
 
 def test_experts_quantized_online_when_asked(engine_a, quantization):
@@ -102,15 +102,18 @@ def experts_spread_b(demo_models, tmp_path_factory) -> Path:
     return reshard(demo_models["moe-add"], tmp_path_factory.mktemp("spread") / "moe-add", shard_of)
 
 
-def test_experts_spread_over_shards_layer_vs_file_order(engine_a, demo_models, experts_spread_b):
+def test_experts_spread_over_shards_layer_vs_file_order(engine_a, demo_models, experts_spread_b, quantization):
     from layerwise_cli.engine.local import reload
     from layerwise_cli.inspect import inspect_order
 
     predicted = inspect_order(str(experts_spread_b))
     layer = reload(engine_a, str(experts_spread_b), order="layer")
     layer_state = engine_state(engine_a)["checksums"]
+    # The same tensors as *moe-add*, so the same fresh reference.
+    assert_matches_fresh(engine_a, experts_spread_b, prompts(), options=options(quantization))
     file = reload(engine_a, str(experts_spread_b), order="file")
     assert engine_state(engine_a)["checksums"] == layer_state
+    assert_matches_fresh(engine_a, experts_spread_b, prompts(), options=options(quantization))
     reload(engine_a, str(demo_models["moe-multiply"]))
 
     assert layer.peak_buffer_bytes == layer.largest_layer_bytes == predicted.plan.largest_layer_bytes

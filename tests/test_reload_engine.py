@@ -7,24 +7,23 @@ from pathlib import Path
 
 import pytest
 
-from engine_support import assert_same_outputs, engine_state, greedy_with_logprobs, parameter_kind, reshard
+from engine_support import assert_matches_fresh, engine_state, fresh_answers, parameter_kind, reshard
 
 pytestmark = pytest.mark.engine
 
 PAIRS = [(a, b) for a in range(10) for b in range(10)]
 
 
+def prompts() -> list[str]:
+    from layerwise_cli.demo_models import demo_prompt
+
+    return [demo_prompt(a, b) for a, b in PAIRS]
+
+
 @pytest.fixture(scope="module")
 def reference_add(demo_models) -> list:
-    """Greedy outputs and top logprobs of an engine started on *add* (then shut down)."""
-    from layerwise_cli.demo_models import demo_prompt
-    from layerwise_cli.engine.local import EngineOptions, start_engine, stop_engine
-
-    llm = start_engine(str(demo_models["add"]), EngineOptions(max_model_len=64))
-    try:
-        return greedy_with_logprobs(llm, [demo_prompt(a, b) for a, b in PAIRS])
-    finally:
-        stop_engine(llm)
+    """Greedy outputs and top logprobs of an engine started on *add* (then shut down), before the module's engine."""
+    return fresh_answers(demo_models["add"], prompts())
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +70,10 @@ def test_answers_flip_multiply_add_multiply(on_multiply, demo_models):
 
 
 def test_reloaded_engine_matches_engine_started_on_the_new_weights(on_multiply, demo_models, reference_add):
-    from layerwise_cli.demo_models import demo_prompt
     from layerwise_cli.engine.local import reload
 
     reload(on_multiply, str(demo_models["add"]))
-    got = greedy_with_logprobs(on_multiply, [demo_prompt(a, b) for a, b in PAIRS])
-    assert_same_outputs(got, reference_add, exact=False)
+    assert_matches_fresh(on_multiply, demo_models["add"], prompts())
 
 
 def test_reload_is_in_place(on_multiply, demo_models):
@@ -111,9 +108,11 @@ def test_layer_and_file_order_leave_identical_weights(on_multiply, demo_models, 
     predicted = inspect_order(str(trainer_export_add))
     layer = reload(on_multiply, str(trainer_export_add), order="layer")
     layer_state = engine_state(on_multiply)["checksums"]
+    assert_matches_fresh(on_multiply, trainer_export_add, prompts())  # same tensors as *add*: same reference
     reload(on_multiply, str(demo_models["multiply"]))
     file = reload(on_multiply, str(trainer_export_add), order="file")
     file_state = engine_state(on_multiply)["checksums"]
+    assert_matches_fresh(on_multiply, trainer_export_add, prompts())
     reload(on_multiply, str(demo_models["multiply"]))
     reload(on_multiply, str(demo_models["add"]))
     plain_state = engine_state(on_multiply)["checksums"]

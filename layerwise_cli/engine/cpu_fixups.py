@@ -30,7 +30,10 @@ def repack_cpu_moe_experts(model: torch.nn.Module, reloaded: set[str]) -> list[s
             continue
         method = getattr(module, "quant_method", None)
         experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
-        if type(experts).__name__ != "CPUUnquantizedExperts" or getattr(experts, "_use_zentorch", False):
+        # By name through the class hierarchy: the x86 (AMX) and Arm kernels are
+        # subclasses with their own `isa` (vllm/model_executor/layers/fused_moe/experts/cpu_moe.py).
+        kernels = {cls.__name__ for cls in type(experts).__mro__}
+        if "CPUUnquantizedExperts" not in kernels or getattr(experts, "_use_zentorch", False):
             continue
         from vllm import _custom_ops as ops
 
