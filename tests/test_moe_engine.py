@@ -68,9 +68,14 @@ def engine_a(demo_models, quantization, fresh_b):
 
 def test_reload_b_matches_fresh_b_and_a_comes_back_exactly(engine_a, demo_models, fresh_b, quantization):
     from layerwise_cli.engine.local import reload
+    from layerwise_cli.engine.verify import verify_engine
 
-    report = reload(engine_a, str(demo_models["moe-add"]))
+    report = reload(engine_a, str(demo_models["moe-add"]), verify=True)
     assert_same_outputs(greedy_with_logprobs(engine_a, prompts()), fresh_b, exact=False)
+    # --verify covers the experts: each layer's fused experts match *moe-add* as vLLM loads it.
+    verify = report.verify
+    assert verify.ok and verify.checked == verify.matched == len(report.layers), (verify.errors, verify.skipped)
+    assert not any("rebuilt the CPU kernel" in note for note in report.notes)  # untied head: nothing derived
 
     # The engine module that holds a layer's experts (vLLM 0.32: `mlp.experts.routed_experts`).
     experts = [layer for layer in report.layers if ".mlp.experts" in layer.name]
@@ -79,6 +84,10 @@ def test_reload_b_matches_fresh_b_and_a_comes_back_exactly(engine_a, demo_models
     assert report.peak_buffer_bytes == report.largest_layer_bytes == max(layer.bytes for layer in experts)
     # Processing (repacking; with online quantization, quantizing) is timed apart from loading.
     assert all(layer.process_s > 0 and layer.load_s > 0 for layer in experts)
+
+    # Still holding *moe-add*: checked against *moe-multiply*, the expert layers must be named.
+    wrong = verify_engine(engine_a, str(demo_models["moe-multiply"]))
+    assert not wrong.ok and {layer.name for layer in experts} <= set(wrong.mismatched)
 
     reload(engine_a, str(demo_models["moe-multiply"]))
     assert_same_outputs(greedy_with_logprobs(engine_a, prompts()), engine_a.fresh_a, exact=True)

@@ -98,6 +98,8 @@ def test_reload_b_matches_a_fresh_b_then_a_comes_back(engine_a, tied_ab, fresh, 
     before = engine_state(engine_a)
     report = reload(engine_a, str(tied_ab["B"]), order=order)
     assert "lm_head" not in [layer.name for layer in report.layers]  # not in the checkpoint
+    if order == "layer":
+        assert report.peak_buffer_bytes == report.largest_layer_bytes == report.predicted_peak_buffer_bytes
     assert_same_outputs(greedy_with_logprobs(engine_a, PROMPTS), fresh["B"], exact=False)
     if on_cpu():
         assert any(REPAIR_NOTE in note and "model.embed_tokens" in note for note in report.notes), report.notes

@@ -139,7 +139,9 @@ def _kernel_readback_digest(module) -> str:
 
     weight = module._parameters.get("weight")
     stored = weight is not None and weight.device.type != "meta" and weight.numel() > 0
-    width = getattr(module, "input_size_per_partition", None) or (weight.shape[-1] if stored else None)
+    # Parallel layers know their input width per rank; `ReplicatedLinear` (MoE routers) only `input_size`.
+    width = (getattr(module, "input_size_per_partition", None) or (weight.shape[-1] if stored else None)
+             or getattr(module, "input_size", None))
     if width is None:
         raise LayerwiseError(f"cannot tell the input width of {type(module).__name__} to read its kernel back")
     dtype = getattr(module, "params_dtype", None) or (weight.dtype if stored else torch.get_default_dtype())
