@@ -167,7 +167,12 @@ def repack_cpu_moe_experts(model: torch.nn.Module, reloaded: set[str]) -> list[s
             continue
         method = getattr(module, "quant_method", None)
         experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
-        if type(experts).__name__ != "CPUUnquantizedExperts" or getattr(experts, "_use_zentorch", False):
+        if experts is None:
+            continue
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+        # Subclasses too: on AMX CPUs the kernel is `X86CPUUnquantizedExperts` (isa "amx").
+        if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
             continue
         from vllm import _custom_ops as ops
 

@@ -428,6 +428,15 @@ def _process(scratch) -> None:
 
     quant_method = getattr(scratch, "quant_method", None)
     if isinstance(quant_method, QuantizeMethodBase):
+        if getattr(quant_method, "moe_kernel", None) is not None:
+            # Process the copy as a fresh engine does, not as a weight update:
+            # vLLM's MoE methods skip the kernel's own processing (CPU prepack)
+            # once a kernel exists, which is what a reload gets wrong on CPU.
+            import copy
+
+            quant_method = copy.copy(quant_method)
+            quant_method.moe_kernel = None
+            scratch.quant_method = quant_method
         quant_method.process_weights_after_loading(scratch)
         if hasattr(scratch, "update_param_tp_status"):
             scratch.update_param_tp_status()
