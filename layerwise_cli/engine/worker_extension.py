@@ -348,7 +348,7 @@ def _verify_layer(model, name: str, module, tensors: list) -> tuple[dict, object
     finally:
         parent._modules[child] = module
     expected_numel = get_layer_size(scratch)
-    if counter.copied_numel < expected_numel:
+    if counter.copied_numel < expected_numel and not _fills_its_padding(scratch, counter.copied_numel):
         return entry("skipped", f"SOURCE covers {counter.copied_numel} of the layer's {expected_numel} "
                      "elements"), None
     _process(scratch)
@@ -359,6 +359,19 @@ def _verify_layer(model, name: str, module, tensors: list) -> tuple[dict, object
     if differing:
         return entry("mismatch", "differs from SOURCE: " + ", ".join(differing), compared), scratch
     return entry("match", "", compared), scratch
+
+
+def _fills_its_padding(module, copied: int) -> bool:
+    """Whether a layer SOURCE covered only in part is still complete: a padded vocabulary.
+
+    vLLM rounds `VocabParallelEmbedding`/`ParallelLMHead` rows up to a
+    multiple of 64; its weight loader copies SOURCE's rows and fills the
+    padding rows with zeros itself (`vocab_parallel_embedding.py`,
+    `weight_loader`), so the copy holds what a fresh engine holds.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    return isinstance(module, VocabParallelEmbedding) and copied > 0
 
 
 def _scratch_copy(module, info):
