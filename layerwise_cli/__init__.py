@@ -2,7 +2,7 @@
 
 The Python API (imported lazily, so that `import layerwise_cli` stays cheap):
 
-    from layerwise_cli import EXTENSION_CLS, reload, start_engine, inspect_order
+    from layerwise_cli import EXTENSION_CLS, reload, start_engine, inspect_order, verify_engine
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ _LAZY = {
     "EngineOptions": ("layerwise_cli.engine.local", "EngineOptions"),
     "ReloadReport": ("layerwise_cli.engine.report", "ReloadReport"),
     "inspect_order": ("layerwise_cli.inspect", "inspect_order"),
+    "verify_engine": ("layerwise_cli.engine.verify", "verify_engine"),
+    "VerifyResult": ("layerwise_cli.engine.verify", "VerifyResult"),
     "LayerwiseError": ("layerwise_cli.errors", "LayerwiseError"),
 }
 __all__ = ["__version__", "EXTENSION_CLS", *_LAZY]

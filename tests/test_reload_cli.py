@@ -77,7 +77,7 @@ def test_reload_from_the_hub_end_to_end(demo_models, tmp_path):
     with HubServer() as hub:
         hub.add_repo("debug/add", demo_models["add"])
         proc = run("reload", "--weights-path", "debug/add", "--model", str(demo_models["multiply"]), "--json",
-                   env={"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf")})
+                   "--verify", env={"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     for key in ("wall_s", "bytes", "peak_buffer_bytes", "largest_layer_bytes", "layers", "order"):
@@ -89,3 +89,6 @@ def test_reload_from_the_hub_end_to_end(demo_models, tmp_path):
     assert names[0] == "model.embed_tokens" and names[-1] == "lm_head"
     assert "model.layers.0.self_attn.qkv_proj" in names and "model.layers.1.mlp.gate_up_proj" in names
     assert hub.sent_for(".safetensors") >= (demo_models["add"] / "model.safetensors").stat().st_size
+    # --verify in process: every layer of the downloaded source matches, bit for bit.
+    verify = report["verify"]
+    assert verify["ok"] and verify["checked"] == verify["matched"] == len(names) and not verify["mismatched"]

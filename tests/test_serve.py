@@ -82,8 +82,11 @@ def test_reload_url_usage_errors():
     bad_mode = runner.invoke(app, ["reload", "--weights-path", "x", "--url", "http://127.0.0.1:9", "--pause-mode",
                                    "sometimes"])
     assert bad_mode.exit_code == 2 and "--pause-mode" in bad_mode.output
-    without_url = runner.invoke(app, ["reload", "--weights-path", "x", "--verify"])
+    without_url = runner.invoke(app, ["reload", "--weights-path", "x", "--weight-version", "v2"])
     assert without_url.exit_code == 2 and "--url" in without_url.output
+    # --verify also runs in process now: without --url it is no usage error (the missing source is).
+    in_process = runner.invoke(app, ["reload", "--weights-path", "x", "--verify"])
+    assert in_process.exit_code == 1 and "no such file" in in_process.output
 
 
 # --- reload --url: servers ----------------------------------------------------------------------

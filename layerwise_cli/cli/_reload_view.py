@@ -14,6 +14,7 @@ from rich.table import Table
 
 from ..engine.progress import read_events
 from ..engine.report import ReloadReport
+from ..engine.verify import VerifyResult
 from ..units import human_bytes, human_seconds
 from ._output import stderr, stdout
 
@@ -101,3 +102,22 @@ def render_report(report: ReloadReport, title: str = "Reload", top: int = 0) -> 
     if report.unexpected:
         summary.add_row("unexpected", f"{len(report.unexpected)} tensor(s) not buffered where the plan said")
     stdout.print(summary)
+
+
+def render_verify(verify: VerifyResult, where: str) -> None:
+    """`--verify`'s verdict on stdout: counts, then every layer that differs, failed or was not checked."""
+    line = (f"verify {escape(where)}: {verify.matched}/{verify.checked} parent layers match the source "
+            f"bit for bit ({verify.tensors_compared} stored tensors, {verify.kernels_compared} kernel "
+            f"read-backs) in {human_seconds(verify.wall_s)}")
+    if verify.skipped:
+        line += f"; {len(verify.skipped)} not checked"
+    stdout.print(line, soft_wrap=True)
+    for name, origin in verify.derived.items():
+        stdout.print(f"  derived: {escape(name)} (shares its weight with {escape(origin)}; checked through it)",
+                     soft_wrap=True)
+    for name in verify.mismatched:
+        stdout.print(f"  differs: {escape(name)}: {escape(verify.details.get(name, ''))}", soft_wrap=True)
+    for name, reason in verify.errors.items():
+        stdout.print(f"  could not check: {escape(name)}: {escape(reason)}", soft_wrap=True)
+    for name, reason in verify.skipped.items():
+        stdout.print(f"  not checked: {escape(name)}: {escape(reason)}", soft_wrap=True)

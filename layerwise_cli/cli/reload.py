@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated
 
 import typer
 
-from ..errors import UsageError
+from ..errors import LayerwiseError, UsageError
 from ._options import (
     DtypeOpt,
     EnforceEagerOpt,
@@ -19,7 +20,7 @@ from ._options import (
     TensorParallelOpt,
 )
 from ._output import handle_errors, print_json, stderr
-from ._reload_view import render_report, run_with_progress
+from ._reload_view import render_report, render_verify, run_with_progress
 
 
 @handle_errors
@@ -55,8 +56,9 @@ def reload_command(
         "--api-key", envvar="LAYERWISE_API_KEY", show_envvar=True, show_default=False,
         help="With --url: the servers' API key, sent as a bearer token.")] = None,
     verify: Annotated[bool, typer.Option(
-        "--verify", help="With --url: after the reload, check layer by layer that every server holds exactly "
-        "what the new weights must produce; a difference exits 1 and names the layers.")] = False,
+        "--verify", help="After the reload, check layer by layer (tied heads included) that the engine, or "
+        "every server with --url, holds exactly what the new weights must produce; a difference exits 1 and "
+        "names the layers.")] = False,
     timeout: Annotated[float | None, typer.Option(
         "--timeout", min=0.1, help="With --url: seconds to wait for each request to a server, the reload "
         "included (default 600).", show_default=False)] = None,
@@ -72,6 +74,8 @@ def reload_command(
     repo id), resumes, all servers at once.
 
     Example: layerwise reload --weights-path ./step-200 --model ./step-100 --max-model-len 2048
+
+    Example: layerwise reload --weights-path ./step-200 --model ./step-100 --verify
 
     Example: layerwise reload --weights-path /ckpt/step-200 --url http://127.0.0.1:8000 --verify
     """
@@ -90,7 +94,7 @@ def reload_command(
                                 verify=verify, timeout=timeout if timeout is not None else 600.0)
         raise typer.Exit(reload_remote(url, weights_path, options, as_json=as_json, top=top))
     given = [name for name, value in (("--pause-mode", pause_mode), ("--weight-version", weight_version),
-                                      ("--verify", verify or None), ("--timeout", timeout)) if value is not None]
+                                      ("--timeout", timeout)) if value is not None]
     if given:
         raise UsageError(f"{', '.join(given)} only apply with --url (reloading running servers)")
     from ..engine.local import EngineOptions, start_engine
@@ -110,12 +114,25 @@ def reload_command(
         report = run_with_progress(
             lambda path: reload_with_progress_path(llm, source_dir, order, allow_partial, readahead, path),
             None if as_json else new_progress_path(), f"reload {weights_path}", show=not as_json)
+        if verify:
+            from ..engine.verify import verify_engine
+
+            if not as_json:
+                stderr.print("Verifying the engine against the new weights ...")
+            report = replace(report, verify=verify_engine(llm, source_dir, None))
     finally:
         # Shut the engine down now: left to interpreter exit, multiprocessing
         # waits for the engine process before vLLM's own finalizer stops it.
         stop_engine(llm)
-    report.source = weights_path
+    report = replace(report, source=weights_path)
     if as_json:
         print_json(report.to_dict())
     else:
         render_report(report, title=f"Reload {weights_path}", top=top)
+        if report.verify is not None:
+            render_verify(report.verify, "engine")
+    if report.verify is not None and not report.verify.ok:
+        from ..engine.verify import verify_failure
+
+        raise LayerwiseError(f"{verify_failure(report.verify)}; the engine held the reloaded weights, unverified",
+                             where=weights_path)

@@ -10,7 +10,7 @@ from rich.table import Table
 from ..engine.remote import HOLDS_NEW, RemoteOptions, ServerResult, holdings, reload_servers
 from ..units import human_seconds
 from ._output import print_json, report_error, stderr, stdout
-from ._reload_view import render_report
+from ._reload_view import render_report, render_verify
 
 _HOLDS_TEXT = {
     HOLDS_NEW: "new weights",
@@ -83,19 +83,7 @@ def _render_server(result: ServerResult, top: int) -> None:
     if result.report is not None and result.method == "layerwise":
         render_report(result.report, title=f"{result.url} reload {result.report.source}", top=top)
     if result.verify is not None:
-        verify = result.verify
-        line = (f"verify {escape(result.url)}: {verify.matched}/{verify.checked} parent layers match the source "
-                f"bit for bit ({verify.tensors_compared} stored tensors, {verify.kernels_compared} kernel "
-                f"read-backs) in {human_seconds(verify.wall_s)}")
-        if verify.skipped:
-            line += f"; {len(verify.skipped)} not checked"
-        stdout.print(line, soft_wrap=True)
-        for name in verify.mismatched:
-            stdout.print(f"  differs: {escape(name)}: {escape(verify.details.get(name, ''))}", soft_wrap=True)
-        for name, reason in verify.errors.items():
-            stdout.print(f"  could not check: {escape(name)}: {escape(reason)}", soft_wrap=True)
-        for name, reason in verify.skipped.items():
-            stdout.print(f"  not checked: {escape(name)}: {escape(reason)}", soft_wrap=True)
+        render_verify(result.verify, result.url)
 
 
 def _render_summary(results: list[ServerResult]) -> None:

@@ -2,7 +2,144 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+# Diagnostic switch: `LAYERWISE_NO_CPU_FIXUPS=1` leaves the engine as vLLM's
+# reload leaves it (stale tied heads, unpacked MoE experts), so that `--verify`
+# and the tests can show what the repairs below prevent. Never set it otherwise.
+NO_FIXUPS_ENV = "LAYERWISE_NO_CPU_FIXUPS"
+
+
+def fixups_disabled() -> bool:
+    """Whether the diagnostic switch turns the CPU repairs off (read in the worker, at each reload)."""
+    return os.environ.get(NO_FIXUPS_ENV, "") not in {"", "0"}
+
+
+def apply_cpu_fixups(model: torch.nn.Module, reloaded: set[str]) -> list[str]:
+    """Repair what vLLM's CPU backend leaves stale after an in-place reload; one note per repair.
+
+    Args:
+        model: the engine's model.
+        reloaded: names of the modules this reload processed.
+
+    Returns:
+        Notes for the reload report (empty when nothing needed repair, or when
+        `LAYERWISE_NO_CPU_FIXUPS` is set: then a note says the repairs are off).
+    """
+    if fixups_disabled():
+        return [f"CPU repairs are off ({NO_FIXUPS_ENV} is set): derived kernels and MoE experts are left as "
+                "vLLM's reload leaves them"]
+    notes = []
+    repacked = repack_cpu_moe_experts(model, reloaded)
+    if repacked:
+        notes.append(f"re-packed {len(repacked)} CPU MoE expert layer(s) after the reload "
+                     "(vLLM's CPU backend skips this on weight updates)")
+    rebuilt, left = rebuild_derived_kernels(model, reloaded)
+    if rebuilt:
+        notes.append(f"rebuilt the CPU kernel of {', '.join(sorted(rebuilt))}: it shares its weight with "
+                     f"{', '.join(sorted(set(rebuilt.values())))}, which this reload refilled, and vLLM does not "
+                     "re-process a module that is not in the checkpoint (tied head)")
+    for name, why in sorted(left.items()):
+        notes.append(f"{name} shares its weight with a reloaded module but could not be rebuilt ({why}); "
+                     "--verify checks it")
+    return notes
+
+
+def _storages(module: torch.nn.Module) -> dict[int, str]:
+    """Storage pointer -> tensor name, for the module's own stored parameters and buffers."""
+    out = {}
+    for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):
+        if tensor is None or tensor.device.type == "meta" or tensor.numel() == 0:
+            continue
+        out[tensor.untyped_storage().data_ptr()] = name
+    return out
+
+
+def derived_modules(model: torch.nn.Module, sources: set[str]) -> dict[str, str]:
+    """Modules outside SOURCES whose own tensors share storage with a module in SOURCES.
+
+    This is the whole class of modules whose weights are derived from another
+    module's: a tied LM head (`lm_head.weight is embed_tokens.weight`), an
+    embedding a multimodal wrapper or an MTP/draft head shares by tensor. A
+    module shared as the same object (`self.embed_tokens = other.embed_tokens`)
+    is one module, reached under its first name, and is never stale.
+
+    Args:
+        model: the engine's model.
+        sources: names of the modules whose tensors are the originals (those a
+            reload refilled, or those `--verify` checked against SOURCE).
+
+    Returns:
+        derived module name -> the name of the module it shares storage with.
+    """
+    modules = dict(model.named_modules())
+    chosen = {id(modules[name]) for name in sources if name in modules}
+    owner: dict[int, str] = {}
+    for name in sources:
+        if name in modules:
+            for pointer in _storages(modules[name]):
+                owner.setdefault(pointer, name)
+    derived = {}
+    for name, module in modules.items():
+        if id(module) in chosen:
+            continue
+        shared = [owner[pointer] for pointer in _storages(module) if pointer in owner]
+        if shared:
+            derived[name] = shared[0]
+    return derived
+
+
+def rebuild_derived_kernels(model: torch.nn.Module, reloaded: set[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Redo the CPU processing of modules whose weight a reload refilled through another module.
+
+    On CPU, `UnquantizedEmbeddingMethod.process_weights_after_loading` (which
+    `ParallelLMHead` uses) builds a packed copy of the weight into a oneDNN or
+    SGL kernel handle (`layer.cpu_linear`, `dispatch_cpu_unquantized_gemm`).
+    vLLM processes a module during a reload only when the checkpoint fills it;
+    a tied head is not in the checkpoint, so its storage (shared with
+    `embed_tokens`) takes the new values while its kernel keeps packing the old
+    ones, and the logits come from the old head. vLLM's own
+    `reload_weights(weights_path=...)` has the same fault.
+
+    The rule: every module not processed by this reload whose own tensors
+    share storage with a module it processed, and that holds CPU kernel state
+    (`cpu_linear`), is processed again by vLLM's own method, which on CPU
+    only rebuilds that handle from the module's current weight. Parameters and
+    their storage are not touched. Modules with another quant method are
+    reported in `left`, not guessed at. Nothing else is done: without shared
+    storage, or without a CPU kernel handle (GPU: the head multiplies by the
+    shared weight itself), this is a no-op.
+
+    Args:
+        model: the engine's model.
+        reloaded: names of the modules this reload processed.
+
+    Returns:
+        (rebuilt: module -> the reloaded module it shares with,
+         left: module -> why it could not be rebuilt).
+    """
+    rebuilt, left = {}, {}
+    for name, origin in derived_modules(model, reloaded).items():
+        module = model.get_submodule(name)
+        if getattr(module, "cpu_linear", None) is None:
+            continue
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+        method = getattr(module, "quant_method", None)
+        if not isinstance(method, UnquantizedEmbeddingMethod):
+            left[name] = f"quant method {type(method).__name__}"
+            continue
+        before = {key: tensor.untyped_storage().data_ptr()
+                  for key, tensor in module.named_parameters(recurse=False)}
+        method.process_weights_after_loading(module)
+        after = {key: tensor.untyped_storage().data_ptr()
+                 for key, tensor in module.named_parameters(recurse=False)}
+        if before != after:
+            raise RuntimeError(f"{name}: rebuilding its CPU kernel moved its parameters")
+        rebuilt[name] = origin
+    return rebuilt, left
 
 
 def repack_cpu_moe_experts(model: torch.nn.Module, reloaded: set[str]) -> list[str]:
@@ -30,10 +167,12 @@ def repack_cpu_moe_experts(model: torch.nn.Module, reloaded: set[str]) -> list[s
             continue
         method = getattr(module, "quant_method", None)
         experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
-        # By name through the class hierarchy: the x86 (AMX) and Arm kernels are
-        # subclasses with their own `isa` (vllm/model_executor/layers/fused_moe/experts/cpu_moe.py).
-        kernels = {cls.__name__ for cls in type(experts).__mro__}
-        if "CPUUnquantizedExperts" not in kernels or getattr(experts, "_use_zentorch", False):
+        if experts is None:
+            continue
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+        # Subclasses too: on AMX CPUs the kernel is `X86CPUUnquantizedExperts` (isa "amx").
+        if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
             continue
         from vllm import _custom_ops as ops
 

@@ -115,7 +115,7 @@ def call_workers(llm, method: str, **kwargs) -> list[dict]:
 
 
 def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = False, readahead: bool = True,
-           revision: str | None = None, progress_path: str | None = None) -> ReloadReport:
+           revision: str | None = None, progress_path: str | None = None, verify: bool = False) -> ReloadReport:
     """Reload SOURCE into a running `vllm.LLM`, in layer order, and report what it cost.
 
     The engine must have been built with
@@ -131,19 +131,36 @@ def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = Fals
         readahead: read the next layer while the engine processes the current one.
         revision: Hub revision for a repo id.
         progress_path: a file the first worker appends per-layer progress to.
+        verify: after the reload, check on every worker, layer by layer (and
+            every module derived from a layer, such as a tied head), that the
+            engine holds exactly what vLLM makes of SOURCE (`verify_engine`).
 
     Returns:
-        The merged report of all workers.
+        The merged report of all workers; with `verify`, `report.verify` holds
+        the (passed) verification.
 
     Raises:
         LayerwiseError: pre-flight or the reload failed (the engine keeps, or is
-            rolled back to, the weights it had).
+            rolled back to, the weights it had); or, with `verify`, a layer
+            differs from SOURCE or could not be checked (the message names the
+            layers; the engine then holds SOURCE's weights, unverified: call
+            `verify_engine` for the full result).
     """
     results = call_workers(llm, "layerwise_reload", source=source, order=order, allow_partial=allow_partial,
                            readahead=readahead, revision=revision, progress_path=progress_path)
     report = reports_from_results(results)
     # KV blocks cached under the old weights must not serve prompts under the new ones.
     llm.reset_prefix_cache()
+    if verify:
+        from dataclasses import replace
+
+        from .verify import verify_engine, verify_failure
+
+        result = verify_engine(llm, source, revision)
+        if not result.ok:
+            raise LayerwiseError(f"{verify_failure(result)}; the engine holds the reloaded weights, unverified",
+                                 where=source)
+        report = replace(report, verify=result)
     return report
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..errors import LayerwiseError
 from .report import ReloadReport, merge_reports
+from .verify import VerifyResult, merge_verify, verify_failure
 
 PAUSE_MODES = ("wait", "keep", "abort", "none")
 
@@ -40,25 +41,6 @@ class RemoteOptions:
     verify: bool = False
     # Seconds for each request to a server (the reload and the pause included).
     timeout: float = 600.0
-
-
-@dataclass
-class VerifyResult:
-    """`--verify` on one server (merged across its workers)."""
-
-    ok: bool
-    checked: int
-    matched: int
-    tensors_compared: int
-    kernels_compared: int
-    mismatched: list[str] = field(default_factory=list)
-    # Layers not compared: by design (partial source, attention) ...
-    skipped: dict[str, str] = field(default_factory=dict)
-    # ... or because loading the layer alone failed (these fail --verify: nothing was proven).
-    errors: dict[str, str] = field(default_factory=dict)
-    details: dict[str, str] = field(default_factory=dict)
-    # Seconds the check took, seen from the client (generation stays paused meanwhile).
-    wall_s: float = 0.0
 
 
 @dataclass
@@ -192,7 +174,7 @@ def reload_server(url: str, source: str, options: RemoteOptions | None = None,
             emit(url, "verified", {"verify": result.verify})
             if not result.verify.ok:
                 result.holds = HOLDS_UNVERIFIED
-                raise _ServerError(_verify_failure(result.verify), holds=HOLDS_UNVERIFIED)
+                raise _ServerError(verify_failure(result.verify), holds=HOLDS_UNVERIFIED)
 
         if options.weight_version is not None:
             result.stage = "version"
@@ -290,19 +272,6 @@ def differing_layers(ours: dict[str, str], theirs: dict[str, str]) -> list[str]:
 
 def _module_of(key: str) -> str:
     return key.rsplit("#", 1)[0].rstrip(".") if "#" in key else key.rpartition(".")[0]
-
-
-def _verify_failure(verify: VerifyResult) -> str:
-    if verify.mismatched:
-        shown = ", ".join(verify.mismatched[:5])
-        more = f" and {len(verify.mismatched) - 5} more" if len(verify.mismatched) > 5 else ""
-        return (f"--verify: {len(verify.mismatched)} layer(s) differ from what the source must produce: "
-                f"{shown}{more}")
-    if verify.errors:
-        name, why = next(iter(verify.errors.items()))
-        more = f" and {len(verify.errors) - 1} more" if len(verify.errors) > 1 else ""
-        return f"--verify: {len(verify.errors)} layer(s) could not be checked: {name} {why}{more}"
-    return "--verify: no layer of the source could be checked"
 
 
 def _reset_prefix_cache(client: ServerClient, result: ServerResult) -> None:
@@ -504,38 +473,6 @@ class ServerClient:
         verify = merge_verify([r["verify"] for r in results])
         verify.wall_s = time.perf_counter() - start
         return verify
-
-
-def merge_verify(per_worker: list[dict]) -> VerifyResult:
-    """Merge the workers' verify results: a layer matches only if it matches on every worker."""
-    mismatched: list[str] = []
-    skipped: dict[str, str] = {}
-    errors: dict[str, str] = {}
-    details: dict[str, str] = {}
-    for rank, worker in enumerate(per_worker):
-        suffix = f" (worker {rank})" if len(per_worker) > 1 else ""
-        for layer in worker["layers"]:
-            if layer["status"] == "mismatch":
-                if layer["name"] not in mismatched:
-                    mismatched.append(layer["name"])
-                details[layer["name"]] = layer["detail"] + suffix
-            elif layer["status"] == "skipped":
-                skipped[layer["name"]] = layer["detail"]
-            elif layer["status"] == "error":
-                errors[layer["name"]] = layer["detail"] + suffix
-    first = per_worker[0]
-    checked = first["checked"]
-    return VerifyResult(
-        ok=not mismatched and not errors and checked > 0,
-        checked=checked,
-        matched=checked - len(mismatched),
-        tensors_compared=sum(w["tensors_compared"] for w in per_worker),
-        kernels_compared=sum(w["kernels_compared"] for w in per_worker),
-        mismatched=mismatched,
-        skipped=skipped,
-        errors=errors,
-        details=details,
-    )
 
 
 class RpcError(_ServerError):

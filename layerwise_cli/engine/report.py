@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from .verify import VerifyResult
+
 
 @dataclass
 class LayerReport:
@@ -52,6 +54,8 @@ class ReloadReport:
     device: str = "cpu"
     finalize_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # `--verify` / `reload(..., verify=True)`: the engine checked against SOURCE after the reload.
+    verify: VerifyResult | None = None
 
     @property
     def gb_per_s(self) -> float:
@@ -77,6 +81,8 @@ class ReloadReport:
     def from_dict(cls, data: dict) -> ReloadReport:
         fields = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         fields["layers"] = [LayerReport(**layer) for layer in data.get("layers", [])]
+        if data.get("verify") is not None:
+            fields["verify"] = VerifyResult.from_dict(data["verify"])
         return cls(**fields)
 
 

@@ -140,12 +140,9 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     else:
-        from .cpu_fixups import repack_cpu_moe_experts
+        from .cpu_fixups import apply_cpu_fixups
 
-        repacked = repack_cpu_moe_experts(model, set(probe.timings))
-        if repacked:
-            notes.append(f"re-packed {len(repacked)} CPU MoE expert layer(s) after the reload "
-                         "(vLLM's CPU backend skips this on weight updates)")
+        notes.extend(apply_cpu_fixups(model, set(probe.timings)))
     end = time.perf_counter()
     layers = []
     engine_name = {item.parent: vllm_names.get(item.entry.name, item.parent)

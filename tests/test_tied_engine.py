@@ -1,0 +1,168 @@
+"""Tied embeddings, for real: a reload ends where a fresh engine starts, and `--verify` sees the tied head.
+
+Checkpoints come from `transformers`' own `save_pretrained` (tests/producers.py):
+a Qwen3 with `tie_word_embeddings: true` writes no `lm_head` tensor. On CPU,
+vLLM packs the head's GEMM weight when it processes the head; a reload does
+not process it again (it is not in the checkpoint), so the head kept serving
+the old weights until layerwise rebuilt it (`engine/cpu_fixups.py`).
+
+Engines start one at a time: the CLI run (its own engine), a fresh B, then A.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine_support import assert_same_outputs, engine_state, greedy_with_logprobs
+from producers import Producer, save_pretrained_checkpoint
+
+pytestmark = pytest.mark.engine
+
+TIED = Producer("qwen3", tied=True, vocab_size=192)
+PROMPTS = ["3 4 = ", "12 7 9 ", "5 5 = ", "1 2 3 4 ", "9 = 8 ", "0 0 0 ", "7 ", "42 = 6 7 ", "8 8 = 1", "2 = = "]
+REPAIR_NOTE = "rebuilt the CPU kernel of lm_head"
+
+
+@pytest.fixture(scope="module")
+def tied_ab(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tied")
+    checkpoints = {name: save_pretrained_checkpoint(root / name, TIED, seed=seed) for name, seed in (("A", 1), ("B", 2))}
+    for path in checkpoints.values():
+        names = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+        assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+    return checkpoints
+
+
+@pytest.fixture(scope="module")
+def padded_ab(tmp_path_factory) -> dict[str, Path]:
+    """The same, with a vocabulary vLLM pads (160 rows -> 192 in the engine)."""
+    root = tmp_path_factory.mktemp("tied-padded")
+    producer = Producer("qwen3", tied=True, vocab_size=160)
+    return {name: save_pretrained_checkpoint(root / name, producer, seed=seed) for name, seed in (("A", 1), ("B", 2))}
+
+
+def on_cpu() -> bool:
+    from layerwise_cli.engine.local import cuda_available
+
+    return not cuda_available()
+
+
+@pytest.mark.parametrize("vocabulary", ["unpadded", "padded"])
+def test_verify_names_the_stale_tied_head_when_the_repair_is_off(tied_ab, padded_ab, vocabulary):
+    """`layerwise reload --verify` with the CPU repairs switched off: exit 1, naming `lm_head` only.
+
+    Runs first, alone: the CLI starts its own engine (on A), reloads B and verifies.
+    With the padded vocabulary the embedding (SOURCE covers 160 of its 192 rows;
+    vLLM's loader zero-fills the rest) is checked too, and matches.
+    """
+    if not on_cpu():
+        pytest.skip("the stale packed head is a CPU-backend fault; on GPU nothing is left stale")
+    pair = tied_ab if vocabulary == "unpadded" else padded_ab
+    proc = subprocess.run(
+        [sys.executable, "-m", "layerwise_cli", "reload", "--weights-path", str(pair["B"]),
+         "--model", str(pair["A"]), "--max-model-len", "64", "--verify"],
+        capture_output=True, text=True, timeout=900,
+        env={**os.environ, "LAYERWISE_NO_CPU_FIXUPS": "1", "COLUMNS": "250"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert str(pair["B"]) in errors[0]
+    assert "1 layer(s) differ from what the source must produce: lm_head" in errors[0]
+    assert "differs: lm_head: derived from model.embed_tokens" in proc.stdout, proc.stdout
+    assert "#kernel" in proc.stdout  # the packed kernel differs, not the stored weight
+    assert "not checked: model.embed_tokens" not in proc.stdout  # checked, and it matches
+    assert "CPU repairs are off (LAYERWISE_NO_CPU_FIXUPS is set)" in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def fresh(tied_ab) -> dict[str, list]:
+    """Outputs of an engine started on B, then shut down."""
+    from layerwise_cli.engine.local import EngineOptions, start_engine, stop_engine
+
+    llm = start_engine(str(tied_ab["B"]), EngineOptions(max_model_len=64))
+    try:
+        return {"B": greedy_with_logprobs(llm, PROMPTS)}
+    finally:
+        stop_engine(llm)
+
+
+@pytest.fixture(scope="module")
+def engine_a(tied_ab, fresh):
+    """An engine started on A; `fresh["A"]` holds its outputs at start."""
+    from layerwise_cli.engine.local import EngineOptions, start_engine, stop_engine
+
+    llm = start_engine(str(tied_ab["A"]), EngineOptions(max_model_len=64))
+    fresh["A"] = greedy_with_logprobs(llm, PROMPTS)
+    yield llm
+    stop_engine(llm)
+
+
+@pytest.mark.parametrize("order", ["layer", "file"])
+def test_reload_b_matches_a_fresh_b_then_a_comes_back(engine_a, tied_ab, fresh, order):
+    from layerwise_cli.engine.local import reload
+
+    assert fresh["A"] != fresh["B"]  # A and B answer differently: the comparison can fail
+    before = engine_state(engine_a)
+    report = reload(engine_a, str(tied_ab["B"]), order=order)
+    assert "lm_head" not in [layer.name for layer in report.layers]  # not in the checkpoint
+    if order == "layer":
+        assert report.peak_buffer_bytes == report.largest_layer_bytes == report.predicted_peak_buffer_bytes
+    assert_same_outputs(greedy_with_logprobs(engine_a, PROMPTS), fresh["B"], exact=False)
+    if on_cpu():
+        assert any(REPAIR_NOTE in note and "model.embed_tokens" in note for note in report.notes), report.notes
+    # In place: every tensor keeps its storage (the head's weight is still the embedding's).
+    after = engine_state(engine_a)
+    assert after["pointers"] == before["pointers"] and after["checksums"] != before["checksums"]
+    assert after["pointers"]["lm_head.weight"] == after["pointers"]["model.embed_tokens.weight"]
+
+    reload(engine_a, str(tied_ab["A"]))
+    assert_same_outputs(greedy_with_logprobs(engine_a, PROMPTS), fresh["A"], exact=True)
+
+
+def test_python_api_verify_checks_the_tied_head_through_the_embedding(engine_a, tied_ab, fresh):
+    from layerwise_cli.engine.local import reload
+
+    report = reload(engine_a, str(tied_ab["B"]), verify=True)
+    verify = report.verify
+    assert verify is not None and verify.ok and not verify.mismatched and not verify.errors
+    assert verify.derived == {"lm_head": "model.embed_tokens"}
+    assert verify.checked == verify.matched == len(report.layers) + 1  # every SOURCE layer, and the head
+    assert verify.kernels_compared > 0
+    assert report.to_dict()["verify"]["derived"] == {"lm_head": "model.embed_tokens"}
+    assert_same_outputs(greedy_with_logprobs(engine_a, PROMPTS), fresh["B"], exact=False)
+    reload(engine_a, str(tied_ab["A"]))
+
+
+def test_vllm_own_reload_leaves_the_head_stale_and_verify_catches_it(engine_a, tied_ab, fresh):
+    """vLLM's `reload_weights(weights_path=B)` serves the old head on CPU; `verify_engine` names it.
+
+    The figure for the README: how many of the prompts answer differently from
+    a fresh B engine after vLLM's own reload (tokens or top-5 logprobs).
+    """
+    from layerwise_cli.engine.local import reload
+    from layerwise_cli.engine.verify import verify_engine
+
+    engine_a.collective_rpc("reload_weights", kwargs={"weights_path": str(tied_ab["B"])})
+    engine_a.reset_prefix_cache()
+    got = greedy_with_logprobs(engine_a, PROMPTS)
+    differ = sum(1 for ours, theirs in zip(got, fresh["B"]) if ours != theirs)
+    print(f"vLLM's own reload: {differ} of {len(PROMPTS)} prompts differ from a fresh B engine")
+    verify = verify_engine(engine_a, str(tied_ab["B"]))
+    if on_cpu():
+        assert differ > 0
+        assert not verify.ok and verify.mismatched == ["lm_head"]
+        assert "#kernel" in verify.details["lm_head"] and "model.embed_tokens" in verify.details["lm_head"]
+    else:
+        assert differ == 0 and verify.ok
+    # A layerwise reload rebuilds the head vLLM left stale.
+    reload(engine_a, str(tied_ab["B"]))
+    assert_same_outputs(greedy_with_logprobs(engine_a, PROMPTS), fresh["B"], exact=False)
+    assert verify_engine(engine_a, str(tied_ab["B"])).ok
+    reload(engine_a, str(tied_ab["A"]))
+    assert_same_outputs(greedy_with_logprobs(engine_a, PROMPTS), fresh["A"], exact=True)

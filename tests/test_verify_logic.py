@@ -1,0 +1,119 @@
+"""Our own logic around `--verify` and the derived-module rule, without an engine (fakes only here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from layerwise_cli.engine.cpu_fixups import derived_modules, fixups_disabled
+
+
+class _Tied(torch.nn.Module):
+    """A tiny model with a head tied by tensor, as vLLM's `tie_weights` does it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(8, 4)
+        self.norm = torch.nn.LayerNorm(4)
+        self.lm_head = torch.nn.Linear(4, 8, bias=False)
+        self.lm_head.weight = self.embed_tokens.weight
+        # Shared as the same module object (multimodal wrappers, draft models): one module, never stale.
+        self.alias = self.embed_tokens
+
+
+def test_a_head_tied_by_tensor_is_derived_from_the_embedding():
+    model = _Tied()
+    assert derived_modules(model, {"embed_tokens"}) == {"lm_head": "embed_tokens"}
+    # The other way round, too: whichever of the two a reload refilled is the origin.
+    assert derived_modules(model, {"lm_head"}) == {"embed_tokens": "lm_head"}
+
+
+def test_nothing_is_derived_without_shared_storage():
+    model = _Tied()
+    assert derived_modules(model, {"norm"}) == {}
+    assert derived_modules(model, set()) == {}
+    untied = _Tied()
+    untied.lm_head.weight = torch.nn.Parameter(untied.embed_tokens.weight.detach().clone())
+    assert derived_modules(untied, {"embed_tokens", "norm"}) == {}
+
+
+def test_the_diagnostic_switch(monkeypatch):
+    monkeypatch.delenv("LAYERWISE_NO_CPU_FIXUPS", raising=False)
+    assert not fixups_disabled()
+    monkeypatch.setenv("LAYERWISE_NO_CPU_FIXUPS", "0")
+    assert not fixups_disabled()
+    monkeypatch.setenv("LAYERWISE_NO_CPU_FIXUPS", "1")
+    assert fixups_disabled()
+
+
+def _worker_verify(statuses: dict[str, str], derived_from: dict[str, str] | None = None) -> dict:
+    layers = [{"name": name, "status": status, "detail": f"{name} {status}", "compared": ["weight", "#kernel"],
+               **({"derived_from": derived_from[name]} if derived_from and name in derived_from else {})}
+              for name, status in statuses.items()]
+    checked = sum(1 for s in statuses.values() if s in ("match", "mismatch"))
+    return {"layers": layers, "checked": checked, "matched": sum(1 for s in statuses.values() if s == "match"),
+            "tensors_compared": checked, "kernels_compared": checked}
+
+
+class _FakeLLM:
+    """Answers the two worker methods `reload(..., verify=True)` calls, as two workers would."""
+
+    def __init__(self, verify_statuses: list[dict[str, str]]) -> None:
+        self.verify_statuses = verify_statuses
+        self.calls: list[str] = []
+
+    def collective_rpc(self, method: str, kwargs: dict):
+        self.calls.append(method)
+        if method == "layerwise_reload":
+            report = {"order": "layer", "source": kwargs["source"], "wall_s": 0.1, "bytes": 10, "tensors": 2,
+                      "peak_buffer_bytes": 5, "peak_tensor": "x", "predicted_peak_buffer_bytes": 5,
+                      "largest_layer_bytes": 5, "layers": []}
+            return [{"ok": True, "report": report} for _ in self.verify_statuses]
+        if method == "layerwise_verify":
+            return [{"ok": True, "verify": _worker_verify(s, {"lm_head": "model.embed_tokens"})}
+                    for s in self.verify_statuses]
+        raise AssertionError(method)
+
+    def reset_prefix_cache(self) -> None:
+        self.calls.append("reset_prefix_cache")
+
+
+def test_reload_with_verify_returns_the_verification():
+    from layerwise_cli.engine.local import reload
+
+    llm = _FakeLLM([{"model.embed_tokens": "match", "lm_head": "match"}] * 2)
+    report = reload(llm, "/ckpt/B", verify=True)
+    assert llm.calls == ["layerwise_reload", "reset_prefix_cache", "layerwise_verify"]
+    assert report.verify.ok and report.verify.checked == 2 and report.verify.derived == {
+        "lm_head": "model.embed_tokens"}
+    assert report.to_dict()["verify"]["ok"] is True
+    assert type(report).from_dict(report.to_dict()).verify == report.verify
+
+
+def test_reload_with_verify_raises_naming_the_layer_a_worker_disagrees_on():
+    from layerwise_cli import LayerwiseError
+    from layerwise_cli.engine.local import reload
+
+    llm = _FakeLLM([{"model.embed_tokens": "match", "lm_head": "match"},
+                    {"model.embed_tokens": "match", "lm_head": "mismatch"}])
+    with pytest.raises(LayerwiseError) as caught:
+        reload(llm, "/ckpt/B", verify=True)
+    message = str(caught.value)
+    assert message.startswith("/ckpt/B: --verify: 1 layer(s) differ from what the source must produce: lm_head")
+    assert "unverified" in message and "\n" not in message
+
+
+def test_reload_without_verify_does_not_verify():
+    from layerwise_cli.engine.local import reload
+
+    llm = _FakeLLM([{"lm_head": "mismatch"}])
+    assert reload(llm, "/ckpt/B").verify is None
+    assert "layerwise_verify" not in llm.calls
+
+
+def test_a_layer_that_could_not_be_checked_fails_verify():
+    from layerwise_cli.engine.verify import merge_verify, verify_failure
+
+    result = merge_verify([_worker_verify({"model.layers.0.mlp.gate": "error", "model.norm": "match"})])
+    assert not result.ok and "model.layers.0.mlp.gate" in result.errors
+    assert verify_failure(result).startswith("--verify: 1 layer(s) could not be checked: model.layers.0.mlp.gate")
