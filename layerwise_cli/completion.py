@@ -46,6 +46,9 @@ class HeldLayer:
     reason: str
     # Tensor-parallel ranks that hold it (all ranks unless the rule depends on the rank).
     ranks: tuple[int, ...]
+    # `vocabulary` (padding: harmless) or `partial` (a fused layer the checkpoint
+    # covers partly: vLLM fills the rest from fresh, uninitialized memory).
+    kind: str = "vocabulary"
 
 
 def padded_vocab(vocab: int, padding: int = VOCAB_PADDING) -> int:
@@ -138,7 +141,8 @@ def partial_fused_hold(name: str, tensor_names: Iterable[str], packed: Mapping[s
                    if param not in present.get(member, set())]
     if not missing:
         return None
-    return HeldLayer(name, f"{', '.join(missing)} not in the checkpoint", tuple(range(tensor_parallel_size)))
+    return HeldLayer(name, f"{', '.join(missing)} not in the checkpoint", tuple(range(tensor_parallel_size)),
+                     "partial")
 
 
 def held_layers(groups: Mapping[str, list[TensorEntry]], order_keys: Mapping[str, tuple[int, int]],
@@ -164,7 +168,8 @@ def held_layers(groups: Mapping[str, list[TensorEntry]], order_keys: Mapping[str
     for name, entries in groups.items():
         hold = None
         rows = {entry.shape[0] for entry in entries if entry.shape}
-        if is_vocabulary_layer(order_keys[name]) and len(rows) == 1:
+        matrix = any(len(entry.shape) == 2 for entry in entries)  # not a norm that sorts with the embeddings
+        if is_vocabulary_layer(order_keys[name]) and matrix and len(rows) == 1:
             # vLLM sizes the layer from config.json's vocab_size and asserts the
             # checkpoint's rows equal it, so the rows are the vocabulary.
             hold = vocab_hold(name, rows.pop(), tensor_parallel_size)

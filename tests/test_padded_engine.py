@@ -165,3 +165,28 @@ def test_tensor_parallel_two_holds_on_the_last_rank(checkpoints, monkeypatch) ->
             assert merged.peak_buffer_bytes == ranks[1].peak_buffer_bytes
     finally:
         stop_engine(llm)
+
+
+def test_partly_covered_fused_layer_is_refused_even_with_allow_partial(untied_engine, checkpoints, tmp_path):
+    """A checkpoint with q_proj and k_proj but no v_proj of a layer: vLLM would hold qkv_proj to the end,
+    then materialize it from uninitialized memory and copy all of it into place (v_proj's weights lost).
+    Pre-flight refuses it, and the engine keeps every weight."""
+    from engine_support import engine_state, parameter_kind, reshard
+    from layerwise_cli.engine.local import reload
+    from layerwise_cli.errors import LayerwiseError
+
+    b = checkpoints[f"{UNTIED.label}-B"]
+    v_proj = "model.layers.0.self_attn.v_proj.weight"
+    partial = reshard(b, tmp_path / "partial", parameter_kind,
+                      transform=lambda tensors: {k: v for k, v in tensors.items() if k != v_proj})
+    before = engine_state(untied_engine)
+    answers = greedy_with_logprobs(untied_engine, prompts())
+    with pytest.raises(LayerwiseError) as info:
+        reload(untied_engine, str(partial), allow_partial=True)
+    text = str(info.value)
+    assert "\n" not in text and str(partial) in text
+    assert "fused layer model.layers.0.self_attn.qkv_proj is only partly in the checkpoint" in text
+    assert "v_proj.weight not in the checkpoint" in text
+    after = engine_state(untied_engine)
+    assert after["checksums"] == before["checksums"] and after["pointers"] == before["pointers"]
+    assert greedy_with_logprobs(untied_engine, prompts()) == answers
