@@ -84,7 +84,10 @@ def render(report, data: dict, top: int) -> None:
             f"{sim['open_layers_at_peak']} layer(s) open at {escape(sim['peak_tensor'])}{rank}",
         )
     if lo["above_largest_layer_because"]:
-        summary.add_row("", f"layer order above the largest layer: {escape(lo['above_largest_layer_because'])}")
+        # The JSON carries the whole sentence; here the held layers are named one row up.
+        why = ("the layers held to the end, together" if data["held_to_end"]
+               else escape(lo["above_largest_layer_because"]))
+        summary.add_row("", f"layer order is above the largest layer: {why}")
     if data["skipped_tensors"]:
         summary.add_row("skipped", f"{len(data['skipped_tensors'])} tensor(s) the engine does not load")
     summary.add_row("read", f"{data['header_bytes_read']} header bytes of "
