@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from producers import Producer, save_pretrained_checkpoint
 
 from layerwise_cli.completion import (
     HeldLayer,
@@ -18,8 +19,6 @@ from layerwise_cli.parents import _DENSE_PACKED
 from layerwise_cli.plan import PlannedTensor, simulate_buffering
 from layerwise_cli.safetensors_header import TensorEntry
 from layerwise_cli.synthetic import SyntheticModel, write_checkpoint
-
-from producers import Producer, save_pretrained_checkpoint
 
 VOCABS = [1, 10, 63, 64, 65, 128, 130, 160, 192, 1000, 50257, 151643, 151936]
 

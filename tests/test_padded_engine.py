@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from engine_support import assert_same_outputs, greedy_with_logprobs
 from producers import Producer, save_pretrained_checkpoint
 
@@ -172,6 +171,7 @@ def test_partly_covered_fused_layer_is_refused_even_with_allow_partial(untied_en
     then materialize it from uninitialized memory and copy all of it into place (v_proj's weights lost).
     Pre-flight refuses it, and the engine keeps every weight."""
     from engine_support import engine_state, parameter_kind, reshard
+
     from layerwise_cli.engine.local import reload
     from layerwise_cli.errors import LayerwiseError
 
