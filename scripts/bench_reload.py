@@ -377,6 +377,7 @@ def _ratios(t: dict, peaks: dict) -> dict:
             ratios[f"{v}_peak_over_file_prediction"] = peaks[v] / predicted
     if "c" in peaks:
         ratios["c_peak_over_largest"] = peaks["c"] / peaks["largest_layer_bytes"]
+        ratios["c_peak_over_layer_prediction"] = peaks["c"] / peaks["predicted_layer_order_bytes"]
     return ratios
 
 
@@ -389,9 +390,12 @@ def targets(results: list[dict]) -> list[dict]:
         out.append({"target": "in order: c / a <= 0.9", "value": value, "met": value <= TARGET_C_OVER_A})
     if "trainer_export" in by_layout:
         r = by_layout["trainer_export"]["ratios"]
-        if "c_peak_over_largest" in r:
-            value = r["c_peak_over_largest"]
-            out.append({"target": "trainer export: c peak = 1.0 x largest layer", "value": value,
+        if "c_peak_over_layer_prediction" in r:
+            # Layer order's peak is the largest layer unless vLLM holds layers to the
+            # end (a padded vocabulary): then those layers together, if larger.
+            value = r["c_peak_over_layer_prediction"]
+            out.append({"target": "trainer export: c peak = layer-order prediction "
+                        "(max of the largest layer and the layers held to the end)", "value": value,
                         "met": abs(value - 1.0) < 1e-9})
         for v in ("a", "b"):
             key = f"{v}_peak_over_file_prediction"

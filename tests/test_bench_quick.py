@@ -48,4 +48,8 @@ def test_quick_benchmark_writes_consistent_json(tmp_path, demo_models):
     export = next(r for r in data["results"] if r["layout"] == "trainer_export")
     assert export["peaks"]["a"] > export["peaks"]["largest_layer_bytes"]
     assert export["ratios"]["c_peak_over_largest"] == 1.0
-    assert {t["target"] for t in data["targets"]} >= {"trainer export: c peak = 1.0 x largest layer"}
+    # The bench's vocabulary is a multiple of 64: no layer is held to the end, so the
+    # layer-order prediction is the largest layer.
+    assert export["ratios"]["c_peak_over_layer_prediction"] == 1.0
+    assert any(t["target"].startswith("trainer export: c peak = layer-order prediction") and t["met"]
+               for t in data["targets"])

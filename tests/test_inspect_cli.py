@@ -14,7 +14,9 @@ from layerwise_cli.synthetic import SyntheticModel, write_checkpoint
 
 runner = CliRunner()
 # The dense model of test_plan: largest parent layer 768 bytes (gate_up_proj);
-# in trainer-export order over 4 shards vLLM's read order buffers 1280.
+# its vocabulary (32) is padded by vLLM, so embed_tokens and lm_head (1024
+# bytes together) are held to the end of the stream: in trainer-export order
+# over 4 shards vLLM's read order buffers 2304, layer order 1024.
 DENSE = {"layers": 2, "hidden": 8, "heads": 2, "kv_heads": 1, "head_dim": 4, "intermediate": 24, "vocab": 32}
 
 
@@ -37,8 +39,17 @@ def test_json_has_the_documented_keys(trainer_export: Path) -> None:
     assert data["tensors"] == len(model.tensors()) == 25
     assert data["total_bytes"] == sum(2 * _numel(shape) for _, shape in model.tensors())
     assert data["largest_layer_bytes"] == 768
-    assert data["file_order"]["peak_buffer_bytes"] == 1280
-    assert data["layer_order"]["peak_buffer_bytes"] == 768
+    assert data["file_order"]["peak_buffer_bytes"] == 2304
+    assert data["layer_order"]["peak_buffer_bytes"] == 1024
+    assert data["tensor_parallel_size"] == 1 and data["held_to_end_bytes"] == 1024
+    assert data["held_to_end"] == [
+        {"name": "model.embed_tokens", "reason": "vocabulary padded 32 -> 64", "bytes": 512, "ranks": [0]},
+        {"name": "lm_head", "reason": "vocabulary padded 32 -> 64", "bytes": 512, "ranks": [0]},
+    ]
+    assert "model.embed_tokens, lm_head" in data["layer_order"]["above_largest_layer_because"]
+    by_name = {layer["name"]: layer for layer in data["layers"]}
+    assert by_name["lm_head"]["held_to_end"] == "vocabulary padded 32 -> 64"
+    assert by_name["model.norm"]["held_to_end"] is None
     assert data["mapping"]["kind"] == "table" and data["mapping"]["architecture"] == "Qwen3ForCausalLM"
     assert all({"name", "bytes", "tensors"} <= set(layer) for layer in data["layers"])
     assert sum(layer["bytes"] for layer in data["layers"]) == data["total_bytes"]
@@ -72,15 +83,15 @@ def test_layers_are_worst_first_and_top_limits_them(trainer_export: Path) -> Non
 
 
 def test_max_buffer_gate(trainer_export: Path) -> None:
-    # File-order peak 1280 bytes: a limit at the peak passes, one byte less fails.
-    ok = runner.invoke(app, ["inspect-order", str(trainer_export), "--max-buffer", "1280", "--json"])
+    # File-order peak 2304 bytes: a limit at the peak passes, one byte less fails.
+    ok = runner.invoke(app, ["inspect-order", str(trainer_export), "--max-buffer", "2304", "--json"])
     assert ok.exit_code == 0, ok.stderr
-    assert runner.invoke(app, ["inspect-order", str(trainer_export), "--max-buffer", "2KiB"]).exit_code == 0
-    fail = runner.invoke(app, ["inspect-order", str(trainer_export), "--max-buffer", "1279", "--json"])
+    assert runner.invoke(app, ["inspect-order", str(trainer_export), "--max-buffer", "3KiB"]).exit_code == 0
+    fail = runner.invoke(app, ["inspect-order", str(trainer_export), "--max-buffer", "2303", "--json"])
     assert fail.exit_code == 1
-    assert json.loads(fail.stdout)["file_order"]["peak_buffer_bytes"] == 1280  # the data still comes out
+    assert json.loads(fail.stdout)["file_order"]["peak_buffer_bytes"] == 2304  # the data still comes out
     [line] = fail.stderr.splitlines()
-    assert line.startswith(f"Error: {trainer_export}: file-order peak buffer") and "(1280 bytes)" in line
+    assert line.startswith(f"Error: {trainer_export}: file-order peak buffer") and "(2304 bytes)" in line
 
 
 def test_table_on_stdout_warning_on_stderr(trainer_export: Path) -> None:
@@ -88,21 +99,24 @@ def test_table_on_stdout_warning_on_stderr(trainer_export: Path) -> None:
     assert result.exit_code == 0, result.stderr
     out = result.stdout
     for text in ("Qwen3ForCausalLM: layerwise's architecture table", "file order peak", "layer order peak",
-                 "1.67 x largest layer", "1.00 x largest layer", "Parent layers, worst first (top 5)",
-                 "held in file order"):
+                 "3.00 x largest layer", "1.33 x largest layer", "Parent layers, worst first (top 5)",
+                 "held in file order", "held to end", "model.embed_tokens, lm_head: 1.00 KiB",
+                 "vocabulary padded 32 -> 64", "layer order is above the largest layer: the layers held to the end, together"):
         assert text in out, text
     rows = [line for line in out.splitlines() if line.startswith("│")]
     assert len(rows) == 5
-    assert "File order buffers 1.67x the largest layer" in result.stderr
+    assert "File order buffers 3.00x the largest layer" in result.stderr
     assert "File order buffers" not in out
 
 
 def test_no_warning_when_file_order_is_fine(tmp_path: Path) -> None:
     folder = tmp_path / "ok"
-    write_checkpoint(folder, SyntheticModel(**DENSE), "in_order", 1)
+    # A vocabulary vLLM does not pad (64): nothing is held to the end.
+    write_checkpoint(folder, SyntheticModel(**{**DENSE, "vocab": 64}), "in_order", 1)
     result = runner.invoke(app, ["inspect-order", str(folder)])
     assert result.exit_code == 0 and result.stderr == ""
     assert "1.00 x largest layer" in result.stdout
+    assert "held to end" not in result.stdout
 
 
 def test_json_is_all_of_stdout_and_stderr_stays_quiet(trainer_export: Path) -> None:
@@ -129,7 +143,7 @@ def test_single_file_source(tmp_path: Path) -> None:
     data = run_json(str(shard))
     assert data["kind"] == "file" and data["shards"] == 1 and data["tensors"] == 25
     assert data["mapping"]["kind"] == "table"  # config.json beside the file is used
-    assert data["file_order"]["peak_buffer_bytes"] == 768  # see test_plan.test_in_order_single_shard
+    assert data["file_order"]["peak_buffer_bytes"] == 768 + 1024  # see test_plan.test_in_order_single_shard
     # Without a config.json beside it, the generic mapping says so.
     alone = tmp_path / "alone.safetensors"
     shutil.copy(shard, alone)

@@ -28,12 +28,17 @@ from layerwise_cli.synthetic import SyntheticModel, write_checkpoint, write_safe
 # Parent layers of one decoder layer: qkv_proj 128+64+64 = 256, o_proj 128,
 # gate_up_proj 384+384 = 768, down_proj 384, four norms; the largest parent
 # layer is gate_up_proj, 768 (embed_tokens and lm_head are 512).
+# The vocabulary, 32, is one vLLM pads (to 64): embed_tokens and lm_head never
+# complete in vLLM's layer buffer and stay held, from their tensor to the end
+# of the stream: HELD = 1024 bytes on top of whatever else is open. Layer
+# order streams them last, so its peak is max(largest layer, HELD) = 1024.
 DENSE = {"layers": 2, "hidden": 8, "heads": 2, "kv_heads": 1, "head_dim": 4, "intermediate": 24, "vocab": 32}
 # The same with 4 experts of moe_intermediate 4: every expert tensor is 4x8 or
 # 8x4 = 32 elements = 64 bytes, one expert 192, the experts module of a layer
 # 4 x 192 = 768 (12 tensors); the router mlp.gate is 4x8 = 64.
 MOE = {**DENSE, "experts": 4, "moe_intermediate": 4}
 LARGEST = 768
+HELD = 1024
 
 
 def _report(tmp_path: Path, layout: str, shards: int, **shape: object):
@@ -56,12 +61,14 @@ def test_in_order_single_shard(tmp_path: Path) -> None:
     # gate_up_proj complete), post_attention_layernorm, self_attn.k_norm,
     # k_proj (64 held), o_proj (64 + 128 = 192), q_norm (72), q_proj (192),
     # v_proj (256, qkv complete). Peak 768 at layer 0's up_proj, one layer open.
+    # lm_head and embed_tokens sort first and stay held: + HELD, 3 layers open.
     report = _report(tmp_path, "in_order", 1, **DENSE)
     assert report.plan.largest_layer_bytes == LARGEST
-    assert report.file_order.peak_buffer_bytes == 768
+    assert report.file_order.peak_buffer_bytes == 768 + HELD
     assert report.file_order.peak_tensor == "model.layers.0.mlp.up_proj.weight"
-    assert report.file_order.peak_open_layers == 1
-    assert report.layer_order.peak_buffer_bytes == LARGEST
+    assert report.file_order.peak_open_layers == 3
+    assert report.layer_order.peak_buffer_bytes == HELD
+    assert report.layer_order.peak_tensor == "lm_head.weight"
 
 
 def test_in_order_four_shards(tmp_path: Path) -> None:
@@ -71,11 +78,15 @@ def test_in_order_four_shards(tmp_path: Path) -> None:
     # qkv_proj -> 384 held (gate_proj). Shard 4 sorts "lm_head.weight" first:
     # 384 + 512 = 896 with gate_up_proj and lm_head open, then down_proj
     # (640 -> 384), up_proj (768, complete). Peak 896 > largest layer 768.
+    # With embed_tokens (shard 1) held throughout and lm_head held once read,
+    # the same steps give 896 + 512, then down_proj 1408 + 384 = 1792 with
+    # embed_tokens, gate_up_proj, lm_head and down_proj open; up_proj reaches
+    # 1792 again but not above.
     report = _report(tmp_path, "in_order", 4, **DENSE)
-    assert report.file_order.peak_buffer_bytes == 896
-    assert report.file_order.peak_tensor == "lm_head.weight"
-    assert report.file_order.peak_open_layers == 2
-    assert report.layer_order.peak_buffer_bytes == LARGEST
+    assert report.file_order.peak_buffer_bytes == 1792
+    assert report.file_order.peak_tensor == "model.layers.1.mlp.down_proj.weight"
+    assert report.file_order.peak_open_layers == 4
+    assert report.layer_order.peak_buffer_bytes == HELD
 
 
 def test_split_layer(tmp_path: Path) -> None:
@@ -84,11 +95,14 @@ def test_split_layer(tmp_path: Path) -> None:
     # Shard 2 sorts lm_head first: 576 + 512 = 1088 with gate_up_proj, qkv_proj
     # and lm_head open; up_proj then completes gate_up_proj (960 -> 192) and
     # v_proj completes qkv_proj (256 -> 0).
+    # With embed_tokens held from shard 1 (+512) and lm_head never released:
+    # lm_head 1600, then up_proj 1984 (embed_tokens, gate_up_proj, qkv_proj,
+    # lm_head open), gate_up_proj completes -> 1600 - 384 = 1216.
     report = _report(tmp_path, "split_layer", 2, **DENSE)
-    assert report.file_order.peak_buffer_bytes == 1088
-    assert report.file_order.peak_tensor == "lm_head.weight"
-    assert report.file_order.peak_open_layers == 3
-    assert report.layer_order.peak_buffer_bytes == LARGEST
+    assert report.file_order.peak_buffer_bytes == 1984
+    assert report.file_order.peak_tensor == "model.layers.1.mlp.up_proj.weight"
+    assert report.file_order.peak_open_layers == 4
+    assert report.layer_order.peak_buffer_bytes == HELD
 
 
 def test_trainer_export(tmp_path: Path) -> None:
@@ -99,11 +113,13 @@ def test_trainer_export(tmp_path: Path) -> None:
     # After shard 1: v_proj of both layers wait (128). After shard 2: + both
     # gate_proj (896). Shard 3 starts with layer 0's up_proj: 896 + 384 = 1280,
     # with qkv_proj and gate_up_proj of both layers open (4 layers).
+    # embed_tokens (shard 1) and lm_head (shard 2) are held by then: + HELD,
+    # 6 layers open.
     report = _report(tmp_path, "trainer_export", 4, **DENSE)
-    assert report.file_order.peak_buffer_bytes == 1280
+    assert report.file_order.peak_buffer_bytes == 1280 + HELD
     assert report.file_order.peak_tensor == "model.layers.0.mlp.up_proj.weight"
-    assert report.file_order.peak_open_layers == 4
-    assert report.layer_order.peak_buffer_bytes == LARGEST
+    assert report.file_order.peak_open_layers == 6
+    assert report.layer_order.peak_buffer_bytes == HELD
 
 
 def test_experts_spread_moe(tmp_path: Path) -> None:
@@ -112,6 +128,7 @@ def test_experts_spread_moe(tmp_path: Path) -> None:
     # tensors x 64 = 768. Shard 2 then adds layer 0's experts 1 and 3 (6 x 64):
     # 768 + 384 = 1152 at layer 0's experts.3.up_proj, which completes that
     # layer's experts module (768, 12 tensors); both experts modules were open.
+    # embed_tokens and lm_head (shard 1, padded vocabulary) are held: + HELD.
     report = _report(tmp_path, "experts_spread", 2, **MOE)
     assert report.plan.largest_layer_bytes == 768
     experts = {layer.name: layer for layer in report.plan.layers if layer.name.endswith(".experts")}
@@ -119,10 +136,10 @@ def test_experts_spread_moe(tmp_path: Path) -> None:
         "model.layers.0.mlp.experts": (12, 768),
         "model.layers.1.mlp.experts": (12, 768),
     }
-    assert report.file_order.peak_buffer_bytes == 1152
+    assert report.file_order.peak_buffer_bytes == 1152 + HELD
     assert report.file_order.peak_tensor == "model.layers.0.mlp.experts.3.up_proj.weight"
-    assert report.file_order.peak_open_layers == 2
-    assert report.layer_order.peak_buffer_bytes == 768
+    assert report.file_order.peak_open_layers == 4
+    assert report.layer_order.peak_buffer_bytes == HELD
 
 
 def test_layer_order_keeps_model_order(tmp_path: Path) -> None:
@@ -130,6 +147,9 @@ def test_layer_order_keeps_model_order(tmp_path: Path) -> None:
     names = [layer.name for layer in report.plan.layers]
     assert names[0] == "model.embed_tokens"
     assert names[-2:] == ["model.norm", "lm_head"]
+    # The stream puts the layers vLLM holds to the end (padded vocabulary) last.
+    streamed = list(dict.fromkeys(item.parent for item in report.plan.layer_order))
+    assert streamed == [n for n in names if n not in report.plan.held] + ["model.embed_tokens", "lm_head"]
     layer_indexes = [int(n.split(".")[2]) for n in names if n.startswith("model.layers.")]
     assert layer_indexes == sorted(layer_indexes)
     # Every parent layer's tensors are contiguous in layer order.
@@ -150,7 +170,7 @@ def test_layer_order_keeps_model_order(tmp_path: Path) -> None:
     intermediate=st.sampled_from([4, 8, 40]),
     vocab=st.sampled_from([8, 64]),
 )
-def test_layer_order_peak_is_the_largest_layer(
+def test_layer_order_peak_is_the_largest_layer_or_the_held_layers(
     tmp_path_factory: pytest.TempPathFactory, layout: str, layers: int, experts: int, shards: int,
     hidden: int, intermediate: int, vocab: int,
 ) -> None:
@@ -162,8 +182,13 @@ def test_layer_order_peak_is_the_largest_layer(
     write_checkpoint(folder, model, layout, shards)
     report = inspect_order(str(folder))
     largest = max(layer.bytes for layer in report.plan.layers)
-    assert report.layer_order.peak_buffer_bytes == largest == report.plan.largest_layer_bytes
-    assert report.file_order.peak_buffer_bytes >= largest
+    assert largest == report.plan.largest_layer_bytes
+    # vocab 8 is padded (to 64): embed_tokens and lm_head are held to the end.
+    held = {"model.embed_tokens", "lm_head"} if vocab % 64 else set()
+    assert set(report.plan.held) == held
+    held_bytes = sum(layer.bytes for layer in report.plan.layers if layer.name in held)
+    assert report.layer_order.peak_buffer_bytes == max(largest, held_bytes) == report.plan.least_peak_bytes
+    assert report.file_order.peak_buffer_bytes >= report.layer_order.peak_buffer_bytes
     assert report.plan.total_bytes == sum(n * 2 for n in (_numel(s) for _, s in model.tensors()))
 
 
@@ -270,4 +295,5 @@ def test_buffering_of_what_vllm_reads(tmp_path: Path) -> None:
     plan = build_plan(checkpoint, mapping_for_config(checkpoint.config))
     by_name = {t.entry.name: t for t in plan.file_order}
     replay = [by_name[name] for name in _vllm_read_order(folder)]
-    assert simulate_buffering(replay).peak_buffer_bytes == plan.simulate("file").peak_buffer_bytes == 1280
+    assert simulate_buffering(replay, held=plan.held).peak_buffer_bytes == plan.simulate("file").peak_buffer_bytes
+    assert plan.simulate("file").peak_buffer_bytes == 1280 + HELD

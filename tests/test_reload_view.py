@@ -56,3 +56,41 @@ def test_table_shows_layers_totals_and_flags_a_difference(monkeypatch):
     assert "(finalize)" in text
     assert "DIFFERS" in text
     assert "2 worker(s)" in text
+
+
+def held_report(rank: int, predicted: int, held: bool) -> ReloadReport:
+    """A rank of a TP 2 reload with a padded vocabulary: only rank 1 holds embed_tokens to the end."""
+    reason = "vocabulary padded 160 -> 192; rank 1 of 2 fills 64 of its 96 rows" if held else None
+    layers = [
+        LayerReport("model.layers.0.mlp.gate_up_proj", 2, 3000, 0.0, 0.01, 3000),
+        LayerReport("model.embed_tokens", 1, 2000, 0.0, 0.01, 2000, completed_during_stream=not held,
+                    held_to_end=reason),
+    ]
+    because = None if predicted <= 3000 else f"vLLM holds model.embed_tokens to the end ({reason})"
+    return ReloadReport(order="layer", source="ckpt", wall_s=0.5, bytes=5000, tensors=3,
+                        peak_buffer_bytes=predicted, peak_tensor="t", predicted_peak_buffer_bytes=predicted,
+                        largest_layer_bytes=3000, layers=layers, rank=rank, held_to_end_bytes=2000 if held else 0,
+                        above_largest_layer_because=because)
+
+
+def test_merge_takes_the_prediction_of_the_rank_that_holds_most():
+    merged = merge_reports([held_report(0, 3000, False), held_report(1, 3000, True)])
+    assert merged.predicted_peak_buffer_bytes == 3000 and merged.matches_prediction
+    assert merged.held_to_end_bytes == 2000
+    assert merged.layers[1].held_to_end.startswith("vocabulary padded 160 -> 192")
+    assert merged.layers[1].completed_during_stream is False
+    higher = merge_reports([held_report(0, 3000, False), held_report(1, 5000, True)])
+    assert higher.predicted_peak_buffer_bytes == 5000 and higher.above_largest_layer_because
+    assert ReloadReport.from_dict(higher.to_dict()) == higher
+
+
+def test_table_names_held_layers_and_why_the_peak_is_above_the_largest_layer(monkeypatch):
+    from layerwise_cli.cli import _reload_view
+
+    out = io.StringIO()
+    monkeypatch.setattr(_reload_view, "stdout", Console(file=out, width=120, no_color=True))
+    _reload_view.render_report(merge_reports([held_report(0, 3000, False), held_report(1, 5000, True)]))
+    text = " ".join(out.getvalue().split())
+    assert "held to end embed_tokens (vocabulary padded 160 -> 192; rank 1 of 2 fills 64 of its 96 rows)" in text
+    assert "above the largest layer: vLLM holds model.embed_tokens to the end" in text
+    assert "embed_tokens (finalize)" in text

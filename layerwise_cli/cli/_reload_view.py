@@ -94,6 +94,13 @@ def render_report(report: ReloadReport, title: str = "Reload", top: int = 0) -> 
                     f"({report.gb_per_s:.2f} GB/s), {report.tensors} tensors, {report.workers} worker(s)")
     summary.add_row("peak buffered", f"{human_bytes(report.peak_buffer_bytes)} measured = "
                     f"{report.peak_over_largest:.2f} x largest layer ({human_bytes(report.largest_layer_bytes)})")
+    if report.above_largest_layer_because:
+        summary.add_row("", f"above the largest layer: {escape(report.above_largest_layer_because)}")
+    held = [layer for layer in report.layers if layer.held_to_end]
+    if held:
+        reasons = "; ".join(dict.fromkeys(layer.held_to_end for layer in held))
+        summary.add_row("held to end", f"{', '.join(escape(_short(layer.name)) for layer in held)} "
+                        f"({escape(reasons)}): vLLM buffers them until the reload ends; layer order streams them last")
     verdict = "matches" if report.matches_prediction else "[yellow]DIFFERS from[/]"
     summary.add_row("predicted", f"{human_bytes(report.predicted_peak_buffer_bytes)} ({verdict} the measurement)")
     summary.add_row("read-ahead", f"{human_bytes(report.readahead_peak_bytes)} held at most, on top of the buffers")

@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..units import human_bytes, parse_size
-from ._options import JsonOpt, MappingOpt, RevisionOpt, SourceArg
+from ._options import JsonOpt, MappingOpt, RevisionOpt, SourceArg, TensorParallelOpt
 from ._output import handle_errors, print_json, stderr, stdout
 
 
@@ -23,11 +23,14 @@ def inspect_order_command(
         typer.Option("--max-buffer", help="Exit 1 when the file-order peak exceeds SIZE (e.g. 512MiB, 2GB)."),
     ] = None,
     mapping: MappingOpt = "auto",
+    tensor_parallel_size: TensorParallelOpt = 1,
     as_json: JsonOpt = False,
 ) -> None:
     """Show which engine layer each tensor feeds and what vLLM's read order buffers.
 
     Reads headers only (HTTP range requests for Hub repos), never tensor data.
+    Layers vLLM holds until the end of a reload (a padded vocabulary) are
+    named with the reason; --tensor-parallel-size changes which ranks hold them.
 
     Example: layerwise inspect-order ./checkpoint --top 10 --max-buffer 2GiB
     """
@@ -39,7 +42,7 @@ def inspect_order_command(
             raise typer.BadParameter(str(exc), param_hint="--max-buffer") from None
     from ..inspect import inspect_order
 
-    report = inspect_order(source, revision, mapping)
+    report = inspect_order(source, revision, mapping, tensor_parallel_size)
     data = report.to_dict(top=top)
     if as_json:
         print_json(data)
@@ -68,12 +71,23 @@ def render(report, data: dict, top: int) -> None:
     summary.add_row("checkpoint", f"{data['shards']} shard(s), {data['tensors']} tensors, "
                     f"{human_bytes(data['total_bytes'])}, {data['parent_layers']} parent layers")
     summary.add_row("largest layer", human_bytes(largest))
+    if data["held_to_end"]:
+        reasons = list(dict.fromkeys(row["reason"] for row in data["held_to_end"]))
+        summary.add_row("held to end", f"{', '.join(escape(row['name']) for row in data['held_to_end'])}: "
+                        f"{human_bytes(data['held_to_end_bytes'])} buffered until the reload ends "
+                        f"({escape('; '.join(reasons))})")
     for label, sim in (("file order peak", fo), ("layer order peak", lo)):
+        rank = f" on rank {sim['rank']}" if sim["rank"] is not None else ""
         summary.add_row(
             label,
             f"{human_bytes(sim['peak_buffer_bytes'])} = {sim['peak_over_largest_layer']:.2f} x largest layer, "
-            f"{sim['open_layers_at_peak']} layer(s) open at {escape(sim['peak_tensor'])}",
+            f"{sim['open_layers_at_peak']} layer(s) open at {escape(sim['peak_tensor'])}{rank}",
         )
+    if lo["above_largest_layer_because"]:
+        # The JSON carries the whole sentence; here the held layers are named one row up.
+        why = ("the layers held to the end, together" if data["held_to_end"]
+               else escape(lo["above_largest_layer_because"]))
+        summary.add_row("", f"layer order is above the largest layer: {why}")
     if data["skipped_tensors"]:
         summary.add_row("skipped", f"{len(data['skipped_tensors'])} tensor(s) the engine does not load")
     summary.add_row("read", f"{data['header_bytes_read']} header bytes of "
@@ -85,10 +99,16 @@ def render(report, data: dict, top: int) -> None:
     table.add_column("bytes", justify="right")
     table.add_column("shards", justify="right")
     table.add_column("held in file order", justify="right")
+    held = any(row["held_to_end"] for row in data["layers"])
+    if held:
+        table.add_column("held to the end", overflow="fold")
     for row in data["layers"]:
-        table.add_row(escape(row["name"]), str(row["tensors"]), human_bytes(row["bytes"]),
-                      str(len(row["shards"])), human_bytes(row["file_order_held_bytes"]))
+        cells = [escape(row["name"]), str(row["tensors"]), human_bytes(row["bytes"]),
+                 str(len(row["shards"])), human_bytes(row["file_order_held_bytes"])]
+        if held:
+            cells.append(escape(row["held_to_end"] or ""))
+        table.add_row(*cells)
     stdout.print(table)
-    if fo["peak_buffer_bytes"] > largest:
+    if fo["peak_buffer_bytes"] > lo["peak_buffer_bytes"]:
         stderr.print(f"[yellow]File order buffers {fo['peak_over_largest_layer']:.2f}x the largest layer; "
                      "`layerwise reload` streams in layer order, `layerwise reorder` rewrites the file.[/]")

@@ -125,14 +125,14 @@ def _info(worker) -> dict:
 def _engine_stream(worker, source: str, order: str):
     """The planned stream in engine names (as the reload streams it), and the checkpoint's folder."""
     from ..sources import open_checkpoint
-    from .worker_reload import plan_for_engine, resolve_local
+    from .worker_reload import plan_for_engine, resolve_local, tensor_parallel_position
 
     model = worker.model_runner.get_model()
     model_config = worker.model_runner.model_config
     local = resolve_local(source)
     checkpoint = open_checkpoint(str(local))
     hf_config = model_config.hf_config.to_dict() if hasattr(model_config.hf_config, "to_dict") else None
-    plan, vllm_names = plan_for_engine(checkpoint, model, hf_config)
+    plan, vllm_names = plan_for_engine(checkpoint, model, hf_config, tensor_parallel_position()[0])
     stream = plan.layer_order if order == "layer" else plan.file_order
     engine_stream = [type(item)(item.entry, vllm_names.get(item.entry.name)) for item in stream]
     folder = local if local.is_dir() else local.parent

@@ -64,6 +64,7 @@ def preflight(plan: Plan, model: torch.nn.Module, vllm_names: dict[str, str],
             )
     if reference is None:
         notes.append("no reference checkpoint on this machine: shapes checked by vLLM's loaders only")
+        _refuse_partly_covered_layers(plan)
         return notes
     known = {t.name: t for t in reference.tensors}
     for entry in plan.checkpoint.tensors:
@@ -88,4 +89,23 @@ def preflight(plan: Plan, model: torch.nn.Module, vllm_names: dict[str, str],
             more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
             raise LayerwiseError(f"missing {len(missing)} tensor(s) the engine needs: {shown}{more} "
                                  "(--allow-partial to reload only what is there)", where=source)
+    _refuse_partly_covered_layers(plan)
     return notes
+
+
+def _refuse_partly_covered_layers(plan: Plan) -> None:
+    """Refuse a fused layer the checkpoint covers only partly, even with --allow-partial.
+
+    vLLM never completes such a layer while streaming; at the end it
+    materializes the whole layer from fresh (uninitialized) memory, loads the
+    parts it got and copies all of it into place, so the missing parts would
+    not keep their weights.
+    """
+    partial = [hold for hold in plan.held.values() if hold.kind == "partial"]
+    if partial:
+        first = partial[0]
+        more = f" (and {len(partial) - 1} more layer(s))" if len(partial) > 1 else ""
+        raise LayerwiseError(
+            f"fused layer {first.name} is only partly in the checkpoint: {first.reason}{more}; vLLM would "
+            "overwrite the missing part with uninitialized memory, so a partial checkpoint must hold every "
+            "part of each fused layer it touches", where=plan.checkpoint.source)

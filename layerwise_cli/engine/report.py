@@ -25,6 +25,8 @@ class LayerReport:
     buffered_bytes_at_completion: int
     # False when vLLM processed it only in finalize (attention, padded layers).
     completed_during_stream: bool = True
+    # Why the plan expected vLLM to hold it to the end (None: expected to complete).
+    held_to_end: str | None = None
 
     @property
     def seconds(self) -> float:
@@ -56,6 +58,10 @@ class ReloadReport:
     notes: list[str] = field(default_factory=list)
     # `--verify` / `reload(..., verify=True)`: the engine checked against SOURCE after the reload.
     verify: VerifyResult | None = None
+    # Bytes of the layers the plan expected vLLM to hold to the end of the stream.
+    held_to_end_bytes: int = 0
+    # Why the predicted peak is above the largest layer (None when it is not).
+    above_largest_layer_because: str | None = None
 
     @property
     def gb_per_s(self) -> float:
@@ -109,7 +115,10 @@ def merge_reports(reports: list[ReloadReport]) -> ReloadReport:
             process_s=max(layer.process_s for layer in per_worker),
             buffered_bytes_at_completion=max(layer.buffered_bytes_at_completion for layer in per_worker),
             completed_during_stream=all(layer.completed_during_stream for layer in per_worker),
+            held_to_end=next((layer.held_to_end for layer in per_worker if layer.held_to_end), None),
         ))
+    # Ranks may hold different layers to the end (vocabulary padding falls on the last ranks).
+    predicted = max(reports, key=lambda r: r.predicted_peak_buffer_bytes)
     return ReloadReport(
         order=first.order,
         source=first.source,
@@ -118,7 +127,7 @@ def merge_reports(reports: list[ReloadReport]) -> ReloadReport:
         tensors=first.tensors,
         peak_buffer_bytes=worst.peak_buffer_bytes,
         peak_tensor=worst.peak_tensor,
-        predicted_peak_buffer_bytes=first.predicted_peak_buffer_bytes,
+        predicted_peak_buffer_bytes=predicted.predicted_peak_buffer_bytes,
         largest_layer_bytes=first.largest_layer_bytes,
         readahead_peak_bytes=max(r.readahead_peak_bytes for r in reports),
         layers=layers,
@@ -128,4 +137,6 @@ def merge_reports(reports: list[ReloadReport]) -> ReloadReport:
         device=first.device,
         finalize_s=max(r.finalize_s for r in reports),
         notes=sorted({note for r in reports for note in r.notes}),
+        held_to_end_bytes=max(r.held_to_end_bytes for r in reports),
+        above_largest_layer_because=predicted.above_largest_layer_because,
     )

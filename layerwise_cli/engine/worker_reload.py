@@ -38,7 +38,18 @@ def resolve_local(source: str, revision: str | None = None) -> Path:
     raise LayerwiseError("no such file or directory, and not a Hub repo id (org/name)", where=source)
 
 
-def plan_for_engine(checkpoint: Checkpoint, model: torch.nn.Module, hf_config: dict | None) -> tuple[Plan, dict[str, str]]:
+def tensor_parallel_position() -> tuple[int, int]:
+    """This worker's (tensor-parallel size, rank); (1, 0) outside a vLLM worker."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+    except Exception:  # noqa: BLE001 - no parallel state: a single process
+        return 1, 0
+
+
+def plan_for_engine(checkpoint: Checkpoint, model: torch.nn.Module, hf_config: dict | None,
+                    tensor_parallel_size: int = 1) -> tuple[Plan, dict[str, str]]:
     """Plan the checkpoint with the engine's names.
 
     Returns the plan and, for each checkpoint tensor, the engine module that
@@ -59,7 +70,7 @@ def plan_for_engine(checkpoint: Checkpoint, model: torch.nn.Module, hf_config: d
             if parent.name not in resolved:
                 resolved[parent.name] = holder_of_parameters(modules, parent.name) if modules else parent.name
             vllm_names[entry.name] = resolved[parent.name]
-    plan = build_plan(checkpoint, mapping)
+    plan = build_plan(checkpoint, mapping, tensor_parallel_size)
     return plan, vllm_names
 
 
@@ -106,13 +117,18 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
     checkpoint = open_checkpoint(str(local))
     checkpoint.source = source
     hf_config = model_config.hf_config.to_dict() if hasattr(model_config.hf_config, "to_dict") else None
-    plan, vllm_names = plan_for_engine(checkpoint, model, hf_config)
+    tp_size, tp_rank = tensor_parallel_position()
+    plan, vllm_names = plan_for_engine(checkpoint, model, hf_config, tp_size)
     notes = preflight(plan, model, vllm_names, reference_checkpoint(str(model_config.model)),
                       allow_partial=allow_partial)
     stream = plan.layer_order if order == "layer" else plan.file_order
     # The probe and the prediction both speak engine module names.
     engine_stream = [type(item)(item.entry, vllm_names.get(item.entry.name)) for item in stream]
-    predicted = simulate_buffering(engine_stream, order)
+    engine_name = {item.parent: vllm_names.get(item.entry.name, item.parent)
+                   for item in plan.layer_order if item.parent is not None}
+    # vLLM holds these on this rank until the end of the stream (padded vocabulary, partial fused layers).
+    held_here = {engine_name.get(name, name): plan.held[name].reason for name in plan.held_on(tp_rank)}
+    predicted = simulate_buffering(engine_stream, order, held_here, rank=tp_rank if tp_size > 1 else None)
     folder = local if local.is_dir() else local.parent
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     stats = ReadAheadStats()
@@ -145,10 +161,8 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         notes.extend(apply_cpu_fixups(model, set(probe.timings)))
     end = time.perf_counter()
     layers = []
-    engine_name = {item.parent: vllm_names.get(item.entry.name, item.parent)
-                   for item in plan.layer_order if item.parent is not None}
-    for stats_layer in plan.layers:
-        name = engine_name.get(stats_layer.name, stats_layer.name)
+    # Layers in the order the stream delivered their first tensor.
+    for name in dict.fromkeys(item.parent for item in engine_stream if item.parent is not None):
         timing = probe.timings.get(name)
         if timing is None:
             continue
@@ -161,6 +175,7 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
             process_s=max(0.0, done - timing.last_handover),
             buffered_bytes_at_completion=timing.buffered_at_completion,
             completed_during_stream=timing.done is not None,
+            held_to_end=held_here.get(name),
         ))
     return ReloadReport(
         order=order,
@@ -172,6 +187,8 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         peak_tensor=probe.peak_tensor,
         predicted_peak_buffer_bytes=predicted.peak_buffer_bytes,
         largest_layer_bytes=plan.largest_layer_bytes,
+        held_to_end_bytes=plan.held_bytes(tp_rank),
+        above_largest_layer_because=plan.excess_reason(predicted),
         readahead_peak_bytes=stats.peak_bytes,
         layers=layers,
         rank=getattr(worker, "rank", None),
