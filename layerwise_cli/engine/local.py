@@ -115,7 +115,8 @@ def call_workers(llm, method: str, **kwargs) -> list[dict]:
 
 
 def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = False, readahead: bool = True,
-           revision: str | None = None, progress_path: str | None = None) -> ReloadReport:
+           revision: str | None = None, progress_path: str | None = None,
+           allow_nonfinite: bool = False) -> ReloadReport:
     """Reload SOURCE into a running `vllm.LLM`, in layer order, and report what it cost.
 
     The engine must have been built with
@@ -131,16 +132,19 @@ def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = Fals
         readahead: read the next layer while the engine processes the current one.
         revision: Hub revision for a repo id.
         progress_path: a file the first worker appends per-layer progress to.
+        allow_nonfinite: load tensors holding NaN or Inf (by default refused,
+            naming the file and tensor, and the engine rolled back).
 
     Returns:
         The merged report of all workers.
 
     Raises:
         LayerwiseError: pre-flight or the reload failed (the engine keeps, or is
-            rolled back to, the weights it had).
+            rolled back to, the weights it had), or a tensor holds NaN or Inf.
     """
     results = call_workers(llm, "layerwise_reload", source=source, order=order, allow_partial=allow_partial,
-                           readahead=readahead, revision=revision, progress_path=progress_path)
+                           readahead=readahead, revision=revision, progress_path=progress_path,
+                           allow_nonfinite=allow_nonfinite)
     report = reports_from_results(results)
     # KV blocks cached under the old weights must not serve prompts under the new ones.
     llm.reset_prefix_cache()
