@@ -26,8 +26,6 @@ _BYTE_PATTERNS = {
 # Elements per chunk when counting exactly (bounds the boolean temporaries).
 _COUNT_CHUNK = 1 << 24
 
-CHECKED_DTYPES = frozenset(_SUMMED) | frozenset(_BYTE_PATTERNS)
-
 
 @dataclass(frozen=True)
 class NonFinite:
@@ -136,49 +134,68 @@ def first_nonfinite(tensors: Iterable[tuple[str, str, object]]) -> NonFinite | N
     return None
 
 
+# Raw little-endian bytes (reorder --verify, inspect-order --scan) are checked by
+# bit patterns with numpy, without torch (its import alone costs 250 MiB here):
+# (element width in bytes, mask, value, mantissa mask). An element x is
+# non-finite when x & mask == value; with a mantissa mask it is NaN when
+# x & mantissa != 0, else Inf; without one it is NaN. About 5 GB/s on one core
+# here, against 0.9 GB/s for the SHA-256 it runs beside.
+_BIT_PATTERNS = {
+    "F64": (8, 0x7FF0000000000000, 0x7FF0000000000000, 0x000FFFFFFFFFFFFF),
+    "F32": (4, 0x7F800000, 0x7F800000, 0x007FFFFF),
+    "F16": (2, 0x7C00, 0x7C00, 0x03FF),
+    "BF16": (2, 0x7F80, 0x7F80, 0x007F),
+    "F8_E5M2": (1, 0x7C, 0x7C, 0x03),
+    "F8_E4M3": (1, 0x7F, 0x7F, None),
+    "F8_E4M3FNUZ": (1, 0xFF, 0x80, None),
+    "F8_E5M2FNUZ": (1, 0xFF, 0x80, None),
+    "F8_E8M0": (1, 0xFF, 0xFF, None),
+}
+
+
 class ByteScan:
     """Non-finite counts of one tensor whose raw little-endian bytes arrive in chunks."""
 
     def __init__(self, dtype: str) -> None:
-        from .safetensors_header import DTYPE_SIZES
-
         self.dtype = dtype
-        self.checked = dtype in CHECKED_DTYPES
-        self._size = DTYPE_SIZES.get(dtype, 1)
+        self._pattern = _BIT_PATTERNS.get(dtype)
+        self.checked = self._pattern is not None
         self._carry = b""
         self.nan = 0
         self.inf = 0
 
     def update(self, data) -> None:
         """Add the next bytes of the tensor (any length; a partial element waits for the next call)."""
-        if not self.checked:
+        if self._pattern is None:
             return
-        import torch
+        import numpy as np
 
+        width, mask, value, mantissa = self._pattern
         if self._carry:
             data = self._carry + bytes(data)
-        usable = len(data) - len(data) % self._size
+        usable = len(data) - len(data) % width
         self._carry = bytes(data[usable:])
         if not usable:
             return
-        raw = torch.frombuffer(bytearray(data[:usable]) if isinstance(data, bytes) else data[:usable],
-                               dtype=torch.uint8)
-        tensor = raw.view(_torch_dtype(self.dtype)) if self.dtype in _SUMMED else raw
-        flag = suspect_flag(tensor, self.dtype)
-        if flag is not None and bool(flag):
-            nan, inf = count_nonfinite(tensor, self.dtype)
-            self.nan += nan
-            self.inf += inf
+        x = np.frombuffer(data, dtype=f"<u{width}", count=usable // width)
+        masked = np.bitwise_and(x, mask)
+        if value == mask:
+            # The masked value cannot exceed the mask: one reduction finds any.
+            if masked.max() != mask:
+                return
+        elif not (masked == value).any():
+            return
+        hit = masked == value
+        if mantissa is None:
+            self.nan += int(np.count_nonzero(hit))
+            return
+        nan = hit & (np.bitwise_and(x, mantissa) != 0)
+        self.nan += int(np.count_nonzero(nan))
+        self.inf += int(np.count_nonzero(hit)) - int(np.count_nonzero(nan))
 
     @property
     def found(self) -> bool:
         return bool(self.nan or self.inf)
-
-
-def _torch_dtype(name: str):
-    import torch
-
-    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[name]
 
 
 @dataclass(frozen=True)
