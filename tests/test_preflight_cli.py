@@ -163,3 +163,50 @@ def test_unknown_quantization_is_a_usage_error_before_the_engine_starts(demo_mod
     assert result.exit_code == 2, result.output
     assert "--quantization must be one of vLLM's methods" in result.stderr and "'fp3'" in result.stderr
     assert engine_starts == []
+
+
+@pytest.mark.parametrize("flag, allowed", [([], False), (["--allow-nonfinite"], True)])
+def test_allow_nonfinite_reaches_the_reload(flag, allowed, demo_models, monkeypatch):
+    """In process: the flag is passed to `reload` (the engine tests prove what the workers do with it)."""
+    import layerwise_cli.engine.local as local
+    import layerwise_cli.engine.session as session
+    from layerwise_cli.errors import LayerwiseError
+
+    calls: list[dict] = []
+
+    def reload(llm, source, **kwargs):
+        calls.append(kwargs)
+        raise LayerwiseError("stopped here by the test", where=source)
+
+    monkeypatch.setattr(local, "start_engine", lambda model, options=None: object())
+    monkeypatch.setattr(local, "stop_engine", lambda llm: None)
+    monkeypatch.setattr(session, "reload", reload)
+    result = runner.invoke(app, ["reload", "--weights-path", str(demo_models["add"]), "--json", *flag])
+    assert result.exit_code == 1 and "stopped here by the test" in result.stderr
+    assert [call["allow_nonfinite"] for call in calls] == [allowed]
+
+
+def test_allow_nonfinite_reaches_the_servers(monkeypatch):
+    """With --url: the option travels in RemoteOptions, and from there in the worker call's kwargs."""
+    import layerwise_cli.cli.reload_remote as reload_remote
+    from layerwise_cli.engine.remote import RemoteOptions, ServerClient
+
+    seen: list[RemoteOptions] = []
+    monkeypatch.setattr(reload_remote, "reload_servers",
+                        lambda urls, source, options, on_event=None: seen.append(options) or [])
+    runner.invoke(app, ["reload", "--weights-path", "W", "--url", "http://127.0.0.1:9", "--allow-nonfinite"])
+    runner.invoke(app, ["reload", "--weights-path", "W", "--url", "http://127.0.0.1:9"])
+    assert [options.allow_nonfinite for options in seen] == [True, False]
+
+    sent: list[dict] = []
+
+    def collective_rpc(self, method, kwargs):
+        sent.append(kwargs)
+        return [{"ok": False, "error": "stopped here by the test", "engine_touched": False}]
+
+    monkeypatch.setattr(ServerClient, "collective_rpc", collective_rpc)
+    client = ServerClient("http://127.0.0.1:9")
+    for options in seen:
+        with pytest.raises(Exception, match="stopped here by the test"):
+            client.layerwise_reload("W", options)
+    assert sent[0]["allow_nonfinite"] is True and "allow_nonfinite" not in sent[1]
