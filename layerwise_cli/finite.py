@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -43,13 +44,18 @@ class NonFinite:
         return {"name": self.name, "shard": self.shard, "nan": self.nan, "inf": self.inf}
 
 
-def refusal(found: NonFinite, where: str, *, how: str = "load") -> LayerwiseError:
-    """The one-line error for a non-finite tensor, saying how to go on anyway."""
-    return LayerwiseError(f"{found.describe()}; refusing (use --allow-nonfinite to {how} anyway)", where=where)
+def refusal(found: NonFinite, where: str) -> LayerwiseError:
+    """The one-line error for a non-finite tensor in a reload, saying how to load it anyway."""
+    return LayerwiseError(f"{found.describe()}; refusing (use --allow-nonfinite to load anyway)", where=where)
 
 
 def dtype_name(tensor) -> str | None:
     """The safetensors name of a torch tensor's dtype, for the dtypes this module checks; else None."""
+    return _torch_names().get(tensor.dtype)
+
+
+@functools.cache
+def _torch_names() -> dict:
     import torch
 
     names = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
@@ -58,7 +64,7 @@ def dtype_name(tensor) -> str | None:
                        ("float8_e8m0fnu", "F8_E8M0")):
         if hasattr(torch, attr):
             names[getattr(torch, attr)] = name
-    return names.get(tensor.dtype)
+    return names
 
 
 def suspect_flag(tensor, dtype: str | None = None):
