@@ -7,9 +7,9 @@ import time
 from pathlib import Path
 
 import pytest
+from engine_support import parameter_kind, reshard
 from typer.testing import CliRunner
 
-from engine_support import parameter_kind, reshard
 from layerwise_cli.cli.app import app
 
 runner = CliRunner()
@@ -22,7 +22,7 @@ class EngineStarted(Exception):
 @pytest.fixture
 def engine_starts(monkeypatch) -> list[str]:
     """Every call to `start_engine` is recorded and stopped, so no test here can start a real engine."""
-    import layerwise_cli.engine.local as local
+    from layerwise_cli.engine import local
 
     calls: list[str] = []
 
@@ -62,14 +62,14 @@ def _drop_v_proj(tensors):
 
 
 def _bad_header(folder: Path) -> None:
-    shard = sorted(folder.glob("*.safetensors"))[0]
+    shard = min(folder.glob("*.safetensors"))
     data = bytearray(shard.read_bytes())
     data[8:9] = b"#"
     shard.write_bytes(bytes(data))
 
 
 def _huge_header_length(folder: Path) -> None:
-    shard = sorted(folder.glob("*.safetensors"))[0]
+    shard = min(folder.glob("*.safetensors"))
     data = bytearray(shard.read_bytes())
     data[:8] = struct.pack("<Q", len(data) * 2)
     shard.write_bytes(bytes(data))
@@ -142,7 +142,7 @@ USAGE_ERRORS = {
 
 @pytest.mark.parametrize("case", list(USAGE_ERRORS))
 def test_invalid_option_values_are_usage_errors_before_anything_starts(case, engine_starts, monkeypatch):
-    import layerwise_cli.engine.session as session
+    from layerwise_cli.engine import session
 
     def no_sources(*args, **kwargs):
         raise AssertionError("sources were read before the options were checked")
@@ -168,8 +168,7 @@ def test_unknown_quantization_is_a_usage_error_before_the_engine_starts(demo_mod
 @pytest.mark.parametrize("flag, allowed", [([], False), (["--allow-nonfinite"], True)])
 def test_allow_nonfinite_reaches_the_reload(flag, allowed, demo_models, monkeypatch):
     """In process: the flag is passed to `reload` (the engine tests prove what the workers do with it)."""
-    import layerwise_cli.engine.local as local
-    import layerwise_cli.engine.session as session
+    from layerwise_cli.engine import local, session
     from layerwise_cli.errors import LayerwiseError
 
     calls: list[dict] = []
@@ -188,7 +187,7 @@ def test_allow_nonfinite_reaches_the_reload(flag, allowed, demo_models, monkeypa
 
 def test_allow_nonfinite_reaches_the_servers(monkeypatch):
     """With --url: the option travels in RemoteOptions, and from there in the worker call's kwargs."""
-    import layerwise_cli.cli.reload_remote as reload_remote
+    from layerwise_cli.cli import reload_remote
     from layerwise_cli.engine.remote import RemoteOptions, ServerClient
 
     seen: list[RemoteOptions] = []
