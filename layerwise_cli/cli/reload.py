@@ -87,14 +87,14 @@ def reload_command(
 
         if model is not None:
             raise UsageError("--model starts an engine in this process; with --url the servers already run")
-        engine_only = [name for name, value in (("--dtype", None if dtype == "auto" else dtype),
-                                                ("--tensor-parallel-size", None if tensor_parallel_size == 1 else 1),
-                                                ("--max-model-len", max_model_len), ("--quantization", quantization),
-                                                ("--enforce-eager", enforce_eager),
-                                                ("--memory-fraction", memory_fraction)) if value is not None]
+        engine_only = [name for name, given in (
+            ("--dtype", dtype != "auto"), ("--tensor-parallel-size", tensor_parallel_size != 1),
+            ("--max-model-len", max_model_len is not None), ("--quantization", quantization is not None),
+            ("--enforce-eager", enforce_eager is not None), ("--memory-fraction", memory_fraction is not None),
+        ) if given]
         if engine_only:
-            raise UsageError(f"{', '.join(engine_only)} start an engine in this process; with --url the servers "
-                             "already run")
+            raise UsageError(f"{', '.join(engine_only)} configure an engine started in this process; with --url "
+                             "the servers already run")
         options = RemoteOptions(order=order, allow_partial=allow_partial, allow_nonfinite=allow_nonfinite,
                                 readahead=readahead, revision=revision,
                                 pause_mode=pause_mode or "wait", weight_version=weight_version, api_key=api_key,
