@@ -227,3 +227,26 @@ def test_reorder_verify_on_a_clean_checkpoint_says_so(tmp_path):
     result = runner.invoke(app, ["reorder", str(clean), str(tmp_path / "out"), "--verify"])
     assert result.exit_code == 0, result.output
     assert "no NaN/Inf" in result.stdout
+
+
+def test_inspect_order_scan_of_a_hub_repo(tmp_path):
+    """A Hub source is scanned shard by shard through the Hub cache; the error names repo and shard."""
+    import os
+    import subprocess
+    import sys
+
+    from hub_server import HubServer
+
+    bad = _write(tmp_path / "bad", {DOWN: ((5,), (6, 7))})
+    server = HubServer()
+    server.add_repo("org/bad", bad)
+    with server:
+        code = ("import sys\nfrom layerwise_cli.cli.app import main\n"
+                "sys.argv = ['layerwise', 'inspect-order', 'org/bad', '--scan', '--json']\nmain()\n")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "HF_ENDPOINT": server.endpoint, "HF_HOME": str(tmp_path / "hf")})
+    assert proc.returncode == 1, proc.stderr
+    scan = json.loads(proc.stdout)["scan"]
+    assert [(f["name"], f["nan"], f["inf"]) for f in scan["nonfinite"]] == [(DOWN, 1, 2)]
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
+    assert line.startswith(f"Error: org/bad/{scan['nonfinite'][0]['shard']}: tensor {DOWN} has 1 NaN and 2 Inf")
