@@ -243,7 +243,7 @@ def test_inspect_order_scan_of_a_hub_repo(tmp_path):
     with server:
         code = ("import sys\nfrom layerwise_cli.cli.app import main\n"
                 "sys.argv = ['layerwise', 'inspect-order', 'org/bad', '--scan', '--json']\nmain()\n")
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
                               env={**os.environ, "HF_ENDPOINT": server.endpoint, "HF_HOME": str(tmp_path / "hf")})
     assert proc.returncode == 1, proc.stderr
     scan = json.loads(proc.stdout)["scan"]
