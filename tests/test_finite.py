@@ -1,4 +1,4 @@
-"""NaN/Inf checks: the torch path (inside the workers), the raw-bytes path (reorder, inspect-order --scan), the stream."""
+"""NaN/Inf checks: the torch path (in the workers), the raw-bytes path (reorder, inspect-order --scan), the stream."""
 
 from __future__ import annotations
 
