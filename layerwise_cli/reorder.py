@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import LayerwiseError, describe_exception
+from .finite import ByteScan, NonFinite
 from .inspect import OrderReport
 from .parents import mapping_for_config
 from .plan import Plan, build_plan
@@ -117,6 +118,8 @@ class ReorderResult:
     replaced: bool  # an existing DST was replaced (--force)
     seconds: float
     metadata_conflicts: list[str] = field(default_factory=list)
+    # With verify: tensors holding NaN or Inf (written only with allow_nonfinite).
+    nonfinite: list[NonFinite] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         """JSON-ready data: integers for bytes, seconds as a float."""
@@ -151,6 +154,7 @@ class ReorderResult:
             "files_skipped": self.files_skipped,
             "metadata_conflicts": self.metadata_conflicts,
             "verified": self.verified,
+            "nonfinite": [found.to_dict() for found in self.nonfinite],
             "replaced": self.replaced,
             "seconds": self.seconds,
         }
@@ -459,6 +463,7 @@ def reorder(
     revision: str | None = None,
     mapping: str = "auto",
     progress: Callable[[ReorderProgress], None] | None = None,
+    allow_nonfinite: bool = False,
 ) -> ReorderResult:
     """Rewrite SOURCE into DESTINATION so that vLLM's loader reads complete parent layers one after another.
 
@@ -479,7 +484,9 @@ def reorder(
             the new one is in place).
         verify: re-read every tensor from DESTINATION and compare its sha256
             with the bytes read from SOURCE; any difference is an error and
-            nothing is put in place.
+            nothing is put in place. In the same pass, every floating tensor
+            is checked for NaN and Inf: one is an error too, unless
+            `allow_nonfinite` (then the result lists them).
         revision: Hub branch, tag or commit.
         mapping: how tensors map to parent layers (see `mapping_for_config`).
         progress: called with a `ReorderProgress` as bytes are written.
@@ -517,7 +524,9 @@ def reorder(
             out = tmp / "out"
             out.mkdir()
             copied, skipped = _copy_other_files(checkpoint, out, tmp)
-            hashes, bytes_written = _write_shards(checkpoint, shards, metadata, out, tmp, verify, progress)
+            nonfinite: list[NonFinite] = []
+            hashes, bytes_written = _write_shards(checkpoint, shards, metadata, out, tmp, verify, progress,
+                                                  allow_nonfinite, nonfinite)
             _write_index(checkpoint, shards, out)
             _fsync_dir(out)
             after = _check_written(checkpoint, plan, out, dst, hashes, progress)
@@ -538,7 +547,7 @@ def reorder(
         source=checkpoint.source, revision=checkpoint.revision, destination=dst, max_shard_size=max_shard_size,
         before=before, after=after, shards=shards, bytes_written=bytes_written, files_copied=copied,
         files_skipped=skipped, verified=verify, replaced=replaced, seconds=time.perf_counter() - started,
-        metadata_conflicts=conflicts,
+        metadata_conflicts=conflicts, nonfinite=nonfinite,
     )
 
 
@@ -592,8 +601,15 @@ def _write_shards(
     tmp: Path,
     verify: bool,
     progress: Callable[[ReorderProgress], None] | None,
+    allow_nonfinite: bool = False,
+    nonfinite: list[NonFinite] | None = None,
 ) -> tuple[dict[str, str], int]:
-    """Create every DST shard (header, space reserved), then copy tensors in, one SRC shard at a time."""
+    """Create every DST shard (header, space reserved), then copy tensors in, one SRC shard at a time.
+
+    With `verify`, each tensor's bytes are hashed and checked for NaN/Inf as
+    they are copied; a non-finite tensor is refused unless `allow_nonfinite`,
+    and then appended to `nonfinite`.
+    """
     # Where each tensor goes: DST shard, absolute file offset.
     target: dict[str, tuple[PlannedShard, int]] = {}
     remaining: dict[str, int] = {}
@@ -646,6 +662,7 @@ def _write_shards(
                 try:
                     for entry in entries:
                         hasher = hashlib.sha256() if verify else None
+                        scan = ByteScan(entry.dtype) if verify else None
                         src_at = local.data_start + entry.begin
                         dst_at = target[entry.name][1]
                         copied = 0
@@ -660,12 +677,21 @@ def _write_shards(
                                 )
                             if hasher is not None:
                                 hasher.update(view[:got])
+                                scan.update(view[:got])
                             _write_chunk(dst_fd, view[:got], dst_at + copied)
                             copied += got
                             done_bytes += got
                             report("write", dst_name)
                         if hasher is not None:
                             hashes[entry.name] = hasher.hexdigest()
+                            if scan.found:
+                                found = NonFinite(entry.name, src_shard.name, scan.nan, scan.inf)
+                                if not allow_nonfinite:
+                                    raise LayerwiseError(
+                                        f"--verify: {found.describe()}; refusing, nothing was put in place "
+                                        "(use --allow-nonfinite to write it anyway)", where=str(path))
+                                if nonfinite is not None:
+                                    nonfinite.append(found)
                         remaining[dst_name] -= 1
                     if remaining[dst_name] == 0:
                         os.fsync(dst_fd)

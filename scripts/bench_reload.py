@@ -13,6 +13,7 @@ extension, and for each checkpoint times, interleaved, `--runs` runs of:
     b      layerwise, --order file
     c      layerwise, --order layer (read-ahead on: the product's default)
     c-nora layerwise, --order layer, read-ahead off (does the read-ahead overlap?)
+    c-nocheck layerwise, --order layer, --allow-nonfinite (what the NaN/Inf check costs)
     d      the read limit: every tensor read with safetensors into memory the
            worker owns, nothing else, in the worker process (CPU: an anonymous
            copy of each tensor; CUDA: the stream's pinned staging, then the device)
@@ -56,12 +57,13 @@ if str(ROOT) not in sys.path:
 
 from layerwise_cli.synthetic import SyntheticModel, normal_weights, shard_groups, write_safetensors  # noqa: E402
 
-VARIANTS = ("a", "b", "c", "c-nora", "d", "e")
+VARIANTS = ("a", "b", "c", "c-nora", "c-nocheck", "d", "e")
 VARIANT_NAMES = {
     "a": "vLLM reload_weights(weights_path)",
     "b": "layerwise --order file",
     "c": "layerwise --order layer",
     "c-nora": "layerwise --order layer, no read-ahead",
+    "c-nocheck": "layerwise --order layer, no NaN/Inf check",
     "d": "read limit (safetensors into memory)",
     "e": "engine floor (tensors already in memory)",
 }
@@ -259,10 +261,11 @@ def measure(llm, variant: str, path: Path, cuda: bool) -> dict:
         if cuda:  # vLLM returns before its last copies are done; the others synchronize
             rpc(llm, "layerwise_bench_sync")
         return {"seconds": time.perf_counter() - start}
-    if variant in ("b", "c", "c-nora"):
+    if variant in ("b", "c", "c-nora", "c-nocheck"):
         order = "file" if variant == "b" else "layer"
         results = llm.collective_rpc("layerwise_reload", kwargs={
-            "source": source, "order": order, "readahead": variant != "c-nora"})
+            "source": source, "order": order, "readahead": variant != "c-nora",
+            "allow_nonfinite": variant == "c-nocheck"})
         seconds = time.perf_counter() - start
         report = reports_from_results(results)
         return {"seconds": seconds, "worker_seconds": report.wall_s, "peak_buffer_bytes": report.peak_buffer_bytes,
@@ -320,7 +323,7 @@ def bench_checkpoint(llm, layout: str, path: Path, args, watch: MemoryWatch, cud
              "predicted_file_order_bytes": file_prediction,
              "predicted_layer_order_bytes": predicted.layer_order.peak_buffer_bytes,
              "a": vllm_peak["peak_buffer_bytes"]}
-    for v in ("b", "c", "c-nora"):
+    for v in ("b", "c", "c-nora", "c-nocheck"):
         if v in samples:
             peaks[v] = max(s["peak_buffer_bytes"] for s in samples[v])
             peaks[f"{v}_readahead_bytes"] = max(s["readahead_peak_bytes"] for s in samples[v])
@@ -371,6 +374,9 @@ def _ratios(t: dict, peaks: dict) -> dict:
         ratios["d_plus_e_over_limit"] = (med["d"] + med["e"]) / limit
     if "c" in med and "c-nora" in med:
         ratios["nora_over_c"] = med["c-nora"] / med["c"]
+    if "c" in med and "c-nocheck" in med:
+        # The NaN/Inf check's share of a reload: (c - c-nocheck) / c.
+        ratios["check_share_of_c"] = (med["c"] - med["c-nocheck"]) / med["c"]
     predicted = peaks["predicted_file_order_bytes"]
     for v in ("a", "b"):
         if v in peaks and predicted:
@@ -428,15 +434,16 @@ def render_table(data: dict) -> str:
                  f"device {data['engine']['device_name']}, quantization {data['engine']['quantization'] or 'none'}, "
                  f"{min(r['runs'] for r in data['results'])}-{max(r['runs'] for r in data['results'])} runs "
                  "per checkpoint (medians, seconds)")
-    head = f"{'checkpoint':<22}" + "".join(f"{v:>9}" for v in variants) + \
-        f"{'c/a':>7}{'c/max(d,e)':>12}{'nora/c':>8}"
+    head = f"{'checkpoint':<22}" + "".join(f"{v:>{max(9, len(v) + 1)}}" for v in variants) + \
+        f"{'c/a':>7}{'c/max(d,e)':>12}{'nora/c':>8}{'check/c':>9}"
     lines.append(head)
     for r in data["results"]:
         row = f"{LAYOUT_NAMES.get(r['layout'], r['layout']):<22}"
-        row += "".join(f"{r['times'][v]['median']:>8.3f}s" for v in variants)
+        row += "".join(f"{r['times'][v]['median']:>{max(8, len(v))}.3f}s" for v in variants)
         ratio = r["ratios"]
         row += f"{ratio.get('c_over_a', float('nan')):>7.2f}{ratio.get('c_over_limit', float('nan')):>12.2f}"
         row += f"{ratio.get('nora_over_c', float('nan')):>8.2f}"
+        row += f"{ratio.get('check_share_of_c', float('nan')):>9.3f}"
         lines.append(row)
     lines.append("")
     lines.append(f"{'peak buffered':<22}{'largest':>11}{'predicted':>11}{'a':>11}{'b':>11}{'c':>11}"

@@ -241,7 +241,7 @@ def test_bad_max_buffer_is_a_usage_error(tmp_path: Path, value: str) -> None:
 def test_bad_mapping_and_top_are_usage_errors(tmp_path: Path) -> None:
     source = _sharded(tmp_path)
     bad_mapping = runner.invoke(app, ["inspect-order", str(source), "--mapping", "guess"])
-    assert bad_mapping.exit_code == 2 and "unknown mapping 'guess'" in bad_mapping.stderr
+    assert bad_mapping.exit_code == 2 and "--mapping" in bad_mapping.stderr and "'guess'" in bad_mapping.stderr
     assert runner.invoke(app, ["inspect-order", str(source), "--top", "-1"]).exit_code == 2
 
 

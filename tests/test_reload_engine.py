@@ -223,3 +223,77 @@ def test_engine_without_extension_gets_a_clear_error():
 
     with pytest.raises(LayerwiseError, match="worker_extension_cls"):
         call_workers(NoExtension(), "layerwise_reload")
+
+
+# --- non-finite weights ------------------------------------------------------------------------------------
+
+def _plant(name: str, *, nan: int = 0, inf: int = 0):
+    """A transform that puts NAN NaN and INF +Inf values at the start of tensor NAME."""
+    def transform(tensors):
+        tensor = tensors[name].clone().reshape(-1)
+        tensor[:nan] = float("nan")
+        tensor[nan:nan + inf] = float("inf")
+        tensors[name] = tensor.reshape(tensors[name].shape)
+        return tensors
+    return transform
+
+
+def _shard_of(folder: Path, name: str) -> Path:
+    from layerwise_cli.sources import open_checkpoint
+
+    return folder / next(t.shard for t in open_checkpoint(str(folder)).tensors if t.name == name)
+
+
+@pytest.mark.parametrize("name, nan, inf", [
+    ("model.embed_tokens.weight", 0, 2),  # the first layer: refused before anything is handed over
+    ("model.layers.1.mlp.down_proj.weight", 3, 0),  # after the embeddings and all of layer 0 were loaded
+])
+def test_nonfinite_layer_is_refused_and_the_engine_rolled_back(on_multiply, demo_models, tmp_path, name, nan, inf):
+    import json
+
+    from layerwise_cli.engine.local import reload
+    from layerwise_cli.errors import LayerwiseError
+
+    bad = reshard(demo_models["add"], tmp_path / "bad", parameter_kind, transform=_plant(name, nan=nan, inf=inf))
+    before = engine_state(on_multiply)
+    progress = tmp_path / "progress.jsonl"
+    with pytest.raises(LayerwiseError) as info:
+        reload(on_multiply, str(bad), progress_path=str(progress))
+    text = str(info.value)
+    assert "\n" not in text
+    assert text.startswith(f"{_shard_of(bad, name)}: tensor {name} has {nan} NaN and {inf} Inf values; refusing "
+                           "(use --allow-nonfinite to load anyway); the engine was rolled back to the weights of ")
+    assert str(demo_models["multiply"]) in text
+    handed = [json.loads(line)["name"] for line in progress.read_text().splitlines()
+              if json.loads(line)["event"] == "layer"]
+    if name.startswith("model.embed_tokens"):
+        assert handed == []
+    else:
+        assert len(handed) >= 9 and "model.embed_tokens" in handed
+        assert {"model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj"} <= set(handed)
+        assert "model.layers.1.mlp.down_proj" not in handed
+    after = engine_state(on_multiply)
+    assert after["checksums"] == before["checksums"]
+    assert after["pointers"] == before["pointers"]
+    assert answers(on_multiply) == expected("multiply")
+
+
+def test_allow_nonfinite_loads_the_values(on_multiply, demo_models, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from layerwise_cli.engine.checksums import tensor_digest
+    from layerwise_cli.engine.local import reload
+
+    name = "model.norm.weight"
+    bad = reshard(demo_models["add"], tmp_path / "bad", parameter_kind, transform=_plant(name, nan=2, inf=1))
+    before = engine_state(on_multiply)["checksums"]
+    report = reload(on_multiply, str(bad), allow_nonfinite=True)
+    assert report.tensors > 0
+    after = engine_state(on_multiply)["checksums"]
+    planted = load_file(str(_shard_of(bad, name)))[name]
+    assert int(torch.isnan(planted.float()).sum()) == 2
+    # The engine holds exactly the planted values (in the dtype it keeps them in).
+    assert after[name] in {tensor_digest(planted.to(dtype)) for dtype in (torch.bfloat16, torch.float16,
+                                                                          torch.float32)}
+    assert after[name] != before[name]

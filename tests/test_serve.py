@@ -307,6 +307,35 @@ def test_preflight_failure_leaves_outputs_unchanged(on_multiply, demo_models, tm
 
 
 @pytest.mark.server
+def test_nonfinite_weights_are_refused_unless_allowed(on_multiply, demo_models, tmp_path):
+    from layerwise_cli.engine.remote import server_fingerprints
+
+    def plant(tensors):
+        key = "model.layers.1.mlp.down_proj.weight"
+        tensor = tensors[key].clone().reshape(-1)
+        tensor[:3] = float("nan")
+        tensors[key] = tensor.reshape(tensors[key].shape)
+        return tensors
+
+    bad = reshard(demo_models["add"], tmp_path / "bad", parameter_kind, transform=plant)
+    before = server_fingerprints(on_multiply.url, api_key=KEY)
+    done = run_cli("reload", "--weights-path", str(bad), "--url", on_multiply.url, env=_with_key())
+    assert done.returncode == 1
+    (error,) = _error_lines(done.stderr)
+    assert on_multiply.url in error and str(bad) in error
+    assert "tensor model.layers.1.mlp.down_proj.weight has 3 NaN and 0 Inf values" in error
+    assert "--allow-nonfinite" in error and "rolled back" in error
+    assert server_fingerprints(on_multiply.url, api_key=KEY) == before
+    assert on_multiply.answers(PAIRS) == expected("multiply")
+    assert not on_multiply.is_paused()
+    allowed = run_cli("reload", "--weights-path", str(bad), "--url", on_multiply.url, "--allow-nonfinite", "--json",
+                      env=_with_key())
+    assert allowed.returncode == 0, allowed.stderr
+    assert json.loads(allowed.stdout)["servers"][0]["holds"] == "new"
+    assert server_fingerprints(on_multiply.url, api_key=KEY) != before
+
+
+@pytest.mark.server
 def test_exception_inside_the_worker_is_one_line(on_multiply, tmp_path):
     """The worker raises (no such SOURCE on the server): one line, the server keeps serving."""
     done = run_cli("reload", "--weights-path", str(tmp_path / "not-there"), "--url", on_multiply.url,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -15,7 +15,7 @@ RevisionOpt = Annotated[
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of tables; no progress.")]
 MappingOpt = Annotated[
-    str,
+    Literal["auto", "table", "vllm", "generic"],
     typer.Option(
         "--mapping",
         help="How tensors map to parent layers: auto (table, else vLLM's model class, else generic), "
@@ -24,11 +24,15 @@ MappingOpt = Annotated[
 ]
 
 # Engine options passed through to vLLM (in-process engines and `layerwise serve`).
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="Engine dtype (auto, bfloat16, float16, float32).")]
+# vLLM's own `ModelDType` values: a typo is a usage error before anything starts.
+DtypeOpt = Annotated[
+    Literal["auto", "half", "float16", "bfloat16", "float", "float32"],
+    typer.Option("--dtype", help="Engine dtype."),
+]
 TensorParallelOpt = Annotated[
     int, typer.Option("--tensor-parallel-size", "-tp", min=1, help="Tensor-parallel workers.")
 ]
-MaxModelLenOpt = Annotated[int | None, typer.Option("--max-model-len", help="Engine context length.")]
+MaxModelLenOpt = Annotated[int | None, typer.Option("--max-model-len", min=1, help="Engine context length.")]
 QuantizationOpt = Annotated[
     str | None,
     typer.Option("--quantization", "-q", help="vLLM quantization method, e.g. an online one such as "
@@ -47,7 +51,25 @@ MemoryFractionOpt = Annotated[
                  "default 0.1 there).", show_default=False),
 ]
 OrderOpt = Annotated[
-    str,
+    Literal["layer", "file"],
     typer.Option("--order", help="layer: stream every parent layer's tensors together (default); "
                  "file: the order vLLM's own loader reads, for comparison."),
 ]
+AllowNonfiniteOpt = Annotated[
+    bool,
+    typer.Option("--allow-nonfinite", help="Accept tensors holding NaN or Inf (refused by default, naming the file "
+                 "and tensor)."),
+]
+
+
+def check_quantization(method: str | None) -> None:
+    """Refuse a quantization method the installed vLLM does not know, as a usage error, before any engine starts."""
+    if method is None:
+        return
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    if method not in QUANTIZATION_METHODS:
+        from ..errors import UsageError
+
+        raise UsageError(f"--quantization must be one of vLLM's methods ({', '.join(QUANTIZATION_METHODS)}), "
+                         f"not {method!r}")

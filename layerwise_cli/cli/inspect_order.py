@@ -24,15 +24,20 @@ def inspect_order_command(
     ] = None,
     mapping: MappingOpt = "auto",
     tensor_parallel_size: TensorParallelOpt = 1,
+    scan: Annotated[bool, typer.Option("--scan", help="Also read every tensor's data and report tensors holding "
+                                       "NaN or Inf; exit 1 if any (reads the whole checkpoint).")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Show which engine layer each tensor feeds and what vLLM's read order buffers.
 
-    Reads headers only (HTTP range requests for Hub repos), never tensor data.
-    Layers vLLM holds until the end of a reload (a padded vocabulary) are
-    named with the reason; --tensor-parallel-size changes which ranks hold them.
+    Reads headers only (HTTP range requests for Hub repos), never tensor data,
+    unless --scan asks for a data scan. Layers vLLM holds until the end of a
+    reload (a padded vocabulary) are named with the reason;
+    --tensor-parallel-size changes which ranks hold them.
 
     Example: layerwise inspect-order ./checkpoint --top 10 --max-buffer 2GiB
+
+    Example: layerwise inspect-order ./checkpoint --scan
     """
     limit = None
     if max_buffer is not None:
@@ -44,10 +49,21 @@ def inspect_order_command(
 
     report = inspect_order(source, revision, mapping, tensor_parallel_size)
     data = report.to_dict(top=top)
+    scanned = _scan(report.plan.checkpoint, quiet=as_json) if scan else None
+    if scanned is not None:
+        data["scan"] = scanned.to_dict()
     if as_json:
         print_json(data)
     else:
         render(report, data, top)
+        if scanned is not None:
+            render_scan(scanned)
+    if scanned is not None and scanned.nonfinite:
+        from ..errors import LayerwiseError
+
+        first = scanned.nonfinite[0]
+        more = f" ({len(scanned.nonfinite)} tensors hold NaN or Inf)" if len(scanned.nonfinite) > 1 else ""
+        raise LayerwiseError(f"{first.describe()}{more}", where=_shard_where(report.plan.checkpoint, first.shard))
     peak = report.file_order.peak_buffer_bytes
     if limit is not None and peak > limit:
         from ..errors import LayerwiseError
@@ -112,3 +128,35 @@ def render(report, data: dict, top: int) -> None:
     if fo["peak_buffer_bytes"] > lo["peak_buffer_bytes"]:
         stderr.print(f"[yellow]File order buffers {fo['peak_over_largest_layer']:.2f}x the largest layer; "
                      "`layerwise reload` streams in layer order, `layerwise reorder` rewrites the file.[/]")
+
+
+def _scan(checkpoint, quiet: bool):
+    """Read every tensor and count NaN/Inf, with a progress bar on stderr unless quiet."""
+    from ..finite import scan_checkpoint
+
+    if quiet:
+        return scan_checkpoint(checkpoint)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    with Progress(TextColumn("scanning"), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),
+                  console=stderr, transient=True) as bar:
+        task = bar.add_task("scan", total=checkpoint.total_bytes)
+        return scan_checkpoint(checkpoint, progress=lambda done, total: bar.update(task, completed=done))
+
+
+def _shard_where(checkpoint, shard: str) -> str:
+    if checkpoint.local_dir is not None:
+        return str(checkpoint.shard_path(shard))
+    return f"{checkpoint.source}/{shard}"
+
+
+def render_scan(scanned) -> None:
+    """One line for the data scan, then one per tensor holding NaN or Inf."""
+    from ..units import human_seconds
+
+    state = (f"{len(scanned.nonfinite)} tensor(s) hold NaN or Inf" if scanned.nonfinite else "no NaN or Inf")
+    stdout.print(f"scan              {scanned.tensors_checked} floating tensor(s) of {scanned.tensors}, "
+                 f"{human_bytes(scanned.bytes)} read in {human_seconds(scanned.seconds)}: {state}", soft_wrap=True)
+    for found in scanned.nonfinite:
+        stdout.print(f"  {escape(found.name)} ({escape(found.shard)}): {found.nan} NaN, {found.inf} Inf",
+                     soft_wrap=True)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
 from ..errors import LayerwiseError, UsageError
 from ._options import (
+    AllowNonfiniteOpt,
     DtypeOpt,
     EnforceEagerOpt,
     JsonOpt,
@@ -18,6 +19,7 @@ from ._options import (
     QuantizationOpt,
     RevisionOpt,
     TensorParallelOpt,
+    check_quantization,
 )
 from ._output import handle_errors, print_json, stderr
 from ._reload_view import render_report, render_verify, run_with_progress
@@ -34,6 +36,7 @@ def reload_command(
     order: OrderOpt = "layer",
     allow_partial: Annotated[bool, typer.Option("--allow-partial", help="Accept a checkpoint that covers "
                                                 "only some parameters.")] = False,
+    allow_nonfinite: AllowNonfiniteOpt = False,
     readahead: Annotated[bool, typer.Option("--readahead/--no-readahead", help="Read the next layer while the "
                                             "engine processes the current one.")] = True,
     revision: RevisionOpt = None,
@@ -45,7 +48,7 @@ def reload_command(
     memory_fraction: MemoryFractionOpt = None,
     top: Annotated[int, typer.Option("--top", min=0, help="Show only the first N layers (0: all).")] = 0,
     as_json: JsonOpt = False,
-    pause_mode: Annotated[str | None, typer.Option(
+    pause_mode: Annotated[Literal["wait", "keep", "abort", "none"] | None, typer.Option(
         "--pause-mode", help="With --url: how generation pauses during the reload. wait (default): finish "
         "in-flight requests, queue new ones; keep: freeze in-flight requests and continue them on the new "
         "weights; abort: abort in-flight requests; none: do not pause.", show_default=False)] = None,
@@ -65,8 +68,11 @@ def reload_command(
 ) -> None:
     """Reload new weights into a vLLM engine in layer order, with a per-layer report.
 
-    Starts an engine in this process on BASE, checks the new weights against
-    it, streams them in layer order and prints what every layer cost.
+    Checks the new weights against BASE's headers (names, shapes, dtypes,
+    nothing missing) before anything starts, then starts an engine in this
+    process on BASE, checks them against the engine's model, streams them in
+    layer order and prints what every layer cost. A layer holding NaN or Inf
+    is refused before it is handed over, and the engine rolled back.
 
     With --url, attaches to running vLLM servers instead (started with
     `layerwise serve`, or any vLLM server with VLLM_SERVER_DEV_MODE=1): pauses
@@ -79,17 +85,22 @@ def reload_command(
 
     Example: layerwise reload --weights-path /ckpt/step-200 --url http://127.0.0.1:8000 --verify
     """
-    if order not in {"layer", "file"}:
-        raise UsageError(f"--order must be layer or file, not {order!r}")
     if url:
-        from ..engine.remote import PAUSE_MODES, RemoteOptions
+        from ..engine.remote import RemoteOptions
         from .reload_remote import reload_remote
 
         if model is not None:
             raise UsageError("--model starts an engine in this process; with --url the servers already run")
-        if pause_mode is not None and pause_mode not in PAUSE_MODES:
-            raise UsageError(f"--pause-mode must be one of {', '.join(PAUSE_MODES)}, not {pause_mode!r}")
-        options = RemoteOptions(order=order, allow_partial=allow_partial, readahead=readahead, revision=revision,
+        engine_only = [name for name, given in (
+            ("--dtype", dtype != "auto"), ("--tensor-parallel-size", tensor_parallel_size != 1),
+            ("--max-model-len", max_model_len is not None), ("--quantization", quantization is not None),
+            ("--enforce-eager", enforce_eager is not None), ("--memory-fraction", memory_fraction is not None),
+        ) if given]
+        if engine_only:
+            raise UsageError(f"{', '.join(engine_only)} configure an engine started in this process; with --url "
+                             "the servers already run")
+        options = RemoteOptions(order=order, allow_partial=allow_partial, allow_nonfinite=allow_nonfinite,
+                                readahead=readahead, revision=revision,
                                 pause_mode=pause_mode or "wait", weight_version=weight_version, api_key=api_key,
                                 verify=verify, timeout=timeout if timeout is not None else 600.0)
         raise typer.Exit(reload_remote(url, weights_path, options, as_json=as_json, top=top))
@@ -100,7 +111,8 @@ def reload_command(
     from ..engine.local import EngineOptions, start_engine
     from ..engine.session import prepare_sources, reload_with_progress_path
 
-    source_dir, base = prepare_sources(weights_path, model, revision, quiet=as_json)
+    check_quantization(quantization)
+    source_dir, base = prepare_sources(weights_path, model, revision, quiet=as_json, allow_partial=allow_partial)
     options = EngineOptions(dtype=dtype, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
                             quantization=quantization, enforce_eager=enforce_eager,
                             memory_fraction=memory_fraction)
@@ -112,7 +124,8 @@ def reload_command(
 
     try:
         report = run_with_progress(
-            lambda path: reload_with_progress_path(llm, source_dir, order, allow_partial, readahead, path),
+            lambda path: reload_with_progress_path(llm, source_dir, order, allow_partial, readahead, path,
+                                                   allow_nonfinite=allow_nonfinite),
             None if as_json else new_progress_path(), f"reload {weights_path}", show=not as_json)
         if verify:
             from ..engine.verify import verify_engine

@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..units import human_bytes, human_seconds, parse_size
-from ._options import JsonOpt, MappingOpt, RevisionOpt, SourceArg
+from ._options import AllowNonfiniteOpt, JsonOpt, MappingOpt, RevisionOpt, SourceArg
 from ._output import handle_errors, print_json, report_error, stderr, stdout
 
 
@@ -30,8 +30,10 @@ def reorder_command(
     verify: Annotated[
         bool,
         typer.Option("--verify", help="Re-read every tensor from the destination and compare its SHA-256 with the "
-                     "source's before putting it in place; exit 1 on any difference."),
+                     "source's before putting it in place, and check every floating tensor for NaN/Inf; exit 1 "
+                     "on any difference or non-finite value."),
     ] = False,
+    allow_nonfinite: AllowNonfiniteOpt = False,
     revision: RevisionOpt = None,
     mapping: MappingOpt = "auto",
     as_json: JsonOpt = False,
@@ -52,6 +54,9 @@ def reorder_command(
         raise typer.BadParameter(str(exc), param_hint="--max-shard-size") from None
     if limit <= 0:
         raise typer.BadParameter("must be more than 0 bytes", param_hint="--max-shard-size")
+    if allow_nonfinite and not verify:
+        raise typer.BadParameter("only applies with --verify (which checks every tensor for NaN/Inf)",
+                                 param_hint="--allow-nonfinite")
     from ..errors import LayerwiseError
     from ..reorder import ReorderInterrupted, reorder
 
@@ -59,11 +64,12 @@ def reorder_command(
         if as_json:
             _quiet_hub_progress()
             result = reorder(source, destination, max_shard_size=limit, force=force, verify=verify,
-                             revision=revision, mapping=mapping)
+                             revision=revision, mapping=mapping, allow_nonfinite=allow_nonfinite)
         else:
             with _Progress() as bar:
                 result = reorder(source, destination, max_shard_size=limit, force=force, verify=verify,
-                                 revision=revision, mapping=mapping, progress=bar.update)
+                                 revision=revision, mapping=mapping, progress=bar.update,
+                                 allow_nonfinite=allow_nonfinite)
     except ReorderInterrupted as stop:
         state = ("the new checkpoint was already in place" if stop.committed
                  else "nothing was written there and temporary files were removed")
@@ -157,8 +163,13 @@ def render(data: dict) -> None:
     if data["metadata_conflicts"]:
         summary.add_row("metadata", "source shards disagree on " + escape(", ".join(data["metadata_conflicts"]))
                         + "; kept the first shard's value")
-    summary.add_row("verify", "every tensor's SHA-256 matches the source" if data["verified"]
-                    else "headers and tensor set checked (--verify also compares every tensor's bytes)")
+    nonfinite = data["nonfinite"]
+    summary.add_row("verify", ("every tensor's SHA-256 matches the source; "
+                               + (f"{len(nonfinite)} tensor(s) hold NaN/Inf (allowed), first: "
+                                  f"{escape(nonfinite[0]['name'])}" if nonfinite else "no NaN/Inf"))
+                    if data["verified"]
+                    else "headers and tensor set checked (--verify also compares every tensor's bytes and "
+                    "checks for NaN/Inf)")
     summary.add_row("time", human_seconds(data["seconds"]))
     stdout.print(summary)
     table = Table(title="Shards, in the order vLLM reads them", title_justify="left")

@@ -115,7 +115,8 @@ def call_workers(llm, method: str, **kwargs) -> list[dict]:
 
 
 def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = False, readahead: bool = True,
-           revision: str | None = None, progress_path: str | None = None, verify: bool = False) -> ReloadReport:
+           revision: str | None = None, progress_path: str | None = None, verify: bool = False,
+           allow_nonfinite: bool = False) -> ReloadReport:
     """Reload SOURCE into a running `vllm.LLM`, in layer order, and report what it cost.
 
     The engine must have been built with
@@ -134,6 +135,8 @@ def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = Fals
         verify: after the reload, check on every worker, layer by layer (and
             every module derived from a layer, such as a tied head), that the
             engine holds exactly what vLLM makes of SOURCE (`verify_engine`).
+        allow_nonfinite: load tensors holding NaN or Inf (by default refused,
+            naming the file and tensor, and the engine rolled back).
 
     Returns:
         The merged report of all workers; with `verify`, `report.verify` holds
@@ -144,10 +147,12 @@ def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = Fals
             rolled back to, the weights it had); or, with `verify`, a layer
             differs from SOURCE or could not be checked (the message names the
             layers; the engine then holds SOURCE's weights, unverified: call
-            `verify_engine` for the full result).
+            `verify_engine` for the full result); or a tensor holds NaN or Inf
+            (refused and rolled back unless `allow_nonfinite`).
     """
     results = call_workers(llm, "layerwise_reload", source=source, order=order, allow_partial=allow_partial,
-                           readahead=readahead, revision=revision, progress_path=progress_path)
+                           readahead=readahead, revision=revision, progress_path=progress_path,
+                           allow_nonfinite=allow_nonfinite)
     report = reports_from_results(results)
     # KV blocks cached under the old weights must not serve prompts under the new ones.
     llm.reset_prefix_cache()

@@ -8,9 +8,8 @@ import torch
 
 from ..errors import LayerwiseError
 from ..plan import Plan
+from ..reference import check_against_reference
 from ..sources import Checkpoint, open_checkpoint
-
-_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 
 
 def reference_checkpoint(model_path: str) -> Checkpoint | None:
@@ -66,29 +65,7 @@ def preflight(plan: Plan, model: torch.nn.Module, vllm_names: dict[str, str],
         notes.append("no reference checkpoint on this machine: shapes checked by vLLM's loaders only")
         _refuse_partly_covered_layers(plan)
         return notes
-    known = {t.name: t for t in reference.tensors}
-    for entry in plan.checkpoint.tensors:
-        ref = known.get(entry.name)
-        if ref is None:
-            raise LayerwiseError(f"unknown tensor {entry.name!r}: the engine's checkpoint has no such tensor",
-                                 where=source)
-        if ref.shape != entry.shape:
-            raise LayerwiseError(
-                f"tensor {entry.name!r} has shape {list(entry.shape)}, the engine expects {list(ref.shape)}",
-                where=source,
-            )
-        if ref.dtype != entry.dtype and not (ref.dtype in _FLOAT_DTYPES and entry.dtype in _FLOAT_DTYPES):
-            raise LayerwiseError(
-                f"tensor {entry.name!r} has dtype {entry.dtype}, the engine expects {ref.dtype}", where=source
-            )
-    if not allow_partial:
-        present = {t.name for t in plan.checkpoint.tensors}
-        missing = [name for name in known if name not in present and plan.mapping.parent_of(name) is not None]
-        if missing:
-            shown = ", ".join(repr(m) for m in missing[:3])
-            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-            raise LayerwiseError(f"missing {len(missing)} tensor(s) the engine needs: {shown}{more} "
-                                 "(--allow-partial to reload only what is there)", where=source)
+    check_against_reference(plan.checkpoint, reference, plan.mapping, allow_partial=allow_partial)
     _refuse_partly_covered_layers(plan)
     return notes
 

@@ -32,6 +32,8 @@ class RemoteOptions:
     allow_partial: bool = False
     readahead: bool = True
     revision: str | None = None
+    # Load tensors holding NaN or Inf (refused by default, before the layer is handed over).
+    allow_nonfinite: bool = False
     # wait: let in-flight requests finish, queue new ones; keep: freeze in-flight
     # requests and continue them after the reload; abort: abort in-flight
     # requests; none: do not pause.
@@ -149,6 +151,8 @@ def reload_server(url: str, source: str, options: RemoteOptions | None = None,
                                    "changed (start the server with `layerwise serve`, or drop --verify)")
             if options.revision:
                 result.warnings.append("--revision is ignored by vLLM's own reload_weights")
+            if not options.allow_nonfinite:
+                result.warnings.append("vLLM's own reload_weights does not check tensors for NaN/Inf")
         emit(url, "checked", {"method": result.method, "fallback_reason": result.fallback_reason})
 
         if options.pause_mode != "none":
@@ -412,6 +416,9 @@ class ServerClient:
     def layerwise_reload(self, source: str, options: RemoteOptions) -> ReloadReport:
         kwargs = {"source": source, "order": options.order, "allow_partial": options.allow_partial,
                   "readahead": options.readahead, "revision": options.revision}
+        if options.allow_nonfinite:
+            # Sent only when set: a server running an older extension still takes the default call.
+            kwargs["allow_nonfinite"] = True
         try:
             results = self.collective_rpc("layerwise_reload", kwargs)
         except _ServerError as exc:

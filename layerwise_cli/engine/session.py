@@ -26,10 +26,16 @@ def download_source(repo_id: str, revision: str | None, quiet: bool) -> Path:
         raise describe_exception(exc, where=repo_id) from exc
 
 
-def prepare_sources(source: str, base: str | None, revision: str | None, quiet: bool = False) -> tuple[str, str]:
-    """Validate SOURCE's headers (downloading a Hub repo first) and check BASE has the same architecture.
+def prepare_sources(source: str, base: str | None, revision: str | None, quiet: bool = False, *,
+                    allow_partial: bool = False) -> tuple[str, str]:
+    """Pre-flight from the headers alone, before any engine starts.
 
-    Nothing starts until both checkpoints' headers are valid.
+    SOURCE's headers are validated (a Hub repo is downloaded first); with a
+    BASE, its headers too, its architecture must match, and every SOURCE
+    tensor must be one BASE has, with the same shape and a compatible dtype,
+    and (unless `allow_partial`) every BASE tensor that feeds a parent layer
+    must be present. What only the engine knows (which module each tensor
+    feeds, tensor-parallel shapes) is checked again inside the workers.
 
     Returns:
         The local path of SOURCE and the model to start the engine on.
@@ -47,16 +53,22 @@ def prepare_sources(source: str, base: str | None, revision: str | None, quiet: 
         if ours and theirs and ours != theirs:
             raise LayerwiseError(f"architecture {ours[0]} does not match the engine's BASE {base} ({theirs[0]})",
                                  where=source)
+        from ..parents import mapping_for_config
+        from ..reference import check_against_reference
+
+        checkpoint.source = source
+        mapping = mapping_for_config(checkpoint.config or base_checkpoint.config, "auto")
+        check_against_reference(checkpoint, base_checkpoint, mapping, allow_partial=allow_partial)
         base = base_local
     return local, base
 
 
 def reload_with_progress_path(llm, source: str, order: str, allow_partial: bool, readahead: bool,
-                              progress_path: str | None) -> ReloadReport:
+                              progress_path: str | None, allow_nonfinite: bool = False) -> ReloadReport:
     """`reload`, reporting per-layer progress into `progress_path`."""
     try:
         return reload(llm, source, order=order, allow_partial=allow_partial, readahead=readahead,
-                      progress_path=progress_path)
+                      progress_path=progress_path, allow_nonfinite=allow_nonfinite)
     finally:
         if progress_path:
             Path(progress_path).unlink(missing_ok=True)

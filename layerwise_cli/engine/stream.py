@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..finite import first_nonfinite, refusal
 from ..plan import PlannedTensor
 
 # Host copies into pinned memory are split into chunks of this size over a
@@ -108,6 +109,7 @@ def read_in_order(
     device: torch.device | None = None,
     readahead: bool = True,
     stats: ReadAheadStats | None = None,
+    check_finite: bool = True,
 ) -> Iterator[tuple[PlannedTensor, torch.Tensor]]:
     """Yield (planned tensor, tensor) in stream order.
 
@@ -125,9 +127,16 @@ def read_in_order(
         device: where the engine wants tensors (None or CPU: stay on host).
         readahead: overlap reading with loading.
         stats: receives the peak bytes read but not yet handed over.
+        check_finite: refuse a parent layer holding NaN or Inf before any of
+            its tensors is handed over (a cheap reduction per tensor, one
+            read-back per layer; see `layerwise_cli.finite`).
 
     Yields:
         Each planned tensor with its data.
+
+    Raises:
+        LayerwiseError: a tensor holds NaN or Inf (naming its shard file), at
+            the point in the stream where its layer would be handed over.
     """
     stats = stats or ReadAheadStats()
     reader = ShardReader(folder)
@@ -155,6 +164,21 @@ def read_in_order(
             event.record(copy_stream)
         return staged, event
 
+    def load_batch(batch: list[PlannedTensor]) -> list[tuple]:
+        """Read one parent layer; with `check_finite`, refuse it if any tensor holds NaN or Inf."""
+        loaded = [(item, *load(item)) for item in batch]
+        if check_finite:
+            tensors = [(item.entry.name, item.entry.shard, tensor) for item, tensor, _ in loaded]
+            if cuda:
+                # Reduced on the device, after the copies, on their stream: one read-back per layer.
+                with torch.cuda.stream(copy_stream):
+                    found = first_nonfinite(tensors)
+            else:
+                found = first_nonfinite(tensors)
+            if found is not None:
+                raise refusal(found, str(folder / found.shard))
+        return loaded
+
     def handover(item: PlannedTensor, tensor, event) -> tuple[PlannedTensor, torch.Tensor]:
         if event is not None:
             torch.cuda.current_stream(device).wait_event(event)
@@ -165,9 +189,11 @@ def read_in_order(
     if not readahead:
         try:
             for batch in batches:
-                for item in batch:
-                    tensor, event = load(item)
+                # The whole layer is read (and checked) before its first tensor is handed over.
+                loaded = load_batch(batch)
+                for item, _, _ in loaded:
                     stats.add(item.entry.nbytes)
+                for item, tensor, event in loaded:
                     stats.remove(item.entry.nbytes)
                     yield handover(item, tensor, event)
         finally:
@@ -187,9 +213,8 @@ def read_in_order(
                 slot.acquire()
                 if stop.is_set():
                     return
-                loaded = []
-                for item in batch:
-                    loaded.append((item, *load(item)))
+                loaded = load_batch(batch)
+                for item, _, _ in loaded:
                     stats.add(item.entry.nbytes)
                 ready.put(loaded)
             ready.put(_DONE)

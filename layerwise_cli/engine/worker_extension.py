@@ -28,15 +28,19 @@ class LayerwiseWorkerExtension:
 
     def layerwise_reload(self, source: str, order: str = "layer", allow_partial: bool = False,
                          readahead: bool = True, revision: str | None = None,
-                         progress_path: str | None = None) -> dict:
-        """Reload SOURCE in place, in `order`, and return this worker's report."""
+                         progress_path: str | None = None, allow_nonfinite: bool = False) -> dict:
+        """Reload SOURCE in place, in `order`, and return this worker's report.
+
+        A parent layer holding NaN or Inf is refused before it is handed over
+        (and the layers already loaded are rolled back) unless `allow_nonfinite`.
+        """
         from .worker_reload import stream_reload
 
         touched = {"engine": False}
         try:
             report = _with_rollback(self, touched, lambda: stream_reload(
                 self, source, order=order, allow_partial=allow_partial, readahead=readahead,
-                revision=revision, progress_path=progress_path,
+                revision=revision, progress_path=progress_path, allow_nonfinite=allow_nonfinite,
                 on_engine_touched=lambda: touched.update(engine=True)))
         except Exception as exc:  # noqa: BLE001 - every failure becomes one line for the caller
             error = describe_exception(exc)
@@ -468,6 +472,7 @@ def _with_rollback(worker, touched: dict, run):
         from .worker_reload import discard_partial_reload, stream_reload
 
         discard_partial_reload(worker.model_runner.get_model())
-        stream_reload(worker, source, revision=revision, allow_partial=True)
+        # The weights it had are put back as they were, whatever they hold.
+        stream_reload(worker, source, revision=revision, allow_partial=True, allow_nonfinite=True)
         touched["rolled_back"] = True
         raise LayerwiseError(f"{error}; the engine was rolled back to the weights of {source}") from None

@@ -91,7 +91,8 @@ def holder_of_parameters(modules: dict[str, torch.nn.Module], name: str) -> str:
 
 def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: bool = False,
                   readahead: bool = True, revision: str | None = None,
-                  on_engine_touched=None, progress_path: str | None = None) -> ReloadReport:
+                  on_engine_touched=None, progress_path: str | None = None,
+                  allow_nonfinite: bool = False) -> ReloadReport:
     """Pre-flight SOURCE against this worker's model, then reload it in `order`, measuring.
 
     Args:
@@ -105,6 +106,9 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
             engine's weights start to change.
         progress_path: a file to append one JSON line per completed layer to
             (rank 0 only), for the command's progress bar.
+        allow_nonfinite: load tensors holding NaN or Inf; by default a layer
+            holding any is refused before it is handed over (the caller rolls
+            back the layers already loaded).
 
     Returns:
         This worker's report.
@@ -138,7 +142,8 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         {"event": "layer", "name": name, "tensors": timing.tensors, "bytes": timing.bytes}))
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
-        for item, tensor in read_in_order(engine_stream, folder, device=device, readahead=readahead, stats=stats):
+        for item, tensor in read_in_order(engine_stream, folder, device=device, readahead=readahead, stats=stats,
+                                          check_finite=not allow_nonfinite):
             probe.before_handover(item.entry.name, item.parent, item.entry.nbytes)
             yield item.entry.name, tensor
         probe.finish()
