@@ -78,7 +78,7 @@ def shard_file(folder: Path | None, name: str, where: str) -> Path:
     pure = PurePosixPath(name)
     if not name or "\x00" in name or pure.is_absolute() or ".." in pure.parts or name.startswith("\\"):
         raise LayerwiseError(
-            f"shard {name!r} is not a file name inside the checkpoint directory (absolute or '..'); refusing it",
+            f"shard {name!r} points outside the checkpoint directory (an absolute path or '..'); refusing to read it",
             where=where,
         )
     if folder is None:
