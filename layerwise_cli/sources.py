@@ -107,8 +107,8 @@ def natural_key(name: str) -> list[object]:
 
 
 def looks_like_repo_id(source: str) -> bool:
-    """True for `org/name` that is not an existing local path."""
-    return bool(_REPO_ID_RE.match(source)) and not os.path.exists(source)
+    """True for `org/name` that is not a local path (a dangling or looping symlink is a local path)."""
+    return bool(_REPO_ID_RE.match(source)) and not os.path.lexists(source)
 
 
 def open_checkpoint(source: str, revision: str | None = None) -> Checkpoint:

@@ -452,12 +452,13 @@ def test_a_broken_symlink_shaped_like_a_repo_id_is_not_a_hub_id(tmp_path, monkey
     (tmp_path / "org").mkdir()
     link = Path("org/name")
     link.symlink_to("missing-target" if kind == "dangling" else "name")
-    result = _cli("inspect-order", "org/name")
-    assert result.exit_code == 1
-    line = _one_error_line(result.stderr)
-    assert line.startswith("Error: org/name: ")
-    assert ("dangling link" if kind == "dangling" else "symlink loop") in line
-    assert "connect" not in line
+    for args in (["inspect-order", "org/name"], ["reload", "--weights-path", "org/name"]):
+        result = _cli(*args)
+        assert result.exit_code == 1
+        line = _one_error_line(result.stderr)
+        assert line.startswith("Error: org/name: ")
+        assert ("dangling link" if kind == "dangling" else "symlink loop") in line
+        assert "connect" not in line
 
 
 def test_a_pytorch_bin_file_gets_a_conversion_hint(tmp_path):
