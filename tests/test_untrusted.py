@@ -440,6 +440,26 @@ def test_reorder_errors_start_with_the_error_when_stderr_is_a_pipe(tmp_path):
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 1
     assert proc.stderr == f"Error: {dst}: already exists; pass --force to replace it\n"
+    # A failure after the bar started: still nothing but the error.
+    corrupt = textwrap.dedent("""
+        import sys
+        import layerwise_cli.reorder as core
+        real, state = core._write_chunk, {"done": False}
+        def flip_one_byte(fd, data, offset):
+            if offset > 0 and not state["done"]:
+                state["done"] = True
+                data = bytes([data[0] ^ 0xFF]) + bytes(data[1:])
+            real(fd, data, offset)
+        core._write_chunk = flip_one_byte
+        from layerwise_cli.cli.app import main
+        sys.argv = ["layerwise", "reorder", *sys.argv[1:]]
+        main()
+    """)
+    other = tmp_path / "other"
+    proc = subprocess.run([sys.executable, "-c", corrupt, str(src), str(other), "--verify"], capture_output=True,
+                          text=True, timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(f"Error: {other}: --verify: 1 tensor(s) differ") and proc.stderr.count("\n") == 1
 
 
 # --- 8. misleading messages ------------------------------------------------------------------------------------

@@ -108,6 +108,11 @@ class _Progress:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if not stderr.is_terminal:
+            # A file or pipe gets the final state once, on success; on failure the error is the only line.
+            if exc_type is None and self.tasks:
+                stderr.print(self.progress.get_renderable())
+            return
         if not self.started:
             return
         if exc_type is not None:
@@ -116,8 +121,8 @@ class _Progress:
         self.progress.__exit__(exc_type, exc, tb)
 
     def update(self, event) -> None:
-        if not self.started:
-            # Started with the first bytes: a refusal before any (the usual error) prints no empty bar line.
+        if not self.started and stderr.is_terminal:
+            # Started with the first bytes: a refusal before any (the usual error) leaves no bar behind.
             self.progress.__enter__()
             self.started = True
         label = {"fetch": "write", "write": "write", "verify": "verify"}[event.phase]
