@@ -1,5 +1,11 @@
 """`python -m layerwise_cli`."""
 
-from .cli.app import main
+import sys
+
+try:
+    from .cli.app import main
+except KeyboardInterrupt:  # Ctrl-C while the CLI starts: one line, no traceback
+    sys.stderr.write("Error: interrupted\n")
+    sys.exit(130)
 
 main()

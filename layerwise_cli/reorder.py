@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import struct
 import tempfile
 import threading
@@ -24,7 +25,7 @@ from .inspect import OrderReport
 from .parents import mapping_for_config
 from .plan import Plan, build_plan
 from .safetensors_header import DTYPE_SIZES, ShardHeader, TensorEntry, read_shard_header
-from .sources import INDEX_NAME, Checkpoint, open_checkpoint
+from .sources import INDEX_NAME, Checkpoint, open_checkpoint, shard_file
 
 # The shard-boundary rule
 # -----------------------
@@ -505,7 +506,6 @@ def reorder(
     before = OrderReport(plan, plan.simulate("file"), plan.simulate("layer"))
     if not plan.file_order:
         raise LayerwiseError("the checkpoint has no tensors to write", where=source)
-    _check_unique_names(checkpoint)
     dst = Path(destination).absolute()
     _check_destination(checkpoint, dst, force)
     shards = plan_shards(plan, max_shard_size)
@@ -551,17 +551,6 @@ def reorder(
     )
 
 
-def _check_unique_names(checkpoint: Checkpoint) -> None:
-    seen: dict[str, str] = {}
-    for shard in checkpoint.shards:
-        for entry in shard.tensors:
-            if entry.name in seen:
-                raise LayerwiseError(
-                    f"tensor {entry.name!r} is in both {seen[entry.name]!r} and {shard.name!r}", where=checkpoint.source
-                )
-            seen[entry.name] = shard.name
-
-
 def _check_destination(checkpoint: Checkpoint, dst: Path, force: bool) -> None:
     if checkpoint.local_dir is not None:
         src = Path(checkpoint.source).resolve()
@@ -572,6 +561,46 @@ def _check_destination(checkpoint: Checkpoint, dst: Path, force: bool) -> None:
             raise LayerwiseError("--force would remove the source along with the destination", where=str(dst))
     if (dst.exists() or dst.is_symlink()) and not force:
         raise LayerwiseError("already exists; pass --force to replace it", where=str(dst))
+    if force and (dst.exists() or dst.is_symlink()):
+        why = _not_a_checkpoint(dst)
+        if why:
+            raise LayerwiseError(f"--force replaces only a checkpoint directory, and this {why}; "
+                                 "remove it yourself or choose another destination", where=str(dst))
+
+
+# What a checkpoint directory holds (weights, index, config, tokenizer, model card, remote code).
+_CHECKPOINT_FILE_SUFFIXES = _WEIGHT_SUFFIXES + _WEIGHT_INDEX_SUFFIXES + (
+    ".json", ".txt", ".model", ".jinja", ".md", ".py", ".tiktoken", ".spm", ".yaml", ".yml")
+_CHECKPOINT_FILE_NAMES = ("LICENSE", "LICENSE.txt", "NOTICE", "USE_POLICY.md", ".gitattributes")
+
+
+def _not_a_checkpoint(dst: Path) -> str | None:
+    """Why DST does not look like a checkpoint directory `--force` may replace, or None when it does.
+
+    A checkpoint directory holds safetensors shards (or nothing) and only the
+    kinds of files a trainer or this tool writes beside them; anything else
+    (photos, notes, a plain file, a symlink) is the user's and is not removed.
+    """
+    if dst.is_symlink():
+        return "is a symlink"
+    if not dst.is_dir():
+        return "is a file, not a directory"
+    has_weights = False
+    for root, dirs, files in os.walk(dst):
+        for name in dirs:
+            if (Path(root) / name).is_symlink():
+                return f"holds a symlink {str((Path(root) / name).relative_to(dst))!r}"
+        for name in files:
+            path = Path(root) / name
+            relative = str(path.relative_to(dst))
+            if path.is_symlink() or not path.is_file():
+                return f"holds {relative!r}, which is not a regular file"
+            if not (name.endswith(_CHECKPOINT_FILE_SUFFIXES) or name in _CHECKPOINT_FILE_NAMES):
+                return f"holds {relative!r}, which is not a checkpoint file"
+            has_weights = has_weights or (root == str(dst) and name.endswith(".safetensors"))
+    if not has_weights and any(dst.iterdir()):
+        return "holds no .safetensors shards"
+    return None
 
 
 def _copy_other_files(checkpoint: Checkpoint, out: Path, tmp: Path) -> tuple[list[str], list[str]]:
@@ -584,13 +613,56 @@ def _copy_other_files(checkpoint: Checkpoint, out: Path, tmp: Path) -> tuple[lis
         # The source's shards and index are what gets rewritten, not files left behind.
         rewritten = {s.name for s in checkpoint.shards} | {INDEX_NAME}
         skipped = [s for s in skipped if s not in rewritten]
+    copied: list[str] = []
     for relative in keep:
-        target = out / relative
+        refused = _copy_side_file(folder, relative, out / relative)
+        if refused:
+            skipped.append(f"{relative} ({refused})")
+        else:
+            copied.append(str(relative))
+    return copied, skipped
+
+
+def _copy_side_file(folder: Path, relative: Path, target: Path) -> str | None:
+    """Copy one non-weight file of SRC; return why it was not copied, or None.
+
+    Only regular files are copied, and only when they resolve inside SRC (a
+    symlink into the Hub cache's `blobs/` counts as inside, see `shard_file`):
+    a link to `/dev/zero` would never end, one to `/etc/...` would copy a file
+    that is not the checkpoint's. At most the size the file had when opened is
+    copied, so a file that grows meanwhile cannot fill the disk.
+    """
+    source = folder / relative
+    try:
+        shard_file(folder, str(relative), str(folder))
+    except LayerwiseError:
+        return "a symlink to outside the source"
+    try:
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; O_NOFOLLOW on the resolved path: no link swapped in.
+        fd = os.open(source.resolve(), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        return f"cannot open: {exc.strerror or exc}"
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return "not a regular file"
+        os.set_blocking(fd, True)
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(folder / relative, target)  # follows links: Hub cache snapshots are symlinks
-        with open(target, "rb+") as f:
-            os.fsync(f.fileno())
-    return [str(p) for p in keep], skipped
+        out_fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            done = 0
+            while done < info.st_size:
+                chunk = os.read(fd, min(_CHUNK, info.st_size - done))
+                if not chunk:
+                    break
+                _write_chunk(out_fd, chunk, done)
+                done += len(chunk)
+            os.fsync(out_fd)
+        finally:
+            os.close(out_fd)
+    finally:
+        os.close(fd)
+    return None
 
 
 def _write_shards(

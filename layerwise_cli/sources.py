@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from .errors import LayerwiseError, describe_exception
 from .safetensors_header import ShardHeader, TensorEntry, header_length, parse_header, read_shard_header
@@ -45,7 +47,58 @@ class Checkpoint:
         name = shard if isinstance(shard, str) else shard.name
         if self.local_dir is None:
             raise LayerwiseError("shards are not on this machine (Hub source not downloaded)", where=self.source)
-        return self.local_dir / name
+        return shard_file(self.local_dir, name, self.source)
+
+
+def shard_file(folder: Path | None, name: str, where: str) -> Path:
+    """The path of shard NAME inside FOLDER, refusing any name that leads out of it.
+
+    The one containment rule for shard paths, used wherever a shard name (from
+    an index, a directory listing or a header) is joined to a folder: by every
+    command, in this process and in vLLM's workers. vLLM's own loader lists the
+    folder, so it never reads a shard outside it; neither may layerwise.
+
+    Refused: an absolute path, a `..` component, an empty name, and a path
+    that resolves (after following symlinks) outside FOLDER. In a Hub cache
+    snapshot (`.../snapshots/<commit>/`), where every file is a symlink into
+    the repo's `blobs/`, that `blobs/` folder counts as inside.
+
+    Args:
+        folder: the checkpoint folder; None checks the name only (a shard
+            read from the Hub by URL).
+        name: the shard's file name, relative to FOLDER.
+        where: the file that named the shard (an index), for the message.
+
+    Returns:
+        FOLDER / NAME.
+
+    Raises:
+        LayerwiseError: the name leaves the checkpoint folder.
+    """
+    pure = PurePosixPath(name)
+    if not name or "\x00" in name or pure.is_absolute() or ".." in pure.parts or name.startswith("\\"):
+        raise LayerwiseError(
+            f"shard {name!r} points outside the checkpoint directory (an absolute path or '..'); refusing to read it",
+            where=where,
+        )
+    if folder is None:
+        return Path(name)
+    path = folder / name
+    try:
+        real = path.resolve()
+        root = folder.resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop
+        raise LayerwiseError(f"shard {name!r} cannot be resolved: {exc.strerror if isinstance(exc, OSError) else exc}",
+                             where=where) from None
+    inside = [root]
+    if root.parent.name == "snapshots":  # huggingface_hub's cache: snapshots/<commit>/f -> ../../blobs/<hash>
+        inside.append(root.parent.parent / "blobs")
+    if not any(real == r or r in real.parents for r in inside):
+        raise LayerwiseError(
+            f"shard {name!r} resolves to {real}, outside the checkpoint directory {root}; refusing to read it",
+            where=where,
+        )
+    return path
 
 
 def natural_key(name: str) -> list[object]:
@@ -54,8 +107,8 @@ def natural_key(name: str) -> list[object]:
 
 
 def looks_like_repo_id(source: str) -> bool:
-    """True for `org/name` that is not an existing local path."""
-    return bool(_REPO_ID_RE.match(source)) and not os.path.exists(source)
+    """True for `org/name` that is not a local path (a dangling or looping symlink is a local path)."""
+    return bool(_REPO_ID_RE.match(source)) and not os.path.lexists(source)
 
 
 def open_checkpoint(source: str, revision: str | None = None) -> Checkpoint:
@@ -73,43 +126,118 @@ def open_checkpoint(source: str, revision: str | None = None) -> Checkpoint:
         LayerwiseError: the source is missing or any header is invalid.
     """
     path = Path(source)
-    if path.is_file():
+    kind = _local_kind(source)
+    if kind == "file":
         if revision:
             raise LayerwiseError("--revision applies to Hub repo ids only", where=source)
+        _refuse_pickle(path)
         shard, read = read_shard_header(path)
         config = _read_local_config(path.parent)
         return Checkpoint(str(path), "file", [shard], config, path.parent, None, read)
-    if path.is_dir():
+    if kind == "directory":
         if revision:
             raise LayerwiseError("--revision applies to Hub repo ids only", where=source)
         return _open_directory(path)
+    if kind is not None:
+        raise LayerwiseError(kind, where=source)
     if looks_like_repo_id(source):
         return _open_hub(source, revision)
     raise LayerwiseError("no such file or directory, and not a Hub repo id (org/name)", where=source)
 
 
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
+def _local_kind(source: str) -> str | None:
+    """"file", "directory", None when nothing is there, or why the local path cannot be used."""
+    try:
+        st = os.stat(source)
+    except FileNotFoundError:
+        # A symlink whose target is missing is a local path the user meant, not a Hub repo id.
+        return "a symlink whose target does not exist (dangling link)" if os.path.islink(source) else None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a symlink that points back to itself (symlink loop)"
+        if exc.errno == errno.ENOTDIR:
+            return "not a directory: a part of this path is a file"
+        raise describe_exception(exc, where=source) from exc
+    if stat.S_ISDIR(st.st_mode):
+        return "directory"
+    if stat.S_ISREG(st.st_mode):
+        return "file"
+    return "not a regular file or directory (a device, FIFO or socket)"
+
+
+def _refuse_pickle(path: Path) -> None:
+    """A PyTorch pickle checkpoint gets a hint, not a safetensors header error."""
+    magic = b""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise describe_exception(exc, where=str(path)) from exc
+    if path.name.endswith(_PICKLE_SUFFIXES) or magic == b"PK\x03\x04":  # torch.save writes a zip archive
+        raise LayerwiseError(f"a PyTorch pickle checkpoint, not safetensors: {PICKLE_HINT}", where=str(path))
+
+
 def _open_directory(path: Path) -> Checkpoint:
     index = None
     index_path = path / INDEX_NAME
-    if index_path.is_file():
-        index = _read_json(index_path)
-        weight_map = _weight_map(index, str(index_path))
-        names = sorted(set(weight_map.values()), key=natural_key)
-        for name in names:
-            if not (path / name).is_file():
-                raise LayerwiseError(f"index names shard {name!r}, which does not exist", where=str(index_path))
-    else:
-        names = sorted((p.name for p in path.glob("*.safetensors") if p.is_file()), key=natural_key)
+    try:
+        # Listed first: a folder that cannot be read says so, rather than "no .safetensors files".
+        entries = sorted(os.listdir(path))
+        if INDEX_NAME in entries:
+            index = _read_json(index_path)
+            weight_map = _weight_map(index, str(index_path))
+            names = sorted(set(weight_map.values()), key=natural_key)
+            for name in names:
+                if not shard_file(path, name, str(index_path)).is_file():
+                    raise LayerwiseError(f"index names shard {name!r}, which does not exist", where=str(index_path))
+        else:
+            names = sorted((n for n in entries if n.endswith(".safetensors") and (path / n).is_file()),
+                           key=natural_key)
+            for name in names:
+                shard_file(path, name, str(path))
+    except OSError as exc:
+        raise describe_exception(exc, where=str(path)) from exc
     if not names:
-        raise LayerwiseError("no .safetensors files in the directory", where=str(path))
+        raise LayerwiseError(_no_shards_message(path, entries), where=str(path))
     shards, read = [], 0
     for name in names:
         shard, n = read_shard_header(path / name, name)
         shards.append(shard)
         read += n
+    check_unique_tensors(shards, str(path))
     if index is not None:
         _check_index(index["weight_map"], shards, str(index_path))
     return Checkpoint(str(path), "directory", shards, _read_local_config(path), path, None, read, index)
+
+
+def _no_shards_message(path: Path, entries: list[str]) -> str:
+    if any(n.endswith(".bin") or n.endswith(".bin.index.json") for n in entries):
+        return f"no .safetensors files in the directory, only PyTorch .bin files: {PICKLE_HINT}"
+    return "no .safetensors files in the directory"
+
+
+# A `.bin` checkpoint is a pickle: loading one runs code it carries, so layerwise never reads it.
+PICKLE_HINT = ("layerwise reads only safetensors, not PyTorch pickle checkpoints (.bin); convert it with "
+               "transformers: AutoModelForCausalLM.from_pretrained(SRC).save_pretrained(DST, safe_serialization=True)")
+
+
+def check_unique_tensors(shards: list[ShardHeader], where: str) -> None:
+    """Refuse a tensor present in two shards: vLLM's loader would load it twice, the last copy winning.
+
+    Raises:
+        LayerwiseError: naming the tensor and both shards.
+    """
+    seen: dict[str, str] = {}
+    for shard in shards:
+        for entry in shard.tensors:
+            if entry.name in seen:
+                raise LayerwiseError(
+                    f"tensor {entry.name!r} is in both {seen[entry.name]!r} and {shard.name!r} "
+                    "(vLLM would load it twice); remove one copy", where=where)
+            seen[entry.name] = shard.name
 
 
 def _check_index(weight_map: dict[str, str], shards: list[ShardHeader], where: str) -> None:
@@ -192,12 +320,15 @@ def _open_hub_remote(repo_id: str, revision: str | None, where: str) -> Checkpoi
         names = sorted(set(_weight_map(index, index_where).values()), key=natural_key)
         if not names:
             raise LayerwiseError("index names no shard files", where=index_where)
+        for name in names:
+            shard_file(None, name, index_where)
     except RemoteEntryNotFoundError:
         names = [SINGLE_FILE]
     shards, read = [], 0
     for shard, n in _read_remote_headers(repo_id, commit, names, where, None if index is None else index_where):
         shards.append(shard)
         read += n
+    check_unique_tensors(shards, where)
     if index is not None:
         _check_index(index["weight_map"], shards, index_where)
     return Checkpoint(repo_id, "hub", shards, config, None, revision, read, index)
@@ -321,4 +452,5 @@ def _missing_cached_shards(folder: Path) -> list[str]:
         names = set(json.loads(index_path.read_text(encoding="utf-8"))["weight_map"].values())
     except Exception:  # noqa: BLE001 - a broken index is reported by _open_directory
         return []
-    return sorted((n for n in names if isinstance(n, str) and not (folder / n).is_file()), key=natural_key)
+    names = {n for n in names if isinstance(n, str)}
+    return sorted((n for n in names if not shard_file(folder, n, str(index_path)).is_file()), key=natural_key)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 from pathlib import Path
 
@@ -168,7 +169,44 @@ def _extra(tensors):
     return tensors
 
 
+def _index_entry(make_entry):
+    """Move the first shard out of the checkpoint and point the index at it there (untrusted index)."""
+    def corrupt(folder: Path) -> None:
+        index_path = folder / "model.safetensors.index.json"
+        index = json.loads(index_path.read_text())
+        shard = sorted(folder.glob("*.safetensors"))[0]
+        outside = folder.parent / "outside"
+        outside.mkdir(exist_ok=True)
+        moved = outside / shard.name
+        shard.rename(moved)
+        entry = make_entry(folder, moved)
+        index["weight_map"] = {k: (entry if v == shard.name else v) for k, v in index["weight_map"].items()}
+        index_path.write_text(json.dumps(index))
+    return corrupt
+
+
+def _symlink_outside(folder: Path) -> None:
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    outside = folder.parent / "outside"
+    outside.mkdir(exist_ok=True)
+    shard.rename(outside / shard.name)
+    shard.symlink_to(outside / shard.name)
+
+
+def _tensor_in_two_shards(folder: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    (folder / "model.safetensors.index.json").unlink()  # without an index, vLLM loads every shard it lists
+    first = sorted(folder.glob("*.safetensors"))[0]
+    save_file(load_file(first), str(folder / "zz-copy.safetensors"), metadata={"format": "pt"})
+
+
 BAD_CHECKPOINTS = {
+    "index entry with ..": (None, _index_entry(lambda folder, moved: f"../outside/{moved.name}"),
+                            "outside the checkpoint directory"),
+    "absolute index entry": (None, _index_entry(lambda folder, moved: str(moved)), "outside the checkpoint directory"),
+    "symlinked shard outside": (None, _symlink_outside, "outside the checkpoint directory"),
+    "tensor in two shards": (None, _tensor_in_two_shards, "vLLM would load it twice"),
     "truncated shard": (None, _truncate_last_shard, "data section"),
     "bad header": (None, _bad_header, "not valid JSON"),
     "header length beyond file": (None, _huge_header_length, "past the end of the file"),

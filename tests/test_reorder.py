@@ -377,6 +377,8 @@ def test_existing_destination_needs_force(make_checkpoint, tmp_path: Path) -> No
     assert "already exists; pass --force to replace it" in _one_error_line(refused.stderr)
     assert [p.name for p in dst.iterdir()] == ["old.txt"]
 
+    # --force replaces a checkpoint directory only: here, an older checkpoint with a note beside it.
+    shutil.copytree(make_checkpoint("in_order", layers=2), dst, dirs_exist_ok=True)
     forced = _invoke(str(src), str(dst), "--force", "--json")
     assert forced.exit_code == 0, forced.output
     assert json.loads(forced.stdout)["replaced"] is True
@@ -557,8 +559,9 @@ def test_signal_mid_write_leaves_no_partial_destination(make_checkpoint, tmp_pat
     src = make_checkpoint("trainer_export", layers=12)  # 135 tensors: about 7 s of slowed copying
     dst = tmp_path / "dst"
     if existing:
-        dst.mkdir()
+        write_checkpoint(dst, SyntheticModel(layers=2), "in_order", 2)  # --force replaces only a checkpoint
         (dst / "old.txt").write_text("old")
+        before = _digest_tree(dst)
     marker = tmp_path / "copying"
     args = [str(src), str(dst), "--json"] + (["--force"] if existing else [])
     proc = subprocess.Popen([sys.executable, "-c", _SLOW_CLI, str(marker), *args], cwd=REPO,
@@ -581,7 +584,7 @@ def test_signal_mid_write_leaves_no_partial_destination(make_checkpoint, tmp_pat
     assert out == ""
     assert not _leftovers(tmp_path)
     if existing:
-        assert [p.name for p in dst.iterdir()] == ["old.txt"]
+        assert _digest_tree(dst) == before
     else:
         assert not dst.exists()
 

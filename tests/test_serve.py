@@ -139,6 +139,36 @@ def _error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("Error:")]
 
 
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses of the sockets listening on PORT, from the kernel's own tables."""
+    import ipaddress
+
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            address, _, hex_port = fields[1].partition(":")
+            if int(hex_port, 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                raw = bytes.fromhex(address)
+                # The kernel prints each 32-bit word in host (little-endian) order.
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found.add(str(ipaddress.ip_address(raw)))
+    return found
+
+
+@pytest.mark.server
+def test_the_served_port_listens_on_loopback_only(on_multiply):
+    """`layerwise serve` (started with pass-through options, as every server here is) binds loopback only."""
+    if not Path("/proc/net/tcp").exists():
+        pytest.skip("no /proc/net/tcp on this machine")
+    addresses = _listening_addresses(on_multiply.port)
+    assert addresses == {"127.0.0.1"}, addresses
+
+
 @pytest.mark.server
 def test_reload_add_into_multiply_through_the_cli(on_multiply, demo_models):
     server = on_multiply

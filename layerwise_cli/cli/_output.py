@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
@@ -11,6 +12,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import typer
+from typer._click import exceptions as click_errors
+from typer.core import TyperGroup
 from typer.exceptions import TyperException
 from rich.console import Console
 
@@ -51,8 +54,7 @@ def handle_errors(func: F) -> F:
         except (typer.Exit, typer.Abort, TyperException, SystemExit):
             raise  # usage errors keep Click's exit code 2
         except KeyboardInterrupt:
-            sys.stderr.write("Error: interrupted\n")
-            raise typer.Exit(130) from None
+            raise typer.Exit(interrupted()) from None
         except Exception as exc:  # noqa: BLE001 - every failure gets one line
             if debug_enabled():
                 traceback.print_exc()
@@ -61,3 +63,42 @@ def handle_errors(func: F) -> F:
             raise typer.Exit(2 if isinstance(error, UsageError) else 1) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def interrupted() -> int:
+    """Ctrl-C: one line on stderr, and the shell's exit code for SIGINT."""
+    sys.stderr.write("Error: interrupted\n")
+    sys.stderr.flush()
+    return 130
+
+
+def usage_error_line(error: click_errors.ClickException) -> str:
+    """A Click parsing error as one `Error: <command>: <what is wrong>` line (no Rich box, no usage block)."""
+    ctx = getattr(error, "ctx", None)
+    where = ctx.command_path if ctx is not None else "layerwise"
+    what = " ".join(error.format_message().split())
+    hint = f" (see {where} --help)" if isinstance(error, click_errors.UsageError) else ""
+    return f"Error: {where}: {what}{hint}"
+
+
+class OneLineErrors(TyperGroup):
+    """The root group: option-parser errors print one line and exit 2, Ctrl-C one line and exit 130."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # type: ignore[override]
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click_errors.NoArgsIsHelpError as exc:
+            typer.echo(exc.ctx.get_help(), err=True)  # `layerwise` alone: the help, as before
+            sys.exit(exc.exit_code)
+        except click_errors.ClickException as exc:
+            sys.stderr.write(usage_error_line(exc) + "\n")
+            sys.exit(exc.exit_code)
+        except (click_errors.Abort, KeyboardInterrupt):
+            sys.exit(interrupted())
+        except OSError as exc:
+            if exc.errno == errno.EPIPE:  # `layerwise ... | head`: the reader left
+                sys.exit(1)
+            raise
+        sys.exit(rv if isinstance(rv, int) else 0)

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
-import typer
+import sys
 
-from .demo import demo_command
-from .inspect_order import inspect_order_command
-from .reload import reload_command
-from .reorder import reorder_command
-from .serve import serve_command
+try:
+    import typer
+
+    from ._output import OneLineErrors
+    from .demo import demo_command
+    from .inspect_order import inspect_order_command
+    from .reload import reload_command
+    from .reorder import reorder_command
+    from .serve import serve_command
+except KeyboardInterrupt:  # Ctrl-C while the CLI starts: one line, no traceback
+    sys.stderr.write("Error: interrupted\n")
+    raise SystemExit(130) from None
 
 app = typer.Typer(
     name="layerwise",
+    cls=OneLineErrors,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -41,4 +49,9 @@ def main() -> None:
     # stdout carries our data; vLLM logs to stdout unless told otherwise.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    app()
+    try:
+        app()
+    except KeyboardInterrupt:
+        from ._output import interrupted
+
+        sys.exit(interrupted())

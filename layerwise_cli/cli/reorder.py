@@ -108,18 +108,29 @@ class _Progress:
             console=stderr, transient=False,
         )
         self.tasks: dict[str, int] = {}
+        self.started = False
 
     def __enter__(self) -> Self:
-        self.progress.__enter__()
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if not stderr.is_terminal:
+            # A file or pipe gets the final state once, on success; on failure the error is the only line.
+            if exc_type is None and self.tasks:
+                stderr.print(self.progress.get_renderable())
+            return
+        if not self.started:
+            return
         if exc_type is not None:
             # On failure the bar goes away, so that the error is the one line left.
             self.progress.live.transient = True
         self.progress.__exit__(exc_type, exc, tb)
 
     def update(self, event) -> None:
+        if not self.started and stderr.is_terminal:
+            # Started with the first bytes: a refusal before any (the usual error) leaves no bar behind.
+            self.progress.__enter__()
+            self.started = True
         label = {"fetch": "write", "write": "write", "verify": "verify"}[event.phase]
         if label not in self.tasks:
             title = "writing" if label == "write" else "verifying"
@@ -159,7 +170,7 @@ def render(data: dict) -> None:
     summary.add_row("written", f"{human_bytes(data['bytes_written'])} in {after['shards']} shard(s) and the index; "
                     f"{len(data['files_copied'])} other file(s) copied")
     if data["files_skipped"]:
-        summary.add_row("not copied", escape(", ".join(data["files_skipped"])) + " (other weight files)")
+        summary.add_row("not copied", escape(", ".join(data["files_skipped"])) + " (other weight files, or as noted)")
     if data["metadata_conflicts"]:
         summary.add_row("metadata", "source shards disagree on " + escape(", ".join(data["metadata_conflicts"]))
                         + "; kept the first shard's value")

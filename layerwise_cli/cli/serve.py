@@ -49,6 +49,51 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+# Options layerwise serve sets itself. vLLM's parser takes the last of a repeated option, accepts `_` for
+# `-` and unique prefixes (`--hos` is `--host`), so a pass-through copy would silently win: refuse them.
+# `--config` is refused too: its YAML file can set any of them.
+GOVERNED_OPTIONS = {
+    "--model": "the MODEL argument", "--host": "--host (and --allow-remote)", "--port": "--port",
+    "--uds": "--host and --port", "--api-key": "--api-key (it covers the reload endpoints too)",
+    "--worker-extension-cls": "nothing: the reload endpoints need layerwise's extension",
+    "--config": "layerwise serve's own options (a config file can set the ones it governs)",
+    "--dtype": "--dtype", "--tensor-parallel-size": "--tensor-parallel-size",
+    "--max-model-len": "--max-model-len", "--quantization": "--quantization",
+}
+_GOVERNED_SHORT = {"-tp": "--tensor-parallel-size", "-q": "--quantization"}
+
+
+def governed_option(arg: str) -> str | None:
+    """The governed option that a pass-through argument would set in vLLM's parser, or None.
+
+    Matches every spelling vLLM accepts: `--host`, `--host=X`, underscores
+    (`--api_key`), unique prefixes (`--hos`), and the short forms `-tp`/`-q`
+    with or without an attached value (`-tp2`, `-q=fp8`).
+    """
+    if arg.startswith("--") and len(arg) > 2:
+        key = arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+        for option in GOVERNED_OPTIONS:
+            # A strict prefix of a governed option is either that option or ambiguous to argparse.
+            if key == option or (len(key) > 3 and option.startswith(key)):
+                return option
+        return None
+    if arg.startswith("-") and not arg.startswith("--"):
+        for short, option in _GOVERNED_SHORT.items():
+            if arg.startswith(short):
+                return option
+    return None
+
+
+def _refuse_governed(extra: list[str]) -> None:
+    for arg in extra:
+        option = governed_option(arg)
+        if option is not None:
+            spelled = arg.split("=", 1)[0]
+            shown = spelled if spelled == option else f"{spelled} (vLLM reads it as {option})"
+            raise UsageError(f"{shown} is set by layerwise serve and cannot pass through to vLLM; use "
+                             f"{GOVERNED_OPTIONS[option]} instead", where="layerwise serve")
+
+
 def plan_serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, allow_remote: bool = False,
                api_key: str | None = None, dtype: str = "auto", tensor_parallel_size: int = 1,
                max_model_len: int | None = None, quantization: str | None = None,
@@ -70,13 +115,11 @@ def plan_serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, allow_r
         The plan (argv, environment additions, warnings to print).
 
     Raises:
-        UsageError: a non-loopback host without `allow_remote`, or an option
-            that would replace layerwise's worker extension.
+        UsageError: a non-loopback host without `allow_remote`, or a
+            pass-through option that layerwise sets itself (`GOVERNED_OPTIONS`).
     """
     extra = list(extra or [])
-    for option in ("--worker-extension-cls", "--model"):
-        if any(arg == option or arg.startswith(option + "=") for arg in extra):
-            raise UsageError(f"{option} is set by layerwise serve; remove it from the vLLM options")
+    _refuse_governed(extra)
     warnings: list[str] = []
     if not is_loopback(host):
         if not allow_remote:
@@ -103,7 +146,7 @@ def plan_serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, allow_r
     if quantization:
         argv += ["--quantization", quantization]
     eager = (not on_gpu) if enforce_eager is None else enforce_eager
-    if eager and "--enforce-eager" not in extra:
+    if eager and not {"--enforce-eager", "--no-enforce-eager"} & set(extra):
         argv.append("--enforce-eager")
     fraction = memory_fraction if memory_fraction is not None else (None if on_gpu else 0.1)
     if fraction is not None and not any(a.startswith("--gpu-memory-utilization") for a in extra):

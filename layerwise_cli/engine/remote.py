@@ -339,8 +339,7 @@ class ServerClient:
         try:
             return response.json()
         except ValueError:
-            raise _ServerError(f"{what} answered with something that is not JSON: "
-                               f"{_one_line(response.text)[:200]!r}") from None
+            raise _ServerError(f"{what} answered with something that is not JSON: {_excerpt(response)}") from None
 
     def check_api_key(self) -> None:
         # vLLM checks the key only on /v1 routes: ask one, so that a wrong key
@@ -492,11 +491,27 @@ class RpcError(_ServerError):
         self.detail = detail
 
 
+_EXCERPT_CHARS = 120
+
+
+def _excerpt(response) -> str:
+    """A short, one-line quote of a non-JSON body: an HTML page (another kind of server) by its title only."""
+    import re
+
+    text = response.text or ""
+    if "html" in response.headers.get("content-type", "").lower() or text.lstrip()[:1] == "<":
+        title = re.search(r"<title[^>]*>(.*?)</title>", text, re.IGNORECASE | re.DOTALL)
+        name = f" titled {_one_line(title.group(1))[:_EXCERPT_CHARS]!r}" if title else ""
+        return f"an HTML page{name} ({len(text)} characters; not a vLLM server?)"
+    line = _one_line(text)
+    return repr(line[:_EXCERPT_CHARS] + ("..." if len(line) > _EXCERPT_CHARS else ""))
+
+
 def _error_text(response) -> str:
     try:
         body = response.json()
     except ValueError:
-        return _one_line(response.text)[:300] or response.reason_phrase
+        return _excerpt(response) or response.reason_phrase
     if isinstance(body, dict):
         for key in ("detail", "error", "message"):
             value = body.get(key)

@@ -14,6 +14,7 @@ import torch
 
 from ..finite import first_nonfinite, refusal
 from ..plan import PlannedTensor
+from ..sources import shard_file
 
 # Host copies into pinned memory are split into chunks of this size over a
 # few threads: after start-up vLLM sets torch to one CPU thread on GPU
@@ -46,7 +47,8 @@ class ShardReader:
         shard = item.entry.shard
         handle = self._handles.get(shard)
         if handle is None:
-            handle = self._handles[shard] = safe_open(str(self._folder / shard), framework="pt", device="cpu")
+            path = shard_file(self._folder, shard, str(self._folder))
+            handle = self._handles[shard] = safe_open(str(path), framework="pt", device="cpu")
         return handle.get_tensor(item.entry.name)
 
     def release(self, shard: str) -> None:
