@@ -22,8 +22,15 @@ from ._output import handle_errors, print_json, stderr
 from ._reload_view import render_report, run_with_progress
 
 
+# In-process engine options: with --url the servers' engines already run with their own.
+_ENGINE_OPTIONS = {"dtype": "--dtype", "tensor_parallel_size": "--tensor-parallel-size",
+                   "max_model_len": "--max-model-len", "quantization": "--quantization",
+                   "enforce_eager": "--enforce-eager", "memory_fraction": "--memory-fraction"}
+
+
 @handle_errors
 def reload_command(
+    ctx: typer.Context,
     weights_path: Annotated[str, typer.Option("--weights-path", help="The new weights: a checkpoint directory, "
                                               ".safetensors file, or Hub repo id.", show_default=False)],
     model: Annotated[str | None, typer.Option("--model", help="Start the engine on BASE (default: the new "
@@ -83,6 +90,13 @@ def reload_command(
 
         if model is not None:
             raise UsageError("--model starts an engine in this process; with --url the servers already run")
+        # By source, not value: `--dtype auto` is refused too. (Typer vendors Click: compare the enum's name.)
+        sources = {name: ctx.get_parameter_source(name) for name in _ENGINE_OPTIONS}
+        given = [flag for name, flag in _ENGINE_OPTIONS.items()
+                 if sources[name] is not None and sources[name].name != "DEFAULT"]
+        if given:
+            raise UsageError(f"{', '.join(given)} set the engine this command starts; with --url the servers "
+                             "already run with the options they were started with")
         if pause_mode is not None and pause_mode not in PAUSE_MODES:
             raise UsageError(f"--pause-mode must be one of {', '.join(PAUSE_MODES)}, not {pause_mode!r}")
         options = RemoteOptions(order=order, allow_partial=allow_partial, readahead=readahead, revision=revision,
