@@ -280,8 +280,13 @@ def test_offline_without_the_shards_in_cache(hub_env: HubServer) -> None:
 
 
 def test_library_errors_map_to_one_line() -> None:
-    import httpx2
+    import importlib
+
     from huggingface_hub.errors import LocalEntryNotFoundError, SafetensorsParsingError
+    from huggingface_hub.utils import get_session
+
+    # The HTTP library huggingface_hub talks through: httpx (1.x) or httpx2 (2.x).
+    http = importlib.import_module(type(get_session()).__module__.split(".")[0])
 
     from layerwise_cli.errors import describe_exception
 
@@ -289,8 +294,8 @@ def test_library_errors_map_to_one_line() -> None:
     assert str(parsing) == "org/a: invalid safetensors header: Failed to parse safetensors header"
     try:
         try:
-            raise httpx2.ConnectError("[Errno 111] Connection refused")
-        except httpx2.ConnectError as cause:
+            raise http.ConnectError("[Errno 111] Connection refused")
+        except http.ConnectError as cause:
             raise LocalEntryNotFoundError("An error happened while trying to locate the file\non the Hub") from cause
     except LocalEntryNotFoundError as exc:
         assert str(describe_exception(exc, "org/a")) == "org/a: cannot connect: [Errno 111] Connection refused"
