@@ -117,7 +117,11 @@ def test_reload_from_the_hub_end_to_end(demo_models, tmp_path):
         proc = run("reload", "--weights-path", "debug/add", "--model", str(demo_models["multiply"]), "--json",
                    env={"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf")})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout)
+    report = json.loads(proc.stdout)  # vLLM's own lines stay off stdout
+    # vLLM's known-harmless lines are dropped (the rotary warning in the worker, the force-kill notices at
+    # stop); its other warnings still reach stderr.
+    assert "Failed to load weights" not in proc.stderr and "force killing" not in proc.stderr
+    assert "WARNING" in proc.stderr
     for key in ("wall_s", "bytes", "peak_buffer_bytes", "largest_layer_bytes", "layers", "order"):
         assert key in report
     assert report["order"] == "layer"

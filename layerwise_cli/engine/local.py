@@ -84,8 +84,11 @@ def start_engine(model: str, options: EngineOptions | None = None):
 
 def stop_engine(llm) -> None:
     """Shut an engine's processes down now (rather than at interpreter exit)."""
+    from .vllm_logs import quiet_force_kill
+
     try:
-        llm.llm_engine.engine_core.shutdown()
+        with quiet_force_kill():
+            llm.llm_engine.engine_core.shutdown()
     except Exception:  # noqa: BLE001 - best effort: the engine may already be gone
         pass
 
