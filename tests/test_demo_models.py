@@ -42,7 +42,8 @@ def test_unknown_name_is_a_clean_error(tmp_path: Path) -> None:
 
 
 def test_import_is_cheap() -> None:
-    code = "import sys, layerwise_cli.demo_models; print('torch' in sys.modules, 'typer' in sys.modules, 'rich' in sys.modules)"
+    code = ("import sys, layerwise_cli.demo_models; "
+            "print('torch' in sys.modules, 'typer' in sys.modules, 'rich' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False", "False"]
 
@@ -60,7 +61,8 @@ def test_default_cache_dir_follows_environment(monkeypatch: pytest.MonkeyPatch, 
 def test_checkpoint_layout(demo_cache: Path, name: str) -> None:
     folder = demo_checkpoint(name, demo_cache)
     assert folder == demo_cache / recipe_version() / name
-    for file in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+    for file in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json"):
         assert (folder / file).is_file(), file
     config = json.loads((folder / "config.json").read_text())
     moe = name.startswith("moe-")
@@ -85,7 +87,7 @@ def test_pairs_share_shapes(demo_cache: Path, a_name: str, b_name: str) -> None:
 
     def shapes(name: str) -> dict[str, tuple[str, list[int]]]:
         with safe_open(str(demo_checkpoint(name, demo_cache) / "model.safetensors"), "pt") as f:
-            return {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()}
+            return {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
 
     assert shapes(a_name) == shapes(b_name)
     a_config = json.loads((demo_checkpoint(a_name, demo_cache) / "config.json").read_text())
@@ -156,9 +158,11 @@ def test_incomplete_directory_is_replaced(tmp_path: Path) -> None:
 @pytest.mark.slow  # trains demo models with torch
 def test_concurrent_builds_agree(demo_cache: Path, tmp_path: Path) -> None:
     """Two processes building the same model at once both get the one complete directory, same bytes as here."""
-    code = "import sys; from pathlib import Path; from layerwise_cli.demo_models import demo_checkpoint; print(demo_checkpoint('add', Path(sys.argv[1])))"
+    code = ("import sys; from pathlib import Path; from layerwise_cli.demo_models import demo_checkpoint; "
+            "print(demo_checkpoint('add', Path(sys.argv[1])))")
     procs = [
-        subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True) for _ in range(2)
+        subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
     ]
     paths = {p.communicate(timeout=120)[0].strip() for p in procs}
     assert all(p.returncode == 0 for p in procs)

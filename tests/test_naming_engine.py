@@ -45,8 +45,8 @@ def test_tied_checkpoint_plans_without_a_head(tied_models):
 @pytest.mark.engine
 def test_tied_embeddings_reload_round_trip(tied_models):
     """An engine started on tied *add* is reloaded to tied *multiply* and back: its fresh outputs return."""
-    from layerwise_cli.engine.local import EngineOptions, reload, start_engine, stop_engine
     from layerwise_cli.engine.generate import greedy_answers
+    from layerwise_cli.engine.local import EngineOptions, reload, start_engine, stop_engine
 
     llm = start_engine(str(tied_models["add"]), EngineOptions(max_model_len=64))
     try:

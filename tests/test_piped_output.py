@@ -15,8 +15,8 @@ from layerwise_cli.synthetic import SyntheticModel, write_checkpoint
 def _piped(args: list[str]) -> subprocess.CompletedProcess[str]:
     """Run with stdout and stderr pipes (no terminal anywhere) and no COLUMNS, as `layerwise ... | cat` does."""
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    return subprocess.run([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          stdin=subprocess.DEVNULL, text=True, env=env, timeout=120, check=False)
+    return subprocess.run([sys.executable, *args], capture_output=True, stdin=subprocess.DEVNULL, text=True,
+                          env=env, timeout=120, check=False)
 
 
 def _table_rows(text: str) -> list[list[str]]:
@@ -86,8 +86,12 @@ def test_columns_still_sets_the_width(tmp_path: Path) -> None:
 def test_only_the_known_harmless_vllm_lines_are_dropped(monkeypatch) -> None:
     import logging
 
-    from layerwise_cli.engine.vllm_logs import (RELOAD_LOGGER, SHUTDOWN_LOGGER, quiet_force_kill,
-                                                silence_rotary_reload_warning)
+    from layerwise_cli.engine.vllm_logs import (
+        RELOAD_LOGGER,
+        SHUTDOWN_LOGGER,
+        quiet_force_kill,
+        silence_rotary_reload_warning,
+    )
 
     seen: list[str] = []
 

@@ -334,7 +334,7 @@ def test_exception_inside_the_worker_is_one_line(on_multiply, tmp_path):
 
 @pytest.mark.server
 def test_an_unknown_worker_method_fails_cleanly_and_the_server_survives(on_multiply):
-    from layerwise_cli.engine.remote import ServerClient, RpcError
+    from layerwise_cli.engine.remote import RpcError, ServerClient
 
     client = ServerClient(on_multiply.url, api_key=KEY, timeout=60)
     try:
@@ -521,7 +521,8 @@ def test_pause_modes_with_requests_in_flight(on_multiply, demo_models, mode):
         try:
             result = reload_server(on_multiply.url, str(demo_models["add"]),
                                    RemoteOptions(api_key=KEY, pause_mode=mode),
-                                   on_event=lambda url, event, data: times.setdefault(event, time.monotonic()))
+                                   on_event=lambda url, event, data: times.setdefault(  # noqa: B023 - called now
+                                       event, time.monotonic()))
             count = len(traffic.done)
             deadline = time.monotonic() + 60
             while not traffic.once and len(traffic.done) < count + 24 and time.monotonic() < deadline:

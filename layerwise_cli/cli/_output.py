@@ -11,8 +11,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import typer
-from typer.exceptions import TyperException
 from rich.console import Console, ConsoleDimensions
+from typer.exceptions import TyperException
 
 from ..errors import LayerwiseError, UsageError, describe_exception
 

@@ -21,7 +21,6 @@ from ._options import (
 from ._output import handle_errors, print_json, stderr
 from ._reload_view import render_report, run_with_progress
 
-
 # In-process engine options: with --url the servers' engines already run with their own.
 _ENGINE_OPTIONS = {"dtype": "--dtype", "tensor_parallel_size": "--tensor-parallel-size",
                    "max_model_len": "--max-model-len", "quantization": "--quantization",

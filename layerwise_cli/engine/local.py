@@ -16,7 +16,7 @@ def cuda_available() -> bool:
         import torch
 
         return torch.cuda.is_available()
-    except Exception:
+    except Exception:  # noqa: BLE001 - torch missing or broken: no usable GPU either way
         return False
 
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import traceback
 
-from ..errors import LayerwiseError, describe_exception
-
 from .. import EXTENSION_CLS  # noqa: F401 - re-exported for the engine side
+from ..errors import LayerwiseError, describe_exception
 from .vllm_logs import silence_rotary_reload_warning
 
 # vLLM imports this module in every worker: the filter lands where the warning is logged.

@@ -38,7 +38,8 @@ def resolve_local(source: str, revision: str | None = None) -> Path:
     raise LayerwiseError("no such file or directory, and not a Hub repo id (org/name)", where=source)
 
 
-def plan_for_engine(checkpoint: Checkpoint, model: torch.nn.Module, hf_config: dict | None) -> tuple[Plan, dict[str, str]]:
+def plan_for_engine(checkpoint: Checkpoint, model: torch.nn.Module,
+                    hf_config: dict | None) -> tuple[Plan, dict[str, str]]:
     """Plan the checkpoint with the engine's names.
 
     Returns the plan and, for each checkpoint tensor, the engine module that
@@ -53,7 +54,7 @@ def plan_for_engine(checkpoint: Checkpoint, model: torch.nn.Module, hf_config: d
     for entry in checkpoint.tensors:
         name = entry.name
         if mapper is not None:
-            name = mapper._map_name(name) or name  # noqa: SLF001 - the mapper's per-name API
+            name = mapper._map_name(name) or name  # the mapper's per-name API (private in vLLM)
         parent = mapping.parent_of(name)
         if parent is not None:
             if parent.name not in resolved:
