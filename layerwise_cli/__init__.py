@@ -17,7 +17,7 @@ _LAZY = {
     "EngineOptions": ("layerwise_cli.engine.local", "EngineOptions"),
     "ReloadReport": ("layerwise_cli.engine.report", "ReloadReport"),
     "inspect_order": ("layerwise_cli.inspect", "inspect_order"),
-    "verify_engine": ("layerwise_cli.engine.verify", "verify_engine"),
+    "verify_engine": ("layerwise_cli.engine.local", "verify_engine"),
     "VerifyResult": ("layerwise_cli.engine.verify", "VerifyResult"),
     "LayerwiseError": ("layerwise_cli.errors", "LayerwiseError"),
 }

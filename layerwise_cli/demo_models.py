@@ -453,7 +453,6 @@ def _rope(x: torch.Tensor, theta: float) -> torch.Tensor:
 
 def _forward(p: dict[str, torch.Tensor], ids: torch.Tensor, spec: _Spec) -> torch.Tensor:
     """Logits [B, T, vocab] of the Qwen3 / Qwen3-MoE forward pass that vLLM and transformers run."""
-    import torch
     import torch.nn.functional as F
 
     b, t = ids.shape

@@ -137,11 +137,12 @@ def mapping_for_config(config: dict | None, prefer: str = "auto") -> LayerMappin
         entry = ARCHITECTURE_TABLE[arch]
         return LayerMapping("table", arch, dict(entry["packed"]), bool(entry["fused_experts"]), tied)
     if prefer in {"auto", "vllm"} and arch:
-        from .vllm_mapping import mapping_from_vllm
+        from .vllm_mapping import fusions_from_vllm
 
-        found = mapping_from_vllm(arch, tied, required=prefer == "vllm")
+        found = fusions_from_vllm(arch, required=prefer == "vllm")
         if found is not None:
-            return found
+            packed, fused_experts = found
+            return LayerMapping("vllm", arch, packed, fused_experts, tied)
     if prefer in {"table", "vllm"}:
         from .errors import LayerwiseError
 

@@ -140,7 +140,7 @@ def shard_groups(model: SyntheticModel, layout: str, shards: int = 4) -> list[li
         for n in names:
             kinds.setdefault(_param_kind(n), []).append(n)
         groups = list(kinds.values())
-        return [sum(groups[i::shards], []) for i in range(min(shards, len(groups)))]
+        return [[n for group in groups[i::shards] for n in group] for i in range(min(shards, len(groups)))]
     if layout == "experts_spread":
         if not model.experts:
             raise ValueError("experts_spread needs a MoE model (experts > 0)")

@@ -1,4 +1,8 @@
-"""Read a model's fused-module mapping from the installed vLLM's model class."""
+"""Read a model's fused-module mapping from the installed vLLM's model class.
+
+Returns plain data; `parents.mapping_for_config` builds the `LayerMapping`
+(this module does not import `parents`, which imports it).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,6 @@ import importlib.util
 import sys
 
 from .errors import LayerwiseError
-from .parents import LayerMapping
 
 
 def vllm_installed() -> bool:
@@ -17,8 +20,8 @@ def vllm_installed() -> bool:
         return False
 
 
-def mapping_from_vllm(architecture: str, tie_word_embeddings: bool, *, required: bool) -> LayerMapping | None:
-    """Build a mapping from vLLM's model class for `architecture`.
+def fusions_from_vllm(architecture: str, *, required: bool) -> tuple[dict[str, str], bool] | None:
+    """Read the fusions of vLLM's model class for `architecture`.
 
     Reads what the class's `load_weights` fuses: `packed_modules_mapping`
     (q/k/v -> qkv_proj, ...) and the stacked renames of its
@@ -28,11 +31,11 @@ def mapping_from_vllm(architecture: str, tie_word_embeddings: bool, *, required:
 
     Args:
         architecture: the name in `config.json`'s `architectures`.
-        tie_word_embeddings: whether the checkpoint ties `lm_head` to the embeddings.
         required: raise instead of returning None when vLLM cannot answer.
 
     Returns:
-        The mapping, or None when vLLM is absent or does not know the architecture.
+        (checkpoint module -> fused vLLM module, whether experts are fused),
+        or None when vLLM is absent or does not know the architecture.
     """
     if not vllm_installed():
         if required:
@@ -59,7 +62,7 @@ def mapping_from_vllm(architecture: str, tie_word_embeddings: bool, *, required:
     for source, (target, _shard) in (getattr(mapper, "orig_to_new_stacked", None) or {}).items():
         # ".mlp.gate_proj" -> ".mlp.gate_up_proj": the module names are the last parts.
         packed[source.rsplit(".", 1)[-1]] = target.rsplit(".", 1)[-1]
-    return LayerMapping("vllm", architecture, packed, _is_moe(model_cls), tie_word_embeddings)
+    return packed, _is_moe(model_cls)
 
 
 def _is_moe(model_cls: type) -> bool:

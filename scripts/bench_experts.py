@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_reload import tensor_data, write_bench_checkpoint  # noqa: E402
+from bench_reload import tensor_data, write_bench_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
                 stop_engine(llm)
             tensors = info["tensors"]
             median = statistics.median(r.wall_s for r in reports)
-            experts_layers = [l for l in reports[-1].layers if l.name.endswith("experts")]
+            experts_layers = [layer for layer in reports[-1].layers if layer.name.endswith("experts")]
             rows.append({
                 "experts": experts,
                 "tensors": tensors,
@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     base = rows[0]["us_per_tensor"]
     print("\nexperts  tensors  us/tensor  vs first")
     for row in rows:
-        print(f"{row['experts']:7d}  {row['tensors']:7d}  {row['us_per_tensor']:9.1f}  {row['us_per_tensor'] / base:8.2f}")
+        print(f"{row['experts']:7d}  {row['tensors']:7d}  {row['us_per_tensor']:9.1f}  "
+              f"{row['us_per_tensor'] / base:8.2f}")
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))
     return 0

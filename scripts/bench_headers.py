@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from layerwise_cli.synthetic import SyntheticModel, write_checkpoint
-from layerwise_cli.units import human_bytes, human_seconds
+from layerwise_cli.synthetic import SyntheticModel, write_checkpoint  # noqa: E402 - after the sys.path set-up above
+from layerwise_cli.units import human_bytes, human_seconds  # noqa: E402
 
 _EPILOG = """\
 Writes a Qwen3-MoE-shaped checkpoint (default: 64 shards, 5,043 tensors, about

@@ -48,7 +48,7 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -298,6 +298,7 @@ def bench_checkpoint(llm, layout: str, path: Path, args, watch: MemoryWatch, cud
     # vLLM's own reload with the probe around its own iterator: its peak (deterministic; once).
     vllm_peak = rpc(llm, "layerwise_bench_vllm_peak", source=str(path))
     samples: dict[str, list[dict]] = {v: [] for v in variants}
+    round_s = 0.0  # the last round's duration
     for run in range(args.runs):
         round_start = time.perf_counter()
         if run > 0 and deadline is not None and round_start + round_s > deadline:
@@ -571,7 +572,7 @@ def machine() -> dict:
 
     cpu = platform.processor()
     try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
+        for line in open("/proc/cpuinfo", encoding="utf-8"):  # noqa: SIM115 - read once, closed at exit
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
@@ -647,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
 
         data = {
             "label": args.label,
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
             "machine": machine(),
             "versions": {"layerwise": __version__, "vllm": getattr(vllm, "__version__", "?"),
                          "torch": torch.__version__},

@@ -107,7 +107,7 @@ def run_family(family: str, cache_dir: Path | None, repack: bool) -> dict:
             quantization=quantization,
             seed=0,
         )
-    except Exception as exc:  # report it and go on with the other families
+    except Exception as exc:  # noqa: BLE001 - report it and go on with the other families
         print(f"[{family}] engine failed to start: {exc}", file=sys.stderr)
         return {**report, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
     report["engine_start_s"] = round(time.perf_counter() - start, 2)

@@ -170,7 +170,7 @@ def run_load(url: str, sources: dict[str, str], *, first: str = "multiply", thre
     Returns:
         Every request and reload, and the checks' findings.
     """
-    from layerwise_cli.demo_models import demo_prompt, expected_answer
+    from layerwise_cli.demo_models import expected_answer
     from layerwise_cli.engine.remote import RemoteOptions, reload_server
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -197,7 +197,8 @@ def run_load(url: str, sources: dict[str, str], *, first: str = "multiply", thre
         events: dict[str, float] = {}
         start = time.monotonic()
         outcome = reload_server(url, sources[model], RemoteOptions(api_key=api_key, pause_mode=pause_mode),
-                                on_event=lambda u, event, data: events.setdefault(event, time.monotonic()))
+                                # Called during this iteration only: binding `events` late is fine.
+                                on_event=lambda u, event, data: events.setdefault(event, time.monotonic()))  # noqa: B023
         end = time.monotonic()
         result.reloads.append(ReloadWindow(
             model=model, start=start, end=end, ok=outcome.ok, error=outcome.error,

@@ -49,7 +49,9 @@ class RunningServer:
         self._extra = list(extra if extra is not None else SMALL)
         self._start_timeout = start_timeout
         self._proc: subprocess.Popen | None = None
-        self._log = tempfile.NamedTemporaryFile(prefix=f"vllm-{kind}-{self.port}-", suffix=".log", delete=False)
+        # Open for the server's lifetime (its stdout and stderr), read by log_tail; deleted on exit.
+        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115
+            prefix=f"vllm-{kind}-{self.port}-", suffix=".log", delete=False)
 
     def command(self) -> tuple[list[str], dict[str, str]]:
         env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1"}

@@ -63,7 +63,8 @@ def test_vllms_vocab_loader_copies_only_the_checkpoint_rows() -> None:
 
 def test_vocab_hold_reasons() -> None:
     assert vocab_hold("model.embed_tokens", 192) is None
-    assert vocab_hold("model.embed_tokens", 160) == HeldLayer("model.embed_tokens", "vocabulary padded 160 -> 192", (0,))
+    assert vocab_hold("model.embed_tokens", 160) == HeldLayer(
+        "model.embed_tokens", "vocabulary padded 160 -> 192", (0,))
     # With tensor parallelism the padding falls on the last rank(s) only.
     assert vocab_hold("lm_head", 160, 2) == HeldLayer(
         "lm_head", "vocabulary padded 160 -> 192; rank 1 of 2 fills 64 of its 96 rows", (1,))

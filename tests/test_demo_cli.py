@@ -26,7 +26,10 @@ def test_demo_flips_multiply_add_multiply(tmp_path):
 
 
 def test_demo_rejects_bad_pairs():
-    proc = subprocess.run([sys.executable, "-m", "layerwise_cli", "demo", "--pairs", "3 44"],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2
-    assert proc.stderr.count("Error:") == 1 and "--pairs" in proc.stderr
+    from typer.testing import CliRunner
+
+    from layerwise_cli.cli.app import app
+
+    result = CliRunner().invoke(app, ["demo", "--pairs", "3 44"])
+    assert result.exit_code == 2
+    assert result.output.count("Error:") == 1 and "--pairs" in result.output

@@ -42,7 +42,8 @@ def test_unknown_name_is_a_clean_error(tmp_path: Path) -> None:
 
 
 def test_import_is_cheap() -> None:
-    code = "import sys, layerwise_cli.demo_models; print('torch' in sys.modules, 'typer' in sys.modules, 'rich' in sys.modules)"
+    code = ("import sys, layerwise_cli.demo_models; "
+            "print('torch' in sys.modules, 'typer' in sys.modules, 'rich' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False", "False"]
 
@@ -55,11 +56,13 @@ def test_default_cache_dir_follows_environment(monkeypatch: pytest.MonkeyPatch, 
     assert demo_models.default_cache_dir() == tmp_path / "xdg" / "layerwise" / "demo"
 
 
+@pytest.mark.slow  # trains demo models with torch
 @pytest.mark.parametrize("name", DEMO_NAMES)
 def test_checkpoint_layout(demo_cache: Path, name: str) -> None:
     folder = demo_checkpoint(name, demo_cache)
     assert folder == demo_cache / recipe_version() / name
-    for file in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+    for file in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json"):
         assert (folder / file).is_file(), file
     config = json.loads((folder / "config.json").read_text())
     moe = name.startswith("moe-")
@@ -76,6 +79,7 @@ def test_checkpoint_layout(demo_cache: Path, name: str) -> None:
     assert ("model.layers.1.mlp.experts.7.down_proj.weight" in names) == moe
 
 
+@pytest.mark.slow  # trains demo models with torch
 @pytest.mark.parametrize(("a_name", "b_name"), [("multiply", "add"), ("moe-multiply", "moe-add")])
 def test_pairs_share_shapes(demo_cache: Path, a_name: str, b_name: str) -> None:
     """One can be reloaded into an engine started on the other."""
@@ -83,7 +87,7 @@ def test_pairs_share_shapes(demo_cache: Path, a_name: str, b_name: str) -> None:
 
     def shapes(name: str) -> dict[str, tuple[str, list[int]]]:
         with safe_open(str(demo_checkpoint(name, demo_cache) / "model.safetensors"), "pt") as f:
-            return {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()}
+            return {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
 
     assert shapes(a_name) == shapes(b_name)
     a_config = json.loads((demo_checkpoint(a_name, demo_cache) / "config.json").read_text())
@@ -94,6 +98,7 @@ def test_pairs_share_shapes(demo_cache: Path, a_name: str, b_name: str) -> None:
     )["model.safetensors"]
 
 
+@pytest.mark.slow  # trains demo models with torch
 @pytest.mark.parametrize("name", DEMO_NAMES)
 def test_transformers_greedy_answers_every_pair(demo_cache: Path, name: str) -> None:
     """transformers loads the directory as is and greedy decoding gives the answer, then EOS, for all 100 pairs."""
@@ -115,6 +120,7 @@ def test_transformers_greedy_answers_every_pair(demo_cache: Path, name: str) -> 
     assert not wrong, f"{len(wrong)} wrong, e.g. {wrong[:3]}"
 
 
+@pytest.mark.slow  # trains demo models with torch
 def test_cache_is_reused(demo_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     folder = demo_checkpoint("add", demo_cache)
     before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
@@ -128,6 +134,7 @@ def test_cache_is_reused(demo_cache: Path, monkeypatch: pytest.MonkeyPatch) -> N
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")], "temporary build left behind"
 
 
+@pytest.mark.slow  # trains demo models with torch
 @pytest.mark.parametrize("name", ["multiply", "moe-add"])
 def test_rebuild_is_byte_identical(demo_cache: Path, tmp_path: Path, name: str) -> None:
     cached = demo_checkpoint(name, demo_cache)
@@ -136,6 +143,7 @@ def test_rebuild_is_byte_identical(demo_cache: Path, tmp_path: Path, name: str) 
     assert _digest(rebuilt) == _digest(cached)
 
 
+@pytest.mark.slow  # trains demo models with torch
 def test_incomplete_directory_is_replaced(tmp_path: Path) -> None:
     """A directory without the build stamp (an interrupted copy) is not trusted."""
     broken = tmp_path / recipe_version() / "add"
@@ -147,11 +155,14 @@ def test_incomplete_directory_is_replaced(tmp_path: Path) -> None:
     assert sorted(p.name for p in folder.parent.iterdir()) == ["add"]
 
 
+@pytest.mark.slow  # trains demo models with torch
 def test_concurrent_builds_agree(demo_cache: Path, tmp_path: Path) -> None:
     """Two processes building the same model at once both get the one complete directory, same bytes as here."""
-    code = "import sys; from pathlib import Path; from layerwise_cli.demo_models import demo_checkpoint; print(demo_checkpoint('add', Path(sys.argv[1])))"
+    code = ("import sys; from pathlib import Path; from layerwise_cli.demo_models import demo_checkpoint; "
+            "print(demo_checkpoint('add', Path(sys.argv[1])))")
     procs = [
-        subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True) for _ in range(2)
+        subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
     ]
     paths = {p.communicate(timeout=120)[0].strip() for p in procs}
     assert all(p.returncode == 0 for p in procs)

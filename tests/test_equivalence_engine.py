@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from producers import PADDED_VOCAB, UNPADDED_VOCAB, Producer, save_pretrained_checkpoint
 
 from engine_support import (
     assert_matches_fresh,
@@ -33,7 +34,6 @@ from engine_support import (
     remember_fresh,
     reshard,
 )
-from producers import PADDED_VOCAB, UNPADDED_VOCAB, Producer, save_pretrained_checkpoint
 
 pytestmark = pytest.mark.engine
 

@@ -212,7 +212,8 @@ def test_valid_files_pass(tmp_path: Path) -> None:
     shard, read = read_shard_header(path)
     assert [t.name for t in shard.tensors] == ["b", "a", "c"]
     assert read == 8 + shard.header_len < path.stat().st_size
-    sub_byte = _shard(tmp_path / "f4.safetensors", {"a": _u8(0, 2, shape=[4], dtype="F4"), "b": _u8(2, 2, shape=[0])}, 2)
+    sub_byte = _shard(tmp_path / "f4.safetensors",
+                      {"a": _u8(0, 2, shape=[4], dtype="F4"), "b": _u8(2, 2, shape=[0])}, 2)
     for file in (path, sub_byte):
         assert _safetensors_accepts(file)
         result = runner.invoke(app, ["inspect-order", str(file), "--json"])

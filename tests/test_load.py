@@ -11,7 +11,7 @@ from server_support import server_fixture
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
-from load_test import run_load  # noqa: E402 - scripts/ is not a package
+from load_test import run_load
 
 pytestmark = pytest.mark.server
 

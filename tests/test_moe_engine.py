@@ -75,8 +75,7 @@ def engine_a(demo_models, quantization, fresh_b):
 
 
 def test_reload_b_matches_fresh_b_and_a_comes_back_exactly(engine_a, demo_models, fresh_b, quantization):
-    from layerwise_cli.engine.local import reload
-    from layerwise_cli.engine.verify import verify_engine
+    from layerwise_cli.engine.local import reload, verify_engine
 
     report = reload(engine_a, str(demo_models["moe-add"]), verify=True)
     assert_matches_fresh(engine_a, demo_models["moe-add"], prompts(), options=options(quantization))
@@ -112,8 +111,7 @@ def test_reload_b_matches_fresh_b_and_a_comes_back_exactly(engine_a, demo_models
 
 def test_verify_names_the_experts_vllm_own_reload_leaves_unpacked(engine_a, demo_models, fresh_b, quantization):
     """vLLM's own `reload_weights` skips the CPU expert prepack; `verify_engine` names exactly those layers."""
-    from layerwise_cli.engine.local import cuda_available, reload
-    from layerwise_cli.engine.verify import verify_engine
+    from layerwise_cli.engine.local import cuda_available, reload, verify_engine
 
     if quantization is not None or cuda_available():
         pytest.skip("the unpacked-experts fault is vLLM's unquantized CPU MoE kernel's")

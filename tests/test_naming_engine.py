@@ -27,6 +27,7 @@ def tied_models(demo_models, tmp_path_factory) -> dict[str, Path]:
     return {name: tied(demo_models[name], root / name) for name in ("multiply", "add")}
 
 
+@pytest.mark.slow  # trains the demo models with torch
 def test_tied_checkpoint_plans_without_a_head(tied_models):
     from layerwise_cli.inspect import inspect_order
 
@@ -43,6 +44,7 @@ class _WithMapper:
         self.hf_to_vllm_mapper = mapper
 
 
+@pytest.mark.slow  # imports vLLM
 def test_prefixed_language_model_names_map_to_the_engine_modules(make_checkpoint):
     """`model.language_model.layers.N...` (multimodal wrappers) plan with vLLM's own name mapper.
 

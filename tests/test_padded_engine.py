@@ -10,8 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_support import assert_same_outputs, greedy_with_logprobs
 from producers import Producer, save_pretrained_checkpoint
+
+from engine_support import assert_same_outputs, greedy_with_logprobs
 
 pytestmark = pytest.mark.engine
 
@@ -170,10 +171,10 @@ def test_partly_covered_fused_layer_is_refused_even_with_allow_partial(untied_en
     """A checkpoint with q_proj and k_proj but no v_proj of a layer: vLLM would hold qkv_proj to the end,
     then materialize it from uninitialized memory and copy all of it into place (v_proj's weights lost).
     Pre-flight refuses it, and the engine keeps every weight."""
-    from engine_support import engine_state, parameter_kind, reshard
-
     from layerwise_cli.engine.local import reload
     from layerwise_cli.errors import LayerwiseError
+
+    from engine_support import engine_state, parameter_kind, reshard
 
     b = checkpoints[f"{UNTIED.label}-B"]
     v_proj = "model.layers.0.self_attn.v_proj.weight"

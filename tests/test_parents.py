@@ -112,6 +112,7 @@ def test_mixtral_maps_exactly() -> None:
     assert len({p[0] for p in got.values() if p}) == 2 * 6 + 3
 
 
+@pytest.mark.slow  # imports vLLM
 @pytest.mark.parametrize("architecture", FAMILIES + list(RELATIVES))
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_table_equals_vllm(architecture: str, tied: bool) -> None:
@@ -128,6 +129,7 @@ def test_table_equals_vllm(architecture: str, tied: bool) -> None:
     assert parents(architecture, names, "table", tied) == parents(architecture, names, "vllm", tied)
 
 
+@pytest.mark.slow  # imports vLLM
 def test_vllm_mapping_through_the_cli(tmp_path: Path) -> None:
     pytest.importorskip("vllm")
     folder = tmp_path / "moe"
@@ -144,6 +146,7 @@ def test_vllm_mapping_through_the_cli(tmp_path: Path) -> None:
     assert any(layer["name"] == "model.layers.0.mlp.experts" and layer["tensors"] == 12 for layer in v["layers"])
 
 
+@pytest.mark.slow  # auto asks vLLM for the unknown architecture: imports vLLM
 def test_generic_fallback_for_an_unknown_architecture(tmp_path: Path) -> None:
     names = checkpoint_names("LlamaForCausalLM")
     mapping = mapping_for_config({"architectures": ["NoSuchModelForCausalLM"]})

@@ -273,6 +273,7 @@ def _vllm_read_order(folder: Path) -> list[str]:
     return [name for name, _ in weight_utils.safetensors_weights_iterator(files, use_tqdm_on_load=False)]
 
 
+@pytest.mark.slow  # imports vLLM
 @pytest.mark.parametrize("with_index", [False, True], ids=["glob", "index"])
 def test_file_order_is_what_vllm_reads(tmp_path: Path, with_index: bool) -> None:
     folder = tmp_path / "ckpt"
@@ -287,6 +288,7 @@ def test_file_order_is_what_vllm_reads(tmp_path: Path, with_index: bool) -> None
     assert ours.index("model.layers.1.input_layernorm.weight") < ours.index("model.layers.10.input_layernorm.weight")
 
 
+@pytest.mark.slow  # imports vLLM
 def test_buffering_of_what_vllm_reads(tmp_path: Path) -> None:
     # The simulation, fed vLLM's own read order, gives the plan's file-order peak.
     folder = tmp_path / "ckpt"

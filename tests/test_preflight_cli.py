@@ -7,10 +7,11 @@ import time
 from pathlib import Path
 
 import pytest
-from engine_support import parameter_kind, reshard
 from typer.testing import CliRunner
 
 from layerwise_cli.cli.app import app
+
+from engine_support import parameter_kind, reshard
 
 runner = CliRunner()
 

@@ -676,7 +676,8 @@ def test_hub_source_fetches_shards_one_at_a_time(tmp_path: Path) -> None:
 
         # A shard already in the Hub cache is read from there, and left there.
         cached = sorted(shards)[1]
-        fetch = f"from huggingface_hub import hf_hub_download; hf_hub_download('org/trainer', '{cached}', revision='v1')"
+        fetch = ("from huggingface_hub import hf_hub_download; "
+                 f"hf_hub_download('org/trainer', '{cached}', revision='v1')")
         assert run("-c", fetch).returncode == 0
         hub.reset_counts()
         again = run("-m", "layerwise_cli", "reorder", "org/trainer", str(tmp_path / "again"), "--revision", "v1",

@@ -70,9 +70,27 @@ def test_serve_command_line():
     assert "-m layerwise_cli.cli.serve --model some/model --host 127.0.0.1 --port 8123" in line
     assert "--max-model-len 64" in line
     assert line.endswith("--max-num-seqs 4")  # unknown options pass through to vLLM
-    assert "--enforce-eager" in line and "--gpu-memory-utilization 0.1" in line  # CPU defaults here
     refused = _serve("some/model", "--worker-extension-cls", "other.Ext", "--dry-run")
     assert refused.exit_code == 2 and "--worker-extension-cls" in refused.output
+
+
+def test_serve_defaults_follow_the_machine():
+    """CPU-only: eager and a 0.1 memory share; GPU: vLLM's own defaults. Explicit options win on both."""
+    from layerwise_cli.cli.serve import plan_serve
+
+    cpu = plan_serve("some/model", on_gpu=False).argv
+    assert "--enforce-eager" in cpu
+    assert cpu[cpu.index("--gpu-memory-utilization") + 1] == "0.1"
+    gpu = plan_serve("some/model", on_gpu=True).argv
+    assert "--enforce-eager" not in gpu and "--gpu-memory-utilization" not in gpu
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in plan_serve("m", tensor_parallel_size=2, on_gpu=True).env
+    chosen = plan_serve("some/model", enforce_eager=True, memory_fraction=0.5, on_gpu=True).argv
+    assert "--enforce-eager" in chosen and chosen[chosen.index("--gpu-memory-utilization") + 1] == "0.5"
+    graphs = plan_serve("some/model", enforce_eager=False, on_gpu=False).argv
+    assert "--enforce-eager" not in graphs
+    # Given among the pass-through options, they are not doubled.
+    passed = plan_serve("m", extra=["--enforce-eager", "--gpu-memory-utilization", "0.3"], on_gpu=False).argv
+    assert passed.count("--enforce-eager") == 1 and passed.count("--gpu-memory-utilization") == 1
 
 
 def test_reload_url_usage_errors():
@@ -378,7 +396,7 @@ def test_exception_inside_the_worker_is_one_line(on_multiply, tmp_path):
 
 @pytest.mark.server
 def test_an_unknown_worker_method_fails_cleanly_and_the_server_survives(on_multiply):
-    from layerwise_cli.engine.remote import ServerClient, RpcError
+    from layerwise_cli.engine.remote import RpcError, ServerClient
 
     client = ServerClient(on_multiply.url, api_key=KEY, timeout=60)
     try:
@@ -565,7 +583,8 @@ def test_pause_modes_with_requests_in_flight(on_multiply, demo_models, mode):
         try:
             result = reload_server(on_multiply.url, str(demo_models["add"]),
                                    RemoteOptions(api_key=KEY, pause_mode=mode),
-                                   on_event=lambda url, event, data: times.setdefault(event, time.monotonic()))
+                                   on_event=lambda url, event, data: times.setdefault(  # noqa: B023 - called now
+                                       event, time.monotonic()))
             count = len(traffic.done)
             deadline = time.monotonic() + 60
             while not traffic.once and len(traffic.done) < count + 24 and time.monotonic() < deadline:

@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from producers import Producer, save_pretrained_checkpoint
 
 from engine_support import assert_same_outputs, engine_state, greedy_with_logprobs
-from producers import Producer, save_pretrained_checkpoint
 
 pytestmark = pytest.mark.engine
 
@@ -32,7 +32,8 @@ REPAIR_NOTE = "rebuilt the CPU kernel of lm_head"
 @pytest.fixture(scope="module")
 def tied_ab(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tied")
-    checkpoints = {name: save_pretrained_checkpoint(root / name, TIED, seed=seed) for name, seed in (("A", 1), ("B", 2))}
+    checkpoints = {name: save_pretrained_checkpoint(root / name, TIED, seed=seed)
+                   for name, seed in (("A", 1), ("B", 2))}
     for path in checkpoints.values():
         names = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
         assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
@@ -145,8 +146,7 @@ def test_vllm_own_reload_leaves_the_head_stale_and_verify_catches_it(engine_a, t
     The figure for the README: how many of the prompts answer differently from
     a fresh B engine after vLLM's own reload (tokens or top-5 logprobs).
     """
-    from layerwise_cli.engine.local import reload
-    from layerwise_cli.engine.verify import verify_engine
+    from layerwise_cli.engine.local import reload, verify_engine
 
     engine_a.collective_rpc("reload_weights", kwargs={"weights_path": str(tied_ab["B"])})
     engine_a.reset_prefix_cache()

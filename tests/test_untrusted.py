@@ -16,13 +16,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from hub_server import HubServer
 from typer.testing import CliRunner
 
 from layerwise_cli.cli.app import app
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.sources import INDEX_NAME, open_checkpoint, shard_file
 from layerwise_cli.synthetic import SyntheticModel, write_checkpoint, write_safetensors
+
+from hub_server import HubServer
 
 REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()

@@ -12,15 +12,35 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import typer
+from rich.console import Console, ConsoleDimensions
 from typer._click import exceptions as click_errors
 from typer.core import TyperGroup
 from typer.exceptions import TyperException
-from rich.console import Console
 
 from ..errors import LayerwiseError, UsageError, describe_exception
 
+# Piped stdout (a file, `| less`, `| grep`) without COLUMNS: wide enough that no table drops a column or
+# breaks a name; each line still ends where its content ends.
+PIPED_WIDTH = 10_000
+
+
+class DataConsole(Console):
+    """stdout's console: a terminal's width in a terminal (or COLUMNS when set), no width limit when piped.
+
+    Rich would otherwise use 80 columns, or the width of the terminal stderr
+    is on, and cut tables to fit: columns vanish and names wrap mid-word.
+    """
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = super().size
+        if self._width is None and not self.is_terminal and not self._environ.get("COLUMNS", "").isdigit():
+            return ConsoleDimensions(PIPED_WIDTH, size.height)
+        return size
+
+
 # stdout carries data (tables, JSON); stderr carries progress, status, errors.
-stdout = Console(highlight=False, soft_wrap=False)
+stdout = DataConsole(highlight=False, soft_wrap=False)
 stderr = Console(stderr=True, highlight=False)
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -31,7 +31,7 @@ def run_with_progress(task: Callable[[str | None], T], progress_path: str | None
     def target() -> None:
         try:
             result["value"] = task(progress_path)
-        except BaseException as exc:  # re-raised in the caller's thread
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             result["error"] = exc
 
     thread = threading.Thread(target=target, daemon=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Annotated
 
 try:
     import typer
@@ -13,6 +14,7 @@ try:
     from .reload import reload_command
     from .reorder import reorder_command
     from .serve import serve_command
+    from .version import print_version
 except KeyboardInterrupt:  # Ctrl-C while the CLI starts: one line, no traceback
     sys.stderr.write("Error: interrupted\n")
     raise SystemExit(130) from None
@@ -27,7 +29,10 @@ app = typer.Typer(
 
 
 @app.callback()
-def root() -> None:
+def root(
+    version: Annotated[bool, typer.Option("--version", callback=print_version, is_eager=True,
+                                          help="Print the versions of layerwise, vLLM and torch, and exit.")] = False,
+) -> None:
     """Push new weights into running vLLM engines in layer order, and show what it cost.
 
     Errors print one line, `Error: <file or server>: <what is wrong>`, and exit 1

@@ -57,11 +57,12 @@ def demo_command(
                 None if as_json else new_progress_path(), f"reload {name}", show=not as_json)
             report.source = name
             reports.append(report)
-            if not as_json and name == second:
-                render_report(report, title=f"Reload {name}")
             answers[f"after reloading {name}"] = greedy_answers(llm, prompts)
     finally:
         stop_engine(llm)
+    # Rendered once the engine is stopped, so that no engine log line lands inside the report.
+    if not as_json:
+        render_report(reports[0], title=f"Reload {second}")
     expected = {first: [expected_answer(first, a, b) for a, b in asked],
                 second: [expected_answer(second, a, b) for a, b in asked]}
     flipped = (answers[f"after reloading {second}"] == expected[second]

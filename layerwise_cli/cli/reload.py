@@ -24,9 +24,15 @@ from ._options import (
 from ._output import handle_errors, print_json, stderr
 from ._reload_view import render_report, render_verify, run_with_progress
 
+# In-process engine options: with --url the servers' engines already run with their own.
+_ENGINE_OPTIONS = {"dtype": "--dtype", "tensor_parallel_size": "--tensor-parallel-size",
+                   "max_model_len": "--max-model-len", "quantization": "--quantization",
+                   "enforce_eager": "--enforce-eager", "memory_fraction": "--memory-fraction"}
+
 
 @handle_errors
 def reload_command(
+    ctx: typer.Context,
     weights_path: Annotated[str, typer.Option("--weights-path", help="The new weights: a checkpoint directory, "
                                               ".safetensors file, or Hub repo id.", show_default=False)],
     model: Annotated[str | None, typer.Option("--model", help="Start the engine on BASE (default: the new "
@@ -91,14 +97,13 @@ def reload_command(
 
         if model is not None:
             raise UsageError("--model starts an engine in this process; with --url the servers already run")
-        engine_only = [name for name, given in (
-            ("--dtype", dtype != "auto"), ("--tensor-parallel-size", tensor_parallel_size != 1),
-            ("--max-model-len", max_model_len is not None), ("--quantization", quantization is not None),
-            ("--enforce-eager", enforce_eager is not None), ("--memory-fraction", memory_fraction is not None),
-        ) if given]
-        if engine_only:
-            raise UsageError(f"{', '.join(engine_only)} configure an engine started in this process; with --url "
-                             "the servers already run")
+        # By source, not value: `--dtype auto` is refused too. (Typer vendors Click: compare the enum's name.)
+        sources = {name: ctx.get_parameter_source(name) for name in _ENGINE_OPTIONS}
+        given = [flag for name, flag in _ENGINE_OPTIONS.items()
+                 if sources[name] is not None and sources[name].name != "DEFAULT"]
+        if given:
+            raise UsageError(f"{', '.join(given)} set the engine this command starts; with --url the servers "
+                             "already run with the options they were started with")
         options = RemoteOptions(order=order, allow_partial=allow_partial, allow_nonfinite=allow_nonfinite,
                                 readahead=readahead, revision=revision,
                                 pause_mode=pause_mode or "wait", weight_version=weight_version, api_key=api_key,
@@ -128,7 +133,7 @@ def reload_command(
                                                    allow_nonfinite=allow_nonfinite),
             None if as_json else new_progress_path(), f"reload {weights_path}", show=not as_json)
         if verify:
-            from ..engine.verify import verify_engine
+            from ..engine.local import verify_engine
 
             if not as_json:
                 stderr.print("Verifying the engine against the new weights ...")

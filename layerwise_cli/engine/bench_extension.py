@@ -223,7 +223,7 @@ class _Loader:
 
 
 def _read(worker, source: str, order: str) -> dict:
-    folder, plan, _, stream = _engine_stream(worker, source, order)
+    folder, _plan, _, stream = _engine_stream(worker, source, order)
     device = _device(worker)
     loader = _Loader(folder, device)
     total = 0
@@ -241,7 +241,7 @@ def _read(worker, source: str, order: str) -> dict:
 def _floor(worker, source: str, order: str) -> dict:
     import torch
 
-    folder, plan, _, stream = _engine_stream(worker, source, order)
+    folder, _plan, _, stream = _engine_stream(worker, source, order)
     device = _device(worker)
     cuda = device.type == "cuda"
     loader = _Loader(folder, device)
@@ -262,7 +262,7 @@ def _floor(worker, source: str, order: str) -> dict:
     if cuda:
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
-    del weights
+    weights.clear()  # whatever vLLM did not take
     gc.collect()
     return {"ok": True, "seconds": seconds, "bytes": total, "tensors": len(stream), "order": order,
             "device": str(device)}
@@ -274,7 +274,7 @@ def _vllm_peak(worker, source: str) -> dict:
 
     from .probe import BufferProbe
 
-    folder, plan, vllm_names, _ = _engine_stream(worker, source, "file")
+    _folder, plan, vllm_names, _ = _engine_stream(worker, source, "file")
     model = worker.model_runner.get_model()
     model_config = worker.model_runner.model_config
     # What `reload_weights(weights_path=...)` does before it builds its iterator.

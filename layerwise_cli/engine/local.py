@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 
 from ..errors import LayerwiseError
 from .report import ReloadReport, merge_reports
+from .verify import VerifyResult, merge_verify, verify_failure
 from .worker_extension import EXTENSION_CLS
 
 
@@ -16,7 +18,7 @@ def cuda_available() -> bool:
         import torch
 
         return torch.cuda.is_available()
-    except Exception:
+    except Exception:  # noqa: BLE001 - torch missing or broken: no usable GPU either way
         return False
 
 
@@ -84,8 +86,11 @@ def start_engine(model: str, options: EngineOptions | None = None):
 
 def stop_engine(llm) -> None:
     """Shut an engine's processes down now (rather than at interpreter exit)."""
+    from .vllm_logs import quiet_force_kill
+
     try:
-        llm.llm_engine.engine_core.shutdown()
+        with quiet_force_kill():
+            llm.llm_engine.engine_core.shutdown()
     except Exception:  # noqa: BLE001 - best effort: the engine may already be gone
         pass
 
@@ -159,8 +164,6 @@ def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = Fals
     if verify:
         from dataclasses import replace
 
-        from .verify import verify_engine, verify_failure
-
         result = verify_engine(llm, source, revision)
         if not result.ok:
             raise LayerwiseError(f"{verify_failure(result)}; the engine holds the reloaded weights, unverified",
@@ -168,6 +171,31 @@ def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = Fals
         report = replace(report, verify=result)
     return report
 
+
+
+def verify_engine(llm, source: str, revision: str | None = None) -> VerifyResult:
+    """Check, on every worker of an in-process engine, that it holds exactly what SOURCE must produce.
+
+    Args:
+        llm: a `vllm.LLM` built with layerwise's worker extension.
+        source: the checkpoint the engine should hold (a path the workers read, or a Hub repo id).
+        revision: Hub revision for a repo id.
+
+    Returns:
+        The merged result; `ok` is False when a layer differs or could not be checked.
+
+    Raises:
+        LayerwiseError: the check itself could not run.
+    """
+    start = time.perf_counter()
+    results = call_workers(llm, "layerwise_verify", source=source, revision=revision)
+    failures = [r for r in results if not r.get("ok")]
+    if failures or not results:
+        error = failures[0].get("error", "a worker failed without saying why") if failures else "no workers"
+        raise LayerwiseError(f"--verify could not run: {error}", where=source)
+    verify = merge_verify([r["verify"] for r in results])
+    verify.wall_s = time.perf_counter() - start
+    return verify
 
 def reports_from_results(results: list[dict]) -> ReloadReport:
     """Merge per-worker results, raising the first worker's error if any failed."""

@@ -220,7 +220,7 @@ def read_in_order(
                     stats.add(item.entry.nbytes)
                 ready.put(loaded)
             ready.put(_DONE)
-        except BaseException as exc:  # handed to the consumer, which raises it
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             ready.put(exc)
 
     thread = threading.Thread(target=produce, name="layerwise-readahead", daemon=True)

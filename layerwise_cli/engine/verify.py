@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-
-from ..errors import LayerwiseError
 
 
 @dataclass
@@ -82,30 +79,3 @@ def verify_failure(verify: VerifyResult) -> str:
         more = f" and {len(verify.errors) - 1} more" if len(verify.errors) > 1 else ""
         return f"--verify: {len(verify.errors)} layer(s) could not be checked: {name} {why}{more}"
     return "--verify: no layer of the source could be checked"
-
-
-def verify_engine(llm, source: str, revision: str | None = None) -> VerifyResult:
-    """Check, on every worker of an in-process engine, that it holds exactly what SOURCE must produce.
-
-    Args:
-        llm: a `vllm.LLM` built with layerwise's worker extension.
-        source: the checkpoint the engine should hold (a path the workers read, or a Hub repo id).
-        revision: Hub revision for a repo id.
-
-    Returns:
-        The merged result; `ok` is False when a layer differs or could not be checked.
-
-    Raises:
-        LayerwiseError: the check itself could not run.
-    """
-    from .local import call_workers
-
-    start = time.perf_counter()
-    results = call_workers(llm, "layerwise_verify", source=source, revision=revision)
-    failures = [r for r in results if not r.get("ok")]
-    if failures or not results:
-        error = failures[0].get("error", "a worker failed without saying why") if failures else "no workers"
-        raise LayerwiseError(f"--verify could not run: {error}", where=source)
-    verify = merge_verify([r["verify"] for r in results])
-    verify.wall_s = time.perf_counter() - start
-    return verify

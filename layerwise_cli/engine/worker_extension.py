@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import traceback
 
-from ..errors import LayerwiseError, describe_exception
-
 from .. import EXTENSION_CLS  # noqa: F401 - re-exported for the engine side
+from ..errors import LayerwiseError, describe_exception
+from .vllm_logs import silence_rotary_reload_warning
+
+# vLLM imports this module in every worker: the filter lands where the warning is logged.
+silence_rotary_reload_warning()
 
 
 class LayerwiseWorkerExtension:
@@ -297,7 +300,7 @@ def _verify_derived(model, derived: dict[str, str], loaded: dict) -> list[dict]:
                          for key, tensor in list(source_module._parameters.items())
                          + list(source_module._buffers.items()) if tensor is not None}
                 for key, live in list(module._parameters.items()) + list(module._buffers.items()):
-                    if live is None or key not in scratch._parameters and key not in scratch._buffers:
+                    if live is None or (key not in scratch._parameters and key not in scratch._buffers):
                         continue
                     target = getattr(scratch, key)
                     source_key = owner.get(live.untyped_storage().data_ptr()) if live.numel() else None

@@ -64,7 +64,7 @@ def plan_for_engine(checkpoint: Checkpoint, model: torch.nn.Module, hf_config: d
     for entry in checkpoint.tensors:
         name = entry.name
         if mapper is not None:
-            name = mapper._map_name(name) or name  # noqa: SLF001 - the mapper's per-name API
+            name = mapper._map_name(name) or name  # the mapper's per-name API (private in vLLM)
         parent = mapping.parent_of(name)
         if parent is not None:
             if parent.name not in resolved:

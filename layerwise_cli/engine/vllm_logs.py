@@ -1,0 +1,71 @@
+"""Drop the vLLM log lines known to be harmless around a layerwise reload; every other line passes.
+
+Logger filters sit on the loggers that emit the lines, so vLLM's own logging
+configuration (handlers, levels, streams) stays as it is, and the filter
+works in whichever process logs: the engine's workers import this through
+the worker extension, the `layerwise` process around `stop_engine`.
+`LAYERWISE_DEBUG=1` lets everything through.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+# Every reload: vLLM's layerwise reload finds no checkpoint tensors for the
+# rotary cache (it is computed, never stored), puts it back unchanged and
+# warns "RotaryEmbedding: Failed to load weights". Other layers keep the warning.
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+# Stopping an engine: vLLM's process manager SIGKILLs an engine process still
+# alive 5 s after SIGTERM, and says so; `stop_engine` wants it gone either way.
+SHUTDOWN_LOGGER = "vllm.v1.utils"
+_FORCE_KILL = "[shutdown] Process manager: force killing"
+
+
+def _debug() -> bool:
+    return os.environ.get("LAYERWISE_DEBUG", "") not in {"", "0"}
+
+
+def is_rotary_reload_warning(record: logging.LogRecord) -> bool:
+    """The per-reload `<Rotary...Embedding>: Failed to load weights` warning."""
+    args = record.args if isinstance(record.args, tuple) else ()
+    return (record.msg == "%s: Failed to load weights" and len(args) == 1
+            and str(args[0]).endswith("RotaryEmbedding"))
+
+
+def is_force_kill_notice(record: logging.LogRecord) -> bool:
+    """vLLM's `[shutdown] Process manager: force killing ...` lines."""
+    return str(record.msg).startswith(_FORCE_KILL)
+
+
+class _Drop(logging.Filter):
+    def __init__(self, test) -> None:
+        super().__init__()
+        self.test = test
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _debug() or not self.test(record)
+
+
+_ROTARY_FILTER = _Drop(is_rotary_reload_warning)
+
+
+def silence_rotary_reload_warning() -> None:
+    """Install the rotary-cache filter in this process (idempotent); the worker extension calls it on import."""
+    logger = logging.getLogger(RELOAD_LOGGER)
+    if _ROTARY_FILTER not in logger.filters:
+        logger.addFilter(_ROTARY_FILTER)
+
+
+@contextmanager
+def quiet_force_kill() -> Iterator[None]:
+    """Drop vLLM's force-kill notices while a deliberate shutdown runs in this process."""
+    logger = logging.getLogger(SHUTDOWN_LOGGER)
+    drop = _Drop(is_force_kill_notice)
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Run the Hub tests against the oldest huggingface_hub that pyproject.toml
+# allows (`huggingface_hub>=FLOOR`), in a small throw-away venv with only
+# layerwise's light dependencies (no torch, no vLLM): proves the floor.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+floor="$(sed -n 's/^ *"huggingface_hub>=\([0-9][0-9.]*\)".*/\1/p' pyproject.toml)"
+if [[ -z "$floor" ]]; then
+    echo "test_hub_floor.sh: no \"huggingface_hub>=X\" in pyproject.toml" >&2
+    exit 1
+fi
+python="${PYTHON:-python3.11}"
+command -v "$python" >/dev/null 2>&1 || python=python3
+venv="$(mktemp -d "${TMPDIR:-/tmp}/layerwise-hub-floor.XXXXXX")"
+trap 'rm -rf "$venv"' EXIT
+echo "Hub tests against huggingface_hub==$floor (the floor in pyproject.toml) ..." >&2
+"$python" -m venv "$venv"
+# No pip cache: the run must not depend on one.
+PIP_NO_CACHE_DIR=1 "$venv/bin/python" -m pip install --quiet \
+    typer rich safetensors httpx pytest hypothesis "huggingface_hub==$floor" >&2
+"$venv/bin/python" -c "import huggingface_hub as h; assert h.__version__ == '$floor', h.__version__" 
+# layerwise from this checkout, not installed: the venv holds only what it depends on.
+PYTHONPATH="$root" "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+    tests/test_hub.py tests/test_reorder.py::test_hub_source_fetches_shards_one_at_a_time "$@"
