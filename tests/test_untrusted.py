@@ -414,9 +414,13 @@ _SLOW_IMPORT = textwrap.dedent("""
 
 def test_ctrl_c_while_the_cli_starts_is_one_line_exit_130(tmp_path):
     marker = tmp_path / "importing"
+    # As at a terminal: a job started in the background of a non-interactive
+    # shell (a CI script's `cmd &`) inherits SIGINT ignored, and Python then
+    # never raises KeyboardInterrupt; the child gets the default disposition.
     proc = subprocess.Popen([sys.executable, "-c", _SLOW_IMPORT, str(marker)], cwd=REPO, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while not marker.exists():
