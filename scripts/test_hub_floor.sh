@@ -17,8 +17,15 @@ trap 'rm -rf "$venv"' EXIT
 echo "Hub tests against huggingface_hub==$floor (the floor in pyproject.toml) ..." >&2
 "$python" -m venv "$venv"
 # No pip cache: the run must not depend on one.
+# layerwise's own dependencies as pyproject.toml lists them (huggingface_hub
+# pinned to the floor), plus the test tools.
+mapfile -t deps < <("$python" -c '
+import tomllib
+for dep in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]:
+    if not dep.replace("-", "_").startswith("huggingface_hub"):
+        print(dep)')
 PIP_NO_CACHE_DIR=1 "$venv/bin/python" -m pip install --quiet \
-    typer rich safetensors httpx pytest hypothesis "huggingface_hub==$floor" >&2
+    "${deps[@]}" pytest hypothesis "huggingface_hub==$floor" >&2
 "$venv/bin/python" -c "import huggingface_hub as h; assert h.__version__ == '$floor', h.__version__" 
 # layerwise from this checkout, not installed: the venv holds only what it depends on.
 PYTHONPATH="$root" "$venv/bin/python" -m pytest -q -p no:cacheprovider \
