@@ -3,7 +3,7 @@
 import sys
 
 try:
-    from .cli.app import main
+    from layerwise_cli.cli.app import main
 except KeyboardInterrupt:  # Ctrl-C while the CLI starts: one line, no traceback
     sys.stderr.write("Error: interrupted\n")
     sys.exit(130)

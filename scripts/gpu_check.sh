@@ -13,7 +13,7 @@
 #     importable (that needs the network). This package goes in without
 #     dependencies (vllm brings all that the benchmark needs); if that is not
 #     possible offline, PYTHONPATH points at the checkout instead.
-#  2. scripts/bench_reload.py on an 8B-sized synthetic checkpoint (Qwen3-8B
+#  2. benchmarks/bench_reload.py on an 8B-sized synthetic checkpoint (Qwen3-8B
 #     shapes: hidden 4096, 36 layers, intermediate 12288, 32/8 heads,
 #     head_dim 128, vocab 151936; 16.4 GB bf16) in two orders (in order and
 #     trainer export), written once to /dev/shm (or $TMPDIR when /dev/shm is
@@ -86,7 +86,7 @@ left() { echo $(( total_budget - (SECONDS - t0) )); }
 # bf16 first (it also writes the checkpoints), then FP8 with what is left.
 budget=$(( $(left) * 55 / 100 ))
 echo "== bf16 (budget ${budget}s)" >&2
-timeout --kill-after=20 $(( budget + 60 )) "$py" scripts/bench_reload.py "${common[@]}" --runs 5 \
+timeout --kill-after=20 $(( budget + 60 )) "$py" -m benchmarks.bench_reload "${common[@]}" --runs 5 \
     --time-budget "$budget" --label gpu_bf16 || status=1
 
 budget=$(( $(left) - 10 ))
@@ -95,7 +95,7 @@ if (( budget < 120 )); then
     status=1
 else
     echo "== online FP8: quantization=$fp8 (budget ${budget}s)" >&2
-    timeout --kill-after=20 $(( budget + 30 )) "$py" scripts/bench_reload.py "${common[@]}" --runs 5 \
+    timeout --kill-after=20 $(( budget + 30 )) "$py" -m benchmarks.bench_reload "${common[@]}" --runs 5 \
         --variants a,b,c,d,e --quantization "$fp8" --time-budget "$budget" --label gpu_fp8 || status=1
 fi
 

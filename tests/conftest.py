@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from layerwise_cli.synthetic import SyntheticModel, write_checkpoint
+from tests.support.synthetic import SyntheticModel, write_checkpoint
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +42,7 @@ class _DemoModels:
         self._cache = cache
 
     def __getitem__(self, name: str) -> Path:
-        from layerwise_cli.demo_models import demo_checkpoint
+        from layerwise_cli.demo.models import demo_checkpoint
 
         return demo_checkpoint(name, cache_dir=self._cache)
 

@@ -1,4 +1,4 @@
-"""`scripts/bench_reload.py --quick` runs end to end against a real engine and writes sane figures."""
+"""`benchmarks/bench_reload.py --quick` runs end to end against a real engine and writes sane figures."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_quick_benchmark_writes_consistent_json(tmp_path, demo_models):
     out = tmp_path / "out"
-    command = [sys.executable, str(ROOT / "scripts" / "bench_reload.py"), "--quick", "--runs", "1",
+    command = [sys.executable, "-m", "benchmarks.bench_reload", "--quick", "--runs", "1",
                "--out", str(out), "--workdir", str(tmp_path / "checkpoints"),
                "--tokenizer", str(demo_models["multiply"])]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)

@@ -5,20 +5,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from producers import Producer, save_pretrained_checkpoint
 
-from layerwise_cli.completion import (
+from layerwise_cli.checkpoint.header import TensorEntry
+from layerwise_cli.planning.completion import (
     HeldLayer,
     padded_vocab,
     partial_fused_hold,
     vocab_hold,
     vocab_shard_rows,
 )
-from layerwise_cli.inspect import inspect_order
-from layerwise_cli.parents import _DENSE_PACKED
-from layerwise_cli.plan import PlannedTensor, simulate_buffering
-from layerwise_cli.safetensors_header import TensorEntry
-from layerwise_cli.synthetic import SyntheticModel, write_checkpoint
+from layerwise_cli.planning.inspect import inspect_order
+from layerwise_cli.planning.parents import _DENSE_PACKED
+from layerwise_cli.planning.plan import PlannedTensor, simulate_buffering
+from tests.support.producers import Producer, save_pretrained_checkpoint
+from tests.support.synthetic import SyntheticModel, write_checkpoint
 
 VOCABS = [1, 10, 63, 64, 65, 128, 130, 160, 192, 1000, 50257, 151643, 151936]
 
@@ -179,7 +179,7 @@ def test_tensor_parallel_moves_the_hold_to_the_last_rank(producer_checkpoints: d
 
 def test_partial_synthetic_checkpoint_holds_the_fused_layer(tmp_path: Path) -> None:
     """A checkpoint without one v_proj (what --allow-partial accepts): its qkv_proj never completes in vLLM."""
-    from layerwise_cli.synthetic import write_safetensors
+    from tests.support.synthetic import write_safetensors
 
     model = SyntheticModel(layers=2, hidden=64, vocab=128)
     folder = tmp_path / "partial"
@@ -203,7 +203,7 @@ def test_synthetic_padded_vocabulary(tmp_path: Path) -> None:
 
 
 def test_generic_mapping_applies_only_the_vocabulary_rule(tmp_path: Path) -> None:
-    from layerwise_cli.synthetic import write_safetensors
+    from tests.support.synthetic import write_safetensors
 
     model = SyntheticModel(layers=1, hidden=64, vocab=100)
     path = tmp_path / "alone.safetensors"  # no config.json: the generic mapping

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from layerwise_cli import demo_models
-from layerwise_cli.demo_models import DEMO_NAMES, demo_checkpoint, demo_prompt, expected_answer, recipe_version
+from layerwise_cli.demo import models as demo_models
+from layerwise_cli.demo.models import DEMO_NAMES, demo_checkpoint, demo_prompt, expected_answer, recipe_version
 from layerwise_cli.errors import LayerwiseError
 
 PAIRS = [(a, b) for a in range(10) for b in range(10)]
@@ -42,7 +42,7 @@ def test_unknown_name_is_a_clean_error(tmp_path: Path) -> None:
 
 
 def test_import_is_cheap() -> None:
-    code = ("import sys, layerwise_cli.demo_models; "
+    code = ("import sys, layerwise_cli.demo.models; "
             "print('torch' in sys.modules, 'typer' in sys.modules, 'rich' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False", "False"]
@@ -158,7 +158,7 @@ def test_incomplete_directory_is_replaced(tmp_path: Path) -> None:
 @pytest.mark.slow  # trains demo models with torch
 def test_concurrent_builds_agree(demo_cache: Path, tmp_path: Path) -> None:
     """Two processes building the same model at once both get the one complete directory, same bytes as here."""
-    code = ("import sys; from pathlib import Path; from layerwise_cli.demo_models import demo_checkpoint; "
+    code = ("import sys; from pathlib import Path; from layerwise_cli.demo.models import demo_checkpoint; "
             "print(demo_checkpoint('add', Path(sys.argv[1])))")
     procs = [
         subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)

@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from producers import PADDED_VOCAB, UNPADDED_VOCAB, Producer, save_pretrained_checkpoint
 
-from engine_support import (
+from tests.support.engine_support import (
     assert_matches_fresh,
     checkpoint_digest,
     copy_non_weights,
@@ -34,6 +33,7 @@ from engine_support import (
     remember_fresh,
     reshard,
 )
+from tests.support.producers import PADDED_VOCAB, UNPADDED_VOCAB, Producer, save_pretrained_checkpoint
 
 pytestmark = pytest.mark.engine
 
@@ -134,7 +134,7 @@ class ConfigRun:
 
 
 def options():
-    from layerwise_cli.engine.local import EngineOptions
+    from layerwise_cli.client.local import EngineOptions
 
     return EngineOptions(max_model_len=64)
 
@@ -144,9 +144,9 @@ def answers(llm) -> list:
 
 
 def layerwise_reload(llm, source: Path, order: str, *, allow_partial: bool = False) -> Reload:
-    from layerwise_cli.engine.local import reload
+    from layerwise_cli.client.local import reload
     from layerwise_cli.errors import LayerwiseError
-    from layerwise_cli.inspect import inspect_order
+    from layerwise_cli.planning.inspect import inspect_order
 
     record = Reload(source=source, order=order)
     planned = inspect_order(str(source))
@@ -187,8 +187,8 @@ def write_checkpoints(config: Config, root: Path) -> tuple[Path, dict[str, Path]
 
 def run_config(config: Config, root: Path) -> ConfigRun:
     """Start the engines of one configuration, do every reload, record, stop."""
-    from layerwise_cli.engine.local import start_engine, stop_engine
-    from layerwise_cli.inspect import inspect_order
+    from layerwise_cli.client.local import start_engine, stop_engine
+    from layerwise_cli.planning.inspect import inspect_order
 
     began = time.perf_counter()
     a, b = write_checkpoints(config, root)

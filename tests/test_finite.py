@@ -41,7 +41,7 @@ def _raw(tensor) -> bytes:
 
 @pytest.mark.parametrize("dtype", FLOATS + ["F8_E5M2"])
 def test_counts_nan_and_inf_for_every_float_dtype(dtype):
-    from layerwise_cli.finite import ByteScan, count_nonfinite, suspect_flag
+    from layerwise_cli.checkpoint.finite import ByteScan, count_nonfinite, suspect_flag
 
     tensor = _planted(dtype, nan=(0, 17, 9999), inf=(5, 600))
     assert bool(suspect_flag(tensor))
@@ -62,7 +62,7 @@ def test_counts_nan_and_inf_for_every_float_dtype(dtype):
 def test_e4m3_has_nan_only_and_saturates_instead_of_inf():
     import torch
 
-    from layerwise_cli.finite import ByteScan, count_nonfinite, suspect_flag
+    from layerwise_cli.checkpoint.finite import ByteScan, count_nonfinite, suspect_flag
 
     tensor = _planted("F8_E4M3", nan=(3, 4))
     assert count_nonfinite(tensor) == (2, 0)
@@ -77,7 +77,7 @@ def test_e4m3_has_nan_only_and_saturates_instead_of_inf():
 def test_integer_and_packed_dtypes_are_skipped():
     import torch
 
-    from layerwise_cli.finite import ByteScan, count_nonfinite, suspect_flag
+    from layerwise_cli.checkpoint.finite import ByteScan, count_nonfinite, suspect_flag
 
     ints = torch.full((100,), -1, dtype=torch.int32)  # every bit set: a NaN pattern, were it a float
     assert suspect_flag(ints) is None and count_nonfinite(ints) == (0, 0)
@@ -90,7 +90,7 @@ def test_integer_and_packed_dtypes_are_skipped():
 def test_a_finite_tensor_whose_sum_overflows_is_not_refused():
     import torch
 
-    from layerwise_cli.finite import first_nonfinite, suspect_flag
+    from layerwise_cli.checkpoint.finite import first_nonfinite, suspect_flag
 
     big = torch.full((1000,), 60000.0, dtype=torch.float16)  # the float16 sum overflows to inf
     assert bool(suspect_flag(big))  # suspected by the cheap check ...
@@ -100,7 +100,7 @@ def test_a_finite_tensor_whose_sum_overflows_is_not_refused():
 def test_first_nonfinite_names_the_tensor():
     import torch
 
-    from layerwise_cli.finite import first_nonfinite
+    from layerwise_cli.checkpoint.finite import first_nonfinite
 
     group = [("a", "one.safetensors", torch.ones(10)), ("n", "one.safetensors", torch.arange(5)),
              ("b", "two.safetensors", _planted("BF16", nan=(1, 2, 3))),
@@ -117,7 +117,7 @@ def _write(folder: Path, bad: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
     """A small two-layer Qwen3-shaped checkpoint, real values; BAD plants NaN/Inf at (nan, inf) indices."""
     import torch
 
-    from layerwise_cli.synthetic import SyntheticModel, write_checkpoint
+    from tests.support.synthetic import SyntheticModel, write_checkpoint
 
     model = SyntheticModel(layers=2)
     shapes = dict(model.tensors())
@@ -144,9 +144,9 @@ DOWN = "model.layers.1.mlp.down_proj.weight"
 
 def _stream(folder: Path, **kwargs) -> list[str]:
     """Names handed over by `read_in_order` in layer order, until it raises (the error is returned last)."""
-    from layerwise_cli.engine.stream import read_in_order
     from layerwise_cli.errors import LayerwiseError
-    from layerwise_cli.inspect import inspect_order
+    from layerwise_cli.planning.inspect import inspect_order
+    from layerwise_cli.worker.stream import read_in_order
 
     plan = inspect_order(str(folder)).plan
     names: list[str] = []
@@ -160,7 +160,7 @@ def _stream(folder: Path, **kwargs) -> list[str]:
 
 @pytest.mark.parametrize("readahead", [True, False])
 def test_stream_refuses_a_layer_before_any_of_its_tensors_is_handed_over(tmp_path, readahead):
-    from layerwise_cli.inspect import inspect_order
+    from layerwise_cli.planning.inspect import inspect_order
 
     clean = _stream(_write(tmp_path / "clean"), readahead=readahead)
     assert not any(name.startswith("ERROR") for name in clean)
@@ -235,7 +235,7 @@ def test_inspect_order_scan_of_a_hub_repo(tmp_path):
     import subprocess
     import sys
 
-    from hub_server import HubServer
+    from tests.support.hub_server import HubServer
 
     bad = _write(tmp_path / "bad", {DOWN: ((5,), (6, 7))})
     server = HubServer()

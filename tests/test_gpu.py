@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_support import engine_state, greedy_with_logprobs
+from tests.support.engine_support import engine_state, greedy_with_logprobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.engine]
 
@@ -30,7 +30,7 @@ def gpu() -> None:
 
 def write_model(folder: Path, seed: int, experts: int, tokenizer: Path) -> Path:
     """A small Qwen3 (or Qwen3-MoE) with real weights; every dimension a multiple of 128 for block FP8."""
-    from layerwise_cli.synthetic import SyntheticModel, normal_weights, write_checkpoint
+    from tests.support.synthetic import SyntheticModel, normal_weights, write_checkpoint
 
     model = SyntheticModel(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=256,
                            experts=experts, moe_intermediate=256)
@@ -45,7 +45,7 @@ def write_model(folder: Path, seed: int, experts: int, tokenizer: Path) -> Path:
 def test_online_fp8_reload_a_b_a(gpu, demo_models, tmp_path, family, experts, method):
     from dataclasses import replace
 
-    from layerwise_cli.engine.local import EngineOptions, reload, start_engine, stop_engine
+    from layerwise_cli.client.local import EngineOptions, reload, start_engine, stop_engine
 
     models = {name: write_model(tmp_path / name, seed, experts, demo_models["multiply"])
               for name, seed in (("a", 1), ("b", 2))}

@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from layerwise_cli.checkpoint.header import DTYPE_BITS, parse_header, read_shard_header
 from layerwise_cli.cli.app import app
 from layerwise_cli.errors import LayerwiseError
-from layerwise_cli.safetensors_header import DTYPE_BITS, parse_header, read_shard_header
-from layerwise_cli.synthetic import SyntheticModel, write_checkpoint, write_safetensors
+from tests.support.synthetic import SyntheticModel, write_checkpoint, write_safetensors
 
 runner = CliRunner()
 

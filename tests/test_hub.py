@@ -16,9 +16,8 @@ import pytest
 from typer.testing import CliRunner
 
 from layerwise_cli.cli.app import app
-from layerwise_cli.synthetic import SyntheticModel, write_checkpoint, write_safetensors
-
-from hub_server import HubServer
+from tests.support.hub_server import HubServer
+from tests.support.synthetic import SyntheticModel, write_checkpoint, write_safetensors
 
 # Big enough that the headers are a small part of each shard.
 DENSE = SyntheticModel(layers=3, hidden=128, intermediate=256, vocab=256)

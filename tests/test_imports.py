@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from layerwise_cli.synthetic import SyntheticModel, write_checkpoint
+from tests.support.synthetic import SyntheticModel, write_checkpoint
 
 HEAVY = ("torch", "vllm", "safetensors", "huggingface_hub", "httpx", "httpx2")
 
@@ -149,7 +149,7 @@ def test_inspect_order_without_the_engine(checkpoints: dict[str, Path], prelude:
 
 def test_vllm_installed_survives_a_refusing_finder() -> None:
     code = "import sys\n" + textwrap.dedent(_BLOCK_RAISE) + textwrap.dedent("""
-        from layerwise_cli.vllm_mapping import fusions_from_vllm, vllm_installed
+        from layerwise_cli.planning.vllm_mapping import fusions_from_vllm, vllm_installed
         assert vllm_installed() is False
         assert fusions_from_vllm("Qwen3ForCausalLM", required=False) is None
         print("ok")

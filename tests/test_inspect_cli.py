@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from layerwise_cli.cli.app import app
-from layerwise_cli.synthetic import SyntheticModel, write_checkpoint
+from tests.support.synthetic import SyntheticModel, write_checkpoint
 
 runner = CliRunner()
 # The dense model of test_plan: largest parent layer 768 bytes (gate_up_proj);
@@ -128,7 +128,7 @@ def test_json_is_all_of_stdout_and_stderr_stays_quiet(trainer_export: Path) -> N
 
 
 def test_tensor_names_with_markup_are_escaped(tmp_path: Path) -> None:
-    from layerwise_cli.synthetic import write_safetensors
+    from tests.support.synthetic import write_safetensors
 
     path = tmp_path / "model.safetensors"
     write_safetensors(path, [("weird.[bold]x[/bold].weight", "U8", (4,))])
@@ -180,7 +180,7 @@ def test_reads_only_the_header_bytes(trainer_export: Path) -> None:
     # What the kernel handed this process: the shards' prefixes and headers,
     # config.json and the index, not one byte more (a buffered reader would
     # pull 8 KiB of each shard for its 8-byte prefix).
-    from layerwise_cli.sources import open_checkpoint
+    from layerwise_cli.checkpoint.sources import open_checkpoint
 
     open_checkpoint(str(trainer_export))  # imports and lazy set-up out of the way
     probe = _rchar()

@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-from server_support import server_fixture
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-
-from load_test import run_load
+from benchmarks.load_test import run_load
+from tests.support.server_support import server_fixture
 
 pytestmark = pytest.mark.server
 

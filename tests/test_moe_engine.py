@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_support import (
+from tests.support.engine_support import (
     assert_matches_fresh,
     differing_prompts,
     engine_state,
@@ -27,7 +27,7 @@ QUANTIZATIONS = [None, "int8_per_channel_weight_only"]
 
 
 def prompts() -> list[str]:
-    from layerwise_cli.demo_models import demo_prompt
+    from layerwise_cli.demo.models import demo_prompt
 
     return [demo_prompt(a, b) for a, b in PAIRS]
 
@@ -52,7 +52,7 @@ def quantization(request) -> str | None:
 
 
 def options(quantization: str | None):
-    from layerwise_cli.engine.local import EngineOptions
+    from layerwise_cli.client.local import EngineOptions
 
     return EngineOptions(max_model_len=64, quantization=quantization)
 
@@ -66,7 +66,7 @@ def fresh_b(demo_models, quantization) -> list:
 @pytest.fixture(scope="module")
 def engine_a(demo_models, quantization, fresh_b):
     """An engine started on *moe-multiply* (A); its first answers are A's fresh answers."""
-    from layerwise_cli.engine.local import start_engine, stop_engine
+    from layerwise_cli.client.local import start_engine, stop_engine
 
     llm = start_engine(str(demo_models["moe-multiply"]), options(quantization))
     remember_fresh(llm, demo_models["moe-multiply"], prompts(), options(quantization))
@@ -75,7 +75,7 @@ def engine_a(demo_models, quantization, fresh_b):
 
 
 def test_reload_b_matches_fresh_b_and_a_comes_back_exactly(engine_a, demo_models, fresh_b, quantization):
-    from layerwise_cli.engine.local import reload, verify_engine
+    from layerwise_cli.client.local import reload, verify_engine
 
     report = reload(engine_a, str(demo_models["moe-add"]), verify=True)
     assert_matches_fresh(engine_a, demo_models["moe-add"], prompts(), options=options(quantization))
@@ -111,7 +111,7 @@ def test_reload_b_matches_fresh_b_and_a_comes_back_exactly(engine_a, demo_models
 
 def test_verify_names_the_experts_vllm_own_reload_leaves_unpacked(engine_a, demo_models, fresh_b, quantization):
     """vLLM's own `reload_weights` skips the CPU expert prepack; `verify_engine` names exactly those layers."""
-    from layerwise_cli.engine.local import cuda_available, reload, verify_engine
+    from layerwise_cli.client.local import cuda_available, reload, verify_engine
 
     if quantization is not None or cuda_available():
         pytest.skip("the unpacked-experts fault is vLLM's unquantized CPU MoE kernel's")
@@ -146,8 +146,8 @@ def experts_spread_b(demo_models, tmp_path_factory) -> Path:
 
 
 def test_experts_spread_over_shards_layer_vs_file_order(engine_a, demo_models, experts_spread_b, quantization):
-    from layerwise_cli.engine.local import reload
-    from layerwise_cli.inspect import inspect_order
+    from layerwise_cli.client.local import reload
+    from layerwise_cli.planning.inspect import inspect_order
 
     predicted = inspect_order(str(experts_spread_b))
     layer = reload(engine_a, str(experts_spread_b), order="layer")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_support import parameter_kind, reshard
+from tests.support.engine_support import parameter_kind, reshard
 
 
 def tied(src: Path, dst: Path) -> Path:
@@ -29,7 +29,7 @@ def tied_models(demo_models, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.slow  # trains the demo models with torch
 def test_tied_checkpoint_plans_without_a_head(tied_models):
-    from layerwise_cli.inspect import inspect_order
+    from layerwise_cli.planning.inspect import inspect_order
 
     report = inspect_order(str(tied_models["add"]))
     names = [layer.name for layer in report.plan.layers]
@@ -54,8 +54,8 @@ def test_prefixed_language_model_names_map_to_the_engine_modules(make_checkpoint
     """
     from vllm.model_executor.models.utils import WeightsMapper
 
-    from layerwise_cli.engine.worker_reload import plan_for_engine
-    from layerwise_cli.sources import open_checkpoint
+    from layerwise_cli.checkpoint.sources import open_checkpoint
+    from layerwise_cli.worker.reload import plan_for_engine
 
     mapper = WeightsMapper(orig_to_new_prefix={
         "model.visual.": "visual.",

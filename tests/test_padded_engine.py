@@ -10,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from producers import Producer, save_pretrained_checkpoint
 
-from engine_support import assert_same_outputs, greedy_with_logprobs
+from tests.support.engine_support import assert_same_outputs, greedy_with_logprobs
+from tests.support.producers import Producer, save_pretrained_checkpoint
 
 pytestmark = pytest.mark.engine
 
@@ -22,7 +22,7 @@ PAIRS = [(a, b) for a in range(1, 10, 2) for b in range(0, 10, 4)]  # 15 prompts
 
 
 def prompts() -> list[str]:
-    from layerwise_cli.demo_models import demo_prompt
+    from layerwise_cli.demo.models import demo_prompt
 
     return [demo_prompt(a, b) for a, b in PAIRS]
 
@@ -30,7 +30,7 @@ def prompts() -> list[str]:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A and B (two seeds) of the untied and tied producers, and a synthetic trainer export of the untied shapes."""
-    from layerwise_cli.synthetic import SyntheticModel, normal_weights, write_checkpoint
+    from tests.support.synthetic import SyntheticModel, normal_weights, write_checkpoint
 
     root = tmp_path_factory.mktemp("padded")
     out = {}
@@ -50,7 +50,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def fresh_b(checkpoints) -> list:
     """Answers of an engine started on untied B (then shut down): the reference for every reload of B."""
-    from layerwise_cli.engine.local import EngineOptions, start_engine, stop_engine
+    from layerwise_cli.client.local import EngineOptions, start_engine, stop_engine
 
     llm = start_engine(str(checkpoints[f"{UNTIED.label}-B"]), EngineOptions(max_model_len=64))
     try:
@@ -61,7 +61,7 @@ def fresh_b(checkpoints) -> list:
 
 @pytest.fixture(scope="module")
 def untied_engine(checkpoints, fresh_b):
-    from layerwise_cli.engine.local import EngineOptions, start_engine, stop_engine
+    from layerwise_cli.client.local import EngineOptions, start_engine, stop_engine
 
     llm = start_engine(str(checkpoints[f"{UNTIED.label}-A"]), EngineOptions(max_model_len=64))
     yield llm
@@ -69,7 +69,7 @@ def untied_engine(checkpoints, fresh_b):
 
 
 def _assert_prediction_is_measured(report, source: Path, order: str, tensor_parallel_size: int = 1) -> None:
-    from layerwise_cli.inspect import inspect_order
+    from layerwise_cli.planning.inspect import inspect_order
 
     predicted = inspect_order(str(source), tensor_parallel_size=tensor_parallel_size)
     sim = predicted.layer_order if order == "layer" else predicted.file_order
@@ -85,7 +85,7 @@ def _assert_prediction_is_measured(report, source: Path, order: str, tensor_para
 @pytest.mark.parametrize("order", ["layer", "file"])
 def test_untied_padded_reload_matches_a_fresh_engine_and_the_prediction(untied_engine, checkpoints, fresh_b,
                                                                         order: str) -> None:
-    from layerwise_cli.engine.local import reload
+    from layerwise_cli.client.local import reload
 
     a, b = checkpoints[f"{UNTIED.label}-A"], checkpoints[f"{UNTIED.label}-B"]
     reload(untied_engine, str(a))
@@ -107,7 +107,7 @@ def test_untied_padded_reload_matches_a_fresh_engine_and_the_prediction(untied_e
 
 
 def test_synthetic_padded_checkpoint_prediction(untied_engine, checkpoints) -> None:
-    from layerwise_cli.engine.local import reload
+    from layerwise_cli.client.local import reload
 
     for order in ("file", "layer"):
         report = reload(untied_engine, str(checkpoints["synthetic"]), order=order)
@@ -121,7 +121,7 @@ def test_tied_padded_reload_prediction(checkpoints) -> None:
     Answers are not compared here: a tied head after a reload is another
     issue's repair (the matrix tests cover it).
     """
-    from layerwise_cli.engine.local import EngineOptions, reload, start_engine, stop_engine
+    from layerwise_cli.client.local import EngineOptions, reload, start_engine, stop_engine
 
     a, b = checkpoints[f"{TIED.label}-A"], checkpoints[f"{TIED.label}-B"]
     llm = start_engine(str(a), EngineOptions(max_model_len=64))
@@ -141,8 +141,8 @@ def test_tied_padded_reload_prediction(checkpoints) -> None:
 
 def test_tensor_parallel_two_holds_on_the_last_rank(checkpoints, monkeypatch) -> None:
     """TP 2: 192 padded rows split 96/96; rank 1 fills 64 of its 96 and holds, rank 0 completes."""
-    from layerwise_cli.engine.local import EngineOptions, call_workers, reload, start_engine, stop_engine
-    from layerwise_cli.engine.report import ReloadReport
+    from layerwise_cli.client.local import EngineOptions, call_workers, reload, start_engine, stop_engine
+    from layerwise_cli.report.reload_report import ReloadReport
 
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     a, b = checkpoints[f"{UNTIED.label}-A"], checkpoints[f"{UNTIED.label}-B"]
@@ -171,10 +171,9 @@ def test_partly_covered_fused_layer_is_refused_even_with_allow_partial(untied_en
     """A checkpoint with q_proj and k_proj but no v_proj of a layer: vLLM would hold qkv_proj to the end,
     then materialize it from uninitialized memory and copy all of it into place (v_proj's weights lost).
     Pre-flight refuses it, and the engine keeps every weight."""
-    from layerwise_cli.engine.local import reload
+    from layerwise_cli.client.local import reload
     from layerwise_cli.errors import LayerwiseError
-
-    from engine_support import engine_state, parameter_kind, reshard
+    from tests.support.engine_support import engine_state, parameter_kind, reshard
 
     b = checkpoints[f"{UNTIED.label}-B"]
     v_proj = "model.layers.0.self_attn.v_proj.weight"

@@ -9,8 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from layerwise_cli.cli.app import app
-from layerwise_cli.parents import ARCHITECTURE_TABLE, mapping_for_config
-from layerwise_cli.synthetic import SyntheticModel, write_checkpoint
+from layerwise_cli.planning.parents import ARCHITECTURE_TABLE, mapping_for_config
+from tests.support.synthetic import SyntheticModel, write_checkpoint
 
 FAMILIES = ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "LlamaForCausalLM", "MixtralForCausalLM"]
 # The table's other entries, checked against vLLM on the names of the closest family.

@@ -9,7 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from layerwise_cli.synthetic import SyntheticModel, write_checkpoint
+from tests.support.synthetic import SyntheticModel, write_checkpoint
 
 
 def _piped(args: list[str]) -> subprocess.CompletedProcess[str]:
@@ -50,7 +50,7 @@ def test_inspect_order_table_is_whole_when_piped(tmp_path: Path) -> None:
 def test_reload_table_is_whole_when_piped() -> None:
     code = textwrap.dedent("""
         from layerwise_cli.cli._reload_view import render_report
-        from layerwise_cli.engine.report import LayerReport, ReloadReport
+        from layerwise_cli.report.reload_report import LayerReport, ReloadReport
 
         names = ["model.layers.0.post_attention_layernorm",
                  "model.language_model.layers.11.mlp.experts.routed_experts"]
@@ -86,7 +86,7 @@ def test_columns_still_sets_the_width(tmp_path: Path) -> None:
 def test_only_the_known_harmless_vllm_lines_are_dropped(monkeypatch) -> None:
     import logging
 
-    from layerwise_cli.engine.vllm_logs import (
+    from layerwise_cli.vllm_logs import (
         RELOAD_LOGGER,
         SHUTDOWN_LOGGER,
         quiet_force_kill,

@@ -12,12 +12,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from layerwise_cli.inspect import inspect_order
-from layerwise_cli.parents import LayerMapping, mapping_for_config
-from layerwise_cli.plan import PlannedTensor, build_plan, simulate_buffering
-from layerwise_cli.safetensors_header import TensorEntry
-from layerwise_cli.sources import open_checkpoint
-from layerwise_cli.synthetic import SyntheticModel, write_checkpoint, write_safetensors
+from layerwise_cli.checkpoint.header import TensorEntry
+from layerwise_cli.checkpoint.sources import open_checkpoint
+from layerwise_cli.planning.inspect import inspect_order
+from layerwise_cli.planning.parents import LayerMapping, mapping_for_config
+from layerwise_cli.planning.plan import PlannedTensor, build_plan, simulate_buffering
+from tests.support.synthetic import SyntheticModel, write_checkpoint, write_safetensors
 
 # Tiny dense Qwen3, BF16 (2 bytes per element). Tensor bytes:
 #   embed_tokens 32x8 = 512          lm_head 32x8 = 512       norm 8 = 16

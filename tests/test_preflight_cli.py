@@ -10,8 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from layerwise_cli.cli.app import app
-
-from engine_support import parameter_kind, reshard
+from tests.support.engine_support import parameter_kind, reshard
 
 runner = CliRunner()
 
@@ -23,7 +22,7 @@ class EngineStarted(Exception):
 @pytest.fixture
 def engine_starts(monkeypatch) -> list[str]:
     """Every call to `start_engine` is recorded and stopped, so no test here can start a real engine."""
-    from layerwise_cli.engine import local
+    from layerwise_cli.client import local
 
     calls: list[str] = []
 
@@ -143,7 +142,7 @@ USAGE_ERRORS = {
 
 @pytest.mark.parametrize("case", list(USAGE_ERRORS))
 def test_invalid_option_values_are_usage_errors_before_anything_starts(case, engine_starts, monkeypatch):
-    from layerwise_cli.engine import session
+    from layerwise_cli.client import session
 
     def no_sources(*args, **kwargs):
         raise AssertionError("sources were read before the options were checked")
@@ -169,7 +168,7 @@ def test_unknown_quantization_is_a_usage_error_before_the_engine_starts(demo_mod
 @pytest.mark.parametrize("flag, allowed", [([], False), (["--allow-nonfinite"], True)])
 def test_allow_nonfinite_reaches_the_reload(flag, allowed, demo_models, monkeypatch):
     """In process: the flag is passed to `reload` (the engine tests prove what the workers do with it)."""
-    from layerwise_cli.engine import local, session
+    from layerwise_cli.client import local, session
     from layerwise_cli.errors import LayerwiseError
 
     calls: list[dict] = []
@@ -189,7 +188,7 @@ def test_allow_nonfinite_reaches_the_reload(flag, allowed, demo_models, monkeypa
 def test_allow_nonfinite_reaches_the_servers(monkeypatch):
     """With --url: the option travels in RemoteOptions, and from there in the worker call's kwargs."""
     from layerwise_cli.cli import reload_remote
-    from layerwise_cli.engine.remote import RemoteOptions, ServerClient
+    from layerwise_cli.client.server_api import RemoteOptions, ServerClient
 
     seen: list[RemoteOptions] = []
     monkeypatch.setattr(reload_remote, "reload_servers",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hub_server import HubServer
+from tests.support.hub_server import HubServer
 
 LAYERWISE = [sys.executable, "-m", "layerwise_cli"]
 

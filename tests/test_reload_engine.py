@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_support import assert_matches_fresh, engine_state, fresh_answers, parameter_kind, reshard
+from tests.support.engine_support import assert_matches_fresh, engine_state, fresh_answers, parameter_kind, reshard
 
 pytestmark = pytest.mark.engine
 
@@ -16,7 +16,7 @@ PAIRS = [(a, b) for a in range(10) for b in range(10)]
 
 
 def prompts() -> list[str]:
-    from layerwise_cli.demo_models import demo_prompt
+    from layerwise_cli.demo.models import demo_prompt
 
     return [demo_prompt(a, b) for a, b in PAIRS]
 
@@ -30,7 +30,7 @@ def reference_add(demo_models) -> list:
 @pytest.fixture(scope="module")
 def engine(demo_models, reference_add):
     """One engine for the module, started on *multiply*."""
-    from layerwise_cli.engine.local import EngineOptions, start_engine, stop_engine
+    from layerwise_cli.client.local import EngineOptions, start_engine, stop_engine
 
     llm = start_engine(str(demo_models["multiply"]), EngineOptions(max_model_len=64))
     yield llm
@@ -40,27 +40,27 @@ def engine(demo_models, reference_add):
 @pytest.fixture
 def on_multiply(engine, demo_models):
     """Each test starts and ends with the engine on *multiply*."""
-    from layerwise_cli.engine.local import reload
+    from layerwise_cli.client.local import reload
 
     yield engine
     reload(engine, str(demo_models["multiply"]))
 
 
 def answers(llm) -> list[str]:
-    from layerwise_cli.demo_models import demo_prompt
-    from layerwise_cli.engine.generate import greedy_answers
+    from layerwise_cli.client.generate import greedy_answers
+    from layerwise_cli.demo.models import demo_prompt
 
     return greedy_answers(llm, [demo_prompt(a, b) for a, b in PAIRS])
 
 
 def expected(name: str) -> list[str]:
-    from layerwise_cli.demo_models import expected_answer
+    from layerwise_cli.demo.models import expected_answer
 
     return [expected_answer(name, a, b) for a, b in PAIRS]
 
 
 def test_answers_flip_multiply_add_multiply(on_multiply, demo_models):
-    from layerwise_cli.engine.local import reload
+    from layerwise_cli.client.local import reload
 
     assert answers(on_multiply) == expected("multiply")
     report = reload(on_multiply, str(demo_models["add"]))
@@ -71,7 +71,7 @@ def test_answers_flip_multiply_add_multiply(on_multiply, demo_models):
 
 
 def test_reloaded_engine_matches_engine_started_on_the_new_weights(on_multiply, demo_models, reference_add):
-    from layerwise_cli.engine.local import reload
+    from layerwise_cli.client.local import reload
 
     reload(on_multiply, str(demo_models["add"]))
     assert_matches_fresh(on_multiply, demo_models["add"], prompts())
@@ -84,7 +84,7 @@ def test_reload_is_in_place(on_multiply, demo_models):
     those are checked through the outputs (the other tests); the rest
     (embeddings, norms, rotary caches) must keep their pointers.
     """
-    from layerwise_cli.engine.local import reload
+    from layerwise_cli.client.local import reload
 
     before = engine_state(on_multiply)
     assert any("embed_tokens" in name for name in before["pointers"])
@@ -103,8 +103,8 @@ def trainer_export_add(demo_models, tmp_path_factory) -> Path:
 
 
 def test_layer_and_file_order_leave_identical_weights(on_multiply, demo_models, trainer_export_add):
-    from layerwise_cli.engine.local import reload
-    from layerwise_cli.inspect import inspect_order
+    from layerwise_cli.client.local import reload
+    from layerwise_cli.planning.inspect import inspect_order
 
     predicted = inspect_order(str(trainer_export_add))
     layer = reload(on_multiply, str(trainer_export_add), order="layer")
@@ -218,7 +218,7 @@ BAD_CHECKPOINTS = {
 
 @pytest.mark.parametrize("case", list(BAD_CHECKPOINTS))
 def test_preflight_failure_leaves_every_weight_as_it_was(on_multiply, demo_models, tmp_path, case):
-    from layerwise_cli.engine.local import reload
+    from layerwise_cli.client.local import reload
     from layerwise_cli.errors import LayerwiseError
 
     transform, corrupt, message = BAD_CHECKPOINTS[case]
@@ -239,7 +239,7 @@ def test_preflight_failure_leaves_every_weight_as_it_was(on_multiply, demo_model
 
 def test_partial_checkpoint_with_allow_partial(on_multiply, demo_models, tmp_path):
     """--allow-partial reloads only the tensors present; the rest keep their values."""
-    from layerwise_cli.engine.local import reload
+    from layerwise_cli.client.local import reload
 
     only_embeddings = reshard(demo_models["add"], tmp_path / "partial", parameter_kind,
                               transform=lambda t: {k: v for k, v in t.items() if "embed_tokens" in k})
@@ -252,7 +252,7 @@ def test_partial_checkpoint_with_allow_partial(on_multiply, demo_models, tmp_pat
 
 
 def test_engine_without_extension_gets_a_clear_error():
-    from layerwise_cli.engine.local import call_workers
+    from layerwise_cli.client.local import call_workers
     from layerwise_cli.errors import LayerwiseError
 
     class NoExtension:
@@ -277,7 +277,7 @@ def _plant(name: str, *, nan: int = 0, inf: int = 0):
 
 
 def _shard_of(folder: Path, name: str) -> Path:
-    from layerwise_cli.sources import open_checkpoint
+    from layerwise_cli.checkpoint.sources import open_checkpoint
 
     return folder / next(t.shard for t in open_checkpoint(str(folder)).tensors if t.name == name)
 
@@ -289,7 +289,7 @@ def _shard_of(folder: Path, name: str) -> Path:
 def test_nonfinite_layer_is_refused_and_the_engine_rolled_back(on_multiply, demo_models, tmp_path, name, nan, inf):
     import json
 
-    from layerwise_cli.engine.local import reload
+    from layerwise_cli.client.local import reload
     from layerwise_cli.errors import LayerwiseError
 
     bad = reshard(demo_models["add"], tmp_path / "bad", parameter_kind, transform=_plant(name, nan=nan, inf=inf))
@@ -320,8 +320,8 @@ def test_allow_nonfinite_loads_the_values(on_multiply, demo_models, tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from layerwise_cli.engine.checksums import tensor_digest
-    from layerwise_cli.engine.local import reload
+    from layerwise_cli.client.local import reload
+    from layerwise_cli.worker.checksums import tensor_digest
 
     name = "model.norm.weight"
     bad = reshard(demo_models["add"], tmp_path / "bad", parameter_kind, transform=_plant(name, nan=2, inf=1))

@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console
 
-from layerwise_cli.engine.report import LayerReport, ReloadReport, merge_reports
+from layerwise_cli.report.reload_report import LayerReport, ReloadReport, merge_reports
 
 
 def report(rank: int, peak: int, load: float) -> ReloadReport:

@@ -20,15 +20,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-import layerwise_cli.reorder as core
+import layerwise_cli.reorder.rewrite as core
+from layerwise_cli.checkpoint.header import DTYPE_SIZES, ShardHeader, TensorEntry, read_shard_header
+from layerwise_cli.checkpoint.sources import Checkpoint, natural_key
 from layerwise_cli.cli.app import app
-from layerwise_cli.inspect import inspect_order
-from layerwise_cli.parents import mapping_for_config
-from layerwise_cli.plan import PlannedTensor, build_plan, simulate_buffering
-from layerwise_cli.reorder import plan_shards, reorder
-from layerwise_cli.safetensors_header import DTYPE_SIZES, ShardHeader, TensorEntry, read_shard_header
-from layerwise_cli.sources import Checkpoint, natural_key
-from layerwise_cli.synthetic import SyntheticModel, shard_groups, write_checkpoint, write_safetensors
+from layerwise_cli.planning.inspect import inspect_order
+from layerwise_cli.planning.parents import mapping_for_config
+from layerwise_cli.planning.plan import PlannedTensor, build_plan, simulate_buffering
+from layerwise_cli.reorder.rewrite import plan_shards, reorder
+from tests.support.synthetic import SyntheticModel, shard_groups, write_checkpoint, write_safetensors
 
 REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -537,7 +537,7 @@ def test_verify_catches_a_corrupted_write(make_checkpoint, tmp_path: Path, monke
 
 _SLOW_CLI = textwrap.dedent("""
     import os, sys, time
-    import layerwise_cli.reorder as core
+    import layerwise_cli.reorder.rewrite as core
     marker, args = sys.argv[1], sys.argv[2:]
     real = core._write_chunk
     def slow(fd, data, offset):
@@ -639,7 +639,7 @@ def test_peak_rss_stays_under_largest_shard_plus_largest_layer(tmp_path: Path) -
 
 
 def test_hub_source_fetches_shards_one_at_a_time(tmp_path: Path) -> None:
-    from hub_server import HubServer
+    from tests.support.hub_server import HubServer
 
     served = tmp_path / "served"
     write_checkpoint(served, SyntheticModel(layers=12), "trainer_export", 4)
@@ -732,7 +732,7 @@ PAIRS = [(a, b) for a in range(10) for b in range(10)]
 def _answers(llm) -> list[tuple[list[int], list[dict[int, float]]]]:
     from vllm import SamplingParams
 
-    from layerwise_cli.demo_models import demo_prompt
+    from layerwise_cli.demo.models import demo_prompt
 
     params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=3)
     outputs = llm.generate([demo_prompt(a, b) for a, b in PAIRS], params, use_tqdm=False)
@@ -743,7 +743,7 @@ def _answers(llm) -> list[tuple[list[int], list[dict[int, float]]]]:
 def _texts(llm) -> list[str]:
     from vllm import SamplingParams
 
-    from layerwise_cli.demo_models import demo_prompt
+    from layerwise_cli.demo.models import demo_prompt
 
     outputs = llm.generate([demo_prompt(a, b) for a, b in PAIRS], SamplingParams(temperature=0.0, max_tokens=3),
                            use_tqdm=False)
@@ -765,7 +765,7 @@ def _stop_engine(llm) -> None:
 @pytest.fixture(scope="module")
 def engine_on_dst(tmp_path_factory: pytest.TempPathFactory):
     """One engine at a time: first on SRC (answers recorded, then shut down), then on DST, kept for the module."""
-    from layerwise_cli.demo_models import demo_checkpoint
+    from layerwise_cli.demo.models import demo_checkpoint
 
     root = tmp_path_factory.mktemp("reorder-engine")
     cache = root / "demo-cache"
@@ -787,7 +787,7 @@ def engine_on_dst(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.mark.engine
 def test_engine_on_destination_answers_exactly_as_on_source(engine_on_dst) -> None:
-    from layerwise_cli.demo_models import expected_answer
+    from layerwise_cli.demo.models import expected_answer
 
     llm, reference, _ = engine_on_dst
     assert _answers(llm) == reference  # greedy tokens and top-3 logprobs, all 100 prompts
@@ -796,7 +796,7 @@ def test_engine_on_destination_answers_exactly_as_on_source(engine_on_dst) -> No
 
 @pytest.mark.engine
 def test_vllm_reload_weights_from_a_reordered_checkpoint(engine_on_dst) -> None:
-    from layerwise_cli.demo_models import expected_answer
+    from layerwise_cli.demo.models import expected_answer
 
     llm, reference, paths = engine_on_dst
     llm.collective_rpc("reload_weights", kwargs={"weights_path": str(paths["add"][1])})

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from engine_support import engine_state, parameter_kind, reshard
+from tests.support.engine_support import engine_state, parameter_kind, reshard
 
 pytestmark = pytest.mark.engine
 
@@ -23,9 +23,9 @@ PAIRS = [(a, b) for a in range(10) for b in range(10)]
 def test_failure_mid_stream_rolls_the_engine_back(demo_models, tmp_path):
     import torch
 
-    from layerwise_cli.demo_models import demo_prompt, expected_answer
-    from layerwise_cli.engine.generate import greedy_answers
-    from layerwise_cli.engine.local import EngineOptions, reload, start_engine, stop_engine
+    from layerwise_cli.client.generate import greedy_answers
+    from layerwise_cli.client.local import EngineOptions, reload, start_engine, stop_engine
+    from layerwise_cli.demo.models import demo_prompt, expected_answer
     from layerwise_cli.errors import LayerwiseError
 
     started_from = tmp_path / "step-0"

@@ -12,16 +12,16 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from engine_support import parameter_kind, reshard
-from hub_server import HubServer
-from server_support import RunningServer, free_port, run_cli
+from tests.support.engine_support import parameter_kind, reshard
+from tests.support.hub_server import HubServer
+from tests.support.server_support import RunningServer, free_port, run_cli
 
 PAIRS = [(3, 4), (2, 5), (9, 9), (7, 8), (0, 6)]
 KEY = "test-key-7f3a"
 
 
 def expected(name: str, pairs=PAIRS) -> list[str]:
-    from layerwise_cli.demo_models import expected_answer
+    from layerwise_cli.demo.models import expected_answer
 
     return [expected_answer(name, a, b) for a, b in pairs]
 
@@ -67,7 +67,7 @@ def test_serve_command_line():
     line = result.stdout.strip()
     assert line.startswith("VLLM_SERVER_DEV_MODE=1 ")
     assert f"--worker-extension-cls {EXTENSION_CLS}" in line
-    assert "-m layerwise_cli.cli.serve --model some/model --host 127.0.0.1 --port 8123" in line
+    assert "-m layerwise_cli.server.launch --model some/model --host 127.0.0.1 --port 8123" in line
     assert "--max-model-len 64" in line
     assert line.endswith("--max-num-seqs 4")  # unknown options pass through to vLLM
     refused = _serve("some/model", "--worker-extension-cls", "other.Ext", "--dry-run")
@@ -76,7 +76,7 @@ def test_serve_command_line():
 
 def test_serve_defaults_follow_the_machine():
     """CPU-only: eager and a 0.1 memory share; GPU: vLLM's own defaults. Explicit options win on both."""
-    from layerwise_cli.cli.serve import plan_serve
+    from layerwise_cli.server.plan import plan_serve
 
     cpu = plan_serve("some/model", on_gpu=False).argv
     assert "--enforce-eager" in cpu
@@ -132,7 +132,7 @@ def multiply_server(demo_models, hub, tmp_path_factory):
 @pytest.fixture(scope="module")
 def fresh_add(demo_models):
     """A server started on *add*: its fingerprints as started, before anyone reloads it."""
-    from layerwise_cli.engine.remote import server_fingerprints
+    from layerwise_cli.client.remote import server_fingerprints
 
     with RunningServer(demo_models["add"]) as server:
         server.fresh_fingerprints = server_fingerprints(server.url)
@@ -142,7 +142,7 @@ def fresh_add(demo_models):
 @pytest.fixture
 def on_multiply(multiply_server, demo_models):
     """The main server on *multiply* at the start and the end of a test."""
-    from layerwise_cli.engine.remote import RemoteOptions, reload_server
+    from layerwise_cli.client.remote import RemoteOptions, reload_server
 
     yield multiply_server
     result = reload_server(multiply_server.url, str(demo_models["multiply"]), RemoteOptions(api_key=KEY))
@@ -248,7 +248,7 @@ def test_two_servers_at_once_and_a_bad_url(on_multiply, fresh_add, demo_models):
 
 @pytest.mark.server
 def test_verify_matches_what_a_fresh_server_on_the_source_holds(on_multiply, fresh_add, demo_models):
-    from layerwise_cli.engine.remote import differing_layers, server_fingerprints
+    from layerwise_cli.client.remote import differing_layers, server_fingerprints
 
     before = server_fingerprints(on_multiply.url, api_key=KEY)
     assert differing_layers(before, fresh_add.fresh_fingerprints)  # multiply and add differ everywhere
@@ -280,7 +280,7 @@ def _swap_after_reload(source: Path, replacement: Path):
 @pytest.mark.server
 def test_verify_mismatch_names_the_layers(on_multiply, demo_models, tmp_path):
     """The engine holds *add*, the source now says *multiply*: --verify must fail and name the layers."""
-    from layerwise_cli.engine.remote import RemoteOptions, reload_server
+    from layerwise_cli.client.remote import RemoteOptions, reload_server
 
     source = tmp_path / "add"
     shutil.copytree(demo_models["add"], source)
@@ -339,7 +339,7 @@ def test_unreachable_server():
 
 @pytest.mark.server
 def test_preflight_failure_leaves_outputs_unchanged(on_multiply, demo_models, tmp_path):
-    from layerwise_cli.engine.remote import server_fingerprints
+    from layerwise_cli.client.remote import server_fingerprints
 
     missing = reshard(demo_models["add"], tmp_path / "bad", parameter_kind,
                       transform=lambda t: {k: v for k, v in t.items() if "layers.1.self_attn.v_proj" not in k})
@@ -356,7 +356,7 @@ def test_preflight_failure_leaves_outputs_unchanged(on_multiply, demo_models, tm
 
 @pytest.mark.server
 def test_nonfinite_weights_are_refused_unless_allowed(on_multiply, demo_models, tmp_path):
-    from layerwise_cli.engine.remote import server_fingerprints
+    from layerwise_cli.client.remote import server_fingerprints
 
     def plant(tensors):
         key = "model.layers.1.mlp.down_proj.weight"
@@ -396,7 +396,7 @@ def test_exception_inside_the_worker_is_one_line(on_multiply, tmp_path):
 
 @pytest.mark.server
 def test_an_unknown_worker_method_fails_cleanly_and_the_server_survives(on_multiply):
-    from layerwise_cli.engine.remote import RpcError, ServerClient
+    from layerwise_cli.client.server_api import RpcError, ServerClient
 
     client = ServerClient(on_multiply.url, api_key=KEY, timeout=60)
     try:
@@ -422,7 +422,7 @@ def test_timeouts_are_one_line(on_multiply, demo_models):
     """A server that does not answer in time: at the first request, and in the middle of a reload."""
     import psutil
 
-    from layerwise_cli.engine.remote import RemoteOptions, reload_server
+    from layerwise_cli.client.remote import RemoteOptions, reload_server
 
     # The whole server stopped: nothing is changed, one line naming it.
     server = psutil.Process(on_multiply.pid)
@@ -551,7 +551,7 @@ def test_pause_modes_with_requests_in_flight(on_multiply, demo_models, mode):
     tokens came from both models almost surely gives neither (it was *mixed*). Client-side clocks are not
     used: a response can reach the client well after the engine finished it.
     """
-    from layerwise_cli.engine.remote import RemoteOptions, reload_server
+    from layerwise_cli.client.remote import RemoteOptions, reload_server
 
     tokens = 56
 

@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from producers import Producer, save_pretrained_checkpoint
 
-from engine_support import assert_same_outputs, engine_state, greedy_with_logprobs
+from tests.support.engine_support import assert_same_outputs, engine_state, greedy_with_logprobs
+from tests.support.producers import Producer, save_pretrained_checkpoint
 
 pytestmark = pytest.mark.engine
 
@@ -49,7 +49,7 @@ def padded_ab(tmp_path_factory) -> dict[str, Path]:
 
 
 def on_cpu() -> bool:
-    from layerwise_cli.engine.local import cuda_available
+    from layerwise_cli.client.local import cuda_available
 
     return not cuda_available()
 
@@ -84,7 +84,7 @@ def test_verify_names_the_stale_tied_head_when_the_repair_is_off(tied_ab, padded
 @pytest.fixture(scope="module")
 def fresh(tied_ab) -> dict[str, list]:
     """Outputs of an engine started on B, then shut down."""
-    from layerwise_cli.engine.local import EngineOptions, start_engine, stop_engine
+    from layerwise_cli.client.local import EngineOptions, start_engine, stop_engine
 
     llm = start_engine(str(tied_ab["B"]), EngineOptions(max_model_len=64))
     try:
@@ -96,7 +96,7 @@ def fresh(tied_ab) -> dict[str, list]:
 @pytest.fixture(scope="module")
 def engine_a(tied_ab, fresh):
     """An engine started on A; `fresh["A"]` holds its outputs at start."""
-    from layerwise_cli.engine.local import EngineOptions, start_engine, stop_engine
+    from layerwise_cli.client.local import EngineOptions, start_engine, stop_engine
 
     llm = start_engine(str(tied_ab["A"]), EngineOptions(max_model_len=64))
     fresh["A"] = greedy_with_logprobs(llm, PROMPTS)
@@ -106,7 +106,7 @@ def engine_a(tied_ab, fresh):
 
 @pytest.mark.parametrize("order", ["layer", "file"])
 def test_reload_b_matches_a_fresh_b_then_a_comes_back(engine_a, tied_ab, fresh, order):
-    from layerwise_cli.engine.local import reload
+    from layerwise_cli.client.local import reload
 
     assert fresh["A"] != fresh["B"]  # A and B answer differently: the comparison can fail
     before = engine_state(engine_a)
@@ -127,7 +127,7 @@ def test_reload_b_matches_a_fresh_b_then_a_comes_back(engine_a, tied_ab, fresh, 
 
 
 def test_python_api_verify_checks_the_tied_head_through_the_embedding(engine_a, tied_ab, fresh):
-    from layerwise_cli.engine.local import reload
+    from layerwise_cli.client.local import reload
 
     report = reload(engine_a, str(tied_ab["B"]), verify=True)
     verify = report.verify
@@ -146,7 +146,7 @@ def test_vllm_own_reload_leaves_the_head_stale_and_verify_catches_it(engine_a, t
     The figure for the README: how many of the prompts answer differently from
     a fresh B engine after vLLM's own reload (tokens or top-5 logprobs).
     """
-    from layerwise_cli.engine.local import reload, verify_engine
+    from layerwise_cli.client.local import reload, verify_engine
 
     engine_a.collective_rpc("reload_weights", kwargs={"weights_path": str(tied_ab["B"])})
     engine_a.reset_prefix_cache()

@@ -18,12 +18,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from layerwise_cli.checkpoint.sources import INDEX_NAME, open_checkpoint, shard_file
 from layerwise_cli.cli.app import app
 from layerwise_cli.errors import LayerwiseError
-from layerwise_cli.sources import INDEX_NAME, open_checkpoint, shard_file
-from layerwise_cli.synthetic import SyntheticModel, write_checkpoint, write_safetensors
-
-from hub_server import HubServer
+from tests.support.hub_server import HubServer
+from tests.support.synthetic import SyntheticModel, write_checkpoint, write_safetensors
 
 REPO = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -109,7 +108,7 @@ def test_serve_passes_other_options_through(extra):
 
 
 def test_governed_option_unit():
-    from layerwise_cli.cli.serve import governed_option
+    from layerwise_cli.server.plan import governed_option
 
     assert governed_option("--host") == "--host"
     assert governed_option("--h") is None  # too short to name one option; argparse finds it ambiguous
@@ -192,9 +191,9 @@ def test_shard_file_refuses_names_that_leave_the_folder(tmp_path, name):
 
 
 def test_the_reader_in_the_engine_uses_the_same_rule(tmp_path):
-    from layerwise_cli.engine.stream import ShardReader
-    from layerwise_cli.plan import PlannedTensor
-    from layerwise_cli.safetensors_header import TensorEntry
+    from layerwise_cli.checkpoint.header import TensorEntry
+    from layerwise_cli.planning.plan import PlannedTensor
+    from layerwise_cli.worker.stream import ShardReader
 
     write_safetensors(tmp_path / "outside.safetensors", [("x", "F32", (2,))])
     folder = tmp_path / "ckpt"
@@ -270,7 +269,7 @@ def test_a_hostname_link_is_not_copied(tmp_path):
 
 
 def test_side_files_are_copied_up_to_the_size_they_had(tmp_path, monkeypatch):
-    import layerwise_cli.reorder as core
+    import layerwise_cli.reorder.rewrite as core
 
     src = tmp_path / "src"
     src.mkdir()
@@ -361,7 +360,7 @@ def test_permission_denied_names_the_path(tmp_path, monkeypatch):
     def denied(path):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr("layerwise_cli.sources.os.listdir", denied)
+    monkeypatch.setattr("layerwise_cli.checkpoint.sources.os.listdir", denied)
     result = _cli("inspect-order", str(src))
     assert result.exit_code == 1
     assert _one_error_line(result.stderr) == f"Error: {src}: permission denied"
@@ -448,7 +447,7 @@ def test_reorder_errors_start_with_the_error_when_stderr_is_a_pipe(tmp_path):
     # A failure after the bar started: still nothing but the error.
     corrupt = textwrap.dedent("""
         import sys
-        import layerwise_cli.reorder as core
+        import layerwise_cli.reorder.rewrite as core
         real, state = core._write_chunk, {"done": False}
         def flip_one_byte(fd, data, offset):
             if offset > 0 and not state["done"]:

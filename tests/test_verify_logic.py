@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layerwise_cli.engine.cpu_fixups import derived_modules, fixups_disabled
+from layerwise_cli.worker.cpu_fixups import derived_modules, fixups_disabled
 
 
 class _Tied(torch.nn.Module):
@@ -79,7 +79,7 @@ class _FakeLLM:
 
 
 def test_reload_with_verify_returns_the_verification():
-    from layerwise_cli.engine.local import reload
+    from layerwise_cli.client.local import reload
 
     llm = _FakeLLM([{"model.embed_tokens": "match", "lm_head": "match"}] * 2)
     report = reload(llm, "/ckpt/B", verify=True)
@@ -92,7 +92,7 @@ def test_reload_with_verify_returns_the_verification():
 
 def test_reload_with_verify_raises_naming_the_layer_a_worker_disagrees_on():
     from layerwise_cli import LayerwiseError
-    from layerwise_cli.engine.local import reload
+    from layerwise_cli.client.local import reload
 
     llm = _FakeLLM([{"model.embed_tokens": "match", "lm_head": "match"},
                     {"model.embed_tokens": "match", "lm_head": "mismatch"}])
@@ -104,7 +104,7 @@ def test_reload_with_verify_raises_naming_the_layer_a_worker_disagrees_on():
 
 
 def test_reload_without_verify_does_not_verify():
-    from layerwise_cli.engine.local import reload
+    from layerwise_cli.client.local import reload
 
     llm = _FakeLLM([{"lm_head": "mismatch"}])
     assert reload(llm, "/ckpt/B").verify is None
@@ -112,7 +112,7 @@ def test_reload_without_verify_does_not_verify():
 
 
 def test_a_layer_that_could_not_be_checked_fails_verify():
-    from layerwise_cli.engine.verify import merge_verify, verify_failure
+    from layerwise_cli.report.verify_result import merge_verify, verify_failure
 
     result = merge_verify([_worker_verify({"model.layers.0.mlp.gate": "error", "model.norm": "match"})])
     assert not result.ok and "model.layers.0.mlp.gate" in result.errors

@@ -69,7 +69,7 @@ def check_quantization(method: str | None) -> None:
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
 
     if method not in QUANTIZATION_METHODS:
-        from ..errors import UsageError
+        from layerwise_cli.errors import UsageError
 
         raise UsageError(f"--quantization must be one of vLLM's methods ({', '.join(QUANTIZATION_METHODS)}), "
                          f"not {method!r}")

@@ -17,7 +17,7 @@ from typer._click import exceptions as click_errors
 from typer.core import TyperGroup
 from typer.exceptions import TyperException
 
-from ..errors import LayerwiseError, UsageError, describe_exception
+from layerwise_cli.errors import LayerwiseError, UsageError, describe_exception
 
 # Piped stdout (a file, `| less`, `| grep`) without COLUMNS: wide enough that no table drops a column or
 # breaks a name; each line still ends where its content ends.

@@ -12,11 +12,11 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ..engine.progress import read_events
-from ..engine.report import ReloadReport
-from ..engine.verify import VerifyResult
-from ..units import human_bytes, human_seconds
-from ._output import stderr, stdout
+from layerwise_cli.cli._output import stderr, stdout
+from layerwise_cli.report.progress import read_events
+from layerwise_cli.report.reload_report import ReloadReport
+from layerwise_cli.report.verify_result import VerifyResult
+from layerwise_cli.units import human_bytes, human_seconds
 
 T = TypeVar("T")
 

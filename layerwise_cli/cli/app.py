@@ -8,13 +8,13 @@ from typing import Annotated
 try:
     import typer
 
-    from ._output import OneLineErrors
-    from .demo import demo_command
-    from .inspect_order import inspect_order_command
-    from .reload import reload_command
-    from .reorder import reorder_command
-    from .serve import serve_command
-    from .version import print_version
+    from layerwise_cli.cli._output import OneLineErrors
+    from layerwise_cli.cli.demo import demo_command
+    from layerwise_cli.cli.inspect_order import inspect_order_command
+    from layerwise_cli.cli.reload import reload_command
+    from layerwise_cli.cli.reorder import reorder_command
+    from layerwise_cli.cli.serve import serve_command
+    from layerwise_cli.cli.version import print_version
 except KeyboardInterrupt:  # Ctrl-C while the CLI starts: one line, no traceback
     sys.stderr.write("Error: interrupted\n")
     raise SystemExit(130) from None
@@ -57,6 +57,6 @@ def main() -> None:
     try:
         app()
     except KeyboardInterrupt:
-        from ._output import interrupted
+        from layerwise_cli.cli._output import interrupted
 
         sys.exit(interrupted())

@@ -7,9 +7,9 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from ._options import JsonOpt, OrderOpt
-from ._output import handle_errors, print_json, stderr, stdout
-from ._reload_view import render_report, run_with_progress
+from layerwise_cli.cli._options import JsonOpt, OrderOpt
+from layerwise_cli.cli._output import handle_errors, print_json, stderr, stdout
+from layerwise_cli.cli._reload_view import render_report, run_with_progress
 
 
 @handle_errors
@@ -27,12 +27,12 @@ def demo_command(
 
     Example: layerwise demo --pairs "3 4,7 8"
     """
-    from ..demo_models import demo_checkpoint, demo_prompt, expected_answer
-    from ..engine.generate import greedy_answers
-    from ..engine.local import EngineOptions, start_engine, stop_engine
-    from ..engine.progress import new_progress_path
-    from ..engine.session import reload_with_progress_path
-    from ..errors import UsageError
+    from layerwise_cli.client.generate import greedy_answers
+    from layerwise_cli.client.local import EngineOptions, start_engine, stop_engine
+    from layerwise_cli.client.session import reload_with_progress_path
+    from layerwise_cli.demo.models import demo_checkpoint, demo_prompt, expected_answer
+    from layerwise_cli.errors import UsageError
+    from layerwise_cli.report.progress import new_progress_path
 
     try:
         asked = [tuple(int(x) for x in pair.split()) for pair in pairs.split(",")]
@@ -83,6 +83,6 @@ def demo_command(
         stdout.print(f"Reloaded {second} then {first} in place: {reports[0].wall_s:.3f} s and "
                      f"{second_report.wall_s:.3f} s; answers {'flipped as expected' if flipped else 'DID NOT flip'}.")
     if not flipped:
-        from ..errors import LayerwiseError
+        from layerwise_cli.errors import LayerwiseError
 
         raise LayerwiseError("the engine's answers did not follow the reloaded weights")

@@ -8,9 +8,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..units import human_bytes, parse_size
-from ._options import JsonOpt, MappingOpt, RevisionOpt, SourceArg, TensorParallelOpt
-from ._output import handle_errors, print_json, stderr, stdout
+from layerwise_cli.cli._options import JsonOpt, MappingOpt, RevisionOpt, SourceArg, TensorParallelOpt
+from layerwise_cli.cli._output import handle_errors, print_json, stderr, stdout
+from layerwise_cli.units import human_bytes, parse_size
 
 
 @handle_errors
@@ -45,7 +45,7 @@ def inspect_order_command(
             limit = parse_size(max_buffer)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--max-buffer") from None
-    from ..inspect import inspect_order
+    from layerwise_cli.planning.inspect import inspect_order
 
     report = inspect_order(source, revision, mapping, tensor_parallel_size)
     data = report.to_dict(top=top)
@@ -59,14 +59,14 @@ def inspect_order_command(
         if scanned is not None:
             render_scan(scanned)
     if scanned is not None and scanned.nonfinite:
-        from ..errors import LayerwiseError
+        from layerwise_cli.errors import LayerwiseError
 
         first = scanned.nonfinite[0]
         more = f" ({len(scanned.nonfinite)} tensors hold NaN or Inf)" if len(scanned.nonfinite) > 1 else ""
         raise LayerwiseError(f"{first.describe()}{more}", where=_shard_where(report.plan.checkpoint, first.shard))
     peak = report.file_order.peak_buffer_bytes
     if limit is not None and peak > limit:
-        from ..errors import LayerwiseError
+        from layerwise_cli.errors import LayerwiseError
 
         raise LayerwiseError(
             f"file-order peak buffer {human_bytes(peak)} ({peak} bytes) exceeds --max-buffer "
@@ -132,7 +132,7 @@ def render(report, data: dict, top: int) -> None:
 
 def _scan(checkpoint, quiet: bool):
     """Read every tensor and count NaN/Inf, with a progress bar on stderr unless quiet."""
-    from ..finite import scan_checkpoint
+    from layerwise_cli.checkpoint.finite import scan_checkpoint
 
     if quiet:
         return scan_checkpoint(checkpoint)
@@ -152,7 +152,7 @@ def _shard_where(checkpoint, shard: str) -> str:
 
 def render_scan(scanned) -> None:
     """One line for the data scan, then one per tensor holding NaN or Inf."""
-    from ..units import human_seconds
+    from layerwise_cli.units import human_seconds
 
     state = (f"{len(scanned.nonfinite)} tensor(s) hold NaN or Inf" if scanned.nonfinite else "no NaN or Inf")
     stdout.print(f"scan              {scanned.tensors_checked} floating tensor(s) of {scanned.tensors}, "

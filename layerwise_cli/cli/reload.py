@@ -7,8 +7,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from ..errors import LayerwiseError, UsageError
-from ._options import (
+from layerwise_cli.cli._options import (
     AllowNonfiniteOpt,
     DtypeOpt,
     EnforceEagerOpt,
@@ -21,8 +20,9 @@ from ._options import (
     TensorParallelOpt,
     check_quantization,
 )
-from ._output import handle_errors, print_json, stderr
-from ._reload_view import render_report, render_verify, run_with_progress
+from layerwise_cli.cli._output import handle_errors, print_json, stderr
+from layerwise_cli.cli._reload_view import render_report, render_verify, run_with_progress
+from layerwise_cli.errors import LayerwiseError, UsageError
 
 # In-process engine options: with --url the servers' engines already run with their own.
 _ENGINE_OPTIONS = {"dtype": "--dtype", "tensor_parallel_size": "--tensor-parallel-size",
@@ -92,8 +92,8 @@ def reload_command(
     Example: layerwise reload --weights-path /ckpt/step-200 --url http://127.0.0.1:8000 --verify
     """
     if url:
-        from ..engine.remote import RemoteOptions
-        from .reload_remote import reload_remote
+        from layerwise_cli.cli.reload_remote import reload_remote
+        from layerwise_cli.client.remote import RemoteOptions
 
         if model is not None:
             raise UsageError("--model starts an engine in this process; with --url the servers already run")
@@ -113,8 +113,8 @@ def reload_command(
                                       ("--timeout", timeout)) if value is not None]
     if given:
         raise UsageError(f"{', '.join(given)} only apply with --url (reloading running servers)")
-    from ..engine.local import EngineOptions, start_engine
-    from ..engine.session import prepare_sources, reload_with_progress_path
+    from layerwise_cli.client.local import EngineOptions, start_engine
+    from layerwise_cli.client.session import prepare_sources, reload_with_progress_path
 
     check_quantization(quantization)
     source_dir, base = prepare_sources(weights_path, model, revision, quiet=as_json, allow_partial=allow_partial)
@@ -124,8 +124,8 @@ def reload_command(
     if not as_json:
         stderr.print(f"Starting vLLM on {base} ...")
     llm = start_engine(base, options)
-    from ..engine.local import stop_engine
-    from ..engine.progress import new_progress_path
+    from layerwise_cli.client.local import stop_engine
+    from layerwise_cli.report.progress import new_progress_path
 
     try:
         report = run_with_progress(
@@ -133,7 +133,7 @@ def reload_command(
                                                    allow_nonfinite=allow_nonfinite),
             None if as_json else new_progress_path(), f"reload {weights_path}", show=not as_json)
         if verify:
-            from ..engine.local import verify_engine
+            from layerwise_cli.client.local import verify_engine
 
             if not as_json:
                 stderr.print("Verifying the engine against the new weights ...")
@@ -150,7 +150,7 @@ def reload_command(
         if report.verify is not None:
             render_verify(report.verify, "engine")
     if report.verify is not None and not report.verify.ok:
-        from ..engine.verify import verify_failure
+        from layerwise_cli.report.verify_result import verify_failure
 
         raise LayerwiseError(f"{verify_failure(report.verify)}; the engine held the reloaded weights, unverified",
                              where=weights_path)

@@ -7,10 +7,11 @@ import threading
 from rich.markup import escape
 from rich.table import Table
 
-from ..engine.remote import HOLDS_NEW, RemoteOptions, ServerResult, holdings, reload_servers
-from ..units import human_seconds
-from ._output import print_json, report_error, stderr, stdout
-from ._reload_view import render_report, render_verify
+from layerwise_cli.cli._output import print_json, report_error, stderr, stdout
+from layerwise_cli.cli._reload_view import render_report, render_verify
+from layerwise_cli.client.remote import ServerResult, holdings, reload_servers
+from layerwise_cli.client.server_api import HOLDS_NEW, RemoteOptions
+from layerwise_cli.units import human_seconds
 
 _HOLDS_TEXT = {
     HOLDS_NEW: "new weights",
@@ -69,7 +70,7 @@ def reload_remote(urls: list[str], source: str, options: RemoteOptions, as_json:
             stderr.print(f"[yellow]Warning:[/] {escape(result.url)}: {escape(warning)}")
     for result in results:
         if result.error:
-            from ..errors import LayerwiseError
+            from layerwise_cli.errors import LayerwiseError
 
             report_error(LayerwiseError(result.error, where=result.url))
     if not ok:

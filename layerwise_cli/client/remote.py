@@ -1,0 +1,260 @@
+"""Reload running vLLM servers over HTTP: check, pause, reload, verify, set the version, resume."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+from layerwise_cli.client.server_api import (
+    HOLDS_NEW,
+    HOLDS_PREVIOUS,
+    HOLDS_UNKNOWN,
+    HOLDS_UNVERIFIED,
+    PAUSE_MODES,
+    RemoteOptions,
+    ServerClient,
+    _one_line,
+    _ServerError,
+)
+from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.report.reload_report import ReloadReport
+from layerwise_cli.report.verify_result import VerifyResult, verify_failure
+
+
+@dataclass
+class ServerResult:
+    """What happened on one server."""
+
+    url: str
+    ok: bool = False
+    error: str | None = None
+    # The last step reached: connect, check, pause, reload, verify, version, resume, done.
+    stage: str = "connect"
+    # layerwise: through the worker extension; vllm: vLLM's own reload_weights (no extension).
+    method: str = "layerwise"
+    fallback_reason: str | None = None
+    report: ReloadReport | None = None
+    verify: VerifyResult | None = None
+    holds: str = HOLDS_PREVIOUS
+    version_before: str | None = None
+    version_after: str | None = None
+    rolled_back: bool = False
+    # Whether the server answered at all (a 401 counts).
+    reached: bool = False
+    paused_s: float = 0.0
+    wall_s: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["report"] = self.report.to_dict() if self.report is not None else None
+        return data
+
+
+def reload_servers(urls: list[str], source: str, options: RemoteOptions | None = None,
+                   on_event: Callable[[str, str, dict], None] | None = None) -> list[ServerResult]:
+    """Reload SOURCE into every server at once (one thread per server).
+
+    Args:
+        urls: server base URLs, e.g. `http://127.0.0.1:8000`.
+        source: a checkpoint path as the servers see it, or a Hub repo id.
+        options: how to reload (pause mode, version tag, API key, verify, timeout).
+        on_event: called as `on_event(url, event, data)` from the server's
+            thread at every step (`checked`, `paused`, `reloaded`, `verified`,
+            `versioned`, `resumed`, `failed`), for progress output.
+
+    Returns:
+        One result per URL, in the order given. Never raises for a server's
+        failure: it is in that server's result.
+    """
+    options = options or RemoteOptions()
+    if options.pause_mode not in PAUSE_MODES:
+        raise LayerwiseError(f"unknown pause mode {options.pause_mode!r}: use one of {', '.join(PAUSE_MODES)}")
+    if len(set(urls)) != len(urls):
+        from layerwise_cli.errors import UsageError
+
+        raise UsageError("the same server URL is given twice")
+    with ThreadPoolExecutor(max_workers=max(1, len(urls)), thread_name_prefix="layerwise-remote") as pool:
+        return list(pool.map(lambda url: reload_server(url, source, options, on_event), urls))
+
+
+def reload_server(url: str, source: str, options: RemoteOptions | None = None,
+                  on_event: Callable[[str, str, dict], None] | None = None) -> ServerResult:
+    """Check, pause, reload, verify, set the version and resume one server.
+
+    Nothing on the server changes until it answered, the API key is accepted,
+    the dev endpoints are on, and it is not already paused. Generation is
+    resumed in every case once it was paused, also after a failure.
+
+    Args:
+        url: the server's base URL.
+        source: a checkpoint path as the server sees it, or a Hub repo id.
+        options: see `RemoteOptions`.
+        on_event: see `reload_servers`.
+
+    Returns:
+        The server's result (`ok`, `error` as one line, `holds`).
+    """
+    options = options or RemoteOptions()
+    emit = on_event or (lambda url, event, data: None)
+    result = ServerResult(url=url)
+    start = time.perf_counter()
+    client = ServerClient(url, api_key=options.api_key, timeout=options.timeout)
+    paused_at: float | None = None
+    try:
+        # Few round trips before the pause: on a busy server each one waits behind the traffic.
+        result.stage = "connect"
+        client.check_api_key()  # also proves the server answers
+        result.stage = "check"
+        result.version_before = client.weight_version()  # also proves the dev endpoints are on
+        if client.is_paused():
+            raise _ServerError("the server is already paused (another reload in progress, or paused by hand); "
+                               "refusing to reload. POST /resume to it if the pause is stale")
+        extension = client.ping_extension()
+        if extension is not None:
+            result.method, result.fallback_reason = "vllm", extension
+            if options.verify:
+                raise _ServerError(f"--verify needs layerwise's worker extension, and {extension}; nothing was "
+                                   "changed (start the server with `layerwise serve`, or drop --verify)")
+            if options.revision:
+                result.warnings.append("--revision is ignored by vLLM's own reload_weights")
+            if not options.allow_nonfinite:
+                result.warnings.append("vLLM's own reload_weights does not check tensors for NaN/Inf")
+        emit(url, "checked", {"method": result.method, "fallback_reason": result.fallback_reason})
+
+        if options.pause_mode != "none":
+            result.stage = "pause"
+            # From here on, resume whatever happens: the engine pauses as soon as the request lands,
+            # even if the answer (which waits for in-flight requests with `wait`) never reaches us.
+            paused_at = time.perf_counter()
+            client.pause(options.pause_mode)
+            emit(url, "paused", {"mode": options.pause_mode})
+
+        result.stage = "reload"
+        if result.method == "layerwise":
+            result.report = client.layerwise_reload(source, options)
+        else:
+            result.report = client.vllm_reload(source)
+        result.holds = HOLDS_NEW
+        _reset_prefix_cache(client, result)
+        emit(url, "reloaded", {"report": result.report})
+
+        if options.verify:
+            result.stage = "verify"
+            result.verify = client.verify(source, options.revision)
+            emit(url, "verified", {"verify": result.verify})
+            if not result.verify.ok:
+                result.holds = HOLDS_UNVERIFIED
+                raise _ServerError(verify_failure(result.verify), holds=HOLDS_UNVERIFIED)
+
+        if options.weight_version is not None:
+            result.stage = "version"
+            client.set_weight_version(options.weight_version)
+            result.version_after = options.weight_version
+            emit(url, "versioned", {"version": options.weight_version})
+        result.ok = True
+    except _ServerError as exc:
+        result.error = str(exc)
+        result.rolled_back = exc.rolled_back
+        if result.holds != HOLDS_UNVERIFIED:
+            result.holds = exc.holds
+    except Exception as exc:  # noqa: BLE001 - one line per server, never a traceback
+        from layerwise_cli.errors import describe_exception
+
+        result.error = _one_line(str(describe_exception(exc)))
+        if result.stage == "reload" and result.holds == HOLDS_PREVIOUS:
+            result.holds = HOLDS_UNKNOWN
+    finally:
+        if paused_at is not None:
+            try:
+                client.resume()
+                result.paused_s = time.perf_counter() - paused_at
+                emit(url, "resumed", {"paused_s": result.paused_s})
+            except Exception as exc:  # noqa: BLE001 - reported, never raised past the other servers
+                from layerwise_cli.errors import describe_exception
+
+                message = (f"could not resume generation ({_one_line(str(describe_exception(exc)))}): "
+                           "the server may still be paused; POST /resume to it")
+                if result.error is None:
+                    result.stage = "resume"
+                result.ok = False
+                result.error = f"{result.error}; {message}" if result.error else message
+        if result.ok and result.version_after is None:
+            result.version_after = result.version_before
+            if result.version_before not in (None, "default"):
+                result.warnings.append(f"its weight version stays {result.version_before!r}, which named the "
+                                       "weights it held before; pass --weight-version TAG to name the new ones")
+        elif not result.ok and client.reached:
+            # After the resume: it costs the paused traffic nothing.
+            result.version_after = client.weight_version_or_none()
+        result.reached = client.reached
+        result.wall_s = time.perf_counter() - start
+        client.close()
+        if result.error:
+            emit(url, "failed", {"error": result.error})
+    if result.ok:
+        result.stage = "done"
+    return result
+
+
+def holdings(results: list[ServerResult], source: str) -> list[str]:
+    """One line per server saying which weights (and version tag) it holds now."""
+    lines = []
+    for result in results:
+        version = f" (weight version {result.version_after!r})" if result.version_after is not None else ""
+        if result.holds == HOLDS_NEW:
+            what = f"holds {source}{version}"
+        elif result.holds == HOLDS_PREVIOUS and not result.reached:
+            what = "not reached: not changed by this command"
+        elif result.holds == HOLDS_PREVIOUS and result.rolled_back:
+            what = f"rolled back: holds its previous weights{version}"
+        elif result.holds == HOLDS_PREVIOUS:
+            what = f"not changed: holds its previous weights{version}"
+        elif result.holds == HOLDS_UNVERIFIED:
+            what = f"holds weights that differ from {source} in the layers --verify named{version}"
+        else:
+            what = f"holds unknown weights: the reload may have changed some layers{version}"
+        lines.append(f"{result.url}: {what}")
+    return lines
+
+
+def server_fingerprints(url: str, api_key: str | None = None, timeout: float = 600.0) -> dict[str, str]:
+    """The extension's fingerprints of a server's weights (rank-qualified when tensor parallel)."""
+    client = ServerClient(url, api_key=api_key, timeout=timeout)
+    try:
+        results = client.collective_rpc("layerwise_fingerprints")
+    finally:
+        client.close()
+    out: dict[str, str] = {}
+    for rank, item in enumerate(results):
+        if not isinstance(item, dict) or not item.get("ok"):
+            error = item.get("error") if isinstance(item, dict) else item
+            raise LayerwiseError(f"fingerprints failed on worker {rank}: {error}", where=url)
+        prefix = f"rank{rank}:" if len(results) > 1 else ""
+        out.update({prefix + name: digest for name, digest in item["fingerprints"].items()})
+    return out
+
+
+def differing_layers(ours: dict[str, str], theirs: dict[str, str]) -> list[str]:
+    """The modules whose fingerprints differ between two fingerprint maps (sorted)."""
+    keys = ours.keys() | theirs.keys()
+    return sorted({_module_of(key) for key in keys if ours.get(key) != theirs.get(key)})
+
+
+def _module_of(key: str) -> str:
+    return key.rsplit("#", 1)[0].rstrip(".") if "#" in key else key.rpartition(".")[0]
+
+
+def _reset_prefix_cache(client: ServerClient, result: ServerResult) -> None:
+    # KV blocks computed with the old weights must not serve prompts after the
+    # reload; pause (wait/abort) already dropped them, keep and none did not.
+    try:
+        if not client.reset_prefix_cache():
+            result.warnings.append("the prefix cache could not be reset (blocks still held); cached prompt "
+                                   "prefixes may reuse KV computed with the previous weights")
+    except Exception as exc:  # noqa: BLE001 - a warning, not a failure
+        result.warnings.append(f"the prefix cache could not be reset: {_one_line(str(exc))}")
+
+

@@ -1,0 +1,285 @@
+"""The HTTP calls layerwise makes to one vLLM server (its dev-mode endpoints), and what a failure leaves behind."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.report.reload_report import ReloadReport, merge_reports
+from layerwise_cli.report.verify_result import VerifyResult, merge_verify
+
+PAUSE_MODES = ("wait", "keep", "abort", "none")
+
+# What a server holds after `reload_server`, as far as the tool can tell.
+HOLDS_NEW = "new"  # SOURCE, loaded (and verified, when asked)
+HOLDS_PREVIOUS = "previous"  # the weights it had before: nothing changed, or rolled back
+HOLDS_UNVERIFIED = "unverified"  # loaded, but --verify found layers that differ from SOURCE
+HOLDS_UNKNOWN = "unknown"  # the reload may have changed some layers (timeout, lost connection, fallback failure)
+
+# The longest wait for the small requests (checks, resume, version), whatever --timeout says.
+_SHORT_TIMEOUT_S = 30.0
+
+
+@dataclass
+class RemoteOptions:
+    """How to reload each server (the `layerwise reload --url` options)."""
+
+    order: str = "layer"
+    allow_partial: bool = False
+    readahead: bool = True
+    revision: str | None = None
+    # Load tensors holding NaN or Inf (refused by default, before the layer is handed over).
+    allow_nonfinite: bool = False
+    # wait: let in-flight requests finish, queue new ones; keep: freeze in-flight
+    # requests and continue them after the reload; abort: abort in-flight
+    # requests; none: do not pause.
+    pause_mode: str = "wait"
+    weight_version: str | None = None
+    api_key: str | None = None
+    verify: bool = False
+    # Seconds for each request to a server (the reload and the pause included).
+    timeout: float = 600.0
+
+
+class _ServerError(LayerwiseError):
+    """A failed step on one server; `holds` says what the server holds afterwards."""
+
+    def __init__(self, message: str, *, holds: str = HOLDS_PREVIOUS, rolled_back: bool = False) -> None:
+        super().__init__(message)
+        self.holds = holds
+        self.rolled_back = rolled_back
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+class ServerClient:
+    """The HTTP calls `reload_server` makes to one vLLM server (dev mode endpoints)."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, timeout: float = 600.0) -> None:
+        import httpx
+
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.reached = False
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # A fresh connection per request: vLLM's server drops a connection after a failed handler (500),
+        # and a pooled connection would then fail the next call (the resume, say) with a reset.
+        self._http = httpx.Client(base_url=self.url, headers=headers, limits=httpx.Limits(max_keepalive_connections=0),
+                                  timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _request(self, method: str, path: str, *, short: bool = False, what: str | None = None,
+                 **kwargs: Any):
+        import httpx
+
+        what = what or f"{method} {path}"
+        timeout = min(self.timeout, _SHORT_TIMEOUT_S) if short else self.timeout
+        try:
+            response = self._http.request(method, path, timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+                                          **kwargs)
+        except httpx.ConnectError as exc:
+            raise _ServerError(f"cannot connect ({_one_line(str(exc)) or 'connection refused'}); is the "
+                               "server running at this address?") from None
+        except httpx.TimeoutException:
+            raise _ServerError(f"no answer to {what} within {timeout:g} s (--timeout)") from None
+        except httpx.HTTPError as exc:
+            raise _ServerError(f"{what} failed: {_one_line(str(exc)) or type(exc).__name__}") from None
+        self.reached = True
+        if response.status_code == 401:
+            raise _ServerError(f"unauthorized (401) on {path}: the server wants an API key; pass the right one "
+                               "with --api-key or LAYERWISE_API_KEY")
+        return response
+
+    def _json(self, response, what: str) -> Any:
+        if response.status_code >= 400:
+            raise _ServerError(f"{what} failed: HTTP {response.status_code}: {_error_text(response)}")
+        try:
+            return response.json()
+        except ValueError:
+            raise _ServerError(f"{what} answered with something that is not JSON: {_excerpt(response)}") from None
+
+    def check_api_key(self) -> None:
+        # vLLM checks the key only on /v1 routes: ask one, so that a wrong key
+        # fails here, before anything changes, even on servers whose dev
+        # endpoints take no key.
+        response = self._request("GET", "/v1/models", short=True)
+        self._json(response, "GET /v1/models")
+
+    def weight_version(self) -> str | None:
+        response = self._request("GET", "/weight_info", short=True)
+        if response.status_code == 404:
+            raise _ServerError("the dev endpoints are off (404 on /weight_info): start the server with "
+                               "VLLM_SERVER_DEV_MODE=1 (`layerwise serve` does)")
+        return self._json(response, "GET /weight_info").get("weight_version")
+
+    def weight_version_or_none(self) -> str | None:
+        try:
+            return self.weight_version()
+        except Exception:  # noqa: BLE001 - best effort, for the closing summary
+            return None
+
+    def is_paused(self) -> bool:
+        response = self._request("GET", "/is_paused", short=True)
+        if response.status_code == 404:
+            raise _ServerError("the dev endpoints are off (404 on /is_paused): start the server with "
+                               "VLLM_SERVER_DEV_MODE=1 (`layerwise serve` does)")
+        return bool(self._json(response, "GET /is_paused").get("is_paused"))
+
+    def collective_rpc(self, method: str, kwargs: dict | None = None, *, short: bool = False) -> list:
+        """POST /collective_rpc; one result per worker."""
+        response = self._request("POST", "/collective_rpc", json={"method": method, "kwargs": kwargs or {}},
+                                 short=short, what=method)
+        if response.status_code == 404:
+            raise _ServerError("the dev endpoints are off (404 on /collective_rpc): start the server with "
+                               "VLLM_SERVER_DEV_MODE=1 (`layerwise serve` does)")
+        if response.status_code >= 400:
+            raise RpcError(method, response.status_code, _error_text(response))
+        if not response.content:
+            return []
+        return self._json(response, method).get("results") or []
+
+    def ping_extension(self) -> str | None:
+        """None when every worker has layerwise's extension, else why not (one clause)."""
+        try:
+            results = self.collective_rpc("layerwise_ping", short=True)
+        except RpcError as exc:
+            if "has no attribute 'layerwise_ping'" in exc.detail:
+                return "the server has no layerwise worker extension (its workers have no method layerwise_ping)"
+            raise _ServerError(f"layerwise_ping failed inside the server: {exc.detail}") from None
+        if not results or not all(isinstance(r, dict) and r.get("ok") for r in results):
+            return f"the server has no layerwise worker extension (layerwise_ping answered {results!r})"
+        return None
+
+    def pause(self, mode: str) -> None:
+        response = self._request("POST", "/pause", params={"mode": mode}, what=f"POST /pause?mode={mode}")
+        self._json(response, f"POST /pause?mode={mode}")
+
+    def resume(self) -> None:
+        response = self._request("POST", "/resume", short=True)
+        self._json(response, "POST /resume")
+        if self.is_paused():
+            raise _ServerError("POST /resume answered, but the server still says it is paused")
+
+    def reset_prefix_cache(self) -> bool:
+        response = self._request("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"},
+                                 short=True)
+        return bool(self._json(response, "POST /reset_prefix_cache").get("success"))
+
+    def set_weight_version(self, version: str) -> None:
+        response = self._request("POST", "/update_weight_version", json={"new_version": version}, short=True)
+        self._json(response, "POST /update_weight_version")
+
+    def layerwise_reload(self, source: str, options: RemoteOptions) -> ReloadReport:
+        kwargs = {"source": source, "order": options.order, "allow_partial": options.allow_partial,
+                  "readahead": options.readahead, "revision": options.revision}
+        if options.allow_nonfinite:
+            # Sent only when set: a server running an older extension still takes the default call.
+            kwargs["allow_nonfinite"] = True
+        try:
+            results = self.collective_rpc("layerwise_reload", kwargs)
+        except _ServerError as exc:
+            # Timed out or lost: the worker may still be streaming into the engine.
+            if isinstance(exc, RpcError):
+                raise _ServerError(f"the reload failed inside the server: {exc.detail}",
+                                   holds=HOLDS_UNKNOWN) from None
+            raise _ServerError(f"{exc}; the reload may still be running on the server",
+                               holds=HOLDS_UNKNOWN) from None
+        failures = [r for r in results if not (isinstance(r, dict) and r.get("ok"))]
+        if failures or not results:
+            failure = failures[0] if failures else {}
+            error = failure.get("error") if isinstance(failure, dict) else str(failure)
+            touched = any(isinstance(r, dict) and r.get("engine_touched") for r in failures)
+            rolled_back = all(isinstance(r, dict) and r.get("rolled_back") for r in failures if r.get("engine_touched"))
+            if not touched:
+                holds, tail = HOLDS_PREVIOUS, "nothing was changed"
+            elif rolled_back:
+                holds, tail = HOLDS_PREVIOUS, "the server was rolled back to its previous weights"
+            else:
+                holds, tail = HOLDS_UNKNOWN, "some layers may hold the new weights"
+            text = error or "a worker failed without saying why"
+            if "rolled back" not in text:
+                text = f"{text}; {tail}"
+            raise _ServerError(_one_line(text), holds=holds, rolled_back=touched and rolled_back)
+        return merge_reports([ReloadReport.from_dict(r["report"]) for r in results])
+
+    def vllm_reload(self, source: str) -> ReloadReport:
+        """vLLM's own `reload_weights(weights_path=SOURCE)`: only its wall time is known."""
+        start = time.perf_counter()
+        try:
+            self.collective_rpc("reload_weights", {"weights_path": source})
+        except RpcError as exc:
+            raise _ServerError(f"vLLM's reload_weights failed inside the server: {exc.detail}",
+                               holds=HOLDS_UNKNOWN) from None
+        except _ServerError as exc:
+            raise _ServerError(f"{exc}; vLLM's reload_weights may still be running on the server",
+                               holds=HOLDS_UNKNOWN) from None
+        wall = time.perf_counter() - start
+        return ReloadReport(order="file", source=source, wall_s=wall, bytes=0, tensors=0, peak_buffer_bytes=0,
+                            peak_tensor="", predicted_peak_buffer_bytes=0, largest_layer_bytes=0,
+                            mapping="vLLM's own reload_weights",
+                            notes=["per-layer figures are unavailable: the server has no layerwise worker "
+                                   "extension, so vLLM's own reload_weights ran (wall time measured by the client, "
+                                   "HTTP included)"])
+
+    def verify(self, source: str, revision: str | None) -> VerifyResult:
+        start = time.perf_counter()
+        try:
+            results = self.collective_rpc("layerwise_verify", {"source": source, "revision": revision})
+        except RpcError as exc:
+            raise _ServerError(f"--verify failed inside the server: {exc.detail}", holds=HOLDS_NEW) from None
+        except _ServerError as exc:
+            raise _ServerError(f"--verify: {exc}", holds=HOLDS_NEW) from None
+        failures = [r for r in results if not (isinstance(r, dict) and r.get("ok"))]
+        if failures or not results:
+            error = failures[0].get("error") if failures and isinstance(failures[0], dict) else results
+            raise _ServerError(f"--verify could not run: {error}", holds=HOLDS_NEW)
+        verify = merge_verify([r["verify"] for r in results])
+        verify.wall_s = time.perf_counter() - start
+        return verify
+
+
+class RpcError(_ServerError):
+    """The server answered /collective_rpc with an error (the worker method raised, or does not exist)."""
+
+    def __init__(self, method: str, status: int, detail: str) -> None:
+        super().__init__(f"{method} failed: HTTP {status}: {detail}")
+        self.method = method
+        self.status = status
+        self.detail = detail
+
+
+_EXCERPT_CHARS = 120
+
+
+def _excerpt(response) -> str:
+    """A short, one-line quote of a non-JSON body: an HTML page (another kind of server) by its title only."""
+    import re
+
+    text = response.text or ""
+    if "html" in response.headers.get("content-type", "").lower() or text.lstrip()[:1] == "<":
+        title = re.search(r"<title[^>]*>(.*?)</title>", text, re.IGNORECASE | re.DOTALL)
+        name = f" titled {_one_line(title.group(1))[:_EXCERPT_CHARS]!r}" if title else ""
+        return f"an HTML page{name} ({len(text)} characters; not a vLLM server?)"
+    line = _one_line(text)
+    return repr(line[:_EXCERPT_CHARS] + ("..." if len(line) > _EXCERPT_CHARS else ""))
+
+
+def _error_text(response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return _excerpt(response) or response.reason_phrase
+    if isinstance(body, dict):
+        for key in ("detail", "error", "message"):
+            value = body.get(key)
+            if isinstance(value, dict):
+                value = value.get("message") or value
+            if value:
+                return _one_line(str(value))[:300]
+    return _one_line(str(body))[:300]

@@ -1,0 +1,74 @@
+"""The command-side steps of an in-process reload: resolve sources, check them, start, reload."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from layerwise_cli.checkpoint.sources import looks_like_repo_id, open_checkpoint
+from layerwise_cli.client.local import reload
+from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.report.reload_report import ReloadReport
+
+
+def download_source(repo_id: str, revision: str | None, quiet: bool) -> Path:
+    """Download a Hub repo's weights and config (no other files), with huggingface_hub's progress bar."""
+    from huggingface_hub import snapshot_download
+
+    from layerwise_cli.errors import describe_exception
+
+    if quiet:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        return Path(snapshot_download(repo_id, revision=revision,
+                                      allow_patterns=["*.safetensors", "*.json", "tokenizer*", "*.model", "*.txt"]))
+    except Exception as exc:
+        raise describe_exception(exc, where=repo_id) from exc
+
+
+def prepare_sources(source: str, base: str | None, revision: str | None, quiet: bool = False, *,
+                    allow_partial: bool = False) -> tuple[str, str]:
+    """Pre-flight from the headers alone, before any engine starts.
+
+    SOURCE's headers are validated (a Hub repo is downloaded first); with a
+    BASE, its headers too, its architecture must match, and every SOURCE
+    tensor must be one BASE has, with the same shape and a compatible dtype,
+    and (unless `allow_partial`) every BASE tensor that feeds a parent layer
+    must be present. What only the engine knows (which module each tensor
+    feeds, tensor-parallel shapes) is checked again inside the workers.
+
+    Returns:
+        The local path of SOURCE and the model to start the engine on.
+    """
+    local = str(download_source(source, revision, quiet)) if looks_like_repo_id(source) else source
+    checkpoint = open_checkpoint(local)
+    base = base or local
+    if base != local:
+        base_local = base
+        if not Path(base).exists() and looks_like_repo_id(base):
+            base_local = str(download_source(base, None, quiet))
+        base_checkpoint = open_checkpoint(base_local)
+        ours = (checkpoint.config or {}).get("architectures")
+        theirs = (base_checkpoint.config or {}).get("architectures")
+        if ours and theirs and ours != theirs:
+            raise LayerwiseError(f"architecture {ours[0]} does not match the engine's BASE {base} ({theirs[0]})",
+                                 where=source)
+        from layerwise_cli.planning.parents import mapping_for_config
+        from layerwise_cli.planning.reference import check_against_reference
+
+        checkpoint.source = source
+        mapping = mapping_for_config(checkpoint.config or base_checkpoint.config, "auto")
+        check_against_reference(checkpoint, base_checkpoint, mapping, allow_partial=allow_partial)
+        base = base_local
+    return local, base
+
+
+def reload_with_progress_path(llm, source: str, order: str, allow_partial: bool, readahead: bool,
+                              progress_path: str | None, allow_nonfinite: bool = False) -> ReloadReport:
+    """`reload`, reporting per-layer progress into `progress_path`."""
+    try:
+        return reload(llm, source, order=order, allow_partial=allow_partial, readahead=readahead,
+                      progress_path=progress_path, allow_nonfinite=allow_nonfinite)
+    finally:
+        if progress_path:
+            Path(progress_path).unlink(missing_ok=True)

@@ -1,1 +1,0 @@
-"""Engine side: what runs inside vLLM workers, and how the tool drives an engine."""

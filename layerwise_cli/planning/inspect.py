@@ -1,0 +1,104 @@
+"""Inspect a checkpoint's tensor order: the core of `layerwise inspect-order`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from layerwise_cli.checkpoint.sources import open_checkpoint
+from layerwise_cli.planning.parents import mapping_for_config
+from layerwise_cli.planning.plan import BufferSimulation, Plan, build_plan
+
+
+@dataclass
+class OrderReport:
+    """A plan and what each order would buffer."""
+
+    plan: Plan
+    file_order: BufferSimulation
+    layer_order: BufferSimulation
+
+    def layers_worst_first(self) -> list:
+        return sorted(self.plan.layers, key=lambda layer: (-layer.file_order_held_bytes, -layer.bytes, layer.name))
+
+    def to_dict(self, top: int | None = None) -> dict:
+        """JSON-ready data: integers for bytes, layers worst first."""
+        plan = self.plan
+        layers = self.layers_worst_first()
+        if top:
+            layers = layers[:top]
+        largest = plan.largest_layer_bytes
+        sizes = {layer.name: layer.bytes for layer in plan.layers}
+        return {
+            "source": plan.checkpoint.source,
+            "revision": plan.checkpoint.revision,
+            "kind": plan.checkpoint.kind,
+            "mapping": {
+                "kind": plan.mapping.kind,
+                "architecture": plan.mapping.architecture,
+                "description": plan.mapping.description,
+            },
+            "shards": len(plan.checkpoint.shards),
+            "tensors": len(plan.file_order),
+            "total_bytes": plan.total_bytes,
+            "header_bytes_read": plan.checkpoint.header_bytes_read,
+            "parent_layers": len(plan.layers),
+            "largest_layer_bytes": largest,
+            "tensor_parallel_size": plan.tensor_parallel_size,
+            "held_to_end": [
+                {"name": name, "reason": hold.reason, "bytes": sizes[name], "ranks": list(hold.ranks)}
+                for name, hold in plan.held.items()
+            ],
+            "held_to_end_bytes": plan.held_bytes(),
+            "skipped_tensors": [t.name for t in plan.skipped],
+            "held_to_end_reason": plan.held_summary(),
+            "file_order": {**_simulation_dict(self.file_order, largest),
+                           "above_largest_layer_because": plan.excess_reason(self.file_order)},
+            "layer_order": {**_simulation_dict(self.layer_order, largest),
+                            "above_largest_layer_because": self.layer_order_excess_reason()},
+            "layers": [
+                {
+                    "name": layer.name,
+                    "tensors": layer.tensors,
+                    "bytes": layer.bytes,
+                    "shards": layer.shards,
+                    "file_order_held_bytes": layer.file_order_held_bytes,
+                    "held_to_end": layer.held_to_end,
+                }
+                for layer in layers
+            ],
+        }
+
+
+    def layer_order_excess_reason(self) -> str | None:
+        """Why layer order buffers more than the largest layer (None when it does not)."""
+        return self.plan.excess_reason(self.layer_order)
+
+
+def _simulation_dict(sim: BufferSimulation, largest: int) -> dict:
+    return {
+        "peak_buffer_bytes": sim.peak_buffer_bytes,
+        "peak_over_largest_layer": sim.peak_buffer_bytes / largest if largest else 0.0,
+        "peak_index": sim.peak_index,
+        "peak_tensor": sim.peak_tensor,
+        "open_layers_at_peak": sim.peak_open_layers,
+        "rank": sim.rank,
+    }
+
+
+def inspect_order(source: str, revision: str | None = None, mapping: str = "auto",
+                  tensor_parallel_size: int = 1) -> OrderReport:
+    """Plan SOURCE from its headers and simulate file order and layer order.
+
+    Args:
+        source: a `.safetensors` file, a directory, or a Hub repo id.
+        revision: Hub revision (Hub sources only).
+        mapping: `auto`, `table`, `vllm` or `generic` (see `mapping_for_config`).
+        tensor_parallel_size: the engine's tensor-parallel ranks; peaks are
+            the highest rank's (a padded vocabulary is held on some ranks only).
+
+    Returns:
+        The plan and both simulations.
+    """
+    checkpoint = open_checkpoint(source, revision)
+    plan = build_plan(checkpoint, mapping_for_config(checkpoint.config, mapping), tensor_parallel_size)
+    return OrderReport(plan, plan.simulate("file"), plan.simulate("layer"))

@@ -1,0 +1,142 @@
+"""What a reload did, layer by layer: built inside each worker, merged across workers."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from layerwise_cli.report.verify_result import VerifyResult
+
+
+@dataclass
+class LayerReport:
+    """One parent layer as the engine took it."""
+
+    name: str
+    tensors: int
+    bytes: int
+    # Seconds from handing over the layer's first tensor to handing over its last.
+    load_s: float
+    # Seconds vLLM spent on the handover that completed the layer: it
+    # materializes the layer, runs the weight loaders on the buffered tensors,
+    # processes (online quantization, repacking) and copies into place.
+    process_s: float
+    # Bytes held in vLLM's layer buffers when this layer completed, counting
+    # the tensor that completed it.
+    buffered_bytes_at_completion: int
+    # False when vLLM processed it only in finalize (attention, padded layers).
+    completed_during_stream: bool = True
+    # Why the plan expected vLLM to hold it to the end (None: expected to complete).
+    held_to_end: str | None = None
+
+    @property
+    def seconds(self) -> float:
+        return self.load_s + self.process_s
+
+
+@dataclass
+class ReloadReport:
+    """One worker's reload (or several merged)."""
+
+    order: str
+    source: str
+    wall_s: float
+    bytes: int
+    tensors: int
+    peak_buffer_bytes: int
+    peak_tensor: str
+    predicted_peak_buffer_bytes: int
+    largest_layer_bytes: int
+    readahead_peak_bytes: int = 0
+    layers: list[LayerReport] = field(default_factory=list)
+    workers: int = 1
+    rank: int | None = None
+    # Tensors whose buffering differed from the plan (parent not where expected).
+    unexpected: list[str] = field(default_factory=list)
+    mapping: str = ""
+    device: str = "cpu"
+    finalize_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    # `--verify` / `reload(..., verify=True)`: the engine checked against SOURCE after the reload.
+    verify: VerifyResult | None = None
+    # Bytes of the layers the plan expected vLLM to hold to the end of the stream.
+    held_to_end_bytes: int = 0
+    # Why the predicted peak is above the largest layer (None when it is not).
+    above_largest_layer_because: str | None = None
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.wall_s / 1e9 if self.wall_s > 0 else 0.0
+
+    @property
+    def peak_over_largest(self) -> float:
+        return self.peak_buffer_bytes / self.largest_layer_bytes if self.largest_layer_bytes else 0.0
+
+    @property
+    def matches_prediction(self) -> bool:
+        return self.peak_buffer_bytes == self.predicted_peak_buffer_bytes
+
+    def to_dict(self) -> dict:
+        """JSON-ready: bytes as integers, seconds as floats."""
+        data = asdict(self)
+        data["gb_per_s"] = self.gb_per_s
+        data["peak_over_largest_layer"] = self.peak_over_largest
+        data["matches_prediction"] = self.matches_prediction
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ReloadReport:
+        fields = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        fields["layers"] = [LayerReport(**layer) for layer in data.get("layers", [])]
+        if data.get("verify") is not None:
+            fields["verify"] = VerifyResult.from_dict(data["verify"])
+        return cls(**fields)
+
+
+def merge_reports(reports: list[ReloadReport]) -> ReloadReport:
+    """Merge the reports of tensor-parallel workers into one.
+
+    Every worker streams the whole checkpoint and buffers in its own memory,
+    so per-worker figures are maxima across workers, not sums.
+    """
+    if not reports:
+        raise ValueError("no worker reports to merge")
+    if len(reports) == 1:
+        return reports[0]
+    first = reports[0]
+    worst = max(reports, key=lambda r: r.peak_buffer_bytes)
+    layers = []
+    for per_worker in zip(*(r.layers for r in reports)):
+        base = per_worker[0]
+        layers.append(LayerReport(
+            name=base.name,
+            tensors=base.tensors,
+            bytes=base.bytes,
+            load_s=max(layer.load_s for layer in per_worker),
+            process_s=max(layer.process_s for layer in per_worker),
+            buffered_bytes_at_completion=max(layer.buffered_bytes_at_completion for layer in per_worker),
+            completed_during_stream=all(layer.completed_during_stream for layer in per_worker),
+            held_to_end=next((layer.held_to_end for layer in per_worker if layer.held_to_end), None),
+        ))
+    # Ranks may hold different layers to the end (vocabulary padding falls on the last ranks).
+    predicted = max(reports, key=lambda r: r.predicted_peak_buffer_bytes)
+    return ReloadReport(
+        order=first.order,
+        source=first.source,
+        wall_s=max(r.wall_s for r in reports),
+        bytes=first.bytes,
+        tensors=first.tensors,
+        peak_buffer_bytes=worst.peak_buffer_bytes,
+        peak_tensor=worst.peak_tensor,
+        predicted_peak_buffer_bytes=predicted.predicted_peak_buffer_bytes,
+        largest_layer_bytes=first.largest_layer_bytes,
+        readahead_peak_bytes=max(r.readahead_peak_bytes for r in reports),
+        layers=layers,
+        workers=len(reports),
+        unexpected=sorted({name for r in reports for name in r.unexpected}),
+        mapping=first.mapping,
+        device=first.device,
+        finalize_s=max(r.finalize_s for r in reports),
+        notes=sorted({note for r in reports for note in r.notes}),
+        held_to_end_bytes=max(r.held_to_end_bytes for r in reports),
+        above_largest_layer_because=predicted.above_largest_layer_because,
+    )

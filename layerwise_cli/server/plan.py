@@ -1,0 +1,159 @@
+"""What `layerwise serve` runs: vLLM's OpenAI server command, its environment, and the settings it refuses.
+
+Pure planning (no Typer, no vLLM import): the CLI prints and execs the plan,
+and `layerwise_cli.server.launch` is the process it becomes.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field
+
+from layerwise_cli.engine_defaults import cpu_threads_binding, default_enforce_eager, default_memory_fraction
+from layerwise_cli.errors import UsageError
+
+# The module this process becomes: it starts vLLM's own server entry point.
+LAUNCHER_MODULE = "layerwise_cli.server.launch"
+# With an API key, these stay open (health checks, load balancers, Prometheus).
+OPEN_PATHS = ("/health", "/ping", "/version", "/metrics")
+DEV_ENDPOINTS = "/collective_rpc, /pause, /resume, /update_weight_version, /weight_checker"
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    """The command `layerwise serve` runs, and what it must say first."""
+
+    argv: list[str]
+    env: dict[str, str]
+    warnings: tuple[str, ...] = field(default_factory=tuple)
+
+    def shown(self) -> str:
+        """The command line as a shell would run it (the API key travels in the environment, never here)."""
+        settings = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items() if k != "VLLM_API_KEY")
+        key = " VLLM_API_KEY=<hidden>" if "VLLM_API_KEY" in self.env else ""
+        return f"{settings}{key} {shlex.join(self.argv)}"
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine can reach (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() in {"localhost", "localhost.localdomain"}:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+# Options layerwise serve sets itself. vLLM's parser takes the last of a repeated option, accepts `_` for
+# `-` and unique prefixes (`--hos` is `--host`), so a pass-through copy would silently win: refuse them.
+# `--config` is refused too: its YAML file can set any of them.
+GOVERNED_OPTIONS = {
+    "--model": "the MODEL argument", "--host": "--host (and --allow-remote)", "--port": "--port",
+    "--uds": "--host and --port", "--api-key": "--api-key (it covers the reload endpoints too)",
+    "--worker-extension-cls": "nothing: the reload endpoints need layerwise's extension",
+    "--config": "layerwise serve's own options (a config file can set the ones it governs)",
+    "--dtype": "--dtype", "--tensor-parallel-size": "--tensor-parallel-size",
+    "--max-model-len": "--max-model-len", "--quantization": "--quantization",
+}
+_GOVERNED_SHORT = {"-tp": "--tensor-parallel-size", "-q": "--quantization"}
+
+
+def governed_option(arg: str) -> str | None:
+    """The governed option that a pass-through argument would set in vLLM's parser, or None.
+
+    Matches every spelling vLLM accepts: `--host`, `--host=X`, underscores
+    (`--api_key`), unique prefixes (`--hos`), and the short forms `-tp`/`-q`
+    with or without an attached value (`-tp2`, `-q=fp8`).
+    """
+    if arg.startswith("--") and len(arg) > 2:
+        key = arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+        for option in GOVERNED_OPTIONS:
+            # A strict prefix of a governed option is either that option or ambiguous to argparse.
+            if key == option or (len(key) > 3 and option.startswith(key)):
+                return option
+        return None
+    if arg.startswith("-") and not arg.startswith("--"):
+        for short, option in _GOVERNED_SHORT.items():
+            if arg.startswith(short):
+                return option
+    return None
+
+
+def _refuse_governed(extra: list[str]) -> None:
+    for arg in extra:
+        option = governed_option(arg)
+        if option is not None:
+            spelled = arg.split("=", 1)[0]
+            shown = spelled if spelled == option else f"{spelled} (vLLM reads it as {option})"
+            raise UsageError(f"{shown} is set by layerwise serve and cannot pass through to vLLM; use "
+                             f"{GOVERNED_OPTIONS[option]} instead", where="layerwise serve")
+
+
+def plan_serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, allow_remote: bool = False,
+               api_key: str | None = None, dtype: str = "auto", tensor_parallel_size: int = 1,
+               max_model_len: int | None = None, quantization: str | None = None,
+               enforce_eager: bool | None = None, memory_fraction: float | None = None,
+               extra: list[str] | None = None, on_gpu: bool = False) -> ServePlan:
+    """Build the server command and its environment; refuse unsafe or conflicting settings.
+
+    Args:
+        model: what vLLM serves (a checkpoint directory or Hub repo id).
+        host: the address to bind; anything but loopback needs `allow_remote`.
+        port: the port to bind.
+        allow_remote: accept a non-loopback `host` (with a warning).
+        api_key: required as a bearer token on every endpoint except
+            `OPEN_PATHS`, the dev endpoints included.
+        on_gpu: whether an NVIDIA GPU is present (picks the defaults).
+        extra: further vLLM server options, passed through as they are.
+
+    Returns:
+        The plan (argv, environment additions, warnings to print).
+
+    Raises:
+        UsageError: a non-loopback host without `allow_remote`, or a
+            pass-through option that layerwise sets itself (`GOVERNED_OPTIONS`).
+    """
+    extra = list(extra or [])
+    _refuse_governed(extra)
+    warnings: list[str] = []
+    if not is_loopback(host):
+        if not allow_remote:
+            raise UsageError(f"--host {host} would let other machines reach the reload endpoints ({DEV_ENDPOINTS}), "
+                             "which carry no authentication of their own: pass --allow-remote to bind it anyway, "
+                             "with --api-key")
+        if api_key:
+            warnings.append(f"binding {host}: other machines can reach this server; every endpoint but "
+                            f"{', '.join(OPEN_PATHS)} requires the API key (layerwise serve extends vLLM's key "
+                            "check, which covers only /v1, to the reload endpoints); the traffic is plain HTTP: "
+                            "put TLS in front of it")
+        else:
+            warnings.append(f"binding {host}: the reload endpoints ({DEV_ENDPOINTS}) carry no authentication of "
+                            "their own: anyone who can reach this port can replace the model's weights or run "
+                            "methods on its workers. Pass --api-key KEY (or set LAYERWISE_API_KEY) to require it "
+                            "on them")
+    from layerwise_cli import EXTENSION_CLS
+
+    argv = [sys.executable, "-m", LAUNCHER_MODULE, "--model", model, "--host", host, "--port", str(port),
+            "--worker-extension-cls", EXTENSION_CLS, "--dtype", dtype,
+            "--tensor-parallel-size", str(tensor_parallel_size)]
+    if max_model_len is not None:
+        argv += ["--max-model-len", str(max_model_len)]
+    if quantization:
+        argv += ["--quantization", quantization]
+    eager = default_enforce_eager(enforce_eager, on_gpu)
+    if eager and not {"--enforce-eager", "--no-enforce-eager"} & set(extra):
+        argv.append("--enforce-eager")
+    fraction = default_memory_fraction(memory_fraction, on_gpu)
+    if fraction is not None and not any(a.startswith("--gpu-memory-utilization") for a in extra):
+        argv += ["--gpu-memory-utilization", str(fraction)]
+    argv += extra
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if api_key:
+        # In the environment, not on the command line, where `ps` shows it.
+        env["VLLM_API_KEY"] = api_key
+    if tensor_parallel_size > 1 and not on_gpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_binding(tensor_parallel_size)
+    return ServePlan(argv=argv, env=env, warnings=tuple(warnings))

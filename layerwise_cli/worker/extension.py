@@ -1,0 +1,130 @@
+"""The class vLLM mixes into every worker (`worker_extension_cls`): layerwise's remote API."""
+
+from __future__ import annotations
+
+import traceback
+
+from layerwise_cli import EXTENSION_CLS  # noqa: F401 - re-exported for the engine side
+from layerwise_cli.errors import LayerwiseError, describe_exception
+from layerwise_cli.vllm_logs import silence_rotary_reload_warning
+from layerwise_cli.worker.fingerprints import model_fingerprints
+from layerwise_cli.worker.verify import verify_against_source
+
+# vLLM imports this module in every worker: the filter lands where the warning is logged.
+silence_rotary_reload_warning()
+
+
+class LayerwiseWorkerExtension:
+    """Methods callable with `collective_rpc("layerwise_...")` on every worker.
+
+    Every method returns plain JSON-ready data, so the same calls work in
+    process (`LLM.collective_rpc`) and over HTTP (`POST /collective_rpc`).
+    Failures come back as `{"ok": False, "error": "..."}` rather than
+    exceptions: an exception escaping a worker method makes vLLM's engine core
+    shut the engine down, and one line must reach the user whichever way they
+    called.
+    """
+
+    def layerwise_ping(self) -> dict:
+        """Prove the extension is loaded; report its version and this worker's rank."""
+        from layerwise_cli import __version__
+
+        return {"ok": True, "version": __version__, "rank": getattr(self, "rank", None)}
+
+    def layerwise_reload(self, source: str, order: str = "layer", allow_partial: bool = False,
+                         readahead: bool = True, revision: str | None = None,
+                         progress_path: str | None = None, allow_nonfinite: bool = False) -> dict:
+        """Reload SOURCE in place, in `order`, and return this worker's report.
+
+        A parent layer holding NaN or Inf is refused before it is handed over
+        (and the layers already loaded are rolled back) unless `allow_nonfinite`.
+        """
+        from layerwise_cli.worker.reload import stream_reload
+
+        touched = {"engine": False}
+        try:
+            report = _with_rollback(self, touched, lambda: stream_reload(
+                self, source, order=order, allow_partial=allow_partial, readahead=readahead,
+                revision=revision, progress_path=progress_path, allow_nonfinite=allow_nonfinite,
+                on_engine_touched=lambda: touched.update(engine=True)))
+        except Exception as exc:  # noqa: BLE001 - every failure becomes one line for the caller
+            error = describe_exception(exc)
+            return {"ok": False, "error": str(error), "engine_touched": touched["engine"],
+                    "rolled_back": touched.get("rolled_back", False),
+                    "traceback": traceback.format_exc()}
+        self._layerwise_loaded_from = (source, revision)
+        return {"ok": True, "report": report.to_dict()}
+
+    def layerwise_checksums(self) -> dict:
+        """SHA-256 of every engine tensor that keeps storage, and their storage pointers."""
+        from layerwise_cli.worker.checksums import model_checksums, storage_pointers
+
+        try:
+            model = self.model_runner.get_model()
+            return {"ok": True, "rank": getattr(self, "rank", None), "checksums": model_checksums(model),
+                    "pointers": storage_pointers(model)}
+        except Exception as exc:  # noqa: BLE001 - an exception here would take the engine down
+            return {"ok": False, "error": str(describe_exception(exc))}
+
+    def layerwise_fingerprints(self) -> dict:
+        """A digest of what every module computes with, including weights hidden in kernel handles.
+
+        Stored tensors are digested as they are; a linear layer whose weight
+        lives only inside an opaque kernel handle (CPU oneDNN repacking) is
+        read back through its own kernel (see `module_fingerprints`). Two
+        engines on the same machine and configuration that hold the same
+        weights give identical fingerprints.
+        """
+        try:
+            model = self.model_runner.get_model()
+            with _engine_context(self):
+                return {"ok": True, "rank": getattr(self, "rank", None), "fingerprints": model_fingerprints(model)}
+        except Exception as exc:  # noqa: BLE001 - an exception here would take the engine down
+            return {"ok": False, "error": str(describe_exception(exc))}
+
+    def layerwise_verify(self, source: str, revision: str | None = None) -> dict:
+        """Check, parent layer by parent layer, that the engine holds what SOURCE must produce.
+
+        Each layer SOURCE covers is loaded afresh into a private copy of the
+        engine's layer (vLLM's own loaders and processing), and the copy's
+        fingerprints are compared with the live layer's. The engine's weights
+        are not changed.
+        """
+        try:
+            with _engine_context(self):
+                result = verify_against_source(self.model_runner.get_model(), source, revision,
+                                               self.model_runner.model_config)
+            return {"ok": True, "rank": getattr(self, "rank", None), "verify": result}
+        except Exception as exc:  # noqa: BLE001 - an exception here would take the engine down
+            return {"ok": False, "error": str(describe_exception(exc)), "traceback": traceback.format_exc()}
+
+
+def _engine_context(worker):
+    """The vLLM config context the worker's own reload runs under (quant methods may read it)."""
+    import contextlib
+
+    config = getattr(worker, "vllm_config", None)
+    if config is None:
+        return contextlib.nullcontext()
+    from vllm.config import set_current_vllm_config
+
+    return set_current_vllm_config(config)
+
+
+def _with_rollback(worker, touched: dict, run):
+    """Run a reload; if it fails after touching the engine, reload what it had before."""
+    try:
+        return run()
+    except Exception as exc:
+        if not touched["engine"]:
+            raise
+        error = describe_exception(exc)
+        previous = getattr(worker, "_layerwise_loaded_from", None)
+        source, revision = previous or (str(worker.model_runner.model_config.model), None)
+        from layerwise_cli.worker.reload import discard_partial_reload, stream_reload
+
+        discard_partial_reload(worker.model_runner.get_model())
+        # The weights it had are put back as they were, whatever they hold.
+        stream_reload(worker, source, revision=revision, allow_partial=True, allow_nonfinite=True)
+        touched["rolled_back"] = True
+        raise LayerwiseError(f"{error}; the engine was rolled back to the weights of {source}") from None

@@ -1,0 +1,84 @@
+"""Digests of what each module computes with, including weights that live only inside kernel handles."""
+
+from __future__ import annotations
+
+from layerwise_cli.errors import LayerwiseError
+
+# Rows of the identity matrix fed through a linear kernel per call when reading its weight back.
+_READBACK_ROWS = 256
+
+
+def _reads_back(module) -> bool:
+    """Whether a module's weights must be read back through its kernel to be fingerprinted.
+
+    True for a linear layer whose weight lives only inside a kernel handle
+    (CPU repacking empties `weight`), and for any layer with a CPU kernel
+    handle (`cpu_linear`, e.g. the LM head), which may hold its own copy of
+    a weight that is also stored.
+    """
+    if not hasattr(getattr(module, "quant_method", None), "apply"):
+        return False
+    if getattr(module, "cpu_linear", None) is not None:
+        return True
+    from vllm.model_executor.layers.linear import LinearBase
+
+    weight = module._parameters.get("weight")
+    hidden = weight is None or weight.device.type == "meta" or weight.numel() == 0
+    return isinstance(module, LinearBase) and hidden
+
+
+def _kernel_readback_digest(module) -> str:
+    """SHA-256 of the layer's kernel applied to the identity matrix, block by block, without bias.
+
+    Row k of the output is column k of the weight the kernel computes with
+    (one product by 1.0 per output, added to zeros: exact in any precision),
+    so the digest covers every weight element even when the weight itself is
+    an opaque handle.
+    """
+    import hashlib
+
+    import torch
+
+    weight = module._parameters.get("weight")
+    stored = weight is not None and weight.device.type != "meta" and weight.numel() > 0
+    # Parallel layers know their input width per rank; `ReplicatedLinear` (MoE routers) only `input_size`.
+    width = (getattr(module, "input_size_per_partition", None) or (weight.shape[-1] if stored else None)
+             or getattr(module, "input_size", None))
+    if width is None:
+        raise LayerwiseError(f"cannot tell the input width of {type(module).__name__} to read its kernel back")
+    dtype = getattr(module, "params_dtype", None) or (weight.dtype if stored else torch.get_default_dtype())
+    device = next((t.device for t in module.parameters(recurse=False) if t.device.type != "meta"),
+                  torch.device("cpu"))
+    digest = hashlib.sha256(f"kernel {width} {dtype}".encode())
+    with torch.no_grad():
+        for start in range(0, width, _READBACK_ROWS):
+            rows = min(_READBACK_ROWS, width - start)
+            probe = torch.zeros(rows, width, dtype=dtype, device=device)
+            index = torch.arange(rows, device=device)
+            probe[index, start + index] = 1
+            out = module.quant_method.apply(module, probe).detach().to("cpu").contiguous()
+            digest.update(str(tuple(out.shape)).encode())
+            digest.update(out.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def module_fingerprints(module, prefix: str = "") -> dict[str, str]:
+    """Digests of one module's own tensors that keep storage, and `<prefix>#kernel` for hidden weights."""
+    from layerwise_cli.worker.checksums import tensor_digest
+
+    out: dict[str, str] = {}
+    for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):
+        if tensor is None or tensor.device.type == "meta" or tensor.numel() == 0:
+            continue
+        out[prefix + name] = tensor_digest(tensor)
+    if _reads_back(module):
+        out[prefix + "#kernel"] = _kernel_readback_digest(module)
+    return out
+
+
+def model_fingerprints(model) -> dict[str, str]:
+    """`module_fingerprints` of every module, qualified by module name, sorted."""
+    out: dict[str, str] = {}
+    for module_name, module in model.named_modules():
+        out.update(module_fingerprints(module, f"{module_name}." if module_name else ""))
+    return dict(sorted(out.items()))

@@ -1,0 +1,88 @@
+"""Check a checkpoint against the running engine before the engine is touched."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from layerwise_cli.checkpoint.sources import Checkpoint, open_checkpoint
+from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.planning.plan import Plan
+from layerwise_cli.planning.reference import check_against_reference
+
+
+def reference_checkpoint(model_path: str) -> Checkpoint | None:
+    """The checkpoint the engine was started from (its headers), if on this machine."""
+    path = Path(model_path)
+    if not path.exists():
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = Path(snapshot_download(model_path, local_files_only=True,
+                                          allow_patterns=["*.safetensors", "*.json"]))
+        except Exception:  # noqa: BLE001 - no local reference: the checks that need one are skipped
+            return None
+    try:
+        return open_checkpoint(str(path))
+    except LayerwiseError:
+        return None
+
+
+def preflight(plan: Plan, model: torch.nn.Module, vllm_names: dict[str, str],
+              reference: Checkpoint | None, *, allow_partial: bool) -> list[str]:
+    """Raise `LayerwiseError` if the checkpoint cannot be loaded cleanly.
+
+    Checks, in this order: every tensor maps to a module of the engine that
+    has parameters; with the engine's own starting checkpoint as reference,
+    every tensor is one the engine knows with the same shape and a compatible
+    dtype, and (unless `allow_partial`) every reference tensor is present.
+
+    Args:
+        plan: the source's plan (headers already validated when read).
+        model: the engine's model.
+        vllm_names: checkpoint name -> parent module name in the engine.
+        reference: the engine's starting checkpoint, or None if unavailable.
+        allow_partial: accept a checkpoint that covers only some parameters.
+
+    Returns:
+        Notes for the report (for example, that no reference was available).
+    """
+    source = plan.checkpoint.source
+    notes: list[str] = []
+    modules = dict(model.named_modules())
+    for item in plan.file_order:
+        if item.parent is None:
+            continue
+        module = modules.get(vllm_names[item.entry.name])
+        if module is None or not any(True for _ in module.parameters(recurse=False)):
+            raise LayerwiseError(
+                f"tensor {item.entry.name!r} maps to {vllm_names[item.entry.name]!r}, which is not a "
+                "parameterised module of the engine's model (unknown tensor or other architecture)",
+                where=source,
+            )
+    if reference is None:
+        notes.append("no reference checkpoint on this machine: shapes checked by vLLM's loaders only")
+        _refuse_partly_covered_layers(plan)
+        return notes
+    check_against_reference(plan.checkpoint, reference, plan.mapping, allow_partial=allow_partial)
+    _refuse_partly_covered_layers(plan)
+    return notes
+
+
+def _refuse_partly_covered_layers(plan: Plan) -> None:
+    """Refuse a fused layer the checkpoint covers only partly, even with --allow-partial.
+
+    vLLM never completes such a layer while streaming; at the end it
+    materializes the whole layer from fresh (uninitialized) memory, loads the
+    parts it got and copies all of it into place, so the missing parts would
+    not keep their weights.
+    """
+    partial = [hold for hold in plan.held.values() if hold.kind == "partial"]
+    if partial:
+        first = partial[0]
+        more = f" (and {len(partial) - 1} more layer(s))" if len(partial) > 1 else ""
+        raise LayerwiseError(
+            f"fused layer {first.name} is only partly in the checkpoint: {first.reason}{more}; vLLM would "
+            "overwrite the missing part with uninitialized memory, so a partial checkpoint must hold every "
+            "part of each fused layer it touches", where=plan.checkpoint.source)

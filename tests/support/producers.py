@@ -1,0 +1,104 @@
+"""Checkpoints written by a real producer: `transformers`' own `save_pretrained`.
+
+Our synthetic generators choose things a trainer does not (a vocabulary that
+is a multiple of 64, our shard layouts, an `lm_head` always present), which
+hides whole classes of bugs. These builders instantiate a small, randomly
+initialised `transformers` model and let `save_pretrained` decide the shard
+layout (`max_shard_size`), the tensor names and whether a tied head is written.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+# Names as `config.json`'s `architectures` spells them, keyed by a short name.
+ARCHITECTURES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+
+# A vocabulary vLLM keeps as it is (a multiple of 64) and one it pads (160 -> 192).
+UNPADDED_VOCAB = 192
+PADDED_VOCAB = 160
+
+
+@dataclass(frozen=True)
+class Producer:
+    """What to build: an architecture, its head and vocabulary, how to shard it."""
+
+    arch: str  # a key of ARCHITECTURES
+    tied: bool = False
+    vocab_size: int = UNPADDED_VOCAB
+    layers: int = 2
+    max_shard_size: str = "64KB"
+
+    @property
+    def label(self) -> str:
+        head = "tied" if self.tied else "untied"
+        return f"{self.arch}-{head}-v{self.vocab_size}-{self.max_shard_size}"
+
+
+def _config(producer: Producer):
+    """A tiny config of the architecture, with shapes vLLM's CPU backend accepts (head_dim 64)."""
+    import transformers
+
+    common = dict(
+        vocab_size=producer.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=producer.layers,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=128,
+        tie_word_embeddings=producer.tied, initializer_range=0.2, rms_norm_eps=1e-6,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    if producer.arch == "qwen3":
+        return transformers.Qwen3Config(**common)
+    if producer.arch == "llama":
+        return transformers.LlamaConfig(**common)
+    if producer.arch == "mistral":
+        return transformers.MistralConfig(sliding_window=None, **common)
+    if producer.arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                           decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                                           **common)
+    raise ValueError(f"unknown architecture {producer.arch!r}; choose from {sorted(ARCHITECTURES)}")
+
+
+def save_pretrained_checkpoint(out: Path, producer: Producer, *, seed: int) -> Path:
+    """Write a randomly initialised model with `save_pretrained`, plus the demo tokenizer.
+
+    Args:
+        out: the checkpoint directory (created).
+        producer: architecture, head, vocabulary and shard size.
+        seed: the weights' seed; two seeds give two checkpoints of one architecture (A and B).
+
+    Returns:
+        `out`, holding bf16 safetensors shards as `transformers` writes them (an
+        index when there is more than one shard), `config.json` and a tokenizer.
+    """
+    import torch
+    import transformers
+
+    from layerwise_cli.demo.models import _write_tokenizer
+
+    config = _config(producer)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            # transformers initialises norms to 1 and some tensors to 0; give
+            # every tensor seed-dependent values so that A and B differ in
+            # every parent layer (a layer that is not reloaded must show).
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif param.abs().max() == 0:
+                param.copy_(0.2 * torch.randn_like(param))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, max_shard_size=producer.max_shard_size)
+    _write_tokenizer(out)
+    config_path = out / "config.json"
+    written = json.loads(config_path.read_text())
+    if written.get("architectures") != [ARCHITECTURES[producer.arch]]:
+        raise AssertionError(f"transformers wrote architectures {written.get('architectures')}")
+    return out

@@ -1,0 +1,169 @@
+"""Real vLLM server processes for tests: automatic loopback port, polled on /health, terminated then killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERWISE = str(Path(sys.executable).with_name("layerwise"))
+# Tiny debug models: a small context.
+SMALL = ["--max-model-len", "64", "--max-num-seqs", "8"]
+# A small explicit KV cache (64 MiB: about 130k tokens of the debug models), so that several servers fit
+# beside other work; on CPU, vLLM's memory fraction is of host RAM and must also cover the process itself.
+KV_CACHE = ["--kv-cache-memory-bytes", str(64 * 2**20)]
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now (the kernel picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RunningServer:
+    """A vLLM OpenAI server started for a test, on 127.0.0.1 and a free port.
+
+    `kind`: `layerwise` (`layerwise serve`: extension, dev endpoints),
+    `plain` (vLLM's server with VLLM_SERVER_DEV_MODE=1, no extension) or
+    `no-dev` (vLLM's server without the dev endpoints).
+    """
+
+    def __init__(self, model: Path | str, *, kind: str = "layerwise", api_key: str | None = None,
+                 extra: list[str] | None = None, env: dict[str, str] | None = None,
+                 start_timeout: float = 300.0) -> None:
+        self.model = str(model)
+        self.kind = kind
+        self.api_key = api_key
+        self._env = dict(env or {})
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._extra = list(extra if extra is not None else SMALL)
+        self._start_timeout = start_timeout
+        self._proc: subprocess.Popen | None = None
+        # Open for the server's lifetime (its stdout and stderr), read by log_tail; deleted on exit.
+        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115
+            prefix=f"vllm-{kind}-{self.port}-", suffix=".log", delete=False)
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1"}
+        env.pop("VLLM_SERVER_DEV_MODE", None)
+        env.pop("LAYERWISE_API_KEY", None)
+        env.update(self._env)
+        if self.kind == "layerwise":
+            argv = [LAYERWISE, "serve", self.model, "--port", str(self.port), *KV_CACHE]
+            if self.api_key:
+                argv += ["--api-key", self.api_key]
+            return argv + self._extra, env
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+                "--host", "127.0.0.1", "--port", str(self.port), "--enforce-eager",
+                "--gpu-memory-utilization", "0.1", *KV_CACHE]
+        if self.api_key:
+            argv += ["--api-key", self.api_key]
+        if self.kind == "plain":
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+        return argv + self._extra, env
+
+    def start(self) -> RunningServer:
+        argv, env = self.command()
+        # A session of its own: stop() signals the server and every process it spawned.
+        self._proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+        deadline = time.monotonic() + self._start_timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self._proc.returncode} before it was healthy:\n"
+                                   f"{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"the server was not healthy within {self._start_timeout:.0f} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self._proc is None or self._proc.poll() is not None:
+            return
+        try:
+            os.killpg(self._proc.pid, signal.SIGTERM)
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait(timeout=30)
+        except ProcessLookupError:
+            pass
+
+    @property
+    def pid(self) -> int:
+        """The server process (`layerwise serve` replaces itself with it: same PID)."""
+        assert self._proc is not None
+        return self._proc.pid
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        self._log.flush()
+        text = Path(self._log.name).read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def __enter__(self) -> RunningServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        Path(self._log.name).unlink(missing_ok=True)
+
+    # --- talking to it -------------------------------------------------------------------------
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def complete(self, prompt: str, max_tokens: int = 4, timeout: float = 60.0, **extra: object) -> dict:
+        """A greedy /v1/completions call; the first choice."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **extra}
+        response = httpx.post(f"{self.url}/v1/completions", json=body, headers=self.headers(), timeout=timeout)
+        response.raise_for_status()
+        return response.json()["choices"][0]
+
+    def answers(self, pairs: list[tuple[int, int]]) -> list[str]:
+        from layerwise_cli.demo.models import demo_prompt
+
+        return [self.complete(demo_prompt(a, b))["text"].strip() for a, b in pairs]
+
+    def is_paused(self) -> bool:
+        response = httpx.get(f"{self.url}/is_paused", headers=self.headers(), timeout=10)
+        response.raise_for_status()
+        return response.json()["is_paused"]
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600.0) -> subprocess.CompletedProcess:
+    """Run the installed `layerwise` console script (a real subprocess), capturing text output."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([LAYERWISE, *args], env=full_env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def server_fixture(model: str, *, scope: str = "module", **kwargs: object):
+    """A pytest fixture yielding a `RunningServer` on the demo model `model`, shared per `scope`.
+
+    Example: `multiply_server = server_fixture("multiply", api_key="k")` in a test module.
+    """
+    import pytest
+
+    @pytest.fixture(scope=scope)
+    def fixture(demo_models):
+        with RunningServer(demo_models[model], **kwargs) as server:  # type: ignore[arg-type]
+            yield server
+
+    return fixture

@@ -1,0 +1,66 @@
+"""scripts/check_imports.py: the package has no import cycle, and the check finds one when there is."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "check_imports.py"
+
+
+def _check(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=60,
+                          check=False)
+
+
+def test_layerwise_cli_has_no_import_cycle() -> None:
+    done = _check()
+    assert done.returncode == 0, done.stderr
+    assert "no import cycles" in done.stdout
+
+
+def test_a_cycle_through_a_deferred_import_is_found(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "a.py").write_text("from .sub.b import thing\n")
+    (package / "sub" / "b.py").write_text("def thing():\n    from .. import a\n    return a\n")
+    (package / "c.py").write_text("import pkg.a\n")  # imports into the cycle, is not part of it
+    done = _check(str(package))
+    assert done.returncode == 1
+    assert done.stderr.strip() == "import cycle: pkg.a <-> pkg.sub.b (pkg.a -> pkg.sub.b, pkg.sub.b -> pkg.a)"
+
+
+def _package(tmp_path: Path, files: dict[str, str]) -> Path:
+    package = tmp_path / "layerwise_cli"
+    for name, text in files.items():
+        path = package / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for parent in [path.parent, *path.parent.parents]:
+            if parent == tmp_path:
+                break
+            (parent / "__init__.py").touch()
+        path.write_text(text)
+    return package
+
+
+def test_an_import_against_the_layer_order_is_found(tmp_path: Path) -> None:
+    package = _package(tmp_path, {
+        "checkpoint/header.py": "",
+        "worker/stream.py": "from layerwise_cli.checkpoint.header import x\n",
+        "client/local.py": "from layerwise_cli.worker.stream import y\n",
+        "planning/plan.py": "def f():\n    from layerwise_cli.client.local import z\n",
+    })
+    done = _check(str(package))
+    assert done.returncode == 1
+    assert done.stderr.strip() == ("layer order: layerwise_cli.planning.plan (layer 2) imports "
+                                   "layerwise_cli.client.local (layer 5)")
+
+
+def test_rich_outside_cli_is_found(tmp_path: Path) -> None:
+    package = _package(tmp_path, {"cli/view.py": "import rich\n", "client/local.py": "from rich.table import Table\n"})
+    done = _check(str(package))
+    assert done.returncode == 1
+    assert done.stderr.strip() == "layerwise_cli.client.local imports rich.table (only cli/ may)"
