@@ -2,7 +2,7 @@
 
 The Python API (imported lazily, so that `import layerwise_cli` stays cheap):
 
-    from layerwise_cli import EXTENSION_CLS, reload, start_engine, stop_engine, inspect_order, verify_engine
+    from layerwise_cli import EXTENSION_CLS, reload, start_engine, stop_engine, inspect_order, verify_engine, watch
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ _LAZY = {
     "verify_engine": ("layerwise_cli.client.local", "verify_engine"),
     "VerifyResult": ("layerwise_cli.report.verify_result", "VerifyResult"),
     "LayerwiseError": ("layerwise_cli.errors", "LayerwiseError"),
+    "watch": ("layerwise_cli.client.watch", "watch"),
+    "WatchOptions": ("layerwise_cli.client.watch", "WatchOptions"),
 }
 __all__ = ["__version__", "EXTENSION_CLS", *_LAZY]
 

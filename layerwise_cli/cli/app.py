@@ -15,6 +15,7 @@ try:
     from layerwise_cli.cli.reorder import reorder_command
     from layerwise_cli.cli.serve import serve_command
     from layerwise_cli.cli.version import print_version
+    from layerwise_cli.cli.watch import watch_command
 except KeyboardInterrupt:  # Ctrl-C while the CLI starts: one line, no traceback
     sys.stderr.write("Error: interrupted\n")
     raise SystemExit(130) from None
@@ -45,6 +46,7 @@ app.command("reload")(reload_command)
 app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(serve_command)
 app.command("reorder")(reorder_command)
 app.command("demo")(demo_command)
+app.command("watch")(watch_command)
 
 
 def main() -> None:

@@ -1,0 +1,149 @@
+"""`layerwise watch`: keep servers on the newest complete step of a training run."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
+from rich.live import Live
+from rich.markup import escape
+from rich.table import Table
+
+from layerwise_cli.cli._output import handle_errors, report_error, stderr
+from layerwise_cli.errors import LayerwiseError, UsageError
+
+
+@handle_errors
+def watch_command(
+    root: Annotated[Path, typer.Argument(help="The directory the trainer writes one directory per step into.",
+                                         show_default=False)],
+    url: Annotated[list[str], typer.Option("--url", help="A server to keep on the newest step (repeatable).",
+                                           show_default=False)],
+    pattern: Annotated[list[str] | None, typer.Option(
+        "--pattern", metavar="GLOB", help="Step directory names (repeatable; the step number is the last integer "
+        "in the name). Default: step_*, step-*, global_step_*, checkpoint-*, iter_*.", show_default=False)] = None,
+    marker: Annotated[str, typer.Option(
+        "--marker", metavar="NAME|auto", help="A step is complete once the file NAME (e.g. STABLE) is in it; "
+        "auto: once its index and every shard it lists are complete and nothing changed for --settle seconds.")]
+    = "auto",
+    interval: Annotated[float, typer.Option("--interval", min=0.05, help="Seconds between two listings of ROOT.")]
+    = 1.0,
+    settle: Annotated[float, typer.Option("--settle", min=0.0, help="With --marker auto: seconds a step must stay "
+                                          "unchanged to count as complete.")] = 2.0,
+    keep: Annotated[int | None, typer.Option(
+        "--keep", min=1, metavar="N", help="Once every server holds the newest step, delete steps older than the "
+        "newest N (never one a server holds or loads). Default: delete nothing.", show_default=False)] = None,
+    once: Annotated[bool, typer.Option("--once", help="Bring every server to the newest complete step, then exit "
+                                       "(0 when all hold it).")] = False,
+    log: Annotated[Path | None, typer.Option("--log", metavar="FILE.jsonl", help="Append every event, with the "
+                                             "full per-server report, to this file.", show_default=False)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object per event on stdout; no live "
+                                          "status.")] = False,
+    pause_mode: Annotated[Literal["wait", "keep", "abort", "none"], typer.Option(
+        "--pause-mode", help="How generation pauses during each reload (see the README's table: vLLM 0.33 answers "
+        "new requests 503 while paused in wait and abort).")] = "wait",
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", envvar="LAYERWISE_API_KEY", show_envvar=True, show_default=False,
+        help="The servers' API key, sent as a bearer token.")] = None,
+    verify: Annotated[bool, typer.Option("--verify", help="After each reload, check layer by layer that the server "
+                                         "holds exactly the step's weights.")] = False,
+    timeout: Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds to wait for each request to a "
+                                           "server, a reload included.")] = 600.0,
+) -> None:
+    """Keep servers on the newest complete step of a training run, reloading each new one.
+
+    Lists ROOT every --interval seconds, picks the newest complete step
+    directory and reloads it into every server that does not hold it yet
+    (a server's weight version is the step's directory name, so a restarted
+    watch reloads nothing that is current). Broken steps are reported once and
+    skipped; a server that stops answering is retried and brought up to date
+    when it returns. Ctrl-C or SIGTERM lets a running reload finish (no server
+    is left paused) and exits 0.
+
+    Example: layerwise watch /runs/exp1/weights --url http://127.0.0.1:8000 --url http://127.0.0.1:8001 --keep 3
+    """
+    from layerwise_cli.client.watch import Watcher, WatchOptions, server_targets
+
+    options = WatchOptions(patterns=tuple(pattern) if pattern else WatchOptions().patterns, marker=marker,
+                           interval=interval, settle=settle, keep=keep, once=once, pause_mode=pause_mode,
+                           api_key=api_key, verify=verify, timeout=timeout)
+    if not root.is_dir():
+        raise LayerwiseError("no such directory (the root the trainer writes steps into)", where=str(root))
+    if marker != "auto" and ("/" in marker or marker in ("", ".", "..")):
+        raise UsageError(f"--marker must be a file name or auto, not {marker!r}")
+    watcher = Watcher(root, server_targets(url, options), options)
+    log_file = _open_log(log)
+
+    def stop(signum, frame) -> None:
+        watcher.stop()
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    live = None if as_json or not stderr.is_terminal else Live(_status(watcher), console=stderr,
+                                                               refresh_per_second=4, transient=False)
+    try:
+        if live is not None:
+            live.start()
+        for event in watcher.run():
+            if log_file is not None:
+                log_file.write(json.dumps(event.to_dict(full=True), default=str) + "\n")
+                log_file.flush()
+            if as_json:
+                sys.stdout.write(json.dumps(event.to_dict(), default=str) + "\n")
+                sys.stdout.flush()
+            elif live is not None:
+                live.update(_status(watcher))
+                if event.kind in ("reload_failed", "step_skipped", "server_down", "server_back", "step_deleted"):
+                    live.console.print(escape(event.line()))
+            else:
+                stderr.print(escape(event.line()), soft_wrap=True)
+    finally:
+        if live is not None:
+            live.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if log_file is not None:
+            log_file.close()
+    if watcher.failure is not None:
+        report_error(LayerwiseError(watcher.failure))
+        raise typer.Exit(1)
+
+
+def _open_log(path: Path | None):
+    if path is None:
+        return None
+    try:
+        return path.open("a", encoding="utf-8")
+    except OSError as exc:
+        from layerwise_cli.errors import describe_exception
+
+        raise describe_exception(exc, where=str(path)) from exc
+
+
+def _status(watcher) -> Table:
+    from layerwise_cli.units import human_bytes, human_seconds
+
+    state = watcher.state
+    table = Table(title=f"watch {escape(str(watcher.root))}: newest step {escape(state.newest_seen or '-')}, "
+                  f"complete {escape(state.target or '-')}", title_justify="left")
+    table.add_column("server", overflow="fold")
+    table.add_column("state")
+    table.add_column("holds")
+    table.add_column("last reload", justify="right")
+    table.add_column("peak", justify="right")
+    for name, server in state.servers.items():
+        if server["up"] is False:
+            what = "[red]down[/]"
+        elif server["busy"]:
+            what = f"loading {escape(server['busy'])}"
+        elif server["version"] == state.target:
+            what = "[green]current[/]"
+        else:
+            what = "behind"
+        table.add_row(escape(name), what, escape(str(server["version"] or "-")),
+                      human_seconds(server["wall_s"]) if server["wall_s"] is not None else "-",
+                      human_bytes(server["peak_bytes"]) if server["peak_bytes"] is not None else "-")
+    return table

@@ -1,0 +1,126 @@
+"""What `watch` keeps up to date: servers over HTTP, or an engine in this process."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from layerwise_cli.client.server_api import HOLDS_NEW, HOLDS_PREVIOUS, HOLDS_UNKNOWN, RemoteOptions, _one_line
+
+
+class TargetDown(Exception):
+    """The target did not answer at all (connection refused, no route, timeout)."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one reload did to one target."""
+
+    ok: bool
+    # HOLDS_NEW, HOLDS_PREVIOUS, HOLDS_UNVERIFIED or HOLDS_UNKNOWN (see client/server_api.py).
+    holds: str
+    error: str | None = None
+    # The step failed inside the reload itself (pre-flight, a shard, --verify), not the server around it.
+    failed_in_reload: bool = False
+    reached: bool = True
+    version: str | None = None
+    wall_s: float | None = None
+    peak_bytes: int | None = None
+    paused_s: float | None = None
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+class Target(Protocol):
+    """Something that holds weights and can reload a step directory."""
+
+    name: str
+    # Reloads and probes may run in a thread of their own (servers); an in-process engine runs them inline.
+    threaded: bool
+
+    def weight_version(self) -> str | None:
+        """The weight version it holds now. Raises TargetDown when it does not answer."""
+
+    def reload(self, path: str, version: str) -> Outcome:
+        """Load the checkpoint at PATH and name it VERSION; never raises for a failed reload."""
+
+
+class ServerTarget:
+    """A vLLM server started with `layerwise serve` (or with the dev endpoints on)."""
+
+    threaded = True
+
+    def __init__(self, url: str, options: RemoteOptions) -> None:
+        self.name = url.rstrip("/")
+        self.url = url
+        self.options = options
+
+    def weight_version(self) -> str | None:
+        from layerwise_cli.client.server_api import ServerClient
+
+        client = ServerClient(self.url, api_key=self.options.api_key, timeout=min(self.options.timeout, 10.0))
+        try:
+            return client.weight_version()
+        except Exception as exc:
+            if not client.reached:
+                raise TargetDown(_one_line(str(exc))) from None
+            raise
+        finally:
+            client.close()
+
+    def reload(self, path: str, version: str) -> Outcome:
+        from dataclasses import replace
+
+        from layerwise_cli.client.remote import reload_server
+
+        result = reload_server(self.url, path, replace(self.options, weight_version=version))
+        report = result.report
+        return Outcome(ok=result.ok, holds=result.holds, error=result.error,
+                       failed_in_reload=result.stage in ("reload", "verify"), reached=result.reached,
+                       version=result.version_after, wall_s=report.wall_s if report else None,
+                       peak_bytes=report.peak_buffer_bytes if report else None,
+                       paused_s=result.paused_s or None, report=result.to_dict())
+
+
+class EngineTarget:
+    """A `vllm.LLM` in this process, built with layerwise's worker extension (a trainer-colocated engine)."""
+
+    threaded = False  # vllm.LLM is not thread-safe: reload where the caller iterates
+    name = "engine"
+
+    def __init__(self, llm, *, verify: bool = False) -> None:
+        self.llm = llm
+        self.verify = verify
+
+    def weight_version(self) -> str | None:
+        return self.llm.get_weight_version()
+
+    def reload(self, path: str, version: str) -> Outcome:
+        from layerwise_cli.client.local import call_workers, reports_from_results, verify_engine
+        from layerwise_cli.errors import describe_exception
+        from layerwise_cli.report.verify_result import verify_failure
+
+        start = time.perf_counter()
+        try:
+            results = call_workers(self.llm, "layerwise_reload", source=path)
+        except Exception as exc:  # noqa: BLE001 - one line, like a server's failure
+            return Outcome(ok=False, holds=HOLDS_UNKNOWN, error=_one_line(str(describe_exception(exc))),
+                           failed_in_reload=True)
+        failures = [r for r in results if not r.get("ok")]
+        if failures:
+            touched = any(r.get("engine_touched") for r in failures)
+            rolled_back = all(r.get("rolled_back") for r in failures if r.get("engine_touched"))
+            holds = HOLDS_PREVIOUS if not touched or rolled_back else HOLDS_UNKNOWN
+            return Outcome(ok=False, holds=holds, error=_one_line(failures[0].get("error") or "a worker failed"),
+                           failed_in_reload=True, version=self.llm.get_weight_version(),
+                           report={"results": [{k: v for k, v in r.items() if k != "traceback"} for r in results]})
+        report = reports_from_results(results)
+        self.llm.reset_prefix_cache()
+        if self.verify:
+            checked = verify_engine(self.llm, path)
+            if not checked.ok:
+                return Outcome(ok=False, holds="unverified", error=verify_failure(checked), failed_in_reload=True,
+                               version=self.llm.get_weight_version(), report={"report": report.to_dict()})
+        self.llm.update_weight_version(version)
+        return Outcome(ok=True, holds=HOLDS_NEW, version=version, wall_s=time.perf_counter() - start,
+                       peak_bytes=report.peak_buffer_bytes, report={"report": report.to_dict()})
