@@ -113,6 +113,8 @@ class Watcher:
         self._floor = -1
         self._pending: list[WatchEvent] = []
         self._settling = False
+        # The target was dropped since the last poll: --once must look again before it gives up.
+        self._repoll = False
         self.state = WatchState()
         # Set when --once ends: None (all hold the newest step) or why not.
         self.failure: str | None = None
@@ -179,6 +181,7 @@ class Watcher:
     # --- steps -------------------------------------------------------------------------------
 
     def _poll(self) -> None:
+        self._repoll = False
         steps = list_steps(self.root, self.options.patterns)
         names = {s.name for s in steps}
         for name in list(self._known):
@@ -281,11 +284,11 @@ class Watcher:
             self._maybe_clean()
 
     def _up(self, server: _Server, version) -> None:
-        if not server.seen:
-            server.seen = True
-            self._emit(ev.SERVER_SEEN, server=server.target.name, version=version)
-        elif server.up is False:
+        if server.up is False:
             self._emit(ev.SERVER_BACK, server=server.target.name, version=version)
+        elif not server.seen:
+            self._emit(ev.SERVER_SEEN, server=server.target.name, version=version)
+        server.seen = True
         server.up = True
         server.failures = 0
         server.next_try = 0.0
@@ -335,10 +338,11 @@ class Watcher:
                 self._target = self._fallback
                 self._floor = self._fallback.number if self._fallback is not None else -1
                 self.state.target = self._target.name if self._target is not None else None
+                self._repoll = True
 
     def _once_finished(self) -> bool:
         servers = list(self._servers.values())
-        if any(s.busy for s in servers):
+        if self._repoll or any(s.busy for s in servers):
             return False
         target = self._target
         if target is not None and all(s.version == target.name and not s.dirty for s in servers):

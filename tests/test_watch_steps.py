@@ -1,0 +1,240 @@
+"""`watch`'s own logic, fast: step names, completeness, --keep, and the loop against fake targets (no server)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from layerwise_cli.checkpoint.steps import (
+    COMPLETE,
+    INCOMPLETE,
+    SETTLING,
+    CompletenessTracker,
+    StepDir,
+    files_problem,
+    list_steps,
+    step_number,
+    steps_to_delete,
+)
+from layerwise_cli.client.watch import Watcher, WatchOptions
+from layerwise_cli.client.watch_targets import Outcome, TargetDown
+
+
+def write_step(root: Path, name: str, *, shards: int = 1, marker: str | None = None) -> Path:
+    folder = root / name
+    folder.mkdir(parents=True)
+    weight_map = {}
+    for i in range(shards):
+        shard = "model.safetensors" if shards == 1 else f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({f"w{i}": np.full((4, 4), i, dtype=np.float32)}, str(folder / shard))
+        weight_map[f"w{i}"] = shard
+    if shards > 1:
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    if marker:
+        (folder / marker).touch()
+    return folder
+
+
+# --- names and listing ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("name", "number"), [("step_12", 12), ("global_step_120", 120), ("checkpoint-7", 7),
+                                              ("iter_0000300", 300), ("step-3-v2", 2), ("step_x", None)])
+def test_step_number_is_the_last_integer(name, number):
+    assert step_number(name) == number
+
+
+def test_list_steps_matches_patterns_and_sorts_by_number(tmp_path):
+    for name in ("step_10", "step_9", "global_step_11", "notes", "step_x", "checkpoint-2"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "step_99").write_text("a file, not a step")
+    assert [s.name for s in list_steps(tmp_path)] == ["checkpoint-2", "step_9", "step_10", "global_step_11"]
+    assert [s.name for s in list_steps(tmp_path, ["step_*"])] == ["step_9", "step_10"]
+    with pytest.raises(Exception, match="missing"):
+        list_steps(tmp_path / "missing")
+
+
+# --- completeness ----------------------------------------------------------------------------------
+
+def test_files_problem_needs_every_shard_whole(tmp_path):
+    step = write_step(tmp_path, "step_1", shards=3)
+    assert files_problem(step) is None
+    shard = step / "model-00002-of-00003.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-8])  # still being written
+    assert "truncated" in files_problem(step)
+    shard.unlink()
+    assert "does not exist yet" in files_problem(step)
+    shard.write_bytes(data)
+    (step / "model.safetensors.index.json").write_text('{"weight_map": {"w0": "model-00001-of-00003.saf')
+    assert "not valid yet" in files_problem(step)
+    (step / "model.safetensors.index.json").unlink()
+    assert "no model.safetensors.index.json" in files_problem(step)
+    assert files_problem(write_step(tmp_path, "step_2")) is None  # one shard needs no index
+    (tmp_path / "step_3").mkdir()
+    assert "no .safetensors" in files_problem(tmp_path / "step_3")
+
+
+def test_auto_completeness_waits_for_the_step_to_settle(tmp_path):
+    now = [100.0]
+    tracker = CompletenessTracker("auto", settle=2.0, clock=lambda: now[0])
+    step = StepDir("step_1", write_step(tmp_path, "step_1", shards=2), 1)
+    assert tracker.check(step).state == SETTLING
+    now[0] += 1.5
+    assert tracker.check(step).state == SETTLING
+    (step.path / "extra.json").write_text("{}")  # a change restarts the clock
+    now[0] += 1.0
+    assert tracker.check(step).state == SETTLING
+    now[0] += 2.0
+    assert tracker.check(step).state == COMPLETE
+    (step.path / "model-00002-of-00002.safetensors").write_bytes(b"\x08\x00")
+    now[0] += 10
+    assert tracker.check(step).state == INCOMPLETE
+
+
+def test_marker_completeness_ignores_the_files(tmp_path):
+    tracker = CompletenessTracker("STABLE", settle=100)
+    step = StepDir("step_1", tmp_path / "step_1", 1)
+    step.path.mkdir()
+    assert tracker.check(step).state == INCOMPLETE
+    (step.path / "STABLE").touch()
+    assert tracker.check(step).complete
+
+
+def test_keep_never_deletes_held_or_newer_steps():
+    steps = [StepDir(f"step_{n}", Path(f"/r/step_{n}"), n) for n in range(1, 8)]
+    held = steps[4]  # step_5; step_6 and step_7 are newer (being written)
+    gone = steps_to_delete(steps, 2, held, protected={"step_2"})
+    assert [s.name for s in gone] == ["step_1", "step_3", "step_4"]
+    assert steps_to_delete(steps, 7, held, set()) == []
+
+
+# --- the loop, against fake targets ------------------------------------------------------------------
+
+class FakeTarget:
+    """An inline target: records reloads; `broken` steps fail pre-flight; `down` probes fail first."""
+
+    threaded = False
+
+    def __init__(self, name: str, version: str | None = None, *, down: int = 0, broken=(), on_reload=None):
+        self.name, self.version, self.down, self.broken, self.on_reload = name, version, down, set(broken), on_reload
+        self.reloads: list[str] = []
+
+    def weight_version(self):
+        if self.down > 0:
+            self.down -= 1
+            raise TargetDown("connection refused")
+        return self.version
+
+    def reload(self, path: str, version: str) -> Outcome:
+        self.reloads.append(version)
+        if self.on_reload is not None:
+            self.on_reload(Path(path))
+        if not Path(path).exists():
+            return Outcome(ok=False, holds="previous", error=f"{path}: no such directory", failed_in_reload=True,
+                           version=self.version)
+        if version in self.broken:
+            return Outcome(ok=False, holds="previous", error="pre-flight: shapes differ", failed_in_reload=True,
+                           version=self.version)
+        self.version = version
+        return Outcome(ok=True, holds="new", version=version, wall_s=0.01, peak_bytes=10)
+
+
+def run_once(root, targets, **options):
+    watcher = Watcher(root, targets, WatchOptions(marker="STABLE", interval=0.01, once=True, **options))
+    events = list(watcher.run())
+    return watcher, events
+
+
+def kinds(events, kind):
+    return [(e.step, e.server) for e in events if e.kind == kind]
+
+
+def test_goes_to_the_newest_complete_step_and_restarting_is_free(tmp_path):
+    for n in (1, 2, 3):
+        write_step(tmp_path, f"step_{n}", marker="STABLE")
+    write_step(tmp_path, "step_4")  # no marker: still being written
+    a, b = FakeTarget("a"), FakeTarget("b", version="step_3")
+    watcher, events = run_once(tmp_path, [a, b])
+    assert watcher.failure is None
+    assert a.reloads == ["step_3"] and b.reloads == []  # b already held it
+    assert kinds(events, "step_complete") == [("step_3", None)]
+    again = FakeTarget("a", version="step_3")
+    _, events = run_once(tmp_path, [again])
+    assert again.reloads == [] and not kinds(events, "reload_started")
+
+
+def test_a_broken_step_is_reported_once_and_skipped(tmp_path):
+    write_step(tmp_path, "step_1", marker="STABLE")
+    write_step(tmp_path, "step_2", marker="STABLE")
+    a, b = FakeTarget("a", version="step_1", broken={"step_2"}), FakeTarget("b", version="step_1",
+                                                                             broken={"step_2"})
+    watcher, events = run_once(tmp_path, [a, b])
+    assert watcher.failure is None  # both hold step_1, the newest step that loads
+    assert len([e for e in events if e.kind == "step_skipped" and e.step == "step_2"]) == 1
+    assert a.version == b.version == "step_1"
+    assert a.reloads.count("step_2") + b.reloads.count("step_2") <= 2
+
+
+def test_a_step_deleted_while_loading_is_reported_and_the_watch_goes_on(tmp_path):
+    write_step(tmp_path, "step_1", marker="STABLE")
+    write_step(tmp_path, "step_2", marker="STABLE")
+    deleted = []
+
+    def trainer_deletes(path: Path) -> None:
+        if path.name == "step_2" and not deleted:
+            shutil.rmtree(path)
+            deleted.append(path.name)
+            write_step(tmp_path, "step_3", marker="STABLE")
+
+    a = FakeTarget("a", version="step_1", on_reload=trainer_deletes)
+    watcher, events = run_once(tmp_path, [a])
+    assert watcher.failure is None and a.version == "step_3"
+    failed = [e for e in events if e.kind == "reload_failed"]
+    assert len(failed) == 1 and "deleted while it was loading" in failed[0].message
+    assert ("step_2", None) in kinds(events, "step_deleted")
+    assert not [e for e in events if e.kind == "step_skipped" and "broken" in (e.message or "")]
+
+
+def test_a_down_server_is_retried_and_brought_up_to_date(tmp_path):
+    write_step(tmp_path, "step_5", marker="STABLE")
+    a = FakeTarget("a", down=2)
+    watcher, events = run_once(tmp_path, [a])
+    assert watcher.failure is None and a.version == "step_5"
+    assert kinds(events, "server_down") == [(None, "a")] and kinds(events, "server_back") == [(None, "a")]
+
+
+def test_once_fails_when_a_server_never_answers(tmp_path):
+    write_step(tmp_path, "step_5", marker="STABLE")
+    watcher, _ = run_once(tmp_path, [FakeTarget("a", down=99)])
+    assert watcher.failure is not None and "connection refused" in watcher.failure
+
+
+def test_keep_deletes_only_what_no_server_holds(tmp_path):
+    for n in range(1, 6):
+        write_step(tmp_path, f"step_{n}", marker="STABLE")
+    a, b = FakeTarget("a", version="step_5"), FakeTarget("b", version="step_5")
+    run_once(tmp_path, [a, b], keep=2)  # every server holds step_5 at once
+    # Older than the newest 2 and held by nobody: deleted; nothing else.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_4", "step_5"]
+    write_step(tmp_path, "step_6", marker="STABLE")
+    write_step(tmp_path, "step_7", marker="STABLE")
+    c = FakeTarget("c", version="step_4", broken={"step_7"})  # c will stay on step_6
+    _, events = run_once(tmp_path, [c], keep=1)
+    assert c.version == "step_6"
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert "step_6" in names and "step_7" in names and "step_4" not in names
+    assert all(e.by == "watch" for e in events if e.kind == "step_deleted")
+
+
+def test_usage_errors(tmp_path):
+    from layerwise_cli.errors import UsageError
+
+    with pytest.raises(UsageError, match="twice"):
+        Watcher(tmp_path, [FakeTarget("a"), FakeTarget("a")])
+    with pytest.raises(UsageError, match="--keep"):
+        Watcher(tmp_path, [FakeTarget("a")], WatchOptions(keep=0))
