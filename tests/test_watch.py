@@ -50,6 +50,20 @@ def wait_until(predicate, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def start(server: RunningServer) -> None:
+    """Start SERVER; if it dies, say why (the error lines of its whole log, not only its last lines)."""
+    try:
+        server.start()
+    except RuntimeError as exc:
+        text = Path(server._log.name).read_text(errors="replace").splitlines()
+        errors = [line for line in text if "Error" in line and "File " not in line][-15:]
+        raise RuntimeError(f"{exc}\n--- error lines of its log:\n" + "\n".join(errors)) from None
+
+
+def log(message: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
+
+
 @pytest.fixture(scope="module")
 def sources(demo_models, tmp_path_factory):
     """add, multiply and a broken multiply (one tensor of the wrong shape), each in several shards."""
@@ -71,13 +85,13 @@ def servers(demo_models):
     pair = [RunningServer(demo_models["multiply"]), RunningServer(demo_models["multiply"])]
     errors: list[BaseException] = []
 
-    def start(server):
+    def start_one(server):
         try:
-            server.start()
+            start(server)
         except BaseException as exc:  # noqa: BLE001 - re-raised below
             errors.append(exc)
 
-    threads = [threading.Thread(target=start, args=(s,)) for s in pair]
+    threads = [threading.Thread(target=start_one, args=(s,)) for s in pair]
     for t in threads:
         t.start()
     for t in threads:
@@ -121,6 +135,7 @@ class Trainer:
         if not index_first:
             shutil.copy2(index, dst / index.name)
         self.completed_at[name] = time.time()  # every weight is on disk
+        log(f"wrote {name} ({model})")
         if marker:
             (dst / MARKER).touch()  # last
         self.model_of[name] = model
@@ -194,6 +209,7 @@ class WatchProcess:
         wait_until(lambda: self.of(kind, **match) or self.proc.poll() is not None, timeout, f"{kind} {match}")
         found = self.of(kind, **match)
         assert found, f"watch exited ({self.proc.returncode}) before {kind} {match}: {self.finish()}"
+        log(f"{kind} {match}")
         return found[0]
 
     def finish(self, sig: int | None = None, timeout: float = 120) -> int:
@@ -260,7 +276,9 @@ def test_watch_keeps_two_servers_on_the_newest_complete_step(servers, sources, t
             trainer.write("step_6", "add")
             watch.wait_for("reload_done", step="step_6", server=a.url)
             watch.wait_for("server_down", server=b.url)
-            b.start()
+            log("restarting b")
+            start(b)
+            log("b restarted")
             clients.paused[b.url].clear()
             watch.wait_for("server_back", server=b.url)
             watch.wait_for("reload_done", step="step_6", server=b.url, timeout=180)
