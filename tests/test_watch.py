@@ -246,13 +246,13 @@ def test_watch_keeps_two_servers_on_the_newest_complete_step(servers, sources, t
     a, b = servers
     root = tmp_path / "run"
     root.mkdir()
-    log = tmp_path / "watch.jsonl"
+    log_path = tmp_path / "watch.jsonl"
     trainer = Trainer(root, sources)
     urls = ["--url", a.url, "--url", b.url]
 
     with Clients([a, b]) as clients:
         watch = WatchProcess(str(root), *urls, "--interval", "0.3", "--settle", "1", "--keep", "3",
-                             "--log", str(log))
+                             "--log", str(log_path))
         try:
             for server in (a, b):
                 watch.wait_for("server_seen", server=server.url)
@@ -296,7 +296,7 @@ def test_watch_keeps_two_servers_on_the_newest_complete_step(servers, sources, t
         # A watcher restarted mid-run, now with the marker: servers already on step_7 are not reloaded, and a step
         # written slowly is loaded only once its marker (written last) is there.
         again = WatchProcess(str(root), *urls, "--marker", MARKER, "--interval", "0.3", "--keep", "3",
-                             "--log", str(log))
+                             "--log", str(log_path))
         try:
             for server in (a, b):
                 wait_until(lambda s=server: weight_version(s.url) == "step_7", 120, f"{server.url} on step_7")
@@ -316,7 +316,7 @@ def test_watch_keeps_two_servers_on_the_newest_complete_step(servers, sources, t
     assert not [json.loads(line) for line in once.stdout.splitlines() if '"reload_started"' in line]
 
     # --- what the whole run proves --------------------------------------------------------------------------
-    events = [json.loads(line) for line in log.read_text().splitlines()]
+    events = [json.loads(line) for line in log_path.read_text().splitlines()]
     assert not clients.failures, clients.failures[:5]
     assert len(clients.answers) > 50
     wrong = [(url, x, y, text) for url, x, y, text in clients.answers
