@@ -23,6 +23,7 @@ _LAZY = {
     "LayerwiseError": ("layerwise_cli.errors", "LayerwiseError"),
     "watch": ("layerwise_cli.client.watch", "watch"),
     "WatchOptions": ("layerwise_cli.client.watch", "WatchOptions"),
+    "WatchEvent": ("layerwise_cli.client.watch_events", "WatchEvent"),
 }
 __all__ = ["__version__", "EXTENSION_CLS", *_LAZY]
 

@@ -317,6 +317,10 @@ def test_watch_keeps_two_servers_on_the_newest_complete_step(servers, sources, t
 
     # --- what the whole run proves --------------------------------------------------------------------------
     events = [json.loads(line) for line in log_path.read_text().splitlines()]
+    for e in events:  # the timeline, shown when the test fails
+        if e["event"].startswith("reload_"):
+            log(f"{e['time']:.2f} {e['event']} {e['step']} {e['server']} wall={e.get('wall_s')} "
+                f"paused={e.get('paused_s')} {e.get('message', '')}")
     assert not clients.failures, clients.failures[:5]
     assert len(clients.answers) > 50
     wrong = [(url, x, y, text) for url, x, y, text in clients.answers
@@ -381,3 +385,34 @@ def test_watch_once_without_a_server_exits_1(tmp_path):
     assert done.returncode == 1
     errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and url in errors[0] and "connect" in errors[0], done.stderr
+
+
+@pytest.mark.engine
+def test_python_api_keeps_an_in_process_engine_on_the_newest_step(demo_models, sources, tmp_path):
+    """`layerwise_cli.watch(root, llm=...)`: the broken newest step is skipped, the engine takes the one before."""
+    from vllm import SamplingParams
+
+    import layerwise_cli as layerwise
+    from layerwise_cli.client.local import EngineOptions, start_engine, stop_engine
+    from layerwise_cli.demo.models import demo_prompt
+
+    root = tmp_path / "run"
+    root.mkdir()
+    trainer = Trainer(root, sources)
+    trainer.write("step_1", "add")
+    trainer.write("step_2", "broken")
+    llm = start_engine(str(demo_models["multiply"]), EngineOptions(max_model_len=64))
+    try:
+        events = list(layerwise.watch(root, llm=llm, marker=MARKER, interval=0.1, once=True))
+        outputs = llm.generate([demo_prompt(a, b) for a, b in PAIRS], SamplingParams(temperature=0.0, max_tokens=4),
+                               use_tqdm=False)
+        assert [o.outputs[0].text.strip() for o in outputs] == [answer("add", a, b) for a, b in PAIRS]
+        assert llm.get_weight_version() == "step_1"
+        assert [(e.kind, e.step) for e in events if e.kind in ("reload_done", "step_skipped")] == [
+            ("step_skipped", "step_2"), ("reload_done", "step_1")]
+        assert all(isinstance(e, layerwise.WatchEvent) for e in events)
+        # Restarted: nothing to do.
+        again = list(layerwise.watch(root, llm=llm, marker=MARKER, interval=0.1, once=True))
+        assert not [e for e in again if e.kind == "reload_started"]
+    finally:
+        stop_engine(llm)
