@@ -385,6 +385,8 @@ def test_watch_once_without_a_server_exits_1(tmp_path):
     assert done.returncode == 1
     errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and url in errors[0] and "connect" in errors[0], done.stderr
+    # Not a terminal: one line per event on stderr.
+    assert f"server down {url}" in done.stderr and "step seen step_1" in done.stderr
 
 
 @pytest.mark.engine

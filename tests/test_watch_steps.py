@@ -238,3 +238,19 @@ def test_usage_errors(tmp_path):
         Watcher(tmp_path, [FakeTarget("a"), FakeTarget("a")])
     with pytest.raises(UsageError, match="--keep"):
         Watcher(tmp_path, [FakeTarget("a")], WatchOptions(keep=0))
+
+
+def test_live_status_shows_each_server(tmp_path):
+    from rich.console import Console
+
+    from layerwise_cli.cli.watch import _status
+
+    write_step(tmp_path, "step_2", marker="STABLE")
+    watcher = Watcher(tmp_path, [FakeTarget("http://a:1"), FakeTarget("http://b:2", down=99)],
+                      WatchOptions(marker="STABLE", interval=0.01, once=True))
+    list(watcher.run())
+    console = Console(record=True, width=200)
+    console.print(_status(watcher))
+    text = console.export_text()
+    assert "newest step step_2, complete step_2" in text
+    assert "http://a:1" in text and "current" in text and "http://b:2" in text and "down" in text
