@@ -303,6 +303,13 @@ def test_watch_keeps_two_servers_on_the_newest_complete_step(servers, sources, t
             trainer.write("step_8", "add", delay=0.5)
             for server in (a, b):
                 again.wait_for("reload_done", step="step_8", server=server.url)
+            # The trainer deletes step_9 the moment a server starts loading it, then writes step_10.
+            trainer.write("step_9", "multiply")
+            again.wait_for("reload_started", step="step_9", timeout=60)
+            shutil.rmtree(root / "step_9")
+            trainer.write("step_10", "add")
+            for server in (a, b):
+                again.wait_for("reload_done", step="step_10", server=server.url)
         finally:
             assert again.finish(signal.SIGINT) == 0, again.stderr
         current = [url for url, version in before_restart.items() if version == "step_7"]
@@ -337,9 +344,14 @@ def test_watch_keeps_two_servers_on_the_newest_complete_step(servers, sources, t
     assert all("deleted" in e["message"] or e["server"] == b.url for e in failed), failed
     # step_4 came with step_5: passed over.
     assert "step_4" in {e["step"] for e in events if e["event"] == "step_skipped"}
+    # step_9, deleted while loading: each server either got it first or failed and kept what it had.
+    for server in (a, b):
+        ends = [e for e in events if e["step"] == "step_9" and e.get("server") == server.url
+                and e["event"] in ("reload_done", "reload_failed")]
+        assert all(e["event"] == "reload_done" or "deleted" in e["message"] for e in ends), ends
     # Both servers end on the newest step, answering with its weights.
     for server in (a, b):
-        assert weight_version(server.url) == "step_8"
+        assert weight_version(server.url) == "step_10"
         assert server.answers([(3, 4), (9, 9)]) == [answer("add", 3, 4), answer("add", 9, 9)]
     # --keep never deleted a step a server held or was loading (by the log of both watchers).
     by_watch = [e for e in events if e["event"] == "step_deleted" and e.get("by") == "watch"]
