@@ -254,3 +254,13 @@ def test_live_status_shows_each_server(tmp_path):
     text = console.export_text()
     assert "newest step step_2, complete step_2" in text
     assert "http://a:1" in text and "current" in text and "http://b:2" in text and "down" in text
+
+
+def test_when_every_step_is_broken_each_is_tried_once(tmp_path):
+    write_step(tmp_path, "step_1", marker="STABLE")
+    write_step(tmp_path, "step_2", marker="STABLE")
+    a = FakeTarget("a", version="base", broken={"step_1", "step_2"})
+    watcher, events = run_once(tmp_path, [a])
+    assert a.reloads == ["step_2", "step_1"] and a.version == "base"
+    assert [e.step for e in events if e.kind == "step_skipped"] == ["step_2", "step_1"]
+    assert watcher.failure is not None and "no complete step" in watcher.failure

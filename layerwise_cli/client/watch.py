@@ -242,6 +242,8 @@ class Watcher:
             if self.options.once and server.failures >= _ONCE_TRIES:
                 continue
             target = self._target
+            if target is not None and target.name in self._broken:
+                target = None
             if server.seen and server.up and target is not None and (server.dirty or server.version != target.name):
                 self._start(pool, server, "reload", target)
             elif now >= server.next_probe:
@@ -326,19 +328,23 @@ class Watcher:
                    report=outcome.report)
         if not outcome.reached:
             self._down(server, outcome.error)
-        elif deleted or not outcome.failed_in_reload:
-            # Not the step's fault (gone, or the server refused before loading): try again later.
-            server.failures += 1
-            server.next_try = self._clock() + min(_BACKOFF_MAX_S, 0.5 * 2 ** (server.failures - 1))
-        elif step.name not in self._broken:
-            self._broken[step.name] = message
-            self._emit(ev.STEP_SKIPPED, step=step.name, message=f"broken: {message}")
-            if self._target is not None and self._target.name == step.name:
-                # Back to the step before it; the next poll still takes any valid step newer than that.
-                self._target = self._fallback
-                self._floor = self._fallback.number if self._fallback is not None else -1
-                self.state.target = self._target.name if self._target is not None else None
-                self._repoll = True
+            return
+        # Whatever failed, this server waits before its next try: never a tight loop of failing reloads.
+        server.failures += 1
+        server.next_try = self._clock() + min(_BACKOFF_MAX_S, 0.5 * 2 ** (server.failures - 1))
+        if deleted or not outcome.failed_in_reload or step.name in self._broken:
+            return  # not the step's fault (gone, or the server refused before loading), or already reported
+        self._broken[step.name] = message
+        self._emit(ev.STEP_SKIPPED, step=step.name, message=f"broken: {message}")
+        if self._target is not None and self._target.name == step.name:
+            # Back to the step before it; the next poll still takes any valid step newer than that.
+            fallback = self._fallback
+            if fallback is not None and fallback.name in self._broken:
+                fallback = None
+            self._target = fallback
+            self._floor = fallback.number if fallback is not None else -1
+            self.state.target = fallback.name if fallback is not None else None
+            self._repoll = True
 
     def _once_finished(self) -> bool:
         servers = list(self._servers.values())
