@@ -264,3 +264,4 @@ def test_when_every_step_is_broken_each_is_tried_once(tmp_path):
     assert a.reloads == ["step_2", "step_1"] and a.version == "base"
     assert [e.step for e in events if e.kind == "step_skipped"] == ["step_2", "step_1"]
     assert watcher.failure is not None and "no complete step" in watcher.failure
+    assert "broken: step_2, step_1" in watcher.failure

@@ -358,8 +358,10 @@ class Watcher:
             self.failure = "; ".join(f"{s.target.name}: {s.error or 'failed'}" for s in given_up)
             return True
         if target is None and not self._settling and all(s.seen or s.failures for s in servers):
+            broken = f"; broken: {', '.join(self._broken)}" if self._broken else ""
             self.failure = (f"{self.root}: no complete step (looked for {', '.join(self.options.patterns)}"
-                            f"{'' if self.options.marker == AUTO else ' with a ' + self.options.marker + ' marker'})")
+                            f"{'' if self.options.marker == AUTO else ' with a ' + self.options.marker + ' marker'}"
+                            f"{broken})")
             return True
         return False
 
