@@ -206,9 +206,17 @@ class WatchProcess:
     def of(self, kind: str, **match) -> list[dict]:
         return [e for e in self.events if e["event"] == kind and all(e.get(k) == v for k, v in match.items())]
 
-    def wait_for(self, kind: str, timeout: float = 120, **match) -> dict:
-        wait_until(lambda: self.of(kind, **match) or self.proc.poll() is not None, timeout, f"{kind} {match}")
-        found = self.of(kind, **match)
+    def wait_for(self, kind: str | tuple[str, ...], timeout: float = 300, **match) -> dict:
+        kinds = (kind,) if isinstance(kind, str) else kind
+
+        def found_now() -> list[dict]:
+            return [e for k in kinds for e in self.of(k, **match)]
+
+        try:
+            wait_until(lambda: found_now() or self.proc.poll() is not None, timeout, f"{kind} {match}")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the watcher's last events: {self.events[-12:]}") from None
+        found = found_now()
         assert found, f"watch exited ({self.proc.returncode}) before {kind} {match}: {self.finish()}"
         log(f"{kind} {match}")
         return found[0]
@@ -255,8 +263,8 @@ def test_watch_keeps_two_servers_on_the_newest_complete_step(servers, sources, t
         watch = WatchProcess(str(root), *urls, "--interval", "0.3", "--settle", "1", "--keep", "3",
                              "--log", str(log_path))
         try:
-            for server in (a, b):
-                watch.wait_for("server_seen", server=server.url)
+            for server in (a, b):  # seen, or back after a first probe that timed out on a loaded machine
+                watch.wait_for(("server_seen", "server_back"), server=server.url)
             # A fast step, then a slow one whose index comes first (its shards are half-written for seconds).
             trainer.write("step_1", "add")
             watch.wait_for("reload_done", step="step_1", server=a.url)

@@ -58,7 +58,7 @@ class ServerTarget:
     def weight_version(self) -> str | None:
         from layerwise_cli.client.server_api import ServerClient
 
-        client = ServerClient(self.url, api_key=self.options.api_key, timeout=min(self.options.timeout, 10.0))
+        client = ServerClient(self.url, api_key=self.options.api_key, timeout=min(self.options.timeout, 30.0))
         try:
             return client.weight_version()
         except Exception as exc:
