@@ -56,7 +56,7 @@ def start(server: RunningServer) -> None:
         server.start()
     except RuntimeError as exc:
         text = Path(server._log.name).read_text(errors="replace").splitlines()
-        errors = [line for line in text if "Error" in line and "File " not in line][-15:]
+        errors = [line for line in text if "error" in line.lower() and "File " not in line][-25:]
         raise RuntimeError(f"{exc}\n--- error lines of its log:\n" + "\n".join(errors)) from None
 
 
