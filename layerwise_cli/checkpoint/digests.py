@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 
 from layerwise_cli.checkpoint.header import ShardHeader
 from layerwise_cli.errors import LayerwiseError
@@ -49,6 +50,23 @@ METADATA_KEY = "layerwise.digests"
 FORMAT = "xxh3-128/v1"
 _HEX_LEN = 32
 _HEX = frozenset("0123456789abcdef")
+
+
+@dataclass(frozen=True)
+class DigestMismatch:
+    """A tensor whose bytes do not hash to the digest its shard's header gives."""
+
+    name: str
+    shard: str
+    expected: str  # the header's
+    actual: str  # of the bytes in the file
+
+    def describe(self) -> str:
+        return (f"tensor {self.name}: its bytes do not match the {METADATA_KEY} digest in the header "
+                f"(header {self.expected}, bytes {self.actual})")
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "shard": self.shard, "expected": self.expected, "actual": self.actual}
 
 
 def tensor_prefix(dtype: str, shape: Iterable[int]) -> bytes:
