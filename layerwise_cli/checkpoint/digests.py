@@ -192,7 +192,8 @@ def layer_digests(tensors: Mapping[str, str], parent_of: Callable[[str], str | N
     Args:
         tensors: tensor name -> digest, for the whole checkpoint.
         parent_of: a tensor name's parent layer, or None for a tensor the
-            engine does not load (such tensors are left out).
+            engine does not load (such tensors are left out); with a
+            `LayerMapping`: `lambda n: getattr(mapping.parent_of(n), "name", None)`.
 
     Returns:
         Parent layer name -> layer digest.
