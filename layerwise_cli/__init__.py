@@ -3,6 +3,11 @@
 The Python API (imported lazily, so that `import layerwise_cli` stays cheap):
 
     from layerwise_cli import EXTENSION_CLS, reload, start_engine, stop_engine, inspect_order, verify_engine
+
+A trainer writes checkpoints that every loader reads in layer order, with digests, atomically:
+
+    from layerwise_cli import save_checkpoint
+    save_checkpoint(model.state_dict().items(), "run/step_120", config=model.config, marker="STABLE")
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ _LAZY = {
     "verify_engine": ("layerwise_cli.client.local", "verify_engine"),
     "VerifyResult": ("layerwise_cli.report.verify_result", "VerifyResult"),
     "LayerwiseError": ("layerwise_cli.errors", "LayerwiseError"),
+    "save_checkpoint": ("layerwise_cli.writer.save", "save_checkpoint"),
+    "SavedCheckpoint": ("layerwise_cli.writer.save", "SavedCheckpoint"),
 }
 __all__ = ["__version__", "EXTENSION_CLS", *_LAZY]
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from layerwise_cli.checkpoint.digests import FORMAT, METADATA_KEY, header_digests, layer_digest
 from layerwise_cli.checkpoint.sources import open_checkpoint
 from layerwise_cli.planning.parents import mapping_for_config
 from layerwise_cli.planning.plan import BufferSimulation, Plan, build_plan
@@ -16,6 +17,23 @@ class OrderReport:
     plan: Plan
     file_order: BufferSimulation
     layer_order: BufferSimulation
+    # Tensor digests from the shard headers' `layerwise.digests` (only shards that carry them).
+    tensor_digests: dict[str, str] = field(default_factory=dict)
+    digest_shards: int = 0
+
+    def layer_digests(self) -> dict[str, str]:
+        """Parent layer -> digest, for the layers whose every tensor has a header digest."""
+        groups: dict[str, dict[str, str]] = {}
+        missing: set[str] = set()
+        for item in self.plan.layer_order:
+            if item.parent is None:
+                continue
+            digest = self.tensor_digests.get(item.entry.name)
+            if digest is None:
+                missing.add(item.parent)
+            else:
+                groups.setdefault(item.parent, {})[item.entry.name] = digest
+        return {name: layer_digest(group) for name, group in groups.items() if name not in missing}
 
     def layers_worst_first(self) -> list:
         return sorted(self.plan.layers, key=lambda layer: (-layer.file_order_held_bytes, -layer.bytes, layer.name))
@@ -28,6 +46,7 @@ class OrderReport:
             layers = layers[:top]
         largest = plan.largest_layer_bytes
         sizes = {layer.name: layer.bytes for layer in plan.layers}
+        digests = self.layer_digests()
         return {
             "source": plan.checkpoint.source,
             "revision": plan.checkpoint.revision,
@@ -55,6 +74,12 @@ class OrderReport:
                            "above_largest_layer_because": plan.excess_reason(self.file_order)},
             "layer_order": {**_simulation_dict(self.layer_order, largest),
                             "above_largest_layer_because": self.layer_order_excess_reason()},
+            "header_digests": {
+                "key": METADATA_KEY,
+                "format": FORMAT,
+                "shards_with_digests": self.digest_shards,
+                "tensors": dict(self.tensor_digests),
+            },
             "layers": [
                 {
                     "name": layer.name,
@@ -63,6 +88,7 @@ class OrderReport:
                     "shards": layer.shards,
                     "file_order_held_bytes": layer.file_order_held_bytes,
                     "held_to_end": layer.held_to_end,
+                    "digest": digests.get(layer.name),
                 }
                 for layer in layers
             ],
@@ -97,8 +123,22 @@ def inspect_order(source: str, revision: str | None = None, mapping: str = "auto
             the highest rank's (a padded vocabulary is held on some ranks only).
 
     Returns:
-        The plan and both simulations.
+        The plan, both simulations, and the tensor digests the shard headers
+        carry (`layerwise.digests`, see `checkpoint.digests`).
     """
     checkpoint = open_checkpoint(source, revision)
     plan = build_plan(checkpoint, mapping_for_config(checkpoint.config, mapping), tensor_parallel_size)
-    return OrderReport(plan, plan.simulate("file"), plan.simulate("layer"))
+    tensor_digests: dict[str, str] = {}
+    digest_shards = 0
+    for shard in checkpoint.shards:
+        found = header_digests(shard, where=_shard_where(checkpoint, shard.name))
+        if found is not None:
+            digest_shards += 1
+            tensor_digests.update(found)
+    return OrderReport(plan, plan.simulate("file"), plan.simulate("layer"), tensor_digests, digest_shards)
+
+
+def _shard_where(checkpoint, name: str) -> str:
+    if checkpoint.local_dir is not None:
+        return str(checkpoint.local_dir / name)
+    return f"{checkpoint.source}/{name}"
