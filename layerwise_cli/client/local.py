@@ -145,22 +145,44 @@ def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = Fals
             `verify_engine` for the full result); or a tensor holds NaN or Inf
             (refused and rolled back unless `allow_nonfinite`).
     """
+    per_worker = reload_workers(llm, source, order=order, allow_partial=allow_partial, readahead=readahead,
+                                revision=revision, progress_path=progress_path, allow_nonfinite=allow_nonfinite)
+    checked = None
+    if verify:
+        checked = verify_engine(llm, source, revision)
+        if not checked.ok:
+            raise LayerwiseError(f"{verify_failure(checked)}; the engine holds the reloaded weights, unverified",
+                                 where=source)
+    return merge_reports(per_worker, verify=checked)
+
+
+def reload_workers(llm, source: str, *, order: str = "layer", allow_partial: bool = False, readahead: bool = True,
+                   revision: str | None = None, progress_path: str | None = None,
+                   allow_nonfinite: bool = False) -> list[ReloadReport]:
+    """Reload SOURCE on every worker of LLM and reset its prefix cache; the workers' own reports.
+
+    `reload` without verification or merging, for callers that build the
+    final report themselves (`merge_reports`, with the name the user gave
+    the source and the verification).
+
+    Args:
+        llm: the engine (see `reload`).
+        source: a checkpoint directory or file the workers can read, or a Hub repo id.
+        order, allow_partial, readahead, revision, progress_path, allow_nonfinite: as for `reload`.
+
+    Returns:
+        One report per worker, in rank order.
+
+    Raises:
+        LayerwiseError: a worker failed (its one-line error; see `reload`).
+    """
     results = call_workers(llm, "layerwise_reload", source=source, order=order, allow_partial=allow_partial,
                            readahead=readahead, revision=revision, progress_path=progress_path,
                            allow_nonfinite=allow_nonfinite)
-    report = reports_from_results(results)
+    per_worker = worker_reports(results)
     # KV blocks cached under the old weights must not serve prompts under the new ones.
     llm.reset_prefix_cache()
-    if verify:
-        from dataclasses import replace
-
-        result = verify_engine(llm, source, revision)
-        if not result.ok:
-            raise LayerwiseError(f"{verify_failure(result)}; the engine holds the reloaded weights, unverified",
-                                 where=source)
-        report = replace(report, verify=result)
-    return report
-
+    return per_worker
 
 
 def verify_engine(llm, source: str, revision: str | None = None) -> VerifyResult:
@@ -183,13 +205,17 @@ def verify_engine(llm, source: str, revision: str | None = None) -> VerifyResult
     if failures or not results:
         error = failures[0].get("error", "a worker failed without saying why") if failures else "no workers"
         raise LayerwiseError(f"--verify could not run: {error}", where=source)
-    verify = merge_verify([r["verify"] for r in results])
-    verify.wall_s = time.perf_counter() - start
-    return verify
+    return merge_verify([r["verify"] for r in results], wall_s=time.perf_counter() - start)
 
-def reports_from_results(results: list[dict]) -> ReloadReport:
-    """Merge per-worker results, raising the first worker's error if any failed."""
+
+def worker_reports(results: list[dict]) -> list[ReloadReport]:
+    """Each worker's report from its `layerwise_reload` answer, raising the first worker's error if any failed."""
     failures = [r for r in results if not r.get("ok")]
     if failures:
         raise LayerwiseError(failures[0].get("error", "a worker failed without saying why"))
-    return merge_reports([ReloadReport.from_dict(r["report"]) for r in results])
+    return [ReloadReport.from_dict(r["report"]) for r in results]
+
+
+def reports_from_results(results: list[dict]) -> ReloadReport:
+    """The merged report of the workers' `layerwise_reload` answers, raising the first worker's error if any failed."""
+    return merge_reports(worker_reports(results))

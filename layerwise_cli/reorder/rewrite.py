@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from layerwise_cli.checkpoint.finite import ByteScan, NonFinite
@@ -813,8 +813,7 @@ def _check_written(
     progress: Callable[[ReorderProgress], None] | None,
 ) -> OrderReport:
     """Re-read what was written: headers, tensor set, the order vLLM reads, and (verify) every tensor's bytes."""
-    written = open_checkpoint(str(out))
-    written.source = str(dst)
+    written = replace(open_checkpoint(str(out)), source=str(dst))
     wanted = {(t.name, t.dtype, t.shape) for t in checkpoint.tensors}
     got = {(t.name, t.dtype, t.shape) for t in written.tensors}
     if wanted != got:

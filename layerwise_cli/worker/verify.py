@@ -27,6 +27,8 @@ def verify_against_source(model, source: str, revision: str | None, model_config
         `matched`, `tensors_compared`, `kernels_compared`; `mismatched`
         (layer names); `skipped` and `errors` (layer -> reason).
     """
+    from dataclasses import replace
+
     import torch
 
     from layerwise_cli.checkpoint.sources import open_checkpoint
@@ -35,8 +37,7 @@ def verify_against_source(model, source: str, revision: str | None, model_config
     from layerwise_cli.worker.stream import ShardReader, layer_batches
 
     local = resolve_local(source, revision)
-    checkpoint = open_checkpoint(str(local))
-    checkpoint.source = source
+    checkpoint = replace(open_checkpoint(str(local)), source=source)
     hf_config = model_config.hf_config.to_dict() if hasattr(model_config.hf_config, "to_dict") else None
     plan, vllm_names = plan_for_engine(checkpoint, model, hf_config)
     stream = [type(item)(item.entry, vllm_names.get(item.entry.name)) for item in plan.layer_order]
