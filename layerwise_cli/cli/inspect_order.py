@@ -64,7 +64,7 @@ def inspect_order_command(
         first = scanned.nonfinite[0]
         more = f" ({len(scanned.nonfinite)} tensors hold NaN or Inf)" if len(scanned.nonfinite) > 1 else ""
         raise LayerwiseError(f"{first.describe()}{more}", where=_shard_where(report.plan.checkpoint, first.shard))
-    peak = report.file_order.peak_buffer_bytes
+    peak = report.file_order_buffering.peak_buffer_bytes
     if limit is not None and peak > limit:
         from layerwise_cli.errors import LayerwiseError
 
