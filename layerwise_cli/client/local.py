@@ -20,7 +20,20 @@ from layerwise_cli.report.verify_result import VerifyResult, merge_verify, verif
 
 @dataclass
 class EngineOptions:
-    """The vLLM engine options layerwise passes through, with CPU-friendly defaults."""
+    """The vLLM engine options layerwise passes through, with CPU-friendly defaults.
+
+    Attributes:
+        dtype: vLLM's `dtype` (`auto`, `bfloat16`, ...).
+        tensor_parallel_size: tensor-parallel workers (on CPU, layerwise binds
+            one OpenMP thread group per rank when `VLLM_CPU_OMP_THREADS_BIND` is unset).
+        max_model_len: vLLM's `max_model_len` (None: the model's own).
+        quantization: vLLM's `quantization` method (online ones included).
+        enforce_eager: None: eager on CPU-only machines (a much faster start), graphs on GPU.
+        memory_fraction: vLLM's `gpu_memory_utilization` (on CPU: the share of
+            host memory for the KV cache); None: 0.1 on CPU, vLLM's default on GPU.
+        seed: vLLM's `seed`.
+        extra: any other `vllm.LLM` keyword arguments, passed as they are.
+    """
 
     dtype: str = "auto"
     tensor_parallel_size: int = 1
@@ -34,6 +47,7 @@ class EngineOptions:
     extra: dict = field(default_factory=dict)
 
     def llm_kwargs(self) -> dict:
+        """The keyword arguments for `vllm.LLM`, layerwise's worker extension included."""
         on_gpu = cuda_available()
         kwargs = {
             "dtype": self.dtype,
@@ -81,7 +95,16 @@ def start_engine(model: str, options: EngineOptions | None = None):
 
 
 def stop_engine(llm) -> None:
-    """Shut an engine's processes down now (rather than at interpreter exit)."""
+    """Shut an engine's processes down now, rather than at interpreter exit.
+
+    Call it when done with an engine (in a `finally`): left to interpreter
+    exit, Python's multiprocessing waits for vLLM's engine process before
+    vLLM's own finalizer stops it, and the script hangs at exit. Never raises:
+    an engine already gone is fine.
+
+    Args:
+        llm: a `vllm.LLM` (from `start_engine` or built directly).
+    """
     from layerwise_cli.vllm_logs import quiet_force_kill
 
     try:
@@ -92,7 +115,11 @@ def stop_engine(llm) -> None:
 
 
 def call_workers(llm, method: str, **kwargs) -> list[dict]:
-    """Call an extension method on every worker; one result per worker."""
+    """Call an extension method on every worker; one result per worker.
+
+    Raises:
+        LayerwiseError: the engine has no layerwise worker extension.
+    """
     try:
         return llm.collective_rpc(method, kwargs=kwargs)
     except AttributeError as exc:

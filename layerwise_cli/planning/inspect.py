@@ -100,6 +100,10 @@ def inspect_order(source: str, revision: str | None = None, mapping: str = "auto
 
     Returns:
         The plan and both simulations.
+
+    Raises:
+        LayerwiseError: the source is missing, a header is invalid, or the
+            mapping asked for cannot be used.
     """
     checkpoint = open_checkpoint(source, revision)
     plan = build_plan(checkpoint, mapping_for_config(checkpoint.config, mapping), tensor_parallel_size)

@@ -10,7 +10,7 @@ from layerwise_cli.report.verify_result import VerifyResult
 
 @dataclass(frozen=True)
 class LayerReport:
-    """One parent layer as the engine took it."""
+    """One parent layer as the engine took it (see the comments on each field)."""
 
     name: str
     tensors: int
@@ -36,9 +36,38 @@ class LayerReport:
 
 @dataclass(frozen=True)
 class ReloadReport:
-    """One worker's reload (or several merged); built once, never changed.
+    """What a reload did: one worker's report, or the workers' reports merged; built once, never changed.
 
-    Lists given for `layers`, `unexpected` and `notes` are stored as tuples.
+    Merged across tensor-parallel workers, per-worker figures are maxima (each
+    worker streams the whole checkpoint). Lists given for `layers`,
+    `unexpected` and `notes` are stored as tuples; `to_dict` gives lists.
+
+    Attributes:
+        order: `layer` or `file`, the order the tensors were handed over in.
+        source: the checkpoint, as the user named it.
+        wall_s: seconds from the first tensor handed over to the end of vLLM's processing.
+        bytes: bytes of the tensors the engine loaded.
+        tensors: tensors streamed.
+        peak_buffer_bytes: the most bytes vLLM's layer buffers held at once, measured.
+        peak_tensor: the tensor being handed over at that peak.
+        predicted_peak_buffer_bytes: the plan's prediction of that peak.
+        largest_layer_bytes: bytes of the largest parent layer (the least any order can buffer).
+        readahead_peak_bytes: the most bytes read ahead but not yet handed over.
+        layers: one `LayerReport` per parent layer, in the order the stream reached them.
+        workers: workers merged into this report.
+        rank: the worker's rank (None once merged, or outside tensor parallel).
+        unexpected: tensors whose buffering differed from the plan (parent not where expected).
+        mapping: how tensors were mapped to parent layers (`LayerMapping.description`).
+        device: where the engine holds its weights (`cpu`, `cuda:0`).
+        finalize_s: seconds vLLM spent after the last tensor (layers it processes only then).
+        notes: things the user should know (repairs made after vLLM's reload, missing reference).
+        verify: with `--verify` / `reload(..., verify=True)`, the engine checked
+            against SOURCE after the reload; None otherwise.
+        held_to_end_bytes: bytes of the layers the plan expected vLLM to hold to the end of the stream.
+        above_largest_layer_because: why the predicted peak is above the largest layer (None when it is not).
+        gb_per_s: `bytes` over `wall_s`, in GB/s (a property).
+        peak_over_largest: `peak_buffer_bytes` over `largest_layer_bytes` (a property).
+        matches_prediction: whether the measured peak equals the predicted one (a property).
     """
 
     order: str
@@ -54,17 +83,13 @@ class ReloadReport:
     layers: tuple[LayerReport, ...] = ()
     workers: int = 1
     rank: int | None = None
-    # Tensors whose buffering differed from the plan (parent not where expected).
     unexpected: tuple[str, ...] = ()
     mapping: str = ""
     device: str = "cpu"
     finalize_s: float = 0.0
     notes: tuple[str, ...] = ()
-    # `--verify` / `reload(..., verify=True)`: the engine checked against SOURCE after the reload.
     verify: VerifyResult | None = None
-    # Bytes of the layers the plan expected vLLM to hold to the end of the stream.
     held_to_end_bytes: int = 0
-    # Why the predicted peak is above the largest layer (None when it is not).
     above_largest_layer_because: str | None = None
 
     def __post_init__(self) -> None:
@@ -73,14 +98,17 @@ class ReloadReport:
 
     @property
     def gb_per_s(self) -> float:
+        """Bytes loaded per second of wall time, in GB/s."""
         return self.bytes / self.wall_s / 1e9 if self.wall_s > 0 else 0.0
 
     @property
     def peak_over_largest(self) -> float:
+        """The measured peak as a multiple of the largest layer (1.0 is the least possible)."""
         return self.peak_buffer_bytes / self.largest_layer_bytes if self.largest_layer_bytes else 0.0
 
     @property
     def matches_prediction(self) -> bool:
+        """Whether the measured peak equals the plan's prediction, byte for byte."""
         return self.peak_buffer_bytes == self.predicted_peak_buffer_bytes
 
     def to_dict(self) -> dict:

@@ -9,7 +9,25 @@ from layerwise_cli.report.jsonable import jsonable
 
 @dataclass(frozen=True)
 class VerifyResult:
-    """`--verify` on one engine or server (merged across its workers); built once, never changed."""
+    """`--verify` on one engine or server, merged across its workers; built once, never changed.
+
+    Each parent layer of SOURCE is loaded afresh into a private copy of the
+    engine's layer and compared with the live layer, bit for bit.
+
+    Attributes:
+        ok: every checked layer matches, none failed to load, and at least one was checked.
+        checked: layers compared (modules derived from a layer included).
+        matched: layers that match on every worker.
+        tensors_compared: stored tensors compared, over all workers.
+        kernels_compared: kernel read-backs compared (weights held only inside a kernel), over all workers.
+        mismatched: the layers that differ, in stream order (a tuple).
+        skipped: layers not compared by design (partial source, attention) -> why.
+        errors: layers that could not be loaded alone -> why (these fail `ok`: nothing was proven).
+        details: mismatched layer -> what differs.
+        derived: modules not in SOURCE checked through the layer they share storage
+            with (a tied head: `{"lm_head": "model.embed_tokens"}`); counted in `checked`.
+        wall_s: seconds the check took, seen from the caller (a server stays paused meanwhile).
+    """
 
     ok: bool
     checked: int
@@ -17,15 +35,10 @@ class VerifyResult:
     tensors_compared: int
     kernels_compared: int
     mismatched: tuple[str, ...] = ()
-    # Layers not compared: by design (partial source, attention) ...
     skipped: dict[str, str] = field(default_factory=dict)
-    # ... or because loading the layer alone failed (these fail --verify: nothing was proven).
     errors: dict[str, str] = field(default_factory=dict)
     details: dict[str, str] = field(default_factory=dict)
-    # Modules not in SOURCE checked through the layer they share storage with (a tied
-    # head: {"lm_head": "model.embed_tokens"}); counted in `checked`.
     derived: dict[str, str] = field(default_factory=dict)
-    # Seconds the check took, seen from the caller (a server stays paused meanwhile).
     wall_s: float = 0.0
 
     def __post_init__(self) -> None:
