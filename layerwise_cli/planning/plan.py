@@ -20,7 +20,7 @@ class PlannedTensor:
     parent: str | None
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParentLayerStats:
     """One parent layer of the plan."""
 
@@ -35,7 +35,7 @@ class ParentLayerStats:
     held_to_end: str | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class BufferSimulation:
     """What the layerwise reload buffers when tensors arrive in a given order."""
 
@@ -50,7 +50,7 @@ class BufferSimulation:
     rank: int | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
     """The tensors of a checkpoint in file order and in layer order."""
 
