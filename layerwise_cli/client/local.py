@@ -174,13 +174,13 @@ def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = Fals
     """
     per_worker = reload_workers(llm, source, order=order, allow_partial=allow_partial, readahead=readahead,
                                 revision=revision, progress_path=progress_path, allow_nonfinite=allow_nonfinite)
-    checked = None
+    verification = None
     if verify:
-        checked = verify_engine(llm, source, revision)
-        if not checked.ok:
-            raise LayerwiseError(f"{verify_failure(checked)}; the engine holds the reloaded weights, unverified",
+        verification = verify_engine(llm, source, revision)
+        if not verification.ok:
+            raise LayerwiseError(f"{verify_failure(verification)}; the engine holds the reloaded weights, unverified",
                                  where=source)
-    return merge_reports(per_worker, verify=checked)
+    return merge_reports(per_worker, verify=verification)
 
 
 def reload_workers(llm, source: str, *, order: str = "layer", allow_partial: bool = False, readahead: bool = True,

@@ -97,9 +97,9 @@ def reload_as(llm, local_source: str, shown_as: str, *, order: str = "layer", al
     finally:
         if progress_path:
             Path(progress_path).unlink(missing_ok=True)
-    checked = None
+    verification = None
     if verify:
         if on_verify is not None:
             on_verify()
-        checked = verify_engine(llm, local_source, None)
-    return merge_reports(per_worker, source=shown_as, verify=checked)
+        verification = verify_engine(llm, local_source, None)
+    return merge_reports(per_worker, source=shown_as, verify=verification)
