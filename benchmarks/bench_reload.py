@@ -315,10 +315,10 @@ def bench_checkpoint(llm, layout: str, path: Path, args, watch: MemoryWatch, cud
             s["engine_peak_rss_delta_bytes"] for s in samples[v])
         if "worker_seconds" in samples[v][0]:
             timings[v]["worker_seconds_median"] = statistics.median(s["worker_seconds"] for s in samples[v])
-    file_prediction = predicted.file_order.peak_buffer_bytes
+    file_prediction = predicted.file_order_buffering.peak_buffer_bytes
     peaks = {"largest_layer_bytes": largest,
              "predicted_file_order_bytes": file_prediction,
-             "predicted_layer_order_bytes": predicted.layer_order.peak_buffer_bytes,
+             "predicted_layer_order_bytes": predicted.layer_order_buffering.peak_buffer_bytes,
              "a": vllm_peak["peak_buffer_bytes"]}
     for v in ("b", "c", "c-nora", "c-nocheck"):
         if v in samples:
@@ -347,8 +347,8 @@ def bench_checkpoint(llm, layout: str, path: Path, args, watch: MemoryWatch, cud
 def _curves(predicted) -> dict:
     """Buffered bytes after each tensor, against bytes delivered, for both orders (from the plan)."""
     out = {}
-    for order, stream, sim in (("file", predicted.plan.file_order, predicted.file_order),
-                               ("layer", predicted.plan.layer_order, predicted.layer_order)):
+    for order, stream, sim in (("file", predicted.plan.file_order, predicted.file_order_buffering),
+                               ("layer", predicted.plan.layer_order, predicted.layer_order_buffering)):
         delivered, xs = 0, []
         for item in stream:
             delivered += item.entry.nbytes

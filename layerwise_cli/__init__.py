@@ -1,6 +1,7 @@
 """layerwise: stream new weights into running vLLM engines in layer order.
 
-The Python API (imported lazily, so that `import layerwise_cli` stays cheap):
+The Python API (imported lazily, so that `import layerwise_cli` stays cheap:
+no torch, vLLM or Hub import until a name is first used):
 
     from layerwise_cli import EXTENSION_CLS, reload, start_engine, stop_engine, inspect_order, verify_engine
 
@@ -8,6 +9,20 @@ A trainer writes checkpoints that every loader reads in layer order, with digest
 
     from layerwise_cli import save_checkpoint
     save_checkpoint(model.state_dict().items(), "run/step_120", config=model.config, marker="STABLE")
+
+Attributes:
+    __version__: this package's version.
+    EXTENSION_CLS: the dotted name of layerwise's worker extension class;
+        pass `LLM(..., worker_extension_cls=EXTENSION_CLS)` to make an engine
+        reloadable (`start_engine` does).
+    reload: stream a checkpoint into a running engine, in layer order.
+    start_engine, stop_engine, EngineOptions: start an engine with the
+        extension and CPU-friendly defaults; shut it down before exit.
+    verify_engine, VerifyResult: check an engine against a checkpoint.
+    inspect_order: plan a checkpoint from its headers.
+    ReloadReport: what a reload did, layer by layer.
+    LayerwiseError: the one error type, with a one-line message.
+    save_checkpoint: write a checkpoint in layer order, with digests, atomically.
 """
 
 from __future__ import annotations

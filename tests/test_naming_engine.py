@@ -34,7 +34,7 @@ def test_tied_checkpoint_plans_without_a_head(tied_models):
     report = inspect_order(str(tied_models["add"]))
     names = [layer.name for layer in report.plan.layers]
     assert "lm_head" not in names and names[0] == "model.embed_tokens"
-    assert report.layer_order.peak_buffer_bytes == report.plan.largest_layer_bytes
+    assert report.layer_order_buffering.peak_buffer_bytes == report.plan.largest_layer_bytes
 
 
 class _WithMapper:

@@ -72,7 +72,7 @@ def _assert_prediction_is_measured(report, source: Path, order: str, tensor_para
     from layerwise_cli.planning.inspect import inspect_order
 
     predicted = inspect_order(str(source), tensor_parallel_size=tensor_parallel_size)
-    sim = predicted.layer_order if order == "layer" else predicted.file_order
+    sim = predicted.layer_order_buffering if order == "layer" else predicted.file_order_buffering
     assert report.order == order
     assert report.peak_buffer_bytes == report.predicted_peak_buffer_bytes == sim.peak_buffer_bytes
     assert report.largest_layer_bytes == predicted.plan.largest_layer_bytes

@@ -123,9 +123,9 @@ def test_layer_and_file_order_leave_identical_weights(on_multiply, demo_models, 
     # Layer order buffers one parent layer at most; file order buffers more,
     # exactly as inspect-order predicted from the headers.
     assert layer.peak_buffer_bytes == layer.largest_layer_bytes == predicted.plan.largest_layer_bytes
-    assert layer.peak_buffer_bytes == predicted.layer_order.peak_buffer_bytes
+    assert layer.peak_buffer_bytes == predicted.layer_order_buffering.peak_buffer_bytes
     assert file.peak_buffer_bytes > file.largest_layer_bytes
-    assert file.peak_buffer_bytes == predicted.file_order.peak_buffer_bytes
+    assert file.peak_buffer_bytes == predicted.file_order_buffering.peak_buffer_bytes
     assert layer.matches_prediction and file.matches_prediction
     assert not layer.unexpected and not file.unexpected
 

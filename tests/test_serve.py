@@ -76,20 +76,20 @@ def test_serve_command_line():
 
 def test_serve_defaults_follow_the_machine():
     """CPU-only: eager and a 0.1 memory share; GPU: vLLM's own defaults. Explicit options win on both."""
-    from layerwise_cli.server.plan import plan_serve
+    from layerwise_cli.server.command_line import server_command_line
 
-    cpu = plan_serve("some/model", on_gpu=False).argv
+    cpu = server_command_line("some/model", on_gpu=False).argv
     assert "--enforce-eager" in cpu
     assert cpu[cpu.index("--gpu-memory-utilization") + 1] == "0.1"
-    gpu = plan_serve("some/model", on_gpu=True).argv
+    gpu = server_command_line("some/model", on_gpu=True).argv
     assert "--enforce-eager" not in gpu and "--gpu-memory-utilization" not in gpu
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in plan_serve("m", tensor_parallel_size=2, on_gpu=True).env
-    chosen = plan_serve("some/model", enforce_eager=True, memory_fraction=0.5, on_gpu=True).argv
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in server_command_line("m", tensor_parallel_size=2, on_gpu=True).env
+    chosen = server_command_line("some/model", enforce_eager=True, memory_fraction=0.5, on_gpu=True).argv
     assert "--enforce-eager" in chosen and chosen[chosen.index("--gpu-memory-utilization") + 1] == "0.5"
-    graphs = plan_serve("some/model", enforce_eager=False, on_gpu=False).argv
+    graphs = server_command_line("some/model", enforce_eager=False, on_gpu=False).argv
     assert "--enforce-eager" not in graphs
     # Given among the pass-through options, they are not doubled.
-    passed = plan_serve("m", extra=["--enforce-eager", "--gpu-memory-utilization", "0.3"], on_gpu=False).argv
+    passed = server_command_line("m", extra=["--enforce-eager", "--gpu-memory-utilization", "0.3"], on_gpu=False).argv
     assert passed.count("--enforce-eager") == 1 and passed.count("--gpu-memory-utilization") == 1
 
 

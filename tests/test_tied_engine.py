@@ -156,7 +156,7 @@ def test_vllm_own_reload_leaves_the_head_stale_and_verify_catches_it(engine_a, t
     verify = verify_engine(engine_a, str(tied_ab["B"]))
     if on_cpu():
         assert differ > 0
-        assert not verify.ok and verify.mismatched == ["lm_head"]
+        assert not verify.ok and verify.mismatched == ("lm_head",)
         assert "#kernel" in verify.details["lm_head"] and "model.embed_tokens" in verify.details["lm_head"]
     else:
         assert differ == 0 and verify.ok

@@ -108,7 +108,7 @@ def test_serve_passes_other_options_through(extra):
 
 
 def test_governed_option_unit():
-    from layerwise_cli.server.plan import governed_option
+    from layerwise_cli.server.command_line import governed_option
 
     assert governed_option("--host") == "--host"
     assert governed_option("--h") is None  # too short to name one option; argparse finds it ambiguous

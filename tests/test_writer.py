@@ -89,7 +89,8 @@ def test_vllm_read_order_buffers_one_layer(tmp_path):
     largest = report.plan.largest_layer_bytes
     assert report.plan.mapping.kind == "table"
     assert len(report.plan.checkpoint.shards) > 3
-    assert report.file_order.peak_buffer_bytes == largest == saved.peak_buffer_bytes == saved.largest_layer_bytes
+    peak = report.file_order_buffering.peak_buffer_bytes
+    assert peak == largest == saved.peak_buffer_bytes == saved.largest_layer_bytes
     # A layer larger than a shard gets consecutive shards of its own; any other lives in one shard.
     assert any(layer.bytes > 6000 for layer in report.plan.layers)
     assert all(len(layer.shards) == 1 for layer in report.plan.layers if layer.bytes <= 6000)
@@ -107,7 +108,7 @@ def test_the_same_checkpoint_reshuffled_by_a_naive_writer_is_worse(tmp_path):
     for i in range(0, len(items), 6):
         save_file(dict(items[i:i + 6]), folder / f"model-{i // 6 + 1:05d}-of-99999.safetensors")
     report = inspect_order(str(folder))
-    assert report.file_order.peak_buffer_bytes > report.plan.largest_layer_bytes
+    assert report.file_order_buffering.peak_buffer_bytes > report.plan.largest_layer_bytes
 
 
 def test_headers_carry_the_digest_of_each_tensors_bytes(tmp_path):
@@ -132,7 +133,7 @@ def test_without_a_config_layers_group_by_index(tmp_path):
     assert not (tmp_path / "e" / "config.json").exists()
     report = inspect_order(str(tmp_path / "e"))
     assert report.plan.mapping.kind == "generic"
-    assert report.file_order.peak_buffer_bytes == report.plan.largest_layer_bytes
+    assert report.file_order_buffering.peak_buffer_bytes == report.plan.largest_layer_bytes
     assert torch.equal(loaded(tmp_path / "e")["model.layers.2.mlp.up_proj.weight"],
                        sd["model.layers.2.mlp.up_proj.weight"])
 

@@ -81,7 +81,7 @@ def test_inspect_order_predicts_one_largest_layer(run):
 
     ours = inspect_order(str(run.written))
     assert ours.plan.mapping.kind == "table"
-    assert ours.file_order.peak_buffer_bytes == ours.plan.largest_layer_bytes == run.saved.peak_buffer_bytes
+    assert ours.file_order_buffering.peak_buffer_bytes == ours.plan.largest_layer_bytes == run.saved.peak_buffer_bytes
     assert ours.digest_shards == len(run.saved.shards)
     assert inspect_order(str(run.original)).plan.largest_layer_bytes == ours.plan.largest_layer_bytes
 

@@ -38,7 +38,7 @@ def test_a_state_dict_larger_than_the_limit_is_streamed(tmp_path):
     assert checkpoint.total_bytes == streamed["state_dict_bytes"]
     assert (tmp_path / "step_1" / "STABLE").exists()
     report = inspect_order(str(tmp_path / "step_1"))
-    assert report.file_order.peak_buffer_bytes == report.plan.largest_layer_bytes
+    assert report.file_order_buffering.peak_buffer_bytes == report.plan.largest_layer_bytes
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to reset the peak RSS")

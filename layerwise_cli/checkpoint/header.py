@@ -47,15 +47,18 @@ class TensorEntry:
         return self.end - self.begin
 
 
-@dataclass
+@dataclass(frozen=True)
 class ShardHeader:
-    """A parsed safetensors header: one shard of a checkpoint."""
+    """A parsed safetensors header: one shard of a checkpoint (a list given for `tensors` is kept as a tuple)."""
 
     name: str
     header_len: int
     file_size: int | None
     metadata: dict[str, str] = field(default_factory=dict)
-    tensors: list[TensorEntry] = field(default_factory=list)
+    tensors: tuple[TensorEntry, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tensors", tuple(self.tensors))
 
     @property
     def data_start(self) -> int:

@@ -8,7 +8,7 @@ import os
 import re
 import stat
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 
 from layerwise_cli.checkpoint.header import ShardHeader, TensorEntry, header_length, parse_header, read_shard_header
@@ -21,19 +21,25 @@ _HUB_THREADS = 8
 _REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Checkpoint:
-    """A checkpoint's headers: its shards in the order vLLM reads them, and its config."""
+    """A checkpoint's headers: its shards in the order vLLM reads them, and its config; built once, never changed.
+
+    A list given for `shards` is stored as a tuple; `dataclasses.replace` makes a variant.
+    """
 
     source: str
     kind: str  # "file", "directory" or "hub"
-    shards: list[ShardHeader]
+    shards: tuple[ShardHeader, ...]
     config: dict | None = None
     # Local directory holding the shards (None for a Hub source read remotely).
     local_dir: Path | None = None
     revision: str | None = None
     header_bytes_read: int = 0
     index: dict | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shards", tuple(self.shards))
 
     @property
     def tensors(self) -> list[TensorEntry]:
@@ -439,9 +445,7 @@ def _open_hub_cache(repo_id: str, revision: str | None, where: str) -> Checkpoin
             f"{missing[0]}{more} is not in the local Hub cache, and HF_HUB_OFFLINE=1 forbids downloading it",
             where=where,
         )
-    checkpoint = _open_directory(folder)
-    checkpoint.source, checkpoint.kind, checkpoint.revision = repo_id, "hub", revision
-    return checkpoint
+    return replace(_open_directory(folder), source=repo_id, kind="hub", revision=revision)
 
 
 def _missing_cached_shards(folder: Path) -> list[str]:

@@ -64,7 +64,7 @@ def _size(path: str) -> int:
         return 0
 
 
-def _short(name: str) -> str:
+def _layer_label(name: str) -> str:
     # Every decoder module starts with `model.`; the rest is what tells layers apart.
     return name.removeprefix("model.")
 
@@ -81,7 +81,7 @@ def render_report(report: ReloadReport, title: str = "Reload", top: int = 0) -> 
     table.add_column("buffered", justify="right")
     layers = report.layers[:top] if top else report.layers
     for layer in layers:
-        table.add_row(escape(_short(layer.name)) + ("" if layer.completed_during_stream else " (finalize)"),
+        table.add_row(escape(_layer_label(layer.name)) + ("" if layer.completed_during_stream else " (finalize)"),
                       str(layer.tensors), human_bytes(layer.bytes), human_seconds(layer.load_s),
                       human_seconds(layer.process_s), human_bytes(layer.buffered_bytes_at_completion))
     if top and len(report.layers) > top:
@@ -99,7 +99,7 @@ def render_report(report: ReloadReport, title: str = "Reload", top: int = 0) -> 
     held = [layer for layer in report.layers if layer.held_to_end]
     if held:
         reasons = "; ".join(dict.fromkeys(layer.held_to_end for layer in held))
-        summary.add_row("held to end", f"{', '.join(escape(_short(layer.name)) for layer in held)} "
+        summary.add_row("held to end", f"{', '.join(escape(_layer_label(layer.name)) for layer in held)} "
                         f"({escape(reasons)}): vLLM buffers them until the reload ends; layer order streams them last")
     verdict = "matches" if report.matches_prediction else "[yellow]DIFFERS from[/]"
     summary.add_row("predicted", f"{human_bytes(report.predicted_peak_buffer_bytes)} ({verdict} the measurement)")

@@ -57,7 +57,7 @@ def inspect_order_command(
     if as_json:
         print_json(data)
     else:
-        render(report, data, top)
+        render(data, top)
         if scanned is not None:
             render_scan(scanned)
     if scanned is not None and scanned.digest_mismatches:
@@ -73,7 +73,7 @@ def inspect_order_command(
         first = scanned.nonfinite[0]
         more = f" ({len(scanned.nonfinite)} tensors hold NaN or Inf)" if len(scanned.nonfinite) > 1 else ""
         raise LayerwiseError(f"{first.describe()}{more}", where=_shard_where(report.plan.checkpoint, first.shard))
-    peak = report.file_order.peak_buffer_bytes
+    peak = report.file_order_buffering.peak_buffer_bytes
     if limit is not None and peak > limit:
         from layerwise_cli.errors import LayerwiseError
 
@@ -84,8 +84,8 @@ def inspect_order_command(
         )
 
 
-def render(report, data: dict, top: int) -> None:
-    """Print the summary and the per-layer table on stdout."""
+def render(data: dict, top: int) -> None:
+    """Print the summary and the per-layer table on stdout, from the JSON data alone (`OrderReport.to_dict`)."""
     largest = data["largest_layer_bytes"]
     fo, lo = data["file_order"], data["layer_order"]
     summary = Table.grid(padding=(0, 2))
@@ -121,7 +121,7 @@ def render(report, data: dict, top: int) -> None:
     if data["skipped_tensors"]:
         summary.add_row("skipped", f"{len(data['skipped_tensors'])} tensor(s) the engine does not load")
     summary.add_row("read", f"{data['header_bytes_read']} header bytes of "
-                    f"{report.plan.checkpoint.total_bytes + data['header_bytes_read']}")
+                    f"{data['total_bytes'] + data['header_bytes_read']}")
     stdout.print(summary)
     table = Table(title=f"Parent layers, worst first{f' (top {top})' if top else ''}", title_justify="left")
     table.add_column("layer", overflow="fold")  # wrap, never cut, a module name

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Annotated, Literal
 
 import typer
@@ -113,8 +112,9 @@ def reload_command(
                                       ("--timeout", timeout)) if value is not None]
     if given:
         raise UsageError(f"{', '.join(given)} only apply with --url (reloading running servers)")
-    from layerwise_cli.client.local import EngineOptions, start_engine
-    from layerwise_cli.client.session import prepare_sources, reload_with_progress_path
+    from layerwise_cli.client.local import EngineOptions, start_engine, stop_engine
+    from layerwise_cli.client.session import prepare_sources, reload_as
+    from layerwise_cli.report.progress import new_progress_path
 
     check_quantization(quantization)
     source_dir, base = prepare_sources(weights_path, model, revision, quiet=as_json, allow_partial=allow_partial)
@@ -124,25 +124,21 @@ def reload_command(
     if not as_json:
         stderr.print(f"Starting vLLM on {base} ...")
     llm = start_engine(base, options)
-    from layerwise_cli.client.local import stop_engine
-    from layerwise_cli.report.progress import new_progress_path
+
+    def on_verify() -> None:
+        if not as_json:
+            stderr.print("Verifying the engine against the new weights ...")
 
     try:
         report = run_with_progress(
-            lambda path: reload_with_progress_path(llm, source_dir, order, allow_partial, readahead, path,
-                                                   allow_nonfinite=allow_nonfinite),
+            lambda path: reload_as(llm, source_dir, weights_path, order=order, allow_partial=allow_partial,
+                                   readahead=readahead, allow_nonfinite=allow_nonfinite, progress_path=path,
+                                   verify=verify, on_verify=on_verify),
             None if as_json else new_progress_path(), f"reload {weights_path}", show=not as_json)
-        if verify:
-            from layerwise_cli.client.local import verify_engine
-
-            if not as_json:
-                stderr.print("Verifying the engine against the new weights ...")
-            report = replace(report, verify=verify_engine(llm, source_dir, None))
     finally:
         # Shut the engine down now: left to interpreter exit, multiprocessing
         # waits for the engine process before vLLM's own finalizer stops it.
         stop_engine(llm)
-    report = replace(report, source=weights_path)
     if as_json:
         print_json(report.to_dict())
     else:

@@ -223,9 +223,9 @@ class ServerClient:
         return ReloadReport(order="file", source=source, wall_s=wall, bytes=0, tensors=0, peak_buffer_bytes=0,
                             peak_tensor="", predicted_peak_buffer_bytes=0, largest_layer_bytes=0,
                             mapping="vLLM's own reload_weights",
-                            notes=["per-layer figures are unavailable: the server has no layerwise worker "
+                            notes=("per-layer figures are unavailable: the server has no layerwise worker "
                                    "extension, so vLLM's own reload_weights ran (wall time measured by the client, "
-                                   "HTTP included)"])
+                                   "HTTP included)",))
 
     def verify(self, source: str, revision: str | None) -> VerifyResult:
         start = time.perf_counter()
@@ -239,9 +239,7 @@ class ServerClient:
         if failures or not results:
             error = failures[0].get("error") if failures and isinstance(failures[0], dict) else results
             raise _ServerError(f"--verify could not run: {error}", holds=HOLDS_NEW)
-        verify = merge_verify([r["verify"] for r in results])
-        verify.wall_s = time.perf_counter() - start
-        return verify
+        return merge_verify([r["verify"] for r in results], wall_s=time.perf_counter() - start)
 
 
 class RpcError(_ServerError):

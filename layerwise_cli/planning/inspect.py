@@ -10,13 +10,15 @@ from layerwise_cli.planning.parents import mapping_for_config
 from layerwise_cli.planning.plan import BufferSimulation, Plan, build_plan
 
 
-@dataclass
+@dataclass(frozen=True)
 class OrderReport:
-    """A plan and what each order would buffer."""
+    """A plan and what each order would buffer (the JSON's `file_order` and `layer_order`)."""
 
     plan: Plan
-    file_order: BufferSimulation
-    layer_order: BufferSimulation
+    # What vLLM's own read order (`Plan.file_order`) buffers.
+    file_order_buffering: BufferSimulation
+    # What layer order (`Plan.layer_order`) buffers.
+    layer_order_buffering: BufferSimulation
     # Tensor digests from the shard headers' `layerwise.digests` (only shards that carry them).
     tensor_digests: dict[str, str] = field(default_factory=dict)
     digest_shards: int = 0
@@ -70,9 +72,9 @@ class OrderReport:
             "held_to_end_bytes": plan.held_bytes(),
             "skipped_tensors": [t.name for t in plan.skipped],
             "held_to_end_reason": plan.held_summary(),
-            "file_order": {**_simulation_dict(self.file_order, largest),
-                           "above_largest_layer_because": plan.excess_reason(self.file_order)},
-            "layer_order": {**_simulation_dict(self.layer_order, largest),
+            "file_order": {**_simulation_dict(self.file_order_buffering, largest),
+                           "above_largest_layer_because": plan.excess_reason(self.file_order_buffering)},
+            "layer_order": {**_simulation_dict(self.layer_order_buffering, largest),
                             "above_largest_layer_because": self.layer_order_excess_reason()},
             "header_digests": {
                 "key": METADATA_KEY,
@@ -97,7 +99,7 @@ class OrderReport:
 
     def layer_order_excess_reason(self) -> str | None:
         """Why layer order buffers more than the largest layer (None when it does not)."""
-        return self.plan.excess_reason(self.layer_order)
+        return self.plan.excess_reason(self.layer_order_buffering)
 
 
 def _simulation_dict(sim: BufferSimulation, largest: int) -> dict:
@@ -125,6 +127,10 @@ def inspect_order(source: str, revision: str | None = None, mapping: str = "auto
     Returns:
         The plan, both simulations, and the tensor digests the shard headers
         carry (`layerwise.digests`, see `checkpoint.digests`).
+
+    Raises:
+        LayerwiseError: the source is missing, a header is invalid, or the
+            mapping asked for cannot be used.
     """
     checkpoint = open_checkpoint(source, revision)
     plan = build_plan(checkpoint, mapping_for_config(checkpoint.config, mapping), tensor_parallel_size)

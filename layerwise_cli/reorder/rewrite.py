@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from layerwise_cli.checkpoint.finite import ByteScan, NonFinite
@@ -129,10 +129,10 @@ class ReorderResult:
         def side(report: OrderReport) -> dict:
             return {
                 "shards": len(report.plan.checkpoint.shards),
-                "file_order_peak_buffer_bytes": report.file_order.peak_buffer_bytes,
-                "peak_over_largest_layer": report.file_order.peak_buffer_bytes / largest if largest else 0.0,
-                "open_layers_at_peak": report.file_order.peak_open_layers,
-                "peak_tensor": report.file_order.peak_tensor,
+                "file_order_peak_buffer_bytes": report.file_order_buffering.peak_buffer_bytes,
+                "peak_over_largest_layer": report.file_order_buffering.peak_buffer_bytes / largest if largest else 0.0,
+                "open_layers_at_peak": report.file_order_buffering.peak_open_layers,
+                "peak_tensor": report.file_order_buffering.peak_tensor,
             }
 
         return {
@@ -813,8 +813,7 @@ def _check_written(
     progress: Callable[[ReorderProgress], None] | None,
 ) -> OrderReport:
     """Re-read what was written: headers, tensor set, the order vLLM reads, and (verify) every tensor's bytes."""
-    written = open_checkpoint(str(out))
-    written.source = str(dst)
+    written = replace(open_checkpoint(str(out)), source=str(dst))
     wanted = {(t.name, t.dtype, t.shape) for t in checkpoint.tensors}
     got = {(t.name, t.dtype, t.shape) for t in written.tensors}
     if wanted != got:
@@ -823,7 +822,7 @@ def _check_written(
     after_plan = build_plan(written, plan.mapping)
     after = OrderReport(after_plan, after_plan.simulate("file"), after_plan.simulate("layer"))
     # The least any order buffers: the largest layer, or the layers vLLM holds to the end together.
-    peak, largest = after.file_order.peak_buffer_bytes, after_plan.least_peak_bytes
+    peak, largest = after.file_order_buffering.peak_buffer_bytes, after_plan.least_peak_bytes
     finished: set[str] = set()
     previous: str | None = None
     for item in after_plan.file_order:

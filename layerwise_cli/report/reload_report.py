@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 
+from layerwise_cli.report.jsonable import jsonable
 from layerwise_cli.report.verify_result import VerifyResult
 
 
-@dataclass
+@dataclass(frozen=True)
 class LayerReport:
-    """One parent layer as the engine took it."""
+    """One parent layer as the engine took it (see the comments on each field)."""
 
     name: str
     tensors: int
@@ -33,9 +34,41 @@ class LayerReport:
         return self.load_s + self.process_s
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReloadReport:
-    """One worker's reload (or several merged)."""
+    """What a reload did: one worker's report, or the workers' reports merged; built once, never changed.
+
+    Merged across tensor-parallel workers, per-worker figures are maxima (each
+    worker streams the whole checkpoint). Lists given for `layers`,
+    `unexpected` and `notes` are stored as tuples; `to_dict` gives lists.
+
+    Attributes:
+        order: `layer` or `file`, the order the tensors were handed over in.
+        source: the checkpoint, as the user named it.
+        wall_s: seconds from the first tensor handed over to the end of vLLM's processing.
+        bytes: bytes of the tensors the engine loaded.
+        tensors: tensors streamed.
+        peak_buffer_bytes: the most bytes vLLM's layer buffers held at once, measured.
+        peak_tensor: the tensor being handed over at that peak.
+        predicted_peak_buffer_bytes: the plan's prediction of that peak.
+        largest_layer_bytes: bytes of the largest parent layer (the least any order can buffer).
+        readahead_peak_bytes: the most bytes read ahead but not yet handed over.
+        layers: one `LayerReport` per parent layer, in the order the stream reached them.
+        workers: workers merged into this report.
+        rank: the worker's rank (None once merged, or outside tensor parallel).
+        unexpected: tensors whose buffering differed from the plan (parent not where expected).
+        mapping: how tensors were mapped to parent layers (`LayerMapping.description`).
+        device: where the engine holds its weights (`cpu`, `cuda:0`).
+        finalize_s: seconds vLLM spent after the last tensor (layers it processes only then).
+        notes: things the user should know (repairs made after vLLM's reload, missing reference).
+        verify: with `--verify` / `reload(..., verify=True)`, the engine checked
+            against SOURCE after the reload; None otherwise.
+        held_to_end_bytes: bytes of the layers the plan expected vLLM to hold to the end of the stream.
+        above_largest_layer_because: why the predicted peak is above the largest layer (None when it is not).
+        gb_per_s: `bytes` over `wall_s`, in GB/s (a property).
+        peak_over_largest: `peak_buffer_bytes` over `largest_layer_bytes` (a property).
+        matches_prediction: whether the measured peak equals the predicted one (a property).
+    """
 
     order: str
     source: str
@@ -47,37 +80,40 @@ class ReloadReport:
     predicted_peak_buffer_bytes: int
     largest_layer_bytes: int
     readahead_peak_bytes: int = 0
-    layers: list[LayerReport] = field(default_factory=list)
+    layers: tuple[LayerReport, ...] = ()
     workers: int = 1
     rank: int | None = None
-    # Tensors whose buffering differed from the plan (parent not where expected).
-    unexpected: list[str] = field(default_factory=list)
+    unexpected: tuple[str, ...] = ()
     mapping: str = ""
     device: str = "cpu"
     finalize_s: float = 0.0
-    notes: list[str] = field(default_factory=list)
-    # `--verify` / `reload(..., verify=True)`: the engine checked against SOURCE after the reload.
+    notes: tuple[str, ...] = ()
     verify: VerifyResult | None = None
-    # Bytes of the layers the plan expected vLLM to hold to the end of the stream.
     held_to_end_bytes: int = 0
-    # Why the predicted peak is above the largest layer (None when it is not).
     above_largest_layer_because: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "unexpected", "notes"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @property
     def gb_per_s(self) -> float:
+        """Bytes loaded per second of wall time, in GB/s."""
         return self.bytes / self.wall_s / 1e9 if self.wall_s > 0 else 0.0
 
     @property
     def peak_over_largest(self) -> float:
+        """The measured peak as a multiple of the largest layer (1.0 is the least possible)."""
         return self.peak_buffer_bytes / self.largest_layer_bytes if self.largest_layer_bytes else 0.0
 
     @property
     def matches_prediction(self) -> bool:
+        """Whether the measured peak equals the plan's prediction, byte for byte."""
         return self.peak_buffer_bytes == self.predicted_peak_buffer_bytes
 
     def to_dict(self) -> dict:
-        """JSON-ready: bytes as integers, seconds as floats."""
-        data = asdict(self)
+        """JSON-ready: bytes as integers, seconds as floats, lists for sequences."""
+        data = jsonable(asdict(self))
         data["gb_per_s"] = self.gb_per_s
         data["peak_over_largest_layer"] = self.peak_over_largest
         data["matches_prediction"] = self.matches_prediction
@@ -85,6 +121,7 @@ class ReloadReport:
 
     @classmethod
     def from_dict(cls, data: dict) -> ReloadReport:
+        """The report `to_dict` wrote (keys it does not know are ignored)."""
         fields = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         fields["layers"] = [LayerReport(**layer) for layer in data.get("layers", [])]
         if data.get("verify") is not None:
@@ -92,17 +129,31 @@ class ReloadReport:
         return cls(**fields)
 
 
-def merge_reports(reports: list[ReloadReport]) -> ReloadReport:
-    """Merge the reports of tensor-parallel workers into one.
+def merge_reports(reports: list[ReloadReport], *, source: str | None = None,
+                  verify: VerifyResult | None = None) -> ReloadReport:
+    """Merge the reports of tensor-parallel workers into the report of the reload.
 
     Every worker streams the whole checkpoint and buffers in its own memory,
     so per-worker figures are maxima across workers, not sums.
+
+    Args:
+        reports: one report per worker (at least one).
+        source: the source as the user named it, when the workers read it
+            under another name (a Hub repo id downloaded to a local folder);
+            None keeps the workers' `source`.
+        verify: the verification of the engine after the reload, if any.
+
+    Returns:
+        The merged report (a single worker's report, with SOURCE and VERIFY).
+
+    Raises:
+        ValueError: no reports.
     """
     if not reports:
         raise ValueError("no worker reports to merge")
-    if len(reports) == 1:
-        return reports[0]
     first = reports[0]
+    if len(reports) == 1:
+        return replace(first, source=first.source if source is None else source, verify=verify)
     worst = max(reports, key=lambda r: r.peak_buffer_bytes)
     layers = []
     for per_worker in zip(*(r.layers for r in reports)):
@@ -121,7 +172,7 @@ def merge_reports(reports: list[ReloadReport]) -> ReloadReport:
     predicted = max(reports, key=lambda r: r.predicted_peak_buffer_bytes)
     return ReloadReport(
         order=first.order,
-        source=first.source,
+        source=first.source if source is None else source,
         wall_s=max(r.wall_s for r in reports),
         bytes=first.bytes,
         tensors=first.tensors,
@@ -139,4 +190,5 @@ def merge_reports(reports: list[ReloadReport]) -> ReloadReport:
         notes=sorted({note for r in reports for note in r.notes}),
         held_to_end_bytes=max(r.held_to_end_bytes for r in reports),
         above_largest_layer_because=predicted.above_largest_layer_because,
+        verify=verify,
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from layerwise_cli.server.plan import OPEN_PATHS
+from layerwise_cli.server.command_line import OPEN_PATHS
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 

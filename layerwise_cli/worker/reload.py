@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -118,8 +119,7 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
     model = worker.model_runner.get_model()
     model_config = worker.model_runner.model_config
     local = resolve_local(source, revision)
-    checkpoint = open_checkpoint(str(local))
-    checkpoint.source = source
+    checkpoint = replace(open_checkpoint(str(local)), source=source)
     hf_config = model_config.hf_config.to_dict() if hasattr(model_config.hf_config, "to_dict") else None
     tp_size, tp_rank = tensor_parallel_position()
     plan, vllm_names = plan_for_engine(checkpoint, model, hf_config, tp_size)

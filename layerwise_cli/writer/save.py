@@ -29,18 +29,30 @@ _WRITTEN_NAMES = (INDEX_NAME, "config.json")
 
 @dataclass(frozen=True)
 class SavedCheckpoint:
-    """What `save_checkpoint` wrote."""
+    """What `save_checkpoint` wrote.
+
+    Attributes:
+        directory: the checkpoint directory (after the atomic rename).
+        shards: the shard file names, in layer order.
+        tensors: how many tensors were written.
+        total_bytes: tensor bytes (headers not counted).
+        largest_layer_bytes: the largest parent layer's bytes.
+        peak_buffer_bytes: what vLLM's own loader buffers reading it (inspect-order's
+            file-order peak): the largest layer, or the layers vLLM holds to the end
+            together (a padded vocabulary), whichever is larger.
+        marker: the completion marker written last, or None.
+        replaced: an existing directory was replaced (overwrite=True).
+        seconds: wall time of the whole save, marker included.
+    """
 
     directory: Path
     shards: tuple[str, ...]
     tensors: int
-    total_bytes: int  # tensor bytes (headers not counted)
+    total_bytes: int
     largest_layer_bytes: int
-    # What vLLM's own loader buffers reading it (inspect-order's file-order peak): the largest
-    # layer, or the layers vLLM holds to the end together (a padded vocabulary), whichever is larger.
     peak_buffer_bytes: int
     marker: Path | None
-    replaced: bool  # an existing directory was replaced (overwrite=True)
+    replaced: bool
     seconds: float
 
 
@@ -160,7 +172,7 @@ def save_checkpoint(
     return SavedCheckpoint(
         directory=dst, shards=tuple(s.name for s in shards), tensors=len(spilled),
         total_bytes=plan.total_bytes, largest_layer_bytes=plan.largest_layer_bytes,
-        peak_buffer_bytes=written.file_order.peak_buffer_bytes, marker=marker_path, replaced=replaced,
+        peak_buffer_bytes=written.file_order_buffering.peak_buffer_bytes, marker=marker_path, replaced=replaced,
         seconds=time.perf_counter() - started,
     )
 
@@ -277,11 +289,12 @@ def _check_written(out: Path, layer_mapping, where: str):
 
     plan = build_plan(open_checkpoint(str(out)), layer_mapping)
     report = OrderReport(plan, plan.simulate("file"), plan.simulate("layer"))
-    if report.file_order.peak_buffer_bytes > report.layer_order.peak_buffer_bytes:
+    file_peak = report.file_order_buffering.peak_buffer_bytes
+    layer_peak = report.layer_order_buffering.peak_buffer_bytes
+    if file_peak > layer_peak:
         raise LayerwiseError(
-            f"internal error: the written shards buffer {report.file_order.peak_buffer_bytes} bytes in vLLM's "
-            f"read order, more than layer order's {report.layer_order.peak_buffer_bytes}; please report this",
-            where=where)
+            f"internal error: the written shards buffer {file_peak} bytes in vLLM's read order, more than layer "
+            f"order's {layer_peak}; please report this", where=where)
     return report
 
 

@@ -1,6 +1,6 @@
 """What `layerwise serve` runs: vLLM's OpenAI server command, its environment, and the settings it refuses.
 
-Pure planning (no Typer, no vLLM import): the CLI prints and execs the plan,
+Plain data (no Typer, no vLLM import): the CLI prints and execs the command,
 and `layerwise_cli.server.launch` is the process it becomes.
 """
 
@@ -23,7 +23,7 @@ DEV_ENDPOINTS = "/collective_rpc, /pause, /resume, /update_weight_version, /weig
 
 
 @dataclass(frozen=True)
-class ServePlan:
+class ServerCommandLine:
     """The command `layerwise serve` runs, and what it must say first."""
 
     argv: list[str]
@@ -92,11 +92,11 @@ def _refuse_governed(extra: list[str]) -> None:
                              f"{GOVERNED_OPTIONS[option]} instead", where="layerwise serve")
 
 
-def plan_serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, allow_remote: bool = False,
-               api_key: str | None = None, dtype: str = "auto", tensor_parallel_size: int = 1,
-               max_model_len: int | None = None, quantization: str | None = None,
-               enforce_eager: bool | None = None, memory_fraction: float | None = None,
-               extra: list[str] | None = None, on_gpu: bool = False) -> ServePlan:
+def server_command_line(model: str, *, host: str = "127.0.0.1", port: int = 8000, allow_remote: bool = False,
+                        api_key: str | None = None, dtype: str = "auto", tensor_parallel_size: int = 1,
+                        max_model_len: int | None = None, quantization: str | None = None,
+                        enforce_eager: bool | None = None, memory_fraction: float | None = None,
+                        extra: list[str] | None = None, on_gpu: bool = False) -> ServerCommandLine:
     """Build the server command and its environment; refuse unsafe or conflicting settings.
 
     Args:
@@ -110,7 +110,7 @@ def plan_serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, allow_r
         extra: further vLLM server options, passed through as they are.
 
     Returns:
-        The plan (argv, environment additions, warnings to print).
+        The command (argv, environment additions, warnings to print).
 
     Raises:
         UsageError: a non-loopback host without `allow_remote`, or a
@@ -156,4 +156,4 @@ def plan_serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, allow_r
         env["VLLM_API_KEY"] = api_key
     if tensor_parallel_size > 1 and not on_gpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_binding(tensor_parallel_size)
-    return ServePlan(argv=argv, env=env, warnings=tuple(warnings))
+    return ServerCommandLine(argv=argv, env=env, warnings=tuple(warnings))
