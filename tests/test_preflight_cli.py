@@ -205,6 +205,7 @@ def test_allow_nonfinite_reaches_the_servers(monkeypatch):
 
     monkeypatch.setattr(ServerClient, "collective_rpc", collective_rpc)
     client = ServerClient("http://127.0.0.1:9")
+    client.per_engine = False  # a server without `layerwise serve`'s per-engine endpoint: /collective_rpc
     for options in seen:
         with pytest.raises(Exception, match="stopped here by the test"):
             client.layerwise_reload("W", options)

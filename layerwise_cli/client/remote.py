@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from layerwise_cli.client.server_api import (
+    HOLDS_MIXED,
     HOLDS_NEW,
     HOLDS_PREVIOUS,
     HOLDS_UNKNOWN,
@@ -46,6 +47,9 @@ class ServerResult:
     paused_s: float = 0.0
     wall_s: float = 0.0
     warnings: list[str] = field(default_factory=list)
+    # Data-parallel engines reached by the reload (each reported), and, after a failure, what each holds.
+    engines: int = 1
+    engine_holds: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -122,6 +126,10 @@ def reload_server(url: str, source: str, options: RemoteOptions | None = None,
                 result.warnings.append("--revision is ignored by vLLM's own reload_weights")
             if not options.allow_nonfinite:
                 result.warnings.append("vLLM's own reload_weights does not check tensors for NaN/Inf")
+        else:
+            result.engines = client.engines
+            if client.engines_warning():
+                result.warnings.append(client.engines_warning())
         emit(url, "checked", {"method": result.method, "fallback_reason": result.fallback_reason})
 
         if options.pause_mode != "none":
@@ -158,6 +166,7 @@ def reload_server(url: str, source: str, options: RemoteOptions | None = None,
     except _ServerError as exc:
         result.error = str(exc)
         result.rolled_back = exc.rolled_back
+        result.engine_holds = exc.engines
         if result.holds != HOLDS_UNVERIFIED:
             result.holds = exc.holds
     except Exception as exc:  # noqa: BLE001 - one line per server, never a traceback
@@ -212,6 +221,8 @@ def holdings(results: list[ServerResult], source: str) -> list[str]:
             what = f"rolled back: holds its previous weights{version}"
         elif result.holds == HOLDS_PREVIOUS:
             what = f"not changed: holds its previous weights{version}"
+        elif result.holds == HOLDS_MIXED:
+            what = f"engines differ: {', '.join(result.engine_holds)}"
         elif result.holds == HOLDS_UNVERIFIED:
             what = f"holds weights that differ from {source} in the layers --verify named{version}"
         else:
@@ -221,19 +232,21 @@ def holdings(results: list[ServerResult], source: str) -> list[str]:
 
 
 def server_fingerprints(url: str, api_key: str | None = None, timeout: float = 600.0) -> dict[str, str]:
-    """The extension's fingerprints of a server's weights (rank-qualified when tensor parallel)."""
+    """The extension's fingerprints of a server's weights (qualified by rank, and engine, when there are several)."""
     client = ServerClient(url, api_key=api_key, timeout=timeout)
     try:
-        results = client.collective_rpc("layerwise_fingerprints")
+        engines = client.engines_rpc("layerwise_fingerprints")
     finally:
         client.close()
     out: dict[str, str] = {}
-    for rank, item in enumerate(results):
-        if not isinstance(item, dict) or not item.get("ok"):
-            error = item.get("error") if isinstance(item, dict) else item
-            raise LayerwiseError(f"fingerprints failed on worker {rank}: {error}", where=url)
-        prefix = f"rank{rank}:" if len(results) > 1 else ""
-        out.update({prefix + name: digest for name, digest in item["fingerprints"].items()})
+    for engine, results in enumerate(engines):
+        for rank, item in enumerate(results):
+            where = f"engine {engine} worker {rank}" if len(engines) > 1 else f"worker {rank}"
+            if not isinstance(item, dict) or not item.get("ok"):
+                error = item.get("error") if isinstance(item, dict) else item
+                raise LayerwiseError(f"fingerprints failed on {where}: {error}", where=url)
+            prefix = (f"engine{engine}:" if len(engines) > 1 else "") + (f"rank{rank}:" if len(results) > 1 else "")
+            out.update({prefix + name: digest for name, digest in item["fingerprints"].items()})
     return out
 
 

@@ -33,6 +33,42 @@ class LayerReport:
         return self.load_s + self.process_s
 
 
+@dataclass(frozen=True)
+class RankSummary:
+    """One worker of a merged report: where it sits and what it read and buffered."""
+
+    rank: int | None
+    pp_rank: int
+    tp_rank: int
+    dp_rank: int
+    # The parent layers this rank held and loaded, in the order it loaded them.
+    layers: list[str]
+    bytes: int
+    tensors: int
+    # Bytes this rank's process caused to be read from storage during the reload (None: not measurable;
+    # page-cache hits do not count).
+    disk_read_bytes: int | None
+    peak_buffer_bytes: int
+    predicted_peak_buffer_bytes: int
+    wall_s: float
+    # Tensors of the source other ranks hold (another pipeline stage, other experts): not read here.
+    elsewhere_tensors: int = 0
+
+    @classmethod
+    def of(cls, report: ReloadReport) -> RankSummary:
+        position = report.position or {}
+        return cls(rank=report.rank, pp_rank=position.get("pp_rank", 0), tp_rank=position.get("tp_rank", 0),
+                   dp_rank=position.get("dp_rank", 0), layers=[layer.name for layer in report.layers],
+                   bytes=report.bytes, tensors=report.tensors, disk_read_bytes=report.disk_read_bytes,
+                   peak_buffer_bytes=report.peak_buffer_bytes,
+                   predicted_peak_buffer_bytes=report.predicted_peak_buffer_bytes, wall_s=report.wall_s,
+                   elsewhere_tensors=report.elsewhere_tensors)
+
+    def label(self) -> str:
+        """`rank 1 (pp 1, tp 0, dp 0)`."""
+        return f"rank {self.rank} (pp {self.pp_rank}, tp {self.tp_rank}, dp {self.dp_rank})"
+
+
 @dataclass
 class ReloadReport:
     """One worker's reload (or several merged)."""
@@ -62,6 +98,16 @@ class ReloadReport:
     held_to_end_bytes: int = 0
     # Why the predicted peak is above the largest layer (None when it is not).
     above_largest_layer_because: str | None = None
+    # One worker's place: rank, tp/pp/dp rank and size (empty in a merged report: see `ranks`).
+    position: dict = field(default_factory=dict)
+    # Tensors (and their bytes) of the source that other ranks hold: not read by this worker.
+    elsewhere_tensors: int = 0
+    elsewhere_bytes: int = 0
+    # Bytes read from storage by the worker's process during the reload (None: not measurable).
+    disk_read_bytes: int | None = None
+    # A merged report: every worker, in (dp, pp, tp) order; the data-parallel engines merged.
+    ranks: list[RankSummary] = field(default_factory=list)
+    engines: int = 1
 
     @property
     def gb_per_s(self) -> float:
@@ -89,26 +135,39 @@ class ReloadReport:
         fields["layers"] = [LayerReport(**layer) for layer in data.get("layers", [])]
         if data.get("verify") is not None:
             fields["verify"] = VerifyResult.from_dict(data["verify"])
+        fields["ranks"] = [RankSummary(**rank) for rank in data.get("ranks", [])]
         return cls(**fields)
 
 
 def merge_reports(reports: list[ReloadReport]) -> ReloadReport:
-    """Merge the reports of tensor-parallel workers into one.
+    """Merge the reports of an engine's workers (and of a server's data-parallel engines) into one.
 
-    Every worker streams the whole checkpoint and buffers in its own memory,
-    so per-worker figures are maxima across workers, not sums.
+    Tensor-parallel workers each stream their stage's tensors and buffer in
+    their own memory, so per-worker figures are maxima across workers, not
+    sums. Pipeline stages hold different layers: the merged report lists each
+    layer once (its figures the maxima over the ranks that hold it), and
+    `bytes`/`tensors` add up the stages of one engine. `ranks` lists every
+    worker: its rank, pp/tp/dp rank, the layers it held and what it read.
     """
     if not reports:
         raise ValueError("no worker reports to merge")
+    ordered = sorted(reports, key=_rank_key)
+    ranks = [RankSummary.of(r) for r in ordered]
     if len(reports) == 1:
-        return reports[0]
-    first = reports[0]
-    worst = max(reports, key=lambda r: r.peak_buffer_bytes)
+        from dataclasses import replace
+
+        return replace(reports[0], ranks=ranks)
+    first = ordered[0]
+    worst = max(ordered, key=lambda r: r.peak_buffer_bytes)
+    by_name: dict[str, list[LayerReport]] = {}
+    for report in ordered:
+        for layer in report.layers:
+            by_name.setdefault(layer.name, []).append(layer)
     layers = []
-    for per_worker in zip(*(r.layers for r in reports)):
+    for name, per_worker in by_name.items():
         base = per_worker[0]
         layers.append(LayerReport(
-            name=base.name,
+            name=name,
             tensors=base.tensors,
             bytes=base.bytes,
             load_s=max(layer.load_s for layer in per_worker),
@@ -118,25 +177,62 @@ def merge_reports(reports: list[ReloadReport]) -> ReloadReport:
             held_to_end=next((layer.held_to_end for layer in per_worker if layer.held_to_end), None),
         ))
     # Ranks may hold different layers to the end (vocabulary padding falls on the last ranks).
-    predicted = max(reports, key=lambda r: r.predicted_peak_buffer_bytes)
+    predicted = max(ordered, key=lambda r: r.predicted_peak_buffer_bytes)
+    # One engine's stages each stream their own part: add the stages up (the first engine; DP engines match).
+    stages: dict[int, ReloadReport] = {}
+    for report in ordered:
+        if (report.position or {}).get("dp_rank", 0) == (first.position or {}).get("dp_rank", 0):
+            stages.setdefault((report.position or {}).get("pp_rank", 0), report)
     return ReloadReport(
         order=first.order,
         source=first.source,
-        wall_s=max(r.wall_s for r in reports),
-        bytes=first.bytes,
-        tensors=first.tensors,
+        wall_s=max(r.wall_s for r in ordered),
+        bytes=sum(r.bytes for r in stages.values()),
+        tensors=sum(r.tensors for r in stages.values()),
         peak_buffer_bytes=worst.peak_buffer_bytes,
         peak_tensor=worst.peak_tensor,
         predicted_peak_buffer_bytes=predicted.predicted_peak_buffer_bytes,
-        largest_layer_bytes=first.largest_layer_bytes,
-        readahead_peak_bytes=max(r.readahead_peak_bytes for r in reports),
+        largest_layer_bytes=max(r.largest_layer_bytes for r in ordered),
+        readahead_peak_bytes=max(r.readahead_peak_bytes for r in ordered),
         layers=layers,
-        workers=len(reports),
-        unexpected=sorted({name for r in reports for name in r.unexpected}),
+        workers=len(ordered),
+        unexpected=sorted({name for r in ordered for name in r.unexpected}),
         mapping=first.mapping,
         device=first.device,
-        finalize_s=max(r.finalize_s for r in reports),
-        notes=sorted({note for r in reports for note in r.notes}),
-        held_to_end_bytes=max(r.held_to_end_bytes for r in reports),
+        finalize_s=max(r.finalize_s for r in ordered),
+        notes=sorted({note for r in ordered for note in r.notes}),
+        held_to_end_bytes=max(r.held_to_end_bytes for r in ordered),
         above_largest_layer_because=predicted.above_largest_layer_because,
+        ranks=ranks,
+        engines=len({rank.dp_rank for rank in ranks}),
     )
+
+
+def _rank_key(report: ReloadReport) -> tuple[int, int, int, int]:
+    position = report.position or {}
+    return (position.get("dp_rank", 0), position.get("pp_rank", 0), position.get("tp_rank", 0),
+            report.rank if report.rank is not None else 0)
+
+
+def first_failure(results: list) -> str | None:
+    """The error of the worker that failed first-hand (not one that only followed another rank), or None.
+
+    Named by its place when the engine has several ranks: `rank 1 (pp 1, tp 0, dp 0): ...`.
+    """
+    failures = [r for r in results if not (isinstance(r, dict) and r.get("ok"))]
+    if not failures and results:
+        return None
+    if not failures:
+        return "no workers answered"
+    own = [r for r in failures if isinstance(r, dict) and not r.get("followed_another_rank")]
+    failure = (own or failures)[0]
+    if not isinstance(failure, dict):
+        return str(failure)
+    error = failure.get("error") or "a worker failed without saying why"
+    position = failure.get("position") or {}
+    several = len(results) > 1 or position.get("dp_size", 1) > 1
+    if several and position:
+        where = (f"rank {position.get('rank')} (pp {position.get('pp_rank', 0)}, tp {position.get('tp_rank', 0)}, "
+                 f"dp {position.get('dp_rank', 0)})")
+        return f"{where}: {error}"
+    return error

@@ -32,7 +32,7 @@ class VerifyResult:
 
 
 def merge_verify(per_worker: list[dict]) -> VerifyResult:
-    """Merge the workers' verify results: a layer matches only if it matches on every worker."""
+    """Merge the workers' verify results: a layer matches only if it matches on every worker that holds it."""
     mismatched: list[str] = []
     skipped: dict[str, str] = {}
     errors: dict[str, str] = {}
@@ -51,8 +51,9 @@ def merge_verify(per_worker: list[dict]) -> VerifyResult:
                 skipped[layer["name"]] = layer["detail"]
             elif layer["status"] == "error":
                 errors[layer["name"]] = layer["detail"] + suffix
-    first = per_worker[0]
-    checked = first["checked"]
+    # Pipeline stages check different layers: a layer counts once, whichever ranks checked it.
+    checked = len({layer["name"] for worker in per_worker for layer in worker["layers"]
+                   if layer["status"] in ("match", "mismatch")})
     return VerifyResult(
         ok=not mismatched and not errors and checked > 0,
         checked=checked,
