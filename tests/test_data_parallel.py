@@ -8,6 +8,7 @@ answers with the first engine's workers only; `layerwise serve` adds
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +46,11 @@ class _DataParallelServer(RunningServer):
         from layerwise_cli import EXTENSION_CLS
         from layerwise_cli.server.plan import plan_serve
 
+        from tests.support.server_support import ROOT
+
         _, env = super().command()
+        # The engines import the test's extension class from the repository's `tests` package.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         plan = plan_serve(self.model, port=self.port, data_parallel_size=2, extra=[*KV_CACHE, *SMALL])
         argv = [FAULTY_EXTENSION_CLS if arg == EXTENSION_CLS else arg for arg in plan.argv]
         assert FAULTY_EXTENSION_CLS in argv and argv[argv.index("--data-parallel-size") + 1] == "2"

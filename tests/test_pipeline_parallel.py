@@ -131,3 +131,24 @@ def test_pp2_preflight_is_per_rank(engine_a, wide, tmp_path):
     with pytest.raises(LayerwiseError, match=r"missing 1 tensor.*'lm_head\.weight'"):
         reload(engine_a, str(no_head))
     assert _state(engine_a) == before
+
+
+def test_pp2_failure_on_one_stage_rolls_back_both(engine_a, wide, tmp_path):
+    """A NaN in the last stage's layer fails rank 1 mid-stream; rank 0, which loaded its stage, rolls back too."""
+    from safetensors.torch import load_file, save_file
+
+    from layerwise_cli.client.local import reload
+    from layerwise_cli.errors import LayerwiseError
+
+    before = _state(engine_a)
+    tensors = load_file(str(wide["b"] / "model.safetensors"))
+    name = "model.layers.3.mlp.down_proj.weight"
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] = float("nan")
+    poisoned = tmp_path / "nan"
+    shutil.copytree(wide["b"], poisoned)
+    save_file(tensors, str(poisoned / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(LayerwiseError, match=r"^rank 1 \(pp 1, tp 0, dp 0\): .*NaN.*rolled back") as caught:
+        reload(engine_a, str(poisoned))
+    assert "layers.3.mlp.down_proj" in str(caught.value)
+    assert _state(engine_a) == before
