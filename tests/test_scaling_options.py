@@ -81,3 +81,15 @@ def test_engine_options_carry_the_parallel_layout():
     kwargs = EngineOptions(pipeline_parallel_size=2, distributed_executor_backend="mp").llm_kwargs()
     assert kwargs["pipeline_parallel_size"] == 2 and kwargs["distributed_executor_backend"] == "mp"
     assert "distributed_executor_backend" not in EngineOptions().llm_kwargs()
+
+
+def test_vllm_cpu_still_declares_no_ray_device():
+    """What the refusal rests on: vLLM's Ray placement raises "current platform cpu does not support ray"
+    when `ray_device_key` is empty. This fails when vLLM's CPU platform gains Ray support."""
+    from layerwise_cli.engine_defaults import cuda_available
+
+    if cuda_available():
+        pytest.skip("a GPU is present")
+    from vllm.platforms import current_platform
+
+    assert current_platform.device_type == "cpu" and current_platform.ray_device_key == ""
