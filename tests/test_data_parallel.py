@@ -45,7 +45,6 @@ class _DataParallelServer(RunningServer):
     def command(self):
         from layerwise_cli import EXTENSION_CLS
         from layerwise_cli.server.plan import plan_serve
-
         from tests.support.server_support import ROOT
 
         _, env = super().command()
