@@ -199,7 +199,7 @@ def test_allow_nonfinite_reaches_the_servers(monkeypatch):
 
     sent: list[dict] = []
 
-    def collective_rpc(self, method, kwargs):
+    def collective_rpc(self, method, kwargs, short=False):
         sent.append(kwargs)
         return [{"ok": False, "error": "stopped here by the test", "engine_touched": False}]
 
