@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.support.dp_fault import FAULTY_EXTENSION_CLS
-from tests.support.server_support import KV_CACHE, SMALL, RunningServer, run_cli
+from tests.support.server_support import KV_CACHE, RunningServer, run_cli
 
 pytestmark = pytest.mark.server
 
@@ -50,7 +50,8 @@ class _DataParallelServer(RunningServer):
         _, env = super().command()
         # The engines import the test's extension class from the repository's `tests` package.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-        plan = plan_serve(self.model, port=self.port, data_parallel_size=2, extra=[*KV_CACHE, *SMALL])
+        plan = plan_serve(self.model, port=self.port, data_parallel_size=2, max_model_len=64,
+                          extra=[*KV_CACHE, "--max-num-seqs", "8"])
         argv = [FAULTY_EXTENSION_CLS if arg == EXTENSION_CLS else arg for arg in plan.argv]
         assert FAULTY_EXTENSION_CLS in argv and argv[argv.index("--data-parallel-size") + 1] == "2"
         return argv, {**env, **plan.env}
