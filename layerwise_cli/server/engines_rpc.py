@@ -14,6 +14,8 @@ body, same API-key rule).
 
 from __future__ import annotations
 
+from fastapi import Request
+
 from layerwise_cli import ENGINES_RPC_PATH
 
 
@@ -30,7 +32,7 @@ def attach_engines_rpc() -> None:
     api_router.attach_router = attach
 
 
-async def engines_rpc(raw_request):
+async def engines_rpc(raw_request: Request):
     """Call a worker method on every worker of every engine; one list of worker results per engine."""
     import json
 
