@@ -58,7 +58,11 @@ def rank_position(worker=None) -> RankPosition:
     pp_rank, pp_size = group(ps.get_pp_group)
     parallel = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
     if parallel is not None:
-        dp_rank, dp_size = int(parallel.data_parallel_rank or 0), int(parallel.data_parallel_size or 1)
+        # vLLM runs the engines of a dense model as independent DP=1 engines (`reconfigure_for_independent_
+        # dp_rank`): only `data_parallel_index` keeps the engine's index there (and its size is then 1).
+        index = getattr(parallel, "data_parallel_index", None)
+        dp_rank = int(index if index is not None else parallel.data_parallel_rank or 0)
+        dp_size = max(int(parallel.data_parallel_size or 1), dp_rank + 1)
     else:
         dp_rank, dp_size = group(ps.get_dp_group)
     rank = getattr(worker, "rank", None)
