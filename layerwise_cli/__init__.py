@@ -30,6 +30,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 # Pass as `LLM(..., worker_extension_cls=EXTENSION_CLS)` to make an engine reloadable.
 EXTENSION_CLS = "layerwise_cli.worker.extension.LayerwiseWorkerExtension"
+# `layerwise serve`'s endpoint answering a worker call from every data-parallel engine (server.engines_rpc).
+ENGINES_RPC_PATH = "/layerwise/engines_rpc"
 
 _LAZY = {
     "reload": ("layerwise_cli.client.local", "reload"),

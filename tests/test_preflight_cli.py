@@ -199,12 +199,13 @@ def test_allow_nonfinite_reaches_the_servers(monkeypatch):
 
     sent: list[dict] = []
 
-    def collective_rpc(self, method, kwargs):
+    def collective_rpc(self, method, kwargs, short=False):
         sent.append(kwargs)
         return [{"ok": False, "error": "stopped here by the test", "engine_touched": False}]
 
     monkeypatch.setattr(ServerClient, "collective_rpc", collective_rpc)
     client = ServerClient("http://127.0.0.1:9")
+    client.per_engine = False  # a server without `layerwise serve`'s per-engine endpoint: /collective_rpc
     for options in seen:
         with pytest.raises(Exception, match="stopped here by the test"):
             client.layerwise_reload("W", options)

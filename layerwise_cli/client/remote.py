@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 from layerwise_cli.client.server_api import (
+    HOLDS_MIXED,
     HOLDS_NEW,
     HOLDS_PREVIOUS,
     HOLDS_UNKNOWN,
@@ -47,9 +48,13 @@ class ServerResult:
     paused_s: float = 0.0
     wall_s: float = 0.0
     warnings: tuple[str, ...] = ()
+    # Data-parallel engines reached by the reload (each reported), and, after a failure, what each holds.
+    engines: int = 1
+    engine_holds: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "warnings", tuple(self.warnings))
+        object.__setattr__(self, "engine_holds", tuple(self.engine_holds))
 
     def to_dict(self) -> dict:
         """JSON-ready: the server's result with its report and verification (lists for sequences)."""
@@ -113,6 +118,7 @@ def reload_server(url: str, source: str, options: RemoteOptions | None = None,
     version_after: str | None = None
     ok, error, paused_s = False, None, 0.0
     warnings: list[str] = []
+    engines, engine_holds = 1, []
     start = time.perf_counter()
     client = ServerClient(url, api_key=options.api_key, timeout=options.timeout)
     paused_at: float | None = None
@@ -135,6 +141,10 @@ def reload_server(url: str, source: str, options: RemoteOptions | None = None,
                 warnings.append("--revision is ignored by vLLM's own reload_weights")
             if not options.allow_nonfinite:
                 warnings.append("vLLM's own reload_weights does not check tensors for NaN/Inf")
+        else:
+            engines = client.engines
+            if client.engines_warning():
+                warnings.append(client.engines_warning())
         emit(url, "checked", {"method": method, "fallback_reason": fallback_reason})
 
         if options.pause_mode != "none":
@@ -168,6 +178,7 @@ def reload_server(url: str, source: str, options: RemoteOptions | None = None,
     except _ServerError as exc:
         error = str(exc)
         rolled_back = exc.rolled_back
+        engine_holds = list(exc.engines)
         if holds != HOLDS_UNVERIFIED:
             holds = exc.holds
     except Exception as exc:  # noqa: BLE001 - one line per server, never a traceback
@@ -206,7 +217,8 @@ def reload_server(url: str, source: str, options: RemoteOptions | None = None,
     return ServerResult(url=url, ok=ok, error=error, stage="done" if ok else stage, method=method,
                         fallback_reason=fallback_reason, report=report, verify=verify, holds=holds,
                         version_before=version_before, version_after=version_after, rolled_back=rolled_back,
-                        reached=client.reached, paused_s=paused_s, wall_s=wall_s, warnings=tuple(warnings))
+                        reached=client.reached, paused_s=paused_s, wall_s=wall_s, warnings=tuple(warnings),
+                        engines=engines, engine_holds=tuple(engine_holds))
 
 
 def holdings(results: list[ServerResult], source: str) -> list[str]:
@@ -222,6 +234,8 @@ def holdings(results: list[ServerResult], source: str) -> list[str]:
             what = f"rolled back: holds its previous weights{version}"
         elif result.holds == HOLDS_PREVIOUS:
             what = f"not changed: holds its previous weights{version}"
+        elif result.holds == HOLDS_MIXED:
+            what = f"engines differ: {', '.join(result.engine_holds)}"
         elif result.holds == HOLDS_UNVERIFIED:
             what = f"holds weights that differ from {source} in the layers --verify named{version}"
         else:
@@ -231,19 +245,21 @@ def holdings(results: list[ServerResult], source: str) -> list[str]:
 
 
 def server_fingerprints(url: str, api_key: str | None = None, timeout: float = 600.0) -> dict[str, str]:
-    """The extension's fingerprints of a server's weights (rank-qualified when tensor parallel)."""
+    """The extension's fingerprints of a server's weights (qualified by rank, and engine, when there are several)."""
     client = ServerClient(url, api_key=api_key, timeout=timeout)
     try:
-        results = client.collective_rpc("layerwise_fingerprints")
+        engines = client.engines_rpc("layerwise_fingerprints")
     finally:
         client.close()
     out: dict[str, str] = {}
-    for rank, item in enumerate(results):
-        if not isinstance(item, dict) or not item.get("ok"):
-            error = item.get("error") if isinstance(item, dict) else item
-            raise LayerwiseError(f"fingerprints failed on worker {rank}: {error}", where=url)
-        prefix = f"rank{rank}:" if len(results) > 1 else ""
-        out.update({prefix + name: digest for name, digest in item["fingerprints"].items()})
+    for engine, results in enumerate(engines):
+        for rank, item in enumerate(results):
+            where = f"engine {engine} worker {rank}" if len(engines) > 1 else f"worker {rank}"
+            if not isinstance(item, dict) or not item.get("ok"):
+                error = item.get("error") if isinstance(item, dict) else item
+                raise LayerwiseError(f"fingerprints failed on {where}: {error}", where=url)
+            prefix = (f"engine{engine}:" if len(engines) > 1 else "") + (f"rank{rank}:" if len(results) > 1 else "")
+            out.update({prefix + name: digest for name, digest in item["fingerprints"].items()})
     return out
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from layerwise_cli.report.jsonable import jsonable
 from layerwise_cli.report.verify_result import VerifyResult
@@ -32,6 +32,53 @@ class LayerReport:
     @property
     def seconds(self) -> float:
         return self.load_s + self.process_s
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    """One worker of a merged report: where it sits and what it read and buffered.
+
+    Attributes:
+        rank: the worker's global rank (None outside tensor or pipeline parallel).
+        pp_rank, tp_rank, dp_rank: its pipeline stage, tensor-parallel rank and data-parallel engine.
+        layers: the parent layers it held and loaded, in load order.
+        bytes, tensors: what it streamed.
+        disk_read_bytes: bytes its process read from storage (None: not measurable).
+        peak_buffer_bytes, predicted_peak_buffer_bytes: its measured and predicted buffer peak.
+        wall_s: its reload's wall time.
+        elsewhere_tensors: tensors of the source that other ranks hold (not read here).
+    """
+
+    rank: int | None
+    pp_rank: int
+    tp_rank: int
+    dp_rank: int
+    # The parent layers this rank held and loaded, in the order it loaded them.
+    layers: tuple[str, ...]
+    bytes: int
+    tensors: int
+    # Bytes this rank's process caused to be read from storage during the reload (None: not measurable;
+    # page-cache hits do not count).
+    disk_read_bytes: int | None
+    peak_buffer_bytes: int
+    predicted_peak_buffer_bytes: int
+    wall_s: float
+    # Tensors of the source other ranks hold (another pipeline stage, other experts): not read here.
+    elsewhere_tensors: int = 0
+
+    @classmethod
+    def of(cls, report: ReloadReport) -> RankSummary:
+        position = report.position or {}
+        return cls(rank=report.rank, pp_rank=position.get("pp_rank", 0), tp_rank=position.get("tp_rank", 0),
+                   dp_rank=position.get("dp_rank", 0), layers=tuple(layer.name for layer in report.layers),
+                   bytes=report.bytes, tensors=report.tensors, disk_read_bytes=report.disk_read_bytes,
+                   peak_buffer_bytes=report.peak_buffer_bytes,
+                   predicted_peak_buffer_bytes=report.predicted_peak_buffer_bytes, wall_s=report.wall_s,
+                   elsewhere_tensors=report.elsewhere_tensors)
+
+    def label(self) -> str:
+        """`rank 1 (pp 1, tp 0, dp 0)`."""
+        return f"rank {self.rank} (pp {self.pp_rank}, tp {self.tp_rank}, dp {self.dp_rank})"
 
 
 @dataclass(frozen=True)
@@ -65,6 +112,14 @@ class ReloadReport:
             against SOURCE after the reload; None otherwise.
         held_to_end_bytes: bytes of the layers the plan expected vLLM to hold to the end of the stream.
         above_largest_layer_because: why the predicted peak is above the largest layer (None when it is not).
+        position: one worker's place: rank, tp/pp/dp rank and size (empty in a merged report: see `ranks`).
+        elsewhere_tensors: tensors of the source that other ranks hold (another pipeline stage, other
+            experts), not read by this worker.
+        elsewhere_bytes: their bytes.
+        disk_read_bytes: bytes read from storage by the worker's process during the reload (None: not
+            measurable; page-cache hits do not count).
+        ranks: in a merged report, every worker (`RankSummary`), in (dp, pp, tp) order.
+        engines: data-parallel engines merged into this report.
         gb_per_s: `bytes` over `wall_s`, in GB/s (a property).
         peak_over_largest: `peak_buffer_bytes` over `largest_layer_bytes` (a property).
         matches_prediction: whether the measured peak equals the predicted one (a property).
@@ -91,9 +146,19 @@ class ReloadReport:
     verify: VerifyResult | None = None
     held_to_end_bytes: int = 0
     above_largest_layer_because: str | None = None
+    # One worker's place: rank, tp/pp/dp rank and size (empty in a merged report: see `ranks`).
+    position: dict = field(default_factory=dict)
+    # Tensors (and their bytes) of the source that other ranks hold: not read by this worker.
+    elsewhere_tensors: int = 0
+    elsewhere_bytes: int = 0
+    # Bytes read from storage by the worker's process during the reload (None: not measurable).
+    disk_read_bytes: int | None = None
+    # A merged report: every worker, in (dp, pp, tp) order; the data-parallel engines merged.
+    ranks: list[RankSummary] = field(default_factory=list)
+    engines: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("layers", "unexpected", "notes"):
+        for name in ("layers", "unexpected", "notes", "ranks"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @property
@@ -126,15 +191,20 @@ class ReloadReport:
         fields["layers"] = [LayerReport(**layer) for layer in data.get("layers", [])]
         if data.get("verify") is not None:
             fields["verify"] = VerifyResult.from_dict(data["verify"])
+        fields["ranks"] = [RankSummary(**{**rank, "layers": tuple(rank["layers"])}) for rank in data.get("ranks", [])]
         return cls(**fields)
 
 
 def merge_reports(reports: list[ReloadReport], *, source: str | None = None,
                   verify: VerifyResult | None = None) -> ReloadReport:
-    """Merge the reports of tensor-parallel workers into the report of the reload.
+    """Merge the reports of an engine's workers (and of a server's data-parallel engines) into one.
 
-    Every worker streams the whole checkpoint and buffers in its own memory,
-    so per-worker figures are maxima across workers, not sums.
+    Tensor-parallel workers each stream their stage's tensors and buffer in
+    their own memory, so per-worker figures are maxima across workers, not
+    sums. Pipeline stages hold different layers: the merged report lists each
+    layer once (its figures the maxima over the ranks that hold it), and
+    `bytes`/`tensors` add up the stages of one engine. `ranks` lists every
+    worker: its rank, pp/tp/dp rank, the layers it held and what it read.
 
     Args:
         reports: one report per worker (at least one).
@@ -144,22 +214,29 @@ def merge_reports(reports: list[ReloadReport], *, source: str | None = None,
         verify: the verification of the engine after the reload, if any.
 
     Returns:
-        The merged report (a single worker's report, with SOURCE and VERIFY).
+        The merged report.
 
     Raises:
         ValueError: no reports.
     """
     if not reports:
         raise ValueError("no worker reports to merge")
-    first = reports[0]
+    ordered = sorted(reports, key=_rank_key)
+    ranks = [RankSummary.of(r) for r in ordered]
     if len(reports) == 1:
-        return replace(first, source=first.source if source is None else source, verify=verify)
-    worst = max(reports, key=lambda r: r.peak_buffer_bytes)
+        only = reports[0]
+        return replace(only, ranks=ranks, source=only.source if source is None else source, verify=verify)
+    first = ordered[0]
+    worst = max(ordered, key=lambda r: r.peak_buffer_bytes)
+    by_name: dict[str, list[LayerReport]] = {}
+    for report in ordered:
+        for layer in report.layers:
+            by_name.setdefault(layer.name, []).append(layer)
     layers = []
-    for per_worker in zip(*(r.layers for r in reports)):
+    for name, per_worker in by_name.items():
         base = per_worker[0]
         layers.append(LayerReport(
-            name=base.name,
+            name=name,
             tensors=base.tensors,
             bytes=base.bytes,
             load_s=max(layer.load_s for layer in per_worker),
@@ -169,26 +246,63 @@ def merge_reports(reports: list[ReloadReport], *, source: str | None = None,
             held_to_end=next((layer.held_to_end for layer in per_worker if layer.held_to_end), None),
         ))
     # Ranks may hold different layers to the end (vocabulary padding falls on the last ranks).
-    predicted = max(reports, key=lambda r: r.predicted_peak_buffer_bytes)
+    predicted = max(ordered, key=lambda r: r.predicted_peak_buffer_bytes)
+    # One engine's stages each stream their own part: add the stages up (the first engine; DP engines match).
+    stages: dict[int, ReloadReport] = {}
+    for report in ordered:
+        if (report.position or {}).get("dp_rank", 0) == (first.position or {}).get("dp_rank", 0):
+            stages.setdefault((report.position or {}).get("pp_rank", 0), report)
     return ReloadReport(
         order=first.order,
         source=first.source if source is None else source,
-        wall_s=max(r.wall_s for r in reports),
-        bytes=first.bytes,
-        tensors=first.tensors,
+        wall_s=max(r.wall_s for r in ordered),
+        bytes=sum(r.bytes for r in stages.values()),
+        tensors=sum(r.tensors for r in stages.values()),
         peak_buffer_bytes=worst.peak_buffer_bytes,
         peak_tensor=worst.peak_tensor,
         predicted_peak_buffer_bytes=predicted.predicted_peak_buffer_bytes,
-        largest_layer_bytes=first.largest_layer_bytes,
-        readahead_peak_bytes=max(r.readahead_peak_bytes for r in reports),
+        largest_layer_bytes=max(r.largest_layer_bytes for r in ordered),
+        readahead_peak_bytes=max(r.readahead_peak_bytes for r in ordered),
         layers=layers,
-        workers=len(reports),
-        unexpected=sorted({name for r in reports for name in r.unexpected}),
+        workers=len(ordered),
+        unexpected=sorted({name for r in ordered for name in r.unexpected}),
         mapping=first.mapping,
         device=first.device,
-        finalize_s=max(r.finalize_s for r in reports),
-        notes=sorted({note for r in reports for note in r.notes}),
-        held_to_end_bytes=max(r.held_to_end_bytes for r in reports),
+        finalize_s=max(r.finalize_s for r in ordered),
+        notes=sorted({note for r in ordered for note in r.notes}),
+        held_to_end_bytes=max(r.held_to_end_bytes for r in ordered),
         above_largest_layer_because=predicted.above_largest_layer_because,
         verify=verify,
+        ranks=ranks,
+        engines=len({rank.dp_rank for rank in ranks}),
     )
+
+
+def _rank_key(report: ReloadReport) -> tuple[int, int, int, int]:
+    position = report.position or {}
+    return (position.get("dp_rank", 0), position.get("pp_rank", 0), position.get("tp_rank", 0),
+            report.rank if report.rank is not None else 0)
+
+
+def first_failure(results: list) -> str | None:
+    """The error of the worker that failed first-hand (not one that only followed another rank), or None.
+
+    Named by its place when the engine has several ranks: `rank 1 (pp 1, tp 0, dp 0): ...`.
+    """
+    failures = [r for r in results if not (isinstance(r, dict) and r.get("ok"))]
+    if not failures and results:
+        return None
+    if not failures:
+        return "no workers answered"
+    own = [r for r in failures if isinstance(r, dict) and not r.get("followed_another_rank")]
+    failure = (own or failures)[0]
+    if not isinstance(failure, dict):
+        return str(failure)
+    error = failure.get("error") or "a worker failed without saying why"
+    position = failure.get("position") or {}
+    several = len(results) > 1 or position.get("dp_size", 1) > 1
+    if several and position:
+        where = (f"rank {position.get('rank')} (pp {position.get('pp_rank', 0)}, tp {position.get('tp_rank', 0)}, "
+                 f"dp {position.get('dp_rank', 0)})")
+        return f"{where}: {error}"
+    return error

@@ -55,7 +55,8 @@ class VerifyResult:
 
 
 def merge_verify(per_worker: list[dict], wall_s: float = 0.0) -> VerifyResult:
-    """Merge the workers' verify results: a layer matches only if it matches on every worker.
+    """Merge the workers' verify results: a layer matches only if it matches on every worker
+    that holds it.
 
     Args:
         per_worker: each worker's `layerwise_verify` answer (`verify_against_source`'s dict).
@@ -82,8 +83,9 @@ def merge_verify(per_worker: list[dict], wall_s: float = 0.0) -> VerifyResult:
                 skipped[layer["name"]] = layer["detail"]
             elif layer["status"] == "error":
                 errors[layer["name"]] = layer["detail"] + suffix
-    first = per_worker[0]
-    checked = first["checked"]
+    # Pipeline stages check different layers: a layer counts once, whichever ranks checked it.
+    checked = len({layer["name"] for worker in per_worker for layer in worker["layers"]
+                   if layer["status"] in ("match", "mismatch")})
     return VerifyResult(
         ok=not mismatched and not errors and checked > 0,
         checked=checked,

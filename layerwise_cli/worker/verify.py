@@ -33,14 +33,15 @@ def verify_against_source(model, source: str, revision: str | None, model_config
 
     from layerwise_cli.checkpoint.sources import open_checkpoint
     from layerwise_cli.worker.cpu_fixups import derived_modules
-    from layerwise_cli.worker.reload import plan_for_engine, resolve_local
+    from layerwise_cli.worker.rank_plan import plan_for_worker
+    from layerwise_cli.worker.reload import resolve_local
     from layerwise_cli.worker.stream import ShardReader, layer_batches
 
     local = resolve_local(source, revision)
     checkpoint = replace(open_checkpoint(str(local)), source=source)
     hf_config = model_config.hf_config.to_dict() if hasattr(model_config.hf_config, "to_dict") else None
-    plan, vllm_names = plan_for_engine(checkpoint, model, hf_config)
-    stream = [type(item)(item.entry, vllm_names.get(item.entry.name)) for item in plan.layer_order]
+    # Only the layers this rank holds (its pipeline stage, its experts): other ranks check theirs.
+    stream = plan_for_worker(checkpoint, model, hf_config).engine_stream("layer")
     folder = local if local.is_dir() else local.parent
     modules = dict(model.named_modules())
     reader = ShardReader(folder)
