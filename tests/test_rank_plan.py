@@ -134,7 +134,7 @@ def test_merged_report_lists_every_rank_and_adds_up_the_stages():
     assert [(r.rank, r.pp_rank, r.tp_rank) for r in merged.ranks] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
     assert [layer.name for layer in merged.layers] == ["a", "b", "c", "d"]
     assert merged.bytes == 100 and merged.tensors == 4 and merged.workers == 4 and merged.engines == 1
-    assert merged.peak_buffer_bytes == 9 and merged.ranks[2].layers == ["c", "d"]
+    assert merged.peak_buffer_bytes == 9 and merged.ranks[2].layers == ("c", "d")
     again = ReloadReport.from_dict(merged.to_dict())
     assert again.ranks == merged.ranks
     # Two data-parallel engines: the engine's bytes, not twice them.

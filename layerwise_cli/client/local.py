@@ -27,6 +27,9 @@ class EngineOptions:
         dtype: vLLM's `dtype` (`auto`, `bfloat16`, ...).
         tensor_parallel_size: tensor-parallel workers (on CPU, layerwise binds
             one OpenMP thread group per rank when `VLLM_CPU_OMP_THREADS_BIND` is unset).
+        pipeline_parallel_size: pipeline stages; each worker holds (and reloads) only its stage's layers.
+        distributed_executor_backend: vLLM's executor: None (its default: processes on this
+            machine), `mp`, or `ray` (spans nodes; vLLM runs it on GPU builds only).
         max_model_len: vLLM's `max_model_len` (None: the model's own).
         quantization: vLLM's `quantization` method (online ones included).
         enforce_eager: None: eager on CPU-only machines (a much faster start), graphs on GPU.
@@ -38,15 +41,11 @@ class EngineOptions:
 
     dtype: str = "auto"
     tensor_parallel_size: int = 1
-    # Pipeline stages: each worker holds (and reloads) only its stage's layers.
     pipeline_parallel_size: int = 1
-    # vLLM's executor: None (its default: processes on this machine), "mp", or "ray" (spans nodes).
     distributed_executor_backend: str | None = None
     max_model_len: int | None = None
     quantization: str | None = None
-    # None: eager on CPU-only machines (a much faster start), graphs on GPU.
     enforce_eager: bool | None = None
-    # Fraction of accelerator memory (on CPU: of host memory, for the KV cache).
     memory_fraction: float | None = None
     seed: int = 0
     extra: dict = field(default_factory=dict)
