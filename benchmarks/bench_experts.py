@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from layerwise_cli.client.local import EngineOptions, reload, start_engine, stop_engine
-    from layerwise_cli.demo.models import demo_checkpoint
+    from layerwise_cli.demo import demo_checkpoint
     from tests.support.synthetic import SyntheticModel
 
     tokenizer = demo_checkpoint("moe-multiply")

@@ -592,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = cuda_available()
     tokenizer = args.tokenizer
     if tokenizer is None:
-        from layerwise_cli.demo.models import demo_checkpoint
+        from layerwise_cli.demo import demo_checkpoint
 
         tokenizer = demo_checkpoint("multiply")
     model = model_for(args, tokenizer_vocab(tokenizer))

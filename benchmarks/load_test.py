@@ -124,7 +124,7 @@ def _ms(value: float | None) -> str:
 
 def _client(url: str, headers: dict, model_id: str, seed: int, stop, out) -> None:
     """One client: greedy `a b = ` completions back to back until `stop`; its samples go to `out` at the end."""
-    from layerwise_cli.demo.models import demo_prompt
+    from layerwise_cli.demo import demo_prompt
 
     rng = random.Random(seed)
     samples: list[Sample] = []
@@ -171,7 +171,7 @@ def run_load(url: str, sources: dict[str, str], *, first: str = "multiply", thre
         Every request and reload, and the checks' findings.
     """
     from layerwise_cli.client.remote import RemoteOptions, reload_server
-    from layerwise_cli.demo.models import expected_answer
+    from layerwise_cli.demo import expected_answer
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     model_id = httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
@@ -287,7 +287,7 @@ def main() -> int:
     parser.add_argument("--api-key", default=os.environ.get("LAYERWISE_API_KEY"))
     args = parser.parse_args()
 
-    from layerwise_cli.demo.models import demo_checkpoint
+    from layerwise_cli.demo import demo_checkpoint
 
     sources = {name: str(demo_checkpoint(name)) for name in ("multiply", "add")}
     proc = None

@@ -21,7 +21,7 @@ KEY = "test-key-7f3a"
 
 
 def expected(name: str, pairs=PAIRS) -> list[str]:
-    from layerwise_cli.demo.models import expected_answer
+    from layerwise_cli.demo import expected_answer
 
     return [expected_answer(name, a, b) for a, b in pairs]
 

@@ -6,6 +6,7 @@ import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from layerwise_cli.checkpoint.chunks import CHUNK_BYTES, read_chunks
 from layerwise_cli.errors import LayerwiseError
 
 # Floating dtypes torch reduces natively: a sum is non-finite when any element is
@@ -219,9 +220,6 @@ class ScanReport:
                 "seconds": self.seconds, "nonfinite": [found.to_dict() for found in self.nonfinite]}
 
 
-_READ_CHUNK = 8 << 20
-
-
 def scan_checkpoint(checkpoint, progress=None) -> ScanReport:
     """Read every tensor's bytes and count its NaN and Inf values.
 
@@ -240,7 +238,7 @@ def scan_checkpoint(checkpoint, progress=None) -> ScanReport:
     total = checkpoint.total_bytes
     done = checked = 0
     found: list[NonFinite] = []
-    buf = bytearray(_READ_CHUNK)
+    buf = bytearray(CHUNK_BYTES)
     for shard in checkpoint.shards:
         path = _shard_file(checkpoint, shard.name)
         try:
@@ -253,19 +251,14 @@ def scan_checkpoint(checkpoint, progress=None) -> ScanReport:
             for entry in sorted(shard.tensors, key=lambda t: t.begin):
                 scan = ByteScan(entry.dtype)
                 checked += scan.checked
-                at, read = shard.data_start + entry.begin, 0
-                while read < entry.nbytes:
-                    if not scan.checked:
-                        read = entry.nbytes
-                        break
-                    view = memoryview(buf)[: min(_READ_CHUNK, entry.nbytes - read)]
-                    got = os.preadv(fd, [view], at + read)
-                    if got <= 0:
-                        raise LayerwiseError(f"tensor {entry.name}: file ended while reading", where=str(path))
-                    scan.update(view[:got])
-                    read += got
-                    if progress is not None:
-                        progress(done + read, total)
+                if scan.checked:
+                    read = 0
+                    for view in read_chunks(fd, shard.data_start + entry.begin, entry.nbytes, buf,
+                                            tensor=entry.name, where=str(path)):
+                        scan.update(view)
+                        read += len(view)
+                        if progress is not None:
+                            progress(done + read, total)
                 done += entry.nbytes
                 if scan.found:
                     found.append(NonFinite(entry.name, shard.name, scan.nan, scan.inf))
