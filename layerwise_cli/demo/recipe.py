@@ -29,6 +29,7 @@ PRE_TOKENIZER_PATTERN = r"\d+|\s|[^\d\s]"  # a number, one whitespace character,
 # Embedding rows are padded past the tokenizer, as real checkpoints do.
 VOCAB_SIZE = 128
 
+
 @dataclass(frozen=True)
 class Spec:
     """Everything that determines a demo checkpoint's bytes."""

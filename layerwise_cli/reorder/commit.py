@@ -21,36 +21,6 @@ CHECKPOINT_FILE_SUFFIXES = WEIGHT_SUFFIXES + WEIGHT_INDEX_SUFFIXES + (
 CHECKPOINT_FILE_NAMES = ("LICENSE", "LICENSE.txt", "NOTICE", "USE_POLICY.md", ".gitattributes")
 
 
-def _not_a_checkpoint(dst: Path) -> str | None:
-    """Why DST does not look like a checkpoint directory `--force` may replace, or None when it does.
-
-    A checkpoint directory holds safetensors shards (or nothing) and only the
-    kinds of files a trainer or this tool writes beside them; anything else
-    (photos, notes, a plain file, a symlink) is the user's and is not removed.
-    """
-    if dst.is_symlink():
-        return "is a symlink"
-    if not dst.is_dir():
-        return "is a file, not a directory"
-    has_weights = False
-    for root, dirs, files in os.walk(dst):
-        for name in dirs:
-            if (Path(root) / name).is_symlink():
-                return f"holds a symlink {str((Path(root) / name).relative_to(dst))!r}"
-        for name in files:
-            path = Path(root) / name
-            relative = str(path.relative_to(dst))
-            if path.is_symlink() or not path.is_file():
-                return f"holds {relative!r}, which is not a regular file"
-            if not (name.endswith(CHECKPOINT_FILE_SUFFIXES) or name in CHECKPOINT_FILE_NAMES):
-                return f"holds {relative!r}, which is not a checkpoint file"
-            has_weights = has_weights or (root == str(dst) and name.endswith(".safetensors"))
-    if not has_weights and any(dst.iterdir()):
-        return "holds no .safetensors shards"
-    return None
-
-
-
 def check_destination(checkpoint: Checkpoint, dst: Path, force: bool) -> None:
     """Refuse a DST that is SRC or inside it, that exists without `force`, or that `force` may not replace."""
     if checkpoint.local_dir is not None:

@@ -58,8 +58,6 @@ def _reserve(fd: int, size: int) -> None:
         os.ftruncate(fd, size)
 
 
-
-
 def write_shards(
     checkpoint: Checkpoint,
     shards: list[PlannedShard],
