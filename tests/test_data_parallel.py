@@ -30,7 +30,7 @@ def fresh_add(demo_models):
     """What an engine started fresh on *add* answers (before the server starts: never two engines at once)."""
     from layerwise_cli.client.generate import greedy_answers
     from layerwise_cli.client.local import EngineOptions, start_engine, stop_engine
-    from layerwise_cli.demo.models import demo_prompt
+    from layerwise_cli.demo import demo_prompt
 
     llm = start_engine(str(demo_models["add"]), EngineOptions(max_model_len=64))
     try:
@@ -92,7 +92,7 @@ def _per_engine_fingerprints(server) -> list[dict]:
 
 
 def test_dp2_every_engine_reloads_reports_and_verifies(dp_server, demo_models, fresh_add):
-    from layerwise_cli.demo.models import expected_answer
+    from layerwise_cli.demo import expected_answer
 
     assert _batch(dp_server) == [expected_answer("multiply", a, b) for a, b in PAIRS]
     served_before = _served_per_engine(dp_server)
@@ -120,7 +120,7 @@ def test_dp2_failure_on_one_engine_exits_1_naming_it(dp_server, demo_models, tmp
     import torch
     from safetensors.torch import load_file, save_file
 
-    from layerwise_cli.demo.models import expected_answer
+    from layerwise_cli.demo import expected_answer
 
     holding_add = _per_engine_fingerprints(dp_server)
     source = tmp_path / "multiply"

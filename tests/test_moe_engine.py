@@ -27,7 +27,7 @@ QUANTIZATIONS = [None, "int8_per_channel_weight_only"]
 
 
 def prompts() -> list[str]:
-    from layerwise_cli.demo.models import demo_prompt
+    from layerwise_cli.demo import demo_prompt
 
     return [demo_prompt(a, b) for a, b in PAIRS]
 

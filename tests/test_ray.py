@@ -43,7 +43,7 @@ def test_ray_tp2_reload_report_verify_and_rollback(ray_engine, demo_models, tmp_
 
     from layerwise_cli.client.generate import greedy_answers
     from layerwise_cli.client.local import reload
-    from layerwise_cli.demo.models import demo_prompt, expected_answer
+    from layerwise_cli.demo import demo_prompt, expected_answer
     from layerwise_cli.errors import LayerwiseError
 
     prompts = [demo_prompt(a, b) for a, b in PAIRS]

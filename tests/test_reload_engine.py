@@ -16,7 +16,7 @@ PAIRS = [(a, b) for a in range(10) for b in range(10)]
 
 
 def prompts() -> list[str]:
-    from layerwise_cli.demo.models import demo_prompt
+    from layerwise_cli.demo import demo_prompt
 
     return [demo_prompt(a, b) for a, b in PAIRS]
 
@@ -48,13 +48,13 @@ def on_multiply(engine, demo_models):
 
 def answers(llm) -> list[str]:
     from layerwise_cli.client.generate import greedy_answers
-    from layerwise_cli.demo.models import demo_prompt
+    from layerwise_cli.demo import demo_prompt
 
     return greedy_answers(llm, [demo_prompt(a, b) for a, b in PAIRS])
 
 
 def expected(name: str) -> list[str]:
-    from layerwise_cli.demo.models import expected_answer
+    from layerwise_cli.demo import expected_answer
 
     return [expected_answer(name, a, b) for a, b in PAIRS]
 

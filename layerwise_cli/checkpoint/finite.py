@@ -6,6 +6,7 @@ import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from layerwise_cli.checkpoint.chunks import CHUNK_BYTES, read_chunks
 from layerwise_cli.checkpoint.digests import DigestMismatch, TensorHasher, header_digests
 from layerwise_cli.errors import LayerwiseError
 
@@ -225,9 +226,6 @@ class ScanReport:
                 "digest_mismatches": [found.to_dict() for found in self.digest_mismatches]}
 
 
-_READ_CHUNK = 8 << 20
-
-
 def scan_checkpoint(checkpoint, progress=None) -> ScanReport:
     """Read every tensor's bytes and count its NaN and Inf values; check header digests in the same pass.
 
@@ -250,7 +248,7 @@ def scan_checkpoint(checkpoint, progress=None) -> ScanReport:
     done = checked = hashed = 0
     found: list[NonFinite] = []
     mismatches: list[DigestMismatch] = []
-    buf = bytearray(_READ_CHUNK)
+    buf = bytearray(CHUNK_BYTES)
     for shard in checkpoint.shards:
         path = _shard_file(checkpoint, shard.name)
         digests = header_digests(shard, where=str(path))
@@ -265,21 +263,16 @@ def scan_checkpoint(checkpoint, progress=None) -> ScanReport:
                 scan = ByteScan(entry.dtype)
                 checked += scan.checked
                 hasher = TensorHasher(entry.dtype, entry.shape) if digests is not None else None
-                at, read = shard.data_start + entry.begin, 0
-                while read < entry.nbytes:
-                    if not scan.checked and hasher is None:
-                        read = entry.nbytes
-                        break
-                    view = memoryview(buf)[: min(_READ_CHUNK, entry.nbytes - read)]
-                    got = os.preadv(fd, [view], at + read)
-                    if got <= 0:
-                        raise LayerwiseError(f"tensor {entry.name}: file ended while reading", where=str(path))
-                    scan.update(view[:got])
-                    if hasher is not None:
-                        hasher.update(view[:got])
-                    read += got
-                    if progress is not None:
-                        progress(done + read, total)
+                if scan.checked or hasher is not None:
+                    read = 0
+                    for view in read_chunks(fd, shard.data_start + entry.begin, entry.nbytes, buf,
+                                            tensor=entry.name, where=str(path)):
+                        scan.update(view)
+                        if hasher is not None:
+                            hasher.update(view)
+                        read += len(view)
+                        if progress is not None:
+                            progress(done + read, total)
                 done += entry.nbytes
                 if scan.found:
                     found.append(NonFinite(entry.name, shard.name, scan.nan, scan.inf))

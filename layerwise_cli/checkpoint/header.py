@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from math import prod
 from typing import BinaryIO
@@ -101,6 +102,29 @@ def read_shard_header(path: str | os.PathLike[str], name: str | None = None) -> 
         raise describe_exception(exc, where=path) from exc
     shard = parse_header(display, raw, file_size=file_size, where=path)
     return shard, 8 + header_len
+
+
+def encode_header(tensors: Iterable[TensorEntry], metadata: dict[str, str] | None = None) -> bytes:
+    """Encode a safetensors header: the 8-byte length, then the JSON padded with spaces to 8 bytes.
+
+    The one header writer: `reorder` and the test checkpoints both use it.
+
+    Args:
+        tensors: the entries, in the order their keys are written; `begin` and
+            `end` are offsets in the data section.
+        metadata: the `__metadata__` strings, written first; None writes none.
+
+    Returns:
+        The bytes that precede the data section (its length is the data start).
+    """
+    doc: dict[str, object] = {}
+    if metadata is not None:
+        doc["__metadata__"] = metadata
+    for entry in tensors:
+        doc[entry.name] = {"dtype": entry.dtype, "shape": list(entry.shape), "data_offsets": [entry.begin, entry.end]}
+    raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
+    return struct.pack("<Q", len(raw)) + raw
 
 
 def _read_exactly(f: BinaryIO, n: int) -> bytes:

@@ -30,7 +30,7 @@ def demo_command(
     from layerwise_cli.client.generate import greedy_answers
     from layerwise_cli.client.local import EngineOptions, start_engine, stop_engine
     from layerwise_cli.client.session import reload_as
-    from layerwise_cli.demo.models import demo_checkpoint, demo_prompt, expected_answer
+    from layerwise_cli.demo import demo_checkpoint, demo_prompt, expected_answer
     from layerwise_cli.errors import UsageError
     from layerwise_cli.report.progress import new_progress_path
 

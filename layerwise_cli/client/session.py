@@ -14,16 +14,14 @@ from layerwise_cli.report.reload_report import ReloadReport, merge_reports
 
 
 def download_source(repo_id: str, revision: str | None, quiet: bool) -> Path:
-    """Download a Hub repo's weights and config (no other files), with huggingface_hub's progress bar."""
-    from huggingface_hub import snapshot_download
-
+    """Download a Hub repo's checkpoint files (`CHECKPOINT_PATTERNS`), with huggingface_hub's progress bar."""
+    from layerwise_cli.checkpoint.hub import download_checkpoint
     from layerwise_cli.errors import describe_exception
 
     if quiet:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
-        return Path(snapshot_download(repo_id, revision=revision,
-                                      allow_patterns=["*.safetensors", "*.json", "tokenizer*", "*.model", "*.txt"]))
+        return download_checkpoint(repo_id, revision)
     except Exception as exc:
         raise describe_exception(exc, where=repo_id) from exc
 

@@ -29,12 +29,11 @@ def resolve_local(source: str, revision: str | None = None) -> Path:
     if path.exists():
         return path
     if looks_like_repo_id(source):
-        from huggingface_hub import snapshot_download
-
+        from layerwise_cli.checkpoint.hub import download_checkpoint
         from layerwise_cli.errors import describe_exception
 
         try:
-            return Path(snapshot_download(source, revision=revision, allow_patterns=["*.safetensors", "*.json"]))
+            return download_checkpoint(source, revision)
         except Exception as exc:
             raise describe_exception(exc, where=source) from exc
     raise LayerwiseError("no such file or directory, and not a Hub repo id (org/name)", where=source)

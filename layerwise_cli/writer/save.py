@@ -18,7 +18,8 @@ from layerwise_cli.checkpoint.sources import INDEX_NAME, Checkpoint, open_checkp
 from layerwise_cli.errors import LayerwiseError, describe_exception
 from layerwise_cli.planning.parents import mapping_for_config
 from layerwise_cli.planning.plan import build_plan
-from layerwise_cli.reorder.rewrite import DEFAULT_MAX_SHARD_SIZE, plan_shards, shard_header
+from layerwise_cli.reorder.shards import DEFAULT_MAX_SHARD_SIZE, plan_shards
+from layerwise_cli.reorder.write import shard_header
 from layerwise_cli.writer.spill import Spilled, SpillFile, copy_range, write_all
 
 _TMP_MARK = ".layerwise-tmp-"

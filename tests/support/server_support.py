@@ -137,7 +137,7 @@ class RunningServer:
         return response.json()["choices"][0]
 
     def answers(self, pairs: list[tuple[int, int]]) -> list[str]:
-        from layerwise_cli.demo.models import demo_prompt
+        from layerwise_cli.demo import demo_prompt
 
         return [self.complete(demo_prompt(a, b))["text"].strip() for a, b in pairs]
 
