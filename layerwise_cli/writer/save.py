@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 import tempfile
 import time
 from collections.abc import Iterable
@@ -263,8 +262,8 @@ def _write_shards(spilled: list[Spilled], config: dict | None, layer_mapping, ma
         header, offsets = shard_header(shard, {"format": "pt", **digests_metadata(digests)})
         fd = os.open(out / shard.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            write_all(fd, struct.pack("<Q", len(header)) + header, 0)
-            data_start = 8 + len(header)
+            write_all(fd, header, 0)  # the length prefix included
+            data_start = len(header)
             for entry in sorted(shard.tensors, key=lambda t: offsets[t.name][0]):
                 source_entry = by_name[entry.name]
                 copy_range(spill.fd, fd, source_entry.offset, data_start + offsets[entry.name][0],
