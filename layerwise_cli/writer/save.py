@@ -84,8 +84,8 @@ def save_checkpoint(
     `model.safetensors.index.json`, and `config.json` when CONFIG is given.
     Every file and the directory are fsync'd, the directory is renamed to
     DIRECTORY, and only then is the empty MARKER file created inside it and
-    fsync'd: a `layerwise watch ROOT --marker STABLE` (or any reader that waits
-    for the marker) never sees a partial checkpoint. On any error, or Ctrl-C,
+    fsync'd: a reader that waits for the marker never sees a partial
+    checkpoint. On any error, or Ctrl-C,
     the temporary directory is removed and DIRECTORY is left as it was.
 
     Memory is bounded by one tensor, whatever the checkpoint's size: each
