@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository root
 LAYERWISE = str(Path(sys.executable).with_name("layerwise"))
 # Tiny debug models: a small context.
 SMALL = ["--max-model-len", "64", "--max-num-seqs", "8"]
