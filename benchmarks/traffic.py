@@ -32,24 +32,27 @@ def emit(*event):
 def loop(index):
     rng = random.Random(index)
     first = True
-    with httpx.Client(headers=config["headers"], timeout=config["timeout"]) as http:
-        while not stop.is_set():
-            prompt = rng.choice(config["prompts"])
-            emit("sent", index)
-            start = time.monotonic()
-            try:
-                response = http.post(config["url"], json={**config["body"], "prompt": prompt})
-                response.raise_for_status()
-                choice = response.json()["choices"][0]
-                reason, text, error = choice["finish_reason"], choice["text"], None
-            except Exception as exc:  # every failure is counted
-                reason, text, error = None, None, f"{type(exc).__name__}: {exc}"
-            emit("done", index, prompt, start, time.monotonic(), reason, text, error)
-            if first:
-                emit("ready", index)
-                first = False
-            if config["once"]:
-                return
+    while not stop.is_set():
+        prompt = rng.choice(config["prompts"])
+        emit("sent", index)
+        start = time.monotonic()
+        try:
+            # A connection per request, as most clients of a shared endpoint: a kept-alive connection
+            # that the server closed while idle fails the next request on it ("Server disconnected"),
+            # which is the client's pooling, not the reload.
+            response = httpx.post(config["url"], json={**config["body"], "prompt": prompt},
+                                  headers=config["headers"], timeout=config["timeout"])
+            response.raise_for_status()
+            choice = response.json()["choices"][0]
+            reason, text, error = choice["finish_reason"], choice["text"], None
+        except Exception as exc:  # every failure is counted
+            reason, text, error = None, None, f"{type(exc).__name__}: {exc}"
+        emit("done", index, prompt, start, time.monotonic(), reason, text, error)
+        if first:
+            emit("ready", index)
+            first = False
+        if config["once"]:
+            return
 
 threads = [threading.Thread(target=loop, args=(i,)) for i in range(config["threads"])]
 for thread in threads:

@@ -89,7 +89,7 @@ def test_pp2_reload_matches_a_fresh_engine_rank_by_rank(engine_a, wide, fresh_b)
     assert not set(first.layers) & set(last.layers)
     decoder = {name.split(".")[2] for rank in report.ranks for name in rank.layers if name.startswith("model.layers.")}
     assert decoder == {"0", "1", "2", "3"}
-    assert [layer.name for layer in report.layers] == first.layers + last.layers
+    assert [layer.name for layer in report.layers] == [*first.layers, *last.layers]
     # Each rank streams only its tensors; the others are neither read nor an error.
     total = sum(f.stat().st_size for f in wide["b"].glob("*.safetensors"))
     assert first.bytes + last.bytes == report.bytes
