@@ -17,6 +17,7 @@ from layerwise_cli.checkpoint.sources import INDEX_NAME, Checkpoint, open_checkp
 from layerwise_cli.errors import LayerwiseError, describe_exception
 from layerwise_cli.planning.parents import mapping_for_config
 from layerwise_cli.planning.plan import build_plan
+from layerwise_cli.reorder.commit import fsync_dir
 from layerwise_cli.reorder.shards import DEFAULT_MAX_SHARD_SIZE, plan_shards
 from layerwise_cli.reorder.write import shard_header
 from layerwise_cli.writer.spill import Spilled, SpillFile, copy_range, write_all
@@ -159,7 +160,7 @@ def save_checkpoint(
         if config_dict is not None:
             _write_json(tmp / "config.json", config_dict)
         written = _check_written(tmp, layer_mapping, where)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         replaced = _commit(tmp, dst, overwrite)
         tmp = None
         marker_path = _write_marker(dst, marker) if marker else None
@@ -298,14 +299,6 @@ def _check_written(out: Path, layer_mapping, where: str):
     return report
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _commit(tmp: Path, dst: Path, overwrite: bool) -> bool:
     """Rename the finished directory into place; an existing one is moved aside first and removed after."""
     old: Path | None = None
@@ -318,7 +311,7 @@ def _commit(tmp: Path, dst: Path, overwrite: bool) -> bool:
         else:
             dst.rmdir()
     os.rename(tmp, dst)
-    _fsync_dir(dst.parent)
+    fsync_dir(dst.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return old is not None
@@ -334,5 +327,5 @@ def _write_marker(dst: Path, marker: str) -> Path:
         os.fsync(fd)
     finally:
         os.close(fd)
-    _fsync_dir(dst)
+    fsync_dir(dst)
     return path
