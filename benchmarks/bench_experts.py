@@ -21,7 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.bench_reload import tensor_data, write_bench_checkpoint
+from benchmarks.bench_checkpoints import write_bench_checkpoint
+from tests.support.synthetic import normal_weights
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from layerwise_cli.client.local import EngineOptions, reload, start_engine, stop_engine
-    from layerwise_cli.demo.models import demo_checkpoint
+    from layerwise_cli.demo import demo_checkpoint
     from tests.support.synthetic import SyntheticModel
 
     tokenizer = demo_checkpoint("moe-multiply")
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             model = SyntheticModel(layers=args.layers, hidden=256, heads=4, kv_heads=2, head_dim=64,
                                    intermediate=512, moe_intermediate=64, vocab=128, experts=experts, top_k=2)
             folder = Path(tmp) / f"experts-{experts}"
-            info = write_bench_checkpoint(folder, model, "in_order", tokenizer, tensor_data(model), shards=2)
+            info = write_bench_checkpoint(folder, model, "in_order", tokenizer, normal_weights(model), shards=2)
             llm = start_engine(str(folder), EngineOptions(max_model_len=64))
             try:
                 reload(llm, str(folder))  # warm-up: page cache and first-call costs

@@ -125,16 +125,16 @@ def _info(worker) -> dict:
 def _engine_stream(worker, source: str, order: str):
     """The planned stream in engine names (as the reload streams it), and the checkpoint's folder."""
     from layerwise_cli.checkpoint.sources import open_checkpoint
-    from layerwise_cli.worker.reload import plan_for_engine, resolve_local, tensor_parallel_position
+    from layerwise_cli.worker.rank_plan import plan_for_worker
+    from layerwise_cli.worker.reload import resolve_local
 
     model = worker.model_runner.get_model()
     model_config = worker.model_runner.model_config
     local = resolve_local(source)
     checkpoint = open_checkpoint(str(local))
     hf_config = model_config.hf_config.to_dict() if hasattr(model_config.hf_config, "to_dict") else None
-    plan, vllm_names = plan_for_engine(checkpoint, model, hf_config, tensor_parallel_position()[0])
-    stream = plan.layer_order if order == "layer" else plan.file_order
-    engine_stream = [type(item)(item.entry, vllm_names.get(item.entry.name)) for item in stream]
+    mine = plan_for_worker(checkpoint, model, hf_config)
+    plan, vllm_names, engine_stream = mine.plan, mine.vllm_names, mine.engine_stream(order)
     folder = local if local.is_dir() else local.parent
     return folder, plan, vllm_names, engine_stream
 

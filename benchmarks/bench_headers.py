@@ -104,8 +104,8 @@ def _bench(folder: Path, args: argparse.Namespace) -> int:
     if len(shard_files) < 50 or tensors < 5000:
         print("  (smaller than the 50 shards and 5,000 tensors the issue asks the benchmark to use)")
     print(f"parent layers   {len(plan.layers)}, largest {human_bytes(plan.largest_layer_bytes)}; "
-          f"file-order peak {human_bytes(report.file_order.peak_buffer_bytes)}, "
-          f"layer-order peak {human_bytes(report.layer_order.peak_buffer_bytes)}")
+          f"file-order peak {human_bytes(report.file_order_buffering.peak_buffer_bytes)}, "
+          f"layer-order peak {human_bytes(report.layer_order_buffering.peak_buffer_bytes)}")
     print(f"local           {human_seconds(median)} median, {human_seconds(best)} best of {args.repeat}")
     print(f"  header bytes  {header:,} = {100 * header / size:.4f}% of the shard files")
     if before is not None and after is not None:

@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def answers_with(server: RunningServer, name: str) -> bool:
-    from layerwise_cli.demo.models import demo_prompt, expected_answer
+    from layerwise_cli.demo import demo_prompt, expected_answer
 
     text = server.complete(demo_prompt(*PROMPT_PAIR), timeout=60)["text"].strip()
     return text == expected_answer(name, *PROMPT_PAIR)
@@ -68,7 +68,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
-    from layerwise_cli.demo.models import demo_checkpoint
+    from layerwise_cli.demo import demo_checkpoint
 
     sources = {name: demo_checkpoint(name) for name in ("add", "multiply")}
     work = Path(tempfile.mkdtemp(prefix="bench-watch-"))

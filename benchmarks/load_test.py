@@ -18,18 +18,16 @@ Exit status: 0 when every check held, 1 otherwise.
 from __future__ import annotations
 
 import argparse
-import multiprocessing
+import contextlib
 import os
-import random
-import signal
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
+
+from benchmarks.traffic import Traffic
+from tests.support.server_support import RunningServer
 
 
 @dataclass
@@ -122,32 +120,6 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f} ms"
 
 
-def _client(url: str, headers: dict, model_id: str, seed: int, stop, out) -> None:
-    """One client: greedy `a b = ` completions back to back until `stop`; its samples go to `out` at the end."""
-    from layerwise_cli.demo.models import demo_prompt
-
-    rng = random.Random(seed)
-    samples: list[Sample] = []
-    with httpx.Client(base_url=url, headers=headers, timeout=120) as http:
-        while not stop.is_set():
-            pair = (rng.randrange(10), rng.randrange(10))
-            start = time.monotonic()
-            sample = Sample(pair=pair, start=start, end=start)
-            try:
-                response = http.post("/v1/completions", json={
-                    "model": model_id, "prompt": demo_prompt(*pair), "max_tokens": 4, "temperature": 0.0})
-                response.raise_for_status()
-                sample.text = response.json()["choices"][0]["text"].strip()
-            except Exception as exc:  # noqa: BLE001 - every failure is counted
-                sample.error = f"{type(exc).__name__}: {exc}"
-            sample.end = time.monotonic()
-            if not samples:
-                out.put("ready")
-            samples.append(sample)
-    # Plain tuples: this process may run the script as another module than the parent's `__main__`.
-    out.put([(s.pair, s.start, s.end, s.text, s.error) for s in samples])
-
-
 def run_load(url: str, sources: dict[str, str], *, first: str = "multiply", threads: int = 4,
              min_reloads: int = 10, max_seconds: float = 60.0, idle_seconds: float = 3.0,
              interval: float = 0.2, api_key: str | None = None, pause_mode: str = "wait",
@@ -158,7 +130,7 @@ def run_load(url: str, sources: dict[str, str], *, first: str = "multiply", thre
         url: a server already serving `sources[first]`, with layerwise's extension.
         sources: model name (`multiply`, `add`) -> checkpoint path as the server sees it.
         first: the model the server holds at the start.
-        threads: client processes (one request at a time each).
+        threads: client threads (one request at a time each), in a process of their own (`Traffic`).
         min_reloads: reloads to do (at least; more with `keep_reloading` until `max_seconds`).
         max_seconds: stop reloading after this long, even with fewer reloads.
         idle_seconds: traffic without reloads before the first and after the last, for idle latency.
@@ -171,49 +143,40 @@ def run_load(url: str, sources: dict[str, str], *, first: str = "multiply", thre
         Every request and reload, and the checks' findings.
     """
     from layerwise_cli.client.remote import RemoteOptions, reload_server
-    from layerwise_cli.demo.models import expected_answer
+    from layerwise_cli.demo import demo_prompt, expected_answer
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     model_id = httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
     result = LoadResult()
-    # Clients in processes of their own: threads here would starve the reloading thread of the GIL and
-    # stretch every latency. time.monotonic() is one clock for all processes on Linux.
-    context = multiprocessing.get_context("spawn")
-    stop = context.Event()
-    out = context.Queue()
-    workers = [context.Process(target=_client, args=(url, headers, model_id, seed, stop, out), daemon=True)
-               for seed in range(threads)]
-    for worker in workers:
-        worker.start()
-    ready = [out.get(timeout=120) for _ in workers]  # each client's first answer: they all run
-    assert all(item == "ready" for item in ready)
-    began = time.monotonic()
-    time.sleep(idle_seconds)
-    names = [first] + [name for name in sources if name != first]
-    deadline = began + idle_seconds + max_seconds
-    index = 0
-    while time.monotonic() < deadline and (index < min_reloads or keep_reloading):
-        model = names[(index + 1) % len(names)]
-        events: dict[str, float] = {}
-        start = time.monotonic()
-        outcome = reload_server(url, sources[model], RemoteOptions(api_key=api_key, pause_mode=pause_mode),
-                                # Called during this iteration only: binding `events` late is fine.
-                                on_event=lambda u, event, data: events.setdefault(event, time.monotonic()))  # noqa: B023
-        end = time.monotonic()
-        result.reloads.append(ReloadWindow(
-            model=model, start=start, end=end, ok=outcome.ok, error=outcome.error,
-            paused_s=outcome.paused_s, reload_s=outcome.report.wall_s if outcome.report else 0.0,
-            pause_start=events.get("checked", start), pause_end=events.get("resumed", end)))
-        index += 1
-        time.sleep(interval)
-    time.sleep(idle_seconds)
-    stop.set()
-    for _ in workers:
-        result.samples.extend(Sample(tuple(pair), start, end, text, error)
-                              for pair, start, end, text, error in out.get(timeout=300))
-    for worker in workers:
-        worker.join(timeout=60)
-    result.samples = [sample for sample in result.samples if sample.start >= began]
+    pair_of = {demo_prompt(a, b): (a, b) for a in range(10) for b in range(10)}
+    traffic = Traffic(url, {"model": model_id, "max_tokens": 4, "temperature": 0.0}, list(pair_of),
+                      threads=threads, headers=headers, timeout=120).start()
+    try:
+        assert traffic.all_ready.wait(120), "not every client got an answer within 120 s"
+        began = time.monotonic()
+        time.sleep(idle_seconds)
+        names = [first] + [name for name in sources if name != first]
+        deadline = began + idle_seconds + max_seconds
+        index = 0
+        while time.monotonic() < deadline and (index < min_reloads or keep_reloading):
+            model = names[(index + 1) % len(names)]
+            events: dict[str, float] = {}
+            start = time.monotonic()
+            outcome = reload_server(url, sources[model], RemoteOptions(api_key=api_key, pause_mode=pause_mode),
+                                    # Called during this iteration only: binding `events` late is fine.
+                                    on_event=lambda u, event, data: events.setdefault(event, time.monotonic()))  # noqa: B023
+            end = time.monotonic()
+            result.reloads.append(ReloadWindow(
+                model=model, start=start, end=end, ok=outcome.ok, error=outcome.error,
+                paused_s=outcome.paused_s, reload_s=outcome.report.wall_s if outcome.report else 0.0,
+                pause_start=events.get("checked", start), pause_end=events.get("resumed", end)))
+            index += 1
+            time.sleep(interval)
+        time.sleep(idle_seconds)
+    finally:
+        requests = traffic.stop()
+    result.samples = [Sample(pair_of[r.prompt], r.start, r.end, None if r.text is None else r.text.strip(), r.error)
+                      for r in requests if r.start >= began]
     result.seconds = time.monotonic() - began
 
     # The model held between reloads: `first`, then each successful reload's model.
@@ -240,46 +203,11 @@ def run_load(url: str, sources: dict[str, str], *, first: str = "multiply", thre
     return result
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _start_server(model: str, port: int) -> subprocess.Popen:
-    layerwise = str(Path(sys.executable).with_name("layerwise"))
-    argv = [layerwise, "serve", model, "--port", str(port), "--max-model-len", "64",
-            "--kv-cache-memory-bytes", str(64 * 2**20)]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"layerwise serve exited with {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise SystemExit("layerwise serve was not healthy within 300 s")
-
-
-def _stop_server(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="a server already serving the debug multiply model (default: start one)")
     parser.add_argument("--duration", type=float, default=120.0, help="seconds of reloading (default 120)")
-    parser.add_argument("--threads", type=int, default=8, help="client processes (default 8)")
+    parser.add_argument("--threads", type=int, default=8, help="client threads (default 8)")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between reloads (default 1)")
     parser.add_argument("--min-reloads", type=int, default=10, help="reloads at least (default 10)")
     parser.add_argument("--pause-mode", default="wait", choices=["wait", "keep", "abort", "none"])
@@ -287,24 +215,18 @@ def main() -> int:
     parser.add_argument("--api-key", default=os.environ.get("LAYERWISE_API_KEY"))
     args = parser.parse_args()
 
-    from layerwise_cli.demo.models import demo_checkpoint
+    from layerwise_cli.demo import demo_checkpoint
 
     sources = {name: str(demo_checkpoint(name)) for name in ("multiply", "add")}
-    proc = None
-    url = args.url
-    if url is None:
-        port = _free_port()
-        print(f"starting layerwise serve on multiply, port {port} ...", file=sys.stderr)
-        proc = _start_server(sources["multiply"], port)
-        url = f"http://127.0.0.1:{port}"
-    try:
+    with contextlib.ExitStack() as stack:
+        url = args.url
+        if url is None:
+            print("starting layerwise serve on multiply ...", file=sys.stderr)
+            url = stack.enter_context(RunningServer(sources["multiply"], extra=["--max-model-len", "64"])).url
         result = run_load(url, sources, threads=args.threads, min_reloads=args.min_reloads,
                           max_seconds=args.duration, idle_seconds=args.idle, interval=args.interval,
                           api_key=args.api_key,
                           pause_mode=args.pause_mode, keep_reloading=True)
-    finally:
-        if proc is not None:
-            _stop_server(proc)
     print(result.summary())
     for sample in result.failed[:5]:
         print(f"failed: {sample.pair}: {sample.error}")

@@ -1,8 +1,30 @@
 """layerwise: stream new weights into running vLLM engines in layer order.
 
-The Python API (imported lazily, so that `import layerwise_cli` stays cheap):
+The Python API (imported lazily, so that `import layerwise_cli` stays cheap:
+no torch, vLLM or Hub import until a name is first used):
 
     from layerwise_cli import EXTENSION_CLS, reload, start_engine, stop_engine, inspect_order, verify_engine, watch
+
+A trainer writes checkpoints that every loader reads in layer order, with digests, atomically:
+
+    from layerwise_cli import save_checkpoint
+    save_checkpoint(model.state_dict().items(), "run/step_120", config=model.config, marker="STABLE")
+
+Attributes:
+    __version__: this package's version.
+    EXTENSION_CLS: the dotted name of layerwise's worker extension class;
+        pass `LLM(..., worker_extension_cls=EXTENSION_CLS)` to make an engine
+        reloadable (`start_engine` does).
+    reload: stream a checkpoint into a running engine, in layer order.
+    start_engine, stop_engine, EngineOptions: start an engine with the
+        extension and CPU-friendly defaults; shut it down before exit.
+    verify_engine, VerifyResult: check an engine against a checkpoint.
+    inspect_order: plan a checkpoint from its headers.
+    ReloadReport: what a reload did, layer by layer.
+    LayerwiseError: the one error type, with a one-line message.
+    save_checkpoint: write a checkpoint in layer order, with digests, atomically.
+    watch, WatchOptions, WatchEvent: keep an engine on the newest complete
+        step of a training run (the `layerwise watch` command's loop).
 """
 
 from __future__ import annotations
@@ -10,6 +32,8 @@ from __future__ import annotations
 __version__ = "0.1.0"
 # Pass as `LLM(..., worker_extension_cls=EXTENSION_CLS)` to make an engine reloadable.
 EXTENSION_CLS = "layerwise_cli.worker.extension.LayerwiseWorkerExtension"
+# `layerwise serve`'s endpoint answering a worker call from every data-parallel engine (server.engines_rpc).
+ENGINES_RPC_PATH = "/layerwise/engines_rpc"
 
 _LAZY = {
     "reload": ("layerwise_cli.client.local", "reload"),
@@ -24,6 +48,8 @@ _LAZY = {
     "watch": ("layerwise_cli.client.watch", "watch"),
     "WatchOptions": ("layerwise_cli.client.watch", "WatchOptions"),
     "WatchEvent": ("layerwise_cli.client.watch_events", "WatchEvent"),
+    "save_checkpoint": ("layerwise_cli.writer.save", "save_checkpoint"),
+    "SavedCheckpoint": ("layerwise_cli.writer.save", "SavedCheckpoint"),
 }
 __all__ = ["__version__", "EXTENSION_CLS", *_LAZY]
 

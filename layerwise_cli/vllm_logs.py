@@ -19,9 +19,12 @@ from contextlib import contextmanager
 # warns "RotaryEmbedding: Failed to load weights". Other layers keep the warning.
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 # Stopping an engine: vLLM's process manager SIGKILLs an engine process still
-# alive 5 s after SIGTERM, and says so; `stop_engine` wants it gone either way.
+# alive 5 s after SIGTERM, and says so, then names each of its worker
+# processes as `kill_process_tree` kills them (another logger); `stop_engine`
+# wants them gone either way.
 SHUTDOWN_LOGGER = "vllm.v1.utils"
-_FORCE_KILL = "[shutdown] Process manager: force killing"
+KILL_TREE_LOGGER = "vllm.utils.system_utils"
+_FORCE_KILL = ("[shutdown] Process manager: force killing", "[shutdown] force killing sub process")
 
 
 def _debug() -> bool:
@@ -36,7 +39,7 @@ def is_rotary_reload_warning(record: logging.LogRecord) -> bool:
 
 
 def is_force_kill_notice(record: logging.LogRecord) -> bool:
-    """vLLM's `[shutdown] Process manager: force killing ...` lines."""
+    """vLLM's `[shutdown] Process manager: force killing ...` and `[shutdown] force killing sub process ...` lines."""
     return str(record.msg).startswith(_FORCE_KILL)
 
 
@@ -62,10 +65,12 @@ def silence_rotary_reload_warning() -> None:
 @contextmanager
 def quiet_force_kill() -> Iterator[None]:
     """Drop vLLM's force-kill notices while a deliberate shutdown runs in this process."""
-    logger = logging.getLogger(SHUTDOWN_LOGGER)
+    loggers = [logging.getLogger(name) for name in (SHUTDOWN_LOGGER, KILL_TREE_LOGGER)]
     drop = _Drop(is_force_kill_notice)
-    logger.addFilter(drop)
+    for logger in loggers:
+        logger.addFilter(drop)
     try:
         yield
     finally:
-        logger.removeFilter(drop)
+        for logger in loggers:
+            logger.removeFilter(drop)

@@ -40,7 +40,7 @@ def check_answers(llm, name: str) -> tuple[int, float, list[str]]:
     """Greedy answers for all 100 pairs; returns (wrong count, seconds, examples of wrong answers)."""
     from vllm import SamplingParams
 
-    from layerwise_cli.demo.models import demo_prompt, expected_answer
+    from layerwise_cli.demo import demo_prompt, expected_answer
 
     pairs = [(a, b) for a in range(10) for b in range(10)]
     start = time.perf_counter()
@@ -86,7 +86,7 @@ def unsupported_here(quantization: str | None) -> str | None:
 def run_family(family: str, cache_dir: Path | None, repack: bool) -> dict:
     from vllm import LLM
 
-    from layerwise_cli.demo.models import demo_checkpoint
+    from layerwise_cli.demo import demo_checkpoint
 
     a_name, b_name, quantization = FAMILIES[family]
     a_dir, b_dir = demo_checkpoint(a_name, cache_dir), demo_checkpoint(b_name, cache_dir)
@@ -150,7 +150,7 @@ def main() -> int:
     if args.cpu_moe_repack:
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function
 
-    from layerwise_cli.demo.models import DEMO_NAMES, demo_checkpoint
+    from layerwise_cli.demo import DEMO_NAMES, demo_checkpoint
 
     t = time.perf_counter()
     for name in DEMO_NAMES:

@@ -63,6 +63,7 @@ LAYERS = {
     "demo": 3,  # the demo models
     "reorder": 4,  # rewriting checkpoints in layer order
     "worker": 4,  # inside vLLM's worker processes
+    "writer": 5,  # save_checkpoint: a trainer's tensors written in layer order, shards planned by reorder's rule
     "client": 5,  # the user's process: engines in process and servers over HTTP
     "server": 5,  # the `layerwise serve` process
     "cli": 6,  # commands and views

@@ -42,7 +42,7 @@ class _DemoModels:
         self._cache = cache
 
     def __getitem__(self, name: str) -> Path:
-        from layerwise_cli.demo.models import demo_checkpoint
+        from layerwise_cli.demo import demo_checkpoint
 
         return demo_checkpoint(name, cache_dir=self._cache)
 

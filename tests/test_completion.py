@@ -144,25 +144,25 @@ def test_untied_padded_producer_checkpoint(producer_checkpoints: dict[str, Path]
         # Held layers stream last; layer order then holds both at the end: 40 KiB > 32 KiB.
         streamed = list(dict.fromkeys(item.parent for item in plan.layer_order))
         assert streamed[-2:] == ["model.embed_tokens", "lm_head"]
-        assert report.layer_order.peak_buffer_bytes == 2 * VOCAB_LAYER == plan.least_peak_bytes
+        assert report.layer_order_buffering.peak_buffer_bytes == 2 * VOCAB_LAYER == plan.least_peak_bytes
         assert "vocabulary padded 160 -> 192" in report.layer_order_excess_reason()
         # File order cannot do better (tests/test_padded_engine.py measures both in the engine).
-        assert report.file_order.peak_buffer_bytes >= report.layer_order.peak_buffer_bytes
+        assert report.file_order_buffering.peak_buffer_bytes >= report.layer_order_buffering.peak_buffer_bytes
 
 
 def test_tied_padded_producer_checkpoint(producer_checkpoints: dict[str, Path]) -> None:
     report = inspect_order(str(producer_checkpoints["qwen3-tied-v160-64KB"]))
     assert list(report.plan.held) == ["model.embed_tokens"]
     # One held layer of 20 KiB: layer order is back at the largest layer.
-    assert report.layer_order.peak_buffer_bytes == LARGEST
+    assert report.layer_order_buffering.peak_buffer_bytes == LARGEST
     assert report.layer_order_excess_reason() is None
-    assert report.file_order.peak_buffer_bytes > LARGEST
+    assert report.file_order_buffering.peak_buffer_bytes > LARGEST
 
 
 def test_unpadded_producer_checkpoint(producer_checkpoints: dict[str, Path]) -> None:
     report = inspect_order(str(producer_checkpoints["qwen3-untied-v192-64KB"]))
     assert report.plan.held == {}
-    assert report.layer_order.peak_buffer_bytes == report.plan.largest_layer_bytes
+    assert report.layer_order_buffering.peak_buffer_bytes == report.plan.largest_layer_bytes
 
 
 def test_tensor_parallel_moves_the_hold_to_the_last_rank(producer_checkpoints: dict[str, Path]) -> None:
@@ -171,8 +171,9 @@ def test_tensor_parallel_moves_the_hold_to_the_last_rank(producer_checkpoints: d
     assert {hold.ranks for hold in two.plan.held.values()} == {(1,)}
     assert two.plan.held_on(0) == frozenset()
     # The prediction is the rank that buffers most: rank 1, as with one rank.
-    assert two.file_order.rank == 1 and two.file_order.peak_buffer_bytes == one.file_order.peak_buffer_bytes
-    assert two.plan.simulate("file", rank=0).peak_buffer_bytes < two.file_order.peak_buffer_bytes
+    assert two.file_order_buffering.rank == 1
+    assert two.file_order_buffering.peak_buffer_bytes == one.file_order_buffering.peak_buffer_bytes
+    assert two.plan.simulate("file", rank=0).peak_buffer_bytes < two.file_order_buffering.peak_buffer_bytes
     # 192 rows split over 2 ranks: 96 each; a vocabulary of 192 splits evenly and is held nowhere.
     assert inspect_order(str(producer_checkpoints["qwen3-untied-v192-64KB"]), tensor_parallel_size=2).plan.held == {}
 
@@ -198,7 +199,7 @@ def test_synthetic_padded_vocabulary(tmp_path: Path) -> None:
     write_checkpoint(folder, model, "trainer_export", 4)
     report = inspect_order(str(folder))
     assert set(report.plan.held) == {"model.embed_tokens", "lm_head"}
-    assert report.layer_order.peak_buffer_bytes == 2 * VOCAB_LAYER
+    assert report.layer_order_buffering.peak_buffer_bytes == 2 * VOCAB_LAYER
     assert report.plan.largest_layer_bytes == LARGEST
 
 

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from layerwise_cli.demo import models as demo_models
-from layerwise_cli.demo.models import DEMO_NAMES, demo_checkpoint, demo_prompt, expected_answer, recipe_version
+from layerwise_cli.demo import DEMO_NAMES, demo_checkpoint, demo_prompt, expected_answer
+from layerwise_cli.demo import cache as demo_disk_cache
+from layerwise_cli.demo.recipe import recipe_version
 from layerwise_cli.errors import LayerwiseError
 
 PAIRS = [(a, b) for a in range(10) for b in range(10)]
@@ -42,7 +43,7 @@ def test_unknown_name_is_a_clean_error(tmp_path: Path) -> None:
 
 
 def test_import_is_cheap() -> None:
-    code = ("import sys, layerwise_cli.demo.models; "
+    code = ("import sys, layerwise_cli.demo; "
             "print('torch' in sys.modules, 'typer' in sys.modules, 'rich' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False", "False"]
@@ -50,10 +51,10 @@ def test_import_is_cheap() -> None:
 
 def test_default_cache_dir_follows_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("LAYERWISE_CACHE", str(tmp_path / "lw"))
-    assert demo_models.default_cache_dir() == tmp_path / "lw" / "demo"
+    assert demo_disk_cache.default_cache_dir() == tmp_path / "lw" / "demo"
     monkeypatch.delenv("LAYERWISE_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert demo_models.default_cache_dir() == tmp_path / "xdg" / "layerwise" / "demo"
+    assert demo_disk_cache.default_cache_dir() == tmp_path / "xdg" / "layerwise" / "demo"
 
 
 @pytest.mark.slow  # trains demo models with torch
@@ -128,7 +129,7 @@ def test_cache_is_reused(demo_cache: Path, monkeypatch: pytest.MonkeyPatch) -> N
     def no_build(*args: object) -> None:
         raise AssertionError("rebuilt a cached demo model")
 
-    monkeypatch.setattr(demo_models, "_build", no_build)
+    monkeypatch.setattr(demo_disk_cache, "_build", no_build)
     assert demo_checkpoint("add", demo_cache) == folder
     assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == before
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")], "temporary build left behind"
@@ -158,7 +159,7 @@ def test_incomplete_directory_is_replaced(tmp_path: Path) -> None:
 @pytest.mark.slow  # trains demo models with torch
 def test_concurrent_builds_agree(demo_cache: Path, tmp_path: Path) -> None:
     """Two processes building the same model at once both get the one complete directory, same bytes as here."""
-    code = ("import sys; from pathlib import Path; from layerwise_cli.demo.models import demo_checkpoint; "
+    code = ("import sys; from pathlib import Path; from layerwise_cli.demo import demo_checkpoint; "
             "print(demo_checkpoint('add', Path(sys.argv[1])))")
     procs = [
         subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)

@@ -150,7 +150,8 @@ def layerwise_reload(llm, source: Path, order: str, *, allow_partial: bool = Fal
 
     record = Reload(source=source, order=order)
     planned = inspect_order(str(source))
-    record.planned = (planned.layer_order if order == "layer" else planned.file_order).peak_buffer_bytes
+    buffering = planned.layer_order_buffering if order == "layer" else planned.file_order_buffering
+    record.planned = buffering.peak_buffer_bytes
     try:
         report = reload(llm, str(source), order=order, allow_partial=allow_partial)
     except LayerwiseError as exc:

@@ -194,3 +194,22 @@ def test_reads_only_the_header_bytes(trainer_export: Path) -> None:
     assert read == headers + json_files
     # Every shard has tensor data after its header, so any over-read would show.
     assert all(p.stat().st_size > _header_bytes(p) for p in trainer_export.glob("*.safetensors"))
+
+
+def test_the_table_is_drawn_from_the_json_data_alone(trainer_export: Path, monkeypatch) -> None:
+    """Data flows one way: the renderer reads what `--json` prints, never the plan behind it."""
+    import io
+
+    from rich.console import Console
+
+    from layerwise_cli.cli import inspect_order as command
+    from layerwise_cli.planning.inspect import inspect_order
+
+    data = json.loads(json.dumps(inspect_order(str(trainer_export)).to_dict(top=0)))
+    out = io.StringIO()
+    monkeypatch.setattr(command, "stdout", Console(file=out, width=200, no_color=True))
+    command.render(data, 0)
+    text = " ".join(out.getvalue().split())
+    files = sum(path.stat().st_size for path in trainer_export.glob("*.safetensors"))
+    assert f"{data['header_bytes_read']} header bytes of {files}" in text
+    assert "Parent layers, worst first" in text and "model.layers.0.mlp.gate_up_proj" in text

@@ -27,7 +27,7 @@ QUANTIZATIONS = [None, "int8_per_channel_weight_only"]
 
 
 def prompts() -> list[str]:
-    from layerwise_cli.demo.models import demo_prompt
+    from layerwise_cli.demo import demo_prompt
 
     return [demo_prompt(a, b) for a, b in PAIRS]
 
@@ -161,5 +161,5 @@ def test_experts_spread_over_shards_layer_vs_file_order(engine_a, demo_models, e
 
     assert layer.peak_buffer_bytes == layer.largest_layer_bytes == predicted.plan.largest_layer_bytes
     assert file.peak_buffer_bytes > file.largest_layer_bytes
-    assert file.peak_buffer_bytes == predicted.file_order.peak_buffer_bytes
-    assert predicted.file_order.peak_open_layers >= 2  # both layers' experts open at once
+    assert file.peak_buffer_bytes == predicted.file_order_buffering.peak_buffer_bytes
+    assert predicted.file_order_buffering.peak_open_layers >= 2  # both layers' experts open at once

@@ -34,7 +34,7 @@ def test_tied_checkpoint_plans_without_a_head(tied_models):
     report = inspect_order(str(tied_models["add"]))
     names = [layer.name for layer in report.plan.layers]
     assert "lm_head" not in names and names[0] == "model.embed_tokens"
-    assert report.layer_order.peak_buffer_bytes == report.plan.largest_layer_bytes
+    assert report.layer_order_buffering.peak_buffer_bytes == report.plan.largest_layer_bytes
 
 
 class _WithMapper:
@@ -55,7 +55,7 @@ def test_prefixed_language_model_names_map_to_the_engine_modules(make_checkpoint
     from vllm.model_executor.models.utils import WeightsMapper
 
     from layerwise_cli.checkpoint.sources import open_checkpoint
-    from layerwise_cli.worker.reload import plan_for_engine
+    from layerwise_cli.worker.rank_plan import plan_for_worker
 
     mapper = WeightsMapper(orig_to_new_prefix={
         "model.visual.": "visual.",
@@ -64,7 +64,8 @@ def test_prefixed_language_model_names_map_to_the_engine_modules(make_checkpoint
     })
     folder = make_checkpoint("trainer_export", layers=3, prefix="model.language_model.")
     checkpoint = open_checkpoint(str(folder))
-    plan, vllm_names = plan_for_engine(checkpoint, _WithMapper(mapper), None)
+    mine = plan_for_worker(checkpoint, _WithMapper(mapper), None)
+    plan, vllm_names = mine.plan, mine.vllm_names
     assert vllm_names["model.language_model.layers.1.self_attn.q_proj.weight"] == \
         "language_model.model.layers.1.self_attn.qkv_proj"
     assert vllm_names["model.language_model.layers.1.mlp.up_proj.weight"] == \

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.engine_support import assert_same_outputs, greedy_with_logprobs
+from tests.support.engine_support import assert_matches_fresh, fresh_answers, greedy_with_logprobs, remember_fresh
 from tests.support.producers import Producer, save_pretrained_checkpoint
 
 pytestmark = pytest.mark.engine
@@ -22,7 +22,7 @@ PAIRS = [(a, b) for a in range(1, 10, 2) for b in range(0, 10, 4)]  # 15 prompts
 
 
 def prompts() -> list[str]:
-    from layerwise_cli.demo.models import demo_prompt
+    from layerwise_cli.demo import demo_prompt
 
     return [demo_prompt(a, b) for a, b in PAIRS]
 
@@ -48,22 +48,17 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def fresh_b(checkpoints) -> list:
-    """Answers of an engine started on untied B (then shut down): the reference for every reload of B."""
+def untied_engine(checkpoints):
+    """An engine started on untied B: its answers at start, before any reload, are B's fresh answers.
+
+    Recorded in the shared fresh-engine cache (`remember_fresh`), they are the
+    reference for every reload of B, so no second engine is started for them.
+    """
     from layerwise_cli.client.local import EngineOptions, start_engine, stop_engine
 
-    llm = start_engine(str(checkpoints[f"{UNTIED.label}-B"]), EngineOptions(max_model_len=64))
-    try:
-        return greedy_with_logprobs(llm, prompts())
-    finally:
-        stop_engine(llm)
-
-
-@pytest.fixture(scope="module")
-def untied_engine(checkpoints, fresh_b):
-    from layerwise_cli.client.local import EngineOptions, start_engine, stop_engine
-
-    llm = start_engine(str(checkpoints[f"{UNTIED.label}-A"]), EngineOptions(max_model_len=64))
+    b = checkpoints[f"{UNTIED.label}-B"]
+    llm = start_engine(str(b), EngineOptions(max_model_len=64))
+    remember_fresh(llm, b, prompts())
     yield llm
     stop_engine(llm)
 
@@ -72,7 +67,7 @@ def _assert_prediction_is_measured(report, source: Path, order: str, tensor_para
     from layerwise_cli.planning.inspect import inspect_order
 
     predicted = inspect_order(str(source), tensor_parallel_size=tensor_parallel_size)
-    sim = predicted.layer_order if order == "layer" else predicted.file_order
+    sim = predicted.layer_order_buffering if order == "layer" else predicted.file_order_buffering
     assert report.order == order
     assert report.peak_buffer_bytes == report.predicted_peak_buffer_bytes == sim.peak_buffer_bytes
     assert report.largest_layer_bytes == predicted.plan.largest_layer_bytes
@@ -83,7 +78,7 @@ def _assert_prediction_is_measured(report, source: Path, order: str, tensor_para
 
 
 @pytest.mark.parametrize("order", ["layer", "file"])
-def test_untied_padded_reload_matches_a_fresh_engine_and_the_prediction(untied_engine, checkpoints, fresh_b,
+def test_untied_padded_reload_matches_a_fresh_engine_and_the_prediction(untied_engine, checkpoints,
                                                                         order: str) -> None:
     from layerwise_cli.client.local import reload
 
@@ -91,8 +86,8 @@ def test_untied_padded_reload_matches_a_fresh_engine_and_the_prediction(untied_e
     reload(untied_engine, str(a))
     on_a = greedy_with_logprobs(untied_engine, prompts())
     report = reload(untied_engine, str(b), order=order)
-    assert_same_outputs(greedy_with_logprobs(untied_engine, prompts()), fresh_b, exact=False)
-    assert on_a != fresh_b  # A and B answer differently: the reload had something to prove
+    assert_matches_fresh(untied_engine, b, prompts())
+    assert on_a != fresh_answers(b, prompts())  # A and B answer differently: the reload had something to prove
     _assert_prediction_is_measured(report, b, order)
     held = {layer.name: layer.held_to_end for layer in report.layers if layer.held_to_end}
     assert held == {"model.embed_tokens": "vocabulary padded 160 -> 192",

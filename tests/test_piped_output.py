@@ -87,6 +87,7 @@ def test_only_the_known_harmless_vllm_lines_are_dropped(monkeypatch) -> None:
     import logging
 
     from layerwise_cli.vllm_logs import (
+        KILL_TREE_LOGGER,
         RELOAD_LOGGER,
         SHUTDOWN_LOGGER,
         quiet_force_kill,
@@ -100,7 +101,7 @@ def test_only_the_known_harmless_vllm_lines_are_dropped(monkeypatch) -> None:
             seen.append(record.getMessage())
 
     handler = Keep()
-    for name in (RELOAD_LOGGER, SHUTDOWN_LOGGER):
+    for name in (RELOAD_LOGGER, SHUTDOWN_LOGGER, KILL_TREE_LOGGER):
         logging.getLogger(name).addHandler(handler)
     try:
         reload_logger = logging.getLogger(RELOAD_LOGGER)
@@ -116,12 +117,15 @@ def test_only_the_known_harmless_vllm_lines_are_dropped(monkeypatch) -> None:
         kill = "[shutdown] Process manager: force killing remaining processes count=%d"
         with quiet_force_kill():
             shutdown_logger.warning(kill, 1)
+            # Then each process of the engine's tree, from another logger (vllm/utils/system_utils.py).
+            logging.getLogger(KILL_TREE_LOGGER).warning("[shutdown] force killing sub process %s pid %d",
+                                                        "VLLM::Worker", 4691)
             shutdown_logger.warning("[shutdown] something else")
         shutdown_logger.warning(kill, 2)  # outside a deliberate stop: kept
         monkeypatch.setenv("LAYERWISE_DEBUG", "1")
         reload_logger.warning("%s: Failed to load weights", "RotaryEmbedding")  # debugging shows everything
     finally:
-        for name in (RELOAD_LOGGER, SHUTDOWN_LOGGER):
+        for name in (RELOAD_LOGGER, SHUTDOWN_LOGGER, KILL_TREE_LOGGER):
             logging.getLogger(name).removeHandler(handler)
     assert seen == ["QKVParallelLinear: Failed to load weights", "something else", "[shutdown] something else",
                     "[shutdown] Process manager: force killing remaining processes count=2",

@@ -64,11 +64,11 @@ def test_in_order_single_shard(tmp_path: Path) -> None:
     # lm_head and embed_tokens sort first and stay held: + HELD, 3 layers open.
     report = _report(tmp_path, "in_order", 1, **DENSE)
     assert report.plan.largest_layer_bytes == LARGEST
-    assert report.file_order.peak_buffer_bytes == 768 + HELD
-    assert report.file_order.peak_tensor == "model.layers.0.mlp.up_proj.weight"
-    assert report.file_order.peak_open_layers == 3
-    assert report.layer_order.peak_buffer_bytes == HELD
-    assert report.layer_order.peak_tensor == "lm_head.weight"
+    assert report.file_order_buffering.peak_buffer_bytes == 768 + HELD
+    assert report.file_order_buffering.peak_tensor == "model.layers.0.mlp.up_proj.weight"
+    assert report.file_order_buffering.peak_open_layers == 3
+    assert report.layer_order_buffering.peak_buffer_bytes == HELD
+    assert report.layer_order_buffering.peak_tensor == "lm_head.weight"
 
 
 def test_in_order_four_shards(tmp_path: Path) -> None:
@@ -83,10 +83,10 @@ def test_in_order_four_shards(tmp_path: Path) -> None:
     # embed_tokens, gate_up_proj, lm_head and down_proj open; up_proj reaches
     # 1792 again but not above.
     report = _report(tmp_path, "in_order", 4, **DENSE)
-    assert report.file_order.peak_buffer_bytes == 1792
-    assert report.file_order.peak_tensor == "model.layers.1.mlp.down_proj.weight"
-    assert report.file_order.peak_open_layers == 4
-    assert report.layer_order.peak_buffer_bytes == HELD
+    assert report.file_order_buffering.peak_buffer_bytes == 1792
+    assert report.file_order_buffering.peak_tensor == "model.layers.1.mlp.down_proj.weight"
+    assert report.file_order_buffering.peak_open_layers == 4
+    assert report.layer_order_buffering.peak_buffer_bytes == HELD
 
 
 def test_split_layer(tmp_path: Path) -> None:
@@ -99,10 +99,10 @@ def test_split_layer(tmp_path: Path) -> None:
     # lm_head 1600, then up_proj 1984 (embed_tokens, gate_up_proj, qkv_proj,
     # lm_head open), gate_up_proj completes -> 1600 - 384 = 1216.
     report = _report(tmp_path, "split_layer", 2, **DENSE)
-    assert report.file_order.peak_buffer_bytes == 1984
-    assert report.file_order.peak_tensor == "model.layers.1.mlp.up_proj.weight"
-    assert report.file_order.peak_open_layers == 4
-    assert report.layer_order.peak_buffer_bytes == HELD
+    assert report.file_order_buffering.peak_buffer_bytes == 1984
+    assert report.file_order_buffering.peak_tensor == "model.layers.1.mlp.up_proj.weight"
+    assert report.file_order_buffering.peak_open_layers == 4
+    assert report.layer_order_buffering.peak_buffer_bytes == HELD
 
 
 def test_trainer_export(tmp_path: Path) -> None:
@@ -116,10 +116,10 @@ def test_trainer_export(tmp_path: Path) -> None:
     # embed_tokens (shard 1) and lm_head (shard 2) are held by then: + HELD,
     # 6 layers open.
     report = _report(tmp_path, "trainer_export", 4, **DENSE)
-    assert report.file_order.peak_buffer_bytes == 1280 + HELD
-    assert report.file_order.peak_tensor == "model.layers.0.mlp.up_proj.weight"
-    assert report.file_order.peak_open_layers == 6
-    assert report.layer_order.peak_buffer_bytes == HELD
+    assert report.file_order_buffering.peak_buffer_bytes == 1280 + HELD
+    assert report.file_order_buffering.peak_tensor == "model.layers.0.mlp.up_proj.weight"
+    assert report.file_order_buffering.peak_open_layers == 6
+    assert report.layer_order_buffering.peak_buffer_bytes == HELD
 
 
 def test_experts_spread_moe(tmp_path: Path) -> None:
@@ -136,10 +136,10 @@ def test_experts_spread_moe(tmp_path: Path) -> None:
         "model.layers.0.mlp.experts": (12, 768),
         "model.layers.1.mlp.experts": (12, 768),
     }
-    assert report.file_order.peak_buffer_bytes == 1152 + HELD
-    assert report.file_order.peak_tensor == "model.layers.0.mlp.experts.3.up_proj.weight"
-    assert report.file_order.peak_open_layers == 4
-    assert report.layer_order.peak_buffer_bytes == HELD
+    assert report.file_order_buffering.peak_buffer_bytes == 1152 + HELD
+    assert report.file_order_buffering.peak_tensor == "model.layers.0.mlp.experts.3.up_proj.weight"
+    assert report.file_order_buffering.peak_open_layers == 4
+    assert report.layer_order_buffering.peak_buffer_bytes == HELD
 
 
 def test_layer_order_keeps_model_order(tmp_path: Path) -> None:
@@ -187,8 +187,8 @@ def test_layer_order_peak_is_the_largest_layer_or_the_held_layers(
     held = {"model.embed_tokens", "lm_head"} if vocab % 64 else set()
     assert set(report.plan.held) == held
     held_bytes = sum(layer.bytes for layer in report.plan.layers if layer.name in held)
-    assert report.layer_order.peak_buffer_bytes == max(largest, held_bytes) == report.plan.least_peak_bytes
-    assert report.file_order.peak_buffer_bytes >= report.layer_order.peak_buffer_bytes
+    assert report.layer_order_buffering.peak_buffer_bytes == max(largest, held_bytes) == report.plan.least_peak_bytes
+    assert report.file_order_buffering.peak_buffer_bytes >= report.layer_order_buffering.peak_buffer_bytes
     assert report.plan.total_bytes == sum(n * 2 for n in (_numel(s) for _, s in model.tensors()))
 
 

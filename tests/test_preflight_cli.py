@@ -167,19 +167,19 @@ def test_unknown_quantization_is_a_usage_error_before_the_engine_starts(demo_mod
 
 @pytest.mark.parametrize("flag, allowed", [([], False), (["--allow-nonfinite"], True)])
 def test_allow_nonfinite_reaches_the_reload(flag, allowed, demo_models, monkeypatch):
-    """In process: the flag is passed to `reload` (the engine tests prove what the workers do with it)."""
+    """In process: the flag is passed to the workers' reload (the engine tests prove what they do with it)."""
     from layerwise_cli.client import local, session
     from layerwise_cli.errors import LayerwiseError
 
     calls: list[dict] = []
 
-    def reload(llm, source, **kwargs):
+    def reload_workers(llm, source, **kwargs):
         calls.append(kwargs)
         raise LayerwiseError("stopped here by the test", where=source)
 
     monkeypatch.setattr(local, "start_engine", lambda model, options=None: object())
     monkeypatch.setattr(local, "stop_engine", lambda llm: None)
-    monkeypatch.setattr(session, "reload", reload)
+    monkeypatch.setattr(session, "reload_workers", reload_workers)
     result = runner.invoke(app, ["reload", "--weights-path", str(demo_models["add"]), "--json", *flag])
     assert result.exit_code == 1 and "stopped here by the test" in result.stderr
     assert [call["allow_nonfinite"] for call in calls] == [allowed]
@@ -199,12 +199,13 @@ def test_allow_nonfinite_reaches_the_servers(monkeypatch):
 
     sent: list[dict] = []
 
-    def collective_rpc(self, method, kwargs):
+    def collective_rpc(self, method, kwargs, short=False):
         sent.append(kwargs)
         return [{"ok": False, "error": "stopped here by the test", "engine_touched": False}]
 
     monkeypatch.setattr(ServerClient, "collective_rpc", collective_rpc)
     client = ServerClient("http://127.0.0.1:9")
+    client.per_engine = False  # a server without `layerwise serve`'s per-engine endpoint: /collective_rpc
     for options in seen:
         with pytest.raises(Exception, match="stopped here by the test"):
             client.layerwise_reload("W", options)

@@ -16,7 +16,7 @@ PAIRS = [(a, b) for a in range(10) for b in range(10)]
 
 
 def prompts() -> list[str]:
-    from layerwise_cli.demo.models import demo_prompt
+    from layerwise_cli.demo import demo_prompt
 
     return [demo_prompt(a, b) for a, b in PAIRS]
 
@@ -48,13 +48,13 @@ def on_multiply(engine, demo_models):
 
 def answers(llm) -> list[str]:
     from layerwise_cli.client.generate import greedy_answers
-    from layerwise_cli.demo.models import demo_prompt
+    from layerwise_cli.demo import demo_prompt
 
     return greedy_answers(llm, [demo_prompt(a, b) for a, b in PAIRS])
 
 
 def expected(name: str) -> list[str]:
-    from layerwise_cli.demo.models import expected_answer
+    from layerwise_cli.demo import expected_answer
 
     return [expected_answer(name, a, b) for a, b in PAIRS]
 
@@ -123,9 +123,9 @@ def test_layer_and_file_order_leave_identical_weights(on_multiply, demo_models, 
     # Layer order buffers one parent layer at most; file order buffers more,
     # exactly as inspect-order predicted from the headers.
     assert layer.peak_buffer_bytes == layer.largest_layer_bytes == predicted.plan.largest_layer_bytes
-    assert layer.peak_buffer_bytes == predicted.layer_order.peak_buffer_bytes
+    assert layer.peak_buffer_bytes == predicted.layer_order_buffering.peak_buffer_bytes
     assert file.peak_buffer_bytes > file.largest_layer_bytes
-    assert file.peak_buffer_bytes == predicted.file_order.peak_buffer_bytes
+    assert file.peak_buffer_bytes == predicted.file_order_buffering.peak_buffer_bytes
     assert layer.matches_prediction and file.matches_prediction
     assert not layer.unexpected and not file.unexpected
 

@@ -29,7 +29,7 @@ def test_merge_takes_per_worker_maxima_not_sums():
     assert merged.bytes == 4000  # every worker streams the same checkpoint
     assert merged.layers[1].load_s == 0.3
     assert merged.readahead_peak_bytes == 200
-    assert merged.notes == ["note 0", "note 1"]
+    assert merged.notes == ("note 0", "note 1")
     assert not merged.matches_prediction
     assert merged.layers[2].completed_during_stream is False
 

@@ -20,14 +20,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-import layerwise_cli.reorder.rewrite as core
+import layerwise_cli.reorder.write as write
 from layerwise_cli.checkpoint.header import DTYPE_SIZES, ShardHeader, TensorEntry, read_shard_header
 from layerwise_cli.checkpoint.sources import Checkpoint, natural_key
 from layerwise_cli.cli.app import app
 from layerwise_cli.planning.inspect import inspect_order
 from layerwise_cli.planning.parents import mapping_for_config
 from layerwise_cli.planning.plan import PlannedTensor, build_plan, simulate_buffering
-from layerwise_cli.reorder.rewrite import plan_shards, reorder
+from layerwise_cli.reorder.rewrite import reorder
+from layerwise_cli.reorder.shards import plan_shards
 from tests.support.synthetic import SyntheticModel, shard_groups, write_checkpoint, write_safetensors
 
 REPO = Path(__file__).resolve().parents[1]
@@ -173,11 +174,11 @@ def test_round_trip_keeps_every_tensor_and_reads_in_layer_order(make_checkpoint,
     # The least any order buffers: the largest layer, or the held layers together at the end.
     assert peak == before.plan.least_peak_bytes == max(largest, before.plan.held_bytes())
     after = inspect_order(str(dst))
-    assert after.file_order.peak_buffer_bytes == after.plan.least_peak_bytes == peak
+    assert after.file_order_buffering.peak_buffer_bytes == after.plan.least_peak_bytes == peak
     assert data["after"]["file_order_peak_buffer_bytes"] == peak
-    assert data["before"]["file_order_peak_buffer_bytes"] == before.file_order.peak_buffer_bytes
+    assert data["before"]["file_order_peak_buffer_bytes"] == before.file_order_buffering.peak_buffer_bytes
     if layout in {"trainer_export", "experts_spread"}:
-        assert before.file_order.peak_buffer_bytes > largest  # the case was worth reordering
+        assert before.file_order_buffering.peak_buffer_bytes > largest  # the case was worth reordering
     assert all(len(layer.shards) == 1 for layer in after.plan.layers)  # 5GB: no layer spans two shards
     assert data["verified"] is True and not _leftovers(tmp_path)
 
@@ -494,7 +495,7 @@ def test_full_disk_on_a_small_filesystem(make_checkpoint, tmpfs) -> None:
 def test_full_disk_mid_copy(make_checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = make_checkpoint("trainer_export", layers=12)
     before = _digest_tree(src)
-    real = core._write_chunk
+    real = write.write_chunk
     written = []
 
     def fill_up(fd: int, data, offset: int) -> None:
@@ -504,7 +505,7 @@ def test_full_disk_mid_copy(make_checkpoint, tmp_path: Path, monkeypatch: pytest
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real(fd, data, offset)
 
-    monkeypatch.setattr(core, "_write_chunk", fill_up)
+    monkeypatch.setattr(write, "write_chunk", fill_up)
     dst = tmp_path / "dst"
     result = _invoke(str(src), str(dst))
     assert result.exit_code == 1
@@ -515,7 +516,7 @@ def test_full_disk_mid_copy(make_checkpoint, tmp_path: Path, monkeypatch: pytest
 
 def test_verify_catches_a_corrupted_write(make_checkpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = make_checkpoint("trainer_export", layers=3)
-    real = core._write_chunk
+    real = write.write_chunk
     state = {"done": False}
 
     def corrupt_once(fd: int, data, offset: int) -> None:
@@ -524,7 +525,7 @@ def test_verify_catches_a_corrupted_write(make_checkpoint, tmp_path: Path, monke
             data = bytes([data[0] ^ 0xFF]) + bytes(data[1:])
         real(fd, data, offset)
 
-    monkeypatch.setattr(core, "_write_chunk", corrupt_once)
+    monkeypatch.setattr(write, "write_chunk", corrupt_once)
     unchecked = _invoke(str(src), str(tmp_path / "unchecked"))
     assert unchecked.exit_code == 0  # the headers are fine: only the bytes tell
     state["done"] = False
@@ -537,16 +538,16 @@ def test_verify_catches_a_corrupted_write(make_checkpoint, tmp_path: Path, monke
 
 _SLOW_CLI = textwrap.dedent("""
     import os, sys, time
-    import layerwise_cli.reorder.rewrite as core
+    import layerwise_cli.reorder.write as write
     marker, args = sys.argv[1], sys.argv[2:]
-    real = core._write_chunk
+    real = write.write_chunk
     def slow(fd, data, offset):
         if offset > 0:  # tensor data: the copy is under way
             if not os.path.exists(marker):
                 open(marker, "w").close()
             time.sleep(0.05)
         real(fd, data, offset)
-    core._write_chunk = slow
+    write.write_chunk = slow
     from layerwise_cli.cli.app import app
     app(["reorder", *args], prog_name="layerwise")
 """)
@@ -732,7 +733,7 @@ PAIRS = [(a, b) for a in range(10) for b in range(10)]
 def _answers(llm) -> list[tuple[list[int], list[dict[int, float]]]]:
     from vllm import SamplingParams
 
-    from layerwise_cli.demo.models import demo_prompt
+    from layerwise_cli.demo import demo_prompt
 
     params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=3)
     outputs = llm.generate([demo_prompt(a, b) for a, b in PAIRS], params, use_tqdm=False)
@@ -743,7 +744,7 @@ def _answers(llm) -> list[tuple[list[int], list[dict[int, float]]]]:
 def _texts(llm) -> list[str]:
     from vllm import SamplingParams
 
-    from layerwise_cli.demo.models import demo_prompt
+    from layerwise_cli.demo import demo_prompt
 
     outputs = llm.generate([demo_prompt(a, b) for a, b in PAIRS], SamplingParams(temperature=0.0, max_tokens=3),
                            use_tqdm=False)
@@ -765,7 +766,7 @@ def _stop_engine(llm) -> None:
 @pytest.fixture(scope="module")
 def engine_on_dst(tmp_path_factory: pytest.TempPathFactory):
     """One engine at a time: first on SRC (answers recorded, then shut down), then on DST, kept for the module."""
-    from layerwise_cli.demo.models import demo_checkpoint
+    from layerwise_cli.demo import demo_checkpoint
 
     root = tmp_path_factory.mktemp("reorder-engine")
     cache = root / "demo-cache"
@@ -776,7 +777,8 @@ def engine_on_dst(tmp_path_factory: pytest.TempPathFactory):
         reorder(str(src), root / f"{name}-dst", max_shard_size=48 * 1024, verify=True)
         paths[name] = (src, root / f"{name}-dst")
     src, dst = paths["multiply"]
-    assert inspect_order(str(src)).file_order.peak_buffer_bytes > inspect_order(str(src)).plan.largest_layer_bytes
+    before = inspect_order(str(src))
+    assert before.file_order_buffering.peak_buffer_bytes > before.plan.largest_layer_bytes
     llm = _start_engine(src)
     reference = _answers(llm)
     _stop_engine(llm)
@@ -787,7 +789,7 @@ def engine_on_dst(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.mark.engine
 def test_engine_on_destination_answers_exactly_as_on_source(engine_on_dst) -> None:
-    from layerwise_cli.demo.models import expected_answer
+    from layerwise_cli.demo import expected_answer
 
     llm, reference, _ = engine_on_dst
     assert _answers(llm) == reference  # greedy tokens and top-3 logprobs, all 100 prompts
@@ -796,7 +798,7 @@ def test_engine_on_destination_answers_exactly_as_on_source(engine_on_dst) -> No
 
 @pytest.mark.engine
 def test_vllm_reload_weights_from_a_reordered_checkpoint(engine_on_dst) -> None:
-    from layerwise_cli.demo.models import expected_answer
+    from layerwise_cli.demo import expected_answer
 
     llm, reference, paths = engine_on_dst
     llm.collective_rpc("reload_weights", kwargs={"weights_path": str(paths["add"][1])})

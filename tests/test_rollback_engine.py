@@ -25,7 +25,7 @@ def test_failure_mid_stream_rolls_the_engine_back(demo_models, tmp_path):
 
     from layerwise_cli.client.generate import greedy_answers
     from layerwise_cli.client.local import EngineOptions, reload, start_engine, stop_engine
-    from layerwise_cli.demo.models import demo_prompt, expected_answer
+    from layerwise_cli.demo import demo_prompt, expected_answer
     from layerwise_cli.errors import LayerwiseError
 
     started_from = tmp_path / "step-0"

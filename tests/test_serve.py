@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
 import time
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from benchmarks.traffic import Request, Traffic
 from tests.support.engine_support import parameter_kind, reshard
 from tests.support.hub_server import HubServer
 from tests.support.server_support import RunningServer, free_port, run_cli
@@ -21,7 +21,7 @@ KEY = "test-key-7f3a"
 
 
 def expected(name: str, pairs=PAIRS) -> list[str]:
-    from layerwise_cli.demo.models import expected_answer
+    from layerwise_cli.demo import expected_answer
 
     return [expected_answer(name, a, b) for a, b in pairs]
 
@@ -76,20 +76,20 @@ def test_serve_command_line():
 
 def test_serve_defaults_follow_the_machine():
     """CPU-only: eager and a 0.1 memory share; GPU: vLLM's own defaults. Explicit options win on both."""
-    from layerwise_cli.server.plan import plan_serve
+    from layerwise_cli.server.command_line import server_command_line
 
-    cpu = plan_serve("some/model", on_gpu=False).argv
+    cpu = server_command_line("some/model", on_gpu=False).argv
     assert "--enforce-eager" in cpu
     assert cpu[cpu.index("--gpu-memory-utilization") + 1] == "0.1"
-    gpu = plan_serve("some/model", on_gpu=True).argv
+    gpu = server_command_line("some/model", on_gpu=True).argv
     assert "--enforce-eager" not in gpu and "--gpu-memory-utilization" not in gpu
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in plan_serve("m", tensor_parallel_size=2, on_gpu=True).env
-    chosen = plan_serve("some/model", enforce_eager=True, memory_fraction=0.5, on_gpu=True).argv
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in server_command_line("m", tensor_parallel_size=2, on_gpu=True).env
+    chosen = server_command_line("some/model", enforce_eager=True, memory_fraction=0.5, on_gpu=True).argv
     assert "--enforce-eager" in chosen and chosen[chosen.index("--gpu-memory-utilization") + 1] == "0.5"
-    graphs = plan_serve("some/model", enforce_eager=False, on_gpu=False).argv
+    graphs = server_command_line("some/model", enforce_eager=False, on_gpu=False).argv
     assert "--enforce-eager" not in graphs
     # Given among the pass-through options, they are not doubled.
-    passed = plan_serve("m", extra=["--enforce-eager", "--gpu-memory-utilization", "0.3"], on_gpu=False).argv
+    passed = server_command_line("m", extra=["--enforce-eager", "--gpu-memory-utilization", "0.3"], on_gpu=False).argv
     assert passed.count("--enforce-eager") == 1 and passed.count("--gpu-memory-utilization") == 1
 
 
@@ -324,6 +324,8 @@ def test_wrong_api_key_is_one_line_401_and_the_dev_endpoints_need_the_key(on_mul
     # `layerwise serve --api-key` guards the reload endpoints too (vLLM's own check covers only /v1) ...
     unguarded = httpx.post(f"{on_multiply.url}/collective_rpc", json={"method": "layerwise_ping"}, timeout=30)
     assert unguarded.status_code == 401
+    assert httpx.post(f"{on_multiply.url}/layerwise/engines_rpc", json={"method": "layerwise_ping"},
+                      timeout=30).status_code == 401
     assert httpx.post(f"{on_multiply.url}/pause", timeout=30).status_code == 401
     # ... and leaves health checks open.
     assert httpx.get(f"{on_multiply.url}/health", timeout=30).status_code == 200
@@ -458,88 +460,23 @@ def test_timeouts_are_one_line(on_multiply, demo_models):
     assert on_multiply.answers(PAIRS) == expected("add")
 
 
-_TRAFFIC_CLIENT = """
-import json, sys, threading
-import httpx
-
-config = json.loads(sys.argv[1])
-stop = threading.Event()
-lock = threading.Lock()
-
-def loop():
-    while not stop.is_set():
-        with lock:
-            print(json.dumps(["sent", ""]), flush=True)
-        try:
-            response = httpx.post(config["url"], json=config["body"], headers=config["headers"], timeout=300)
-            response.raise_for_status()
-            outcomes = [(c["finish_reason"], c["text"]) for c in response.json()["choices"]]
-        except httpx.HTTPError as exc:
-            outcomes = [(f"{type(exc).__name__}: {exc}", "")]
-        with lock:
-            for reason, text in outcomes:
-                print(json.dumps([reason, text]), flush=True)
-        if config["once"]:
-            return
-
-threads = [threading.Thread(target=loop) for _ in range(config["threads"])]
-for thread in threads:
-    thread.start()
-threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
-for thread in threads:
-    thread.join()
-"""
+TRAFFIC_PROMPT = "1 2 = "
 
 
-class _Traffic:
-    """Client threads, in a process of their own, sending long completions (EOS ignored) until stopped.
+def _traffic(server: RunningServer, threads: int, tokens: int, once: bool = False) -> Traffic:
+    """Clients sending long completions (EOS ignored) until stopped.
 
-    The server runs one sequence at a time and more clients than it serves keep asking, so requests wait
-    in its scheduler. The clients run in another process so that their threads do not starve this one
-    (the tool's requests) of the GIL.
+    The server runs one sequence at a time and more clients than it serves keep asking, so requests
+    wait in its scheduler.
     """
+    body = {"model": server.model, "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True,
+            "skip_special_tokens": False}
+    return Traffic(server.url, body, [TRAFFIC_PROMPT], threads=threads, headers=server.headers(), once=once).start()
 
-    PROMPT = "1 2 = "
 
-    def __init__(self, server: RunningServer, threads: int, tokens: int, once: bool = False) -> None:
-        import subprocess
-        import sys
-
-        self.once = once
-        config = {"url": f"{server.url}/v1/completions", "headers": server.headers(), "threads": threads,
-                  "once": once, "body": {"model": server.model, "prompt": self.PROMPT, "max_tokens": tokens,
-                                         "temperature": 0.0, "ignore_eos": True, "skip_special_tokens": False}}
-        self.done: list[tuple[str, str]] = []  # per request: (finish reason or error, text)
-        self.sent = 0
-        self.first_done = threading.Event()
-        self._proc = subprocess.Popen([sys.executable, "-c", _TRAFFIC_CLIENT, json.dumps(config)],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-
-    def _read(self) -> None:
-        assert self._proc.stdout is not None
-        for line in self._proc.stdout:
-            reason, text = json.loads(line)
-            if reason == "sent":
-                self.sent += 1
-                continue
-            self.done.append((reason, text))
-            self.first_done.set()
-
-    def start(self) -> _Traffic:
-        self._reader.start()
-        return self
-
-    def stop(self) -> list[tuple[str, str]]:
-        assert self._proc.stdin is not None
-        try:
-            self._proc.stdin.write("stop\n")
-            self._proc.stdin.close()
-        except BrokenPipeError:
-            pass
-        self._proc.wait(timeout=300)
-        self._reader.join(timeout=60)
-        return self.done
+def _outcomes(requests: list[Request]) -> list[tuple[str, str]]:
+    """Per request: (finish reason, or the error when it failed; text)."""
+    return [(r.finish_reason or r.error or "", r.text or "") for r in requests]
 
 
 @pytest.mark.server
@@ -556,7 +493,7 @@ def test_pause_modes_with_requests_in_flight(on_multiply, demo_models, mode):
     tokens = 56
 
     def reference() -> str:
-        return on_multiply.complete(_Traffic.PROMPT, max_tokens=tokens, ignore_eos=True,
+        return on_multiply.complete(TRAFFIC_PROMPT, max_tokens=tokens, ignore_eos=True,
                                     skip_special_tokens=False)["text"]
 
     ref_multiply = reference()
@@ -571,14 +508,14 @@ def test_pause_modes_with_requests_in_flight(on_multiply, demo_models, mode):
             # queue in it, let it go, and reload at once.
             keep = httpx.post(f"{on_multiply.url}/pause", params={"mode": "keep"}, headers=on_multiply.headers())
             assert keep.status_code == 200
-            traffic = _Traffic(on_multiply, threads=48, tokens=tokens, once=True).start()
+            traffic = _traffic(on_multiply, threads=48, tokens=tokens, once=True)
             deadline = time.monotonic() + 60
             while traffic.sent < 48 and time.monotonic() < deadline:
                 time.sleep(0.05)
             time.sleep(1.0)  # the last ones reach the scheduler
             assert httpx.post(f"{on_multiply.url}/resume", headers=on_multiply.headers()).status_code == 200
         else:
-            traffic = _Traffic(on_multiply, threads=16, tokens=tokens).start()
+            traffic = _traffic(on_multiply, threads=16, tokens=tokens)
             assert traffic.first_done.wait(120)
         try:
             result = reload_server(on_multiply.url, str(demo_models["add"]),
@@ -590,7 +527,7 @@ def test_pause_modes_with_requests_in_flight(on_multiply, demo_models, mode):
             while not traffic.once and len(traffic.done) < count + 24 and time.monotonic() < deadline:
                 time.sleep(0.05)  # traffic after the reload
         finally:
-            done += traffic.stop()
+            done += _outcomes(traffic.stop())
         assert result.ok, result.error
         if any(reason == "abort" for reason, _ in done):
             break

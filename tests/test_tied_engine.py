@@ -19,7 +19,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.engine_support import assert_same_outputs, engine_state, greedy_with_logprobs
+from tests.support.engine_support import (
+    assert_matches_fresh,
+    engine_state,
+    fresh_answers,
+    greedy_with_logprobs,
+    remember_fresh,
+)
 from tests.support.producers import Producer, save_pretrained_checkpoint
 
 pytestmark = pytest.mark.engine
@@ -82,39 +88,33 @@ def test_verify_names_the_stale_tied_head_when_the_repair_is_off(tied_ab, padded
 
 
 @pytest.fixture(scope="module")
-def fresh(tied_ab) -> dict[str, list]:
-    """Outputs of an engine started on B, then shut down."""
+def engine_a(tied_ab):
+    """An engine started on A, its answers at start recorded as A's fresh answers (`remember_fresh`).
+
+    B's fresh answers come from the shared fresh-engine cache first (an engine
+    on B only on a miss, stopped before A's starts: never two at once).
+    """
     from layerwise_cli.client.local import EngineOptions, start_engine, stop_engine
 
-    llm = start_engine(str(tied_ab["B"]), EngineOptions(max_model_len=64))
-    try:
-        return {"B": greedy_with_logprobs(llm, PROMPTS)}
-    finally:
-        stop_engine(llm)
-
-
-@pytest.fixture(scope="module")
-def engine_a(tied_ab, fresh):
-    """An engine started on A; `fresh["A"]` holds its outputs at start."""
-    from layerwise_cli.client.local import EngineOptions, start_engine, stop_engine
-
+    fresh_answers(tied_ab["B"], PROMPTS)
     llm = start_engine(str(tied_ab["A"]), EngineOptions(max_model_len=64))
-    fresh["A"] = greedy_with_logprobs(llm, PROMPTS)
+    remember_fresh(llm, tied_ab["A"], PROMPTS)
     yield llm
     stop_engine(llm)
 
 
 @pytest.mark.parametrize("order", ["layer", "file"])
-def test_reload_b_matches_a_fresh_b_then_a_comes_back(engine_a, tied_ab, fresh, order):
+def test_reload_b_matches_a_fresh_b_then_a_comes_back(engine_a, tied_ab, order):
     from layerwise_cli.client.local import reload
 
-    assert fresh["A"] != fresh["B"]  # A and B answer differently: the comparison can fail
+    # A and B answer differently: the comparison can fail.
+    assert fresh_answers(tied_ab["A"], PROMPTS) != fresh_answers(tied_ab["B"], PROMPTS)
     before = engine_state(engine_a)
     report = reload(engine_a, str(tied_ab["B"]), order=order)
     assert "lm_head" not in [layer.name for layer in report.layers]  # not in the checkpoint
     if order == "layer":
         assert report.peak_buffer_bytes == report.largest_layer_bytes == report.predicted_peak_buffer_bytes
-    assert_same_outputs(greedy_with_logprobs(engine_a, PROMPTS), fresh["B"], exact=False)
+    assert_matches_fresh(engine_a, tied_ab["B"], PROMPTS)
     if on_cpu():
         assert any(REPAIR_NOTE in note and "model.embed_tokens" in note for note in report.notes), report.notes
     # In place: every tensor keeps its storage (the head's weight is still the embedding's).
@@ -123,10 +123,10 @@ def test_reload_b_matches_a_fresh_b_then_a_comes_back(engine_a, tied_ab, fresh, 
     assert after["pointers"]["lm_head.weight"] == after["pointers"]["model.embed_tokens.weight"]
 
     reload(engine_a, str(tied_ab["A"]))
-    assert_same_outputs(greedy_with_logprobs(engine_a, PROMPTS), fresh["A"], exact=True)
+    assert_matches_fresh(engine_a, tied_ab["A"], PROMPTS, exact=True)
 
 
-def test_python_api_verify_checks_the_tied_head_through_the_embedding(engine_a, tied_ab, fresh):
+def test_python_api_verify_checks_the_tied_head_through_the_embedding(engine_a, tied_ab):
     from layerwise_cli.client.local import reload
 
     report = reload(engine_a, str(tied_ab["B"]), verify=True)
@@ -136,11 +136,11 @@ def test_python_api_verify_checks_the_tied_head_through_the_embedding(engine_a, 
     assert verify.checked == verify.matched == len(report.layers) + 1  # every SOURCE layer, and the head
     assert verify.kernels_compared > 0
     assert report.to_dict()["verify"]["derived"] == {"lm_head": "model.embed_tokens"}
-    assert_same_outputs(greedy_with_logprobs(engine_a, PROMPTS), fresh["B"], exact=False)
+    assert_matches_fresh(engine_a, tied_ab["B"], PROMPTS)
     reload(engine_a, str(tied_ab["A"]))
 
 
-def test_vllm_own_reload_leaves_the_head_stale_and_verify_catches_it(engine_a, tied_ab, fresh):
+def test_vllm_own_reload_leaves_the_head_stale_and_verify_catches_it(engine_a, tied_ab):
     """vLLM's `reload_weights(weights_path=B)` serves the old head on CPU; `verify_engine` names it.
 
     The figure for the README: how many of the prompts answer differently from
@@ -151,18 +151,18 @@ def test_vllm_own_reload_leaves_the_head_stale_and_verify_catches_it(engine_a, t
     engine_a.collective_rpc("reload_weights", kwargs={"weights_path": str(tied_ab["B"])})
     engine_a.reset_prefix_cache()
     got = greedy_with_logprobs(engine_a, PROMPTS)
-    differ = sum(1 for ours, theirs in zip(got, fresh["B"]) if ours != theirs)
+    differ = sum(1 for ours, theirs in zip(got, fresh_answers(tied_ab["B"], PROMPTS)) if ours != theirs)
     print(f"vLLM's own reload: {differ} of {len(PROMPTS)} prompts differ from a fresh B engine")
     verify = verify_engine(engine_a, str(tied_ab["B"]))
     if on_cpu():
         assert differ > 0
-        assert not verify.ok and verify.mismatched == ["lm_head"]
+        assert not verify.ok and verify.mismatched == ("lm_head",)
         assert "#kernel" in verify.details["lm_head"] and "model.embed_tokens" in verify.details["lm_head"]
     else:
         assert differ == 0 and verify.ok
     # A layerwise reload rebuilds the head vLLM left stale.
     reload(engine_a, str(tied_ab["B"]))
-    assert_same_outputs(greedy_with_logprobs(engine_a, PROMPTS), fresh["B"], exact=False)
+    assert_matches_fresh(engine_a, tied_ab["B"], PROMPTS)
     assert verify_engine(engine_a, str(tied_ab["B"])).ok
     reload(engine_a, str(tied_ab["A"]))
-    assert_same_outputs(greedy_with_logprobs(engine_a, PROMPTS), fresh["A"], exact=True)
+    assert_matches_fresh(engine_a, tied_ab["A"], PROMPTS, exact=True)

@@ -108,7 +108,7 @@ def test_serve_passes_other_options_through(extra):
 
 
 def test_governed_option_unit():
-    from layerwise_cli.server.plan import governed_option
+    from layerwise_cli.server.command_line import governed_option
 
     assert governed_option("--host") == "--host"
     assert governed_option("--h") is None  # too short to name one option; argparse finds it ambiguous
@@ -269,7 +269,7 @@ def test_a_hostname_link_is_not_copied(tmp_path):
 
 
 def test_side_files_are_copied_up_to_the_size_they_had(tmp_path, monkeypatch):
-    import layerwise_cli.reorder.rewrite as core
+    import layerwise_cli.reorder.side_files as side_files
 
     src = tmp_path / "src"
     src.mkdir()
@@ -281,8 +281,8 @@ def test_side_files_are_copied_up_to_the_size_they_had(tmp_path, monkeypatch):
             f.write(b"b" * 1000)
         return real_read(fd, n)
 
-    monkeypatch.setattr(core.os, "read", growing_read)
-    assert core._copy_side_file(src, Path("grows.txt"), tmp_path / "out.txt") is None
+    monkeypatch.setattr(side_files.os, "read", growing_read)
+    assert side_files.copy_side_file(src, Path("grows.txt"), tmp_path / "out.txt") is None
     assert (tmp_path / "out.txt").read_bytes() == b"a" * 100
 
 
@@ -447,14 +447,14 @@ def test_reorder_errors_start_with_the_error_when_stderr_is_a_pipe(tmp_path):
     # A failure after the bar started: still nothing but the error.
     corrupt = textwrap.dedent("""
         import sys
-        import layerwise_cli.reorder.rewrite as core
-        real, state = core._write_chunk, {"done": False}
+        import layerwise_cli.reorder.write as write
+        real, state = write.write_chunk, {"done": False}
         def flip_one_byte(fd, data, offset):
             if offset > 0 and not state["done"]:
                 state["done"] = True
                 data = bytes([data[0] ^ 0xFF]) + bytes(data[1:])
             real(fd, data, offset)
-        core._write_chunk = flip_one_byte
+        write.write_chunk = flip_one_byte
         from layerwise_cli.cli.app import main
         sys.argv = ["layerwise", "reorder", *sys.argv[1:]]
         main()

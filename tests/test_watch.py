@@ -32,7 +32,7 @@ PAIRS = [(a, b) for a in range(10) for b in range(10)]
 
 
 def answer(name: str, a: int, b: int) -> str:
-    from layerwise_cli.demo.models import expected_answer
+    from layerwise_cli.demo import expected_answer
 
     return expected_answer(name, a, b)
 
@@ -171,7 +171,7 @@ class Clients:
             t.join(timeout=120)
 
     def _run(self, server: RunningServer) -> None:
-        from layerwise_cli.demo.models import demo_prompt
+        from layerwise_cli.demo import demo_prompt
 
         rng = random.Random(server.port)
         while not self._stop.is_set():
@@ -447,7 +447,7 @@ def test_python_api_keeps_an_in_process_engine_on_the_newest_step(demo_models, s
 
     import layerwise_cli as layerwise
     from layerwise_cli.client.local import EngineOptions, start_engine, stop_engine
-    from layerwise_cli.demo.models import demo_prompt
+    from layerwise_cli.demo import demo_prompt
 
     root = tmp_path / "run"
     root.mkdir()

@@ -6,6 +6,8 @@ import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from layerwise_cli.checkpoint.chunks import CHUNK_BYTES, read_chunks
+from layerwise_cli.checkpoint.digests import DigestMismatch, TensorHasher, header_digests
 from layerwise_cli.errors import LayerwiseError
 
 # Floating dtypes torch reduces natively: a sum is non-finite when any element is
@@ -213,17 +215,22 @@ class ScanReport:
     bytes: int
     seconds: float
     nonfinite: tuple[NonFinite, ...]
+    # Tensors whose bytes were hashed against their shard header's `layerwise.digests`, and those that differ.
+    digests_checked: int = 0
+    digest_mismatches: tuple[DigestMismatch, ...] = ()
 
     def to_dict(self) -> dict:
         return {"tensors": self.tensors, "tensors_checked": self.tensors_checked, "bytes": self.bytes,
-                "seconds": self.seconds, "nonfinite": [found.to_dict() for found in self.nonfinite]}
-
-
-_READ_CHUNK = 8 << 20
+                "seconds": self.seconds, "nonfinite": [found.to_dict() for found in self.nonfinite],
+                "digests_checked": self.digests_checked,
+                "digest_mismatches": [found.to_dict() for found in self.digest_mismatches]}
 
 
 def scan_checkpoint(checkpoint, progress=None) -> ScanReport:
-    """Read every tensor's bytes and count its NaN and Inf values.
+    """Read every tensor's bytes and count its NaN and Inf values; check header digests in the same pass.
+
+    A shard whose header carries `layerwise.digests` has every tensor's bytes
+    hashed as they are read (see `checkpoint.digests`) and compared with it.
 
     Args:
         checkpoint: an opened `Checkpoint` (local, or a Hub source: each shard
@@ -238,11 +245,13 @@ def scan_checkpoint(checkpoint, progress=None) -> ScanReport:
 
     start = time.perf_counter()
     total = checkpoint.total_bytes
-    done = checked = 0
+    done = checked = hashed = 0
     found: list[NonFinite] = []
-    buf = bytearray(_READ_CHUNK)
+    mismatches: list[DigestMismatch] = []
+    buf = bytearray(CHUNK_BYTES)
     for shard in checkpoint.shards:
         path = _shard_file(checkpoint, shard.name)
+        digests = header_digests(shard, where=str(path))
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as exc:
@@ -253,28 +262,32 @@ def scan_checkpoint(checkpoint, progress=None) -> ScanReport:
             for entry in sorted(shard.tensors, key=lambda t: t.begin):
                 scan = ByteScan(entry.dtype)
                 checked += scan.checked
-                at, read = shard.data_start + entry.begin, 0
-                while read < entry.nbytes:
-                    if not scan.checked:
-                        read = entry.nbytes
-                        break
-                    view = memoryview(buf)[: min(_READ_CHUNK, entry.nbytes - read)]
-                    got = os.preadv(fd, [view], at + read)
-                    if got <= 0:
-                        raise LayerwiseError(f"tensor {entry.name}: file ended while reading", where=str(path))
-                    scan.update(view[:got])
-                    read += got
-                    if progress is not None:
-                        progress(done + read, total)
+                hasher = TensorHasher(entry.dtype, entry.shape) if digests is not None else None
+                if scan.checked or hasher is not None:
+                    read = 0
+                    for view in read_chunks(fd, shard.data_start + entry.begin, entry.nbytes, buf,
+                                            tensor=entry.name, where=str(path)):
+                        scan.update(view)
+                        if hasher is not None:
+                            hasher.update(view)
+                        read += len(view)
+                        if progress is not None:
+                            progress(done + read, total)
                 done += entry.nbytes
                 if scan.found:
                     found.append(NonFinite(entry.name, shard.name, scan.nan, scan.inf))
+                if hasher is not None and digests is not None:
+                    hashed += 1
+                    if hasher.hexdigest() != digests[entry.name]:
+                        mismatches.append(DigestMismatch(entry.name, shard.name, digests[entry.name],
+                                                         hasher.hexdigest()))
         finally:
             os.close(fd)
     if progress is not None:
         progress(total, total)
     return ScanReport(tensors=len(checkpoint.tensors), tensors_checked=checked, bytes=total,
-                      seconds=time.perf_counter() - start, nonfinite=tuple(found))
+                      seconds=time.perf_counter() - start, nonfinite=tuple(found), digests_checked=hashed,
+                      digest_mismatches=tuple(mismatches))
 
 
 def _shard_file(checkpoint, name: str):

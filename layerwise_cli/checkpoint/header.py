@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from math import prod
 from typing import BinaryIO
@@ -47,15 +48,18 @@ class TensorEntry:
         return self.end - self.begin
 
 
-@dataclass
+@dataclass(frozen=True)
 class ShardHeader:
-    """A parsed safetensors header: one shard of a checkpoint."""
+    """A parsed safetensors header: one shard of a checkpoint (a list given for `tensors` is kept as a tuple)."""
 
     name: str
     header_len: int
     file_size: int | None
     metadata: dict[str, str] = field(default_factory=dict)
-    tensors: list[TensorEntry] = field(default_factory=list)
+    tensors: tuple[TensorEntry, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tensors", tuple(self.tensors))
 
     @property
     def data_start(self) -> int:
@@ -98,6 +102,29 @@ def read_shard_header(path: str | os.PathLike[str], name: str | None = None) -> 
         raise describe_exception(exc, where=path) from exc
     shard = parse_header(display, raw, file_size=file_size, where=path)
     return shard, 8 + header_len
+
+
+def encode_header(tensors: Iterable[TensorEntry], metadata: dict[str, str] | None = None) -> bytes:
+    """Encode a safetensors header: the 8-byte length, then the JSON padded with spaces to 8 bytes.
+
+    The one header writer: `reorder` and the test checkpoints both use it.
+
+    Args:
+        tensors: the entries, in the order their keys are written; `begin` and
+            `end` are offsets in the data section.
+        metadata: the `__metadata__` strings, written first; None writes none.
+
+    Returns:
+        The bytes that precede the data section (its length is the data start).
+    """
+    doc: dict[str, object] = {}
+    if metadata is not None:
+        doc["__metadata__"] = metadata
+    for entry in tensors:
+        doc[entry.name] = {"dtype": entry.dtype, "shape": list(entry.shape), "data_offsets": [entry.begin, entry.end]}
+    raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
+    return struct.pack("<Q", len(raw)) + raw
 
 
 def _read_exactly(f: BinaryIO, n: int) -> bytes:

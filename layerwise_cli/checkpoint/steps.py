@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from layerwise_cli.checkpoint.header import read_shard_header
-from layerwise_cli.checkpoint.sources import INDEX_NAME, natural_key
+from layerwise_cli.checkpoint.layout import INDEX_NAME, natural_key
 from layerwise_cli.errors import LayerwiseError
 
 # The names trainers give their step directories (prime-rl, verl, Hugging Face Trainer, Megatron).

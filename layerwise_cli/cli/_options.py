@@ -32,6 +32,21 @@ DtypeOpt = Annotated[
 TensorParallelOpt = Annotated[
     int, typer.Option("--tensor-parallel-size", "-tp", min=1, help="Tensor-parallel workers.")
 ]
+PipelineParallelOpt = Annotated[
+    int, typer.Option("--pipeline-parallel-size", "-pp", min=1,
+                      help="Pipeline stages: each worker holds, and reloads, only its stage's layers.")
+]
+DataParallelOpt = Annotated[
+    int, typer.Option("--data-parallel-size", "-dp", min=1,
+                      help="Data-parallel engines behind one server (layerwise serve; an in-process engine "
+                      "is one engine).")
+]
+ExecutorBackendOpt = Annotated[
+    Literal["mp", "ray", "uni", "external_launcher"] | None,
+    typer.Option("--distributed-executor-backend",
+                 help="vLLM's executor: mp (processes on this machine; vLLM's default) or ray (spans nodes; "
+                 "needs `pip install 'layerwise[ray]'` and a GPU build of vLLM).", show_default=False),
+]
 MaxModelLenOpt = Annotated[int | None, typer.Option("--max-model-len", min=1, help="Engine context length.")]
 QuantizationOpt = Annotated[
     str | None,

@@ -64,7 +64,7 @@ def _size(path: str) -> int:
         return 0
 
 
-def _short(name: str) -> str:
+def _layer_label(name: str) -> str:
     # Every decoder module starts with `model.`; the rest is what tells layers apart.
     return name.removeprefix("model.")
 
@@ -81,7 +81,7 @@ def render_report(report: ReloadReport, title: str = "Reload", top: int = 0) -> 
     table.add_column("buffered", justify="right")
     layers = report.layers[:top] if top else report.layers
     for layer in layers:
-        table.add_row(escape(_short(layer.name)) + ("" if layer.completed_during_stream else " (finalize)"),
+        table.add_row(escape(_layer_label(layer.name)) + ("" if layer.completed_during_stream else " (finalize)"),
                       str(layer.tensors), human_bytes(layer.bytes), human_seconds(layer.load_s),
                       human_seconds(layer.process_s), human_bytes(layer.buffered_bytes_at_completion))
     if top and len(report.layers) > top:
@@ -99,7 +99,7 @@ def render_report(report: ReloadReport, title: str = "Reload", top: int = 0) -> 
     held = [layer for layer in report.layers if layer.held_to_end]
     if held:
         reasons = "; ".join(dict.fromkeys(layer.held_to_end for layer in held))
-        summary.add_row("held to end", f"{', '.join(escape(_short(layer.name)) for layer in held)} "
+        summary.add_row("held to end", f"{', '.join(escape(_layer_label(layer.name)) for layer in held)} "
                         f"({escape(reasons)}): vLLM buffers them until the reload ends; layer order streams them last")
     verdict = "matches" if report.matches_prediction else "[yellow]DIFFERS from[/]"
     summary.add_row("predicted", f"{human_bytes(report.predicted_peak_buffer_bytes)} ({verdict} the measurement)")
@@ -109,6 +109,40 @@ def render_report(report: ReloadReport, title: str = "Reload", top: int = 0) -> 
     if report.unexpected:
         summary.add_row("unexpected", f"{len(report.unexpected)} tensor(s) not buffered where the plan said")
     stdout.print(summary)
+    if len(report.ranks) > 1:
+        render_ranks(report)
+
+
+def render_ranks(report: ReloadReport) -> None:
+    """One row per worker: its place (rank, pp, tp, dp), the layers it held, what it read and buffered."""
+    table = Table(title=f"{report.workers} workers, {report.engines} engine(s)", title_justify="left")
+    for column in ("rank", "pp", "tp", "dp"):
+        table.add_column(column, justify="right")
+    table.add_column("layers held", overflow="fold")
+    table.add_column("streamed", justify="right")
+    table.add_column("read from disk", justify="right")
+    table.add_column("peak buffered", justify="right")
+    for rank in report.ranks:
+        table.add_row(str(rank.rank), str(rank.pp_rank), str(rank.tp_rank), str(rank.dp_rank),
+                      escape(_layer_span(rank.layers)), human_bytes(rank.bytes),
+                      human_bytes(rank.disk_read_bytes) if rank.disk_read_bytes is not None else "-",
+                      human_bytes(rank.peak_buffer_bytes))
+    stdout.print(table)
+
+
+def _layer_span(layers: list[str]) -> str:
+    """`embed_tokens, layers 0-1 (14 modules)`: the non-decoder layers by name, decoder layers by index."""
+    import re
+
+    indices = sorted({int(m.group(1)) for name in layers if (m := re.search(r"\.layers\.(\d+)\.", name))})
+    others = [_layer_label(name) for name in layers if not re.search(r"\.layers\.\d+\.", name)]
+    parts = others[:1]
+    if indices:
+        span = f"{indices[0]}-{indices[-1]}" if indices == list(range(indices[0], indices[-1] + 1)) else \
+            ",".join(map(str, indices))
+        parts.append(f"layers {span}")
+    parts += others[1:]
+    return f"{', '.join(parts)} ({len(layers)} modules)"
 
 
 def render_verify(verify: VerifyResult, where: str) -> None:

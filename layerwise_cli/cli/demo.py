@@ -29,8 +29,8 @@ def demo_command(
     """
     from layerwise_cli.client.generate import greedy_answers
     from layerwise_cli.client.local import EngineOptions, start_engine, stop_engine
-    from layerwise_cli.client.session import reload_with_progress_path
-    from layerwise_cli.demo.models import demo_checkpoint, demo_prompt, expected_answer
+    from layerwise_cli.client.session import reload_as
+    from layerwise_cli.demo import demo_checkpoint, demo_prompt, expected_answer
     from layerwise_cli.errors import UsageError
     from layerwise_cli.report.progress import new_progress_path
 
@@ -53,9 +53,8 @@ def demo_command(
         reports = []
         for name in (second, first):
             report = run_with_progress(
-                lambda path, name=name: reload_with_progress_path(llm, paths[name], order, False, True, path),
+                lambda path, name=name: reload_as(llm, paths[name], name, order=order, progress_path=path),
                 None if as_json else new_progress_path(), f"reload {name}", show=not as_json)
-            report.source = name
             reports.append(report)
             answers[f"after reloading {name}"] = greedy_answers(llm, prompts)
     finally:

@@ -25,13 +25,15 @@ def inspect_order_command(
     mapping: MappingOpt = "auto",
     tensor_parallel_size: TensorParallelOpt = 1,
     scan: Annotated[bool, typer.Option("--scan", help="Also read every tensor's data and report tensors holding "
-                                       "NaN or Inf; exit 1 if any (reads the whole checkpoint).")] = False,
+                                       "NaN or Inf, and tensors whose bytes differ from their header digest; "
+                                       "exit 1 if any (reads the whole checkpoint).")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Show which engine layer each tensor feeds and what vLLM's read order buffers.
 
     Reads headers only (HTTP range requests for Hub repos), never tensor data,
-    unless --scan asks for a data scan. Layers vLLM holds until the end of a
+    unless --scan asks for a data scan. Per-layer digests are shown when the
+    shard headers carry them (`layerwise.digests`, written by save_checkpoint). Layers vLLM holds until the end of a
     reload (a padded vocabulary) are named with the reason;
     --tensor-parallel-size changes which ranks hold them.
 
@@ -55,16 +57,23 @@ def inspect_order_command(
     if as_json:
         print_json(data)
     else:
-        render(report, data, top)
+        render(data, top)
         if scanned is not None:
             render_scan(scanned)
+    if scanned is not None and scanned.digest_mismatches:
+        from layerwise_cli.errors import LayerwiseError
+
+        first = scanned.digest_mismatches[0]
+        more = (f" ({len(scanned.digest_mismatches)} tensors differ from their header digests)"
+                if len(scanned.digest_mismatches) > 1 else "")
+        raise LayerwiseError(f"{first.describe()}{more}", where=_shard_where(report.plan.checkpoint, first.shard))
     if scanned is not None and scanned.nonfinite:
         from layerwise_cli.errors import LayerwiseError
 
         first = scanned.nonfinite[0]
         more = f" ({len(scanned.nonfinite)} tensors hold NaN or Inf)" if len(scanned.nonfinite) > 1 else ""
         raise LayerwiseError(f"{first.describe()}{more}", where=_shard_where(report.plan.checkpoint, first.shard))
-    peak = report.file_order.peak_buffer_bytes
+    peak = report.file_order_buffering.peak_buffer_bytes
     if limit is not None and peak > limit:
         from layerwise_cli.errors import LayerwiseError
 
@@ -75,8 +84,8 @@ def inspect_order_command(
         )
 
 
-def render(report, data: dict, top: int) -> None:
-    """Print the summary and the per-layer table on stdout."""
+def render(data: dict, top: int) -> None:
+    """Print the summary and the per-layer table on stdout, from the JSON data alone (`OrderReport.to_dict`)."""
     largest = data["largest_layer_bytes"]
     fo, lo = data["file_order"], data["layer_order"]
     summary = Table.grid(padding=(0, 2))
@@ -104,10 +113,15 @@ def render(report, data: dict, top: int) -> None:
         why = ("the layers held to the end, together" if data["held_to_end"]
                else escape(lo["above_largest_layer_because"]))
         summary.add_row("", f"layer order is above the largest layer: {why}")
+    digests = data["header_digests"]
+    if digests["shards_with_digests"]:
+        summary.add_row("digests", f"{escape(digests['key'])} ({escape(digests['format'])}) in "
+                        f"{digests['shards_with_digests']} of {data['shards']} shard(s), "
+                        f"{len(digests['tensors'])} tensors; per-layer digest in the table")
     if data["skipped_tensors"]:
         summary.add_row("skipped", f"{len(data['skipped_tensors'])} tensor(s) the engine does not load")
     summary.add_row("read", f"{data['header_bytes_read']} header bytes of "
-                    f"{report.plan.checkpoint.total_bytes + data['header_bytes_read']}")
+                    f"{data['total_bytes'] + data['header_bytes_read']}")
     stdout.print(summary)
     table = Table(title=f"Parent layers, worst first{f' (top {top})' if top else ''}", title_justify="left")
     table.add_column("layer", overflow="fold")  # wrap, never cut, a module name
@@ -118,11 +132,16 @@ def render(report, data: dict, top: int) -> None:
     held = any(row["held_to_end"] for row in data["layers"])
     if held:
         table.add_column("held to the end", overflow="fold")
+    with_digests = any(row["digest"] for row in data["layers"])
+    if with_digests:
+        table.add_column("digest")  # the first 12 of 32 hex digits; --json has them whole
     for row in data["layers"]:
         cells = [escape(row["name"]), str(row["tensors"]), human_bytes(row["bytes"]),
                  str(len(row["shards"])), human_bytes(row["file_order_held_bytes"])]
         if held:
             cells.append(escape(row["held_to_end"] or ""))
+        if with_digests:
+            cells.append(row["digest"][:12] if row["digest"] else "-")
         table.add_row(*cells)
     stdout.print(table)
     if fo["peak_buffer_bytes"] > lo["peak_buffer_bytes"]:
@@ -155,8 +174,15 @@ def render_scan(scanned) -> None:
     from layerwise_cli.units import human_seconds
 
     state = (f"{len(scanned.nonfinite)} tensor(s) hold NaN or Inf" if scanned.nonfinite else "no NaN or Inf")
+    if scanned.digests_checked:
+        differ = len(scanned.digest_mismatches)
+        state += (f"; {differ} of {scanned.digests_checked} header digest(s) do not match the bytes" if differ
+                  else f"; {scanned.digests_checked} header digest(s) match the bytes")
     stdout.print(f"scan              {scanned.tensors_checked} floating tensor(s) of {scanned.tensors}, "
                  f"{human_bytes(scanned.bytes)} read in {human_seconds(scanned.seconds)}: {state}", soft_wrap=True)
+    for bad in scanned.digest_mismatches:
+        stdout.print(f"  {escape(bad.name)} ({escape(bad.shard)}): header digest {bad.expected}, bytes {bad.actual}",
+                     soft_wrap=True)
     for found in scanned.nonfinite:
         stdout.print(f"  {escape(found.name)} ({escape(found.shard)}): {found.nan} NaN, {found.inf} Inf",
                      soft_wrap=True)

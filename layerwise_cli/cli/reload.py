@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Annotated, Literal
 
 import typer
 
 from layerwise_cli.cli._options import (
     AllowNonfiniteOpt,
+    DataParallelOpt,
     DtypeOpt,
     EnforceEagerOpt,
+    ExecutorBackendOpt,
     JsonOpt,
     MaxModelLenOpt,
     MemoryFractionOpt,
     OrderOpt,
+    PipelineParallelOpt,
     QuantizationOpt,
     RevisionOpt,
     TensorParallelOpt,
@@ -26,6 +28,8 @@ from layerwise_cli.errors import LayerwiseError, UsageError
 
 # In-process engine options: with --url the servers' engines already run with their own.
 _ENGINE_OPTIONS = {"dtype": "--dtype", "tensor_parallel_size": "--tensor-parallel-size",
+                   "pipeline_parallel_size": "--pipeline-parallel-size", "data_parallel_size": "--data-parallel-size",
+                   "distributed_executor_backend": "--distributed-executor-backend",
                    "max_model_len": "--max-model-len", "quantization": "--quantization",
                    "enforce_eager": "--enforce-eager", "memory_fraction": "--memory-fraction"}
 
@@ -48,6 +52,9 @@ def reload_command(
     revision: RevisionOpt = None,
     dtype: DtypeOpt = "auto",
     tensor_parallel_size: TensorParallelOpt = 1,
+    pipeline_parallel_size: PipelineParallelOpt = 1,
+    data_parallel_size: DataParallelOpt = 1,
+    distributed_executor_backend: ExecutorBackendOpt = None,
     max_model_len: MaxModelLenOpt = None,
     quantization: QuantizationOpt = None,
     enforce_eager: EnforceEagerOpt = None,
@@ -113,36 +120,43 @@ def reload_command(
                                       ("--timeout", timeout)) if value is not None]
     if given:
         raise UsageError(f"{', '.join(given)} only apply with --url (reloading running servers)")
-    from layerwise_cli.client.local import EngineOptions, start_engine
-    from layerwise_cli.client.session import prepare_sources, reload_with_progress_path
+    if data_parallel_size > 1:
+        raise UsageError("--data-parallel-size: vLLM runs one engine per process in this mode (it refuses "
+                         "LLM(data_parallel_size>1)); serve with `layerwise serve MODEL -dp N` and reload it with "
+                         "--url, which reaches every engine")
+    from layerwise_cli.client.local import EngineOptions, start_engine, stop_engine
+    from layerwise_cli.client.session import prepare_sources, reload_as
+    from layerwise_cli.engine_defaults import cuda_available, executor_refusal
+    from layerwise_cli.report.progress import new_progress_path
 
     check_quantization(quantization)
+    refusal = executor_refusal(distributed_executor_backend, cuda_available())
+    if refusal:
+        raise LayerwiseError(refusal)
     source_dir, base = prepare_sources(weights_path, model, revision, quiet=as_json, allow_partial=allow_partial)
-    options = EngineOptions(dtype=dtype, tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
+    options = EngineOptions(dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+                            pipeline_parallel_size=pipeline_parallel_size,
+                            distributed_executor_backend=distributed_executor_backend, max_model_len=max_model_len,
                             quantization=quantization, enforce_eager=enforce_eager,
                             memory_fraction=memory_fraction)
     if not as_json:
         stderr.print(f"Starting vLLM on {base} ...")
     llm = start_engine(base, options)
-    from layerwise_cli.client.local import stop_engine
-    from layerwise_cli.report.progress import new_progress_path
+
+    def on_verify() -> None:
+        if not as_json:
+            stderr.print("Verifying the engine against the new weights ...")
 
     try:
         report = run_with_progress(
-            lambda path: reload_with_progress_path(llm, source_dir, order, allow_partial, readahead, path,
-                                                   allow_nonfinite=allow_nonfinite),
+            lambda path: reload_as(llm, source_dir, weights_path, order=order, allow_partial=allow_partial,
+                                   readahead=readahead, allow_nonfinite=allow_nonfinite, progress_path=path,
+                                   verify=verify, on_verify=on_verify),
             None if as_json else new_progress_path(), f"reload {weights_path}", show=not as_json)
-        if verify:
-            from layerwise_cli.client.local import verify_engine
-
-            if not as_json:
-                stderr.print("Verifying the engine against the new weights ...")
-            report = replace(report, verify=verify_engine(llm, source_dir, None))
     finally:
         # Shut the engine down now: left to interpreter exit, multiprocessing
         # waits for the engine process before vLLM's own finalizer stops it.
         stop_engine(llm)
-    report = replace(report, source=weights_path)
     if as_json:
         print_json(report.to_dict())
     else:

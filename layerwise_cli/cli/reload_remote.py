@@ -18,6 +18,7 @@ _HOLDS_TEXT = {
     "previous": "previous weights",
     "unverified": "UNVERIFIED (differs)",
     "unknown": "UNKNOWN",
+    "mixed": "MIXED (engines differ)",
 }
 
 

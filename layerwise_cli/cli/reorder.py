@@ -58,7 +58,8 @@ def reorder_command(
         raise typer.BadParameter("only applies with --verify (which checks every tensor for NaN/Inf)",
                                  param_hint="--allow-nonfinite")
     from layerwise_cli.errors import LayerwiseError
-    from layerwise_cli.reorder.rewrite import ReorderInterrupted, reorder
+    from layerwise_cli.reorder.rewrite import reorder
+    from layerwise_cli.reorder.signals import ReorderInterrupted
 
     try:
         if as_json:

@@ -10,16 +10,19 @@ import typer
 from rich.markup import escape
 
 from layerwise_cli.cli._options import (
+    DataParallelOpt,
     DtypeOpt,
     EnforceEagerOpt,
+    ExecutorBackendOpt,
     MaxModelLenOpt,
     MemoryFractionOpt,
+    PipelineParallelOpt,
     QuantizationOpt,
     TensorParallelOpt,
 )
 from layerwise_cli.cli._output import handle_errors, stderr
 from layerwise_cli.engine_defaults import cuda_available
-from layerwise_cli.server.plan import plan_serve
+from layerwise_cli.server.command_line import server_command_line
 
 
 @handle_errors
@@ -39,6 +42,9 @@ def serve_command(
         "reload endpoints included (vLLM's own --api-key covers only /v1).")] = None,
     dtype: DtypeOpt = "auto",
     tensor_parallel_size: TensorParallelOpt = 1,
+    pipeline_parallel_size: PipelineParallelOpt = 1,
+    data_parallel_size: DataParallelOpt = 1,
+    distributed_executor_backend: ExecutorBackendOpt = None,
     max_model_len: MaxModelLenOpt = None,
     quantization: QuantizationOpt = None,
     enforce_eager: EnforceEagerOpt = None,
@@ -55,18 +61,20 @@ def serve_command(
 
     Example: layerwise serve ./step-100 --port 8000 --max-model-len 4096 --max-num-seqs 64
     """
-    plan = plan_serve(model, host=host, port=port, allow_remote=allow_remote, api_key=api_key, dtype=dtype,
-                      tensor_parallel_size=tensor_parallel_size, max_model_len=max_model_len,
+    command = server_command_line(model, host=host, port=port, allow_remote=allow_remote, api_key=api_key, dtype=dtype,
+                      tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                      data_parallel_size=data_parallel_size,
+                      distributed_executor_backend=distributed_executor_backend, max_model_len=max_model_len,
                       quantization=quantization, enforce_eager=enforce_eager, memory_fraction=memory_fraction,
                       extra=list(ctx.args), on_gpu=cuda_available())
-    for warning in plan.warnings:
+    for warning in command.warnings:
         stderr.print(f"[yellow]Warning:[/] {escape(warning)}")
     if dry_run:
-        sys.stdout.write(plan.shown() + "\n")
+        sys.stdout.write(command.shown() + "\n")
         return
     stderr.print(f"Serving {escape(model)} on http://{host}:{port} (reload it with: layerwise reload --weights-path "
                  f"NEW --url http://{host}:{port})")
     sys.stdout.flush()
     sys.stderr.flush()
-    env = {**os.environ, **plan.env}
-    os.execvpe(plan.argv[0], plan.argv, env)
+    env = {**os.environ, **command.env}
+    os.execvpe(command.argv[0], command.argv, env)

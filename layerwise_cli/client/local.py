@@ -12,32 +12,51 @@ from layerwise_cli.engine_defaults import (
     cuda_available,
     default_enforce_eager,
     default_memory_fraction,
+    executor_refusal,
 )
 from layerwise_cli.errors import LayerwiseError
-from layerwise_cli.report.reload_report import ReloadReport, merge_reports
+from layerwise_cli.report.reload_report import ReloadReport, first_failure, merge_reports
 from layerwise_cli.report.verify_result import VerifyResult, merge_verify, verify_failure
 
 
 @dataclass
 class EngineOptions:
-    """The vLLM engine options layerwise passes through, with CPU-friendly defaults."""
+    """The vLLM engine options layerwise passes through, with CPU-friendly defaults.
+
+    Attributes:
+        dtype: vLLM's `dtype` (`auto`, `bfloat16`, ...).
+        tensor_parallel_size: tensor-parallel workers (on CPU, layerwise binds
+            one OpenMP thread group per rank when `VLLM_CPU_OMP_THREADS_BIND` is unset).
+        pipeline_parallel_size: pipeline stages; each worker holds (and reloads) only its stage's layers.
+        distributed_executor_backend: vLLM's executor: None (its default: processes on this
+            machine), `mp`, or `ray` (spans nodes; vLLM runs it on GPU builds only).
+        max_model_len: vLLM's `max_model_len` (None: the model's own).
+        quantization: vLLM's `quantization` method (online ones included).
+        enforce_eager: None: eager on CPU-only machines (a much faster start), graphs on GPU.
+        memory_fraction: vLLM's `gpu_memory_utilization` (on CPU: the share of
+            host memory for the KV cache); None: 0.1 on CPU, vLLM's default on GPU.
+        seed: vLLM's `seed`.
+        extra: any other `vllm.LLM` keyword arguments, passed as they are.
+    """
 
     dtype: str = "auto"
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
     max_model_len: int | None = None
     quantization: str | None = None
-    # None: eager on CPU-only machines (a much faster start), graphs on GPU.
     enforce_eager: bool | None = None
-    # Fraction of accelerator memory (on CPU: of host memory, for the KV cache).
     memory_fraction: float | None = None
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
     def llm_kwargs(self) -> dict:
+        """The keyword arguments for `vllm.LLM`, layerwise's worker extension included."""
         on_gpu = cuda_available()
         kwargs = {
             "dtype": self.dtype,
             "tensor_parallel_size": self.tensor_parallel_size,
+            "pipeline_parallel_size": self.pipeline_parallel_size,
             "enforce_eager": default_enforce_eager(self.enforce_eager, on_gpu),
             "worker_extension_cls": EXTENSION_CLS,
             "seed": self.seed,
@@ -46,6 +65,8 @@ class EngineOptions:
             kwargs["max_model_len"] = self.max_model_len
         if self.quantization:
             kwargs["quantization"] = self.quantization
+        if self.distributed_executor_backend:
+            kwargs["distributed_executor_backend"] = self.distributed_executor_backend
         fraction = default_memory_fraction(self.memory_fraction, on_gpu)
         if fraction is not None:
             kwargs["gpu_memory_utilization"] = fraction
@@ -67,10 +88,15 @@ def start_engine(model: str, options: EngineOptions | None = None):
         LayerwiseError: the engine failed to start.
     """
     options = options or EngineOptions()
-    if options.tensor_parallel_size > 1 and not cuda_available():
+    workers = options.tensor_parallel_size * options.pipeline_parallel_size
+    on_gpu = cuda_available()
+    refusal = executor_refusal(options.distributed_executor_backend, on_gpu)
+    if refusal:
+        raise LayerwiseError(refusal, where=model)
+    if workers > 1 and not on_gpu:
         # vllm-cpu binds one OpenMP thread group per rank; without a binding
         # it refuses to start on machines with a single NUMA node.
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_threads_binding(options.tensor_parallel_size))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_threads_binding(workers))
     try:
         from vllm import LLM
 
@@ -81,7 +107,16 @@ def start_engine(model: str, options: EngineOptions | None = None):
 
 
 def stop_engine(llm) -> None:
-    """Shut an engine's processes down now (rather than at interpreter exit)."""
+    """Shut an engine's processes down now, rather than at interpreter exit.
+
+    Call it when done with an engine (in a `finally`): left to interpreter
+    exit, Python's multiprocessing waits for vLLM's engine process before
+    vLLM's own finalizer stops it, and the script hangs at exit. Never raises:
+    an engine already gone is fine.
+
+    Args:
+        llm: a `vllm.LLM` (from `start_engine` or built directly).
+    """
     from layerwise_cli.vllm_logs import quiet_force_kill
 
     try:
@@ -92,7 +127,11 @@ def stop_engine(llm) -> None:
 
 
 def call_workers(llm, method: str, **kwargs) -> list[dict]:
-    """Call an extension method on every worker; one result per worker."""
+    """Call an extension method on every worker; one result per worker.
+
+    Raises:
+        LayerwiseError: the engine has no layerwise worker extension.
+    """
     try:
         return llm.collective_rpc(method, kwargs=kwargs)
     except AttributeError as exc:
@@ -145,22 +184,44 @@ def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = Fals
             `verify_engine` for the full result); or a tensor holds NaN or Inf
             (refused and rolled back unless `allow_nonfinite`).
     """
+    per_worker = reload_workers(llm, source, order=order, allow_partial=allow_partial, readahead=readahead,
+                                revision=revision, progress_path=progress_path, allow_nonfinite=allow_nonfinite)
+    verification = None
+    if verify:
+        verification = verify_engine(llm, source, revision)
+        if not verification.ok:
+            raise LayerwiseError(f"{verify_failure(verification)}; the engine holds the reloaded weights, unverified",
+                                 where=source)
+    return merge_reports(per_worker, verify=verification)
+
+
+def reload_workers(llm, source: str, *, order: str = "layer", allow_partial: bool = False, readahead: bool = True,
+                   revision: str | None = None, progress_path: str | None = None,
+                   allow_nonfinite: bool = False) -> list[ReloadReport]:
+    """Reload SOURCE on every worker of LLM and reset its prefix cache; the workers' own reports.
+
+    `reload` without verification or merging, for callers that build the
+    final report themselves (`merge_reports`, with the name the user gave
+    the source and the verification).
+
+    Args:
+        llm: the engine (see `reload`).
+        source: a checkpoint directory or file the workers can read, or a Hub repo id.
+        order, allow_partial, readahead, revision, progress_path, allow_nonfinite: as for `reload`.
+
+    Returns:
+        One report per worker, in rank order.
+
+    Raises:
+        LayerwiseError: a worker failed (its one-line error; see `reload`).
+    """
     results = call_workers(llm, "layerwise_reload", source=source, order=order, allow_partial=allow_partial,
                            readahead=readahead, revision=revision, progress_path=progress_path,
                            allow_nonfinite=allow_nonfinite)
-    report = reports_from_results(results)
+    per_worker = worker_reports(results)
     # KV blocks cached under the old weights must not serve prompts under the new ones.
     llm.reset_prefix_cache()
-    if verify:
-        from dataclasses import replace
-
-        result = verify_engine(llm, source, revision)
-        if not result.ok:
-            raise LayerwiseError(f"{verify_failure(result)}; the engine holds the reloaded weights, unverified",
-                                 where=source)
-        report = replace(report, verify=result)
-    return report
-
+    return per_worker
 
 
 def verify_engine(llm, source: str, revision: str | None = None) -> VerifyResult:
@@ -183,13 +244,18 @@ def verify_engine(llm, source: str, revision: str | None = None) -> VerifyResult
     if failures or not results:
         error = failures[0].get("error", "a worker failed without saying why") if failures else "no workers"
         raise LayerwiseError(f"--verify could not run: {error}", where=source)
-    verify = merge_verify([r["verify"] for r in results])
-    verify.wall_s = time.perf_counter() - start
-    return verify
+    return merge_verify([r["verify"] for r in results], wall_s=time.perf_counter() - start)
+
+
+
+def worker_reports(results: list[dict]) -> list[ReloadReport]:
+    """Each worker's report from its `layerwise_reload` answer, raising the first-hand failure if any failed."""
+    error = first_failure(results)
+    if error is not None:
+        raise LayerwiseError(error)
+    return [ReloadReport.from_dict(r["report"]) for r in results]
+
 
 def reports_from_results(results: list[dict]) -> ReloadReport:
-    """Merge per-worker results, raising the first worker's error if any failed."""
-    failures = [r for r in results if not r.get("ok")]
-    if failures:
-        raise LayerwiseError(failures[0].get("error", "a worker failed without saying why"))
-    return merge_reports([ReloadReport.from_dict(r["report"]) for r in results])
+    """The merged report of the workers' `layerwise_reload` answers, raising the first-hand failure if any failed."""
+    return merge_reports(worker_reports(results))

@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from layerwise_cli.client.server_api import (
+    HOLDS_MIXED,
     HOLDS_NEW,
     HOLDS_PREVIOUS,
     HOLDS_UNKNOWN,
@@ -19,13 +20,14 @@ from layerwise_cli.client.server_api import (
     _ServerError,
 )
 from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.report.jsonable import jsonable
 from layerwise_cli.report.reload_report import ReloadReport
 from layerwise_cli.report.verify_result import VerifyResult, verify_failure
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServerResult:
-    """What happened on one server."""
+    """What happened on one server; built once `reload_server` is done with it."""
 
     url: str
     ok: bool = False
@@ -45,10 +47,18 @@ class ServerResult:
     reached: bool = False
     paused_s: float = 0.0
     wall_s: float = 0.0
-    warnings: list[str] = field(default_factory=list)
+    warnings: tuple[str, ...] = ()
+    # Data-parallel engines reached by the reload (each reported), and, after a failure, what each holds.
+    engines: int = 1
+    engine_holds: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "warnings", tuple(self.warnings))
+        object.__setattr__(self, "engine_holds", tuple(self.engine_holds))
 
     def to_dict(self) -> dict:
-        data = asdict(self)
+        """JSON-ready: the server's result with its report and verification (lists for sequences)."""
+        data = jsonable(asdict(self))
         data["report"] = self.report.to_dict() if self.report is not None else None
         return data
 
@@ -99,104 +109,116 @@ def reload_server(url: str, source: str, options: RemoteOptions | None = None,
     """
     options = options or RemoteOptions()
     emit = on_event or (lambda url, event, data: None)
-    result = ServerResult(url=url)
+    # What the result will say, gathered step by step; the result is built once, at the end.
+    stage, method, fallback_reason = "connect", "layerwise", None
+    report: ReloadReport | None = None
+    verify: VerifyResult | None = None
+    holds, rolled_back = HOLDS_PREVIOUS, False
+    version_before: str | None = None
+    version_after: str | None = None
+    ok, error, paused_s = False, None, 0.0
+    warnings: list[str] = []
+    engines, engine_holds = 1, []
     start = time.perf_counter()
     client = ServerClient(url, api_key=options.api_key, timeout=options.timeout)
     paused_at: float | None = None
     try:
         # Few round trips before the pause: on a busy server each one waits behind the traffic.
-        result.stage = "connect"
+        stage = "connect"
         client.check_api_key()  # also proves the server answers
-        result.stage = "check"
-        result.version_before = client.weight_version()  # also proves the dev endpoints are on
+        stage = "check"
+        version_before = client.weight_version()  # also proves the dev endpoints are on
         if client.is_paused():
             raise _ServerError("the server is already paused (another reload in progress, or paused by hand); "
                                "refusing to reload. POST /resume to it if the pause is stale")
         extension = client.ping_extension()
         if extension is not None:
-            result.method, result.fallback_reason = "vllm", extension
+            method, fallback_reason = "vllm", extension
             if options.verify:
                 raise _ServerError(f"--verify needs layerwise's worker extension, and {extension}; nothing was "
                                    "changed (start the server with `layerwise serve`, or drop --verify)")
             if options.revision:
-                result.warnings.append("--revision is ignored by vLLM's own reload_weights")
+                warnings.append("--revision is ignored by vLLM's own reload_weights")
             if not options.allow_nonfinite:
-                result.warnings.append("vLLM's own reload_weights does not check tensors for NaN/Inf")
-        emit(url, "checked", {"method": result.method, "fallback_reason": result.fallback_reason})
+                warnings.append("vLLM's own reload_weights does not check tensors for NaN/Inf")
+        else:
+            engines = client.engines
+            if client.engines_warning():
+                warnings.append(client.engines_warning())
+        emit(url, "checked", {"method": method, "fallback_reason": fallback_reason})
 
         if options.pause_mode != "none":
-            result.stage = "pause"
+            stage = "pause"
             # From here on, resume whatever happens: the engine pauses as soon as the request lands,
             # even if the answer (which waits for in-flight requests with `wait`) never reaches us.
             paused_at = time.perf_counter()
             client.pause(options.pause_mode)
             emit(url, "paused", {"mode": options.pause_mode})
 
-        result.stage = "reload"
-        if result.method == "layerwise":
-            result.report = client.layerwise_reload(source, options)
-        else:
-            result.report = client.vllm_reload(source)
-        result.holds = HOLDS_NEW
-        _reset_prefix_cache(client, result)
-        emit(url, "reloaded", {"report": result.report})
+        stage = "reload"
+        report = client.layerwise_reload(source, options) if method == "layerwise" else client.vllm_reload(source)
+        holds = HOLDS_NEW
+        warnings.extend(_reset_prefix_cache(client))
+        emit(url, "reloaded", {"report": report})
 
         if options.verify:
-            result.stage = "verify"
-            result.verify = client.verify(source, options.revision)
-            emit(url, "verified", {"verify": result.verify})
-            if not result.verify.ok:
-                result.holds = HOLDS_UNVERIFIED
-                raise _ServerError(verify_failure(result.verify), holds=HOLDS_UNVERIFIED)
+            stage = "verify"
+            verify = client.verify(source, options.revision)
+            emit(url, "verified", {"verify": verify})
+            if not verify.ok:
+                holds = HOLDS_UNVERIFIED
+                raise _ServerError(verify_failure(verify), holds=HOLDS_UNVERIFIED)
 
         if options.weight_version is not None:
-            result.stage = "version"
+            stage = "version"
             client.set_weight_version(options.weight_version)
-            result.version_after = options.weight_version
+            version_after = options.weight_version
             emit(url, "versioned", {"version": options.weight_version})
-        result.ok = True
+        ok = True
     except _ServerError as exc:
-        result.error = str(exc)
-        result.rolled_back = exc.rolled_back
-        if result.holds != HOLDS_UNVERIFIED:
-            result.holds = exc.holds
+        error = str(exc)
+        rolled_back = exc.rolled_back
+        engine_holds = list(exc.engines)
+        if holds != HOLDS_UNVERIFIED:
+            holds = exc.holds
     except Exception as exc:  # noqa: BLE001 - one line per server, never a traceback
         from layerwise_cli.errors import describe_exception
 
-        result.error = _one_line(str(describe_exception(exc)))
-        if result.stage == "reload" and result.holds == HOLDS_PREVIOUS:
-            result.holds = HOLDS_UNKNOWN
+        error = _one_line(str(describe_exception(exc)))
+        if stage == "reload" and holds == HOLDS_PREVIOUS:
+            holds = HOLDS_UNKNOWN
     finally:
         if paused_at is not None:
             try:
                 client.resume()
-                result.paused_s = time.perf_counter() - paused_at
-                emit(url, "resumed", {"paused_s": result.paused_s})
+                paused_s = time.perf_counter() - paused_at
+                emit(url, "resumed", {"paused_s": paused_s})
             except Exception as exc:  # noqa: BLE001 - reported, never raised past the other servers
                 from layerwise_cli.errors import describe_exception
 
                 message = (f"could not resume generation ({_one_line(str(describe_exception(exc)))}): "
                            "the server may still be paused; POST /resume to it")
-                if result.error is None:
-                    result.stage = "resume"
-                result.ok = False
-                result.error = f"{result.error}; {message}" if result.error else message
-        if result.ok and result.version_after is None:
-            result.version_after = result.version_before
-            if result.version_before not in (None, "default"):
-                result.warnings.append(f"its weight version stays {result.version_before!r}, which named the "
-                                       "weights it held before; pass --weight-version TAG to name the new ones")
-        elif not result.ok and client.reached:
+                if error is None:
+                    stage = "resume"
+                ok = False
+                error = f"{error}; {message}" if error else message
+        if ok and version_after is None:
+            version_after = version_before
+            if version_before not in (None, "default"):
+                warnings.append(f"its weight version stays {version_before!r}, which named the "
+                                "weights it held before; pass --weight-version TAG to name the new ones")
+        elif not ok and client.reached:
             # After the resume: it costs the paused traffic nothing.
-            result.version_after = client.weight_version_or_none()
-        result.reached = client.reached
-        result.wall_s = time.perf_counter() - start
+            version_after = client.weight_version_or_none()
+        wall_s = time.perf_counter() - start
         client.close()
-        if result.error:
-            emit(url, "failed", {"error": result.error})
-    if result.ok:
-        result.stage = "done"
-    return result
+        if error:
+            emit(url, "failed", {"error": error})
+    return ServerResult(url=url, ok=ok, error=error, stage="done" if ok else stage, method=method,
+                        fallback_reason=fallback_reason, report=report, verify=verify, holds=holds,
+                        version_before=version_before, version_after=version_after, rolled_back=rolled_back,
+                        reached=client.reached, paused_s=paused_s, wall_s=wall_s, warnings=tuple(warnings),
+                        engines=engines, engine_holds=tuple(engine_holds))
 
 
 def holdings(results: list[ServerResult], source: str) -> list[str]:
@@ -212,6 +234,8 @@ def holdings(results: list[ServerResult], source: str) -> list[str]:
             what = f"rolled back: holds its previous weights{version}"
         elif result.holds == HOLDS_PREVIOUS:
             what = f"not changed: holds its previous weights{version}"
+        elif result.holds == HOLDS_MIXED:
+            what = f"engines differ: {', '.join(result.engine_holds)}"
         elif result.holds == HOLDS_UNVERIFIED:
             what = f"holds weights that differ from {source} in the layers --verify named{version}"
         else:
@@ -221,19 +245,21 @@ def holdings(results: list[ServerResult], source: str) -> list[str]:
 
 
 def server_fingerprints(url: str, api_key: str | None = None, timeout: float = 600.0) -> dict[str, str]:
-    """The extension's fingerprints of a server's weights (rank-qualified when tensor parallel)."""
+    """The extension's fingerprints of a server's weights (qualified by rank, and engine, when there are several)."""
     client = ServerClient(url, api_key=api_key, timeout=timeout)
     try:
-        results = client.collective_rpc("layerwise_fingerprints")
+        engines = client.engines_rpc("layerwise_fingerprints")
     finally:
         client.close()
     out: dict[str, str] = {}
-    for rank, item in enumerate(results):
-        if not isinstance(item, dict) or not item.get("ok"):
-            error = item.get("error") if isinstance(item, dict) else item
-            raise LayerwiseError(f"fingerprints failed on worker {rank}: {error}", where=url)
-        prefix = f"rank{rank}:" if len(results) > 1 else ""
-        out.update({prefix + name: digest for name, digest in item["fingerprints"].items()})
+    for engine, results in enumerate(engines):
+        for rank, item in enumerate(results):
+            where = f"engine {engine} worker {rank}" if len(engines) > 1 else f"worker {rank}"
+            if not isinstance(item, dict) or not item.get("ok"):
+                error = item.get("error") if isinstance(item, dict) else item
+                raise LayerwiseError(f"fingerprints failed on {where}: {error}", where=url)
+            prefix = (f"engine{engine}:" if len(engines) > 1 else "") + (f"rank{rank}:" if len(results) > 1 else "")
+            out.update({prefix + name: digest for name, digest in item["fingerprints"].items()})
     return out
 
 
@@ -247,14 +273,16 @@ def _module_of(key: str) -> str:
     return key.rsplit("#", 1)[0].rstrip(".") if "#" in key else key.rpartition(".")[0]
 
 
-def _reset_prefix_cache(client: ServerClient, result: ServerResult) -> None:
+def _reset_prefix_cache(client: ServerClient) -> list[str]:
+    """Reset the server's prefix cache; the warnings to report if it could not be."""
     # KV blocks computed with the old weights must not serve prompts after the
     # reload; pause (wait/abort) already dropped them, keep and none did not.
     try:
         if not client.reset_prefix_cache():
-            result.warnings.append("the prefix cache could not be reset (blocks still held); cached prompt "
-                                   "prefixes may reuse KV computed with the previous weights")
+            return ["the prefix cache could not be reset (blocks still held); cached prompt "
+                    "prefixes may reuse KV computed with the previous weights"]
     except Exception as exc:  # noqa: BLE001 - a warning, not a failure
-        result.warnings.append(f"the prefix cache could not be reset: {_one_line(str(exc))}")
+        return [f"the prefix cache could not be reset: {_one_line(str(exc))}"]
+    return []
 
 

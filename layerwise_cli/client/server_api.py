@@ -6,8 +6,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from layerwise_cli import ENGINES_RPC_PATH
 from layerwise_cli.errors import LayerwiseError
-from layerwise_cli.report.reload_report import ReloadReport, merge_reports
+from layerwise_cli.report.reload_report import ReloadReport, first_failure, merge_reports
 from layerwise_cli.report.verify_result import VerifyResult, merge_verify
 
 PAUSE_MODES = ("wait", "keep", "abort", "none")
@@ -17,6 +18,7 @@ HOLDS_NEW = "new"  # SOURCE, loaded (and verified, when asked)
 HOLDS_PREVIOUS = "previous"  # the weights it had before: nothing changed, or rolled back
 HOLDS_UNVERIFIED = "unverified"  # loaded, but --verify found layers that differ from SOURCE
 HOLDS_UNKNOWN = "unknown"  # the reload may have changed some layers (timeout, lost connection, fallback failure)
+HOLDS_MIXED = "mixed"  # data-parallel engines differ: some hold SOURCE, others their previous weights
 
 # The longest wait for the small requests (checks, resume, version), whatever --timeout says.
 _SHORT_TIMEOUT_S = 30.0
@@ -46,10 +48,13 @@ class RemoteOptions:
 class _ServerError(LayerwiseError):
     """A failed step on one server; `holds` says what the server holds afterwards."""
 
-    def __init__(self, message: str, *, holds: str = HOLDS_PREVIOUS, rolled_back: bool = False) -> None:
+    def __init__(self, message: str, *, holds: str = HOLDS_PREVIOUS, rolled_back: bool = False,
+                 engines: list[str] | None = None) -> None:
         super().__init__(message)
         self.holds = holds
         self.rolled_back = rolled_back
+        # With several data-parallel engines: what each holds ("engine 0 holds SOURCE", ...).
+        self.engines = engines or []
 
 
 def _one_line(text: str) -> str:
@@ -65,6 +70,10 @@ class ServerClient:
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.reached = False
+        # Whether the server answers per data-parallel engine (None: not asked yet); engines seen, dp size.
+        self.per_engine: bool | None = None
+        self.engines = 1
+        self.dp_size = 1
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # A fresh connection per request: vLLM's server drops a connection after a failed handler (500),
         # and a pooled connection would then fail the next call (the resume, say) with a reset.
@@ -144,16 +153,53 @@ class ServerClient:
             return []
         return self._json(response, method).get("results") or []
 
+    def engines_rpc(self, method: str, kwargs: dict | None = None, *, short: bool = False) -> list[list]:
+        """A worker call answered by every data-parallel engine: one list of worker results per engine.
+
+        Through `layerwise serve`'s `ENGINES_RPC_PATH`; a server without it
+        (plain vLLM) answers through `/collective_rpc`, which returns the
+        first engine's workers only (`per_engine` turns False).
+        """
+        if self.per_engine is not False:
+            response = self._request("POST", ENGINES_RPC_PATH, json={"method": method, "kwargs": kwargs or {}},
+                                     short=short, what=method)
+            if response.status_code != 404:
+                self.per_engine = True
+                if response.status_code >= 400:
+                    raise RpcError(method, response.status_code, _error_text(response))
+                engines = self._json(response, method).get("engines")
+                if not isinstance(engines, list) or not all(isinstance(e, list) for e in engines):
+                    raise _ServerError(f"{method}: {ENGINES_RPC_PATH} answered {_excerpt(response)}, not a list "
+                                       "per engine")
+                return engines
+            self.per_engine = False
+        return [self.collective_rpc(method, kwargs, short=short)]
+
     def ping_extension(self) -> str | None:
-        """None when every worker has layerwise's extension, else why not (one clause)."""
+        """None when every worker has layerwise's extension, else why not (one clause).
+
+        Also learns how many data-parallel engines the server runs (`engines`,
+        `dp_size`) and whether each answers for itself (`per_engine`).
+        """
         try:
-            results = self.collective_rpc("layerwise_ping", short=True)
+            engines = self.engines_rpc("layerwise_ping", short=True)
         except RpcError as exc:
             if "has no attribute 'layerwise_ping'" in exc.detail:
                 return "the server has no layerwise worker extension (its workers have no method layerwise_ping)"
             raise _ServerError(f"layerwise_ping failed inside the server: {exc.detail}") from None
+        results = [r for workers in engines for r in workers]
         if not results or not all(isinstance(r, dict) and r.get("ok") for r in results):
             return f"the server has no layerwise worker extension (layerwise_ping answered {results!r})"
+        self.engines = len(engines)
+        self.dp_size = max(((r.get("position") or {}).get("dp_size", 1) for r in results), default=1)
+        return None
+
+    def engines_warning(self) -> str | None:
+        """Why only some engines are reported, or None."""
+        if self.dp_size > self.engines:
+            return (f"the server runs {self.dp_size} data-parallel engines, but its /collective_rpc answers for the "
+                    "first only (vLLM keeps the first engine's result): the reload reached every engine, and only "
+                    "engine 0 is reported and verified. Start it with `layerwise serve` to report each engine")
         return None
 
     def pause(self, mode: str) -> None:
@@ -182,7 +228,7 @@ class ServerClient:
             # Sent only when set: a server running an older extension still takes the default call.
             kwargs["allow_nonfinite"] = True
         try:
-            results = self.collective_rpc("layerwise_reload", kwargs)
+            engines = self.engines_rpc("layerwise_reload", kwargs)
         except _ServerError as exc:
             # Timed out or lost: the worker may still be streaming into the engine.
             if isinstance(exc, RpcError):
@@ -190,23 +236,10 @@ class ServerClient:
                                    holds=HOLDS_UNKNOWN) from None
             raise _ServerError(f"{exc}; the reload may still be running on the server",
                                holds=HOLDS_UNKNOWN) from None
-        failures = [r for r in results if not (isinstance(r, dict) and r.get("ok"))]
-        if failures or not results:
-            failure = failures[0] if failures else {}
-            error = failure.get("error") if isinstance(failure, dict) else str(failure)
-            touched = any(isinstance(r, dict) and r.get("engine_touched") for r in failures)
-            rolled_back = all(isinstance(r, dict) and r.get("rolled_back") for r in failures if r.get("engine_touched"))
-            if not touched:
-                holds, tail = HOLDS_PREVIOUS, "nothing was changed"
-            elif rolled_back:
-                holds, tail = HOLDS_PREVIOUS, "the server was rolled back to its previous weights"
-            else:
-                holds, tail = HOLDS_UNKNOWN, "some layers may hold the new weights"
-            text = error or "a worker failed without saying why"
-            if "rolled back" not in text:
-                text = f"{text}; {tail}"
-            raise _ServerError(_one_line(text), holds=holds, rolled_back=touched and rolled_back)
-        return merge_reports([ReloadReport.from_dict(r["report"]) for r in results])
+        outcomes = [_engine_outcome(results) for results in engines]
+        if not engines or any(error is not None for error, _, _ in outcomes):
+            raise _engines_failure(outcomes, source)
+        return merge_reports([ReloadReport.from_dict(r["report"]) for results in engines for r in results])
 
     def vllm_reload(self, source: str) -> ReloadReport:
         """vLLM's own `reload_weights(weights_path=SOURCE)`: only its wall time is known."""
@@ -223,14 +256,15 @@ class ServerClient:
         return ReloadReport(order="file", source=source, wall_s=wall, bytes=0, tensors=0, peak_buffer_bytes=0,
                             peak_tensor="", predicted_peak_buffer_bytes=0, largest_layer_bytes=0,
                             mapping="vLLM's own reload_weights",
-                            notes=["per-layer figures are unavailable: the server has no layerwise worker "
+                            notes=("per-layer figures are unavailable: the server has no layerwise worker "
                                    "extension, so vLLM's own reload_weights ran (wall time measured by the client, "
-                                   "HTTP included)"])
+                                   "HTTP included)",))
 
     def verify(self, source: str, revision: str | None) -> VerifyResult:
         start = time.perf_counter()
         try:
-            results = self.collective_rpc("layerwise_verify", {"source": source, "revision": revision})
+            engines = self.engines_rpc("layerwise_verify", {"source": source, "revision": revision})
+            results = [r for workers in engines for r in workers]
         except RpcError as exc:
             raise _ServerError(f"--verify failed inside the server: {exc.detail}", holds=HOLDS_NEW) from None
         except _ServerError as exc:
@@ -239,9 +273,43 @@ class ServerClient:
         if failures or not results:
             error = failures[0].get("error") if failures and isinstance(failures[0], dict) else results
             raise _ServerError(f"--verify could not run: {error}", holds=HOLDS_NEW)
-        verify = merge_verify([r["verify"] for r in results])
-        verify.wall_s = time.perf_counter() - start
-        return verify
+        return merge_verify([r["verify"] for r in results], wall_s=time.perf_counter() - start)
+
+
+def _engine_outcome(results: list) -> tuple[str | None, str, bool]:
+    """One engine's reload: (its error or None, what it holds, whether it was rolled back)."""
+    error = first_failure(results)
+    if error is None:
+        return None, HOLDS_NEW, False
+    failures = [r for r in results if not (isinstance(r, dict) and r.get("ok"))]
+    touched = any(isinstance(r, dict) and r.get("engine_touched") for r in failures)
+    rolled_back = all(isinstance(r, dict) and r.get("rolled_back") for r in failures if r.get("engine_touched"))
+    if not touched:
+        return error, HOLDS_PREVIOUS, False
+    return error, (HOLDS_PREVIOUS if rolled_back else HOLDS_UNKNOWN), rolled_back
+
+
+def _engines_failure(outcomes: list[tuple[str | None, str, bool]], source: str) -> _ServerError:
+    """The server's failure: one engine's error, and what every engine holds when there are several."""
+    if not outcomes:
+        return _ServerError("no engine answered the reload; nothing was changed")
+    failed = [(index, outcome) for index, outcome in enumerate(outcomes) if outcome[0] is not None]
+    index, (error, holds, rolled_back) = failed[0]
+    if len(outcomes) == 1:
+        tails = {HOLDS_PREVIOUS: "the server was rolled back to its previous weights" if rolled_back
+                 else "nothing was changed", HOLDS_UNKNOWN: "some layers may hold the new weights"}
+        text = error if "rolled back" in error else f"{error}; {tails[holds]}"
+        return _ServerError(_one_line(text), holds=holds, rolled_back=rolled_back)
+    what = {HOLDS_NEW: f"holds {source}", HOLDS_UNKNOWN: "may hold some new layers"}
+    engines = [f"engine {i} " + (what.get(h) or ("rolled back to its previous weights" if back else "unchanged"))
+               for i, (_, h, back) in enumerate(outcomes)]
+    states = ", ".join(engines)
+    more = f" ({len(failed) - 1} more engine(s) failed)" if len(failed) > 1 else ""
+    kinds = {h for _, h, _ in outcomes}
+    holds = kinds.pop() if len(kinds) == 1 else HOLDS_MIXED
+    return _ServerError(_one_line(f"data-parallel engine {index} of {len(outcomes)}: {error}{more}; {states}"),
+                        holds=holds, rolled_back=all(back for _, h, back in outcomes if h == HOLDS_PREVIOUS),
+                        engines=engines)
 
 
 class RpcError(_ServerError):

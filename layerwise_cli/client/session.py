@@ -3,25 +3,25 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from layerwise_cli.checkpoint.sources import looks_like_repo_id, open_checkpoint
-from layerwise_cli.client.local import reload
+from layerwise_cli.client.local import reload_workers, verify_engine
 from layerwise_cli.errors import LayerwiseError
-from layerwise_cli.report.reload_report import ReloadReport
+from layerwise_cli.report.reload_report import ReloadReport, merge_reports
 
 
 def download_source(repo_id: str, revision: str | None, quiet: bool) -> Path:
-    """Download a Hub repo's weights and config (no other files), with huggingface_hub's progress bar."""
-    from huggingface_hub import snapshot_download
-
+    """Download a Hub repo's checkpoint files (`CHECKPOINT_PATTERNS`), with huggingface_hub's progress bar."""
+    from layerwise_cli.checkpoint.hub import download_checkpoint
     from layerwise_cli.errors import describe_exception
 
     if quiet:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
-        return Path(snapshot_download(repo_id, revision=revision,
-                                      allow_patterns=["*.safetensors", "*.json", "tokenizer*", "*.model", "*.txt"]))
+        return download_checkpoint(repo_id, revision)
     except Exception as exc:
         raise describe_exception(exc, where=repo_id) from exc
 
@@ -56,19 +56,48 @@ def prepare_sources(source: str, base: str | None, revision: str | None, quiet: 
         from layerwise_cli.planning.parents import mapping_for_config
         from layerwise_cli.planning.reference import check_against_reference
 
-        checkpoint.source = source
+        # Errors name the source as the user gave it, not the download folder.
+        named = replace(checkpoint, source=source)
         mapping = mapping_for_config(checkpoint.config or base_checkpoint.config, "auto")
-        check_against_reference(checkpoint, base_checkpoint, mapping, allow_partial=allow_partial)
+        check_against_reference(named, base_checkpoint, mapping, allow_partial=allow_partial)
         base = base_local
     return local, base
 
 
-def reload_with_progress_path(llm, source: str, order: str, allow_partial: bool, readahead: bool,
-                              progress_path: str | None, allow_nonfinite: bool = False) -> ReloadReport:
-    """`reload`, reporting per-layer progress into `progress_path`."""
+def reload_as(llm, local_source: str, shown_as: str, *, order: str = "layer", allow_partial: bool = False,
+              readahead: bool = True, allow_nonfinite: bool = False, progress_path: str | None = None,
+              verify: bool = False, on_verify: Callable[[], None] | None = None) -> ReloadReport:
+    """Reload LOCAL_SOURCE into the engine and build the report once, under the name the user gave.
+
+    The command downloads a Hub repo first (with a progress bar) and hands the
+    workers the local folder; the report names the source as the user named it.
+
+    Args:
+        llm: the engine (built with layerwise's worker extension).
+        local_source: the checkpoint as the workers read it (a local path).
+        shown_as: the source as the user named it (a path or Hub repo id), for the report.
+        order, allow_partial, readahead, allow_nonfinite: as for `layerwise_cli.reload`.
+        progress_path: a file the first worker appends per-layer progress to; removed afterwards.
+        verify: check the engine against LOCAL_SOURCE after the reload; the report
+            carries the result, passed or not (the caller decides what a failure means).
+        on_verify: called just before the verification starts (for a status line).
+
+    Returns:
+        The merged report of all workers, with `verify` when asked.
+
+    Raises:
+        LayerwiseError: the reload failed, or the verification could not run.
+    """
     try:
-        return reload(llm, source, order=order, allow_partial=allow_partial, readahead=readahead,
-                      progress_path=progress_path, allow_nonfinite=allow_nonfinite)
+        per_worker = reload_workers(llm, local_source, order=order, allow_partial=allow_partial,
+                                    readahead=readahead, progress_path=progress_path,
+                                    allow_nonfinite=allow_nonfinite)
     finally:
         if progress_path:
             Path(progress_path).unlink(missing_ok=True)
+    verification = None
+    if verify:
+        if on_verify is not None:
+            on_verify()
+        verification = verify_engine(llm, local_source, None)
+    return merge_reports(per_worker, source=shown_as, verify=verification)

@@ -34,7 +34,22 @@ _ONCE_TRIES = 3
 
 @dataclass(frozen=True)
 class WatchOptions:
-    """How `watch` finds steps and reloads them (the `layerwise watch` options)."""
+    """How `watch` finds steps and reloads them (the `layerwise watch` options).
+
+    Attributes:
+        patterns: glob patterns of step directory names under the root.
+        marker: a file whose presence marks a step complete, or `auto` (every
+            shard complete and nothing changed for `settle` seconds).
+        interval: seconds between polls of the root.
+        settle: seconds a step must stay unchanged before `auto` calls it complete.
+        keep: delete steps older than the newest `keep` once every server holds
+            the newest; None never deletes.
+        once: bring every server to the newest complete step, then stop.
+        pause_mode: how servers pause during a reload (`wait`, `keep`, `abort`).
+        api_key: the servers' API key.
+        verify: verify each server against the step after reloading it.
+        timeout: seconds allowed for one server's reload.
+    """
 
     patterns: tuple[str, ...] = DEFAULT_PATTERNS
     # A file whose presence marks a step complete, or "auto" (files complete and unchanged for `settle` s).

@@ -23,11 +23,19 @@ EVENT_KINDS = (STEP_SEEN, STEP_COMPLETE, STEP_SKIPPED, STEP_DELETED, SERVER_SEEN
 class WatchEvent:
     """One thing that happened while watching a run.
 
-    `time` is wall-clock (Unix seconds). `step` is a step directory's name,
-    `server` a server URL (or `engine` for an in-process engine). For reloads,
-    `wall_s`, `peak_bytes` and `paused_s` come from the server's report, and
-    `report` holds the full per-server result (written by `--log`, left out of
-    `--json`).
+    Attributes:
+        kind: one of `EVENT_KINDS` (step_seen, step_complete, reload_started, ...).
+        time: wall-clock time, Unix seconds.
+        step: a step directory's name.
+        server: a server URL, or `engine` for an in-process engine.
+        message: a one-line explanation (why a step was skipped, a reload failed, ...).
+        version: the weight version the server holds after the event
+            (reloads, server_seen, server_back).
+        wall_s: for reloads, the reload's wall time from the server's report.
+        peak_bytes: for reloads, the peak buffered bytes from the server's report.
+        paused_s: for reloads, how long the server was paused.
+        by: for step_deleted, `watch` (--keep) or `other` (the trainer, a person).
+        report: the full per-server result (written by `--log`, left out of `--json`).
     """
 
     kind: str

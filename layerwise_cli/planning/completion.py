@@ -183,10 +183,10 @@ def held_layers(groups: Mapping[str, list[TensorEntry]], order_keys: Mapping[str
 def _expert_count(config: Mapping | None) -> int | None:
     if not isinstance(config, Mapping):
         return None
-    for source in (config, config.get("text_config")):
-        if isinstance(source, Mapping):
+    for section in (config, config.get("text_config")):
+        if isinstance(section, Mapping):
             for key in _EXPERT_COUNT_KEYS:
-                value = source.get(key)
+                value = section.get(key)
                 if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                     return value
     return None

@@ -2,20 +2,40 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from layerwise_cli.checkpoint.digests import FORMAT, METADATA_KEY, header_digests, layer_digest
 from layerwise_cli.checkpoint.sources import open_checkpoint
 from layerwise_cli.planning.parents import mapping_for_config
 from layerwise_cli.planning.plan import BufferSimulation, Plan, build_plan
 
 
-@dataclass
+@dataclass(frozen=True)
 class OrderReport:
-    """A plan and what each order would buffer."""
+    """A plan and what each order would buffer (the JSON's `file_order` and `layer_order`)."""
 
     plan: Plan
-    file_order: BufferSimulation
-    layer_order: BufferSimulation
+    # What vLLM's own read order (`Plan.file_order`) buffers.
+    file_order_buffering: BufferSimulation
+    # What layer order (`Plan.layer_order`) buffers.
+    layer_order_buffering: BufferSimulation
+    # Tensor digests from the shard headers' `layerwise.digests` (only shards that carry them).
+    tensor_digests: dict[str, str] = field(default_factory=dict)
+    digest_shards: int = 0
+
+    def layer_digests(self) -> dict[str, str]:
+        """Parent layer -> digest, for the layers whose every tensor has a header digest."""
+        groups: dict[str, dict[str, str]] = {}
+        missing: set[str] = set()
+        for item in self.plan.layer_order:
+            if item.parent is None:
+                continue
+            digest = self.tensor_digests.get(item.entry.name)
+            if digest is None:
+                missing.add(item.parent)
+            else:
+                groups.setdefault(item.parent, {})[item.entry.name] = digest
+        return {name: layer_digest(group) for name, group in groups.items() if name not in missing}
 
     def layers_worst_first(self) -> list:
         return sorted(self.plan.layers, key=lambda layer: (-layer.file_order_held_bytes, -layer.bytes, layer.name))
@@ -28,6 +48,7 @@ class OrderReport:
             layers = layers[:top]
         largest = plan.largest_layer_bytes
         sizes = {layer.name: layer.bytes for layer in plan.layers}
+        digests = self.layer_digests()
         return {
             "source": plan.checkpoint.source,
             "revision": plan.checkpoint.revision,
@@ -51,10 +72,16 @@ class OrderReport:
             "held_to_end_bytes": plan.held_bytes(),
             "skipped_tensors": [t.name for t in plan.skipped],
             "held_to_end_reason": plan.held_summary(),
-            "file_order": {**_simulation_dict(self.file_order, largest),
-                           "above_largest_layer_because": plan.excess_reason(self.file_order)},
-            "layer_order": {**_simulation_dict(self.layer_order, largest),
+            "file_order": {**_simulation_dict(self.file_order_buffering, largest),
+                           "above_largest_layer_because": plan.excess_reason(self.file_order_buffering)},
+            "layer_order": {**_simulation_dict(self.layer_order_buffering, largest),
                             "above_largest_layer_because": self.layer_order_excess_reason()},
+            "header_digests": {
+                "key": METADATA_KEY,
+                "format": FORMAT,
+                "shards_with_digests": self.digest_shards,
+                "tensors": dict(self.tensor_digests),
+            },
             "layers": [
                 {
                     "name": layer.name,
@@ -63,6 +90,7 @@ class OrderReport:
                     "shards": layer.shards,
                     "file_order_held_bytes": layer.file_order_held_bytes,
                     "held_to_end": layer.held_to_end,
+                    "digest": digests.get(layer.name),
                 }
                 for layer in layers
             ],
@@ -71,7 +99,7 @@ class OrderReport:
 
     def layer_order_excess_reason(self) -> str | None:
         """Why layer order buffers more than the largest layer (None when it does not)."""
-        return self.plan.excess_reason(self.layer_order)
+        return self.plan.excess_reason(self.layer_order_buffering)
 
 
 def _simulation_dict(sim: BufferSimulation, largest: int) -> dict:
@@ -97,8 +125,26 @@ def inspect_order(source: str, revision: str | None = None, mapping: str = "auto
             the highest rank's (a padded vocabulary is held on some ranks only).
 
     Returns:
-        The plan and both simulations.
+        The plan, both simulations, and the tensor digests the shard headers
+        carry (`layerwise.digests`, see `checkpoint.digests`).
+
+    Raises:
+        LayerwiseError: the source is missing, a header is invalid, or the
+            mapping asked for cannot be used.
     """
     checkpoint = open_checkpoint(source, revision)
     plan = build_plan(checkpoint, mapping_for_config(checkpoint.config, mapping), tensor_parallel_size)
-    return OrderReport(plan, plan.simulate("file"), plan.simulate("layer"))
+    tensor_digests: dict[str, str] = {}
+    digest_shards = 0
+    for shard in checkpoint.shards:
+        found = header_digests(shard, where=_shard_where(checkpoint, shard.name))
+        if found is not None:
+            digest_shards += 1
+            tensor_digests.update(found)
+    return OrderReport(plan, plan.simulate("file"), plan.simulate("layer"), tensor_digests, digest_shards)
+
+
+def _shard_where(checkpoint, name: str) -> str:
+    if checkpoint.local_dir is not None:
+        return str(checkpoint.local_dir / name)
+    return f"{checkpoint.source}/{name}"

@@ -20,7 +20,7 @@ class PlannedTensor:
     parent: str | None
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParentLayerStats:
     """One parent layer of the plan."""
 
@@ -35,7 +35,7 @@ class ParentLayerStats:
     held_to_end: str | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class BufferSimulation:
     """What the layerwise reload buffers when tensors arrive in a given order."""
 
@@ -50,7 +50,7 @@ class BufferSimulation:
     rank: int | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
     """The tensors of a checkpoint in file order and in layer order."""
 
@@ -117,7 +117,7 @@ class Plan:
         return max(runs, key=lambda sim: sim.peak_buffer_bytes)
 
 
-def file_order(checkpoint: Checkpoint) -> list[TensorEntry]:
+def vllm_read_order(checkpoint: Checkpoint) -> list[TensorEntry]:
     """The order vLLM's default safetensors loader reads tensors in.
 
     Shards in natural sort order; inside a shard, the order
@@ -146,7 +146,7 @@ def build_plan(checkpoint: Checkpoint, mapping: LayerMapping, tensor_parallel_si
     Returns:
         The plan, with per-layer statistics in model order.
     """
-    ordered = file_order(checkpoint)
+    ordered = vllm_read_order(checkpoint)
     planned: list[PlannedTensor] = []
     skipped: list[TensorEntry] = []
     groups: dict[str, list[PlannedTensor]] = {}

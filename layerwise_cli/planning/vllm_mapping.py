@@ -59,9 +59,9 @@ def fusions_from_vllm(architecture: str, *, required: bool) -> tuple[dict[str, s
         for part in parts:
             packed[part] = fused
     mapper = getattr(model_cls, "hf_to_vllm_mapper", None)
-    for source, (target, _shard) in (getattr(mapper, "orig_to_new_stacked", None) or {}).items():
+    for original, (target, _shard) in (getattr(mapper, "orig_to_new_stacked", None) or {}).items():
         # ".mlp.gate_proj" -> ".mlp.gate_up_proj": the module names are the last parts.
-        packed[source.rsplit(".", 1)[-1]] = target.rsplit(".", 1)[-1]
+        packed[original.rsplit(".", 1)[-1]] = target.rsplit(".", 1)[-1]
     return packed, _is_moe(model_cls)
 
 

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
+from layerwise_cli.report.jsonable import jsonable
 from layerwise_cli.report.verify_result import VerifyResult
 
 
-@dataclass
+@dataclass(frozen=True)
 class LayerReport:
-    """One parent layer as the engine took it."""
+    """One parent layer as the engine took it (see the comments on each field)."""
 
     name: str
     tensors: int
@@ -33,9 +34,96 @@ class LayerReport:
         return self.load_s + self.process_s
 
 
-@dataclass
+@dataclass(frozen=True)
+class RankSummary:
+    """One worker of a merged report: where it sits and what it read and buffered.
+
+    Attributes:
+        rank: the worker's global rank (None outside tensor or pipeline parallel).
+        pp_rank, tp_rank, dp_rank: its pipeline stage, tensor-parallel rank and data-parallel engine.
+        layers: the parent layers it held and loaded, in load order.
+        bytes, tensors: what it streamed.
+        disk_read_bytes: bytes its process read from storage (None: not measurable).
+        peak_buffer_bytes, predicted_peak_buffer_bytes: its measured and predicted buffer peak.
+        wall_s: its reload's wall time.
+        elsewhere_tensors: tensors of the source that other ranks hold (not read here).
+    """
+
+    rank: int | None
+    pp_rank: int
+    tp_rank: int
+    dp_rank: int
+    # The parent layers this rank held and loaded, in the order it loaded them.
+    layers: tuple[str, ...]
+    bytes: int
+    tensors: int
+    # Bytes this rank's process caused to be read from storage during the reload (None: not measurable;
+    # page-cache hits do not count).
+    disk_read_bytes: int | None
+    peak_buffer_bytes: int
+    predicted_peak_buffer_bytes: int
+    wall_s: float
+    # Tensors of the source other ranks hold (another pipeline stage, other experts): not read here.
+    elsewhere_tensors: int = 0
+
+    @classmethod
+    def of(cls, report: ReloadReport) -> RankSummary:
+        position = report.position or {}
+        return cls(rank=report.rank, pp_rank=position.get("pp_rank", 0), tp_rank=position.get("tp_rank", 0),
+                   dp_rank=position.get("dp_rank", 0), layers=tuple(layer.name for layer in report.layers),
+                   bytes=report.bytes, tensors=report.tensors, disk_read_bytes=report.disk_read_bytes,
+                   peak_buffer_bytes=report.peak_buffer_bytes,
+                   predicted_peak_buffer_bytes=report.predicted_peak_buffer_bytes, wall_s=report.wall_s,
+                   elsewhere_tensors=report.elsewhere_tensors)
+
+    def label(self) -> str:
+        """`rank 1 (pp 1, tp 0, dp 0)`."""
+        return f"rank {self.rank} (pp {self.pp_rank}, tp {self.tp_rank}, dp {self.dp_rank})"
+
+
+@dataclass(frozen=True)
 class ReloadReport:
-    """One worker's reload (or several merged)."""
+    """What a reload did: one worker's report, or the workers' reports merged; built once, never changed.
+
+    Merged across tensor-parallel workers, per-worker figures are maxima (each
+    worker streams the whole checkpoint). Lists given for `layers`,
+    `unexpected` and `notes` are stored as tuples; `to_dict` gives lists.
+
+    Attributes:
+        order: `layer` or `file`, the order the tensors were handed over in.
+        source: the checkpoint, as the user named it.
+        wall_s: seconds from the first tensor handed over to the end of vLLM's processing.
+        bytes: bytes of the tensors the engine loaded.
+        tensors: tensors streamed.
+        peak_buffer_bytes: the most bytes vLLM's layer buffers held at once, measured.
+        peak_tensor: the tensor being handed over at that peak.
+        predicted_peak_buffer_bytes: the plan's prediction of that peak.
+        largest_layer_bytes: bytes of the largest parent layer (the least any order can buffer).
+        readahead_peak_bytes: the most bytes read ahead but not yet handed over.
+        layers: one `LayerReport` per parent layer, in the order the stream reached them.
+        workers: workers merged into this report.
+        rank: the worker's rank (None once merged, or outside tensor parallel).
+        unexpected: tensors whose buffering differed from the plan (parent not where expected).
+        mapping: how tensors were mapped to parent layers (`LayerMapping.description`).
+        device: where the engine holds its weights (`cpu`, `cuda:0`).
+        finalize_s: seconds vLLM spent after the last tensor (layers it processes only then).
+        notes: things the user should know (repairs made after vLLM's reload, missing reference).
+        verify: with `--verify` / `reload(..., verify=True)`, the engine checked
+            against SOURCE after the reload; None otherwise.
+        held_to_end_bytes: bytes of the layers the plan expected vLLM to hold to the end of the stream.
+        above_largest_layer_because: why the predicted peak is above the largest layer (None when it is not).
+        position: one worker's place: rank, tp/pp/dp rank and size (empty in a merged report: see `ranks`).
+        elsewhere_tensors: tensors of the source that other ranks hold (another pipeline stage, other
+            experts), not read by this worker.
+        elsewhere_bytes: their bytes.
+        disk_read_bytes: bytes read from storage by the worker's process during the reload (None: not
+            measurable; page-cache hits do not count).
+        ranks: in a merged report, every worker (`RankSummary`), in (dp, pp, tp) order.
+        engines: data-parallel engines merged into this report.
+        gb_per_s: `bytes` over `wall_s`, in GB/s (a property).
+        peak_over_largest: `peak_buffer_bytes` over `largest_layer_bytes` (a property).
+        matches_prediction: whether the measured peak equals the predicted one (a property).
+    """
 
     order: str
     source: str
@@ -47,37 +135,50 @@ class ReloadReport:
     predicted_peak_buffer_bytes: int
     largest_layer_bytes: int
     readahead_peak_bytes: int = 0
-    layers: list[LayerReport] = field(default_factory=list)
+    layers: tuple[LayerReport, ...] = ()
     workers: int = 1
     rank: int | None = None
-    # Tensors whose buffering differed from the plan (parent not where expected).
-    unexpected: list[str] = field(default_factory=list)
+    unexpected: tuple[str, ...] = ()
     mapping: str = ""
     device: str = "cpu"
     finalize_s: float = 0.0
-    notes: list[str] = field(default_factory=list)
-    # `--verify` / `reload(..., verify=True)`: the engine checked against SOURCE after the reload.
+    notes: tuple[str, ...] = ()
     verify: VerifyResult | None = None
-    # Bytes of the layers the plan expected vLLM to hold to the end of the stream.
     held_to_end_bytes: int = 0
-    # Why the predicted peak is above the largest layer (None when it is not).
     above_largest_layer_because: str | None = None
+    # One worker's place: rank, tp/pp/dp rank and size (empty in a merged report: see `ranks`).
+    position: dict = field(default_factory=dict)
+    # Tensors (and their bytes) of the source that other ranks hold: not read by this worker.
+    elsewhere_tensors: int = 0
+    elsewhere_bytes: int = 0
+    # Bytes read from storage by the worker's process during the reload (None: not measurable).
+    disk_read_bytes: int | None = None
+    # A merged report: every worker, in (dp, pp, tp) order; the data-parallel engines merged.
+    ranks: list[RankSummary] = field(default_factory=list)
+    engines: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "unexpected", "notes", "ranks"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @property
     def gb_per_s(self) -> float:
+        """Bytes loaded per second of wall time, in GB/s."""
         return self.bytes / self.wall_s / 1e9 if self.wall_s > 0 else 0.0
 
     @property
     def peak_over_largest(self) -> float:
+        """The measured peak as a multiple of the largest layer (1.0 is the least possible)."""
         return self.peak_buffer_bytes / self.largest_layer_bytes if self.largest_layer_bytes else 0.0
 
     @property
     def matches_prediction(self) -> bool:
+        """Whether the measured peak equals the plan's prediction, byte for byte."""
         return self.peak_buffer_bytes == self.predicted_peak_buffer_bytes
 
     def to_dict(self) -> dict:
-        """JSON-ready: bytes as integers, seconds as floats."""
-        data = asdict(self)
+        """JSON-ready: bytes as integers, seconds as floats, lists for sequences."""
+        data = jsonable(asdict(self))
         data["gb_per_s"] = self.gb_per_s
         data["peak_over_largest_layer"] = self.peak_over_largest
         data["matches_prediction"] = self.matches_prediction
@@ -85,30 +186,57 @@ class ReloadReport:
 
     @classmethod
     def from_dict(cls, data: dict) -> ReloadReport:
+        """The report `to_dict` wrote (keys it does not know are ignored)."""
         fields = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         fields["layers"] = [LayerReport(**layer) for layer in data.get("layers", [])]
         if data.get("verify") is not None:
             fields["verify"] = VerifyResult.from_dict(data["verify"])
+        fields["ranks"] = [RankSummary(**{**rank, "layers": tuple(rank["layers"])}) for rank in data.get("ranks", [])]
         return cls(**fields)
 
 
-def merge_reports(reports: list[ReloadReport]) -> ReloadReport:
-    """Merge the reports of tensor-parallel workers into one.
+def merge_reports(reports: list[ReloadReport], *, source: str | None = None,
+                  verify: VerifyResult | None = None) -> ReloadReport:
+    """Merge the reports of an engine's workers (and of a server's data-parallel engines) into one.
 
-    Every worker streams the whole checkpoint and buffers in its own memory,
-    so per-worker figures are maxima across workers, not sums.
+    Tensor-parallel workers each stream their stage's tensors and buffer in
+    their own memory, so per-worker figures are maxima across workers, not
+    sums. Pipeline stages hold different layers: the merged report lists each
+    layer once (its figures the maxima over the ranks that hold it), and
+    `bytes`/`tensors` add up the stages of one engine. `ranks` lists every
+    worker: its rank, pp/tp/dp rank, the layers it held and what it read.
+
+    Args:
+        reports: one report per worker (at least one).
+        source: the source as the user named it, when the workers read it
+            under another name (a Hub repo id downloaded to a local folder);
+            None keeps the workers' `source`.
+        verify: the verification of the engine after the reload, if any.
+
+    Returns:
+        The merged report.
+
+    Raises:
+        ValueError: no reports.
     """
     if not reports:
         raise ValueError("no worker reports to merge")
+    ordered = sorted(reports, key=_rank_key)
+    ranks = [RankSummary.of(r) for r in ordered]
     if len(reports) == 1:
-        return reports[0]
-    first = reports[0]
-    worst = max(reports, key=lambda r: r.peak_buffer_bytes)
+        only = reports[0]
+        return replace(only, ranks=ranks, source=only.source if source is None else source, verify=verify)
+    first = ordered[0]
+    worst = max(ordered, key=lambda r: r.peak_buffer_bytes)
+    by_name: dict[str, list[LayerReport]] = {}
+    for report in ordered:
+        for layer in report.layers:
+            by_name.setdefault(layer.name, []).append(layer)
     layers = []
-    for per_worker in zip(*(r.layers for r in reports)):
+    for name, per_worker in by_name.items():
         base = per_worker[0]
         layers.append(LayerReport(
-            name=base.name,
+            name=name,
             tensors=base.tensors,
             bytes=base.bytes,
             load_s=max(layer.load_s for layer in per_worker),
@@ -118,25 +246,63 @@ def merge_reports(reports: list[ReloadReport]) -> ReloadReport:
             held_to_end=next((layer.held_to_end for layer in per_worker if layer.held_to_end), None),
         ))
     # Ranks may hold different layers to the end (vocabulary padding falls on the last ranks).
-    predicted = max(reports, key=lambda r: r.predicted_peak_buffer_bytes)
+    predicted = max(ordered, key=lambda r: r.predicted_peak_buffer_bytes)
+    # One engine's stages each stream their own part: add the stages up (the first engine; DP engines match).
+    stages: dict[int, ReloadReport] = {}
+    for report in ordered:
+        if (report.position or {}).get("dp_rank", 0) == (first.position or {}).get("dp_rank", 0):
+            stages.setdefault((report.position or {}).get("pp_rank", 0), report)
     return ReloadReport(
         order=first.order,
-        source=first.source,
-        wall_s=max(r.wall_s for r in reports),
-        bytes=first.bytes,
-        tensors=first.tensors,
+        source=first.source if source is None else source,
+        wall_s=max(r.wall_s for r in ordered),
+        bytes=sum(r.bytes for r in stages.values()),
+        tensors=sum(r.tensors for r in stages.values()),
         peak_buffer_bytes=worst.peak_buffer_bytes,
         peak_tensor=worst.peak_tensor,
         predicted_peak_buffer_bytes=predicted.predicted_peak_buffer_bytes,
-        largest_layer_bytes=first.largest_layer_bytes,
-        readahead_peak_bytes=max(r.readahead_peak_bytes for r in reports),
+        largest_layer_bytes=max(r.largest_layer_bytes for r in ordered),
+        readahead_peak_bytes=max(r.readahead_peak_bytes for r in ordered),
         layers=layers,
-        workers=len(reports),
-        unexpected=sorted({name for r in reports for name in r.unexpected}),
+        workers=len(ordered),
+        unexpected=sorted({name for r in ordered for name in r.unexpected}),
         mapping=first.mapping,
         device=first.device,
-        finalize_s=max(r.finalize_s for r in reports),
-        notes=sorted({note for r in reports for note in r.notes}),
-        held_to_end_bytes=max(r.held_to_end_bytes for r in reports),
+        finalize_s=max(r.finalize_s for r in ordered),
+        notes=sorted({note for r in ordered for note in r.notes}),
+        held_to_end_bytes=max(r.held_to_end_bytes for r in ordered),
         above_largest_layer_because=predicted.above_largest_layer_because,
+        verify=verify,
+        ranks=ranks,
+        engines=len({rank.dp_rank for rank in ranks}),
     )
+
+
+def _rank_key(report: ReloadReport) -> tuple[int, int, int, int]:
+    position = report.position or {}
+    return (position.get("dp_rank", 0), position.get("pp_rank", 0), position.get("tp_rank", 0),
+            report.rank if report.rank is not None else 0)
+
+
+def first_failure(results: list) -> str | None:
+    """The error of the worker that failed first-hand (not one that only followed another rank), or None.
+
+    Named by its place when the engine has several ranks: `rank 1 (pp 1, tp 0, dp 0): ...`.
+    """
+    failures = [r for r in results if not (isinstance(r, dict) and r.get("ok"))]
+    if not failures and results:
+        return None
+    if not failures:
+        return "no workers answered"
+    own = [r for r in failures if isinstance(r, dict) and not r.get("followed_another_rank")]
+    failure = (own or failures)[0]
+    if not isinstance(failure, dict):
+        return str(failure)
+    error = failure.get("error") or "a worker failed without saying why"
+    position = failure.get("position") or {}
+    several = len(results) > 1 or position.get("dp_size", 1) > 1
+    if several and position:
+        where = (f"rank {position.get('rank')} (pp {position.get('pp_rank', 0)}, tp {position.get('tp_rank', 0)}, "
+                 f"dp {position.get('dp_rank', 0)})")
+        return f"{where}: {error}"
+    return error

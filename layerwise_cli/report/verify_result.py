@@ -2,45 +2,77 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+
+from layerwise_cli.report.jsonable import jsonable
 
 
-@dataclass
+@dataclass(frozen=True)
 class VerifyResult:
-    """`--verify` on one engine or server (merged across its workers)."""
+    """`--verify` on one engine or server, merged across its workers; built once, never changed.
+
+    Each parent layer of SOURCE is loaded afresh into a private copy of the
+    engine's layer and compared with the live layer, bit for bit.
+
+    Attributes:
+        ok: every checked layer matches, none failed to load, and at least one was checked.
+        checked: layers compared (modules derived from a layer included).
+        matched: layers that match on every worker.
+        tensors_compared: stored tensors compared, over all workers.
+        kernels_compared: kernel read-backs compared (weights held only inside a kernel), over all workers.
+        mismatched: the layers that differ, in stream order (a tuple).
+        skipped: layers not compared by design (partial source, attention) -> why.
+        errors: layers that could not be loaded alone -> why (these fail `ok`: nothing was proven).
+        details: mismatched layer -> what differs.
+        derived: modules not in SOURCE checked through the layer they share storage
+            with (a tied head: `{"lm_head": "model.embed_tokens"}`); counted in `checked`.
+        wall_s: seconds the check took, seen from the caller (a server stays paused meanwhile).
+    """
 
     ok: bool
     checked: int
     matched: int
     tensors_compared: int
     kernels_compared: int
-    mismatched: list[str] = field(default_factory=list)
-    # Layers not compared: by design (partial source, attention) ...
+    mismatched: tuple[str, ...] = ()
     skipped: dict[str, str] = field(default_factory=dict)
-    # ... or because loading the layer alone failed (these fail --verify: nothing was proven).
     errors: dict[str, str] = field(default_factory=dict)
     details: dict[str, str] = field(default_factory=dict)
-    # Modules not in SOURCE checked through the layer they share storage with (a tied
-    # head: {"lm_head": "model.embed_tokens"}); counted in `checked`.
     derived: dict[str, str] = field(default_factory=dict)
-    # Seconds the check took, seen from the caller (a server stays paused meanwhile).
     wall_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mismatched", tuple(self.mismatched))
+
+    def to_dict(self) -> dict:
+        """JSON-ready: counts as integers, seconds as floats, lists for sequences."""
+        return jsonable(asdict(self))
 
     @classmethod
     def from_dict(cls, data: dict) -> VerifyResult:
+        """The result `to_dict` wrote (keys it does not know are ignored)."""
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
 
-def merge_verify(per_worker: list[dict]) -> VerifyResult:
-    """Merge the workers' verify results: a layer matches only if it matches on every worker."""
+def merge_verify(per_worker: list[dict], wall_s: float = 0.0) -> VerifyResult:
+    """Merge the workers' verify results: a layer matches only if it matches on every worker
+    that holds it.
+
+    Args:
+        per_worker: each worker's `layerwise_verify` answer (`verify_against_source`'s dict).
+        wall_s: seconds the check took, seen from the caller.
+
+    Returns:
+        The merged result.
+    """
     mismatched: list[str] = []
     skipped: dict[str, str] = {}
     errors: dict[str, str] = {}
     details: dict[str, str] = {}
     derived: dict[str, str] = {}
-    for rank, worker in enumerate(per_worker):
+    for rank, answer in enumerate(per_worker):
         suffix = f" (worker {rank})" if len(per_worker) > 1 else ""
-        for layer in worker["layers"]:
+        for layer in answer["layers"]:
             if layer.get("derived_from") and layer["status"] in ("match", "mismatch"):
                 derived[layer["name"]] = layer["derived_from"]
             if layer["status"] == "mismatch":
@@ -51,8 +83,9 @@ def merge_verify(per_worker: list[dict]) -> VerifyResult:
                 skipped[layer["name"]] = layer["detail"]
             elif layer["status"] == "error":
                 errors[layer["name"]] = layer["detail"] + suffix
-    first = per_worker[0]
-    checked = first["checked"]
+    # Pipeline stages check different layers: a layer counts once, whichever ranks checked it.
+    checked = len({layer["name"] for worker in per_worker for layer in worker["layers"]
+                   if layer["status"] in ("match", "mismatch")})
     return VerifyResult(
         ok=not mismatched and not errors and checked > 0,
         checked=checked,
@@ -64,6 +97,7 @@ def merge_verify(per_worker: list[dict]) -> VerifyResult:
         errors=errors,
         details=details,
         derived=derived,
+        wall_s=wall_s,
     )
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import sys
 
-from layerwise_cli.server.plan import OPEN_PATHS
+from layerwise_cli.server.command_line import OPEN_PATHS
+from layerwise_cli.server.engines_rpc import attach_engines_rpc
 
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -43,6 +44,7 @@ def launch_vllm_server(args: list[str]) -> None:
     import runpy
 
     _guard_every_endpoint()
+    attach_engines_rpc()
     sys.argv = [VLLM_SERVER_MODULE, *args]
     runpy.run_module(VLLM_SERVER_MODULE, run_name="__main__", alter_sys=True)
 

@@ -7,6 +7,7 @@ import traceback
 from layerwise_cli import EXTENSION_CLS  # noqa: F401 - re-exported for the engine side
 from layerwise_cli.errors import LayerwiseError, describe_exception
 from layerwise_cli.vllm_logs import silence_rotary_reload_warning
+from layerwise_cli.worker.consensus import PeerFailed, all_ranks_agree
 from layerwise_cli.worker.fingerprints import model_fingerprints
 from layerwise_cli.worker.verify import verify_against_source
 
@@ -26,10 +27,12 @@ class LayerwiseWorkerExtension:
     """
 
     def layerwise_ping(self) -> dict:
-        """Prove the extension is loaded; report its version and this worker's rank."""
+        """Prove the extension is loaded; report its version and this worker's rank and place (tp/pp/dp)."""
         from layerwise_cli import __version__
+        from layerwise_cli.worker.rank_plan import rank_position
 
-        return {"ok": True, "version": __version__, "rank": getattr(self, "rank", None)}
+        return {"ok": True, "version": __version__, "rank": getattr(self, "rank", None),
+                "position": rank_position(self).to_dict()}
 
     def layerwise_reload(self, source: str, order: str = "layer", allow_partial: bool = False,
                          readahead: bool = True, revision: str | None = None,
@@ -39,19 +42,31 @@ class LayerwiseWorkerExtension:
         A parent layer holding NaN or Inf is refused before it is handed over
         (and the layers already loaded are rolled back) unless `allow_nonfinite`.
         """
+        from layerwise_cli.worker.rank_plan import rank_position
         from layerwise_cli.worker.reload import stream_reload
 
         touched = {"engine": False}
         try:
-            report = _with_rollback(self, touched, lambda: stream_reload(
-                self, source, order=order, allow_partial=allow_partial, readahead=readahead,
-                revision=revision, progress_path=progress_path, allow_nonfinite=allow_nonfinite,
-                on_engine_touched=lambda: touched.update(engine=True)))
+            try:
+                report = stream_reload(
+                    self, source, order=order, allow_partial=allow_partial, readahead=readahead,
+                    revision=revision, progress_path=progress_path, allow_nonfinite=allow_nonfinite,
+                    on_engine_touched=lambda: touched.update(engine=True), agree=all_ranks_agree)
+                failure = None
+            except Exception as exc:  # noqa: BLE001 - raised below, after the ranks agreed what to do
+                failure = exc
+            # Every rank touched its weights (they agreed to); all keep the new ones, or all roll back.
+            if touched["engine"] and not all_ranks_agree(failure is None):
+                _roll_back(self, touched, failure or PeerFailed(
+                    "another rank of this engine failed during the reload"))
+            if failure is not None:
+                raise failure
         except Exception as exc:  # noqa: BLE001 - every failure becomes one line for the caller
             error = describe_exception(exc)
             return {"ok": False, "error": str(error), "engine_touched": touched["engine"],
-                    "rolled_back": touched.get("rolled_back", False),
-                    "traceback": traceback.format_exc()}
+                    "rolled_back": touched.get("rolled_back", False), "followed_another_rank":
+                    isinstance(exc, PeerFailed),
+                    "position": rank_position(self).to_dict(), "traceback": traceback.format_exc()}
         self._layerwise_loaded_from = (source, revision)
         return {"ok": True, "report": report.to_dict()}
 
@@ -111,20 +126,16 @@ def _engine_context(worker):
     return set_current_vllm_config(config)
 
 
-def _with_rollback(worker, touched: dict, run):
-    """Run a reload; if it fails after touching the engine, reload what it had before."""
-    try:
-        return run()
-    except Exception as exc:
-        if not touched["engine"]:
-            raise
-        error = describe_exception(exc)
-        previous = getattr(worker, "_layerwise_loaded_from", None)
-        source, revision = previous or (str(worker.model_runner.model_config.model), None)
-        from layerwise_cli.worker.reload import discard_partial_reload, stream_reload
+def _roll_back(worker, touched: dict, failure: BaseException):
+    """After a reload failed on this rank or another, reload what this rank had before, then raise."""
+    error = describe_exception(failure)
+    previous = getattr(worker, "_layerwise_loaded_from", None)
+    source, revision = previous or (str(worker.model_runner.model_config.model), None)
+    from layerwise_cli.worker.reload import discard_partial_reload, stream_reload
 
-        discard_partial_reload(worker.model_runner.get_model())
-        # The weights it had are put back as they were, whatever they hold.
-        stream_reload(worker, source, revision=revision, allow_partial=True, allow_nonfinite=True)
-        touched["rolled_back"] = True
-        raise LayerwiseError(f"{error}; the engine was rolled back to the weights of {source}") from None
+    discard_partial_reload(worker.model_runner.get_model())
+    # The weights it had are put back as they were, whatever they hold.
+    stream_reload(worker, source, revision=revision, allow_partial=True, allow_nonfinite=True)
+    touched["rolled_back"] = True
+    cls = PeerFailed if isinstance(failure, PeerFailed) else LayerwiseError
+    raise cls(f"{error}; the engine was rolled back to the weights of {source}") from None

@@ -17,10 +17,9 @@ def reference_checkpoint(model_path: str) -> Checkpoint | None:
     path = Path(model_path)
     if not path.exists():
         try:
-            from huggingface_hub import snapshot_download
+            from layerwise_cli.checkpoint.hub import download_checkpoint
 
-            path = Path(snapshot_download(model_path, local_files_only=True,
-                                          allow_patterns=["*.safetensors", "*.json"]))
+            path = download_checkpoint(model_path, local_files_only=True)
         except Exception:  # noqa: BLE001 - no local reference: the checks that need one are skipped
             return None
     try:

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from layerwise_cli.checkpoint.sources import Checkpoint, looks_like_repo_id, open_checkpoint
+from layerwise_cli.checkpoint.sources import looks_like_repo_id, open_checkpoint
 from layerwise_cli.errors import LayerwiseError
-from layerwise_cli.planning.parents import mapping_for_config
-from layerwise_cli.planning.plan import Plan, build_plan, simulate_buffering
+from layerwise_cli.planning.plan import simulate_buffering
 from layerwise_cli.report.progress import ProgressWriter
 from layerwise_cli.report.reload_report import LayerReport, ReloadReport
+from layerwise_cli.worker.consensus import PeerFailed
 from layerwise_cli.worker.preflight import preflight, reference_checkpoint
 from layerwise_cli.worker.probe import BufferProbe
+from layerwise_cli.worker.rank_plan import plan_for_worker, rank_position
 from layerwise_cli.worker.stream import ReadAheadStats, read_in_order
 
 ORDERS = ("layer", "file")
@@ -27,72 +29,35 @@ def resolve_local(source: str, revision: str | None = None) -> Path:
     if path.exists():
         return path
     if looks_like_repo_id(source):
-        from huggingface_hub import snapshot_download
-
+        from layerwise_cli.checkpoint.hub import download_checkpoint
         from layerwise_cli.errors import describe_exception
 
         try:
-            return Path(snapshot_download(source, revision=revision, allow_patterns=["*.safetensors", "*.json"]))
+            return download_checkpoint(source, revision)
         except Exception as exc:
             raise describe_exception(exc, where=source) from exc
     raise LayerwiseError("no such file or directory, and not a Hub repo id (org/name)", where=source)
 
 
-def tensor_parallel_position() -> tuple[int, int]:
-    """This worker's (tensor-parallel size, rank); (1, 0) outside a vLLM worker."""
+def process_disk_read_bytes() -> int | None:
+    """Bytes this process has caused to be read from storage so far (Linux `/proc/self/io`), or None.
+
+    Page-cache hits are not counted: a file already cached costs no disk read.
+    """
     try:
-        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
-        return get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
-    except Exception:  # noqa: BLE001 - no parallel state: a single process
-        return 1, 0
-
-
-def plan_for_engine(checkpoint: Checkpoint, model: torch.nn.Module, hf_config: dict | None,
-                    tensor_parallel_size: int = 1) -> tuple[Plan, dict[str, str]]:
-    """Plan the checkpoint with the engine's names.
-
-    Returns the plan and, for each checkpoint tensor, the engine module that
-    consumes it (after the model's own checkpoint-name mapper, if any).
-    """
-    config = checkpoint.config or hf_config
-    mapping = mapping_for_config(config, "auto")
-    mapper = getattr(model, "hf_to_vllm_mapper", None)
-    modules = dict(model.named_modules()) if hasattr(model, "named_modules") else None
-    resolved: dict[str, str] = {}
-    vllm_names: dict[str, str] = {}
-    for entry in checkpoint.tensors:
-        name = entry.name
-        if mapper is not None:
-            name = mapper._map_name(name) or name  # the mapper's per-name API (private in vLLM)
-        parent = mapping.parent_of(name)
-        if parent is not None:
-            if parent.name not in resolved:
-                resolved[parent.name] = holder_of_parameters(modules, parent.name) if modules else parent.name
-            vllm_names[entry.name] = resolved[parent.name]
-    plan = build_plan(checkpoint, mapping, tensor_parallel_size)
-    return plan, vllm_names
-
-
-def holder_of_parameters(modules: dict[str, torch.nn.Module], name: str) -> str:
-    """The module that holds the parameters for parent NAME.
-
-    Usually NAME itself. Some vLLM modules delegate to one child that owns the
-    weights (vLLM 0.32's `MoERunner` at `mlp.experts` keeps them in
-    `mlp.experts.routed_experts`); then that child is the layer vLLM buffers.
-    """
-    module = modules.get(name)
-    if module is None or any(True for _ in module.parameters(recurse=False)):
-        return name
-    holders = [child for child, sub in modules.items()
-               if child.startswith(name + ".") and any(True for _ in sub.parameters(recurse=False))]
-    return holders[0] if len(holders) == 1 else name
+        with open("/proc/self/io") as handle:
+            for line in handle:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: bool = False,
                   readahead: bool = True, revision: str | None = None,
                   on_engine_touched=None, progress_path: str | None = None,
-                  allow_nonfinite: bool = False) -> ReloadReport:
+                  allow_nonfinite: bool = False, agree: Callable[[bool], bool] | None = None) -> ReloadReport:
     """Pre-flight SOURCE against this worker's model, then reload it in `order`, measuring.
 
     Args:
@@ -109,50 +74,60 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         allow_nonfinite: load tensors holding NaN or Inf; by default a layer
             holding any is refused before it is handed over (the caller rolls
             back the layers already loaded).
+        agree: every rank of the engine votes with it once pre-flight is over
+            (`consensus.all_ranks_agree`); a rank that failed votes no, and
+            no rank touches its weights unless all voted yes.
 
     Returns:
         This worker's report.
     """
     if order not in ORDERS:
         raise LayerwiseError(f"unknown order {order!r}: use layer or file")
-    model = worker.model_runner.get_model()
-    model_config = worker.model_runner.model_config
-    local = resolve_local(source, revision)
-    checkpoint = open_checkpoint(str(local))
-    checkpoint.source = source
-    hf_config = model_config.hf_config.to_dict() if hasattr(model_config.hf_config, "to_dict") else None
-    tp_size, tp_rank = tensor_parallel_position()
-    plan, vllm_names = plan_for_engine(checkpoint, model, hf_config, tp_size)
-    notes = preflight(plan, model, vllm_names, reference_checkpoint(str(model_config.model)),
-                      allow_partial=allow_partial)
-    stream = plan.layer_order if order == "layer" else plan.file_order
-    # The probe and the prediction both speak engine module names.
-    engine_stream = [type(item)(item.entry, vllm_names.get(item.entry.name)) for item in stream]
-    engine_name = {item.parent: vllm_names.get(item.entry.name, item.parent)
-                   for item in plan.layer_order if item.parent is not None}
-    # vLLM holds these on this rank until the end of the stream (padded vocabulary, partial fused layers).
-    held_here = {engine_name.get(name, name): plan.held[name].reason for name in plan.held_on(tp_rank)}
-    predicted = simulate_buffering(engine_stream, order, held_here, rank=tp_rank if tp_size > 1 else None)
-    folder = local if local.is_dir() else local.parent
-    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
-    stats = ReadAheadStats()
-    rank = getattr(worker, "rank", 0) or 0
-    progress = ProgressWriter(progress_path if rank == 0 else None, len(plan.layers), plan.total_bytes)
-    probe = BufferProbe(model, on_layer_done=lambda name, timing: progress.write(
-        {"event": "layer", "name": name, "tensors": timing.tensors, "bytes": timing.bytes}))
+    try:
+        model = worker.model_runner.get_model()
+        model_config = worker.model_runner.model_config
+        local = resolve_local(source, revision)
+        checkpoint = replace(open_checkpoint(str(local)), source=source)
+        hf_config = model_config.hf_config.to_dict() if hasattr(model_config.hf_config, "to_dict") else None
+        position = rank_position(worker)
+        tp_size, tp_rank = position.tp_size, position.tp_rank
+        # Only the tensors this rank holds: its pipeline stage, its experts.
+        mine = plan_for_worker(checkpoint, model, hf_config, position, reference_checkpoint(str(model_config.model)))
+        plan, vllm_names = mine.plan, mine.vllm_names
+        notes = preflight(plan, model, vllm_names, mine.reference, allow_partial=allow_partial)
+        # The probe and the prediction both speak engine module names.
+        engine_stream = mine.engine_stream(order)
+        engine_name = mine.parent_engine_names()
+        # vLLM holds these on this rank until the end of the stream (padded vocabulary, partial fused layers).
+        held_here = {engine_name.get(name, name): plan.held[name].reason for name in plan.held_on(tp_rank)}
+        predicted = simulate_buffering(engine_stream, order, held_here, rank=tp_rank if tp_size > 1 else None)
+        folder = local if local.is_dir() else local.parent
+        device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+        stats = ReadAheadStats()
+        rank = getattr(worker, "rank", 0) or 0
+        progress = ProgressWriter(progress_path if rank == 0 else None, len(plan.layers), plan.total_bytes)
+        probe = BufferProbe(model, on_layer_done=lambda name, timing: progress.write(
+            {"event": "layer", "name": name, "tensors": timing.tensors, "bytes": timing.bytes}))
 
-    def weights() -> Iterator[tuple[str, torch.Tensor]]:
-        for item, tensor in read_in_order(engine_stream, folder, device=device, readahead=readahead, stats=stats,
-                                          check_finite=not allow_nonfinite):
-            probe.before_handover(item.entry.name, item.parent, item.entry.nbytes)
-            yield item.entry.name, tensor
-        probe.finish()
-        timer["stream_done"] = time.perf_counter()
+        def weights() -> Iterator[tuple[str, torch.Tensor]]:
+            for item, tensor in read_in_order(engine_stream, folder, device=device, readahead=readahead, stats=stats,
+                                              check_finite=not allow_nonfinite):
+                probe.before_handover(item.entry.name, item.parent, item.entry.nbytes)
+                yield item.entry.name, tensor
+            probe.finish()
+            timer["stream_done"] = time.perf_counter()
 
+    except Exception:
+        if agree is not None:
+            agree(False)  # tell the other ranks: none of them may start
+        raise
+    if agree is not None and not agree(True):
+        raise PeerFailed("pre-flight failed on another rank of this engine; nothing was changed")
     timer: dict[str, float] = {}
     if on_engine_touched is not None:
         on_engine_touched()
     start = time.perf_counter()
+    disk_before = process_disk_read_bytes()
     try:
         worker.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
     finally:
@@ -165,6 +140,7 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
 
         notes.extend(apply_cpu_fixups(model, set(probe.timings)))
     end = time.perf_counter()
+    disk_after = process_disk_read_bytes()
     layers = []
     # Layers in the order the stream delivered their first tensor.
     for name in dict.fromkeys(item.parent for item in engine_stream if item.parent is not None):
@@ -197,6 +173,10 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         readahead_peak_bytes=stats.peak_bytes,
         layers=layers,
         rank=getattr(worker, "rank", None),
+        position=position.to_dict(),
+        elsewhere_tensors=mine.elsewhere_tensors,
+        elsewhere_bytes=mine.elsewhere_bytes,
+        disk_read_bytes=disk_after - disk_before if disk_before is not None and disk_after is not None else None,
         unexpected=probe.unexpected,
         mapping=plan.mapping.description,
         device=str(device),

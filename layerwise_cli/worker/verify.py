@@ -27,19 +27,21 @@ def verify_against_source(model, source: str, revision: str | None, model_config
         `matched`, `tensors_compared`, `kernels_compared`; `mismatched`
         (layer names); `skipped` and `errors` (layer -> reason).
     """
+    from dataclasses import replace
+
     import torch
 
     from layerwise_cli.checkpoint.sources import open_checkpoint
     from layerwise_cli.worker.cpu_fixups import derived_modules
-    from layerwise_cli.worker.reload import plan_for_engine, resolve_local
+    from layerwise_cli.worker.rank_plan import plan_for_worker
+    from layerwise_cli.worker.reload import resolve_local
     from layerwise_cli.worker.stream import ShardReader, layer_batches
 
     local = resolve_local(source, revision)
-    checkpoint = open_checkpoint(str(local))
-    checkpoint.source = source
+    checkpoint = replace(open_checkpoint(str(local)), source=source)
     hf_config = model_config.hf_config.to_dict() if hasattr(model_config.hf_config, "to_dict") else None
-    plan, vllm_names = plan_for_engine(checkpoint, model, hf_config)
-    stream = [type(item)(item.entry, vllm_names.get(item.entry.name)) for item in plan.layer_order]
+    # Only the layers this rank holds (its pipeline stage, its experts): other ranks check theirs.
+    stream = plan_for_worker(checkpoint, model, hf_config).engine_stream("layer")
     folder = local if local.is_dir() else local.parent
     modules = dict(model.named_modules())
     reader = ShardReader(folder)
@@ -96,7 +98,7 @@ def _verify_derived(model, derived: dict[str, str], loaded: dict) -> list[dict]:
     layers = []
     for name, origin in derived.items():
         module = model.get_submodule(name)
-        source_module = model.get_submodule(origin)
+        origin_module = model.get_submodule(origin)
         expected_from = loaded.get(origin)
         entry = {"name": name, "status": "match", "compared": [], "derived_from": origin,
                  "detail": f"derived: shares its weight with {origin} (not in SOURCE itself)"}
@@ -114,19 +116,19 @@ def _verify_derived(model, derived: dict[str, str], loaded: dict) -> list[dict]:
             with torch.no_grad():
                 scratch = _scratch_copy(module, info)
                 owner = {tensor.untyped_storage().data_ptr(): key
-                         for key, tensor in list(source_module._parameters.items())
-                         + list(source_module._buffers.items()) if tensor is not None}
+                         for key, tensor in list(origin_module._parameters.items())
+                         + list(origin_module._buffers.items()) if tensor is not None}
                 for key, live in list(module._parameters.items()) + list(module._buffers.items()):
                     if live is None or (key not in scratch._parameters and key not in scratch._buffers):
                         continue
                     target = getattr(scratch, key)
-                    source_key = owner.get(live.untyped_storage().data_ptr()) if live.numel() else None
-                    value = getattr(expected_from, source_key) if source_key is not None else live
+                    origin_key = owner.get(live.untyped_storage().data_ptr()) if live.numel() else None
+                    value = getattr(expected_from, origin_key) if origin_key is not None else live
                     if value.device.type == "meta" or value.numel() == 0:
                         continue
                     if tuple(value.shape) != tuple(target.shape):
                         raise LayerwiseError(f"{key}: shape {tuple(target.shape)} does not match "
-                                             f"{origin}.{source_key} {tuple(value.shape)}")
+                                             f"{origin}.{origin_key} {tuple(value.shape)}")
                     target.data.copy_(value)
                 _process(scratch)
                 expected = module_fingerprints(scratch)

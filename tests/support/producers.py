@@ -80,7 +80,7 @@ def save_pretrained_checkpoint(out: Path, producer: Producer, *, seed: int) -> P
     import torch
     import transformers
 
-    from layerwise_cli.demo.models import _write_tokenizer
+    from layerwise_cli.demo.tokenizer import write_tokenizer
 
     config = _config(producer)
     torch.manual_seed(seed)
@@ -96,7 +96,7 @@ def save_pretrained_checkpoint(out: Path, producer: Producer, *, seed: int) -> P
                 param.copy_(0.2 * torch.randn_like(param))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, max_shard_size=producer.max_shard_size)
-    _write_tokenizer(out)
+    write_tokenizer(out)
     config_path = out / "config.json"
     written = json.loads(config_path.read_text())
     if written.get("architectures") != [ARCHITECTURES[producer.arch]]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository root
 LAYERWISE = str(Path(sys.executable).with_name("layerwise"))
 # Tiny debug models: a small context.
 SMALL = ["--max-model-len", "64", "--max-num-seqs", "8"]
@@ -137,7 +137,7 @@ class RunningServer:
         return response.json()["choices"][0]
 
     def answers(self, pairs: list[tuple[int, int]]) -> list[str]:
-        from layerwise_cli.demo.models import demo_prompt
+        from layerwise_cli.demo import demo_prompt
 
         return [self.complete(demo_prompt(a, b))["text"].strip() for a, b in pairs]
 

@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 import os
 import random
-import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from layerwise_cli.checkpoint.header import DTYPE_SIZES
+from layerwise_cli.checkpoint.header import DTYPE_SIZES, TensorEntry, encode_header
 
 LAYOUTS = ("in_order", "split_layer", "trainer_export", "experts_spread")
 
@@ -185,27 +184,21 @@ def write_safetensors(
     Returns:
         The file size in bytes.
     """
-    header: dict[str, object] = {}
-    if metadata is not None:
-        header["__metadata__"] = metadata
     offset = 0
     entries = []
     for name, dtype, shape in tensors:
         n = DTYPE_SIZES[dtype]
         for d in shape:
             n *= d
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
-        entries.append((name, n))
+        entries.append(TensorEntry(name, dtype, tuple(shape), os.path.basename(path), offset, offset + n))
         offset += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # keep the data section 8-byte aligned, as safetensors does
+    header = encode_header(entries, metadata)
     fill = data or _pseudo_random_bytes
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for name, n in entries:
-            f.write(fill(name, n))
-    return 8 + len(raw) + offset
+        f.write(header)
+        for entry in entries:
+            f.write(fill(entry.name, entry.nbytes))
+    return len(header) + offset
 
 
 # Bit 6 of every byte cleared: the top exponent bit of every little-endian

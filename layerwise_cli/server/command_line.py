@@ -1,6 +1,6 @@
 """What `layerwise serve` runs: vLLM's OpenAI server command, its environment, and the settings it refuses.
 
-Pure planning (no Typer, no vLLM import): the CLI prints and execs the plan,
+Plain data (no Typer, no vLLM import): the CLI prints and execs the command,
 and `layerwise_cli.server.launch` is the process it becomes.
 """
 
@@ -12,8 +12,13 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 
-from layerwise_cli.engine_defaults import cpu_threads_binding, default_enforce_eager, default_memory_fraction
-from layerwise_cli.errors import UsageError
+from layerwise_cli.engine_defaults import (
+    cpu_threads_binding,
+    default_enforce_eager,
+    default_memory_fraction,
+    executor_refusal,
+)
+from layerwise_cli.errors import LayerwiseError, UsageError
 
 # The module this process becomes: it starts vLLM's own server entry point.
 LAUNCHER_MODULE = "layerwise_cli.server.launch"
@@ -23,7 +28,7 @@ DEV_ENDPOINTS = "/collective_rpc, /pause, /resume, /update_weight_version, /weig
 
 
 @dataclass(frozen=True)
-class ServePlan:
+class ServerCommandLine:
     """The command `layerwise serve` runs, and what it must say first."""
 
     argv: list[str]
@@ -56,9 +61,12 @@ GOVERNED_OPTIONS = {
     "--worker-extension-cls": "nothing: the reload endpoints need layerwise's extension",
     "--config": "layerwise serve's own options (a config file can set the ones it governs)",
     "--dtype": "--dtype", "--tensor-parallel-size": "--tensor-parallel-size",
+    "--pipeline-parallel-size": "--pipeline-parallel-size", "--data-parallel-size": "--data-parallel-size",
+    "--distributed-executor-backend": "--distributed-executor-backend",
     "--max-model-len": "--max-model-len", "--quantization": "--quantization",
 }
-_GOVERNED_SHORT = {"-tp": "--tensor-parallel-size", "-q": "--quantization"}
+_GOVERNED_SHORT = {"-tp": "--tensor-parallel-size", "-pp": "--pipeline-parallel-size",
+                   "-dp": "--data-parallel-size", "-q": "--quantization"}
 
 
 def governed_option(arg: str) -> str | None:
@@ -77,7 +85,9 @@ def governed_option(arg: str) -> str | None:
         return None
     if arg.startswith("-") and not arg.startswith("--"):
         for short, option in _GOVERNED_SHORT.items():
-            if arg.startswith(short):
+            # `-dpl`, `-dpa` ... are other options of vLLM's: only `-dp`, `-dp2` or `-dp=2` are `-dp`.
+            rest = arg[len(short):]
+            if arg.startswith(short) and (not rest or rest[0] in "=0123456789" or short == "-q"):
                 return option
     return None
 
@@ -92,11 +102,13 @@ def _refuse_governed(extra: list[str]) -> None:
                              f"{GOVERNED_OPTIONS[option]} instead", where="layerwise serve")
 
 
-def plan_serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, allow_remote: bool = False,
+def server_command_line(model: str, *, host: str = "127.0.0.1", port: int = 8000, allow_remote: bool = False,
                api_key: str | None = None, dtype: str = "auto", tensor_parallel_size: int = 1,
+               pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
+               distributed_executor_backend: str | None = None,
                max_model_len: int | None = None, quantization: str | None = None,
                enforce_eager: bool | None = None, memory_fraction: float | None = None,
-               extra: list[str] | None = None, on_gpu: bool = False) -> ServePlan:
+               extra: list[str] | None = None, on_gpu: bool = False) -> ServerCommandLine:
     """Build the server command and its environment; refuse unsafe or conflicting settings.
 
     Args:
@@ -110,7 +122,7 @@ def plan_serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, allow_r
         extra: further vLLM server options, passed through as they are.
 
     Returns:
-        The plan (argv, environment additions, warnings to print).
+        The command (argv, environment additions, warnings to print).
 
     Raises:
         UsageError: a non-loopback host without `allow_remote`, or a
@@ -118,6 +130,9 @@ def plan_serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, allow_r
     """
     extra = list(extra or [])
     _refuse_governed(extra)
+    refusal = executor_refusal(distributed_executor_backend, on_gpu)
+    if refusal:
+        raise LayerwiseError(refusal, where="layerwise serve")
     warnings: list[str] = []
     if not is_loopback(host):
         if not allow_remote:
@@ -139,6 +154,12 @@ def plan_serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, allow_r
     argv = [sys.executable, "-m", LAUNCHER_MODULE, "--model", model, "--host", host, "--port", str(port),
             "--worker-extension-cls", EXTENSION_CLS, "--dtype", dtype,
             "--tensor-parallel-size", str(tensor_parallel_size)]
+    if pipeline_parallel_size > 1:
+        argv += ["--pipeline-parallel-size", str(pipeline_parallel_size)]
+    if data_parallel_size > 1:
+        argv += ["--data-parallel-size", str(data_parallel_size)]
+    if distributed_executor_backend:
+        argv += ["--distributed-executor-backend", distributed_executor_backend]
     if max_model_len is not None:
         argv += ["--max-model-len", str(max_model_len)]
     if quantization:
@@ -154,6 +175,7 @@ def plan_serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, allow_r
     if api_key:
         # In the environment, not on the command line, where `ps` shows it.
         env["VLLM_API_KEY"] = api_key
-    if tensor_parallel_size > 1 and not on_gpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_binding(tensor_parallel_size)
-    return ServePlan(argv=argv, env=env, warnings=tuple(warnings))
+    workers = tensor_parallel_size * pipeline_parallel_size
+    if workers > 1 and not on_gpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_binding(workers)
+    return ServerCommandLine(argv=argv, env=env, warnings=tuple(warnings))

@@ -1,0 +1,61 @@
+"""Peak RSS of the benchmark and its engine processes, read from /proc."""
+
+from __future__ import annotations
+
+
+class MemoryWatch:
+    """Peak RSS (VmHWM) of this process and every engine process, with resets to attribute peaks to a call."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._psutil = psutil
+        self.me = psutil.Process()
+        self.overall: dict[int, int] = {}
+
+    def processes(self) -> list:
+        return [self.me, *self.me.children(recursive=True)]
+
+    @staticmethod
+    def _status(pid: int) -> dict[str, int]:
+        values = {}
+        try:
+            with open(f"/proc/{pid}/status", encoding="ascii") as f:
+                for line in f:
+                    key, _, rest = line.partition(":")
+                    if key in ("VmRSS", "VmHWM"):
+                        values[key] = int(rest.split()[0]) * 1024
+        except OSError:
+            pass
+        return values
+
+    def snapshot(self) -> dict[int, dict[str, int]]:
+        snap = {p.pid: self._status(p.pid) for p in self.processes()}
+        for pid, values in snap.items():
+            self.overall[pid] = max(self.overall.get(pid, 0), values.get("VmHWM", 0))
+        return snap
+
+    def reset(self) -> dict[int, dict[str, int]]:
+        """Record peaks so far, then reset every process's VmHWM to its current RSS."""
+        before = self.snapshot()
+        for pid in before:
+            try:
+                with open(f"/proc/{pid}/clear_refs", "w", encoding="ascii") as f:
+                    f.write("5")
+            except OSError:
+                pass
+        return before
+
+    def engine_peak_delta(self, before: dict[int, dict[str, int]]) -> int:
+        """The largest rise of an engine process's peak RSS over its RSS at the reset."""
+        after = self.snapshot()
+        deltas = [after[pid].get("VmHWM", 0) - before[pid].get("VmRSS", 0)
+                  for pid in after if pid != self.me.pid and pid in before]
+        return max(deltas, default=0)
+
+    def summary(self) -> dict:
+        self.snapshot()
+        bench = self.overall.get(self.me.pid, 0)
+        engine = {pid: peak for pid, peak in self.overall.items() if pid != self.me.pid}
+        return {"bench_bytes": bench, "engine_bytes": max(engine.values(), default=0),
+                "total_bytes": bench + sum(engine.values()), "processes": len(self.overall)}

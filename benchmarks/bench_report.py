@@ -1,0 +1,197 @@
+"""What the reload benchmark concludes and shows: ratios, targets, the table and the chart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks.bench_checkpoints import LAYOUT_NAMES
+
+VARIANTS = ("a", "b", "c", "c-nora", "c-nocheck", "d", "e")
+VARIANT_NAMES = {
+    "a": "vLLM reload_weights(weights_path)",
+    "b": "layerwise --order file",
+    "c": "layerwise --order layer",
+    "c-nora": "layerwise --order layer, no read-ahead",
+    "c-nocheck": "layerwise --order layer, no NaN/Inf check",
+    "d": "read limit (safetensors into memory)",
+    "e": "engine floor (tensors already in memory)",
+}
+
+# Targets from the issue (benchmark figures, not tests).
+TARGET_C_OVER_A = 0.9
+TARGET_C_OVER_LIMIT = 1.15
+TARGET_PREDICTION_TOLERANCE = 0.05
+
+
+def stream_curves(predicted) -> dict:
+    """Buffered bytes after each tensor, against bytes delivered, for both orders (from the plan)."""
+    out = {}
+    for order, stream, sim in (("file", predicted.plan.file_order, predicted.file_order_buffering),
+                               ("layer", predicted.plan.layer_order, predicted.layer_order_buffering)):
+        delivered, xs = 0, []
+        for item in stream:
+            delivered += item.entry.nbytes
+            xs.append(delivered)
+        out[order] = {"delivered_bytes": xs, "buffered_bytes": sim.curve}
+    return out
+
+
+def ratios_of(t: dict, peaks: dict) -> dict:
+    """Time and peak ratios between the variants (c over a, b over a, c over the read limit, ...)."""
+    med = {v: t[v]["median"] for v in t}
+    ratios = {}
+    if "a" in med and "c" in med:
+        ratios["c_over_a"] = med["c"] / med["a"]
+    if "a" in med and "b" in med:
+        ratios["b_over_a"] = med["b"] / med["a"]
+    if "c" in med and "d" in med and "e" in med:
+        limit = max(med["d"], med["e"])
+        ratios["limit_s"] = limit
+        ratios["c_over_limit"] = med["c"] / limit
+        ratios["d_plus_e_over_limit"] = (med["d"] + med["e"]) / limit
+    if "c" in med and "c-nora" in med:
+        ratios["nora_over_c"] = med["c-nora"] / med["c"]
+    if "c" in med and "c-nocheck" in med:
+        # The NaN/Inf check's share of a reload: (c - c-nocheck) / c.
+        ratios["check_share_of_c"] = (med["c"] - med["c-nocheck"]) / med["c"]
+    predicted = peaks["predicted_file_order_bytes"]
+    for v in ("a", "b"):
+        if v in peaks and predicted:
+            ratios[f"{v}_peak_over_file_prediction"] = peaks[v] / predicted
+    if "c" in peaks:
+        ratios["c_peak_over_largest"] = peaks["c"] / peaks["largest_layer_bytes"]
+        ratios["c_peak_over_layer_prediction"] = peaks["c"] / peaks["predicted_layer_order_bytes"]
+    return ratios
+
+
+def targets(results: list[dict]) -> list[dict]:
+    """The issue's targets, each with the figure it was judged on."""
+    out = []
+    by_layout = {r["layout"]: r for r in results}
+    if "in_order" in by_layout and "c_over_a" in by_layout["in_order"]["ratios"]:
+        value = by_layout["in_order"]["ratios"]["c_over_a"]
+        out.append({"target": "in order: c / a <= 0.9", "value": value, "met": value <= TARGET_C_OVER_A})
+    if "trainer_export" in by_layout:
+        r = by_layout["trainer_export"]["ratios"]
+        if "c_peak_over_layer_prediction" in r:
+            # Layer order's peak is the largest layer unless vLLM holds layers to the
+            # end (a padded vocabulary): then those layers together, if larger.
+            value = r["c_peak_over_layer_prediction"]
+            out.append({"target": "trainer export: c peak = layer-order prediction "
+                        "(max of the largest layer and the layers held to the end)", "value": value,
+                        "met": abs(value - 1.0) < 1e-9})
+        for v in ("a", "b"):
+            key = f"{v}_peak_over_file_prediction"
+            if key in r:
+                out.append({"target": f"trainer export: {v} peak = file-order prediction (within 5%)",
+                            "value": r[key], "met": abs(r[key] - 1.0) <= TARGET_PREDICTION_TOLERANCE})
+    for layout, result in by_layout.items():
+        if "c_over_limit" in result["ratios"]:
+            value = result["ratios"]["c_over_limit"]
+            out.append({"target": f"{layout}: c / max(d, e) <= 1.15", "value": value,
+                        "met": value <= TARGET_C_OVER_LIMIT})
+    return out
+
+
+# --------------------------------------------------------------------------- output
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def render_table(data: dict) -> str:
+    lines = []
+    variants = data["args"]["variants"]
+    lines.append(f"{data['label']}: {data['model']['bytes'] / 1e9:.2f} GB, {data['model']['layers']} layers, "
+                 f"device {data['engine']['device_name']}, quantization {data['engine']['quantization'] or 'none'}, "
+                 f"{min(r['runs'] for r in data['results'])}-{max(r['runs'] for r in data['results'])} runs "
+                 "per checkpoint (medians, seconds)")
+    head = f"{'checkpoint':<22}" + "".join(f"{v:>{max(9, len(v) + 1)}}" for v in variants) + \
+        f"{'c/a':>7}{'c/max(d,e)':>12}{'nora/c':>8}{'check/c':>9}"
+    lines.append(head)
+    for r in data["results"]:
+        row = f"{LAYOUT_NAMES.get(r['layout'], r['layout']):<22}"
+        row += "".join(f"{r['times'][v]['median']:>{max(8, len(v))}.3f}s" for v in variants)
+        ratio = r["ratios"]
+        row += f"{ratio.get('c_over_a', float('nan')):>7.2f}{ratio.get('c_over_limit', float('nan')):>12.2f}"
+        row += f"{ratio.get('nora_over_c', float('nan')):>8.2f}"
+        row += f"{ratio.get('check_share_of_c', float('nan')):>9.3f}"
+        lines.append(row)
+    lines.append("")
+    lines.append(f"{'peak buffered':<22}{'largest':>11}{'predicted':>11}{'a':>11}{'b':>11}{'c':>11}"
+                 f"{'a/pred':>8}{'b/pred':>8}{'c/largest':>10}")
+    for r in data["results"]:
+        p, ratio = r["peaks"], r["ratios"]
+        lines.append(
+            f"{LAYOUT_NAMES.get(r['layout'], r['layout']):<22}{human_bytes(p['largest_layer_bytes']):>11}"
+            f"{human_bytes(p['predicted_file_order_bytes']):>11}{human_bytes(p['a']):>11}"
+            f"{human_bytes(p.get('b', 0)):>11}{human_bytes(p.get('c', 0)):>11}"
+            f"{ratio.get('a_peak_over_file_prediction', float('nan')):>8.3f}"
+            f"{ratio.get('b_peak_over_file_prediction', float('nan')):>8.3f}"
+            f"{ratio.get('c_peak_over_largest', float('nan')):>10.3f}")
+    lines.append("")
+    lines.append(f"{'engine RSS rise/call':<22}" + "".join(f"{v:>11}" for v in variants))
+    for r in data["results"]:
+        lines.append(f"{LAYOUT_NAMES.get(r['layout'], r['layout']):<22}" + "".join(
+            f"{human_bytes(r['times'][v]['engine_peak_rss_delta_bytes']):>11}" for v in variants))
+    mem = data["peak_rss"]
+    lines.append("")
+    lines.append(f"peak RSS: bench {human_bytes(mem['bench_bytes'])}, engine {human_bytes(mem['engine_bytes'])}, "
+                 f"all processes {human_bytes(mem['total_bytes'])} (sum of per-process peaks)")
+    for t in data["targets"]:
+        lines.append(f"target {'met   ' if t['met'] else 'MISSED'} {t['target']}: {t['value']:.3f}")
+    return "\n".join(lines)
+
+
+def write_chart(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = data["results"]
+    fig = plt.figure(figsize=(5 * max(2, len(results)), 9))
+    grid = fig.add_gridspec(2, len(results))
+    for i, r in enumerate(results):
+        ax = fig.add_subplot(grid[0, i])
+        for order, style in (("file", "tab:red"), ("layer", "tab:blue")):
+            curve = r["curves"][order]
+            ax.step([x / 1e9 for x in curve["delivered_bytes"]], [y / 1e6 for y in curve["buffered_bytes"]],
+                    where="post", color=style, label=f"{order} order (predicted)")
+        for key, color, label in (("a", "tab:orange", "a measured"), ("c", "tab:green", "c measured")):
+            if key in r["peaks"]:
+                ax.axhline(r["peaks"][key] / 1e6, color=color, linestyle="--", linewidth=1, label=label)
+        ax.set_title(f"{LAYOUT_NAMES.get(r['layout'], r['layout'])}: buffered bytes over the stream")
+        ax.set_xlabel("GB delivered")
+        ax.set_ylabel("MB buffered in vLLM's layer buffers")
+        ax.legend(fontsize=8, loc="best")
+    ax = fig.add_subplot(grid[1, :])
+    variants = data["args"]["variants"]
+    width = 0.8 / len(variants)
+    # Runs far off the median (another process took the cores) would squash the bars: clip them, say so.
+    top = 1.6 * max(r["times"][v]["median"] for r in results for v in variants)
+    clipped = 0
+    for j, v in enumerate(variants):
+        xs = [i + j * width for i in range(len(results))]
+        bars = ax.bar(xs, [r["times"][v]["median"] for r in results], width, label=f"{v}: {VARIANT_NAMES[v]}")
+        for x, r in zip(xs, results):
+            samples = r["times"][v]["samples"]
+            clipped += sum(s > top for s in samples)
+            ax.plot([x] * len(samples), [min(s, top) for s in samples], "o", markersize=2.5, color="black",
+                    alpha=0.6)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_ylim(0, top * 1.3)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(results))])
+    ax.set_xticklabels([LAYOUT_NAMES.get(r["layout"], r["layout"]) for r in results])
+    note = f"; {clipped} run(s) above {top:.2f}s drawn at the top" if clipped else ""
+    ax.set_ylabel(f"seconds (bars: median; dots: runs{note})", fontsize=8)
+    ax.set_title(f"reload time, {data['model']['bytes'] / 1e9:.2f} GB, {data['engine']['device_name']}")
+    ax.legend(fontsize=8, ncol=3, loc="upper center")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

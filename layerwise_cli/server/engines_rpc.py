@@ -1,0 +1,60 @@
+"""`POST /layerwise/engines_rpc`: vLLM's `/collective_rpc`, answered by every data-parallel engine of the server.
+
+vLLM's own `/collective_rpc` reaches every engine of a data-parallel server
+but returns the first engine's answer only: its data-parallel client
+(`DPLBAsyncMPClient.call_utility_async` in vllm/v1/engine/core_client.py)
+sends the utility call to all engines and keeps `results[0]`. `/pause` and
+`/resume` go the same way (every engine pauses and resumes); `/is_paused`
+asks every engine and insists they agree. This endpoint makes the same call
+through `call_utility_all_async` and answers `{"engines": [[worker results],
+...]}`, one list per engine, so that a reload reports, verifies and fails
+per engine. `layerwise serve` adds it next to vLLM's dev endpoints (same
+body, same API-key rule).
+"""
+
+from __future__ import annotations
+
+from fastapi import Request
+
+from layerwise_cli import ENGINES_RPC_PATH
+
+
+def attach_engines_rpc() -> None:
+    """Add the endpoint wherever vLLM attaches its `/collective_rpc` (only with VLLM_SERVER_DEV_MODE=1)."""
+    from vllm.entrypoints.serve.dev.rpc import api_router
+
+    vllm_attach = api_router.attach_router
+
+    def attach(app) -> None:
+        vllm_attach(app)
+        app.add_api_route(ENGINES_RPC_PATH, engines_rpc, methods=["POST"])
+
+    api_router.attach_router = attach
+
+
+async def engines_rpc(raw_request: Request):
+    """Call a worker method on every worker of every engine; one list of worker results per engine."""
+    import json
+
+    from fastapi import HTTPException
+    from fastapi.responses import JSONResponse
+
+    try:
+        body = await raw_request.json()
+    except json.JSONDecodeError as exc:
+        raise HTTPException(status_code=400, detail=f"JSON decode error: {exc}") from exc
+    if not isinstance(body, dict) or not isinstance(body.get("method"), str):
+        raise HTTPException(status_code=400, detail="the body must be a JSON object with a 'method'")
+    # As vLLM's /collective_rpc: only JSON arguments; the method deserializes what it needs.
+    call = (body["method"], body.get("timeout"), tuple(body.get("args", [])), body.get("kwargs", {}))
+    engine_client = raw_request.app.state.engine_client
+    gather = getattr(getattr(engine_client, "engine_core", None), "call_utility_all_async", None)
+    if gather is None:  # a client that talks to one engine only
+        per_engine = [await engine_client.collective_rpc(*call)]
+    else:
+        per_engine = await gather("collective_rpc", *call)
+    return JSONResponse(content={"engines": [[_jsonable(r) for r in (results or [])] for results in per_engine]})
+
+
+def _jsonable(result):
+    return result if result is None or isinstance(result, dict | list) else str(result)
