@@ -33,7 +33,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from tests.support.server_support import LAYERWISE, RunningServer
+from tests.support.server_support import LAYERWISE, RunningServer, own_core
 
 PROMPT_PAIR = (3, 4)
 REPO = Path(__file__).resolve().parent.parent
@@ -75,7 +75,8 @@ def main() -> int:
     root = work / "run"
     root.mkdir()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    servers = [RunningServer(sources["multiply"], env=env), RunningServer(sources["multiply"], env=env)]
+    # Each server's worker on a core of its own, as an operator would run two servers on one host.
+    servers = [RunningServer(sources["multiply"], env={**env, **own_core(i)}) for i in range(2)]
     threads = [threading.Thread(target=s.start) for s in servers]
     for t in threads:
         t.start()

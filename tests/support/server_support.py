@@ -22,6 +22,20 @@ SMALL = ["--max-model-len", "64", "--max-num-seqs", "8"]
 KV_CACHE = ["--kv-cache-memory-bytes", str(64 * 2**20)]
 
 
+def own_core(index: int) -> dict[str, str]:
+    """Environment pinning the INDEXth of several servers on this host to a core of its own (round robin).
+
+    vLLM's CPU worker binds its OpenMP threads itself, and with `auto` every
+    server on a host picks the same core: two servers' workers then share one
+    core, where each idle worker busy-polls its message queue, while the other
+    core is left to the rest. On 2 cores with client traffic, a reload or a
+    start-up there took minutes (`layerwise watch`'s proof timed out on it).
+    Operators partition cores between servers the same way.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[index % len(cpus)])}
+
+
 def free_port() -> int:
     """A TCP port nothing listens on right now (the kernel picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -102,6 +116,50 @@ class RunningServer:
             self._proc.wait(timeout=30)
         except ProcessLookupError:
             pass
+
+    def kill(self) -> list[str]:
+        """Crash it: SIGKILL its whole process group (API server, engine core, workers), as an OOM kill or a lost
+        node does, then remove the shared-memory segments its processes had mapped, as a supervisor would before
+        restarting it (a killed vLLM leaves its message queues in /dev/shm: about 400 MiB of tmpfs each time).
+
+        Returns the segments removed.
+        """
+        assert self._proc is not None
+        segments = self._shm_segments()
+        os.killpg(self._proc.pid, signal.SIGKILL)
+        self._proc.wait(timeout=60)
+        deadline = time.monotonic() + 30  # the engine core and workers, reparented, die with it
+        while self._group_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for path in segments:
+            Path(path).unlink(missing_ok=True)
+        return segments
+
+    def _group(self) -> list[int]:
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                if int(fields[2]) == self._proc.pid and fields[0] != "Z":  # its process group, not zombies
+                    pids.append(int(entry.name))
+        return pids
+
+    def _group_alive(self) -> bool:
+        return bool(self._group())
+
+    def _shm_segments(self) -> list[str]:
+        segments: set[str] = set()
+        for pid in self._group():
+            try:
+                maps = Path(f"/proc/{pid}/maps").read_text()
+            except OSError:
+                continue
+            segments.update(line.split(None, 5)[5].strip() for line in maps.splitlines()
+                            if " /dev/shm/" in line and len(line.split(None, 5)) == 6)
+        return sorted(s.removesuffix(" (deleted)") for s in segments if not s.endswith("(deleted)"))
 
     @property
     def pid(self) -> int:
