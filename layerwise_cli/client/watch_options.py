@@ -1,0 +1,40 @@
+"""The options of `watch` (the `layerwise watch` command's and `layerwise_cli.watch`'s)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from layerwise_cli.checkpoint.steps import AUTO, DEFAULT_PATTERNS
+
+
+@dataclass(frozen=True)
+class WatchOptions:
+    """How `watch` finds steps and reloads them (the `layerwise watch` options).
+
+    Attributes:
+        patterns: glob patterns of step directory names under the root.
+        marker: a file whose presence marks a step complete, or `auto` (every
+            shard complete and nothing changed for `settle` seconds).
+        interval: seconds between polls of the root.
+        settle: seconds a step must stay unchanged before `auto` calls it complete.
+        keep: delete steps older than the newest `keep` once every server holds
+            the newest; None never deletes.
+        once: bring every server to the newest complete step, then stop.
+        pause_mode: how servers pause during a reload (`wait`, `keep`, `abort`, `none`).
+        api_key: the servers' API key.
+        verify: verify each server against the step after reloading it.
+        timeout: seconds allowed for one server's reload.
+    """
+
+    patterns: tuple[str, ...] = DEFAULT_PATTERNS
+    # A file whose presence marks a step complete, or "auto" (files complete and unchanged for `settle` s).
+    marker: str = AUTO
+    interval: float = 1.0
+    settle: float = 2.0
+    # Delete steps older than the newest N once every server holds the newest; None: never delete.
+    keep: int | None = None
+    once: bool = False
+    pause_mode: str = "wait"
+    api_key: str | None = None
+    verify: bool = False
+    timeout: float = 600.0

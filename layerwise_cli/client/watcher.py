@@ -1,0 +1,387 @@
+"""The watch loop: poll the root, pick the newest complete step, bring every target to it, report events."""
+
+from __future__ import annotations
+
+import queue
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from layerwise_cli.checkpoint.steps import (
+    AUTO,
+    COMPLETE,
+    SETTLING,
+    CompletenessTracker,
+    StepDir,
+    list_steps,
+    steps_to_delete,
+)
+from layerwise_cli.client import watch_events as ev
+from layerwise_cli.client.server_api import HOLDS_PREVIOUS
+from layerwise_cli.client.watch_events import WatchEvent
+from layerwise_cli.client.watch_options import WatchOptions
+from layerwise_cli.client.watch_targets import Outcome, Target, TargetDown
+from layerwise_cli.errors import UsageError
+
+# Backoff for a server that does not answer: 0.5 s, 1 s, 2 s, ... up to this.
+_BACKOFF_MAX_S = 10.0
+# With --once, a server that failed this many times in a row is given up.
+_ONCE_TRIES = 3
+
+
+@dataclass
+class _Server:
+    target: Target
+    version: str | None = None  # what it holds, by its weight version; None: unknown
+    last_version: str | None = None  # the last version it was known to hold (kept while it is down)
+    seen: bool = False
+    up: bool | None = None
+    busy: str | None = None  # "probe", or the name of the step it is loading
+    # Its weights may differ from what its version names (a reload failed half-way): reload whatever it says.
+    dirty: bool = False
+    failures: int = 0
+    next_try: float = 0.0
+    next_probe: float = 0.0
+    wall_s: float | None = None
+    peak_bytes: int | None = None
+    error: str | None = None
+
+
+@dataclass
+class WatchState:
+    """Where the watch stands, for a live view (read it between events; the watcher updates it)."""
+
+    newest_seen: str | None = None
+    target: str | None = None
+    servers: dict[str, dict] = field(default_factory=dict)
+
+
+class Watcher:
+    """The watch loop. Iterate `run()` for events; call `stop()` (also from a signal handler) to end it.
+
+    One thread owns all state; reloads and probes of servers run in a pool
+    (one thread per server), so a slow or dead server holds back no other.
+    """
+
+    def __init__(self, root: str | Path, targets: list[Target], options: WatchOptions | None = None, *,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+        self.root = Path(root)
+        self.options = options or WatchOptions()
+        if not targets:
+            raise UsageError("nothing to watch for: give at least one --url (or an engine)")
+        names = [t.name for t in targets]
+        if len(set(names)) != len(names):
+            raise UsageError("the same server URL is given twice")
+        if self.options.keep is not None and self.options.keep < 1:
+            raise UsageError(f"--keep must be at least 1, not {self.options.keep}")
+        if self.options.interval <= 0 or self.options.settle < 0:
+            raise UsageError("--interval must be positive and --settle not negative")
+        self._servers = {t.name: _Server(t) for t in targets}
+        self._clock = clock
+        self._wall = wall
+        self._tracker = CompletenessTracker(self.options.marker, self.options.settle, clock)
+        self._stopping = False
+        self._results: queue.Queue = queue.Queue()
+        self._known: dict[str, StepDir] = {}
+        self._skipped: set[str] = set()
+        self._broken: dict[str, str] = {}
+        self._deleted_by_us: set[str] = set()
+        self._target: StepDir | None = None
+        # The target before the current one: servers fall back to it when the current one is broken.
+        self._fallback: StepDir | None = None
+        self._floor = -1
+        self._pending: list[WatchEvent] = []
+        self._settling = False
+        # The target was dropped since the last poll: --once must look again before it gives up.
+        self._repoll = False
+        self.state = WatchState()
+        # Set when --once ends: None (all hold the newest step) or why not.
+        self.failure: str | None = None
+
+    def stop(self) -> None:
+        """Ask the loop to end: it starts nothing new, lets running reloads finish (servers resumed), returns."""
+        self._stopping = True
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> Iterator[WatchEvent]:
+        """Watch until `stop()` (or, with `once`, until every server holds the newest complete step)."""
+        list_steps(self.root, self.options.patterns)  # a missing root fails now, with its name
+        threaded = [s for s in self._servers.values() if s.target.threaded]
+        pool = ThreadPoolExecutor(max_workers=max(1, len(threaded)), thread_name_prefix="layerwise-watch")
+        try:
+            while not self._stopping:
+                poll_at = self._clock()
+                self._poll()
+                self._schedule(pool)
+                yield from self._drain()
+                if self.options.once and self._once_finished():
+                    break
+                yield from self._wait(poll_at + self.options.interval)
+        except BaseException:
+            self._finish(pool)  # closed early, interrupted or failed: no more yields, but no paused server
+            raise
+        self._finish(pool)
+        yield from self._drain()
+
+    def _finish(self, pool: ThreadPoolExecutor) -> None:
+        # Never leave a server paused: reload_server resumes in its own `finally`; wait for it to get there.
+        self._stopping = True
+        while any(s.busy for s in self._servers.values()):
+            try:
+                self._handle(*self._results.get(timeout=1.0))
+            except queue.Empty:
+                continue
+        pool.shutdown(wait=True)
+
+    def _wait(self, until: float) -> Iterator[WatchEvent]:
+        # Blocks on the results queue, not a sleep: a finished reload is handled at once. The short
+        # slices only let a signal handler's stop() be seen within 0.2 s.
+        while not self._stopping:
+            left = until - self._clock()
+            if left <= 0:
+                return
+            try:
+                item = self._results.get(timeout=min(left, 0.2))
+            except queue.Empty:
+                continue
+            self._handle(*item)
+            yield from self._drain()
+            # A server just became idle: give it work without waiting for the next poll.
+            return
+
+    def _drain(self) -> Iterator[WatchEvent]:
+        while self._pending:
+            yield self._pending.pop(0)
+
+    def _emit(self, kind: str, **fields) -> None:
+        self._pending.append(WatchEvent(kind, self._wall(), **fields))
+
+    # --- steps -------------------------------------------------------------------------------
+
+    def _poll(self) -> None:
+        self._repoll = False
+        steps = list_steps(self.root, self.options.patterns)
+        names = {s.name for s in steps}
+        for name in list(self._known):
+            if name not in names:
+                del self._known[name]
+                if name in self._deleted_by_us:
+                    continue  # reported when deleted
+                self._emit(ev.STEP_DELETED, step=name, by="other")
+        for step in steps:
+            if step.name not in self._known:
+                self._known[step.name] = step
+                self._emit(ev.STEP_SEEN, step=step.name)
+        self._tracker.forget(names)
+        if steps:
+            self.state.newest_seen = steps[-1].name
+        if self._target is not None and self._target.name not in names:
+            # Deleted before every server got it: wait for a newer one, never go back to an older one.
+            self._target = None
+            self.state.target = None
+        # Newest first; nothing at or below the floor (the newest step ever chosen) matters any more.
+        newest = None
+        self._settling = False
+        for step in reversed(steps):
+            if step.number <= self._floor:
+                break
+            if step.name in self._broken:
+                continue
+            state = self._tracker.check(step)
+            if state.state == COMPLETE:
+                newest = step
+                break
+            if state.state == SETTLING:
+                self._settling = True
+        if newest is not None:
+            self._set_target(newest, steps)
+
+    def _set_target(self, step: StepDir, steps: list[StepDir]) -> None:
+        floor = self._floor
+        self._fallback = self._target
+        self._target = step
+        self._floor = step.number
+        self.state.target = step.name
+        self._emit(ev.STEP_COMPLETE, step=step.name)
+        for other in steps:
+            passed = floor < other.number < step.number
+            if passed and other.name not in self._skipped and other.name not in self._broken:
+                self._skipped.add(other.name)
+                if floor >= 0:  # on start, older steps are history, not news
+                    self._emit(ev.STEP_SKIPPED, step=other.name, message=f"passed over: {step.name} is newer")
+
+    # --- servers -----------------------------------------------------------------------------
+
+    def _schedule(self, pool: ThreadPoolExecutor) -> None:
+        now = self._clock()
+        for server in self._servers.values():
+            if server.busy or now < server.next_try or self._stopping:
+                continue
+            if self.options.once and server.failures >= _ONCE_TRIES:
+                continue
+            target = self._target
+            if target is not None and target.name in self._broken:
+                target = None
+            if server.seen and server.up and target is not None and (server.dirty or server.version != target.name):
+                self._start(pool, server, "reload", target)
+            elif now >= server.next_probe:
+                # Once per interval: a server restarted on its base weights is found by its weight version.
+                server.next_probe = now + self.options.interval
+                self._start(pool, server, "probe", None)
+
+    def _start(self, pool: ThreadPoolExecutor, server: _Server, job: str, step: StepDir | None) -> None:
+        if job == "reload":
+            assert step is not None
+            server.busy = step.name
+            self._emit(ev.RELOAD_STARTED, step=step.name, server=server.target.name)
+            run = lambda: server.target.reload(str(step.path), step.name)  # noqa: E731
+        else:
+            server.busy = "probe"
+            run = server.target.weight_version
+        if not server.target.threaded:
+            self._handle(server.target.name, job, step, _call(run))
+            return
+        future = pool.submit(_call, run)
+        future.add_done_callback(lambda f: self._results.put((server.target.name, job, step, f.result())))
+
+    def _handle(self, name: str, job: str, step: StepDir | None, result: tuple[bool, object]) -> None:
+        server = self._servers[name]
+        server.busy = None
+        ok, value = result
+        if job == "probe":
+            if not ok:
+                self._down(server, value)
+                return
+            self._up(server, value)
+            server.version = value
+            server.last_version = value
+        else:
+            assert step is not None
+            outcome: Outcome = value if ok else Outcome(ok=False, holds="unknown", error=str(value), reached=False)
+            self._reloaded(server, step, outcome)
+        self._refresh_state()
+        if not self._stopping:
+            self._maybe_clean()
+
+    def _up(self, server: _Server, version) -> None:
+        if server.up is False:
+            self._emit(ev.SERVER_BACK, server=server.target.name, version=version)
+        elif not server.seen:
+            self._emit(ev.SERVER_SEEN, server=server.target.name, version=version)
+        server.seen = True
+        server.up = True
+        server.failures = 0
+        server.next_try = 0.0
+
+    def _down(self, server: _Server, error) -> None:
+        message = str(error) if isinstance(error, TargetDown) else _line(error)
+        if server.up is not False:
+            self._emit(ev.SERVER_DOWN, server=server.target.name, message=message)
+        server.up = False
+        server.version = None
+        server.error = message
+        server.failures += 1
+        server.next_try = self._clock() + min(_BACKOFF_MAX_S, 0.5 * 2 ** (server.failures - 1))
+
+    def _reloaded(self, server: _Server, step: StepDir, outcome: Outcome) -> None:
+        name = server.target.name
+        if outcome.ok:
+            server.version = server.last_version = step.name
+            server.dirty = False
+            server.failures = 0
+            server.wall_s, server.peak_bytes, server.error = outcome.wall_s, outcome.peak_bytes, None
+            self._emit(ev.RELOAD_DONE, step=step.name, server=name, version=step.name, wall_s=outcome.wall_s,
+                       peak_bytes=outcome.peak_bytes, paused_s=outcome.paused_s, report=outcome.report)
+            return
+        server.error = outcome.error
+        server.dirty = outcome.holds != HOLDS_PREVIOUS
+        server.version = outcome.version if outcome.holds == HOLDS_PREVIOUS else None
+        deleted = not step.path.exists()
+        message = outcome.error or "failed"
+        if deleted:
+            message = f"{message}; the step was deleted while it was loading"
+        elif not outcome.reached:
+            message = f"{message}; the server did not answer"
+        self._emit(ev.RELOAD_FAILED, step=step.name, server=name, version=server.version, message=message,
+                   report=outcome.report)
+        if not outcome.reached:
+            self._down(server, outcome.error)
+            return
+        # Whatever failed, this server waits before its next try: never a tight loop of failing reloads.
+        server.failures += 1
+        server.next_try = self._clock() + min(_BACKOFF_MAX_S, 0.5 * 2 ** (server.failures - 1))
+        if deleted or not outcome.failed_in_reload or step.name in self._broken:
+            return  # not the step's fault (gone, or the server refused before loading), or already reported
+        self._broken[step.name] = message
+        self._emit(ev.STEP_SKIPPED, step=step.name, message=f"broken: {message}")
+        if self._target is not None and self._target.name == step.name:
+            # Back to the step before it; the next poll still takes any valid step newer than that.
+            fallback = self._fallback
+            if fallback is not None and fallback.name in self._broken:
+                fallback = None
+            self._target = fallback
+            self._floor = fallback.number if fallback is not None else -1
+            self.state.target = fallback.name if fallback is not None else None
+            self._repoll = True
+
+    def _once_finished(self) -> bool:
+        servers = list(self._servers.values())
+        if self._repoll or any(s.busy for s in servers):
+            return False
+        target = self._target
+        if target is not None and all(s.version == target.name and not s.dirty for s in servers):
+            return True
+        given_up = [s for s in servers if s.failures >= _ONCE_TRIES]
+        if given_up:
+            self.failure = "; ".join(f"{s.target.name}: {s.error or 'failed'}" for s in given_up)
+            return True
+        if target is None and not self._settling and all(s.seen or s.failures for s in servers):
+            broken = f"; broken: {', '.join(self._broken)}" if self._broken else ""
+            self.failure = (f"{self.root}: no complete step (looked for {', '.join(self.options.patterns)}"
+                            f"{'' if self.options.marker == AUTO else ' with a ' + self.options.marker + ' marker'}"
+                            f"{broken})")
+            return True
+        return False
+
+    # --- --keep ------------------------------------------------------------------------------
+
+    def _maybe_clean(self) -> None:
+        keep, target = self.options.keep, self._target
+        if keep is None or target is None:
+            return
+        servers = list(self._servers.values())
+        if any(s.busy and s.busy != "probe" for s in servers):
+            return
+        if not all(s.version == target.name and not s.dirty for s in servers if s.up):
+            return
+        protected = {s.last_version for s in servers if s.last_version} | {s.version for s in servers if s.version}
+        steps = list_steps(self.root, self.options.patterns)
+        for step in steps_to_delete(steps, keep, target, protected):
+            self._deleted_by_us.add(step.name)
+            shutil.rmtree(step.path, ignore_errors=True)
+            self._emit(ev.STEP_DELETED, step=step.name, by="watch", message=f"--keep {keep}")
+
+    def _refresh_state(self) -> None:
+        self.state.servers = {
+            name: {"up": s.up, "version": s.version, "busy": s.busy if s.busy != "probe" else None,
+                   "wall_s": s.wall_s, "peak_bytes": s.peak_bytes, "error": s.error}
+            for name, s in self._servers.items()}
+
+
+def _call(run: Callable[[], object]) -> tuple[bool, object]:
+    try:
+        return True, run()
+    except Exception as exc:  # noqa: BLE001 - the loop turns it into an event
+        return False, exc
+
+
+def _line(error: object) -> str:
+    from layerwise_cli.errors import describe_exception
+
+    if isinstance(error, BaseException):
+        return " ".join(str(describe_exception(error)).split())
+    return " ".join(str(error).split())
