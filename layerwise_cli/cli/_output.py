@@ -9,7 +9,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console, ConsoleDimensions
@@ -73,6 +73,8 @@ def handle_errors(func: F) -> F:
             return func(*args, **kwargs)
         except (typer.Exit, typer.Abort, TyperException, SystemExit):
             raise  # usage errors keep Click's exit code 2
+        except BrokenPipeError:
+            raise  # `| head` left: OneLineErrors ends quietly
         except KeyboardInterrupt:
             raise typer.Exit(interrupted()) from None
         except Exception as exc:  # noqa: BLE001 - every failure gets one line
@@ -90,6 +92,20 @@ def interrupted() -> int:
     sys.stderr.write("Error: interrupted\n")
     sys.stderr.flush()
     return 130
+
+
+def closed_stdout() -> NoReturn:
+    """The reader of stdout left (`layerwise ... | head -1`): end quietly, as Unix tools do; exit 1, no message.
+
+    stdout is pointed at /dev/null first, so that the interpreter's last flush
+    of what is still buffered does not fail (and print) once more.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    sys.exit(1)
 
 
 def usage_error_line(error: click_errors.ClickException) -> str:
@@ -115,10 +131,14 @@ class OneLineErrors(TyperGroup):
         except click_errors.ClickException as exc:
             sys.stderr.write(usage_error_line(exc) + "\n")
             sys.exit(exc.exit_code)
-        except (click_errors.Abort, KeyboardInterrupt):
+        except (typer.Abort, KeyboardInterrupt):
             sys.exit(interrupted())
         except OSError as exc:
             if exc.errno == errno.EPIPE:  # `layerwise ... | head`: the reader left
-                sys.exit(1)
+                closed_stdout()
             raise
+        try:
+            sys.stdout.flush()  # what is still buffered: a closed pipe shows here
+        except BrokenPipeError:
+            closed_stdout()
         sys.exit(rv if isinstance(rv, int) else 0)
