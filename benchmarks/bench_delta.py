@@ -49,10 +49,7 @@ def full_reload_kwargs() -> dict:
     from layerwise_cli.worker.extension import LayerwiseWorkerExtension
 
     params = inspect.signature(LayerwiseWorkerExtension.layerwise_reload).parameters
-    for name, value in (("reload_all", True), ("all_layers", True), ("skip_unchanged", False)):
-        if name in params:
-            return {name: value}
-    return {}
+    return {"all_layers": True} if "all_layers" in params else {}
 
 
 def changed_layers(base: Path, seed: int = 0) -> tuple[list[str], dict[str, str]]:
@@ -230,7 +227,7 @@ def bench_delta(llm, delta: dict, cases: list[str], args, watch, device_memory, 
             rises = [s["device_peak_allocated_delta_bytes"] for s in got
                      if s["device_peak_allocated_delta_bytes"] is not None]
             times[v]["device_peak_allocated_delta_bytes"] = statistics.median(rises) if rises else None
-            for key in ("skipped_layers", "skipped_bytes", "reloaded_bytes", "bytes_read"):
+            for key in ("skipped_layers", "skipped_bytes", "reloaded_bytes", "read_bytes"):
                 values = [s[key] for s in got if s.get(key) is not None]
                 if values:
                     times[v][key] = max(values)

@@ -127,7 +127,7 @@ def measure(llm, variant: str, path: Path, cuda: bool, full: bool = True) -> dic
 
 def skip_figures(report) -> dict:
     """Layers and bytes the reload skipped, and the bytes it read, where the report says (None: it does not)."""
-    return {key: getattr(report, key, None) for key in ("skipped_layers", "skipped_bytes", "bytes_read")}
+    return {key: getattr(report, key, None) for key in ("skipped_layers", "skipped_bytes", "read_bytes")}
 
 
 def stats(samples: list[float]) -> dict:
