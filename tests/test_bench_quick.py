@@ -53,3 +53,16 @@ def test_quick_benchmark_writes_consistent_json(tmp_path, demo_models):
     assert export["ratios"]["c_peak_over_layer_prediction"] == 1.0
     assert any(t["target"].startswith("trainer export: c peak = layer-order prediction") and t["met"]
                for t in data["targets"])
+
+    # The delta cases: each checkpoint timed as vLLM's own reload, layerwise and the read limit.
+    delta = data["delta"]
+    assert [r["case"] for r in delta["results"]] == ["f", "g", "g-plain", "h"]
+    assert len(delta["changed_layers"]) == round(0.25 * delta["parent_layers"])
+    for result in delta["results"]:
+        assert set(result["times"]) == {"a", "c", "d"} and result["runs"] == 1
+        assert all(t["median"] > 0 and t["engine_peak_rss_delta_bytes"] >= 0 for t in result["times"].values())
+        assert set(result["ratios"]) == {"c_over_a", "c_over_d"}
+    assert delta["base_reload_s_median"] > 0
+    assert {t["target"].split(":")[0] for t in data["targets"]} >= {
+        "f (25% changed)", "g (identical, header digests)", "g-plain (identical, no header digests)"}
+    assert "delta cases: the engine holds the base checkpoint" in done.stdout
