@@ -249,3 +249,26 @@ def test_digests_cost_no_second_read(make_checkpoint, tmp_path, monkeypatch):
         result = reorder(str(src), tmp_path / f"dst-{digests}", digests=digests)
         assert result.digests is digests
         assert counts == tensor_bytes  # each source shard's tensor bytes, once
+
+
+def test_a_lying_digest_in_a_hub_repo_is_refused_naming_the_repo_file(written, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from tests.support.hub_server import HubServer
+
+    shard = sorted(written.glob("*.safetensors"))[2]
+    tensor = read_shard_header(shard)[0].tensors[0].name
+    _corrupt_header_digest(shard, tensor)
+    with HubServer() as hub:
+        hub.add_repo("org/liar", written)
+        env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf_home"),
+               "HF_HUB_DISABLE_XET": "1"}
+        done = subprocess.run([sys.executable, "-m", "layerwise_cli", "reorder", "org/liar", str(tmp_path / "dst"),
+                               "--json"], capture_output=True, text=True, env=env, check=False,
+                              cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 1, done.stdout
+    assert _error_line(done.stderr).startswith(f"Error: org/liar/{shard.name}: tensor {tensor}: its bytes do not "
+                                               "match")
+    assert not (tmp_path / "dst").exists() and not _leftovers(tmp_path)

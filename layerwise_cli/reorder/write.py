@@ -154,7 +154,9 @@ def write_shards(
         else:
             path, delete, local = checkpoint.shard_path(src_shard), False, src_shard
         # What the source's writer says each tensor's bytes hash to (None: it says nothing).
-        claimed = header_digests(local, where=str(path)) if hashing else None
+        # Errors name the shard as the user knows it: its file, or its place in the Hub repo.
+        named = f"{checkpoint.source}/{src_shard.name}" if fetcher is not None else str(path)
+        claimed = header_digests(local, where=named) if hashing else None
         src_fd = os.open(path, os.O_RDONLY)
         try:
             by_dst: dict[str, list[TensorEntry]] = {}
@@ -182,7 +184,7 @@ def write_shards(
                             hashes[entry.name] = hasher.hexdigest()
                             if claimed is not None:
                                 _check_claim(entry.name, src_shard.name, claimed[entry.name], hashes[entry.name],
-                                             str(path))
+                                             named)
                                 source_checked += 1
                         if scan is not None and scan.found:
                             found = NonFinite(entry.name, src_shard.name, scan.nan, scan.inf)
