@@ -21,7 +21,6 @@ the fraction of bytes they hold is reported beside it.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import random
@@ -39,17 +38,6 @@ DELTA_NAMES = {
 }
 DELTA_VARIANTS = ("a", "c", "d")
 CHANGED_FRACTION = 0.25
-
-
-def full_reload_kwargs() -> dict:
-    """The `layerwise_reload` keywords that reload every layer (no skipping), in the installed version.
-
-    Before per-layer skipping existed every reload was full: then nothing is passed.
-    """
-    from layerwise_cli.worker.extension import LayerwiseWorkerExtension
-
-    params = inspect.signature(LayerwiseWorkerExtension.layerwise_reload).parameters
-    return {"all_layers": True} if "all_layers" in params else {}
 
 
 def changed_layers(base: Path, seed: int = 0) -> tuple[list[str], dict[str, str]]:
