@@ -66,3 +66,13 @@ def test_quick_benchmark_writes_consistent_json(tmp_path, demo_models):
     assert {t["target"].split(":")[0] for t in data["targets"]} >= {
         "f (25% changed)", "g (identical, header digests)", "g-plain (identical, no header digests)"}
     assert "delta cases: the engine holds the base checkpoint" in done.stdout
+    # What layerwise skipped and read: nothing of the identical checkpoint with header digests, every byte
+    # without them (to hash), and only the changed layers of f and of the writer's h.
+    total, changed = delta["base"]["bytes"], delta["changed_bytes"]
+    layers, unchanged = delta["parent_layers"], delta["parent_layers"] - len(delta["changed_layers"])
+    got = {r["case"]: r["times"]["c"] for r in delta["results"]}
+    assert (got["g"]["skipped_layers"], got["g"]["read_bytes"], got["g"]["reloaded_bytes"]) == (layers, 0, 0)
+    assert (got["g-plain"]["skipped_layers"], got["g-plain"]["read_bytes"]) == (layers, total)
+    for case in ("f", "h"):
+        assert (got[case]["skipped_layers"], got[case]["read_bytes"], got[case]["reloaded_bytes"]) == (
+            unchanged, changed, changed), case
