@@ -15,8 +15,8 @@ have recorded BASE's layer digests. Then one of these is timed:
              header digests): the trainer-side writer's checkpoint
 
 and, for each, vLLM's own reload of the same checkpoint (a) and the read limit
-(d). The parent layers changed are a seeded sample of 25% of them by count;
-the fraction of bytes they hold is reported beside it.
+(d). The parent layers changed are a seeded sample of 25% of them by count
+that also holds 25% (+-2.5 points) of the bytes (`changed_layers`).
 """
 
 from __future__ import annotations
@@ -41,12 +41,28 @@ CHANGED_FRACTION = 0.25
 
 
 def changed_layers(base: Path, seed: int = 0) -> tuple[list[str], dict[str, str]]:
-    """A seeded sample of 25% of BASE's parent layers, and each tensor's parent layer."""
+    """25% of BASE's parent layers by count, holding 25% (+-2.5 points) of its bytes; each tensor's parent layer.
+
+    A seeded sample by count alone can draw mostly large layers (or small
+    ones): the first seed from SEED whose sample also holds about a quarter of
+    the bytes is taken, so that "25% changed" means both (or, when no seed
+    of 1000 does, as with a tiny model whose embeddings dominate, the closest).
+    """
     from layerwise_cli.planning.inspect import inspect_order
 
     plan = inspect_order(str(base)).plan
-    names = [layer.name for layer in plan.layers]
-    chosen = sorted(random.Random(seed).sample(names, max(1, round(CHANGED_FRACTION * len(names)))))
+    sizes = {layer.name: layer.bytes for layer in plan.layers}
+    total = sum(sizes.values())
+    count = max(1, round(CHANGED_FRACTION * len(sizes)))
+    best: tuple[float, list[str]] | None = None
+    for attempt in range(seed, seed + 1000):
+        sample = sorted(random.Random(attempt).sample(sorted(sizes), count))
+        off = abs(sum(sizes[name] for name in sample) / total - CHANGED_FRACTION)
+        if best is None or off < best[0]:
+            best = (off, sample)
+        if off <= 0.025:
+            break
+    chosen = best[1]
     parent_of = {item.entry.name: item.parent for item in plan.layer_order if item.parent is not None}
     return chosen, parent_of
 
@@ -219,6 +235,10 @@ def bench_delta(llm, delta: dict, cases: list[str], args, watch, device_memory, 
                 values = [s[key] for s in got if s.get(key) is not None]
                 if values:
                     times[v][key] = max(values)
+            for key in ("hash_s", "fingerprint_s"):
+                values = [s[key] for s in got if s.get(key) is not None]
+                if values:
+                    times[v][f"{key}_median"] = statistics.median(values)
         results.append({"case": case, "name": DELTA_NAMES[case], "checkpoint": delta[case],
                         "runs": len(samples[case][variants[0]]), "times": times,
                         "ratios": delta_ratios(times)})

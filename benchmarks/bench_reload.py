@@ -129,7 +129,8 @@ def measure(llm, variant: str, path: Path, cuda: bool, full: bool = True) -> dic
 
 def skip_figures(report) -> dict:
     """Layers and bytes the reload skipped, and the bytes it read, where the report says (None: it does not)."""
-    return {key: getattr(report, key, None) for key in ("skipped_layers", "skipped_bytes", "read_bytes")}
+    return {key: getattr(report, key, None)
+            for key in ("skipped_layers", "skipped_bytes", "read_bytes", "hash_s", "fingerprint_s")}
 
 
 def stats(samples: list[float]) -> dict:
@@ -180,6 +181,10 @@ def bench_checkpoint(llm, layout: str, path: Path, args, watch: MemoryWatch, cud
         timings[v]["device_peak_allocated_delta_bytes"] = statistics.median(rises) if rises else None
         if "worker_seconds" in samples[v][0]:
             timings[v]["worker_seconds_median"] = statistics.median(s["worker_seconds"] for s in samples[v])
+        for key in ("hash_s", "fingerprint_s"):  # what recording layer digests costs a full reload
+            values = [s[key] for s in samples[v] if s.get(key) is not None]
+            if values:
+                timings[v][f"{key}_median"] = statistics.median(values)
     file_prediction = predicted.file_order_buffering.peak_buffer_bytes
     peaks = {"largest_layer_bytes": largest,
              "predicted_file_order_bytes": file_prediction,
