@@ -6,7 +6,9 @@ header claims the old digest over new bytes makes the reload keep the old
 layer; what catches it is `reload(..., verify=True)` (`layerwise reload
 --verify`), which compares every live layer with the checkpoint's bytes, and
 `inspect-order --scan` / `reorder`, which hash the bytes against the headers.
-One engine (the demo `multiply` model), started once for the module.
+And the honest case: `reorder`'s header digests let a reload skip every
+unchanged layer without reading it. One engine (the demo `multiply` model),
+started once for the module.
 """
 
 from __future__ import annotations
@@ -106,3 +108,25 @@ def test_verify_catches_a_layer_skipped_on_a_lying_digest(engine):
     # --all reads every byte and loads the liar's true contents.
     forced = reload(llm, str(liar), all_layers=True, verify=True)
     assert forced.verify.ok and forced.skipped_layers == 0
+
+
+def test_reorder_digests_let_a_reload_skip_without_reading(engine, tmp_path):
+    from layerwise_cli.client.local import reload
+    from layerwise_cli.reorder.rewrite import reorder
+
+    llm, good, _ = engine
+    with_digests = tmp_path / "reordered"
+    reorder(str(good), with_digests, max_shard_size=100 * 1024)
+    without = tmp_path / "reordered-plain"
+    reorder(str(good), without, max_shard_size=100 * 1024, digests=False)
+    held = reload(llm, str(good), all_layers=True)
+    layers, nbytes = len(held.layers), held.bytes
+    assert held.skipped_layers == 0 and nbytes > 0
+    # Other shards, the same tensors: every layer skipped from the headers alone, not a byte read.
+    skipped = reload(llm, str(with_digests), verify=True)
+    assert (skipped.skipped_layers, skipped.skipped_bytes, skipped.read_bytes, skipped.digests) == (
+        layers, nbytes, 0, "header")
+    assert skipped.verify.ok
+    # Without header digests the same decision needs every byte read and hashed.
+    hashed = reload(llm, str(without))
+    assert (hashed.skipped_layers, hashed.read_bytes, hashed.digests) == (layers, nbytes, "read")
