@@ -141,8 +141,12 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
     start = time.perf_counter()
     disk_before = process_disk_read_bytes()
     try:
-        with quiet_skipped_layers(skip, model):
-            worker.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
+        if any(item.parent is not None for item in skip.stream):
+            with quiet_skipped_layers(skip, model):
+                worker.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
+        else:
+            # Every layer skipped from the headers: vLLM would only move every layer to meta and back.
+            probe.finish()
     finally:
         progress.write({"event": "end"})
         progress.close()
