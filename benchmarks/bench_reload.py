@@ -402,12 +402,13 @@ def main(argv: list[str] | None = None) -> int:
     json_path = args.out / f"{args.label}.json"
     png_path = args.out / f"{args.label}.png"
     json_path.write_text(json.dumps(data, indent=1))
-    try:
-        write_chart(data, png_path)
-        written = f"{json_path} and {png_path}"
-    except ImportError:  # matplotlib is a dev extra; a GPU machine's vllm venv may lack it
-        log("matplotlib is not installed: no chart")
-        written = str(json_path)
+    written = str(json_path)
+    if data["results"]:  # the chart draws the layouts (none with --layouts "")
+        try:
+            write_chart(data, png_path)
+            written = f"{json_path} and {png_path}"
+        except ImportError:  # matplotlib is a dev extra; a GPU machine's vllm venv may lack it
+            log("matplotlib is not installed: no chart")
     print(render_table(data))
     print(f"\nwrote {written}")
     return 0

@@ -129,10 +129,10 @@ def human_bytes(n: float) -> str:
 def render_table(data: dict) -> str:
     lines = []
     variants = data["args"]["variants"]
+    runs = [r["runs"] for r in data["results"]] or [0]  # --layouts "": the delta cases only
     lines.append(f"{data['label']}: {data['model']['bytes'] / 1e9:.2f} GB, {data['model']['layers']} layers, "
                  f"device {data['engine']['device_name']}, quantization {data['engine']['quantization'] or 'none'}, "
-                 f"{min(r['runs'] for r in data['results'])}-{max(r['runs'] for r in data['results'])} runs "
-                 "per checkpoint (medians, seconds)")
+                 f"{min(runs)}-{max(runs)} runs per checkpoint (medians, seconds)")
     head = f"{'checkpoint':<22}" + "".join(f"{v:>{max(9, len(v) + 1)}}" for v in variants) + \
         f"{'c/a':>7}{'c/max(d,e)':>12}{'nora/c':>8}{'check/c':>9}"
     lines.append(head)
