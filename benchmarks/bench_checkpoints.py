@@ -8,6 +8,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from layerwise_cli.checkpoint.digests import digests_metadata, tensor_digest
 from tests.support.synthetic import SyntheticModel, shard_groups, write_safetensors
 
 LAYOUTS = ("in_order", "split_layer", "trainer_export")
@@ -52,13 +53,20 @@ STAMP = "layerwise-bench.json"
 
 
 def write_bench_checkpoint(folder: Path, model: SyntheticModel, layout: str, tokenizer: Path, data,
-                           shards: int = 4) -> dict:
+                           shards: int = 4, digests: bool = False, variant: str = "") -> dict:
     """A checkpoint of MODEL in LAYOUT's shard grouping, with real values, an index and a tokenizer.
+
+    With `digests`, every shard header carries `layerwise.digests` (each
+    tensor's xxh3-128, as `save_checkpoint` and `reorder` write them). VARIANT
+    names what DATA holds beyond the base values (e.g. which layers it
+    changed), so that a reused folder is the same checkpoint.
 
     A folder that already holds the same checkpoint (its stamp, written last,
     matches) is reused: gpu_check.sh runs the benchmark twice on one set.
     """
     stamp = {"model": model.config(), "layout": layout, "shards": shards, "version": 1}
+    if digests or variant:
+        stamp.update(digests=digests, variant=variant)
     if (folder / STAMP).is_file():
         written = json.loads((folder / STAMP).read_text())
         if written.get("stamp") == stamp:
@@ -73,8 +81,11 @@ def write_bench_checkpoint(folder: Path, model: SyntheticModel, layout: str, tok
     for i, names in enumerate(groups, start=1):
         shard = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
         # Header and data sorted by name, as safetensors' own writer does.
-        write_safetensors(folder / shard, [(n, model.dtype, shapes[n]) for n in sorted(names)], data,
-                          {"format": "pt"})
+        metadata = {"format": "pt"}
+        if digests:
+            metadata.update(digests_metadata({n: tensor_digest(model.dtype, shapes[n], data(n, 2 * numel(shapes[n])))
+                                              for n in names}))
+        write_safetensors(folder / shard, [(n, model.dtype, shapes[n]) for n in sorted(names)], data, metadata)
         for n in names:
             weight_map[n] = shard
             total += 2 * numel(shapes[n])
@@ -85,7 +96,7 @@ def write_bench_checkpoint(folder: Path, model: SyntheticModel, layout: str, tok
         if (tokenizer / name).is_file():
             shutil.copy2(tokenizer / name, folder / name)
     checkpoint = {"path": str(folder), "layout": layout, "shards": len(groups), "bytes": total,
-                  "tensors": len(weight_map)}
+                  "tensors": len(weight_map), "header_digests": digests}
     (folder / STAMP).write_text(json.dumps({"stamp": stamp, "checkpoint": checkpoint}))
     return checkpoint
 

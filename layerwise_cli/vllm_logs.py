@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 # Every reload: vLLM's layerwise reload finds no checkpoint tensors for the
 # rotary cache (it is computed, never stored), puts it back unchanged and
 # warns "RotaryEmbedding: Failed to load weights". Other layers keep the warning.
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+# After a reload that left layers out: "Following weights were not loaded from checkpoint: {...}".
+INPLACE_LOGGER = "vllm.model_executor.model_loader.reload.inplace"
 # Stopping an engine: vLLM's process manager SIGKILLs an engine process still
 # alive 5 s after SIGTERM, and says so, then names each of its worker
 # processes as `kill_process_tree` kills them (another logger); `stop_engine`
@@ -67,6 +70,44 @@ def quiet_force_kill() -> Iterator[None]:
     """Drop vLLM's force-kill notices while a deliberate shutdown runs in this process."""
     loggers = [logging.getLogger(name) for name in (SHUTDOWN_LOGGER, KILL_TREE_LOGGER)]
     drop = _Drop(is_force_kill_notice)
+    for logger in loggers:
+        logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(drop)
+
+
+@contextmanager
+def quiet_skipped_layer_warnings(skipped: Callable[[], Counter]) -> Iterator[None]:
+    """Drop vLLM's warnings about the layers a reload skipped on purpose (unchanged since layerwise loaded them).
+
+    vLLM warns `<Class>: Failed to load weights` for each layer that got no
+    tensor (and puts it back as it was), then lists every parameter not
+    loaded. While this runs, up to `skipped()[Class]` of the first are dropped
+    per class, and the list is dropped once anything was skipped; other
+    layers keep their warnings.
+
+    Args:
+        skipped: class name -> layers of that class skipped so far (read when a line is logged).
+    """
+    dropped: Counter = Counter()
+
+    def test(record: logging.LogRecord) -> bool:
+        if record.name == INPLACE_LOGGER:
+            return str(record.msg).startswith("Following weights were not loaded") and sum(skipped().values()) > 0
+        args = record.args if isinstance(record.args, tuple) else ()
+        if record.msg != "%s: Failed to load weights" or len(args) != 1:
+            return False
+        name = str(args[0])
+        if dropped[name] < skipped().get(name, 0):
+            dropped[name] += 1
+            return True
+        return False
+
+    drop = _Drop(test)
+    loggers = [logging.getLogger(name) for name in (RELOAD_LOGGER, INPLACE_LOGGER)]
     for logger in loggers:
         logger.addFilter(drop)
     try:

@@ -53,3 +53,26 @@ def test_quick_benchmark_writes_consistent_json(tmp_path, demo_models):
     assert export["ratios"]["c_peak_over_layer_prediction"] == 1.0
     assert any(t["target"].startswith("trainer export: c peak = layer-order prediction") and t["met"]
                for t in data["targets"])
+
+    # The delta cases: each checkpoint timed as vLLM's own reload, layerwise and the read limit.
+    delta = data["delta"]
+    assert [r["case"] for r in delta["results"]] == ["f", "g", "g-plain", "h"]
+    assert len(delta["changed_layers"]) == round(0.25 * delta["parent_layers"])
+    for result in delta["results"]:
+        assert set(result["times"]) == {"a", "c", "d"} and result["runs"] == 1
+        assert all(t["median"] > 0 and t["engine_peak_rss_delta_bytes"] >= 0 for t in result["times"].values())
+        assert set(result["ratios"]) == {"c_over_a", "c_over_d"}
+    assert delta["base_reload_s_median"] > 0
+    assert {t["target"].split(":")[0] for t in data["targets"]} >= {
+        "f (25% changed)", "g (identical, header digests)", "g-plain (identical, no header digests)"}
+    assert "delta cases: the engine holds the base checkpoint" in done.stdout
+    # What layerwise skipped and read: nothing of the identical checkpoint with header digests, every byte
+    # without them (to hash), and only the changed layers of f and of the writer's h.
+    total, changed = delta["base"]["bytes"], delta["changed_bytes"]
+    layers, unchanged = delta["parent_layers"], delta["parent_layers"] - len(delta["changed_layers"])
+    got = {r["case"]: r["times"]["c"] for r in delta["results"]}
+    assert (got["g"]["skipped_layers"], got["g"]["read_bytes"], got["g"]["reloaded_bytes"]) == (layers, 0, 0)
+    assert (got["g-plain"]["skipped_layers"], got["g-plain"]["read_bytes"]) == (layers, total)
+    for case in ("f", "h"):
+        assert (got[case]["skipped_layers"], got[case]["read_bytes"], got[case]["reloaded_bytes"]) == (
+            unchanged, changed, changed), case

@@ -105,7 +105,16 @@ def test_reload_b_matches_fresh_b_and_a_comes_back_exactly(engine_a, demo_models
     if quantization is None:
         assert expert_names <= set(wrong.mismatched)
 
-    reload(engine_a, str(demo_models["moe-multiply"]))
+    back = reload(engine_a, str(demo_models["moe-multiply"]))
+    assert back.skipped_layers == 0  # every layer, the experts included, differs from moe-add
+    assert_matches_fresh(engine_a, demo_models["moe-multiply"], prompts(), options=options(quantization), exact=True)
+
+    # The same checkpoint again: every layer, the experts included, is skipped and the answers stay exact
+    # (skipped experts are not re-packed a second time, which would scramble them).
+    again = reload(engine_a, str(demo_models["moe-multiply"]))
+    assert again.skipped_layers == len(again.layers) and {layer.name for layer in experts} <= {
+        layer.name for layer in again.layers if layer.skipped}
+    assert not any("re-packed" in note for note in again.notes)
     assert_matches_fresh(engine_a, demo_models["moe-multiply"], prompts(), options=options(quantization), exact=True)
 
 
@@ -123,7 +132,11 @@ def test_verify_names_the_experts_vllm_own_reload_leaves_unpacked(engine_a, demo
     assert differ > 0
     assert not verify.ok and sorted(verify.mismatched) == [
         "model.layers.0.mlp.experts.routed_experts", "model.layers.1.mlp.experts.routed_experts"]
-    reload(engine_a, str(demo_models["moe-multiply"]))
+    # layerwise last loaded moe-multiply (its records say so): vLLM's reload in between must force the
+    # layers it wrote, the unpacked experts included, to load again.
+    back = reload(engine_a, str(demo_models["moe-multiply"]))
+    assert not any(layer.skipped for layer in back.layers if ".mlp.experts" in layer.name)
+    assert back.stale_layers > 0
     assert_matches_fresh(engine_a, demo_models["moe-multiply"], prompts(), options=options(quantization), exact=True)
 
 

@@ -105,7 +105,8 @@ def test_synthetic_padded_checkpoint_prediction(untied_engine, checkpoints) -> N
     from layerwise_cli.client.local import reload
 
     for order in ("file", "layer"):
-        report = reload(untied_engine, str(checkpoints["synthetic"]), order=order)
+        # The same source twice: all_layers measures the full stream both times (not a skip of everything).
+        report = reload(untied_engine, str(checkpoints["synthetic"]), order=order, all_layers=True)
         _assert_prediction_is_measured(report, checkpoints["synthetic"], order)
         assert report.peak_buffer_bytes > report.largest_layer_bytes
 
@@ -144,7 +145,7 @@ def test_tensor_parallel_two_holds_on_the_last_rank(checkpoints, monkeypatch) ->
     llm = start_engine(str(a), EngineOptions(max_model_len=64, tensor_parallel_size=2))
     try:
         for order in ("layer", "file"):
-            results = call_workers(llm, "layerwise_reload", source=str(b), order=order)
+            results = call_workers(llm, "layerwise_reload", source=str(b), order=order, all_layers=True)
             ranks = [ReloadReport.from_dict(result["report"]) for result in results]
             assert [r.rank for r in ranks] == [0, 1]
             for rank in ranks:
@@ -155,7 +156,7 @@ def test_tensor_parallel_two_holds_on_the_last_rank(checkpoints, monkeypatch) ->
             held = {layer.name for layer in ranks[1].layers if layer.held_to_end}
             assert held == {"model.embed_tokens", "lm_head"}
             assert held == {layer.name for layer in ranks[1].layers if not layer.completed_during_stream}
-            merged = reload(llm, str(b), order=order)
+            merged = reload(llm, str(b), order=order, all_layers=True)
             _assert_prediction_is_measured(merged, b, order, tensor_parallel_size=2)
             assert merged.peak_buffer_bytes == ranks[1].peak_buffer_bytes
     finally:

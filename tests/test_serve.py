@@ -264,6 +264,35 @@ def test_verify_matches_what_a_fresh_server_on_the_source_holds(on_multiply, fre
     assert any(key.endswith("#kernel") for key in after)
 
 
+@pytest.mark.server
+def test_url_reload_skips_what_the_server_holds_and_all_reloads_everything(on_multiply, fresh_add, demo_models):
+    from layerwise_cli.client.remote import server_fingerprints
+
+    def reload_add(*extra: str) -> dict:
+        done = run_cli("reload", "--weights-path", str(demo_models["add"]), "--url", on_multiply.url, "--json",
+                       *extra, env=_with_key())
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)["servers"][0]["report"]
+
+    first = reload_add()
+    assert first["skipped_layers"] == 0 and first["digests"] == "read"  # multiply and add differ everywhere
+    second = reload_add()
+    assert second["skipped_layers"] == len(second["layers"]) and second["bytes"] == 0
+    assert all(layer["skipped"] == "unchanged" for layer in second["layers"])
+    assert second["engine_id"] == first["engine_id"] and len(first["engine_id"]) == 32
+    assert on_multiply.answers(PAIRS) == expected("add")
+    assert server_fingerprints(on_multiply.url, api_key=KEY) == fresh_add.fresh_fingerprints
+    everything = reload_add("--all")
+    assert everything["skipped_layers"] == 0 and everything["all_layers"] is True
+    assert everything["bytes"] == first["bytes"] > 0
+    assert server_fingerprints(on_multiply.url, api_key=KEY) == fresh_add.fresh_fingerprints
+    table = run_cli("reload", "--weights-path", str(demo_models["add"]), "--url", on_multiply.url,
+                    env={**_with_key(), "COLUMNS": "200"})
+    assert table.returncode == 0, table.stderr
+    layers = len(second["layers"])
+    assert f"{layers} of {layers} layers" in table.stdout and "(skipped: unchanged)" in table.stdout
+
+
 def _swap_after_reload(source: Path, replacement: Path):
     """An event hook: once the server reloaded SOURCE, SOURCE's weights become REPLACEMENT's."""
 

@@ -42,8 +42,18 @@ def test_tensor_parallel_two_workers_reload_and_report(demo_models, monkeypatch)
         wrong = verify_engine(llm, str(demo_models["multiply"]))
         assert not wrong.ok and "model.layers.0.self_attn.qkv_proj" in wrong.mismatched
         assert "(worker 1)" in wrong.details["model.layers.0.self_attn.qkv_proj"]
-        reload(llm, str(demo_models["multiply"]))
+        back = reload(llm, str(demo_models["multiply"]))
+        assert back.skipped_layers == 0
         assert greedy_answers(llm, prompts) == [expected_answer("multiply", a, b) for a, b in PAIRS]
         assert engine_state(llm)["checksums"] == before[0]["checksums"]
+        # Each rank keeps its own records (its own shards) under its own engine id: the same checkpoint
+        # again is skipped on both ranks, and the shards stay as they were.
+        again = reload(llm, str(demo_models["multiply"]))
+        assert again.skipped_layers == len(again.layers) and again.bytes == 0
+        ids = [rank.engine_id for rank in again.ranks]
+        assert len(set(ids)) == 2 and ids == [r["engine_id"] for r in call_workers(llm, "layerwise_ping")]
+        assert [rank.skipped_layers for rank in again.ranks] == [len(again.layers)] * 2
+        assert call_workers(llm, "layerwise_checksums")[1]["checksums"] == before[1]["checksums"]
+        assert greedy_answers(llm, prompts) == [expected_answer("multiply", a, b) for a, b in PAIRS]
     finally:
         stop_engine(llm)

@@ -268,3 +268,45 @@ def test_cuda_tensors(tmp_path):
     got = loaded(tmp_path / "g")
     for name, tensor in [*sd.items(), ("model.extra.weight", big)]:
         assert torch.equal(got[name], tensor), name
+
+
+@pytest.mark.gpu
+def test_a_cuda_state_dict_writes_the_cpu_files_byte_for_byte(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU (torch.cuda.is_available() is False)")
+    g = torch.Generator().manual_seed(5)
+    sd = qwen3_like()
+    # Beyond the small ones: a bf16 tensor of several 8 MiB device-to-host pieces with an odd remainder, a
+    # non-contiguous one (made contiguous on the device first), integers, booleans, a scalar and an empty one.
+    sd["model.extra.big.weight"] = torch.randn(3001, 2047, generator=g).to(torch.bfloat16)
+    sd["model.extra.transposed.weight"] = torch.randn(1024, 768, generator=g).to(torch.bfloat16).t()
+    sd["model.extra.ids"] = torch.arange(1000, dtype=torch.int64)
+    sd["model.extra.mask"] = torch.rand(77, generator=g) > 0.5
+    sd["model.extra.scale"] = torch.tensor(0.125)
+    sd["model.extra.empty"] = torch.zeros(0, 8, dtype=torch.float16)
+    save_checkpoint(shuffled(sd, 1), tmp_path / "cpu", config=CONFIG, max_shard_size=2 * 10**6)
+
+    device = torch.device("cuda")
+    on_gpu = {name: (t.t().contiguous().to(device).t() if name.endswith("transposed.weight") else t.to(device))
+              for name, t in sd.items()}
+    assert not on_gpu["model.extra.transposed.weight"].is_contiguous()
+    copies = {name: t.clone() for name, t in on_gpu.items()}
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    saved = save_checkpoint(shuffled(on_gpu, 2), tmp_path / "gpu", config=CONFIG, max_shard_size=2 * 10**6)
+
+    # The same files, byte for byte: layout, headers (digests included), data and index.
+    cpu_files = sorted(p.name for p in (tmp_path / "cpu").iterdir())
+    assert sorted(p.name for p in (tmp_path / "gpu").iterdir()) == cpu_files and len(saved.shards) > 2
+    for name in cpu_files:
+        assert (tmp_path / "gpu" / name).read_bytes() == (tmp_path / "cpu" / name).read_bytes(), name
+    got = loaded(tmp_path / "gpu")
+    for name, tensor in sd.items():
+        assert torch.equal(got[name], tensor.contiguous()), name
+    # The caller's tensors are untouched, still on the device; the device held at most one extra tensor
+    # (the contiguous copy of the transposed one), plus the allocator's rounding.
+    for name, tensor in on_gpu.items():
+        assert tensor.device.type == "cuda" and torch.equal(tensor, copies[name]), name
+    transposed = sd["model.extra.transposed.weight"]
+    assert torch.cuda.max_memory_allocated(device) - before <= transposed.numel() * 2 + (2 << 20)

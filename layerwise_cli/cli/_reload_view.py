@@ -81,6 +81,10 @@ def render_report(report: ReloadReport, title: str = "Reload", top: int = 0) -> 
     table.add_column("buffered", justify="right")
     layers = report.layers[:top] if top else report.layers
     for layer in layers:
+        if layer.skipped:
+            table.add_row(f"{escape(_layer_label(layer.name))} [dim](skipped: {escape(layer.skipped)})[/]",
+                          str(layer.tensors), human_bytes(layer.bytes), "-", "-", "-")
+            continue
         table.add_row(escape(_layer_label(layer.name)) + ("" if layer.completed_during_stream else " (finalize)"),
                       str(layer.tensors), human_bytes(layer.bytes), human_seconds(layer.load_s),
                       human_seconds(layer.process_s), human_bytes(layer.buffered_bytes_at_completion))
@@ -104,6 +108,7 @@ def render_report(report: ReloadReport, title: str = "Reload", top: int = 0) -> 
     verdict = "matches" if report.matches_prediction else "[yellow]DIFFERS from[/]"
     summary.add_row("predicted", f"{human_bytes(report.predicted_peak_buffer_bytes)} ({verdict} the measurement)")
     summary.add_row("read-ahead", f"{human_bytes(report.readahead_peak_bytes)} held at most, on top of the buffers")
+    summary.add_row("skipped", skipped_line(report))
     for note in report.notes:
         summary.add_row("note", escape(note))
     if report.unexpected:
@@ -111,6 +116,22 @@ def render_report(report: ReloadReport, title: str = "Reload", top: int = 0) -> 
     stdout.print(summary)
     if len(report.ranks) > 1:
         render_ranks(report)
+
+
+def skipped_line(report: ReloadReport) -> str:
+    """`3 of 19 layers (1.00 MiB) unchanged, kept by the engine; digests from the shard headers: not read`."""
+    total = len(report.layers)
+    if report.all_layers:
+        return f"none (--all: every layer reloaded and recorded; engine {report.engine_id or '-'})"
+    if report.digests == "none":
+        return "none (no records kept)"
+    how = {"header": "digests from the shard headers: skipped layers not read",
+           "read": "digests hashed as read", "mixed": "digests from headers where present, else hashed as read"}
+    line = (f"{report.skipped_layers} of {total} layers ({human_bytes(report.skipped_bytes)}) unchanged, kept by "
+            f"the engine; {how.get(report.digests, report.digests)}")
+    if report.stale_layers:
+        line += f"; {report.stale_layers} changed in the engine since recorded: reloaded"
+    return line
 
 
 def render_ranks(report: ReloadReport) -> None:

@@ -47,6 +47,9 @@ def reload_command(
     allow_partial: Annotated[bool, typer.Option("--allow-partial", help="Accept a checkpoint that covers "
                                                 "only some parameters.")] = False,
     allow_nonfinite: AllowNonfiniteOpt = False,
+    all_layers: Annotated[bool, typer.Option("--all", help="Reload every layer. By default a layer the engine "
+                                             "already holds (same bytes as when layerwise last loaded it, "
+                                             "untouched since) is skipped.")] = False,
     readahead: Annotated[bool, typer.Option("--readahead/--no-readahead", help="Read the next layer while the "
                                             "engine processes the current one.")] = True,
     revision: RevisionOpt = None,
@@ -112,7 +115,7 @@ def reload_command(
             raise UsageError(f"{', '.join(given)} set the engine this command starts; with --url the servers "
                              "already run with the options they were started with")
         options = RemoteOptions(order=order, allow_partial=allow_partial, allow_nonfinite=allow_nonfinite,
-                                readahead=readahead, revision=revision,
+                                all_layers=all_layers, readahead=readahead, revision=revision,
                                 pause_mode=pause_mode or "wait", weight_version=weight_version, api_key=api_key,
                                 verify=verify, timeout=timeout if timeout is not None else 600.0)
         raise typer.Exit(reload_remote(url, weights_path, options, as_json=as_json, top=top))
@@ -151,7 +154,7 @@ def reload_command(
         report = run_with_progress(
             lambda path: reload_as(llm, source_dir, weights_path, order=order, allow_partial=allow_partial,
                                    readahead=readahead, allow_nonfinite=allow_nonfinite, progress_path=path,
-                                   verify=verify, on_verify=on_verify),
+                                   verify=verify, on_verify=on_verify, all_layers=all_layers),
             None if as_json else new_progress_path(), f"reload {weights_path}", show=not as_json)
     finally:
         # Shut the engine down now: left to interpreter exit, multiprocessing

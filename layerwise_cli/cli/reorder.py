@@ -29,10 +29,18 @@ def reorder_command(
     ] = False,
     verify: Annotated[
         bool,
-        typer.Option("--verify", help="Re-read every tensor from the destination and compare its SHA-256 with the "
+        typer.Option("--verify", help="Re-read every tensor from the destination and compare its digest with the "
                      "source's before putting it in place, and check every floating tensor for NaN/Inf; exit 1 "
-                     "on any difference or non-finite value."),
+                     "on any difference, a source header digest that does not match its bytes, or a non-finite "
+                     "value."),
     ] = False,
+    digests: Annotated[
+        bool,
+        typer.Option("--digests/--no-digests", help="Write each tensor's xxh3-128 digest in its shard's header "
+                     "(layerwise.digests), taken from the bytes as they are copied, so that a reload can skip "
+                     "unchanged layers from the headers alone; a source's own header digests are checked against "
+                     "its bytes in the same pass."),
+    ] = True,
     allow_nonfinite: AllowNonfiniteOpt = False,
     revision: RevisionOpt = None,
     mapping: MappingOpt = "auto",
@@ -65,12 +73,12 @@ def reorder_command(
         if as_json:
             _quiet_hub_progress()
             result = reorder(source, destination, max_shard_size=limit, force=force, verify=verify,
-                             revision=revision, mapping=mapping, allow_nonfinite=allow_nonfinite)
+                             revision=revision, mapping=mapping, allow_nonfinite=allow_nonfinite, digests=digests)
         else:
             with _Progress() as bar:
                 result = reorder(source, destination, max_shard_size=limit, force=force, verify=verify,
                                  revision=revision, mapping=mapping, progress=bar.update,
-                                 allow_nonfinite=allow_nonfinite)
+                                 allow_nonfinite=allow_nonfinite, digests=digests)
     except ReorderInterrupted as stop:
         state = ("the new checkpoint was already in place" if stop.committed
                  else "nothing was written there and temporary files were removed")
@@ -175,8 +183,12 @@ def render(data: dict) -> None:
     if data["metadata_conflicts"]:
         summary.add_row("metadata", "source shards disagree on " + escape(", ".join(data["metadata_conflicts"]))
                         + "; kept the first shard's value")
+    checked = (f"; the source's header digests matched its bytes ({data['source_digests_checked']} tensors)"
+               if data["source_digests_checked"] else "")
+    summary.add_row("digests", ("layerwise.digests (xxh3-128) in every shard header" if data["digests"]
+                                else "none written (--no-digests)") + checked)
     nonfinite = data["nonfinite"]
-    summary.add_row("verify", ("every tensor's SHA-256 matches the source; "
+    summary.add_row("verify", ("every tensor's digest matches the source; "
                                + (f"{len(nonfinite)} tensor(s) hold NaN/Inf (allowed), first: "
                                   f"{escape(nonfinite[0]['name'])}" if nonfinite else "no NaN/Inf"))
                     if data["verified"]

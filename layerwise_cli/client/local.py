@@ -150,7 +150,7 @@ def call_workers(llm, method: str, **kwargs) -> list[dict]:
 
 def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = False, readahead: bool = True,
            revision: str | None = None, progress_path: str | None = None, verify: bool = False,
-           allow_nonfinite: bool = False) -> ReloadReport:
+           allow_nonfinite: bool = False, all_layers: bool = False) -> ReloadReport:
     """Reload SOURCE into a running `vllm.LLM`, in layer order, and report what it cost.
 
     The engine must have been built with
@@ -171,6 +171,11 @@ def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = Fals
             engine holds exactly what vLLM makes of SOURCE (`verify_engine`).
         allow_nonfinite: load tensors holding NaN or Inf (by default refused,
             naming the file and tensor, and the engine rolled back).
+        all_layers: hand every parent layer to vLLM. By default a layer the
+            engine already holds is skipped: its source digest (from the
+            shard headers, else hashed as read) equals the one each worker
+            recorded when layerwise last loaded it, and its state in the
+            engine has not changed since (`report.skipped_layers`).
 
     Returns:
         The merged report of all workers; with `verify`, `report.verify` holds
@@ -185,7 +190,8 @@ def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = Fals
             (refused and rolled back unless `allow_nonfinite`).
     """
     per_worker = reload_workers(llm, source, order=order, allow_partial=allow_partial, readahead=readahead,
-                                revision=revision, progress_path=progress_path, allow_nonfinite=allow_nonfinite)
+                                revision=revision, progress_path=progress_path, allow_nonfinite=allow_nonfinite,
+                                all_layers=all_layers)
     verification = None
     if verify:
         verification = verify_engine(llm, source, revision)
@@ -197,7 +203,7 @@ def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = Fals
 
 def reload_workers(llm, source: str, *, order: str = "layer", allow_partial: bool = False, readahead: bool = True,
                    revision: str | None = None, progress_path: str | None = None,
-                   allow_nonfinite: bool = False) -> list[ReloadReport]:
+                   allow_nonfinite: bool = False, all_layers: bool = False) -> list[ReloadReport]:
     """Reload SOURCE on every worker of LLM and reset its prefix cache; the workers' own reports.
 
     `reload` without verification or merging, for callers that build the
@@ -207,7 +213,7 @@ def reload_workers(llm, source: str, *, order: str = "layer", allow_partial: boo
     Args:
         llm: the engine (see `reload`).
         source: a checkpoint directory or file the workers can read, or a Hub repo id.
-        order, allow_partial, readahead, revision, progress_path, allow_nonfinite: as for `reload`.
+        order, allow_partial, readahead, revision, progress_path, allow_nonfinite, all_layers: as for `reload`.
 
     Returns:
         One report per worker, in rank order.
@@ -217,7 +223,7 @@ def reload_workers(llm, source: str, *, order: str = "layer", allow_partial: boo
     """
     results = call_workers(llm, "layerwise_reload", source=source, order=order, allow_partial=allow_partial,
                            readahead=readahead, revision=revision, progress_path=progress_path,
-                           allow_nonfinite=allow_nonfinite)
+                           allow_nonfinite=allow_nonfinite, all_layers=all_layers)
     per_worker = worker_reports(results)
     # KV blocks cached under the old weights must not serve prompts under the new ones.
     llm.reset_prefix_cache()

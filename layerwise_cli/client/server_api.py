@@ -34,6 +34,8 @@ class RemoteOptions:
     revision: str | None = None
     # Load tensors holding NaN or Inf (refused by default, before the layer is handed over).
     allow_nonfinite: bool = False
+    # Hand every layer over, also those the engine already holds (skipped by default).
+    all_layers: bool = False
     # wait: let in-flight requests finish, queue new ones; keep: freeze in-flight
     # requests and continue them after the reload; abort: abort in-flight
     # requests; none: do not pause.
@@ -227,6 +229,8 @@ class ServerClient:
         if options.allow_nonfinite:
             # Sent only when set: a server running an older extension still takes the default call.
             kwargs["allow_nonfinite"] = True
+        if options.all_layers:
+            kwargs["all_layers"] = True
         try:
             engines = self.engines_rpc("layerwise_reload", kwargs)
         except _ServerError as exc:

@@ -66,7 +66,8 @@ def prepare_sources(source: str, base: str | None, revision: str | None, quiet: 
 
 def reload_as(llm, local_source: str, shown_as: str, *, order: str = "layer", allow_partial: bool = False,
               readahead: bool = True, allow_nonfinite: bool = False, progress_path: str | None = None,
-              verify: bool = False, on_verify: Callable[[], None] | None = None) -> ReloadReport:
+              verify: bool = False, on_verify: Callable[[], None] | None = None,
+              all_layers: bool = False) -> ReloadReport:
     """Reload LOCAL_SOURCE into the engine and build the report once, under the name the user gave.
 
     The command downloads a Hub repo first (with a progress bar) and hands the
@@ -76,7 +77,7 @@ def reload_as(llm, local_source: str, shown_as: str, *, order: str = "layer", al
         llm: the engine (built with layerwise's worker extension).
         local_source: the checkpoint as the workers read it (a local path).
         shown_as: the source as the user named it (a path or Hub repo id), for the report.
-        order, allow_partial, readahead, allow_nonfinite: as for `layerwise_cli.reload`.
+        order, allow_partial, readahead, allow_nonfinite, all_layers: as for `layerwise_cli.reload`.
         progress_path: a file the first worker appends per-layer progress to; removed afterwards.
         verify: check the engine against LOCAL_SOURCE after the reload; the report
             carries the result, passed or not (the caller decides what a failure means).
@@ -91,7 +92,7 @@ def reload_as(llm, local_source: str, shown_as: str, *, order: str = "layer", al
     try:
         per_worker = reload_workers(llm, local_source, order=order, allow_partial=allow_partial,
                                     readahead=readahead, progress_path=progress_path,
-                                    allow_nonfinite=allow_nonfinite)
+                                    allow_nonfinite=allow_nonfinite, all_layers=all_layers)
     finally:
         if progress_path:
             Path(progress_path).unlink(missing_ok=True)

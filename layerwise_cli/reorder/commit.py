@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 from layerwise_cli.checkpoint.chunks import CHUNK_BYTES, read_chunks
+from layerwise_cli.checkpoint.digests import METADATA_KEY, TensorHasher, header_digests
 from layerwise_cli.checkpoint.layout import WEIGHT_INDEX_SUFFIXES, WEIGHT_SUFFIXES
 from layerwise_cli.checkpoint.sources import Checkpoint, open_checkpoint
 from layerwise_cli.errors import LayerwiseError
@@ -76,14 +76,25 @@ def check_written(
     dst: Path,
     hashes: dict[str, str],
     progress: Callable[[ReorderProgress], None] | None,
+    *,
+    digests: bool = False,
+    verify: bool = False,
 ) -> OrderReport:
-    """Re-read what was written: headers, tensor set, the order vLLM reads, and (verify) every tensor's bytes."""
+    """Re-read what was written: headers, tensor set, the order vLLM reads, and (verify) every tensor's bytes.
+
+    HASHES are the digests taken from SRC's bytes as they were copied. With
+    `digests`, every written header must carry exactly those (headers only, no
+    data read); with `verify`, every tensor's bytes are re-read and hashed
+    against them, and against the header's digest where there is one.
+    """
     written = replace(open_checkpoint(str(out)), source=str(dst))
     wanted = {(t.name, t.dtype, t.shape) for t in checkpoint.tensors}
     got = {(t.name, t.dtype, t.shape) for t in written.tensors}
     if wanted != got:
         missing = sorted(n for n, *_ in wanted - got) + sorted(n for n, *_ in got - wanted)
         raise LayerwiseError(f"written tensors differ from the source's, first: {missing[0]!r}", where=str(dst))
+    if digests:
+        _check_header_digests(written, hashes, dst)
     after_plan = build_plan(written, plan.mapping)
     after = OrderReport(after_plan, after_plan.simulate("file"), after_plan.simulate("layer"))
     # The least any order buffers: the largest layer, or the layers vLLM holds to the end together.
@@ -107,9 +118,22 @@ def check_written(
             "please report this",
             where=str(dst),
         )
-    if hashes:
+    if verify:
         verify_bytes(written, out, hashes, dst, progress)
     return after
+
+
+def _check_header_digests(written: Checkpoint, hashes: dict[str, str], dst: Path) -> None:
+    """Every written header carries the digests taken from the source's bytes, and nothing else."""
+    for shard in written.shards:
+        carried = header_digests(shard, where=str(dst / shard.name))
+        if carried is None:
+            raise LayerwiseError(f"internal error: {shard.name} carries no {METADATA_KEY}; please report this",
+                                 where=str(dst))
+        wrong = sorted(name for name, digest in carried.items() if hashes.get(name) != digest)
+        if wrong:
+            raise LayerwiseError(f"internal error: {shard.name}'s {METADATA_KEY} digest of {wrong[0]} is not the one "
+                                 "taken from the source's bytes; please report this", where=str(dst))
 
 
 def verify_bytes(
@@ -119,7 +143,12 @@ def verify_bytes(
     dst: Path,
     progress: Callable[[ReorderProgress], None] | None,
 ) -> None:
-    """Re-read every written tensor and compare its sha256 with the one taken from SRC as it was copied."""
+    """Re-read every written tensor and compare its digest with the one taken from SRC as it was copied.
+
+    The digest is `checkpoint.digests`' (xxh3-128 of dtype, shape and bytes),
+    the one written headers carry (`check_written` made sure they carry these):
+    a tensor whose bytes differ from SRC's also differs from its header digest.
+    """
     total = written.total_bytes
     done = 0
     buf = bytearray(CHUNK_BYTES)
@@ -128,7 +157,7 @@ def verify_bytes(
         fd = os.open(out / shard.name, os.O_RDONLY)
         try:
             for entry in sorted(shard.tensors, key=lambda t: t.begin):
-                hasher = hashlib.sha256()
+                hasher = TensorHasher(entry.dtype, entry.shape)
                 for view in read_chunks(fd, shard.data_start + entry.begin, entry.nbytes, buf, tensor=entry.name,
                                         where=str(dst / shard.name)):
                     hasher.update(view)

@@ -36,12 +36,14 @@ class ReorderResult:
     bytes_written: int  # file bytes: headers and tensor data
     files_copied: list[str]
     files_skipped: list[str]
-    verified: bool  # every tensor's bytes re-read from DST and matched against SRC (sha256)
+    verified: bool  # every tensor's bytes re-read from DST and matched against SRC (xxh3-128 tensor digests)
     replaced: bool  # an existing DST was replaced (--force)
     seconds: float
     metadata_conflicts: list[str] = field(default_factory=list)
     # With verify: tensors holding NaN or Inf (written only with allow_nonfinite).
     nonfinite: list[NonFinite] = field(default_factory=list)
+    digests: bool = False  # every DST header carries `layerwise.digests`
+    source_digests_checked: int = 0  # tensors whose SRC header digest matched the bytes copied
 
     def to_dict(self) -> dict:
         """JSON-ready data: integers for bytes, seconds as a float."""
@@ -76,6 +78,8 @@ class ReorderResult:
             "files_skipped": self.files_skipped,
             "metadata_conflicts": self.metadata_conflicts,
             "verified": self.verified,
+            "digests": self.digests,
+            "source_digests_checked": self.source_digests_checked,
             "nonfinite": [found.to_dict() for found in self.nonfinite],
             "replaced": self.replaced,
             "seconds": self.seconds,

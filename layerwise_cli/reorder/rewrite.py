@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from layerwise_cli.checkpoint.digests import METADATA_KEY
 from layerwise_cli.checkpoint.finite import NonFinite
 from layerwise_cli.checkpoint.sources import Checkpoint, open_checkpoint
 from layerwise_cli.errors import LayerwiseError
@@ -41,6 +42,7 @@ def reorder(
     mapping: str = "auto",
     progress: Callable[[ReorderProgress], None] | None = None,
     allow_nonfinite: bool = False,
+    digests: bool = True,
 ) -> ReorderResult:
     """Rewrite SOURCE into DESTINATION so that vLLM's loader reads complete parent layers one after another.
 
@@ -48,9 +50,15 @@ def reorder(
     file: memory stays a few MiB whatever the checkpoint's size. Everything is
     written to a temporary directory beside DESTINATION, fsynced, checked
     (headers re-read, tensor set and layer order re-planned, and with
-    `verify` every tensor's sha256 compared with the source's), and only
+    `verify` every tensor's digest compared with the source's), and only
     then renamed into place. SIGINT/SIGTERM remove the temporary directory
     and raise `ReorderInterrupted`.
+
+    With `digests` (the default) every shard's header carries its tensors'
+    digests (`layerwise.digests`, see `checkpoint.digests`), taken from the
+    bytes as they are copied; a source shard that carries digests (written by
+    `save_checkpoint` or an earlier reorder) has each tensor's bytes checked
+    against them in the same pass, and a difference stops the rewrite.
 
     Args:
         source: a `.safetensors` file, a directory, or a Hub repo id (shards
@@ -59,14 +67,17 @@ def reorder(
         max_shard_size: the most tensor bytes per shard (see `plan_shards`).
         force: replace an existing DESTINATION (old one removed only after
             the new one is in place).
-        verify: re-read every tensor from DESTINATION and compare its sha256
-            with the bytes read from SOURCE; any difference is an error and
+        verify: re-read every tensor from DESTINATION and compare its digest
+            (xxh3-128) with the bytes read from SOURCE, and check the source's
+            header digests where it has them; any difference is an error and
             nothing is put in place. In the same pass, every floating tensor
             is checked for NaN and Inf: one is an error too, unless
             `allow_nonfinite` (then the result lists them).
         revision: Hub branch, tag or commit.
         mapping: how tensors map to parent layers (see `mapping_for_config`).
         progress: called with a `ReorderProgress` as bytes are written.
+        digests: write per-tensor digests in every shard header (False: none;
+            a source's own digests are then dropped unchecked unless `verify`).
 
     Returns:
         The shards written and the file-order buffering before and after.
@@ -101,11 +112,11 @@ def reorder(
             out.mkdir()
             copied, skipped = copy_other_files(checkpoint, out, tmp)
             nonfinite: list[NonFinite] = []
-            hashes, bytes_written = write_shards(checkpoint, shards, metadata, out, tmp, verify, progress,
-                                                 allow_nonfinite, nonfinite)
+            copy = write_shards(checkpoint, shards, metadata, out, tmp, verify, progress, allow_nonfinite,
+                                nonfinite, digests=digests)
             write_index(checkpoint, shards, out)
             fsync_dir(out)
-            after = check_written(checkpoint, plan, out, dst, hashes, progress)
+            after = check_written(checkpoint, plan, out, dst, copy.digests, progress, digests=digests, verify=verify)
             with guard.hold():
                 replaced = commit(out, dst, tmp, force)
         except OSError as exc:
@@ -121,18 +132,25 @@ def reorder(
             raise ReorderInterrupted(guard.pending, committed=True)
     return ReorderResult(
         source=checkpoint.source, revision=checkpoint.revision, destination=dst, max_shard_size=max_shard_size,
-        before=before, after=after, shards=shards, bytes_written=bytes_written, files_copied=copied,
+        before=before, after=after, shards=shards, bytes_written=copy.bytes_written, files_copied=copied,
         files_skipped=skipped, verified=verify, replaced=replaced, seconds=time.perf_counter() - started,
-        metadata_conflicts=conflicts, nonfinite=nonfinite,
+        metadata_conflicts=conflicts, nonfinite=nonfinite, digests=digests,
+        source_digests_checked=copy.source_digests_checked,
     )
 
 
 def _merged_metadata(checkpoint: Checkpoint) -> tuple[dict[str, str], list[str]]:
-    """The shards' `__metadata__` merged (first value wins), and the keys whose values differ between shards."""
+    """The shards' `__metadata__` merged (first value wins), and the keys whose values differ between shards.
+
+    A shard's digests (`layerwise.digests`) name that shard's tensors only: they
+    are never carried over (each new shard gets its own, or none).
+    """
     merged: dict[str, str] = {}
     conflicts: list[str] = []
     for shard in checkpoint.shards:
         for key, value in shard.metadata.items():
+            if key == METADATA_KEY:
+                continue
             if key in merged and merged[key] != value and key not in conflicts:
                 conflicts.append(key)
             merged.setdefault(key, value)

@@ -1,16 +1,27 @@
-"""Write a rewritten checkpoint's shards: headers first, then tensor bytes copied raw from the source's shards."""
+"""Write a rewritten checkpoint's shards: headers first, then tensor bytes copied raw from the source's shards.
+
+Header digests (`layerwise.digests`, see `checkpoint.digests`) are taken from
+the bytes as they are copied, with no pass of their own. A shard's header must
+be written before its data (the header's length places the data section), and
+its tensors arrive from several source shards in any order; but a digest is
+always 32 hex digits, so the header is first written with a placeholder of the
+same length for every digest (`PLACEHOLDER`, which no reader accepts as a
+digest) and rewritten in place, byte for byte the same length, once the shard's
+last tensor has been copied and before the shard is fsync'd. A shard whose
+copy did not finish is never put in place, so no placeholder ever survives.
+"""
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from layerwise_cli.checkpoint.chunks import CHUNK_BYTES, read_chunks
+from layerwise_cli.checkpoint.digests import DigestMismatch, TensorHasher, digests_metadata, header_digests
 from layerwise_cli.checkpoint.finite import ByteScan, NonFinite
 from layerwise_cli.checkpoint.header import ShardHeader, TensorEntry, encode_header, read_shard_header
 from layerwise_cli.checkpoint.hub import HubFetcher
@@ -19,6 +30,20 @@ from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.reorder.result import ReorderProgress
 from layerwise_cli.reorder.shards import PlannedShard
+
+
+@dataclass(frozen=True)
+class CopyResult:
+    """What `write_shards` copied."""
+
+    digests: dict[str, str]  # tensor name -> digest of the bytes read from SRC (empty when not hashing)
+    bytes_written: int  # headers and tensor data
+    source_digests_checked: int  # tensors whose SRC header digest was compared with their bytes (all matched)
+
+
+# What a destination header holds for each digest until its shard is complete: as long as a digest, and not
+# hex (`header_digests` refuses it), so a header left unpatched by a bug could never pass for a real one.
+PLACEHOLDER = "-" * 32
 
 
 def shard_header(shard: PlannedShard, metadata: dict[str, str]) -> tuple[bytes, dict[str, tuple[int, int]]]:
@@ -68,19 +93,29 @@ def write_shards(
     progress: Callable[[ReorderProgress], None] | None,
     allow_nonfinite: bool = False,
     nonfinite: list[NonFinite] | None = None,
-) -> tuple[dict[str, str], int]:
+    digests: bool = False,
+) -> CopyResult:
     """Create every DST shard (header, space reserved), then copy tensors in, one SRC shard at a time.
 
-    With `verify`, each tensor's bytes are hashed and checked for NaN/Inf as
-    they are copied; a non-finite tensor is refused unless `allow_nonfinite`,
-    and then appended to `nonfinite`.
+    With `digests` or `verify`, each tensor's digest (`checkpoint.digests`) is
+    taken from its bytes as they are copied, and checked against the digest
+    the source shard's header gives, if it gives one: a difference is an
+    error (the source's bytes are not what its writer wrote). With `digests`,
+    each DST header carries them (see the module docstring). With `verify`,
+    each floating tensor is also checked for NaN/Inf as it is copied; a
+    non-finite tensor is refused unless `allow_nonfinite`, and then appended
+    to `nonfinite`.
     """
+    hashing = digests or verify
     # Where each tensor goes: DST shard, absolute file offset.
     target: dict[str, tuple[PlannedShard, int]] = {}
     remaining: dict[str, int] = {}
+    headers: dict[str, bytes] = {}
+    by_name = {shard.name: shard for shard in shards}
     bytes_written = 0
     for shard in shards:
-        header, offsets = shard_header(shard, metadata)
+        header, offsets = shard_header(shard, _shard_metadata(shard, metadata, {} if digests else None))
+        headers[shard.name] = header
         path = out / shard.name
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -97,6 +132,7 @@ def write_shards(
     done_bytes = 0
     done_shards = 0
     hashes: dict[str, str] = {}
+    source_checked = 0
     buf = bytearray(CHUNK_BYTES)
     # Fetch source shards in the order the plan needs them: the one holding the earliest destination tensor first.
     rank = {entry.name: i for i, entry in enumerate(t for s in shards for t in s.tensors)}
@@ -117,6 +153,10 @@ def write_shards(
             local = _local_header(path, src_shard, checkpoint)
         else:
             path, delete, local = checkpoint.shard_path(src_shard), False, src_shard
+        # What the source's writer says each tensor's bytes hash to (None: it says nothing).
+        # Errors name the shard as the user knows it: its file, or its place in the Hub repo.
+        named = f"{checkpoint.source}/{src_shard.name}" if fetcher is not None else str(path)
+        claimed = header_digests(local, where=named) if hashing else None
         src_fd = os.open(path, os.O_RDONLY)
         try:
             by_dst: dict[str, list[TensorEntry]] = {}
@@ -126,7 +166,7 @@ def write_shards(
                 dst_fd = os.open(out / dst_name, os.O_WRONLY)
                 try:
                     for entry in entries:
-                        hasher = hashlib.sha256() if verify else None
+                        hasher = TensorHasher(entry.dtype, entry.shape) if hashing else None
                         scan = ByteScan(entry.dtype) if verify else None
                         src_at = local.data_start + entry.begin
                         dst_at = target[entry.name][1]
@@ -134,6 +174,7 @@ def write_shards(
                         for view in read_chunks(src_fd, src_at, entry.nbytes, buf, tensor=entry.name, where=str(path)):
                             if hasher is not None:
                                 hasher.update(view)
+                            if scan is not None:
                                 scan.update(view)
                             write_chunk(dst_fd, view, dst_at + copied)
                             copied += len(view)
@@ -141,16 +182,22 @@ def write_shards(
                             report("write", dst_name)
                         if hasher is not None:
                             hashes[entry.name] = hasher.hexdigest()
-                            if scan.found:
-                                found = NonFinite(entry.name, src_shard.name, scan.nan, scan.inf)
-                                if not allow_nonfinite:
-                                    raise LayerwiseError(
-                                        f"--verify: {found.describe()}; refusing, nothing was put in place "
-                                        "(use --allow-nonfinite to write it anyway)", where=str(path))
-                                if nonfinite is not None:
-                                    nonfinite.append(found)
+                            if claimed is not None:
+                                _check_claim(entry.name, src_shard.name, claimed[entry.name], hashes[entry.name],
+                                             named)
+                                source_checked += 1
+                        if scan is not None and scan.found:
+                            found = NonFinite(entry.name, src_shard.name, scan.nan, scan.inf)
+                            if not allow_nonfinite:
+                                raise LayerwiseError(
+                                    f"--verify: {found.describe()}; refusing, nothing was put in place "
+                                    "(use --allow-nonfinite to write it anyway)", where=str(path))
+                            if nonfinite is not None:
+                                nonfinite.append(found)
                         remaining[dst_name] -= 1
                     if remaining[dst_name] == 0:
+                        if digests:
+                            _patch_header(dst_fd, by_name[dst_name], hashes, headers[dst_name], metadata, out)
                         os.fsync(dst_fd)
                         done_shards += 1
                         report("write", dst_name)
@@ -160,7 +207,33 @@ def write_shards(
             os.close(src_fd)
             if delete:
                 path.unlink(missing_ok=True)
-    return hashes, bytes_written + total
+    return CopyResult(hashes if hashing else {}, bytes_written + total, source_checked)
+
+
+def _shard_metadata(shard: PlannedShard, metadata: dict[str, str], digests: dict[str, str] | None) -> dict[str, str]:
+    """A DST shard's `__metadata__`: the source's (without its digests), and with DIGESTS, digests (placeholders for
+    the tensors not given)."""
+    if digests is None:
+        return metadata
+    return {**metadata, **digests_metadata({t.name: digests.get(t.name, PLACEHOLDER) for t in shard.tensors})}
+
+
+def _patch_header(fd: int, shard: PlannedShard, hashes: dict[str, str], written: bytes, metadata: dict[str, str],
+                  out: Path) -> None:
+    """Rewrite a complete DST shard's header over the placeholder one: same length, so no byte of data moves."""
+    header, _ = shard_header(shard, _shard_metadata(shard, metadata, {t.name: hashes[t.name] for t in shard.tensors}))
+    if len(header) != len(written):  # pragma: no cover - digests and placeholders have one length
+        raise LayerwiseError(f"internal error: the header with digests is {len(header)} bytes, not "
+                             f"{len(written)}; please report this", where=str(out / shard.name))
+    write_chunk(fd, header, 0)
+
+
+def _check_claim(tensor: str, shard: str, claimed: str, actual: str, where: str) -> None:
+    """Refuse to copy bytes that do not hash to the digest the source's own header gives them."""
+    if claimed != actual:
+        found = DigestMismatch(tensor, shard, claimed, actual)
+        raise LayerwiseError(f"{found.describe()}: the source is corrupt or its digests are wrong; nothing was put "
+                             "in place", where=where)
 
 
 def _local_header(path: Path, remote: ShardHeader, checkpoint: Checkpoint) -> ShardHeader:

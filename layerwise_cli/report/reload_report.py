@@ -28,6 +28,8 @@ class LayerReport:
     completed_during_stream: bool = True
     # Why the plan expected vLLM to hold it to the end (None: expected to complete).
     held_to_end: str | None = None
+    # Why it was not handed to vLLM at all (`unchanged`: the engine already holds these bytes); None: reloaded.
+    skipped: str | None = None
 
     @property
     def seconds(self) -> float:
@@ -47,6 +49,8 @@ class RankSummary:
         peak_buffer_bytes, predicted_peak_buffer_bytes: its measured and predicted buffer peak.
         wall_s: its reload's wall time.
         elsewhere_tensors: tensors of the source that other ranks hold (not read here).
+        engine_id: the id of the worker process's records (new in every engine process).
+        skipped_layers: parent layers it skipped, unchanged since layerwise loaded them.
     """
 
     rank: int | None
@@ -65,6 +69,8 @@ class RankSummary:
     wall_s: float
     # Tensors of the source other ranks hold (another pipeline stage, other experts): not read here.
     elsewhere_tensors: int = 0
+    engine_id: str | None = None
+    skipped_layers: int = 0
 
     @classmethod
     def of(cls, report: ReloadReport) -> RankSummary:
@@ -74,7 +80,8 @@ class RankSummary:
                    bytes=report.bytes, tensors=report.tensors, disk_read_bytes=report.disk_read_bytes,
                    peak_buffer_bytes=report.peak_buffer_bytes,
                    predicted_peak_buffer_bytes=report.predicted_peak_buffer_bytes, wall_s=report.wall_s,
-                   elsewhere_tensors=report.elsewhere_tensors)
+                   elsewhere_tensors=report.elsewhere_tensors, engine_id=report.engine_id,
+                   skipped_layers=report.skipped_layers)
 
     def label(self) -> str:
         """`rank 1 (pp 1, tp 0, dp 0)`."""
@@ -120,6 +127,20 @@ class ReloadReport:
             measurable; page-cache hits do not count).
         ranks: in a merged report, every worker (`RankSummary`), in (dp, pp, tp) order.
         engines: data-parallel engines merged into this report.
+        skipped_layers: parent layers not handed to vLLM because the engine already held their bytes
+            (`layers[].skipped`); vLLM kept them as they were.
+        skipped_bytes: their bytes in the source (never read when the headers carry digests).
+        read_bytes: bytes of tensor data this worker read from SOURCE (merged: the most one worker read;
+            None: not measured).
+        engine_id: the id of the worker's records, made once per worker process (a restarted engine has a
+            new one and no records); in a merged report the first worker's (every worker's in `ranks`).
+        all_layers: every layer was handed over whatever the records said (`--all`).
+        digests: where the layer digests came from: `header` (the shards' `layerwise.digests`, no read
+            needed), `read` (hashed as read), `mixed`, or `none` (no records kept).
+        stale_layers: layers whose source digest matched the record but whose state in the engine had
+            changed since (another reload, a rollback): reloaded.
+        hash_s: seconds the reading thread spent hashing bytes (no header digests).
+        fingerprint_s: seconds spent taking the layers' fingerprints (before deciding, and after loading).
         gb_per_s: `bytes` over `wall_s`, in GB/s (a property).
         peak_over_largest: `peak_buffer_bytes` over `largest_layer_bytes` (a property).
         matches_prediction: whether the measured peak equals the predicted one (a property).
@@ -156,6 +177,15 @@ class ReloadReport:
     # A merged report: every worker, in (dp, pp, tp) order; the data-parallel engines merged.
     ranks: list[RankSummary] = field(default_factory=list)
     engines: int = 1
+    skipped_layers: int = 0
+    skipped_bytes: int = 0
+    read_bytes: int | None = None
+    engine_id: str | None = None
+    all_layers: bool = False
+    digests: str = "none"
+    stale_layers: int = 0
+    hash_s: float = 0.0
+    fingerprint_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("layers", "unexpected", "notes", "ranks"):
@@ -244,6 +274,8 @@ def merge_reports(reports: list[ReloadReport], *, source: str | None = None,
             buffered_bytes_at_completion=max(layer.buffered_bytes_at_completion for layer in per_worker),
             completed_during_stream=all(layer.completed_during_stream for layer in per_worker),
             held_to_end=next((layer.held_to_end for layer in per_worker if layer.held_to_end), None),
+            # Skipped only where every rank holding it skipped it.
+            skipped=base.skipped if all(layer.skipped for layer in per_worker) else None,
         ))
     # Ranks may hold different layers to the end (vocabulary padding falls on the last ranks).
     predicted = max(ordered, key=lambda r: r.predicted_peak_buffer_bytes)
@@ -275,6 +307,15 @@ def merge_reports(reports: list[ReloadReport], *, source: str | None = None,
         verify=verify,
         ranks=ranks,
         engines=len({rank.dp_rank for rank in ranks}),
+        skipped_layers=sum(1 for layer in layers if layer.skipped),
+        skipped_bytes=sum(layer.bytes for layer in layers if layer.skipped),
+        read_bytes=None if any(r.read_bytes is None for r in ordered) else max(r.read_bytes for r in ordered),
+        engine_id=first.engine_id,
+        all_layers=first.all_layers,
+        digests=first.digests if len({r.digests for r in ordered}) == 1 else "mixed",
+        stale_layers=max(r.stale_layers for r in ordered),
+        hash_s=max(r.hash_s for r in ordered),
+        fingerprint_s=max(r.fingerprint_s for r in ordered),
     )
 
 

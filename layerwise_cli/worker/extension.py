@@ -29,19 +29,26 @@ class LayerwiseWorkerExtension:
     def layerwise_ping(self) -> dict:
         """Prove the extension is loaded; report its version and this worker's rank and place (tp/pp/dp)."""
         from layerwise_cli import __version__
+        from layerwise_cli.worker.layer_records import records_of
         from layerwise_cli.worker.rank_plan import rank_position
 
+        records = records_of(self)
         return {"ok": True, "version": __version__, "rank": getattr(self, "rank", None),
-                "position": rank_position(self).to_dict()}
+                "position": rank_position(self).to_dict(), "engine_id": records.engine_id,
+                "recorded_layers": len(records)}
 
     def layerwise_reload(self, source: str, order: str = "layer", allow_partial: bool = False,
                          readahead: bool = True, revision: str | None = None,
-                         progress_path: str | None = None, allow_nonfinite: bool = False) -> dict:
+                         progress_path: str | None = None, allow_nonfinite: bool = False,
+                         all_layers: bool = False) -> dict:
         """Reload SOURCE in place, in `order`, and return this worker's report.
 
         A parent layer holding NaN or Inf is refused before it is handed over
         (and the layers already loaded are rolled back) unless `allow_nonfinite`.
+        A layer the engine already holds (same source digest as this worker's
+        record, state untouched since) is skipped unless `all_layers`.
         """
+        from layerwise_cli.worker.layer_records import records_of
         from layerwise_cli.worker.rank_plan import rank_position
         from layerwise_cli.worker.reload import stream_reload
 
@@ -51,7 +58,8 @@ class LayerwiseWorkerExtension:
                 report = stream_reload(
                     self, source, order=order, allow_partial=allow_partial, readahead=readahead,
                     revision=revision, progress_path=progress_path, allow_nonfinite=allow_nonfinite,
-                    on_engine_touched=lambda: touched.update(engine=True), agree=all_ranks_agree)
+                    on_engine_touched=lambda: touched.update(engine=True), agree=all_ranks_agree,
+                    records=records_of(self), all_layers=all_layers)
                 failure = None
             except Exception as exc:  # noqa: BLE001 - raised below, after the ranks agreed what to do
                 failure = exc
@@ -131,11 +139,20 @@ def _roll_back(worker, touched: dict, failure: BaseException):
     error = describe_exception(failure)
     previous = getattr(worker, "_layerwise_loaded_from", None)
     source, revision = previous or (str(worker.model_runner.model_config.model), None)
+    from layerwise_cli.worker.layer_records import records_of
     from layerwise_cli.worker.reload import discard_partial_reload, stream_reload
 
+    records = records_of(worker)
     discard_partial_reload(worker.model_runner.get_model())
-    # The weights it had are put back as they were, whatever they hold.
-    stream_reload(worker, source, revision=revision, allow_partial=True, allow_nonfinite=True)
+    # The weights it had are put back as they were, whatever they hold: every layer (the failed reload dropped
+    # the records of the layers it touched; the others are on vLLM's meta device until a reload completes).
+    # What the rollback loads is recorded as loaded without the NaN/Inf check.
+    try:
+        stream_reload(worker, source, revision=revision, allow_partial=True, allow_nonfinite=True,
+                      records=records, all_layers=True)
+    except BaseException:
+        records.clear()  # the engine's state is unknown: no layer may be skipped until reloaded
+        raise
     touched["rolled_back"] = True
     cls = PeerFailed if isinstance(failure, PeerFailed) else LayerwiseError
     raise cls(f"{error}; the engine was rolled back to the weights of {source}") from None

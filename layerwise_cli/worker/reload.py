@@ -15,9 +15,11 @@ from layerwise_cli.planning.plan import simulate_buffering
 from layerwise_cli.report.progress import ProgressWriter
 from layerwise_cli.report.reload_report import LayerReport, ReloadReport
 from layerwise_cli.worker.consensus import PeerFailed
+from layerwise_cli.worker.layer_records import REASON_UNCHANGED, LayerRecords
 from layerwise_cli.worker.preflight import preflight, reference_checkpoint
 from layerwise_cli.worker.probe import BufferProbe
 from layerwise_cli.worker.rank_plan import plan_for_worker, rank_position
+from layerwise_cli.worker.skip_plan import SkipPlan, quiet_skipped_layers
 from layerwise_cli.worker.stream import ReadAheadStats, read_in_order
 
 ORDERS = ("layer", "file")
@@ -57,7 +59,8 @@ def process_disk_read_bytes() -> int | None:
 def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: bool = False,
                   readahead: bool = True, revision: str | None = None,
                   on_engine_touched=None, progress_path: str | None = None,
-                  allow_nonfinite: bool = False, agree: Callable[[bool], bool] | None = None) -> ReloadReport:
+                  allow_nonfinite: bool = False, agree: Callable[[bool], bool] | None = None,
+                  records: LayerRecords | None = None, all_layers: bool = False) -> ReloadReport:
     """Pre-flight SOURCE against this worker's model, then reload it in `order`, measuring.
 
     Args:
@@ -77,6 +80,11 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         agree: every rank of the engine votes with it once pre-flight is over
             (`consensus.all_ranks_agree`); a rank that failed votes no, and
             no rank touches its weights unless all voted yes.
+        records: this worker's records (`layer_records.records_of`): a layer
+            whose source digest and state match its record is skipped (not
+            handed to vLLM, which keeps it), and every layer handed over is
+            recorded afresh once the reload succeeded. None: no skip, no record.
+        all_layers: hand every layer over (and record them), whatever the records say.
 
     Returns:
         This worker's report.
@@ -100,9 +108,10 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         engine_name = mine.parent_engine_names()
         # vLLM holds these on this rank until the end of the stream (padded vocabulary, partial fused layers).
         held_here = {engine_name.get(name, name): plan.held[name].reason for name in plan.held_on(tp_rank)}
-        predicted = simulate_buffering(engine_stream, order, held_here, rank=tp_rank if tp_size > 1 else None)
         folder = local if local.is_dir() else local.parent
         device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+        skip = SkipPlan.build(model, checkpoint, engine_stream, order, records, all_layers=all_layers,
+                              checks_finite=not allow_nonfinite)
         stats = ReadAheadStats()
         rank = getattr(worker, "rank", 0) or 0
         progress = ProgressWriter(progress_path if rank == 0 else None, len(plan.layers), plan.total_bytes)
@@ -110,8 +119,11 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
             {"event": "layer", "name": name, "tensors": timing.tensors, "bytes": timing.bytes}))
 
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
-            for item, tensor in read_in_order(engine_stream, folder, device=device, readahead=readahead, stats=stats,
-                                              check_finite=not allow_nonfinite):
+            for item, tensor in read_in_order(skip.stream, folder, device=device, readahead=readahead, stats=stats,
+                                              check_finite=not allow_nonfinite, hash_layers=skip.hash_layers,
+                                              digests=skip.read_digests, skip_layer=skip.skip_layer,
+                                              skipped=skip.skipped):
+                skip.handing_over(item.parent)
                 probe.before_handover(item.entry.name, item.parent, item.entry.nbytes)
                 yield item.entry.name, tensor
             probe.finish()
@@ -129,7 +141,12 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
     start = time.perf_counter()
     disk_before = process_disk_read_bytes()
     try:
-        worker.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
+        if any(item.parent is not None for item in skip.stream):
+            with quiet_skipped_layers(skip, model):
+                worker.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
+        else:
+            # Every layer skipped from the headers: vLLM would only move every layer to meta and back.
+            probe.finish()
     finally:
         progress.write({"event": "end"})
         progress.close()
@@ -141,9 +158,21 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         notes.extend(apply_cpu_fixups(model, set(probe.timings)))
     end = time.perf_counter()
     disk_after = process_disk_read_bytes()
+    skip.record(model, checked=not allow_nonfinite)
+    notes.extend(skip.notes())
+    # vLLM holds these on this rank until the end of the stream (padded vocabulary), unless skipped.
+    held_here = {name: why for name, why in held_here.items() if name not in skip.skipped}
+    delivered = [item for item in engine_stream if item.parent not in skip.skipped]
+    predicted = simulate_buffering(delivered, order, held_here, rank=tp_rank if tp_size > 1 else None)
+    sizes = skip.layer_sizes
     layers = []
-    # Layers in the order the stream delivered their first tensor.
+    # Layers in the order the stream reached their first tensor (skipped ones too, marked).
     for name in dict.fromkeys(item.parent for item in engine_stream if item.parent is not None):
+        if name in skip.skipped:
+            tensors, nbytes = sizes[name]
+            layers.append(LayerReport(name=name, tensors=tensors, bytes=nbytes, load_s=0.0, process_s=0.0,
+                                      buffered_bytes_at_completion=0, skipped=REASON_UNCHANGED))
+            continue
         timing = probe.timings.get(name)
         if timing is None:
             continue
@@ -162,13 +191,13 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         order=order,
         source=source,
         wall_s=end - start,
-        bytes=sum(item.entry.nbytes for item in engine_stream if item.parent is not None),
-        tensors=len(engine_stream),
+        bytes=sum(item.entry.nbytes for item in delivered if item.parent is not None),
+        tensors=len(delivered),
         peak_buffer_bytes=probe.peak,
         peak_tensor=probe.peak_tensor,
         predicted_peak_buffer_bytes=predicted.peak_buffer_bytes,
         largest_layer_bytes=plan.largest_layer_bytes,
-        held_to_end_bytes=plan.held_bytes(tp_rank),
+        held_to_end_bytes=sum(sizes[name][1] for name in held_here if name in sizes),
         above_largest_layer_because=plan.excess_reason(predicted),
         readahead_peak_bytes=stats.peak_bytes,
         layers=layers,
@@ -182,6 +211,15 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         device=str(device),
         finalize_s=end - timer.get("stream_done", end),
         notes=notes,
+        skipped_layers=len(skip.skipped),
+        skipped_bytes=sum(sizes[name][1] for name in skip.skipped),
+        read_bytes=stats.read_bytes,
+        engine_id=records.engine_id if records is not None else None,
+        all_layers=all_layers,
+        digests=skip.digest_source(),
+        stale_layers=len(skip.decider.stale) if skip.decider is not None else 0,
+        hash_s=stats.hash_s,
+        fingerprint_s=skip.fingerprint_s,
     )
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,8 +91,14 @@ def copy_in_chunks(dst: torch.Tensor, src: torch.Tensor, pool: ThreadPoolExecuto
 
 @dataclass
 class ReadAheadStats:
+    """What the stream read: the most bytes read ahead but not yet handed over, and every tensor byte read."""
+
     peak_bytes: int = 0
     _held: int = 0
+    # Bytes of tensor data taken from the shards (skipped layers decided from headers are never read).
+    read_bytes: int = 0
+    # Seconds the reading thread spent hashing bytes to decide skips (no header digests).
+    hash_s: float = 0.0
 
     def add(self, n: int) -> None:
         self._held += n
@@ -112,6 +119,10 @@ def read_in_order(
     readahead: bool = True,
     stats: ReadAheadStats | None = None,
     check_finite: bool = True,
+    hash_layers: Collection[str] = (),
+    digests: dict[str, str] | None = None,
+    skip_layer: Callable[[str, str], bool] | None = None,
+    skipped: set[str] | None = None,
 ) -> Iterator[tuple[PlannedTensor, torch.Tensor]]:
     """Yield (planned tensor, tensor) in stream order.
 
@@ -132,6 +143,14 @@ def read_in_order(
         check_finite: refuse a parent layer holding NaN or Inf before any of
             its tensors is handed over (a cheap reduction per tensor, one
             read-back per layer; see `layerwise_cli.checkpoint.finite`).
+        hash_layers: parent layers whose tensors are hashed as they are read
+            (xxh3-128, `checkpoint.digests`), in the reading thread; each
+            tensor's digest goes into `digests`.
+        digests: receives tensor name -> digest for the hashed tensors.
+        skip_layer: called as `skip_layer(parent, layer_digest)` once a hashed
+            layer that the stream holds in one run is read, before any of its
+            tensors is handed over; True drops the layer (added to `skipped`).
+        skipped: receives the layers `skip_layer` dropped.
 
     Yields:
         Each planned tensor with its data.
@@ -141,6 +160,9 @@ def read_in_order(
             the point in the stream where its layer would be handed over.
     """
     stats = stats or ReadAheadStats()
+    digests = digests if digests is not None else {}
+    skipped = skipped if skipped is not None else set()
+    hash_layers = frozenset(hash_layers)
     reader = ShardReader(folder)
     cuda = device is not None and device.type == "cuda"
     copy_stream = torch.cuda.Stream(device=device) if cuda else None
@@ -151,24 +173,62 @@ def read_in_order(
     # the engine has freed its tensors, not at the end of the stream.
     last_of_shard = {item.entry.shard: item for item in stream}
 
-    def load(item: PlannedTensor):
+    def read_host(item: PlannedTensor) -> torch.Tensor:
+        """The tensor on the host: safetensors' view of the file on CPU, a pinned copy for CUDA."""
         tensor = reader.read(item)
+        stats.read_bytes += item.entry.nbytes
         if last_of_shard.get(item.entry.shard) is item:
             reader.release(item.entry.shard)
         if not cuda:
-            return tensor, None
+            return tensor
         pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         copy_in_chunks(pinned, tensor, pool)
+        return pinned
+
+    def to_device(host: torch.Tensor):
+        if not cuda:
+            return host, None
         with torch.cuda.stream(copy_stream):
             # The caching host allocator keeps `pinned` from reuse until this copy is done.
-            staged = pinned.to(device, non_blocking=True)
+            staged = host.to(device, non_blocking=True)
             event = torch.cuda.Event()
             event.record(copy_stream)
         return staged, event
 
-    def load_batch(batch: list[PlannedTensor]) -> list[tuple]:
-        """Read one parent layer; with `check_finite`, refuse it if any tensor holds NaN or Inf."""
-        loaded = [(item, *load(item)) for item in batch]
+    runs = Counter(batch[0].parent for batch in layer_batches(stream))
+
+    def hash_batch(batch: list[PlannedTensor], hosts: list[torch.Tensor]) -> bool:
+        """Hash a layer's tensors; True when `skip_layer` drops the layer."""
+        import time
+
+        from layerwise_cli.checkpoint.digests import layer_digest, tensor_digest
+
+        start = time.perf_counter()
+        for item, host in zip(batch, hosts):
+            flat = host.reshape(-1)
+            data = flat.view(torch.uint8).numpy().data if flat.numel() else b""
+            digests[item.entry.name] = tensor_digest(item.entry.dtype, item.entry.shape, data)
+        stats.hash_s += time.perf_counter() - start
+        parent = batch[0].parent
+        if skip_layer is None or parent is None or runs[parent] != 1:
+            return False
+        if skip_layer(parent, layer_digest({item.entry.name: digests[item.entry.name] for item in batch})):
+            skipped.add(parent)
+            return True
+        return False
+
+    def load_batch(batch: list[PlannedTensor]) -> list[tuple] | None:
+        """Read one parent layer; with `check_finite`, refuse it if any tensor holds NaN or Inf.
+
+        None when the layer is hashed and `skip_layer` drops it.
+        """
+        if batch[0].parent in hash_layers:
+            hosts = [read_host(item) for item in batch]
+            if hash_batch(batch, hosts):
+                return None
+            loaded = [(item, *to_device(host)) for item, host in zip(batch, hosts)]
+        else:
+            loaded = [(item, *to_device(read_host(item))) for item in batch]
         if check_finite:
             tensors = [(item.entry.name, item.entry.shard, tensor) for item, tensor, _ in loaded]
             if cuda:
@@ -193,6 +253,8 @@ def read_in_order(
             for batch in batches:
                 # The whole layer is read (and checked) before its first tensor is handed over.
                 loaded = load_batch(batch)
+                if loaded is None:
+                    continue
                 for item, _, _ in loaded:
                     stats.add(item.entry.nbytes)
                 for item, tensor, event in loaded:
@@ -216,6 +278,9 @@ def read_in_order(
                 if stop.is_set():
                     return
                 loaded = load_batch(batch)
+                if loaded is None:
+                    slot.release()  # nothing handed over: the slot stays free
+                    continue
                 for item, _, _ in loaded:
                     stats.add(item.entry.nbytes)
                 ready.put(loaded)

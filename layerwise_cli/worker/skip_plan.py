@@ -1,0 +1,154 @@
+"""One reload's skip side: which layers it hands over, which it skips, and what it records afterwards."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from layerwise_cli.checkpoint.digests import header_digests, layer_digest
+from layerwise_cli.checkpoint.sources import Checkpoint
+from layerwise_cli.planning.plan import PlannedTensor
+from layerwise_cli.worker.layer_records import LayerRecord, LayerRecords, SkipDecider
+from layerwise_cli.worker.layer_state import layer_fingerprints
+
+
+@dataclass
+class SkipPlan:
+    """Built before the engine is touched (`build`); filled while streaming; `record` after a successful reload.
+
+    Attributes:
+        stream: the tensors to read, without the layers skipped from their header digests.
+        hash_layers: layers whose digest is not in the headers: hashed as they are read.
+        skip_layer: the decision for a hashed layer once read (None: none is skipped after reading).
+        skipped: every layer skipped, from headers or after reading.
+        read_digests: tensor digests computed while reading.
+        layer_sizes: layer -> (tensors, bytes) in the source, on this rank.
+    """
+
+    records: LayerRecords | None
+    decider: SkipDecider | None
+    known: dict[str, str | None]
+    covers: dict[str, list[str]]
+    modules: dict[str, torch.nn.Module]
+    groups: dict[str, list[str]]
+    stream: list[PlannedTensor]
+    hash_layers: set[str]
+    skip_layer: object
+    layer_sizes: dict[str, tuple[int, int]]
+    skipped: set[str] = field(default_factory=set)
+    read_digests: dict[str, str] = field(default_factory=dict)
+    handed: set[str] = field(default_factory=set)
+    fingerprint_s: float = 0.0
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, checkpoint: Checkpoint, engine_stream: list[PlannedTensor], order: str,
+              records: LayerRecords | None, *, all_layers: bool = False, checks_finite: bool = True) -> SkipPlan:
+        """Decide what can be decided before reading: records against header digests and the layers' state.
+
+        Args:
+            model: this worker's model.
+            checkpoint: the whole source (its headers carry the digests, if any).
+            engine_stream: this rank's tensors in stream order, parents in engine names.
+            order: `layer` or `file`; only layer order decides after reading
+                (file order interleaves layers, so a layer is never whole before its first handover).
+            records: the worker's records (None: skip nothing, record nothing).
+            all_layers: skip nothing, record everything handed over.
+            checks_finite: this reload refuses NaN/Inf.
+        """
+        from layerwise_cli.worker.cpu_fixups import derived_modules
+
+        groups: dict[str, list[str]] = {}
+        sizes: dict[str, list[int]] = {}
+        for item in engine_stream:
+            if item.parent is not None:
+                groups.setdefault(item.parent, []).append(item.entry.name)
+                size = sizes.setdefault(item.parent, [0, 0])
+                size[0] += 1
+                size[1] += item.entry.nbytes
+        layer_sizes = {name: (count, nbytes) for name, (count, nbytes) in sizes.items()}
+        if records is None:
+            return cls(None, None, dict.fromkeys(groups), {}, {}, groups, list(engine_stream), set(), None,
+                       layer_sizes)
+        from_headers: dict[str, str] = {}
+        for shard in checkpoint.shards:
+            where = str(checkpoint.local_dir / shard.name) if checkpoint.local_dir is not None else shard.name
+            found = header_digests(shard, where=where)
+            if found:
+                from_headers.update(found)
+        known = {name: layer_digest({t: from_headers[t] for t in tensors})
+                 if all(t in from_headers for t in tensors) else None for name, tensors in groups.items()}
+        modules = dict(model.named_modules())
+        derived = derived_modules(model, set(groups))
+        covers = {name: [name] + sorted(d for d, origin in derived.items() if origin == name) for name in groups}
+        plan = cls(records, None, known, covers, modules, groups, [], set(), None, layer_sizes)
+        plan.decider = SkipDecider(records, known, plan._fingerprints, all_layers=all_layers,
+                                   checks_finite=checks_finite)
+        before = plan.decider.skip_before_reading()
+        plan.skipped |= before
+        plan.stream = [item for item in engine_stream if item.parent not in before]
+        plan.hash_layers = {name for name, digest in known.items() if digest is None}
+        if order == "layer" and not all_layers:
+            plan.skip_layer = plan.decider.skip_after_reading
+        return plan
+
+    def _fingerprints(self, names: list[str]) -> dict[str, object]:
+        start = time.perf_counter()
+        try:
+            return layer_fingerprints(self.modules, {name: self.covers[name] for name in names})
+        finally:
+            self.fingerprint_s += time.perf_counter() - start
+
+    def handing_over(self, parent: str | None) -> None:
+        """Called before each tensor goes to vLLM: the first tensor of a layer drops the layer's record."""
+        if parent is not None and parent not in self.handed:
+            self.handed.add(parent)
+            if self.records is not None:
+                self.records.drop(parent)
+
+    def record(self, model: torch.nn.Module, *, checked: bool) -> None:
+        """After a successful reload: record every layer handed over, with its digest and its state now."""
+        if self.records is None or not self.handed:
+            return
+        digests = {}
+        for name in self.handed:
+            digest = self.known.get(name)
+            tensors = self.groups.get(name, [])
+            if digest is None and tensors and all(t in self.read_digests for t in tensors):
+                digest = layer_digest({t: self.read_digests[t] for t in tensors})
+            if digest is not None:
+                digests[name] = digest
+        now = self._fingerprints(sorted(digests))
+        for name, digest in digests.items():
+            self.records.set(name, LayerRecord(digest, now[name], checked))
+
+    def skipped_classes(self, model: torch.nn.Module) -> Counter:
+        """Class names of the modules skipped so far (vLLM warns once per layer it got nothing for)."""
+        modules = self.modules or dict(model.named_modules())
+        return Counter(type(modules[name]).__name__ for name in self.skipped if name in modules)
+
+    def digest_source(self) -> str:
+        """`header` (every layer's digest came from the shard headers), `read` (hashed as read), `mixed`, or `none`."""
+        if self.records is None or not self.known:
+            return "none"
+        from_headers = sum(1 for digest in self.known.values() if digest is not None)
+        if from_headers == len(self.known):
+            return "header"
+        return "read" if from_headers == 0 else "mixed"
+
+    def notes(self) -> list[str]:
+        """What the report should say about the records (layers something else changed)."""
+        stale = self.decider.stale if self.decider is not None else []
+        if not stale:
+            return []
+        return [f"{len(stale)} layer(s) matched the source's digest but their state in the engine changed since "
+                "layerwise loaded them (another reload, a rollback): reloaded, not skipped"]
+
+
+def quiet_skipped_layers(plan: SkipPlan, model: torch.nn.Module):
+    """While vLLM's reload runs: drop its warnings about the layers skipped on purpose (see `vllm_logs`)."""
+    from layerwise_cli.vllm_logs import quiet_skipped_layer_warnings
+
+    return quiet_skipped_layer_warnings(lambda: plan.skipped_classes(model))

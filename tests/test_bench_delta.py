@@ -1,0 +1,68 @@
+"""The reload benchmark's delta checkpoints change exactly the layers they say, and carry true header digests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from benchmarks.bench_delta import CHANGED_FRACTION, changed_layers, write_delta_checkpoints
+from layerwise_cli.cli.app import app
+from tests.support.synthetic import SyntheticModel, normal_weights
+from tests.test_reorder_digests import _independent_digests
+
+runner = CliRunner()
+
+
+def _inspect(path: str, *options: str) -> dict:
+    result = runner.invoke(app, ["inspect-order", path, "--json", "--top", "0", *options])
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def _layer_digests(data: dict) -> dict[str, str | None]:
+    return {row["name"]: row["digest"] for row in data["layers"]}
+
+
+def test_delta_checkpoints(tmp_path: Path) -> None:
+    model = SyntheticModel(layers=4, hidden=64, intermediate=128, heads=2, kv_heads=1, head_dim=64, vocab=128)
+    data = normal_weights(model)
+    tokenizer = tmp_path / "no-tokenizer"
+    tokenizer.mkdir()
+    delta = write_delta_checkpoints(tmp_path / "delta", model, tokenizer, data, ["f", "g", "g-plain", "h"])
+
+    base = _inspect(delta["base"]["path"], "--scan")
+    layers = _layer_digests(base)
+    assert None not in layers.values() and base["scan"]["digests_checked"] == base["tensors"]
+    changed = set(delta["changed_layers"])
+    assert len(changed) == round(CHANGED_FRACTION * len(layers)) == round(CHANGED_FRACTION * delta["parent_layers"])
+
+    # f: exactly the chosen layers differ from base, every tensor of them, and its digests are true.
+    f = _inspect(delta["f"]["path"], "--scan")
+    assert f["scan"]["digest_mismatches"] == [] and f["scan"]["nonfinite"] == []
+    assert {name for name, digest in _layer_digests(f).items() if digest != layers[name]} == changed
+    before, after = base["header_digests"]["tensors"], f["header_digests"]["tensors"]
+    parent_of = changed_layers(Path(delta["base"]["path"]))[1]
+    assert {name for name in before if before[name] != after[name]} == {
+        name for name, parent in parent_of.items() if parent in changed}
+    assert delta["changed_bytes"] == sum(row["bytes"] for row in base["layers"] if row["name"] in changed)
+
+    # g: base's very files, elsewhere; g-plain: the same tensors without header digests.
+    g = _inspect(delta["g"]["path"])
+    assert _layer_digests(g) == layers and g["source"] != base["source"]
+    plain = _inspect(delta["g-plain"]["path"])
+    assert plain["header_digests"]["shards_with_digests"] == 0
+    assert _independent_digests(Path(delta["g-plain"]["path"])) == before
+
+    # h: the writer's layout of f's tensors, with the same digests, read in layer order by vLLM's loader.
+    h = _inspect(delta["h"]["path"], "--scan")
+    assert h["header_digests"]["tensors"] == after and h["scan"]["digest_mismatches"] == []
+    assert h["file_order"]["peak_buffer_bytes"] == h["largest_layer_bytes"]
+    assert _layer_digests(h) == _layer_digests(f)
+
+    # Written again with the same arguments, every folder is reused as it is.
+    stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "delta").rglob("*.safetensors")}
+    again = write_delta_checkpoints(tmp_path / "delta", model, tokenizer, data, ["f", "g", "g-plain", "h"])
+    assert again["h"] == delta["h"] and again["f"] == delta["f"]
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "delta").rglob("*.safetensors")} == stamps

@@ -1,0 +1,243 @@
+"""Reload only what changed, on a real engine: skips, zero reads, `--all`, and every path that must force a reload.
+
+One engine for the module (started on *multiply*, A), one fresh engine on B (a
+checkpoint with every fourth parent layer taken from *add*: 5 of 19 layers
+changed), and one restart. Every reload is proven against a fresh engine.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.support.engine_support import (
+    assert_matches_fresh,
+    copy_non_weights,
+    fresh_answers,
+    load_tensors,
+    remember_fresh,
+)
+
+pytestmark = pytest.mark.engine
+
+PROMPTS_PAIRS = [(3, 4), (2, 5), (9, 9), (7, 8), (1, 6), (4, 4), (8, 2), (6, 3), (5, 7), (0, 9)]
+
+
+def prompts() -> list[str]:
+    from layerwise_cli.demo import demo_prompt
+
+    return [demo_prompt(a, b) for a, b in PROMPTS_PAIRS]
+
+
+def _write(tensors: dict, folder: Path, like: Path, *, digests: bool, allow_nonfinite: bool = False) -> Path:
+    """TENSORS as a checkpoint: `save_checkpoint` (header digests) or one plain safetensors file."""
+    if digests:
+        from layerwise_cli.writer.save import save_checkpoint
+
+        save_checkpoint(tensors.items(), folder, max_shard_size=60_000, marker=None, allow_nonfinite=allow_nonfinite)
+    else:
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    copy_non_weights(like, folder)
+    return folder
+
+
+def _overwrite_with_nan(folder: Path, names: set[str]) -> None:
+    """Replace the data bytes of NAMES with NaN bit patterns, leaving every header (and its digests) as it was."""
+    from layerwise_cli.checkpoint.header import read_shard_header
+
+    for path in sorted(folder.glob("*.safetensors")):
+        header, _ = read_shard_header(path)
+        with open(path, "r+b") as handle:
+            for entry in header.tensors:
+                if entry.name in names:
+                    handle.seek(8 + header.header_len + entry.begin)
+                    handle.write(b"\xc0\x7f" * (entry.nbytes // 2))
+
+
+@pytest.fixture(scope="module")
+def ckpts(demo_models, tmp_path_factory) -> dict:
+    from layerwise_cli.planning.inspect import inspect_order
+
+    root = tmp_path_factory.mktemp("skip")
+    a_dir, add_dir = demo_models["multiply"], demo_models["add"]
+    plan = inspect_order(str(a_dir)).plan
+    changed = {layer.name for layer in plan.layers[2::4]}  # down, qkv of each layer and lm_head: 5 of 19
+    parent = {item.entry.name: item.parent for item in plan.layer_order}
+    a, add = load_tensors(a_dir), load_tensors(add_dir)
+    b = {name: (add[name] if parent.get(name) in changed else tensor) for name, tensor in a.items()}
+    out = {"A": a_dir, "changed": changed, "layers": len(plan.layers),
+           "A_d": _write(a, root / "a-digests", a_dir, digests=True),
+           "B_d": _write(b, root / "b-digests", a_dir, digests=True),
+           "B_plain": _write(b, root / "b-plain", a_dir, digests=False)}
+    # B whose unchanged layers hold NaN in the data but A's true digests in the headers: loading any of
+    # those bytes would be refused (NaN check) or would change the answers.
+    lying = root / "b-unchanged-unreadable"
+    shutil.copytree(out["B_d"], lying)
+    _overwrite_with_nan(lying, {name for name, p in parent.items() if p not in changed})
+    out["B_unreadable"] = lying
+    # A with NaN in the last layer of the stream: the reload fails after every other layer was loaded.
+    nan_head = dict(a)
+    nan_head["lm_head.weight"] = a["lm_head.weight"].clone()
+    nan_head["lm_head.weight"][0, 0] = float("nan")
+    out["A_nan_head"] = _write(nan_head, root / "a-nan-head", a_dir, digests=True, allow_nonfinite=True)
+    out["bytes"] = {layer.name: layer.bytes for layer in plan.layers}
+    return out
+
+
+@pytest.fixture(scope="module")
+def fresh_b(ckpts) -> list:
+    return fresh_answers(ckpts["B_d"], prompts())
+
+
+class Engine:
+    """The module's engine; `restart` stops it and starts a new one on A (a new worker process)."""
+
+    def __init__(self, model: Path) -> None:
+        self.model = model
+        self.llm = None
+
+    def start(self) -> None:
+        from layerwise_cli.client.local import EngineOptions, start_engine
+
+        self.llm = start_engine(str(self.model), EngineOptions(max_model_len=64))
+
+    def stop(self) -> None:
+        from layerwise_cli.client.local import stop_engine
+
+        if self.llm is not None:
+            stop_engine(self.llm)
+            self.llm = None
+
+    def engine_ids(self) -> list[str]:
+        from layerwise_cli.client.local import call_workers
+
+        return [r["engine_id"] for r in call_workers(self.llm, "layerwise_ping")]
+
+
+@pytest.fixture(scope="module")
+def engine(ckpts, fresh_b):
+    holder = Engine(ckpts["A"])
+    holder.start()
+    remember_fresh(holder.llm, ckpts["A"], prompts())
+    yield holder
+    holder.stop()
+
+
+def _reload(engine: Engine, source: Path, **kwargs):
+    from layerwise_cli.client.local import reload
+
+    return reload(engine.llm, str(source), **kwargs)
+
+
+def _skipped(report) -> set[str]:
+    return {layer.name for layer in report.layers if layer.skipped}
+
+
+def _reloaded(report) -> set[str]:
+    return {layer.name for layer in report.layers if not layer.skipped}
+
+
+def test_header_digests_skip_unchanged_layers_without_reading_them(engine, ckpts):
+    changed, sizes = ckpts["changed"], ckpts["bytes"]
+    first = _reload(engine, ckpts["A_d"], all_layers=True)  # a known start: A, every layer recorded
+    assert first.skipped_layers == 0 and first.all_layers and first.digests == "header"
+    report = _reload(engine, ckpts["B_unreadable"])
+    assert _reloaded(report) == changed
+    assert report.skipped_layers == ckpts["layers"] - len(changed) == len(_skipped(report))
+    assert all(layer.skipped == "unchanged" for layer in report.layers if layer.name not in changed)
+    # Only the changed layers' bytes were read: the others hold NaN and were never touched.
+    assert report.read_bytes == report.bytes == sum(sizes[name] for name in changed)
+    assert report.skipped_bytes == sum(sizes.values()) - report.bytes
+    assert report.peak_buffer_bytes == report.predicted_peak_buffer_bytes
+    assert report.engine_id == engine.engine_ids()[0]
+    assert_matches_fresh(engine.llm, ckpts["B_d"], prompts())
+
+
+def test_an_identical_checkpoint_skips_everything_and_reads_nothing(engine, ckpts):
+    _reload(engine, ckpts["B_d"], all_layers=True)
+    report = _reload(engine, ckpts["B_d"])
+    assert report.skipped_layers == ckpts["layers"] == len(report.layers)
+    assert report.read_bytes == report.bytes == report.tensors == 0 and report.peak_buffer_bytes == 0
+    assert_matches_fresh(engine.llm, ckpts["B_d"], prompts())
+    # --all: everything handed over again (and recorded).
+    full = _reload(engine, ckpts["B_d"], all_layers=True)
+    assert full.skipped_layers == 0 and full.read_bytes == full.bytes == sum(ckpts["bytes"].values())
+    assert_matches_fresh(engine.llm, ckpts["B_d"], prompts())
+
+
+def test_without_header_digests_the_bytes_are_hashed_and_only_changed_layers_load(engine, ckpts):
+    _reload(engine, ckpts["B_d"], all_layers=True)
+    to_a = _reload(engine, ckpts["A"])  # the demo checkpoint: plain safetensors, no digests
+    assert to_a.digests == "read" and _reloaded(to_a) == ckpts["changed"]
+    assert to_a.read_bytes == sum(ckpts["bytes"].values())  # read to hash, handed over only where changed
+    assert to_a.hash_s > 0
+    assert_matches_fresh(engine.llm, ckpts["A"], prompts())
+    to_b = _reload(engine, ckpts["B_plain"])
+    assert _reloaded(to_b) == ckpts["changed"]
+    assert_matches_fresh(engine.llm, ckpts["B_d"], prompts())
+    # Digests hashed from the bytes equal the header digests: the header copy of B is all skipped.
+    again = _reload(engine, ckpts["B_d"])
+    assert again.skipped_layers == ckpts["layers"] and again.read_bytes == 0
+
+
+def test_vllm_own_reload_in_between_forces_the_layers_it_wrote(engine, ckpts):
+    _reload(engine, ckpts["B_d"], all_layers=True)
+    engine.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(ckpts["A"])})
+    engine.llm.reset_prefix_cache()
+    # The records say B; the engine holds A where B differs: those layers must load again.
+    report = _reload(engine, ckpts["B_d"])
+    assert not (_skipped(report) & ckpts["changed"])
+    assert report.stale_layers >= len(ckpts["changed"])
+    assert any("changed since layerwise loaded them" in note for note in report.notes)
+    assert_matches_fresh(engine.llm, ckpts["B_d"], prompts())
+    assert _reload(engine, ckpts["B_d"]).skipped_layers == ckpts["layers"]
+
+
+def test_a_rollback_leaves_no_record_that_could_skip(engine, ckpts):
+    from layerwise_cli.errors import LayerwiseError
+
+    _reload(engine, ckpts["B_d"], all_layers=True)
+    with pytest.raises(LayerwiseError) as info:
+        _reload(engine, ckpts["A_nan_head"])  # A's layers load, then lm_head is refused: rolled back to B
+    assert "rolled back" in str(info.value) and "NaN" in str(info.value)
+    assert_matches_fresh(engine.llm, ckpts["B_d"], prompts())
+    # The rollback loaded B without the NaN check: a checked reload of B skips none of it.
+    report = _reload(engine, ckpts["B_d"])
+    assert report.skipped_layers == 0
+    assert_matches_fresh(engine.llm, ckpts["B_d"], prompts())
+    assert _reload(engine, ckpts["B_d"]).skipped_layers == ckpts["layers"]
+
+
+def test_allow_nonfinite_reloads_record_unchecked_bytes(engine, ckpts):
+    _reload(engine, ckpts["B_d"], allow_nonfinite=True, all_layers=True)
+    assert _reload(engine, ckpts["B_d"], allow_nonfinite=True).skipped_layers == ckpts["layers"]
+    assert _reload(engine, ckpts["B_d"]).skipped_layers == 0  # the checked reload checks them
+    assert _reload(engine, ckpts["B_d"]).skipped_layers == ckpts["layers"]
+
+
+def test_file_order_skips_from_header_digests(engine, ckpts):
+    _reload(engine, ckpts["A_d"], all_layers=True)
+    report = _reload(engine, ckpts["B_d"], order="file")
+    assert _reloaded(report) == ckpts["changed"] and report.order == "file"
+    assert report.peak_buffer_bytes == report.predicted_peak_buffer_bytes
+    assert_matches_fresh(engine.llm, ckpts["B_d"], prompts())
+
+
+def test_a_restarted_engine_has_a_new_id_and_no_record(engine, ckpts):
+    before = engine.engine_ids()
+    _reload(engine, ckpts["A_d"], all_layers=True)
+    engine.stop()
+    engine.start()
+    after = engine.engine_ids()
+    assert after != before and len(after[0]) == 32
+    # Started on A, reloaded with A's content: nothing is recorded, so nothing is skipped.
+    report = _reload(engine, ckpts["A_d"])
+    assert report.skipped_layers == 0 and report.engine_id == after[0]
+    to_b = _reload(engine, ckpts["B_d"])
+    assert _reloaded(to_b) == ckpts["changed"]
+    assert_matches_fresh(engine.llm, ckpts["B_d"], prompts())

@@ -1,0 +1,355 @@
+"""Skipping unchanged layers, without an engine: the decision, the records, the layer state, the stream, the report."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from layerwise_cli.checkpoint.digests import layer_digest
+from layerwise_cli.planning.inspect import inspect_order
+from layerwise_cli.worker.layer_records import LayerRecord, LayerRecords, SkipDecider, records_of
+from layerwise_cli.worker.layer_state import device_checksum, host_checksum, layer_fingerprints
+from tests.test_writer import CONFIG, qwen3_like
+
+# ----------------------------------------------------------------------------- the decision
+
+
+class Fingerprints:
+    """A fake `fingerprint_now` that counts the layers it was asked about."""
+
+    def __init__(self, now: dict[str, object]) -> None:
+        self.now = now
+        self.asked: list[str] = []
+
+    def __call__(self, names: list[str]) -> dict[str, object]:
+        self.asked += names
+        return {name: self.now.get(name) for name in names}
+
+
+def records(**entries: LayerRecord) -> LayerRecords:
+    out = LayerRecords()
+    for name, record in entries.items():
+        out.set(name, record)
+    return out
+
+
+def test_a_layer_is_skipped_only_when_digest_and_state_match():
+    recs = records(a=LayerRecord("d-a", "fp-a", True), b=LayerRecord("d-b", "fp-b", True),
+                   c=LayerRecord("d-c", "fp-c", True))
+    fps = Fingerprints({"a": "fp-a", "b": "fp-b", "c": "CHANGED"})
+    decider = SkipDecider(recs, {"a": "d-a", "b": "NEW", "c": "d-c", "d": "d-d"}, fps)
+    assert decider.skip_before_reading() == {"a"}
+    assert fps.asked == ["a", "c"]  # b changed in the source and d has no record: the engine is not looked at
+    assert decider.stale == ["c"]
+
+
+def test_all_layers_skips_nothing_and_looks_at_nothing():
+    recs = records(a=LayerRecord("d-a", "fp-a", True))
+    fps = Fingerprints({"a": "fp-a"})
+    decider = SkipDecider(recs, {"a": "d-a"}, fps, all_layers=True)
+    assert decider.skip_before_reading() == set() and fps.asked == []
+    assert not decider.skip_after_reading("a", "d-a")
+
+
+def test_a_record_loaded_without_the_nan_check_allows_a_skip_only_without_it():
+    recs = records(a=LayerRecord("d-a", "fp-a", checked=False))
+    assert SkipDecider(recs, {"a": "d-a"}, Fingerprints({"a": "fp-a"})).skip_before_reading() == set()
+    assert SkipDecider(recs, {"a": "d-a"}, Fingerprints({"a": "fp-a"}),
+                       checks_finite=False).skip_before_reading() == {"a"}
+
+
+def test_without_header_digests_the_decision_waits_for_the_bytes():
+    recs = records(a=LayerRecord("d-a", "fp-a", True), b=LayerRecord("d-b", "OLD", True))
+    fps = Fingerprints({"a": "fp-a", "b": "fp-b"})
+    decider = SkipDecider(recs, {"a": None, "b": None}, fps)
+    assert decider.skip_before_reading() == set()
+    assert sorted(fps.asked) == ["a", "b"]  # every recorded layer: its digest is known only once read
+    assert decider.skip_after_reading("a", "d-a")
+    assert not decider.skip_after_reading("a", "d-a-changed")
+    assert not decider.skip_after_reading("b", "d-b")  # same bytes, but something else wrote the layer
+    assert decider.stale == ["b"]
+
+
+def test_every_worker_process_has_its_own_engine_id():
+    class Worker:
+        pass
+
+    one, two = Worker(), Worker()
+    assert records_of(one) is records_of(one)
+    assert records_of(one).engine_id != records_of(two).engine_id
+    assert len(records_of(one).engine_id) == 32
+
+
+# ----------------------------------------------------------------------------- the layer state
+
+
+def test_device_checksum_sees_every_word_and_its_position():
+    tensor = torch.randn(1000, 37).to(torch.bfloat16)
+    base = device_checksum(tensor)
+    assert device_checksum(tensor.clone()) == base
+    flat = tensor.clone().reshape(-1)
+    flat[1234] = flat[1234] + 1
+    assert device_checksum(flat) != base
+    swapped = tensor.clone().reshape(-1)
+    first, second = swapped[10].clone(), swapped[5000].clone()
+    assert first != second
+    swapped[10], swapped[5000] = second, first
+    assert device_checksum(swapped) != base
+    odd = torch.arange(7, dtype=torch.uint8)  # a tail shorter than a word
+    changed = odd.clone()
+    changed[6] = 99
+    assert device_checksum(odd) != device_checksum(changed)
+
+
+def test_host_checksum_reads_the_bytes_in_place():
+    tensor = torch.randn(64, 64).to(torch.bfloat16)
+    base = host_checksum(tensor)
+    assert host_checksum(tensor.clone()) == base
+    tensor[3, 3] += 1
+    assert host_checksum(tensor) != base
+
+
+def test_a_layer_fingerprint_changes_with_content_or_kernel_handle_not_otherwise():
+    layer = torch.nn.Linear(8, 8)
+    modules = {"layer": layer}
+
+    def fingerprint():
+        return layer_fingerprints(modules, {"layer": ["layer"]})["layer"]
+
+    first = fingerprint()
+    assert fingerprint() == first
+    with torch.no_grad():
+        layer.weight[0, 0] += 1
+    second = fingerprint()
+    assert second != first
+    layer.cpu_linear = lambda x, weight, bias: x  # a kernel handle, as vLLM's CPU backend sets
+    third = fingerprint()
+    assert third != second and fingerprint() == third
+    layer.cpu_linear = lambda x, weight, bias: x  # a reload builds a new one: the weights it packs are unknown
+    assert fingerprint() != third
+
+
+def test_a_layer_on_the_meta_device_or_missing_never_matches():
+    layer = torch.nn.Linear(4, 4, device="meta")
+    got = layer_fingerprints({"layer": layer}, {"layer": ["layer"], "gone": ["gone"]})
+    again = layer_fingerprints({"layer": layer}, {"layer": ["layer"], "gone": ["gone"]})
+    assert got["layer"] != again["layer"] and got["gone"] != again["gone"]
+
+
+def test_a_tied_module_is_part_of_the_layer_it_shares_storage_with():
+    embed = torch.nn.Embedding(16, 8)
+    head = torch.nn.Linear(8, 16, bias=False)
+    head.weight = embed.weight
+    head.cpu_linear = lambda x, weight, bias: x
+    modules = {"embed": embed, "head": head}
+    first = layer_fingerprints(modules, {"embed": ["embed", "head"]})["embed"]
+    head.cpu_linear = lambda x, weight, bias: x  # only the head's packed copy was rebuilt
+    assert layer_fingerprints(modules, {"embed": ["embed", "head"]})["embed"] != first
+
+
+# ----------------------------------------------------------------------------- digests while streaming
+
+
+def _written(tmp_path: Path, seed: int = 0, *, change: tuple[str, ...] = ()) -> Path:
+    from layerwise_cli.writer.save import save_checkpoint
+
+    sd = qwen3_like(seed=seed)
+    for name in change:
+        sd[name] = sd[name] + 1
+    folder = tmp_path / f"ckpt-{seed}-{len(change)}"
+    save_checkpoint(sd.items(), folder, config=CONFIG, max_shard_size=20_000, marker=None)
+    return folder
+
+
+def test_digests_hashed_while_reading_equal_the_header_digests(tmp_path):
+    from layerwise_cli.checkpoint.digests import checkpoint_digests
+    from layerwise_cli.worker.stream import read_in_order
+
+    folder = _written(tmp_path)
+    plan = inspect_order(str(folder)).plan
+    from_headers = checkpoint_digests(plan.checkpoint.shards)
+    assert from_headers is not None
+    digests: dict[str, str] = {}
+    names = [item.entry.name for item, _ in read_in_order(plan.layer_order, folder,
+                                                           hash_layers={layer.name for layer in plan.layers},
+                                                           digests=digests)]
+    assert names == [item.entry.name for item in plan.layer_order]
+    assert digests == from_headers
+
+
+@pytest.mark.parametrize("readahead", [True, False])
+def test_a_layer_skipped_after_reading_is_never_handed_over(tmp_path, readahead):
+    from layerwise_cli.worker.stream import ReadAheadStats, read_in_order
+
+    folder = _written(tmp_path)
+    plan = inspect_order(str(folder)).plan
+    layers = {layer.name: [i.entry.name for i in plan.layer_order if i.parent == layer.name] for layer in plan.layers}
+    digests: dict[str, str] = {}
+    decided: list[str] = []
+
+    def skip_layer(parent: str, digest: str) -> bool:
+        assert digest == layer_digest({name: digests[name] for name in layers[parent]})
+        decided.append(parent)
+        return ".mlp." in parent
+
+    skipped: set[str] = set()
+    stats = ReadAheadStats()
+    handed = [item.parent for item, _ in read_in_order(
+        plan.layer_order, folder, readahead=readahead, stats=stats, hash_layers=set(layers), digests=digests,
+        skip_layer=skip_layer, skipped=skipped)]
+    assert decided == list(dict.fromkeys(item.parent for item in plan.layer_order))
+    assert skipped == {name for name in layers if ".mlp." in name} and skipped
+    assert set(handed) == set(layers) - skipped
+    assert stats.read_bytes == plan.total_bytes  # read (to hash), not handed over
+    assert stats.peak_bytes <= max(layer.bytes for layer in plan.layers)
+
+
+# ----------------------------------------------------------------------------- the skip plan of one reload
+
+
+class TinyModel(torch.nn.Module):
+    """Modules named as the Qwen3-like checkpoint's parent layers, each holding one tensor per checkpoint tensor."""
+
+    def __init__(self, plan) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleDict()
+        for layer in plan.layers:
+            module = torch.nn.Module()
+            for i, item in enumerate(i for i in plan.layer_order if i.parent == layer.name):
+                module.register_parameter(f"p{i}", torch.nn.Parameter(torch.zeros(item.entry.shape),
+                                                                      requires_grad=False))
+            self.layers[layer.name.replace(".", "_")] = module
+
+
+def _skip_plan(folder: Path, model: TinyModel, recs: LayerRecords, **kwargs):
+    from layerwise_cli.planning.plan import PlannedTensor
+    from layerwise_cli.worker.skip_plan import SkipPlan
+
+    plan = inspect_order(str(folder)).plan
+    stream = [PlannedTensor(item.entry, "layers." + item.parent.replace(".", "_")) for item in plan.layer_order]
+    return SkipPlan.build(model, plan.checkpoint, stream, "layer", recs, **kwargs), stream
+
+
+def _load(skip, stream) -> None:
+    """What a successful reload does with the plan: hand over the stream, then record."""
+    for item in skip.stream:
+        skip.handing_over(item.parent)
+
+
+def test_header_digests_decide_without_reading_and_records_follow_the_engine(tmp_path):
+    folder = _written(tmp_path)
+    plan = inspect_order(str(folder)).plan
+    model = TinyModel(plan)
+    recs = LayerRecords()
+    first, stream = _skip_plan(folder, model, recs)
+    assert first.skipped == set() and first.stream == stream and first.hash_layers == set()
+    _load(first, stream)
+    first.record(model, checked=True)
+    assert len(recs) == len(plan.layers)
+
+    second, _ = _skip_plan(folder, model, recs)
+    assert second.skipped == {item.parent for item in stream} and second.stream == []
+    assert second.digest_source() == "header"
+
+    # Something else writes one layer in place: it is reloaded though the source is the same.
+    touched = next(iter(model.layers.values()))
+    with torch.no_grad():
+        next(iter(touched.parameters())).add_(1)
+    third, _ = _skip_plan(folder, model, recs)
+    assert len(third.skipped) == len(plan.layers) - 1 and len(third.decider.stale) == 1
+    assert "changed since layerwise loaded them" in third.notes()[0]
+
+    # A changed source layer is read; handing it over drops its record until the reload succeeds.
+    changed = _written(tmp_path, change=("model.layers.1.mlp.down_proj.weight",))
+    fourth, _ = _skip_plan(changed, model, LayerRecords())
+    assert fourth.skipped == set()
+    fifth, _ = _skip_plan(changed, model, recs)
+    reread = {item.parent for item in fifth.stream}
+    assert "layers.model_layers_1_mlp_down_proj" in reread
+    name = next(iter(reread - {"layers.model_layers_1_mlp_down_proj"}), None)  # the stale one
+    assert name is not None
+    fifth.handing_over("layers.model_layers_1_mlp_down_proj")
+    assert "layers.model_layers_1_mlp_down_proj" not in recs  # a failure now leaves no record of it
+
+    everything, _ = _skip_plan(folder, model, recs, all_layers=True)
+    assert everything.skipped == set() and len(everything.stream) == len(stream)
+
+
+def test_without_header_digests_every_layer_is_hashed(tmp_path):
+    from safetensors.torch import save_file
+
+    sd = qwen3_like()
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(__import__("json").dumps(CONFIG))
+    plan = inspect_order(str(folder)).plan
+    skip, stream = _skip_plan(folder, TinyModel(plan), LayerRecords())
+    assert skip.stream == stream and skip.hash_layers == {item.parent for item in stream}
+    assert skip.digest_source() == "read" and skip.skip_layer is not None
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def test_reports_mark_skipped_layers_and_merge_them():
+    from layerwise_cli.report.reload_report import LayerReport, ReloadReport, merge_reports
+
+    def worker(tp_rank: int, skipped: bool) -> ReloadReport:
+        layers = [LayerReport("a", 1, 100, 0.0, 0.0, 0, skipped="unchanged"),
+                  LayerReport("b", 2, 300, 0.1, 0.2, 300, skipped="unchanged" if skipped else None)]
+        return ReloadReport(order="layer", source="s", wall_s=0.5, bytes=0 if skipped else 300, tensors=2,
+                            peak_buffer_bytes=300, peak_tensor="b.w", predicted_peak_buffer_bytes=300,
+                            largest_layer_bytes=300, layers=layers, rank=tp_rank,
+                            position={"rank": tp_rank, "tp_rank": tp_rank, "tp_size": 2},
+                            skipped_layers=2 if skipped else 1, skipped_bytes=400 if skipped else 100,
+                            read_bytes=0 if skipped else 300, engine_id=f"id{tp_rank}", digests="header")
+
+    merged = merge_reports([worker(0, True), worker(1, False)])
+    assert [layer.skipped for layer in merged.layers] == ["unchanged", None]
+    assert (merged.skipped_layers, merged.skipped_bytes, merged.read_bytes) == (1, 100, 300)
+    assert merged.engine_id == "id0" and [r.engine_id for r in merged.ranks] == ["id0", "id1"]
+    assert [r.skipped_layers for r in merged.ranks] == [2, 1]
+    data = merged.to_dict()
+    assert data["skipped_layers"] == 1 and data["layers"][0]["skipped"] == "unchanged"
+    assert ReloadReport.from_dict(data) == merged
+    with pytest.raises(AttributeError):
+        merged.skipped_layers = 3  # type: ignore[misc]
+
+
+def test_the_table_shows_skipped_layers(capsys):
+    from layerwise_cli.cli._reload_view import render_report
+    from layerwise_cli.report.reload_report import LayerReport, ReloadReport
+
+    report = ReloadReport(order="layer", source="s", wall_s=0.01, bytes=300, tensors=2, peak_buffer_bytes=300,
+                          peak_tensor="b.w", predicted_peak_buffer_bytes=300, largest_layer_bytes=300,
+                          layers=[LayerReport("model.a", 1, 1024, 0.0, 0.0, 0, skipped="unchanged"),
+                                  LayerReport("model.b", 2, 300, 0.1, 0.2, 300)],
+                          skipped_layers=1, skipped_bytes=1024, digests="header", engine_id="e")
+    render_report(report)
+    out = capsys.readouterr().out
+    assert "a (skipped: unchanged)" in out
+    assert "1 of 2 layers (1.00 KiB) unchanged, kept by the engine; digests from the shard headers" in out
+
+
+# ----------------------------------------------------------------------------- vLLM's log lines
+
+
+def test_only_the_warnings_of_skipped_layers_are_dropped(caplog):
+    from layerwise_cli.vllm_logs import INPLACE_LOGGER, RELOAD_LOGGER, quiet_skipped_layer_warnings
+
+    reload_log, inplace_log = logging.getLogger(RELOAD_LOGGER), logging.getLogger(INPLACE_LOGGER)
+    caplog.set_level(logging.WARNING)
+    with quiet_skipped_layer_warnings(lambda: Counter({"QKVParallelLinear": 1})):
+        reload_log.warning("%s: Failed to load weights", "QKVParallelLinear")
+        reload_log.warning("%s: Failed to load weights", "QKVParallelLinear")  # one more than was skipped
+        reload_log.warning("%s: Failed to load weights", "RowParallelLinear")
+        inplace_log.warning("Following weights were not loaded from checkpoint: %s", {"x"})
+    reload_log.warning("%s: Failed to load weights", "QKVParallelLinear")
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages == ["QKVParallelLinear: Failed to load weights", "RowParallelLinear: Failed to load weights",
+                        "QKVParallelLinear: Failed to load weights"]
