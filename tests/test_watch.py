@@ -24,6 +24,7 @@ from tests.support.watch_support import (
     ENV,
     MARKER,
     PAIRS,
+    STARTING_THINK_S,
     Clients,
     Trainer,
     WatchProcess,
@@ -60,7 +61,8 @@ def sources(demo_models, tmp_path_factory):
 def servers(demo_models):
     """Two `layerwise serve` servers on *multiply*, started at once (INFO logs: a failure says where it stopped)."""
     # Each on a core of its own (see own_core).
-    pair = [RunningServer(demo_models["multiply"], env={"VLLM_LOGGING_LEVEL": "INFO", **own_core(i)}) for i in range(2)]
+    pair = [RunningServer(demo_models["multiply"], env={"VLLM_LOGGING_LEVEL": "INFO", **own_core(i)},
+                          start_timeout=600) for i in range(2)]
     try:
         start_servers(pair)
         yield pair
@@ -117,8 +119,10 @@ def test_watch_keeps_two_servers_on_the_newest_complete_step(servers, sources, t
                 trainer.write("step_6", "add")
                 watch.wait_for("reload_done", step="step_6", server=a.url)
                 watch.wait_for("server_down", server=b.url)
+                clients.slow(a, STARTING_THINK_S)  # a still answers, every 1.5 s (see STARTING_THINK_S)
                 start(b)
                 log("b restarted")
+                clients.slow(a, None)
                 clients.resume(b)
                 watch.wait_for("server_back", server=b.url)
                 watch.wait_for("reload_done", step="step_6", server=b.url)
