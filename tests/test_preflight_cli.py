@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import struct
-import time
 from pathlib import Path
 
 import pytest
@@ -91,15 +90,12 @@ def test_header_errors_are_reported_before_any_engine_starts(case, demo_models, 
     bad = reshard(demo_models["add"], tmp_path / "bad", parameter_kind, transform=transform)
     if corrupt is not None:
         corrupt(bad)
-    started = time.perf_counter()
     result = runner.invoke(app, ["reload", "--weights-path", str(bad), "--model", str(demo_models["multiply"])])
-    elapsed = time.perf_counter() - started
     assert result.exit_code == 1, result.output
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"Error: {bad}"), result.stderr
     assert message in lines[0]
     assert engine_starts == [] and "Starting vLLM" not in result.stderr
-    assert elapsed < 5, f"pre-flight took {elapsed:.1f} s"
 
 
 def test_allow_partial_passes_preflight_for_a_partial_checkpoint(demo_models, tmp_path, engine_starts):
@@ -149,12 +145,10 @@ def test_invalid_option_values_are_usage_errors_before_anything_starts(case, eng
 
     monkeypatch.setattr(session, "prepare_sources", no_sources)
     args, option = USAGE_ERRORS[case]
-    started = time.perf_counter()
     result = runner.invoke(app, args)
     assert result.exit_code == 2, result.output
     assert option in result.stderr
     assert engine_starts == []
-    assert time.perf_counter() - started < 5
 
 
 def test_unknown_quantization_is_a_usage_error_before_the_engine_starts(demo_models, engine_starts):
