@@ -7,6 +7,7 @@ changed), and one restart. Every reload is proven against a fresh engine.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -142,11 +143,22 @@ def _reloaded(report) -> set[str]:
     return {layer.name for layer in report.layers if not layer.skipped}
 
 
-def test_header_digests_skip_unchanged_layers_without_reading_them(engine, ckpts):
+def _progress_layers(path: Path) -> tuple[int, list[str], set[str]]:
+    """The progress file's announced layer count, every layer it marked done, and those marked skipped."""
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    done = [e for e in events if e["event"] == "layer"]
+    return events[0]["layers"], [e["name"] for e in done], {e["name"] for e in done if e.get("skipped")}
+
+
+def test_header_digests_skip_unchanged_layers_without_reading_them(engine, ckpts, tmp_path):
     changed, sizes = ckpts["changed"], ckpts["bytes"]
     first = _reload(engine, ckpts["A_d"], all_layers=True)  # a known start: A, every layer recorded
     assert first.skipped_layers == 0 and first.all_layers and first.digests == "header"
-    report = _reload(engine, ckpts["B_unreadable"])
+    progress = tmp_path / "progress.jsonl"
+    report = _reload(engine, ckpts["B_unreadable"], progress_path=str(progress))
+    # The progress bar reaches its total: skipped layers count as done.
+    total, done, skipped = _progress_layers(progress)
+    assert total == len(done) == len(set(done)) == ckpts["layers"] and skipped == set(_skipped(report))
     assert _reloaded(report) == changed
     assert report.skipped_layers == ckpts["layers"] - len(changed) == len(_skipped(report))
     assert all(layer.skipped == "unchanged" for layer in report.layers if layer.name not in changed)
@@ -170,15 +182,18 @@ def test_an_identical_checkpoint_skips_everything_and_reads_nothing(engine, ckpt
     assert_matches_fresh(engine.llm, ckpts["B_d"], prompts())
 
 
-def test_without_header_digests_the_bytes_are_hashed_and_only_changed_layers_load(engine, ckpts):
+def test_without_header_digests_the_bytes_are_hashed_and_only_changed_layers_load(engine, ckpts, tmp_path):
     _reload(engine, ckpts["B_d"], all_layers=True)
     to_a = _reload(engine, ckpts["A"])  # the demo checkpoint: plain safetensors, no digests
     assert to_a.digests == "read" and _reloaded(to_a) == ckpts["changed"]
     assert to_a.read_bytes == sum(ckpts["bytes"].values())  # read to hash, handed over only where changed
     assert to_a.hash_s > 0
     assert_matches_fresh(engine.llm, ckpts["A"], prompts())
-    to_b = _reload(engine, ckpts["B_plain"])
+    progress = tmp_path / "progress.jsonl"
+    to_b = _reload(engine, ckpts["B_plain"], progress_path=str(progress))
     assert _reloaded(to_b) == ckpts["changed"]
+    total, done, skipped = _progress_layers(progress)  # skipped after hashing: also counted as done
+    assert total == len(done) == len(set(done)) == ckpts["layers"] and skipped == set(_skipped(to_b))
     assert_matches_fresh(engine.llm, ckpts["B_d"], prompts())
     # Digests hashed from the bytes equal the header digests: the header copy of B is all skipped.
     again = _reload(engine, ckpts["B_d"])

@@ -117,11 +117,22 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         progress = ProgressWriter(progress_path if rank == 0 else None, len(plan.layers), plan.total_bytes)
         probe = BufferProbe(model, on_layer_done=lambda name, timing: progress.write(
             {"event": "layer", "name": name, "tensors": timing.tensors, "bytes": timing.bytes}))
+        # A skipped layer counts as done for the progress bar, as soon as it is known to be skipped.
+        for name in sorted(skip.skipped):
+            progress.write({"event": "layer", "name": name, "skipped": True})
+        decide_after_read = skip.skip_layer
+
+        def skip_after_read(parent: str, digest: str) -> bool:
+            skipped = decide_after_read(parent, digest)
+            if skipped:
+                progress.write({"event": "layer", "name": parent, "skipped": True})
+            return skipped
 
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
             for item, tensor in read_in_order(skip.stream, folder, device=device, readahead=readahead, stats=stats,
                                               check_finite=not allow_nonfinite, hash_layers=skip.hash_layers,
-                                              digests=skip.read_digests, skip_layer=skip.skip_layer,
+                                              digests=skip.read_digests,
+                                              skip_layer=skip_after_read if decide_after_read else None,
                                               skipped=skip.skipped):
                 skip.handing_over(item.parent)
                 probe.before_handover(item.entry.name, item.parent, item.entry.nbytes)
