@@ -68,15 +68,8 @@ def silence_rotary_reload_warning() -> None:
 @contextmanager
 def quiet_force_kill() -> Iterator[None]:
     """Drop vLLM's force-kill notices while a deliberate shutdown runs in this process."""
-    loggers = [logging.getLogger(name) for name in (SHUTDOWN_LOGGER, KILL_TREE_LOGGER)]
-    drop = _Drop(is_force_kill_notice)
-    for logger in loggers:
-        logger.addFilter(drop)
-    try:
+    with _dropping(_Drop(is_force_kill_notice), SHUTDOWN_LOGGER, KILL_TREE_LOGGER):
         yield
-    finally:
-        for logger in loggers:
-            logger.removeFilter(drop)
 
 
 @contextmanager
@@ -106,8 +99,14 @@ def quiet_skipped_layer_warnings(skipped: Callable[[], Counter]) -> Iterator[Non
             return True
         return False
 
-    drop = _Drop(test)
-    loggers = [logging.getLogger(name) for name in (RELOAD_LOGGER, INPLACE_LOGGER)]
+    with _dropping(_Drop(test), RELOAD_LOGGER, INPLACE_LOGGER):
+        yield
+
+
+@contextmanager
+def _dropping(drop: logging.Filter, *names: str) -> Iterator[None]:
+    """Install DROP on the named loggers for the duration of the block."""
+    loggers = [logging.getLogger(name) for name in names]
     for logger in loggers:
         logger.addFilter(drop)
     try:
