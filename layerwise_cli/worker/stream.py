@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -195,12 +196,12 @@ def read_in_order(
             event.record(copy_stream)
         return staged, event
 
-    runs = Counter(batch[0].parent for batch in layer_batches(stream))
+    batches = layer_batches(stream)
+    # A layer split into several runs of the stream cannot be dropped: part of it would already be handed over.
+    runs = Counter(batch[0].parent for batch in batches)
 
     def hash_batch(batch: list[PlannedTensor], hosts: list[torch.Tensor]) -> bool:
         """Hash a layer's tensors; True when `skip_layer` drops the layer."""
-        import time
-
         from layerwise_cli.checkpoint.digests import layer_digest, tensor_digest
 
         start = time.perf_counter()
@@ -247,7 +248,6 @@ def read_in_order(
             tensor.record_stream(torch.cuda.current_stream(device))
         return item, tensor
 
-    batches = layer_batches(stream)
     if not readahead:
         try:
             for batch in batches:
