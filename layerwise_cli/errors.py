@@ -28,6 +28,11 @@ class UsageError(LayerwiseError):
     """A bad combination of arguments: exit code 2."""
 
 
+def one_line(text: str) -> str:
+    """TEXT with every run of whitespace, newlines included, made one space (for one-line errors and events)."""
+    return " ".join(text.split())
+
+
 def describe_exception(exc: BaseException, where: str | None = None) -> LayerwiseError:
     """Map a library exception onto a `LayerwiseError` with a one-line message.
 
@@ -46,7 +51,7 @@ def describe_exception(exc: BaseException, where: str | None = None) -> Layerwis
     for exc_type, render in _mappings():
         if isinstance(exc, exc_type):
             return LayerwiseError(render(exc), where=where)
-    text = " ".join(str(exc).split()) or type(exc).__name__
+    text = one_line(str(exc)) or type(exc).__name__
     return LayerwiseError(f"{type(exc).__name__}: {text}", where=where)
 
 

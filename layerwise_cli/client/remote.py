@@ -16,10 +16,9 @@ from layerwise_cli.client.server_api import (
     PAUSE_MODES,
     RemoteOptions,
     ServerClient,
-    _one_line,
     _ServerError,
 )
-from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.errors import LayerwiseError, one_line
 from layerwise_cli.report.jsonable import jsonable
 from layerwise_cli.report.reload_report import ReloadReport
 from layerwise_cli.report.verify_result import VerifyResult, verify_failure
@@ -184,7 +183,7 @@ def reload_server(url: str, source: str, options: RemoteOptions | None = None,
     except Exception as exc:  # noqa: BLE001 - one line per server, never a traceback
         from layerwise_cli.errors import describe_exception
 
-        error = _one_line(str(describe_exception(exc)))
+        error = one_line(str(describe_exception(exc)))
         if stage == "reload" and holds == HOLDS_PREVIOUS:
             holds = HOLDS_UNKNOWN
     finally:
@@ -196,7 +195,7 @@ def reload_server(url: str, source: str, options: RemoteOptions | None = None,
             except Exception as exc:  # noqa: BLE001 - reported, never raised past the other servers
                 from layerwise_cli.errors import describe_exception
 
-                message = (f"could not resume generation ({_one_line(str(describe_exception(exc)))}): "
+                message = (f"could not resume generation ({one_line(str(describe_exception(exc)))}): "
                            "the server may still be paused; POST /resume to it")
                 if error is None:
                     stage = "resume"
@@ -282,7 +281,7 @@ def _reset_prefix_cache(client: ServerClient) -> list[str]:
             return ["the prefix cache could not be reset (blocks still held); cached prompt "
                     "prefixes may reuse KV computed with the previous weights"]
     except Exception as exc:  # noqa: BLE001 - a warning, not a failure
-        return [f"the prefix cache could not be reset: {_one_line(str(exc))}"]
+        return [f"the prefix cache could not be reset: {one_line(str(exc))}"]
     return []
 
 

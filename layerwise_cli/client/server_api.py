@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from layerwise_cli import ENGINES_RPC_PATH
-from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.errors import LayerwiseError, one_line
 from layerwise_cli.report.reload_report import ReloadReport, first_failure, merge_reports
 from layerwise_cli.report.verify_result import VerifyResult, merge_verify
 
@@ -59,10 +59,6 @@ class _ServerError(LayerwiseError):
         self.engines = engines or []
 
 
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
 class ServerClient:
     """The HTTP calls `reload_server` makes to one vLLM server (dev mode endpoints)."""
 
@@ -95,12 +91,12 @@ class ServerClient:
             response = self._http.request(method, path, timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
                                           **kwargs)
         except httpx.ConnectError as exc:
-            raise _ServerError(f"cannot connect ({_one_line(str(exc)) or 'connection refused'}); is the "
+            raise _ServerError(f"cannot connect ({one_line(str(exc)) or 'connection refused'}); is the "
                                "server running at this address?") from None
         except httpx.TimeoutException:
             raise _ServerError(f"no answer to {what} within {timeout:g} s (--timeout)") from None
         except httpx.HTTPError as exc:
-            raise _ServerError(f"{what} failed: {_one_line(str(exc)) or type(exc).__name__}") from None
+            raise _ServerError(f"{what} failed: {one_line(str(exc)) or type(exc).__name__}") from None
         self.reached = True
         if response.status_code == 401:
             raise _ServerError(f"unauthorized (401) on {path}: the server wants an API key; pass the right one "
@@ -303,7 +299,7 @@ def _engines_failure(outcomes: list[tuple[str | None, str, bool]], source: str) 
         tails = {HOLDS_PREVIOUS: "the server was rolled back to its previous weights" if rolled_back
                  else "nothing was changed", HOLDS_UNKNOWN: "some layers may hold the new weights"}
         text = error if "rolled back" in error else f"{error}; {tails[holds]}"
-        return _ServerError(_one_line(text), holds=holds, rolled_back=rolled_back)
+        return _ServerError(one_line(text), holds=holds, rolled_back=rolled_back)
     what = {HOLDS_NEW: f"holds {source}", HOLDS_UNKNOWN: "may hold some new layers"}
     engines = [f"engine {i} " + (what.get(h) or ("rolled back to its previous weights" if back else "unchanged"))
                for i, (_, h, back) in enumerate(outcomes)]
@@ -311,7 +307,7 @@ def _engines_failure(outcomes: list[tuple[str | None, str, bool]], source: str) 
     more = f" ({len(failed) - 1} more engine(s) failed)" if len(failed) > 1 else ""
     kinds = {h for _, h, _ in outcomes}
     holds = kinds.pop() if len(kinds) == 1 else HOLDS_MIXED
-    return _ServerError(_one_line(f"data-parallel engine {index} of {len(outcomes)}: {error}{more}; {states}"),
+    return _ServerError(one_line(f"data-parallel engine {index} of {len(outcomes)}: {error}{more}; {states}"),
                         holds=holds, rolled_back=all(back for _, h, back in outcomes if h == HOLDS_PREVIOUS),
                         engines=engines)
 
@@ -336,9 +332,9 @@ def _excerpt(response) -> str:
     text = response.text or ""
     if "html" in response.headers.get("content-type", "").lower() or text.lstrip()[:1] == "<":
         title = re.search(r"<title[^>]*>(.*?)</title>", text, re.IGNORECASE | re.DOTALL)
-        name = f" titled {_one_line(title.group(1))[:_EXCERPT_CHARS]!r}" if title else ""
+        name = f" titled {one_line(title.group(1))[:_EXCERPT_CHARS]!r}" if title else ""
         return f"an HTML page{name} ({len(text)} characters; not a vLLM server?)"
-    line = _one_line(text)
+    line = one_line(text)
     return repr(line[:_EXCERPT_CHARS] + ("..." if len(line) > _EXCERPT_CHARS else ""))
 
 
@@ -353,5 +349,5 @@ def _error_text(response) -> str:
             if isinstance(value, dict):
                 value = value.get("message") or value
             if value:
-                return _one_line(str(value))[:300]
-    return _one_line(str(body))[:300]
+                return one_line(str(value))[:300]
+    return one_line(str(body))[:300]

@@ -6,7 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from layerwise_cli.client.server_api import HOLDS_NEW, HOLDS_PREVIOUS, HOLDS_UNKNOWN, RemoteOptions, _one_line
+from layerwise_cli.client.server_api import HOLDS_NEW, HOLDS_PREVIOUS, HOLDS_UNKNOWN, RemoteOptions
+from layerwise_cli.errors import one_line
 
 
 class TargetDown(Exception):
@@ -63,7 +64,7 @@ class ServerTarget:
             return client.weight_version()
         except Exception as exc:
             if not client.reached:
-                raise TargetDown(_one_line(str(exc))) from None
+                raise TargetDown(one_line(str(exc))) from None
             raise
         finally:
             client.close()
@@ -104,14 +105,14 @@ class EngineTarget:
         try:
             results = call_workers(self.llm, "layerwise_reload", source=path)
         except Exception as exc:  # noqa: BLE001 - one line, like a server's failure
-            return Outcome(ok=False, holds=HOLDS_UNKNOWN, error=_one_line(str(describe_exception(exc))),
+            return Outcome(ok=False, holds=HOLDS_UNKNOWN, error=one_line(str(describe_exception(exc))),
                            failed_in_reload=True)
         failures = [r for r in results if not r.get("ok")]
         if failures:
             touched = any(r.get("engine_touched") for r in failures)
             rolled_back = all(r.get("rolled_back") for r in failures if r.get("engine_touched"))
             holds = HOLDS_PREVIOUS if not touched or rolled_back else HOLDS_UNKNOWN
-            return Outcome(ok=False, holds=holds, error=_one_line(failures[0].get("error") or "a worker failed"),
+            return Outcome(ok=False, holds=holds, error=one_line(failures[0].get("error") or "a worker failed"),
                            failed_in_reload=True, version=self.llm.get_weight_version(),
                            report={"results": [{k: v for k, v in r.items() if k != "traceback"} for r in results]})
         report = reports_from_results(results)

@@ -24,7 +24,7 @@ from layerwise_cli.client.server_api import HOLDS_PREVIOUS
 from layerwise_cli.client.watch_events import WatchEvent
 from layerwise_cli.client.watch_options import WatchOptions
 from layerwise_cli.client.watch_targets import Outcome, Target, TargetDown
-from layerwise_cli.errors import UsageError
+from layerwise_cli.errors import UsageError, one_line
 
 # Backoff for a server that does not answer: 0.5 s, 1 s, 2 s, ... up to this.
 _BACKOFF_MAX_S = 10.0
@@ -382,6 +382,4 @@ def _call(run: Callable[[], object]) -> tuple[bool, object]:
 def _line(error: object) -> str:
     from layerwise_cli.errors import describe_exception
 
-    if isinstance(error, BaseException):
-        return " ".join(str(describe_exception(error)).split())
-    return " ".join(str(error).split())
+    return one_line(str(describe_exception(error) if isinstance(error, BaseException) else error))
