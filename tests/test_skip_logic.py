@@ -234,9 +234,12 @@ def _skip_plan(folder: Path, model: TinyModel, recs: LayerRecords, **kwargs):
     return SkipPlan.build(model, plan.checkpoint, stream, "layer", recs, **kwargs), stream
 
 
-def _load(skip, stream) -> None:
-    """What a successful reload does with the plan: hand over the stream, then record."""
-    for item in skip.stream:
+def _load(skip, stream, folder: Path) -> None:
+    """What a reload does with the plan before it records: read the stream (samples, hashes), hand it over."""
+    from layerwise_cli.worker.stream import read_in_order
+
+    for item, _ in read_in_order(skip.stream, folder, hash_layers=skip.hash_layers, digests=skip.read_digests,
+                                 samples=skip.read_samples):
         skip.handing_over(item.parent)
 
 
@@ -247,7 +250,7 @@ def test_header_digests_decide_without_reading_and_records_follow_the_engine(tmp
     recs = LayerRecords()
     first, stream = _skip_plan(folder, model, recs)
     assert first.skipped == set() and first.stream == stream and first.hash_layers == set()
-    _load(first, stream)
+    _load(first, stream, folder)
     first.record(model, checked=True)
     assert len(recs) == len(plan.layers)
 
@@ -277,6 +280,112 @@ def test_header_digests_decide_without_reading_and_records_follow_the_engine(tmp
 
     everything, _ = _skip_plan(folder, model, recs, all_layers=True)
     assert everything.skipped == set() and len(everything.stream) == len(stream)
+
+
+def _rewrite_keeping_headers(folder: Path, names: set[str], *, window: int | None = None) -> dict[str, str]:
+    """Flip the bytes of NAMES in place (all of them, or only sample window WINDOW), every header kept.
+
+    Returns tensor name -> the shard file rewritten.
+    """
+    from layerwise_cli.checkpoint.header import read_shard_header
+    from layerwise_cli.checkpoint.samples import sample_spans
+
+    files = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        header, _ = read_shard_header(path)
+        with open(path, "r+b") as handle:
+            for entry in header.tensors:
+                if entry.name not in names:
+                    continue
+                spans = [(0, entry.nbytes)] if window is None else [sample_spans(entry.nbytes)[window]]
+                for offset, length in spans:
+                    handle.seek(header.data_start + entry.begin + offset)
+                    data = handle.read(length)
+                    handle.seek(header.data_start + entry.begin + offset)
+                    handle.write(bytes(b ^ 0x01 for b in data))
+                files[entry.name] = str(path)
+    return files
+
+
+def test_a_stale_header_digest_is_caught_by_the_spot_check_and_named(tmp_path):
+    import shutil
+
+    folder = _written(tmp_path)
+    plan = inspect_order(str(folder)).plan
+    model = TinyModel(plan)
+    recs = LayerRecords()
+    first, stream = _skip_plan(folder, model, recs)
+    _load(first, stream, folder)
+    first.record(model, checked=True)
+    assert all(recs.get(item.parent).samples for item in stream)
+
+    liar = tmp_path / "liar"
+    shutil.copytree(folder, liar)
+    tensor = "model.layers.1.mlp.down_proj.weight"
+    files = _rewrite_keeping_headers(liar, {tensor})
+    layer = "layers.model_layers_1_mlp_down_proj"
+    second, _ = _skip_plan(liar, model, recs)
+    # Every other layer is skipped on its header digest, after its samples matched.
+    assert second.skipped == {item.parent for item in stream} - {layer}
+    assert second.spot.confirmed == second.skipped and second.spot.bytes_read > 0
+    assert [item.parent for item in second.stream] == [layer] and layer in second.hash_layers
+    assert [d.to_dict() for d in second.stale_digests()] == [{"layer": layer, "tensor": tensor,
+                                                              "file": files[tensor]}]
+    assert f"header digest is stale: {files[tensor]}" in second.notes()[0]
+    # Reloaded and hashed: the record holds the digest of the true bytes, not the header's claim.
+    _load(second, stream, liar)
+    second.record(model, checked=True)
+    assert recs.get(layer).digest != second.known[layer]
+    # The same liar again: the header's claim no longer matches the record, so the layer is read (no note).
+    third, _ = _skip_plan(liar, model, recs)
+    assert [item.parent for item in third.stream] == [layer] and third.stale_digests() == []
+
+
+def test_sample_windows_cover_head_middle_and_tail_wherever_the_tensor_lies():
+    from layerwise_cli.checkpoint.samples import WINDOW_BYTES, WINDOWS, buffer_sample, sample_bytes, sample_spans
+
+    assert sample_spans(0) == [] and sample_spans(100) == [(0, 100)]
+    n = 10 << 20
+    spans = sample_spans(n)
+    assert len(spans) == WINDOWS and spans[0] == (0, WINDOW_BYTES) and spans[-1] == (n - WINDOW_BYTES, WINDOW_BYTES)
+    assert spans[WINDOWS // 2][0] <= n // 2 < spans[WINDOWS // 2][0] + WINDOW_BYTES  # the middle
+    assert sample_bytes(n) == WINDOWS * WINDOW_BYTES
+    data = bytearray(range(256)) * (n // 256)
+    base = buffer_sample("BF16", [n // 2], data)
+    # Any sampled byte changes the sample, and so do dtype and shape; a byte between windows does not.
+    for offset, length in spans:
+        changed = bytearray(data)
+        changed[offset + length // 2] ^= 1
+        assert buffer_sample("BF16", [n // 2], changed) != base
+    between = bytearray(data)
+    between[spans[1][0] + WINDOW_BYTES + 10] ^= 1
+    assert buffer_sample("BF16", [n // 2], between) == base
+    assert buffer_sample("F16", [n // 2], data) != base and buffer_sample("BF16", [2, n // 4], data) != base
+
+
+def test_a_layer_whose_samples_differ_is_handed_over_before_it_is_hashed(tmp_path):
+    from layerwise_cli.worker.stream import ReadAheadStats, read_in_order
+
+    folder = _written(tmp_path)
+    plan = inspect_order(str(folder)).plan
+    layers = {layer.name for layer in plan.layers}
+    digests: dict[str, str] = {}
+    stats = ReadAheadStats()
+    asked: list[str] = []
+
+    def may_skip(parent: str, samples: dict[str, str]) -> bool:
+        asked.append(parent)
+        return ".mlp." in parent  # the others "changed": no full hash before their handover
+
+    decided: list[str] = []
+    handed = [item.parent for item, _ in read_in_order(
+        plan.layer_order, folder, stats=stats, hash_layers=layers, digests=digests,
+        skip_layer=lambda parent, digest: decided.append(parent) or False, may_skip=may_skip)]
+    assert set(handed) == layers and set(asked) == layers
+    assert set(decided) == {name for name in layers if ".mlp." in name}
+    assert stats.hashed_after_handover == len(layers) - len(decided)
+    # Every tensor still hashed (for the next reload's records).
+    assert set(digests) == {item.entry.name for item in plan.layer_order}
 
 
 def test_without_header_digests_every_layer_is_hashed(tmp_path):

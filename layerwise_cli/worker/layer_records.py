@@ -4,15 +4,19 @@ Every worker keeps, in its own process memory, one `LayerRecords`: per parent
 layer it reloaded (the engine's module name on this rank), the layer digest of
 the source bytes that produced it (`checkpoint.digests.layer_digest`), the
 fingerprint of the layer's state taken right after the reload
-(`worker.layer_state`), and whether the NaN/Inf check ran on those bytes. An
+(`worker.layer_state`), whether the NaN/Inf check ran on those bytes, and
+the sample digest of each of its tensors (`checkpoint.samples`). An
 id made once per worker process names the record: a restarted engine has a
 new id and no record.
 
 A layer is skipped on the next reload only when all of these hold: the reload
 does not ask for every layer (`all_layers`); the record exists; its digest
 equals the new source's layer digest; its fingerprint equals the layer's
-fingerprint now (nothing else wrote the layer since); and either the record's
-bytes were checked for NaN/Inf or this reload does not check either. A record
+fingerprint now (nothing else wrote the layer since); either the record's
+bytes were checked for NaN/Inf or this reload does not check either; and, when
+the new digest is a header's claim rather than hashed from the bytes, the
+sampled bytes of every tensor in the file equal the record's samples
+(`worker.spot_check`): a header rewritten with old `__metadata__` never skips. A record
 is dropped as soon as its layer is handed to vLLM and set again only when the
 reload succeeded, so a failed or rolled-back reload leaves no record of the
 layers it touched.
@@ -34,6 +38,8 @@ class LayerRecord:
     digest: str  # the layer digest of the source bytes loaded
     fingerprint: object  # the layer's state right after the reload (compared with ==)
     checked: bool  # the bytes passed the NaN/Inf check
+    # Tensor name -> sample digest of the bytes loaded (`checkpoint.samples`): what a header digest is checked by.
+    samples: Mapping[str, str] = field(default_factory=dict)
 
 
 class LayerRecords:

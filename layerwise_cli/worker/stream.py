@@ -14,9 +14,12 @@ from pathlib import Path
 
 import torch
 
+from layerwise_cli.checkpoint.digests import layer_digest, tensor_digest
 from layerwise_cli.checkpoint.finite import first_nonfinite, refusal
+from layerwise_cli.checkpoint.samples import buffer_sample
 from layerwise_cli.checkpoint.sources import shard_file
 from layerwise_cli.planning.plan import PlannedTensor
+from layerwise_cli.worker.cpu_placement import move_to, spare_cpus
 
 # Host copies into pinned memory are split into chunks of this size over a
 # few threads: after start-up vLLM sets torch to one CPU thread on GPU
@@ -92,14 +95,24 @@ def copy_in_chunks(dst: torch.Tensor, src: torch.Tensor, pool: ThreadPoolExecuto
 
 @dataclass
 class ReadAheadStats:
-    """What the stream read: the most bytes read ahead but not yet handed over, and every tensor byte read."""
+    """What the stream read, and where the reading side's time went (all of it in the reading thread)."""
 
     peak_bytes: int = 0
     _held: int = 0
     # Bytes of tensor data taken from the shards (skipped layers decided from headers are never read).
     read_bytes: int = 0
-    # Seconds the reading thread spent hashing bytes to decide skips (no header digests).
+    # Seconds getting tensors from the shards (CPU: mapping them; CUDA: also staging into pinned memory).
+    read_s: float = 0.0
+    # Seconds taking each tensor's spot sample (`checkpoint.samples`), for the next reload's header check.
+    sample_s: float = 0.0
+    # Seconds hashing bytes in full (no header digests): to decide a skip now, or to record one for later.
     hash_s: float = 0.0
+    # Seconds in the NaN/Inf check.
+    check_s: float = 0.0
+    # Layers hashed only after they were handed over (their sample already said they changed).
+    hashed_after_handover: int = 0
+    # The CPUs the reading thread ran on (None: no read-ahead thread).
+    reader_cpus: list[int] | None = None
 
     def add(self, n: int) -> None:
         self._held += n
@@ -124,6 +137,8 @@ def read_in_order(
     digests: dict[str, str] | None = None,
     skip_layer: Callable[[str, str], bool] | None = None,
     skipped: set[str] | None = None,
+    samples: dict[str, str] | None = None,
+    may_skip: Callable[[str, dict[str, str]], bool] | None = None,
 ) -> Iterator[tuple[PlannedTensor, torch.Tensor]]:
     """Yield (planned tensor, tensor) in stream order.
 
@@ -152,6 +167,12 @@ def read_in_order(
             layer that the stream holds in one run is read, before any of its
             tensors is handed over; True drops the layer (added to `skipped`).
         skipped: receives the layers `skip_layer` dropped.
+        samples: receives tensor name -> sample digest (`checkpoint.samples`)
+            of every tensor read, for the records.
+        may_skip: called as `may_skip(parent, samples)` for a hashed layer
+            that `skip_layer` could drop: False (its samples differ from the
+            record's: it changed) hands the layer over before hashing it, so
+            the hash is off the handover path. None: always True.
 
     Yields:
         Each planned tensor with its data.
@@ -162,6 +183,7 @@ def read_in_order(
     """
     stats = stats or ReadAheadStats()
     digests = digests if digests is not None else {}
+    samples = samples if samples is not None else {}
     skipped = skipped if skipped is not None else set()
     hash_layers = frozenset(hash_layers)
     reader = ShardReader(folder)
@@ -174,17 +196,22 @@ def read_in_order(
     # the engine has freed its tensors, not at the end of the stream.
     last_of_shard = {item.entry.shard: item for item in stream}
 
-    def read_host(item: PlannedTensor) -> torch.Tensor:
-        """The tensor on the host: safetensors' view of the file on CPU, a pinned copy for CUDA."""
+    def read_host(item: PlannedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the tensor on the host, its raw bytes): safetensors' view of the file, plus a pinned copy for CUDA."""
+        start = time.perf_counter()
         tensor = reader.read(item)
         stats.read_bytes += item.entry.nbytes
         if last_of_shard.get(item.entry.shard) is item:
             reader.release(item.entry.shard)
-        if not cuda:
-            return tensor
-        pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        copy_in_chunks(pinned, tensor, pool)
-        return pinned
+        host = tensor
+        if cuda:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            copy_in_chunks(host, tensor, pool)
+        sampled = time.perf_counter()
+        stats.read_s += sampled - start
+        samples[item.entry.name] = buffer_sample(item.entry.dtype, item.entry.shape, raw_bytes(tensor))
+        stats.sample_s += time.perf_counter() - sampled
+        return host, tensor
 
     def to_device(host: torch.Tensor):
         if not cuda:
@@ -200,37 +227,45 @@ def read_in_order(
     # A layer split into several runs of the stream cannot be dropped: part of it would already be handed over.
     runs = Counter(batch[0].parent for batch in batches)
 
-    def hash_batch(batch: list[PlannedTensor], hosts: list[torch.Tensor]) -> bool:
-        """Hash a layer's tensors; True when `skip_layer` drops the layer."""
-        from layerwise_cli.checkpoint.digests import layer_digest, tensor_digest
-
+    def hash_batch(batch: list[PlannedTensor], raws: list[torch.Tensor]) -> None:
+        """Hash a layer's tensors in full into `digests`."""
         start = time.perf_counter()
-        for item, host in zip(batch, hosts):
-            flat = host.reshape(-1)
-            data = flat.view(torch.uint8).numpy().data if flat.numel() else b""
-            digests[item.entry.name] = tensor_digest(item.entry.dtype, item.entry.shape, data)
+        for item, raw in zip(batch, raws):
+            digests[item.entry.name] = tensor_digest(item.entry.dtype, item.entry.shape, raw_bytes(raw))
         stats.hash_s += time.perf_counter() - start
+
+    def dropped(batch: list[PlannedTensor]) -> bool:
+        """After hashing: True when `skip_layer` drops the layer."""
         parent = batch[0].parent
-        if skip_layer is None or parent is None or runs[parent] != 1:
-            return False
         if skip_layer(parent, layer_digest({item.entry.name: digests[item.entry.name] for item in batch})):
             skipped.add(parent)
             return True
         return False
 
-    def load_batch(batch: list[PlannedTensor]) -> list[tuple] | None:
+    def load_batch(batch: list[PlannedTensor]) -> tuple[list[tuple] | None, Callable[[], None] | None]:
         """Read one parent layer; with `check_finite`, refuse it if any tensor holds NaN or Inf.
 
-        None when the layer is hashed and `skip_layer` drops it.
+        Returns the layer's tensors (None when it is hashed and `skip_layer`
+        drops it) and the hashing left to do once it is handed over (or None).
         """
-        if batch[0].parent in hash_layers:
-            hosts = [read_host(item) for item in batch]
-            if hash_batch(batch, hosts):
-                return None
-            loaded = [(item, *to_device(host)) for item, host in zip(batch, hosts)]
-        else:
-            loaded = [(item, *to_device(read_host(item))) for item in batch]
+        parent = batch[0].parent
+        read = [read_host(item) for item in batch]
+        raws = [raw for _, raw in read]
+        later = None
+        if parent in hash_layers:
+            decides = skip_layer is not None and parent is not None and runs[parent] == 1 and (
+                may_skip is None or may_skip(parent, {item.entry.name: samples[item.entry.name] for item in batch}))
+            if decides:
+                hash_batch(batch, raws)
+                if dropped(batch):
+                    return None, None
+            else:
+                def later() -> None:
+                    hash_batch(batch, raws)
+                    stats.hashed_after_handover += 1
+        loaded = [(item, *to_device(host)) for item, (host, _) in zip(batch, read)]
         if check_finite:
+            start = time.perf_counter()
             tensors = [(item.entry.name, item.entry.shard, tensor) for item, tensor, _ in loaded]
             if cuda:
                 # Reduced on the device, after the copies, on their stream: one read-back per layer.
@@ -238,9 +273,10 @@ def read_in_order(
                     found = first_nonfinite(tensors)
             else:
                 found = first_nonfinite(tensors)
+            stats.check_s += time.perf_counter() - start
             if found is not None:
                 raise refusal(found, str(folder / found.shard))
-        return loaded
+        return loaded, later
 
     def handover(item: PlannedTensor, tensor, event) -> tuple[PlannedTensor, torch.Tensor]:
         if event is not None:
@@ -252,7 +288,7 @@ def read_in_order(
         try:
             for batch in batches:
                 # The whole layer is read (and checked) before its first tensor is handed over.
-                loaded = load_batch(batch)
+                loaded, later = load_batch(batch)
                 if loaded is None:
                     continue
                 for item, _, _ in loaded:
@@ -260,6 +296,8 @@ def read_in_order(
                 for item, tensor, event in loaded:
                     stats.remove(item.entry.nbytes)
                     yield handover(item, tensor, event)
+                if later is not None:
+                    later()
         finally:
             reader.close()
             if pool is not None:
@@ -270,20 +308,24 @@ def read_in_order(
     # One slot: the reader may hold at most one layer that the engine has not started.
     slot = threading.Semaphore(1)
     stop = threading.Event()
+    spare = spare_cpus()
 
     def produce() -> None:
         try:
+            stats.reader_cpus = move_to(spare)
             for batch in batches:
                 slot.acquire()
                 if stop.is_set():
                     return
-                loaded = load_batch(batch)
+                loaded, later = load_batch(batch)
                 if loaded is None:
                     slot.release()  # nothing handed over: the slot stays free
                     continue
                 for item, _, _ in loaded:
                     stats.add(item.entry.nbytes)
                 ready.put(loaded)
+                if later is not None:
+                    later()  # while the engine loads this layer
             ready.put(_DONE)
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             ready.put(exc)
@@ -308,3 +350,9 @@ def read_in_order(
         reader.close()
         if pool is not None:
             pool.shutdown(wait=True)
+
+
+def raw_bytes(tensor: torch.Tensor):
+    """A contiguous host tensor's raw bytes, without a copy (b"" for an empty one)."""
+    flat = tensor.reshape(-1)
+    return flat.view(torch.uint8).numpy().data if flat.numel() else b""
