@@ -167,6 +167,7 @@ def render_table(data: dict) -> str:
         for r in data["results"]:
             lines.append(f"{LAYOUT_NAMES.get(r['layout'], r['layout']):<22}" + "".join(
                 f"{human_bytes(r['times'][v]['device_peak_allocated_delta_bytes'] or 0):>11}" for v in variants))
+    lines.extend(render_time_split(data))
     lines.extend(render_delta(data))
     mem = data["peak_rss"]
     lines.append("")
@@ -175,6 +176,23 @@ def render_table(data: dict) -> str:
     for t in data["targets"]:
         lines.append(f"target {'met   ' if t['met'] else 'MISSED'} {t['target']}: {t['value']:.3f}")
     return "\n".join(lines)
+
+
+def render_time_split(data: dict) -> list[str]:
+    """Where c's time went (medians of the report's figures): the reading thread, then the engine's thread."""
+    keys = ("read_s", "sample_s", "hash_s", "check_s", "handover_s", "vllm_s")
+    rows = [r for r in data["results"] if "c" in r["times"] and "vllm_s_median" in r["times"]["c"]]
+    if not rows:
+        return []
+    lines = ["", f"c, where the time went (s; reading thread: read sample hash check; engine thread: handover + "
+             f"vllm = c's worker wall; header digests: {'yes' if data['args'].get('header_digests') else 'no'})",
+             f"{'checkpoint':<22}" + "".join(f"{k[:-2]:>10}" for k in keys) + f"{'wall':>10}"]
+    for r in rows:
+        t = r["times"]["c"]
+        lines.append(f"{LAYOUT_NAMES.get(r['layout'], r['layout']):<22}"
+                     + "".join(f"{t.get(k + '_median', float('nan')):>10.3f}" for k in keys)
+                     + f"{t.get('worker_seconds_median', float('nan')):>10.3f}")
+    return lines
 
 
 def render_delta(data: dict) -> list[str]:
