@@ -205,7 +205,8 @@ def render_delta(data: dict) -> list[str]:
              f"({len(delta['changed_layers'])} of {delta['parent_layers']} parent layers changed in f and h, "
              f"{delta['changed_bytes'] / data['model']['bytes']:.0%} of the bytes; medians, seconds)"]
     lines.append(f"{'case':<40}" + "".join(f"{v:>9}" for v in variants) + f"{'c/a':>7}{'c/d':>7}"
-                 f"{'skipped':>9}{'c read':>11}" + "".join(f"{'RSS+ ' + v:>11}" for v in ("a", "c") if v in variants)
+                 f"{'skipped':>9}{'c read':>11}{'spot read':>11}{'spot s':>8}"
+                 + "".join(f"{'RSS+ ' + v:>11}" for v in ("a", "c") if v in variants)
                  + "".join(f"{'GPU+ ' + v:>11}" for v in ("a", "c") if v in variants))
     for r in delta["results"]:
         t, ratio = r["times"], r["ratios"]
@@ -215,6 +216,8 @@ def render_delta(data: dict) -> list[str]:
         row += f"{ratio.get('c_over_a', float('nan')):>7.2f}{ratio.get('c_over_d', float('nan')):>7.2f}"
         read = t.get("c", {}).get("read_bytes")
         row += f"{'-' if skipped is None else skipped:>9}{'-' if read is None else human_bytes(read):>11}"
+        spot, spot_s = t.get("c", {}).get("spot_check_bytes"), t.get("c", {}).get("spot_check_s_median")
+        row += f"{'-' if spot is None else human_bytes(spot):>11}{'-' if spot_s is None else f'{spot_s:.4f}':>8}"
         row += "".join(f"{human_bytes(t[v]['engine_peak_rss_delta_bytes']):>11}" for v in ("a", "c") if v in t)
         row += "".join(f"{human_bytes(t[v]['device_peak_allocated_delta_bytes'] or 0):>11}"
                        for v in ("a", "c") if v in t and t[v]["device_peak_allocated_delta_bytes"] is not None)

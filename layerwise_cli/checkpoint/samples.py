@@ -19,7 +19,7 @@ description (`digests.tensor_prefix`), a version tag, and the windows in order.
 What it catches and what it does not: any rewrite of a tensor's values that
 touches a sampled window (a new training step rewrites all of them), and any
 change of dtype or shape. A change confined to bytes between the windows
-(under 1 in 50 of a 4 MiB tensor is sampled) is not seen; `reload --verify`
+(36 KiB of a 4 MiB tensor, under 1 byte in 100, is sampled) is not seen; `reload --verify`
 and `inspect-order --scan` read every byte.
 """
 
