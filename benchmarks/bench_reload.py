@@ -134,7 +134,8 @@ def measure(llm, variant: str, path: Path, cuda: bool, full: bool = True) -> dic
 def skip_figures(report) -> dict:
     """Layers and bytes the reload skipped, and the bytes it read, where the report says (None: it does not)."""
     return {key: getattr(report, key, None) for key in ("skipped_layers", "skipped_bytes", "read_bytes",
-                                                         *TIME_SPLIT, "fingerprint_s", "spot_check_bytes")}
+                                                         *TIME_SPLIT, "fingerprint_s", "spot_check_bytes",
+                                                         "reader_cpus")}
 
 
 # Where a layerwise reload's time went (`ReloadReport`): the reading thread's read, sample, hash and check; the
@@ -215,6 +216,7 @@ def bench_checkpoint(llm, layout: str, path: Path, args, watch: MemoryWatch, cud
         "peaks": peaks,
         "peak_over_largest": {k: peaks[k] / largest for k in ("a", "b", "c", "predicted_file_order_bytes")
                               if k in peaks},
+        "c_reader_cpus": samples["c"][0].get("reader_cpus") if samples.get("c") else None,
         "vllm_read_order_matches_plan": vllm_peak["order_matches_plan"],
         "vllm_probe_unexpected": len(vllm_peak["unexpected"]),
         "curves": stream_curves(predicted),

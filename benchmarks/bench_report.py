@@ -191,7 +191,8 @@ def render_time_split(data: dict) -> list[str]:
         t = r["times"]["c"]
         lines.append(f"{LAYOUT_NAMES.get(r['layout'], r['layout']):<22}"
                      + "".join(f"{t.get(k + '_median', float('nan')):>10.3f}" for k in keys)
-                     + f"{t.get('worker_seconds_median', float('nan')):>10.3f}")
+                     + f"{t.get('worker_seconds_median', float('nan')):>10.3f}"
+                     + f"   reader on CPUs {r.get('c_reader_cpus')}")
     return lines
 
 
