@@ -462,3 +462,28 @@ def test_only_the_warnings_of_skipped_layers_are_dropped(caplog):
     messages = [record.getMessage() for record in caplog.records]
     assert messages == ["QKVParallelLinear: Failed to load weights", "RowParallelLinear: Failed to load weights",
                         "QKVParallelLinear: Failed to load weights"]
+
+
+def test_reports_carry_the_time_split_and_the_stale_header_files(capsys):
+    from layerwise_cli.cli._reload_view import render_report
+    from layerwise_cli.report.reload_report import LayerReport, ReloadReport, merge_reports
+
+    def worker(tp_rank: int, stale: list[dict]) -> ReloadReport:
+        return ReloadReport(order="layer", source="s", wall_s=0.5, bytes=300, tensors=2, peak_buffer_bytes=300,
+                            peak_tensor="b.w", predicted_peak_buffer_bytes=300, largest_layer_bytes=300,
+                            layers=[LayerReport("b", 2, 300, 0.1, 0.2, 300)], rank=tp_rank,
+                            position={"rank": tp_rank, "tp_rank": tp_rank, "tp_size": 2}, digests="header",
+                            read_s=0.01 * (tp_rank + 1), check_s=0.02, handover_s=0.1, vllm_s=0.4 - tp_rank / 10,
+                            spot_checked_layers=3, spot_check_bytes=4096 * (tp_rank + 1), spot_check_s=0.001,
+                            stale_header_digests=stale, reader_cpus=[1], notes=["header digest is stale: /x/b"])
+
+    stale = [{"layer": "b", "tensor": "b.w", "file": "/x/b"}]
+    merged = merge_reports([worker(0, stale), worker(1, stale + [{"layer": "a", "tensor": "a.w", "file": "/x/a"}])])
+    assert [d["file"] for d in merged.stale_header_digests] == ["/x/a", "/x/b"]  # one entry each, by file
+    assert (merged.read_s, merged.vllm_s, merged.spot_check_bytes, merged.reader_cpus) == (0.02, 0.4, 8192, [1])
+    data = merged.to_dict()
+    assert data["stale_header_digests"][1] == stale[0] and data["handover_s"] == 0.1
+    assert ReloadReport.from_dict(data) == merged
+    render_report(merged)
+    out = capsys.readouterr().out
+    assert "handover" in out and "spot check of 3 layer(s)" in out and "header digest is stale: /x/b" in out
