@@ -123,8 +123,7 @@ def test_one_tensor_changed_under_its_old_digest_reloads_its_layer(engine):
     assert any(note.startswith(f"header digest is stale: {liar_file}") for note in report.notes)
     assert_matches_fresh(llm, liar, prompts())
     assert verify_engine(llm, str(liar)).ok
-    # Recorded with the digest of its true bytes: reloading the liar again reads that layer, never skips it
-    # on the stale claim.
+    # The refuted claim is not recorded: reloading the liar again reads that layer, never skips it on the claim.
     again = reload(llm, str(liar))
     assert [layer.name for layer in again.layers if not layer.skipped] == [LIAR_LAYER]
     assert_matches_fresh(llm, liar, prompts())

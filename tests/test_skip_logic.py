@@ -176,7 +176,7 @@ def test_digests_hashed_while_reading_equal_the_header_digests(tmp_path):
     digests: dict[str, str] = {}
     names = [item.entry.name for item, _ in read_in_order(plan.layer_order, folder,
                                                            hash_layers={layer.name for layer in plan.layers},
-                                                           digests=digests)]
+                                                           digests=digests, skip_layer=lambda p, d: False)]
     assert names == [item.entry.name for item in plan.layer_order]
     assert digests == from_headers
 
@@ -332,10 +332,10 @@ def test_a_stale_header_digest_is_caught_by_the_spot_check_and_named(tmp_path):
     assert [d.to_dict() for d in second.stale_digests()] == [{"layer": layer, "tensor": tensor,
                                                               "file": files[tensor]}]
     assert f"header digest is stale: {files[tensor]}" in second.notes()[0]
-    # Reloaded and hashed: the record holds the digest of the true bytes, not the header's claim.
+    # Reloaded: its samples showed it changed, so it is not hashed, and the header's refuted claim is not recorded.
     _load(second, stream, liar)
     second.record(model, checked=True)
-    assert recs.get(layer).digest != second.known[layer]
+    assert recs.get(layer).digest is None and recs.get(layer).samples
     # The same liar again: the header's claim no longer matches the record, so the layer is read (no note).
     third, _ = _skip_plan(liar, model, recs)
     assert [item.parent for item in third.stream] == [layer] and third.stale_digests() == []
@@ -363,7 +363,7 @@ def test_sample_windows_cover_head_middle_and_tail_wherever_the_tensor_lies():
     assert buffer_sample("F16", [n // 2], data) != base and buffer_sample("BF16", [2, n // 4], data) != base
 
 
-def test_a_layer_whose_samples_differ_is_handed_over_before_it_is_hashed(tmp_path):
+def test_a_layer_whose_samples_differ_is_never_hashed(tmp_path):
     from layerwise_cli.worker.stream import ReadAheadStats, read_in_order
 
     folder = _written(tmp_path)
@@ -375,17 +375,54 @@ def test_a_layer_whose_samples_differ_is_handed_over_before_it_is_hashed(tmp_pat
 
     def may_skip(parent: str, samples: dict[str, str]) -> bool:
         asked.append(parent)
-        return ".mlp." in parent  # the others "changed": no full hash before their handover
+        return ".mlp." in parent  # the others "changed": handed over unhashed
 
     decided: list[str] = []
     handed = [item.parent for item, _ in read_in_order(
         plan.layer_order, folder, stats=stats, hash_layers=layers, digests=digests,
         skip_layer=lambda parent, digest: decided.append(parent) or False, may_skip=may_skip)]
     assert set(handed) == layers and set(asked) == layers
-    assert set(decided) == {name for name in layers if ".mlp." in name}
-    assert stats.hashed_after_handover == len(layers) - len(decided)
-    # Every tensor still hashed (for the next reload's records).
-    assert set(digests) == {item.entry.name for item in plan.layer_order}
+    mlp = {name for name in layers if ".mlp." in name}
+    assert set(decided) == mlp and stats.unhashed_layers == len(layers) - len(mlp)
+    assert {item.parent for item in plan.layer_order if item.entry.name in digests} == mlp
+    # Without a skip to decide (--all, file order), nothing is hashed at all.
+    none: dict[str, str] = {}
+    list(read_in_order(plan.layer_order, folder, hash_layers=layers, digests=none))
+    assert none == {}
+
+
+def test_a_layer_recorded_by_its_samples_alone_is_hashed_when_they_match_then_skipped(tmp_path):
+    from safetensors.torch import save_file
+
+    sd = qwen3_like()
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(__import__("json").dumps(CONFIG))
+    plan = inspect_order(str(folder)).plan
+    model = TinyModel(plan)
+    recs = LayerRecords()
+
+    def reload_plain():
+        from layerwise_cli.worker.stream import read_in_order
+
+        skip, _ = _skip_plan(folder, model, recs)
+        for item, _ in read_in_order(skip.stream, folder, hash_layers=skip.hash_layers, digests=skip.read_digests,
+                                     samples=skip.read_samples, skip_layer=skip.skip_layer, skipped=skip.skipped,
+                                     may_skip=skip.samples_match):
+            skip.handing_over(item.parent)
+        skip.record(model, checked=True)
+        return skip
+
+    layers = {item.parent for item in _skip_plan(folder, model, recs)[1]}
+    first = reload_plain()  # no records: nothing to skip, nothing hashed, recorded by samples
+    assert first.read_digests == {} and first.skipped == set()
+    assert all(recs.get(name).digest is None and recs.get(name).samples for name in layers)
+    second = reload_plain()  # samples match: hashed, but a record without a digest allows no skip
+    assert second.skipped == set() and len(second.read_digests) == len(plan.layer_order)
+    assert all(recs.get(name).digest is not None for name in layers)
+    third = reload_plain()
+    assert third.skipped == layers
 
 
 def test_without_header_digests_every_layer_is_hashed(tmp_path):

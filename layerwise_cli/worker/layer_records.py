@@ -35,7 +35,10 @@ REASON_UNCHANGED = "unchanged"
 class LayerRecord:
     """One parent layer as layerwise last loaded it on this worker."""
 
-    digest: str  # the layer digest of the source bytes loaded
+    # The layer digest of the source bytes loaded; None when they were not hashed (no header digests, and the
+    # samples showed the layer changed): such a record never allows a skip, and the next reload whose samples
+    # match hashes the layer and records its digest.
+    digest: str | None
     fingerprint: object  # the layer's state right after the reload (compared with ==)
     checked: bool  # the bytes passed the NaN/Inf check
     # Tensor name -> sample digest of the bytes loaded (`checkpoint.samples`): what a header digest is checked by.
@@ -116,7 +119,7 @@ class SkipDecider:
         candidates = []
         for name, digest in self.known.items():
             record = self.records.get(name)
-            if record is None or (self.checks_finite and not record.checked):
+            if record is None or record.digest is None or (self.checks_finite and not record.checked):
                 continue
             if digest is not None and digest != record.digest:
                 continue  # changed in the source: reloaded, no need to look at the engine
@@ -135,7 +138,7 @@ class SkipDecider:
                 self._changed[name] = record.digest
 
     def skip_before_reading(self) -> set[str]:
-        """Layers skipped from their header digests alone: their bytes are never read."""
+        """Layers the header digests would skip without streaming them (`worker.spot_check` checks them first)."""
         return {name for name, digest in self.known.items() if digest is not None and self.trusted.get(name) == digest}
 
     def skip_after_reading(self, name: str, digest: str) -> bool:

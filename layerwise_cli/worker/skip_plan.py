@@ -134,16 +134,19 @@ class SkipPlan:
         """After a successful reload: record every layer handed over, with its digest and its state now."""
         if self.records is None or not self.handed:
             return
-        digests = {}
+        digests: dict[str, str | None] = {}
         for name in self.handed:
             tensors = self.groups.get(name, [])
-            # The digest of the bytes as read wins over a header's claim (a stale header is hashed).
+            # The digest of the bytes as read wins over a header's claim; a claim the spot check refuted is
+            # never recorded.
             if tensors and all(t in self.read_digests for t in tensors):
                 digest = layer_digest({t: self.read_digests[t] for t in tensors})
+            elif self.spot is not None and name in self.spot.refuted():
+                digest = None
             else:
                 digest = self.known.get(name)
-            if digest is not None and all(t in self.read_samples for t in tensors):
-                digests[name] = digest
+            if tensors and all(t in self.read_samples for t in tensors):
+                digests[name] = digest  # None: recorded by its samples alone
         now = self._fingerprints(sorted(digests))
         for name, digest in digests.items():
             samples = {t: self.read_samples[t] for t in self.groups.get(name, [])}

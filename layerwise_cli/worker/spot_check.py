@@ -48,6 +48,10 @@ class SpotCheck:
     bytes_read: int = 0
     seconds: float = 0.0
 
+    def refuted(self) -> set[str]:
+        """Layers whose header digest this check could not confirm (stale or unsampled): never recorded by it."""
+        return {found.layer for found in self.stale} | self.unsampled
+
 
 def spot_check(layers: Iterable[str], entries: Mapping[str, list[TensorEntry]], records: LayerRecords,
                checkpoint: Checkpoint) -> SpotCheck:

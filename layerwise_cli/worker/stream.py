@@ -105,12 +105,12 @@ class ReadAheadStats:
     read_s: float = 0.0
     # Seconds taking each tensor's spot sample (`checkpoint.samples`), for the next reload's header check.
     sample_s: float = 0.0
-    # Seconds hashing bytes in full (no header digests): to decide a skip now, or to record one for later.
+    # Seconds hashing bytes in full (no header digests, or a stale one) to decide a skip.
     hash_s: float = 0.0
     # Seconds in the NaN/Inf check.
     check_s: float = 0.0
-    # Layers hashed only after they were handed over (their sample already said they changed).
-    hashed_after_handover: int = 0
+    # Layers to hash whose samples already showed them changed (or that no hash could skip now): not hashed.
+    unhashed_layers: int = 0
     # The CPUs the reading thread ran on (None: no read-ahead thread).
     reader_cpus: list[int] | None = None
 
@@ -160,8 +160,9 @@ def read_in_order(
             its tensors is handed over (a cheap reduction per tensor, one
             read-back per layer; see `layerwise_cli.checkpoint.finite`).
         hash_layers: parent layers whose tensors are hashed as they are read
-            (xxh3-128, `checkpoint.digests`), in the reading thread; each
-            tensor's digest goes into `digests`.
+            (xxh3-128, `checkpoint.digests`), in the reading thread, when the
+            hash can decide a skip (see `may_skip`); each tensor's digest goes
+            into `digests`.
         digests: receives tensor name -> digest for the hashed tensors.
         skip_layer: called as `skip_layer(parent, layer_digest)` once a hashed
             layer that the stream holds in one run is read, before any of its
@@ -169,10 +170,10 @@ def read_in_order(
         skipped: receives the layers `skip_layer` dropped.
         samples: receives tensor name -> sample digest (`checkpoint.samples`)
             of every tensor read, for the records.
-        may_skip: called as `may_skip(parent, samples)` for a hashed layer
-            that `skip_layer` could drop: False (its samples differ from the
-            record's: it changed) hands the layer over before hashing it, so
-            the hash is off the handover path. None: always True.
+        may_skip: called as `may_skip(parent, samples)` for a layer of
+            `hash_layers` that `skip_layer` could drop: False (its samples
+            differ from the record's: it changed) hands it over unhashed. None:
+            always True. Layers `skip_layer` cannot drop are never hashed.
 
     Yields:
         Each planned tensor with its data.
@@ -242,27 +243,24 @@ def read_in_order(
             return True
         return False
 
-    def load_batch(batch: list[PlannedTensor]) -> tuple[list[tuple] | None, Callable[[], None] | None]:
+    def load_batch(batch: list[PlannedTensor]) -> list[tuple] | None:
         """Read one parent layer; with `check_finite`, refuse it if any tensor holds NaN or Inf.
 
-        Returns the layer's tensors (None when it is hashed and `skip_layer`
-        drops it) and the hashing left to do once it is handed over (or None).
+        None when the layer is hashed and `skip_layer` drops it.
         """
         parent = batch[0].parent
         read = [read_host(item) for item in batch]
-        raws = [raw for _, raw in read]
-        later = None
         if parent in hash_layers:
-            decides = skip_layer is not None and parent is not None and runs[parent] == 1 and (
-                may_skip is None or may_skip(parent, {item.entry.name: samples[item.entry.name] for item in batch}))
-            if decides:
-                hash_batch(batch, raws)
+            # Hashed in full only when the hash can decide a skip now: the layer is whole in this run and its
+            # samples equal its record's. A changed layer (a full change: every one) costs no hash at all.
+            if skip_layer is not None and parent is not None and runs[parent] == 1 and (
+                    may_skip is None or may_skip(parent, {item.entry.name: samples[item.entry.name]
+                                                          for item in batch})):
+                hash_batch(batch, [raw for _, raw in read])
                 if dropped(batch):
-                    return None, None
+                    return None
             else:
-                def later() -> None:
-                    hash_batch(batch, raws)
-                    stats.hashed_after_handover += 1
+                stats.unhashed_layers += 1
         loaded = [(item, *to_device(host)) for item, (host, _) in zip(batch, read)]
         if check_finite:
             start = time.perf_counter()
@@ -276,7 +274,7 @@ def read_in_order(
             stats.check_s += time.perf_counter() - start
             if found is not None:
                 raise refusal(found, str(folder / found.shard))
-        return loaded, later
+        return loaded
 
     def handover(item: PlannedTensor, tensor, event) -> tuple[PlannedTensor, torch.Tensor]:
         if event is not None:
@@ -288,7 +286,7 @@ def read_in_order(
         try:
             for batch in batches:
                 # The whole layer is read (and checked) before its first tensor is handed over.
-                loaded, later = load_batch(batch)
+                loaded = load_batch(batch)
                 if loaded is None:
                     continue
                 for item, _, _ in loaded:
@@ -296,8 +294,6 @@ def read_in_order(
                 for item, tensor, event in loaded:
                     stats.remove(item.entry.nbytes)
                     yield handover(item, tensor, event)
-                if later is not None:
-                    later()
         finally:
             reader.close()
             if pool is not None:
@@ -317,15 +313,13 @@ def read_in_order(
                 slot.acquire()
                 if stop.is_set():
                     return
-                loaded, later = load_batch(batch)
+                loaded = load_batch(batch)
                 if loaded is None:
                     slot.release()  # nothing handed over: the slot stays free
                     continue
                 for item, _, _ in loaded:
                     stats.add(item.entry.nbytes)
                 ready.put(loaded)
-                if later is not None:
-                    later()  # while the engine loads this layer
             ready.put(_DONE)
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             ready.put(exc)
