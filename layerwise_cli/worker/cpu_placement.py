@@ -16,9 +16,17 @@ from __future__ import annotations
 import contextlib
 import os
 
+# `inherit` keeps the read-ahead thread on the engine's cores (to measure what the move is worth).
+PLACEMENT_ENV = "LAYERWISE_READAHEAD_CPUS"
+
 
 def spare_cpus() -> set[int]:
-    """CPUs the calling thread's process may use that the calling (engine) thread is not bound to; may be empty."""
+    """CPUs the calling thread's process may use that the calling (engine) thread is not bound to; may be empty.
+
+    Empty as well with `LAYERWISE_READAHEAD_CPUS=inherit` in the engine's environment.
+    """
+    if os.environ.get(PLACEMENT_ENV, "spare") == "inherit":
+        return set()
     try:
         engine = os.sched_getaffinity(0)
     except (AttributeError, OSError):
