@@ -139,7 +139,7 @@ class ReloadReport:
             needed), `read` (hashed as read), `mixed`, or `none` (no records kept).
         stale_layers: layers whose source digest matched the record but whose state in the engine had
             changed since (another reload, a rollback): reloaded.
-        hash_s: seconds the reading thread spent hashing bytes in full (no header digests, or a stale one).
+        hash_s: seconds the reading thread spent hashing bytes in full to decide a skip (no header digests).
         fingerprint_s: seconds spent taking the layers' fingerprints (before deciding, and after loading).
         read_s: seconds the reading thread spent getting tensors from the shards (CPU: mapping them, the
             bytes come in with the check or the engine's copy; CUDA: also staging in pinned memory).

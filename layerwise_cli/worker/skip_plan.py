@@ -100,8 +100,9 @@ class SkipPlan:
                 if item.parent in before:
                     entries.setdefault(item.parent, []).append(item.entry)
             plan.spot = spot_check(before, entries, records, checkpoint)
-            # The others are read and hashed: their record gets the digest of their true bytes, and a layer
-            # whose record only lacked samples is still skipped after reading when its bytes match.
+            # The others are streamed like layers without header digests: a stale one (its samples differ) is
+            # loaded and its refuted claim never recorded; one whose record lacked samples is hashed only if it
+            # could still be skipped.
             plan.hash_layers |= before - plan.spot.confirmed
             before = plan.spot.confirmed
         plan.skipped |= before

@@ -105,7 +105,7 @@ class ReadAheadStats:
     read_s: float = 0.0
     # Seconds taking each tensor's spot sample (`checkpoint.samples`), for the next reload's header check.
     sample_s: float = 0.0
-    # Seconds hashing bytes in full (no header digests, or a stale one) to decide a skip.
+    # Seconds hashing bytes in full to decide a skip (layers whose samples match their record).
     hash_s: float = 0.0
     # Seconds in the NaN/Inf check.
     check_s: float = 0.0
