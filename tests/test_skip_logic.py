@@ -236,11 +236,14 @@ def _skip_plan(folder: Path, model: TinyModel, recs: LayerRecords, **kwargs):
 
 def _load(skip, stream, folder: Path) -> None:
     """What a reload does with the plan before it records: read the stream (samples, hashes), hand it over."""
-    from layerwise_cli.worker.stream import read_in_order
+    from layerwise_cli.worker.stream import ReadAheadStats, read_in_order
 
+    stats = ReadAheadStats()
     for item, _ in read_in_order(skip.stream, folder, hash_layers=skip.hash_layers, digests=skip.read_digests,
-                                 samples=skip.read_samples):
+                                 samples=skip.read_samples, stats=stats):
         skip.handing_over(item.parent)
+    if stats.hashing_done is not None:
+        stats.hashing_done()
 
 
 def test_header_digests_decide_without_reading_and_records_follow_the_engine(tmp_path):
@@ -332,10 +335,10 @@ def test_a_stale_header_digest_is_caught_by_the_spot_check_and_named(tmp_path):
     assert [d.to_dict() for d in second.stale_digests()] == [{"layer": layer, "tensor": tensor,
                                                               "file": files[tensor]}]
     assert f"header digest is stale: {files[tensor]}" in second.notes()[0]
-    # Reloaded: its samples showed it changed, so it is not hashed, and the header's refuted claim is not recorded.
+    # Reloaded, and hashed after its handover: the record holds the digest of its true bytes, not the claim.
     _load(second, stream, liar)
     second.record(model, checked=True)
-    assert recs.get(layer).digest is None and recs.get(layer).samples
+    assert recs.get(layer).digest not in (None, second.known[layer]) and recs.get(layer).samples
     # The same liar again: the header's claim no longer matches the record, so the layer is read (no note).
     third, _ = _skip_plan(liar, model, recs)
     assert [item.parent for item in third.stream] == [layer] and third.stale_digests() == []
@@ -363,7 +366,9 @@ def test_sample_windows_cover_head_middle_and_tail_wherever_the_tensor_lies():
     assert buffer_sample("F16", [n // 2], data) != base and buffer_sample("BF16", [2, n // 4], data) != base
 
 
-def test_a_layer_whose_samples_differ_is_never_hashed(tmp_path):
+@pytest.mark.parametrize("readahead", [True, False])
+def test_a_layer_whose_samples_differ_is_hashed_only_after_its_handover(tmp_path, readahead):
+    from layerwise_cli.checkpoint.digests import checkpoint_digests
     from layerwise_cli.worker.stream import ReadAheadStats, read_in_order
 
     folder = _written(tmp_path)
@@ -375,20 +380,25 @@ def test_a_layer_whose_samples_differ_is_never_hashed(tmp_path):
 
     def may_skip(parent: str, samples: dict[str, str]) -> bool:
         asked.append(parent)
-        return ".mlp." in parent  # the others "changed": handed over unhashed
+        return ".mlp." in parent  # the others "changed": handed over before any hash
 
     decided: list[str] = []
     handed = [item.parent for item, _ in read_in_order(
-        plan.layer_order, folder, stats=stats, hash_layers=layers, digests=digests,
-        skip_layer=lambda parent, digest: decided.append(parent) or False, may_skip=may_skip)]
-    assert set(handed) == layers and set(asked) == layers
+        plan.layer_order, folder, stats=stats, hash_layers=layers, digests=digests, readahead=readahead,
+        may_skip=may_skip, skip_layer=lambda parent, digest: decided.append(parent) or False)]
+    if stats.hashing_done is not None:
+        stats.hashing_done()  # what a reload does before it records
     mlp = {name for name in layers if ".mlp." in name}
-    assert set(decided) == mlp and stats.unhashed_layers == len(layers) - len(mlp)
-    assert {item.parent for item in plan.layer_order if item.entry.name in digests} == mlp
-    # Without a skip to decide (--all, file order), nothing is hashed at all.
-    none: dict[str, str] = {}
-    list(read_in_order(plan.layer_order, folder, hash_layers=layers, digests=none))
-    assert none == {}
+    assert set(handed) == layers and set(asked) == layers and set(decided) == mlp
+    changed = len(layers) - len(mlp)
+    assert stats.hashed_after_handover + stats.unhashed_layers == changed
+    if readahead:  # hashed while the reader waited: the digests are right
+        want = checkpoint_digests(plan.checkpoint.shards)
+        assert all(digests[name] == want[name] for name in digests)
+        assert stats.hashed_after_handover > 0
+    else:  # no reader thread: nothing is hashed after a handover
+        assert stats.unhashed_layers == changed
+        assert {item.parent for item in plan.layer_order if item.entry.name in digests} == mlp
 
 
 def test_a_layer_recorded_by_its_samples_alone_is_hashed_when_they_match_then_skipped(tmp_path):
@@ -407,9 +417,10 @@ def test_a_layer_recorded_by_its_samples_alone_is_hashed_when_they_match_then_sk
         from layerwise_cli.worker.stream import read_in_order
 
         skip, _ = _skip_plan(folder, model, recs)
+        # No read-ahead thread: a layer handed over unhashed stays unhashed (recorded by its samples).
         for item, _ in read_in_order(skip.stream, folder, hash_layers=skip.hash_layers, digests=skip.read_digests,
                                      samples=skip.read_samples, skip_layer=skip.skip_layer, skipped=skip.skipped,
-                                     may_skip=skip.samples_match):
+                                     may_skip=skip.samples_match, readahead=False):
             skip.handing_over(item.parent)
         skip.record(model, checked=True)
         return skip

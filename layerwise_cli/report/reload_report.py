@@ -148,8 +148,12 @@ class ReloadReport:
         handover_s: seconds the engine's thread spent in the stream between tensors (waiting for the
             reading thread, bookkeeping): the part of `wall_s` that is layerwise's.
         vllm_s: `wall_s` less `handover_s`: vLLM loading, processing and finalizing (and the CPU repairs).
-        unhashed_layers: layers without a trusted digest that were not hashed: their samples already showed
-            them changed (or no hash could skip them now); recorded by their samples alone.
+        hashed_after_handover: layers handed over before any hash (their samples showed them changed, or no
+            hash could skip them now), hashed afterwards while the reading thread waited, for the next reload.
+        unhashed_layers: such layers streamed without read-ahead (never hashed): recorded by their samples
+            alone, so they are not skipped on the next reload.
+        hash_wait_s: seconds waited after vLLM's reload (outside `wall_s`) for the reading thread to finish
+            hashing those layers.
         reader_cpus: the CPUs the read-ahead thread ran on (None: no read-ahead; merged: rank 0's).
         spot_checked_layers: layers the header digests would skip whose sampled bytes were read and
             compared with what the engine loaded (`checkpoint.samples`).
@@ -206,7 +210,9 @@ class ReloadReport:
     check_s: float = 0.0
     handover_s: float = 0.0
     vllm_s: float = 0.0
+    hashed_after_handover: int = 0
     unhashed_layers: int = 0
+    hash_wait_s: float = 0.0
     reader_cpus: list[int] | None = None
     spot_checked_layers: int = 0
     spot_check_bytes: int = 0
@@ -347,7 +353,9 @@ def merge_reports(reports: list[ReloadReport], *, source: str | None = None,
         check_s=max(r.check_s for r in ordered),
         handover_s=max(r.handover_s for r in ordered),
         vllm_s=max(r.vllm_s for r in ordered),
+        hashed_after_handover=max(r.hashed_after_handover for r in ordered),
         unhashed_layers=max(r.unhashed_layers for r in ordered),
+        hash_wait_s=max(r.hash_wait_s for r in ordered),
         reader_cpus=first.reader_cpus,
         spot_checked_layers=max(r.spot_checked_layers for r in ordered),
         spot_check_bytes=max(r.spot_check_bytes for r in ordered),

@@ -176,6 +176,9 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         notes.extend(apply_cpu_fixups(model, set(probe.timings)))
     end = time.perf_counter()
     disk_after = process_disk_read_bytes()
+    if stats.hashing_done is not None:
+        stats.hashing_done()  # the digests of the layers hashed after their handover, for the records
+    hash_wait_s = time.perf_counter() - end
     skip.record(model, checked=not allow_nonfinite)
     notes.extend(skip.notes())
     # vLLM holds these on this rank until the end of the stream (padded vocabulary), unless skipped.
@@ -243,7 +246,9 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         check_s=stats.check_s,
         handover_s=timer["handover_s"],
         vllm_s=max(0.0, end - start - timer["handover_s"]),
+        hashed_after_handover=stats.hashed_after_handover,
         unhashed_layers=stats.unhashed_layers,
+        hash_wait_s=hash_wait_s,
         reader_cpus=stats.reader_cpus,
         spot_checked_layers=len(skip.spot.confirmed) + len(skip.spot.stale) if skip.spot is not None else 0,
         spot_check_bytes=skip.spot.bytes_read if skip.spot is not None else 0,

@@ -6,7 +6,7 @@ import os
 import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from layerwise_cli.checkpoint.digests import layer_digest, tensor_digest
+from layerwise_cli.checkpoint.chunks import CHUNK_BYTES
+from layerwise_cli.checkpoint.digests import TensorHasher, layer_digest, tensor_digest
 from layerwise_cli.checkpoint.finite import first_nonfinite, refusal
 from layerwise_cli.checkpoint.samples import buffer_sample
 from layerwise_cli.checkpoint.sources import shard_file
@@ -109,10 +110,14 @@ class ReadAheadStats:
     hash_s: float = 0.0
     # Seconds in the NaN/Inf check.
     check_s: float = 0.0
-    # Layers to hash whose samples already showed them changed (or that no hash could skip now): not hashed.
+    # Layers handed over unhashed (their samples showed them changed, or no hash could skip them now) and
+    # hashed afterwards; and those never hashed (no read-ahead thread, or the stream stopped early).
+    hashed_after_handover: int = 0
     unhashed_layers: int = 0
     # The CPUs the reading thread ran on (None: no read-ahead thread).
     reader_cpus: list[int] | None = None
+    # Once the stream ended: waits until the reading thread has hashed its backlog (None: nothing to wait for).
+    hashing_done: Callable[[], None] | None = None
 
     def add(self, n: int) -> None:
         self._held += n
@@ -228,6 +233,9 @@ def read_in_order(
     # A layer split into several runs of the stream cannot be dropped: part of it would already be handed over.
     runs = Counter(batch[0].parent for batch in batches)
 
+    # The backlog keeps views of at most two of the largest layers' bytes.
+    backlog = _HashBacklog(digests, stats, 2 * max((sum(i.entry.nbytes for i in b) for b in batches), default=0))
+
     def hash_batch(batch: list[PlannedTensor], raws: list[torch.Tensor]) -> None:
         """Hash a layer's tensors in full into `digests`."""
         start = time.perf_counter()
@@ -259,6 +267,8 @@ def read_in_order(
                 hash_batch(batch, [raw for _, raw in read])
                 if dropped(batch):
                     return None
+            elif readahead:
+                backlog.add(batch, [raw for _, raw in read])
             else:
                 stats.unhashed_layers += 1
         loaded = [(item, *to_device(host)) for item, (host, _) in zip(batch, read)]
@@ -306,11 +316,18 @@ def read_in_order(
     stop = threading.Event()
     spare = spare_cpus()
 
+    def wait_for_slot() -> None:
+        """Block until the engine starts the layer handed over last, hashing the backlog meanwhile."""
+        while not slot.acquire(blocking=False):
+            if stop.is_set() or not backlog.step():
+                slot.acquire()
+                return
+
     def produce() -> None:
         try:
             stats.reader_cpus = move_to(spare)
             for batch in batches:
-                slot.acquire()
+                wait_for_slot()
                 if stop.is_set():
                     return
                 loaded = load_batch(batch)
@@ -321,15 +338,22 @@ def read_in_order(
                     stats.add(item.entry.nbytes)
                 ready.put(loaded)
             ready.put(_DONE)
+            # While vLLM finalizes (the caller waits for this before recording; `stop` drops the rest).
+            while not stop.is_set() and backlog.step():
+                pass
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             ready.put(exc)
+        finally:
+            backlog.abandon()
 
     thread = threading.Thread(target=produce, name="layerwise-readahead", daemon=True)
     thread.start()
+    complete = False
     try:
         while True:
             loaded = ready.get()
             if loaded is _DONE:
+                complete = True
                 break
             if isinstance(loaded, BaseException):
                 raise loaded
@@ -338,12 +362,70 @@ def read_in_order(
                 stats.remove(item.entry.nbytes)
                 yield handover(item, tensor, event)
     finally:
-        stop.set()
-        slot.release()
-        thread.join(timeout=60)
+        if complete:
+            # The reader finishes the backlog while vLLM finalizes; the caller waits for it before recording.
+            stats.hashing_done = lambda: thread.join(timeout=60)
+        else:
+            stop.set()
+            slot.release()
+            thread.join(timeout=60)
         reader.close()
         if pool is not None:
             pool.shutdown(wait=True)
+
+
+class _HashBacklog:
+    """Tensors handed over unhashed (their layer changed), hashed chunk by chunk while the reader would wait.
+
+    Their digests only serve the next reload's records, so they never delay a
+    handover: the reader hashes one chunk at a time while the engine has not
+    yet started the layer it was given, and after the stream while vLLM
+    finalizes. Beyond two of the largest layers, the oldest are hashed before
+    the reader reads on, so the views held stay bounded.
+    """
+
+    def __init__(self, digests: dict[str, str], stats: ReadAheadStats, max_bytes: int) -> None:
+        self._digests = digests
+        self._stats = stats
+        self._max_bytes = max_bytes
+        self._bytes = 0  # left to hash
+        # [tensor name, hasher, raw bytes, bytes hashed so far, last tensor of its layer]
+        self._jobs: deque[list] = deque()
+
+    def add(self, batch: list[PlannedTensor], raws: list[torch.Tensor]) -> None:
+        new = sum(item.entry.nbytes for item in batch)
+        # Over the bound, the oldest are hashed now: the reader is ahead of what it must hash, not the engine.
+        while self._jobs and self._bytes + new > self._max_bytes:
+            self.step()
+        for i, (item, raw) in enumerate(zip(batch, raws)):
+            data = memoryview(raw_bytes(raw)).cast("B")
+            self._jobs.append([item.entry.name, TensorHasher(item.entry.dtype, item.entry.shape), data, 0,
+                               i == len(batch) - 1])
+        self._bytes += new
+
+    def step(self) -> bool:
+        """Hash the next chunk; False when nothing is left."""
+        if not self._jobs:
+            return False
+        start = time.perf_counter()
+        job = self._jobs[0]
+        name, hasher, data, done, last = job
+        chunk = data[done:done + CHUNK_BYTES]
+        hasher.update(chunk)
+        self._bytes -= len(chunk)
+        job[3] = done = done + len(chunk)
+        if done >= len(data):
+            self._digests[name] = hasher.hexdigest()
+            self._jobs.popleft()
+            self._stats.hashed_after_handover += last
+        self._stats.hash_s += time.perf_counter() - start
+        return True
+
+    def abandon(self) -> None:
+        """Drop what is left (and the views it holds)."""
+        self._stats.unhashed_layers += sum(1 for job in self._jobs if job[4])
+        self._jobs.clear()
+        self._bytes = 0
 
 
 def raw_bytes(tensor: torch.Tensor):
