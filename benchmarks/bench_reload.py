@@ -139,8 +139,9 @@ def skip_figures(report) -> dict:
 
 
 # Where a layerwise reload's time went (`ReloadReport`): the reading thread's read, sample, hash and check; the
-# engine's thread in the stream (handover) and in vLLM; the spot check of header-digest skips, before both.
-TIME_SPLIT = ("read_s", "sample_s", "hash_s", "check_s", "handover_s", "vllm_s", "spot_check_s")
+# engine's thread in the stream (handover) and in vLLM; the spot check of header-digest skips, before both; the
+# wait for the hashing backlog, after both.
+TIME_SPLIT = ("read_s", "sample_s", "hash_s", "check_s", "handover_s", "vllm_s", "spot_check_s", "hash_wait_s")
 
 
 def stats(samples: list[float]) -> dict:

@@ -180,12 +180,13 @@ def render_table(data: dict) -> str:
 
 def render_time_split(data: dict) -> list[str]:
     """Where c's time went (medians of the report's figures): the reading thread, then the engine's thread."""
-    keys = ("read_s", "sample_s", "hash_s", "check_s", "handover_s", "vllm_s")
+    keys = ("read_s", "sample_s", "hash_s", "check_s", "handover_s", "vllm_s", "hash_wait_s")
     rows = [r for r in data["results"] if "c" in r["times"] and "vllm_s_median" in r["times"]["c"]]
     if not rows:
         return []
     lines = ["", f"c, where the time went (s; reading thread: read sample hash check; engine thread: handover + "
-             f"vllm = c's worker wall; header digests: {'yes' if data['args'].get('header_digests') else 'no'})",
+             f"vllm = c's worker wall; hash_wait after it; header digests: "
+             f"{'yes' if data['args'].get('header_digests') else 'no'})",
              f"{'checkpoint':<22}" + "".join(f"{k[:-2]:>10}" for k in keys) + f"{'wall':>10}"]
     for r in rows:
         t = r["times"]["c"]
