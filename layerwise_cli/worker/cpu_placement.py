@@ -1,14 +1,19 @@
-"""Run the read-ahead thread on CPUs the engine does not compute on, where vLLM bound the worker to some cores.
+"""Where the read-ahead thread runs when vLLM bound the worker to some cores: on them (default), or beside them.
 
 vLLM's CPU backend binds each worker's OpenMP threads, its main thread
 included, to the cores it gives that rank (`VLLM_CPU_OMP_THREADS_BIND`,
-`auto` by default) and leaves others to the scheduler process
+`auto` by default) and leaves the rest to the engine-core process
 (`reserved_cpus` in its log). A thread the worker starts inherits its
-creator's binding, so the read-ahead thread would read, check and hash on the
-very core that runs vLLM's loading and processing, and nothing would overlap.
-The CPUs the worker's parent process may use (the user's own `taskset` or
-cgroup, never wider) minus the engine's are where the reader can run beside
-it. On a GPU host the worker is usually not bound: nothing moves.
+creator's binding, so the read-ahead thread reads and checks on the core that
+runs vLLM's loading and processing.
+
+`LAYERWISE_READAHEAD_CPUS=spare` in the engine's environment moves it to the
+CPUs the worker's parent process may use (the user's own `taskset` or cgroup,
+never wider) minus the engine's. It is not the default: with `auto` binding
+those CPUs are the ones vLLM reserves for its engine-core process, which is
+busy while it waits for the worker's reply. Measured on 2 cores
+(docs/skip-safety.md), a full reload was slower there more often than faster.
+On a GPU host the worker is usually not bound: there is nothing to move.
 """
 
 from __future__ import annotations
@@ -16,16 +21,16 @@ from __future__ import annotations
 import contextlib
 import os
 
-# `inherit` keeps the read-ahead thread on the engine's cores (to measure what the move is worth).
+# `spare` moves the read-ahead thread off the engine's cores; `inherit` (the default) keeps it there.
 PLACEMENT_ENV = "LAYERWISE_READAHEAD_CPUS"
 
 
 def spare_cpus() -> set[int]:
     """CPUs the calling thread's process may use that the calling (engine) thread is not bound to; may be empty.
 
-    Empty as well with `LAYERWISE_READAHEAD_CPUS=inherit` in the engine's environment.
+    Empty unless `LAYERWISE_READAHEAD_CPUS=spare` is in the engine's environment.
     """
-    if os.environ.get(PLACEMENT_ENV, "spare") == "inherit":
+    if os.environ.get(PLACEMENT_ENV, "inherit") != "spare":
         return set()
     try:
         engine = os.sched_getaffinity(0)
