@@ -157,7 +157,8 @@ class ReloadReport:
         reader_cpus: the CPUs the read-ahead thread ran on (None: no read-ahead; merged: rank 0's).
         spot_checked_layers: layers the header digests would skip whose sampled bytes were read and
             compared with what the engine loaded (`checkpoint.samples`).
-        spot_check_bytes, spot_check_s: what that spot check read, and its seconds (not in `read_bytes`).
+        spot_check_bytes: bytes that spot check read from the files (not in `read_bytes`).
+        spot_check_s: its seconds (before the engine is touched).
         stale_header_digests: per layer whose header digest claimed the engine's bytes while its sampled
             bytes differ: `{"layer", "tensor", "file"}`; each was reloaded.
         gb_per_s: `bytes` over `wall_s`, in GB/s (a property).
