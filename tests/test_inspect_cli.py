@@ -284,3 +284,9 @@ def test_plot_without_matplotlib_names_the_package(make_checkpoint, tmp_path: Pa
     assert (f"Error: {chart}: the chart needs matplotlib, which is not installed: pip install 'layerwise[plot]'"
             in result.stderr)
     assert not chart.exists()
+
+
+def test_help_names_the_plot_extra() -> None:
+    # `[plot]` is Rich markup unless escaped: the help would say `pip install 'layerwise'`.
+    result = runner.invoke(app, ["inspect-order", "--help"], terminal_width=200)
+    assert result.exit_code == 0 and "pip install 'layerwise[plot]'" in result.stdout

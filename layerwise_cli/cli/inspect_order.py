@@ -31,7 +31,7 @@ def inspect_order_command(
     plot: Annotated[Path | None, typer.Option(
         "--plot", metavar="FILE.png", dir_okay=False,
         help="Also draw the buffered bytes over the stream, file order against layer order, into FILE "
-             "(.png, .svg or .pdf; needs matplotlib: pip install 'layerwise[plot]').")] = None,
+             "(.png, .svg or .pdf; needs matplotlib, from the plot extra: pip install 'layerwise\\[plot]').")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Show which engine layer each tensor feeds and what vLLM's read order buffers.
