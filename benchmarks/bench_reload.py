@@ -71,7 +71,7 @@ from benchmarks.bench_checkpoints import (
 )
 from benchmarks.bench_delta import DELTA_CASES, DELTA_VARIANTS, bench_delta, write_delta_checkpoints
 from benchmarks.bench_memory import DeviceMemory, MemoryWatch
-from benchmarks.bench_report import VARIANTS, ratios_of, render_table, stream_curves, targets, write_chart
+from benchmarks.bench_report import VARIANTS, ratios_of, render_table, targets, write_chart
 from tests.support.synthetic import normal_weights
 
 
@@ -140,6 +140,7 @@ def stats(samples: list[float]) -> dict:
 def bench_checkpoint(llm, layout: str, path: Path, args, watch: MemoryWatch, cuda: bool,
                      deadline: float | None = None, first: bool = True, device_memory: DeviceMemory | None = None
                      ) -> dict:
+    from layerwise_cli.planning.chart import stream_curves
     from layerwise_cli.planning.inspect import inspect_order
 
     predicted = inspect_order(str(path))
@@ -404,11 +405,13 @@ def main(argv: list[str] | None = None) -> int:
     json_path.write_text(json.dumps(data, indent=1))
     written = str(json_path)
     if data["results"]:  # the chart draws the layouts (none with --layouts "")
+        from layerwise_cli.errors import LayerwiseError
+
         try:
             write_chart(data, png_path)
             written = f"{json_path} and {png_path}"
-        except ImportError:  # matplotlib is a dev extra; a GPU machine's vllm venv may lack it
-            log("matplotlib is not installed: no chart")
+        except LayerwiseError as exc:  # matplotlib is the plot extra; a GPU machine's vllm venv may lack it
+            log(f"no chart: {exc}")
     print(render_table(data))
     print(f"\nwrote {written}")
     return 0

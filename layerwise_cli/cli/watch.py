@@ -44,7 +44,7 @@ def watch_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object per event on stdout; no live "
                                           "status.")] = False,
     pause_mode: Annotated[Literal["wait", "keep", "abort", "none"], typer.Option(
-        "--pause-mode", help="How generation pauses during each reload (see the README's table: vLLM 0.33 answers "
+        "--pause-mode", help="How generation pauses during each reload (see docs/training-loops.md: vLLM 0.33 answers "
         "new requests 503 while paused in wait and abort).")] = "wait",
     api_key: Annotated[str | None, typer.Option(
         "--api-key", envvar="LAYERWISE_API_KEY", show_envvar=True, show_default=False,
