@@ -193,7 +193,7 @@ def measure_layout(run: Run, layout: str, model, data, first: bool) -> None:
     folder = run.workdir / layout
     start = time.perf_counter()
     write_bench_checkpoint(folder, model, layout, Path("/nonexistent-tokenizer"), data,
-                                     shards=args.shards, digests=True, variant=DATA_VARIANT)
+                           shards=args.shards, digests=True, variant=DATA_VARIANT)
     write_s = time.perf_counter() - start
     setup = plan_setup(folder, run.device)
     total = sum(item.entry.nbytes for item in setup.layer_order)
@@ -224,6 +224,7 @@ def measure_layout(run: Run, layout: str, model, data, first: bool) -> None:
         run.save()
 
     samples: dict[str, list[Sample]] = {v: [] for v in variants}
+    cuda = run.device.type == "cuda"
     round_s = check_round_s
     for index in range(args.runs):
         if index > 0 and not budget.fits(round_s + (cold_estimate(result) if first else 0)):
@@ -237,12 +238,12 @@ def measure_layout(run: Run, layout: str, model, data, first: bool) -> None:
         log(f"{layout}: warm run {index + 1}/{args.runs} in {round_s:.1f} s "
             f"({sum(s[-1].seconds for s in samples.values()):.1f} s timed): " +
             ", ".join(f"{v} {samples[v][-1].seconds:.2f}" for v in variants[:3]) + " ...")
-    result["runs"] = len(samples["layerwise"])
-    result["warm"] = {v: summarize(s, total) for v, s in samples.items() if s}
-    result["samples"] = {v: [sample_dict(x) for x in s] for v, s in samples.items()}
-    cuda = run.device.type == "cuda"
-    result["memory"] = memory_checks(result["warm"], result["memory_bounds"], cuda)
-    run.save()
+        # Kept after every round: a run stopped by its limit keeps the rounds it finished.
+        result["runs"] = len(samples["layerwise"])
+        result["warm"] = {v: summarize(s, total) for v, s in samples.items() if s}
+        result["samples"] = {v: [sample_dict(x) for x in s] for v, s in samples.items()}
+        result["memory"] = memory_checks(result["warm"], result["memory_bounds"], cuda)
+        run.save()
 
     if first and args.cold != "off":
         cold_passes(run, result, setup)

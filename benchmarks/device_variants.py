@@ -101,6 +101,11 @@ class Sink:
         self.delivered = 0
         self.mismatches: list[str] = []
         self.verified = 0
+        # Read-backs go through one pinned buffer (pageable device-to-host copies are several times slower).
+        self.readback = None
+        if verify and setup.cuda:
+            largest = max(item.entry.nbytes for item in setup.layer_order)
+            self.readback = torch.empty(largest, dtype=torch.uint8, pin_memory=True)
 
     def take(self, name: str, tensor: torch.Tensor, parent: str | None = None) -> None:
         if parent is None or parent != self.parent:
@@ -132,8 +137,13 @@ class Sink:
             self.mismatches.append(f"{name}: arrived as {dtype_name(tensor)}{list(tensor.shape)}, "
                                    f"expected {entry.dtype}{list(entry.shape)}")
             return
-        host = tensor.detach().to("cpu").contiguous().reshape(-1)
-        data = host.view(torch.uint8).numpy().data if host.numel() else b""
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        if self.readback is not None:
+            host = self.readback[:flat.numel()]
+            host.copy_(flat)  # synchronous: the buffer is read right after
+        else:
+            host = flat
+        data = host.numpy().data if host.numel() else b""
         if tensor_digest(entry.dtype, entry.shape, data) != expected:
             self.mismatches.append(f"{name}: bytes differ from the file's")
 

@@ -6,6 +6,8 @@ import ctypes
 import os
 from pathlib import Path
 
+import numpy as np
+
 _PROT_READ = 1
 _MAP_SHARED = 1
 
@@ -41,7 +43,7 @@ def resident_bytes(paths: list[Path]) -> int | None:
                 vec = (ctypes.c_ubyte * pages)()
                 if libc.mincore(addr, size, vec) != 0:
                     return None
-                total += sum(b & 1 for b in bytes(vec)) * page
+                total += int((np.frombuffer(vec, dtype=np.uint8) & 1).sum()) * page
             finally:
                 libc.munmap(addr, size)
         finally:
