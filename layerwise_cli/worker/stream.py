@@ -100,6 +100,11 @@ class ReadAheadStats:
     read_bytes: int = 0
     # Seconds the reading thread spent hashing bytes to decide skips (no header digests).
     hash_s: float = 0.0
+    # Seconds the reading thread spent putting tensors in host memory (CPU: safetensors' views;
+    # CUDA: the copies into pinned staging), and in the NaN/Inf check (CUDA: it waits for the
+    # layer's copies to the device, so the transfer's tail is in it).
+    stage_s: float = 0.0
+    check_s: float = 0.0
 
     def add(self, n: int) -> None:
         self._held += n
@@ -124,6 +129,7 @@ def read_in_order(
     digests: dict[str, str] | None = None,
     skip_layer: Callable[[str, str], bool] | None = None,
     skipped: set[str] | None = None,
+    copy_threads: int | None = None,
 ) -> Iterator[tuple[PlannedTensor, torch.Tensor]]:
     """Yield (planned tensor, tensor) in stream order.
 
@@ -152,6 +158,8 @@ def read_in_order(
             layer that the stream holds in one run is read, before any of its
             tensors is handed over; True drops the layer (added to `skipped`).
         skipped: receives the layers `skip_layer` dropped.
+        copy_threads: threads for the host copies into pinned staging on CUDA
+            (None: `staging_threads()`; 1: one plain copy per tensor).
 
     Yields:
         Each planned tensor with its data.
@@ -167,7 +175,8 @@ def read_in_order(
     reader = ShardReader(folder)
     cuda = device is not None and device.type == "cuda"
     copy_stream = torch.cuda.Stream(device=device) if cuda else None
-    pool = ThreadPoolExecutor(staging_threads(), thread_name_prefix="layerwise-staging") if cuda else None
+    threads = staging_threads() if copy_threads is None else copy_threads
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="layerwise-staging") if cuda and threads > 1 else None
 
     # Release each shard once its last planned tensor is read, as vLLM's loader
     # does file by file: a shard's mapped pages leave the process as soon as
@@ -176,15 +185,17 @@ def read_in_order(
 
     def read_host(item: PlannedTensor) -> torch.Tensor:
         """The tensor on the host: safetensors' view of the file on CPU, a pinned copy for CUDA."""
+        start = time.perf_counter()
         tensor = reader.read(item)
         stats.read_bytes += item.entry.nbytes
         if last_of_shard.get(item.entry.shard) is item:
             reader.release(item.entry.shard)
-        if not cuda:
-            return tensor
-        pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        copy_in_chunks(pinned, tensor, pool)
-        return pinned
+        if cuda:
+            pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            copy_in_chunks(pinned, tensor, pool)
+            tensor = pinned
+        stats.stage_s += time.perf_counter() - start
+        return tensor
 
     def to_device(host: torch.Tensor):
         if not cuda:
@@ -231,6 +242,7 @@ def read_in_order(
         else:
             loaded = [(item, *to_device(read_host(item))) for item in batch]
         if check_finite:
+            start = time.perf_counter()
             tensors = [(item.entry.name, item.entry.shard, tensor) for item, tensor, _ in loaded]
             if cuda:
                 # Reduced on the device, after the copies, on their stream: one read-back per layer.
@@ -238,6 +250,7 @@ def read_in_order(
                     found = first_nonfinite(tensors)
             else:
                 found = first_nonfinite(tensors)
+            stats.check_s += time.perf_counter() - start
             if found is not None:
                 raise refusal(found, str(folder / found.shard))
         return loaded
