@@ -117,11 +117,12 @@ def stop_engine(llm) -> None:
     Args:
         llm: a `vllm.LLM` (from `start_engine` or built directly).
     """
+    from layerwise_cli.vllm_compat import shutdown_engine_core
     from layerwise_cli.vllm_logs import quiet_force_kill
 
     try:
         with quiet_force_kill():
-            llm.llm_engine.engine_core.shutdown()
+            shutdown_engine_core(llm)
     except Exception:  # noqa: BLE001 - best effort: the engine may already be gone
         pass
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import sys
 
+from layerwise_cli import vllm_compat
 from layerwise_cli.server.command_line import OPEN_PATHS
 from layerwise_cli.server.engines_rpc import attach_engines_rpc
 
-VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+VLLM_SERVER_MODULE = vllm_compat.SERVER_MODULE_NAME
 
 
 def _guard_every_endpoint() -> None:
@@ -23,7 +24,8 @@ def _guard_every_endpoint() -> None:
     """
     from starlette.datastructures import Headers
     from starlette.responses import JSONResponse
-    from vllm.entrypoints.serve.middleware import authenticate
+
+    authenticate = vllm_compat.authenticate_module()
 
     base = authenticate.AuthenticationMiddleware
 
