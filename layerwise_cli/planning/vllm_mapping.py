@@ -42,10 +42,9 @@ def fusions_from_vllm(architecture: str, *, required: bool) -> tuple[dict[str, s
             raise LayerwiseError("--mapping vllm needs vLLM installed (pip install 'layerwise[cpu]' or '[gpu]')")
         return None
     try:
-        from vllm.model_executor.models import ModelRegistry
+        from layerwise_cli import vllm_compat
 
-        # No public lookup by name that stops short of building a model config.
-        model_cls = ModelRegistry._try_load_model_cls(architecture)
+        model_cls = vllm_compat.model_class_for(architecture)
     except Exception as exc:  # vLLM import failures vary by platform
         if required:
             raise LayerwiseError(f"vLLM could not load the model class for {architecture}: {exc}") from exc
@@ -69,7 +68,9 @@ def _is_moe(model_cls: type) -> bool:
     # MixtureOfExperts is a Protocol with data members, so issubclass() refuses
     # it; vLLM's MoE models name it as a base class.
     try:
-        from vllm.model_executor.models.interfaces import MixtureOfExperts
+        from layerwise_cli import vllm_compat
+
+        MixtureOfExperts = vllm_compat.mixture_of_experts_class()
     except Exception:  # noqa: BLE001
         MixtureOfExperts = None
     if MixtureOfExperts is not None and MixtureOfExperts in model_cls.__mro__:

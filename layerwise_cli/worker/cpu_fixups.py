@@ -125,10 +125,10 @@ def rebuild_derived_kernels(model: torch.nn.Module, reloaded: set[str]) -> tuple
         module = model.get_submodule(name)
         if getattr(module, "cpu_linear", None) is None:
             continue
-        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+        from layerwise_cli import vllm_compat
 
         method = getattr(module, "quant_method", None)
-        if not isinstance(method, UnquantizedEmbeddingMethod):
+        if not isinstance(method, vllm_compat.unquantized_embedding_method_class()):
             left[name] = f"quant method {type(method).__name__}"
             continue
         before = {key: tensor.untyped_storage().data_ptr()
@@ -169,16 +169,16 @@ def repack_cpu_moe_experts(model: torch.nn.Module, reloaded: set[str]) -> list[s
         experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
         if experts is None:
             continue
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+        from layerwise_cli import vllm_compat
 
         # Subclasses too: on AMX CPUs the kernel is `X86CPUUnquantizedExperts` (isa "amx").
-        if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
+        if not isinstance(experts, vllm_compat.cpu_unquantized_experts_class()) or getattr(experts, "_use_zentorch",
+                                                                                          False):
             continue
-        from vllm import _custom_ops as ops
 
         for param in ("w13_weight", "w2_weight"):
             tensor = getattr(module, param)
-            packed = ops.cpu_prepack_moe_weight(tensor.data.clone(), experts.isa)
+            packed = vllm_compat.cpu_prepack_moe_weight(tensor.data.clone(), experts.isa)
             if packed.shape != tensor.shape:
                 raise RuntimeError(f"{name}.{param}: CPU MoE prepack changed the shape; cannot repack in place")
             tensor.data.copy_(packed)

@@ -129,9 +129,9 @@ def _engine_context(worker):
     config = getattr(worker, "vllm_config", None)
     if config is None:
         return contextlib.nullcontext()
-    from vllm.config import set_current_vllm_config
+    from layerwise_cli import vllm_compat
 
-    return set_current_vllm_config(config)
+    return vllm_compat.set_current_vllm_config(config)
 
 
 def _roll_back(worker, touched: dict, failure: BaseException):

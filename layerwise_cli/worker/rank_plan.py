@@ -43,7 +43,9 @@ class RankPosition:
 def rank_position(worker=None) -> RankPosition:
     """This worker's position, read from vLLM's process groups (all zeros outside a vLLM worker)."""
     try:
-        from vllm.distributed import parallel_state as ps
+        from layerwise_cli import vllm_compat
+
+        ps = vllm_compat.parallel_state()
     except Exception:  # noqa: BLE001 - no vLLM: a single process
         return RankPosition()
 

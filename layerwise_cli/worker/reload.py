@@ -241,10 +241,11 @@ def discard_partial_reload(model: torch.nn.Module) -> None:
     their loaders wrapped; `initialize_layerwise_reload` reuses them as they
     are, so only their buffered tensors and counts must go.
     """
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from layerwise_cli import vllm_compat
 
+    infos = vllm_compat.layerwise_info()
     for module in model.modules():
-        info = LAYERWISE_INFO.get(module)
+        info = infos.get(module)
         if info is not None and info.can_load():
             info.loaded_weights = []
             info.load_numel = 0

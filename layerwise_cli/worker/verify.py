@@ -93,8 +93,10 @@ def _verify_derived(model, derived: dict[str, str], loaded: dict) -> list[dict]:
     kernel read-back included. This catches a kernel left stale by a reload.
     """
     import torch
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
+    from layerwise_cli import vllm_compat
+
+    LAYERWISE_INFO = vllm_compat.layerwise_info()
     layers = []
     for name, origin in derived.items():
         module = model.get_submodule(name)
@@ -149,10 +151,10 @@ def _verify_derived(model, derived: dict[str, str], loaded: dict) -> list[dict]:
 
 
 def _verify_layer(model, name: str, module, tensors: list) -> tuple[dict, object]:
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-    from vllm.model_executor.model_loader.reload.meta import CopyCounter
-    from vllm.model_executor.model_loader.reload.utils import get_layer_size
+    from layerwise_cli import vllm_compat
+
+    LAYERWISE_INFO = vllm_compat.layerwise_info()
+    CopyCounter = vllm_compat.copy_counter_class()
 
     def entry(status: str, detail: str = "", compared: list | None = None) -> dict:
         return {"name": name, "status": status, "detail": detail, "compared": compared or []}
@@ -162,7 +164,7 @@ def _verify_layer(model, name: str, module, tensors: list) -> tuple[dict, object
     info = LAYERWISE_INFO.get(module)
     if info is None or not any(info.restore_metadata):
         return entry("skipped", "vLLM recorded no reload metadata for this layer"), None
-    if is_deferred_attention_layer(module):
+    if vllm_compat.is_deferred_attention_layer(module):
         return entry("skipped", "attention layers are processed with the whole model, not alone"), None
     scratch = _scratch_copy(module, info)
     parent_name, _, child = name.rpartition(".")
@@ -173,7 +175,7 @@ def _verify_layer(model, name: str, module, tensors: list) -> tuple[dict, object
             model.load_weights(iter(tensors))
     finally:
         parent._modules[child] = module
-    expected_numel = get_layer_size(scratch)
+    expected_numel = vllm_compat.get_layer_size(scratch)
     if counter.copied_numel < expected_numel and not _fills_its_padding(scratch, counter.copied_numel):
         return entry("skipped", f"SOURCE covers {counter.copied_numel} of the layer's {expected_numel} "
                      "elements"), None
@@ -195,9 +197,9 @@ def _fills_its_padding(module, copied: int) -> bool:
     padding rows with zeros itself (`vocab_parallel_embedding.py`,
     `weight_loader`), so the copy holds what a fresh engine holds.
     """
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from layerwise_cli import vllm_compat
 
-    return isinstance(module, VocabParallelEmbedding) and copied > 0
+    return isinstance(module, vllm_compat.vocab_parallel_embedding_class()) and copied > 0
 
 
 def _scratch_copy(module, info):
@@ -243,7 +245,10 @@ def _fresh_tensor(template, scratch, module, *, zeros: bool):
     from types import MethodType
 
     import torch
-    from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
+
+    from layerwise_cli import vllm_compat
+
+    layer_ref_sentinel = vllm_compat.layer_ref_sentinel()
 
     if zeros or template.device.type == "meta":
         tensor = torch.zeros(tuple(template.shape), dtype=template.dtype)
@@ -252,7 +257,7 @@ def _fresh_tensor(template, scratch, module, *, zeros: bool):
     tensor.__class__ = template.__class__
     attributes = {}
     for key, value in template.__dict__.items():
-        while callable(value) and getattr(value, "__name__", "") == "online_process_loader":
+        while callable(value) and getattr(value, "__name__", "") == vllm_compat.ONLINE_PROCESS_LOADER_NAME:
             value = value.__wrapped__
         if isinstance(value, MethodType) and (value.__self__ is module or value.__self__ is layer_ref_sentinel):
             value = value.__func__.__get__(scratch)
@@ -263,10 +268,10 @@ def _fresh_tensor(template, scratch, module, *, zeros: bool):
 
 def _process(scratch) -> None:
     """What vLLM does to a layer once all its weights are loaded (repacking, online quantization)."""
-    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from layerwise_cli import vllm_compat
 
     quant_method = getattr(scratch, "quant_method", None)
-    if isinstance(quant_method, QuantizeMethodBase):
+    if isinstance(quant_method, vllm_compat.quantize_method_base_class()):
         if getattr(quant_method, "moe_kernel", None) is not None:
             # Process the copy as a fresh engine does, not as a weight update:
             # vLLM's MoE methods skip the kernel's own processing (CPU prepack)

