@@ -114,6 +114,12 @@ MODEL_REGISTRY_CLASS = PrivateSymbol("vllm.model_executor.models.registry", "_Mo
                                      members=("_try_load_model_cls",), used_by="planning/vllm_mapping.py")
 MIXTURE_OF_EXPERTS = PrivateSymbol("vllm.model_executor.models.interfaces", "MixtureOfExperts", "class",
                                    used_by="planning/vllm_mapping.py")
+AUTO_WEIGHTS_LOADER = PrivateSymbol("vllm.model_executor.models.utils", "AutoWeightsLoader", "class",
+                                    members=("REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER",),
+                                    used_by="planning/skip_rules.py (the rotary buffers vLLM's loader drops)")
+GET_SPEC_LAYER_IDX = PrivateSymbol("vllm.model_executor.models.utils", "get_spec_layer_idx_from_weight_name",
+                                   "function", parameters=("config", "weight_name"),
+                                   used_by="planning/skip_rules.py (MTP/nextn layers vLLM skips without a draft)")
 AUTHENTICATION_MIDDLEWARE = PrivateSymbol("vllm.entrypoints.serve.middleware.authenticate",
                                           "AuthenticationMiddleware", "class", members=("app", "verify_token"),
                                           used_by="server/launch.py (replaced so the API key covers every path)")
@@ -245,6 +251,15 @@ def set_current_vllm_config(config):
 def model_class_for(architecture: str) -> type | None:
     """vLLM's model class for ARCHITECTURE, or None (no public lookup stops short of building a model config)."""
     return _load(MODEL_REGISTRY)._try_load_model_cls(architecture)
+
+
+def auto_weights_loader_class() -> type:
+    return _load(AUTO_WEIGHTS_LOADER)
+
+
+def spec_layer_index_function():
+    """vLLM's `get_spec_layer_idx_from_weight_name(config, weight_name)`: the MTP layer a name belongs to, or None."""
+    return _load(GET_SPEC_LAYER_IDX)
 
 
 def mixture_of_experts_class() -> type:

@@ -130,7 +130,10 @@ def render(data: dict, top: int) -> None:
                         f"{digests['shards_with_digests']} of {data['shards']} shard(s), "
                         f"{len(digests['tensors'])} tensors; per-layer digest in the table")
     if data["skipped_tensors"]:
-        summary.add_row("skipped", f"{len(data['skipped_tensors'])} tensor(s) the engine does not load")
+        rows = data["skipped_as_vllm_does"]
+        reasons = list(dict.fromkeys(row["reason"] for row in rows))
+        summary.add_row("skipped", f"{len(rows)} tensor(s), {human_bytes(sum(row['bytes'] for row in rows))}, "
+                        f"skipped as vLLM does (not read, not buffered): {escape('; '.join(reasons))}")
     summary.add_row("read", f"{data['header_bytes_read']} header bytes of "
                     f"{data['total_bytes'] + data['header_bytes_read']}")
     stdout.print(summary)

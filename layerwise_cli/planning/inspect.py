@@ -71,6 +71,8 @@ class OrderReport:
             ],
             "held_to_end_bytes": plan.held_bytes(),
             "skipped_tensors": [t.name for t in plan.skipped],
+            "skipped_as_vllm_does": [{"name": t.name, "reason": plan.skip_reasons.get(t.name), "bytes": t.nbytes}
+                                     for t in plan.skipped],
             "held_to_end_reason": plan.held_summary(),
             "file_order": {**_simulation_dict(self.file_order_buffering, largest),
                            "above_largest_layer_because": plan.excess_reason(self.file_order_buffering)},

@@ -103,8 +103,13 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         mine = plan_for_worker(checkpoint, model, hf_config, position, reference_checkpoint(str(model_config.model)))
         plan, vllm_names = mine.plan, mine.vllm_names
         notes = preflight(plan, model, vllm_names, mine.reference, allow_partial=allow_partial)
-        # The probe and the prediction both speak engine module names.
-        engine_stream = mine.engine_stream(order)
+        # The probe and the prediction both speak engine module names. Tensors vLLM's loader skips on
+        # purpose (no parent layer) are not read: vLLM would drop them unread too.
+        engine_stream = [item for item in mine.engine_stream(order) if item.parent is not None]
+        draft = getattr(getattr(worker, "vllm_config", None), "speculative_config", None)
+        if draft is not None:
+            notes.append("the engine runs a draft model (speculative decoding): layerwise reloads the target "
+                         "model only, so the draft keeps its weights")
         engine_name = mine.parent_engine_names()
         # vLLM holds these on this rank until the end of the stream (padded vocabulary, partial fused layers).
         held_here = {engine_name.get(name, name): plan.held[name].reason for name in plan.held_on(tp_rank)}
@@ -114,7 +119,7 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
                               checks_finite=not allow_nonfinite)
         stats = ReadAheadStats()
         rank = getattr(worker, "rank", 0) or 0
-        progress = ProgressWriter(progress_path if rank == 0 else None, len(plan.layers), plan.total_bytes)
+        progress = ProgressWriter(progress_path if rank == 0 else None, len(plan.layers), plan.loaded_bytes)
         probe = BufferProbe(model, on_layer_done=lambda name, timing: progress.write(
             {"event": "layer", "name": name, "tensors": timing.tensors, "bytes": timing.bytes}))
         # A skipped layer counts as done for the progress bar, as soon as it is known to be skipped.
