@@ -43,6 +43,8 @@ def launch_vllm_server(args: list[str]) -> None:
     """Run vLLM's OpenAI server in this process with `args`, every endpoint behind the API key if one is set."""
     import runpy
 
+    from layerwise_cli.worker import online_quant  # noqa: F401 - registers `layerwise_fp8`/`layerwise_int8` here
+
     _guard_every_endpoint()
     attach_engines_rpc()
     sys.argv = [VLLM_SERVER_MODULE, *args]
