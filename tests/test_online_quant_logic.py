@@ -77,3 +77,13 @@ def test_online_quant_registered_with_vllm(online_quant):
 def test_online_quant_unknown_method_is_refused(online_quant):
     with pytest.raises(ValueError, match="layerwise_fp8"):
         online_quant.quantize("layerwise_fp4", _weight())
+
+
+def test_online_quant_accepted_by_the_commands_usage_check():
+    from layerwise_cli.cli._options import check_quantization
+    from layerwise_cli.errors import UsageError
+
+    check_quantization("layerwise_fp8")
+    check_quantization("layerwise_int8")
+    with pytest.raises(UsageError, match="layerwise_int8"):
+        check_quantization("layerwise_fp4")
