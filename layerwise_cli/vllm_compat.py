@@ -114,6 +114,27 @@ MODEL_REGISTRY_CLASS = PrivateSymbol("vllm.model_executor.models.registry", "_Mo
                                      members=("_try_load_model_cls",), used_by="planning/vllm_mapping.py")
 MIXTURE_OF_EXPERTS = PrivateSymbol("vllm.model_executor.models.interfaces", "MixtureOfExperts", "class",
                                    used_by="planning/vllm_mapping.py")
+# Online quantization (worker/online_quant.py subclasses these, so it loads them when it is imported).
+LINEAR_METHOD_BASE = PrivateSymbol("vllm.model_executor.layers.linear", "LinearMethodBase", "class",
+                                   members=("create_weights", "apply", "process_weights_after_loading"),
+                                   used_by="worker/online_quant.py (base of LayerwiseOnlineLinearMethod)")
+QUANTIZATION_CONFIG = PrivateSymbol("vllm.model_executor.layers.quantization.base_config", "QuantizationConfig",
+                                    "class", members=("get_name", "get_supported_act_dtypes", "get_min_capability",
+                                                      "get_config_filenames", "from_config", "get_quant_method"),
+                                    used_by="worker/online_quant.py (base of the layerwise_fp8/int8 configs)")
+REGISTER_QUANTIZATION_CONFIG = PrivateSymbol("vllm.model_executor.layers.quantization",
+                                             "register_quantization_config", "function",
+                                             parameters=("quantization",), used_by="worker/online_quant.py")
+INITIALIZE_ONLINE_PROCESSING = PrivateSymbol(f"{_RELOAD}.layerwise", "initialize_online_processing", "function",
+                                             parameters=("layer",),
+                                             used_by="worker/online_quant.py (create_weights, as vLLM's own)")
+MODEL_WEIGHT_PARAMETER = PrivateSymbol("vllm.model_executor.parameter", "ModelWeightParameter", "class",
+                                       used_by="worker/online_quant.py (the weight on meta)")
+REPLACE_PARAMETER = PrivateSymbol("vllm.model_executor.utils", "replace_parameter", "function",
+                                  parameters=("layer", "param_name"),
+                                  used_by="worker/online_quant.py (quantized weight and scale)")
+SKIP_TENSORS = PrivateSymbol(f"{_RELOAD}.meta", "SKIP_TENSORS", "attribute",
+                             used_by="worker/verify_quantized.py (tensors vLLM's restore leaves alone)")
 AUTO_WEIGHTS_LOADER = PrivateSymbol("vllm.model_executor.models.utils", "AutoWeightsLoader", "class",
                                     members=("REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER",),
                                     used_by="planning/skip_rules.py (the rotary buffers vLLM's loader drops)")
@@ -251,6 +272,11 @@ def set_current_vllm_config(config):
 def model_class_for(architecture: str) -> type | None:
     """vLLM's model class for ARCHITECTURE, or None (no public lookup stops short of building a model config)."""
     return _load(MODEL_REGISTRY)._try_load_model_cls(architecture)
+
+
+def load(symbol: PrivateSymbol) -> Any:
+    """The object SYMBOL names, imported now (for the few modules that subclass vLLM's classes at import time)."""
+    return _load(symbol)
 
 
 def auto_weights_loader_class() -> type:

@@ -27,6 +27,8 @@ class VerifyResult:
         derived: modules not in SOURCE checked through the layer they share storage
             with (a tied head: `{"lm_head": "model.embed_tokens"}`); counted in `checked`.
         wall_s: seconds the check took, seen from the caller (a server stays paused meanwhile).
+        quantized: layers quantized online in the engine, re-quantized from SOURCE with the engine's
+            own method and compared bit for bit (weights and scales) -> the method; counted in `checked`.
     """
 
     ok: bool
@@ -40,6 +42,7 @@ class VerifyResult:
     details: dict[str, str] = field(default_factory=dict)
     derived: dict[str, str] = field(default_factory=dict)
     wall_s: float = 0.0
+    quantized: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mismatched", tuple(self.mismatched))
@@ -70,7 +73,9 @@ def merge_verify(per_worker: list[dict], wall_s: float = 0.0) -> VerifyResult:
     errors: dict[str, str] = {}
     details: dict[str, str] = {}
     derived: dict[str, str] = {}
+    quantized: dict[str, str] = {}
     for rank, answer in enumerate(per_worker):
+        quantized.update(answer.get("quantized", {}))
         suffix = f" (worker {rank})" if len(per_worker) > 1 else ""
         for layer in answer["layers"]:
             if layer.get("derived_from") and layer["status"] in ("match", "mismatch"):
@@ -98,6 +103,7 @@ def merge_verify(per_worker: list[dict], wall_s: float = 0.0) -> VerifyResult:
         details=details,
         derived=derived,
         wall_s=wall_s,
+        quantized=quantized,
     )
 
 

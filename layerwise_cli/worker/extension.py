@@ -7,6 +7,7 @@ import traceback
 from layerwise_cli import EXTENSION_CLS  # noqa: F401 - re-exported for the engine side
 from layerwise_cli.errors import LayerwiseError, describe_exception
 from layerwise_cli.vllm_logs import silence_rotary_reload_warning
+from layerwise_cli.worker import online_quant  # noqa: F401 - registers layerwise's online quantizations here
 from layerwise_cli.worker.consensus import PeerFailed, all_ranks_agree
 from layerwise_cli.worker.fingerprints import model_fingerprints
 from layerwise_cli.worker.verify import verify_against_source

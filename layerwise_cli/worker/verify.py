@@ -36,6 +36,7 @@ def verify_against_source(model, source: str, revision: str | None, model_config
     from layerwise_cli.worker.rank_plan import plan_for_worker
     from layerwise_cli.worker.reload import resolve_local
     from layerwise_cli.worker.stream import ShardReader, layer_batches
+    from layerwise_cli.worker.verify_quantized import require_recomputed
 
     local = resolve_local(source, revision)
     checkpoint = replace(open_checkpoint(str(local)), source=source)
@@ -59,12 +60,13 @@ def verify_against_source(model, source: str, revision: str | None, model_config
             try:
                 with torch.no_grad():
                     entry, scratch = _verify_layer(model, parent, modules.get(parent), tensors)
-                layers.append(entry)
+                layers.append(require_recomputed(entry, modules.get(parent)))
                 if scratch is not None and parent in derived.values():
                     loaded[parent] = scratch
             except Exception as exc:  # noqa: BLE001 - the layer is reported as not checkable, with why
-                layers.append({"name": parent, "status": "error", "compared": [],
-                               "detail": f"could not be loaded alone: {describe_exception(exc)}"})
+                layers.append(require_recomputed({"name": parent, "status": "error", "compared": [], "detail":
+                                                  f"could not be loaded alone: {describe_exception(exc)}"},
+                                                 modules.get(parent)))
     finally:
         reader.close()
     layers.extend(_verify_derived(model, derived, loaded))
@@ -77,6 +79,9 @@ def verify_against_source(model, source: str, revision: str | None, model_config
         "mismatched": [layer["name"] for layer in layers if layer["status"] == "mismatch"],
         "skipped": {layer["name"]: layer["detail"] for layer in layers if layer["status"] == "skipped"},
         "errors": {layer["name"]: layer["detail"] for layer in layers if layer["status"] == "error"},
+        # Layers quantized online, re-quantized from SOURCE with the engine's method and compared -> method.
+        "quantized": {layer["name"]: layer["quantized"] for layer in layers
+                      if layer.get("quantized") and layer["status"] in ("match", "mismatch")},
         "tensors_compared": sum(sum(1 for key in layer["compared"] if key != "#kernel") for layer in layers),
         "kernels_compared": sum(sum(1 for key in layer["compared"] if key == "#kernel") for layer in layers),
     }
@@ -156,6 +161,8 @@ def _verify_layer(model, name: str, module, tensors: list) -> tuple[dict, object
     LAYERWISE_INFO = vllm_compat.layerwise_info()
     CopyCounter = vllm_compat.copy_counter_class()
 
+    from layerwise_cli.worker.verify_quantized import drop_processing_outputs
+
     def entry(status: str, detail: str = "", compared: list | None = None) -> dict:
         return {"name": name, "status": status, "detail": detail, "compared": compared or []}
 
@@ -167,6 +174,7 @@ def _verify_layer(model, name: str, module, tensors: list) -> tuple[dict, object
     if vllm_compat.is_deferred_attention_layer(module):
         return entry("skipped", "attention layers are processed with the whole model, not alone"), None
     scratch = _scratch_copy(module, info)
+    drop_processing_outputs(scratch, module, info)  # a layer quantized online is copied in checkpoint format
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     parent._modules[child] = scratch
