@@ -223,3 +223,34 @@ def test_tied_embeddings_skip_lm_head(tmp_path: Path) -> None:
     data2 = json.loads(CliRunner().invoke(app, ["inspect-order", str(folder2), "--json"]).stdout)
     assert data2["skipped_tensors"] == []
     assert data2["total_bytes"] == data["total_bytes"] - 128 * 64 * 2
+
+
+@pytest.mark.parametrize(("architecture", "tower"), [
+    ("Qwen3_5ForConditionalGeneration", "model.visual.blocks.0.attn.qkv.weight"),
+    ("Gemma3ForConditionalGeneration", "model.vision_tower.vision_model.encoder.layers.0.self_attn.q_proj.weight"),
+    ("Mistral3ForConditionalGeneration", "model.vision_tower.transformer.layers.0.attention.q_proj.weight"),
+])
+def test_wrapped_text_models_plan_the_text_part(architecture: str, tower: str) -> None:
+    """Checkpoints that wrap the text model: the table knows them although vLLM cannot import them here."""
+    mapping = mapping_for_config({"architectures": [architecture]})
+    assert mapping.kind == "table"
+    P = "model.language_model."
+    q = mapping.parent_of(f"{P}layers.1.self_attn.q_proj.weight")
+    assert (q.name, q.order_key) == (f"{P}layers.1.self_attn.qkv_proj", (1, 1))
+    assert mapping.parent_of(f"{P}layers.1.mlp.up_proj.weight").name == f"{P}layers.1.mlp.gate_up_proj"
+    assert mapping.parent_of(f"{P}embed_tokens.weight").order_key == (0, 0)
+    # The parts beside the text model: planned after it, and named as what vLLM reloads.
+    part = mapping.parent_of(tower)
+    assert part is not None and part.order_key[0] == 4
+    assert any(tower.startswith(prefix) for prefix in mapping.towers)
+    assert "vLLM reloads them unless the engine runs text-only" in mapping.description
+
+
+def test_qwen3_5_fuses_its_gated_delta_net_and_drops_mtp() -> None:
+    mapping = mapping_for_config({"architectures": ["Qwen3_5ForConditionalGeneration"]})
+    P = "model.language_model.layers.0.linear_attn."
+    assert {mapping.parent_of(P + n).name for n in ("in_proj_qkv.weight", "in_proj_z.weight")} == {
+        P + "in_proj_qkvz"}
+    assert {mapping.parent_of(P + n).name for n in ("in_proj_a.weight", "in_proj_b.weight")} == {P + "in_proj_ba"}
+    assert mapping.parent_of("mtp.layers.0.mlp.gate_proj.weight") is None  # hf_to_vllm_mapper drops `mtp.`
+    assert mapping.parent_of("model.language_model.layers.0.self_attn.rotary_emb.inv_freq") is None
