@@ -104,6 +104,8 @@ def render(data: dict, top: int) -> None:
     summary.add_column()
     summary.add_row("source", escape(data["source"]) + (f" @ {escape(data['revision'])}" if data["revision"] else ""))
     summary.add_row("mapping", escape(data["mapping"]["description"]))
+    if data["mapping"].get("guess"):
+        summary.add_row("guess", escape(data["mapping"]["guess"]["text"]))
     summary.add_row("checkpoint", f"{data['shards']} shard(s), {data['tensors']} tensors, "
                     f"{human_bytes(data['total_bytes'])}, {data['parent_layers']} parent layers")
     summary.add_row("largest layer", human_bytes(largest))

@@ -110,7 +110,8 @@ class Plan:
             return None
         held = self.held_summary(sim.rank)
         if sim.order == "layer":
-            return held or "unexplained: please report this"
+            return held or (f"the engine's modules do not match this plan's parent layers ({self.mapping.description}):"
+                            " tensors of one engine module arrive apart, so layer order holds more than one open")
         parts = [f"{sim.order} order has {sim.peak_open_layers} layer(s) open at {sim.peak_tensor}"]
         return "; ".join(parts + ([held] if held else []))
 

@@ -13,6 +13,7 @@ and otherwise come from the small table below, which mirrors vLLM 0.32/0.33
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ REASON_PREFIX = "{architecture} loads no {pattern!r} tensors (multi-token predic
 REASON_SPEC = ("nextn (MTP) layer {index}: {architecture} skips layers from num_hidden_layers on "
                "(num_nextn_predict_layers={count})")
 REASON_MAPPER = "{architecture}.hf_to_vllm_mapper maps it to None"
+REASON_TABLE_MAPPER = "{architecture}.hf_to_vllm_mapper maps {kind} {pattern!r} to None (layerwise's table)"
 
 
 def is_output_head(module: str) -> bool:
@@ -71,6 +73,9 @@ class SkipRules:
         spec_layers: (first layer index, count) of the nextn layers dropped, or None.
         tied_head: the head is tied to the embeddings and not loaded.
         mapper: vLLM's `hf_to_vllm_mapper` of the class, whose None mappings drop names.
+        drops: (`prefix`|`substr`|`suffix`|`regex`, pattern) pairs the class's
+            mapper maps to None, as the architecture table records them (for
+            when the class itself is not at hand).
     """
 
     architecture: str | None
@@ -82,6 +87,7 @@ class SkipRules:
     mapper: object | None = field(default=None, compare=False, repr=False)
     # vLLM's own spec-layer test (`get_spec_layer_idx_from_weight_name`), when read from vLLM.
     spec_layer_of: object | None = field(default=None, compare=False, repr=False)
+    drops: tuple[tuple[str, str], ...] = ()
 
     def reason(self, name: str) -> str | None:
         """Why vLLM's loader skips tensor NAME (as stored in the checkpoint), or None if it loads it."""
@@ -102,6 +108,9 @@ class SkipRules:
                 return REASON_TIED
         if self.mapper is not None and _mapped_to_none(self.mapper, name):
             return REASON_MAPPER.format(architecture=arch)
+        for kind, pattern in self.drops:
+            if _drop_matches(kind, pattern, name):
+                return REASON_TABLE_MAPPER.format(architecture=arch, kind=kind, pattern=pattern)
         return None
 
     def skipped(self, names: Iterable[str]) -> dict[str, str]:
@@ -128,7 +137,7 @@ class SkipRules:
 
 
 def skip_rules_for(architecture: str | None, config: Mapping | None, *, model_cls: type | None = None,
-                   tied: bool | None = None) -> SkipRules:
+                   tied: bool | None = None, table_entry: Mapping | None = None) -> SkipRules:
     """vLLM's skip rules for ARCHITECTURE with CONFIG (`config.json`).
 
     Args:
@@ -137,6 +146,9 @@ def skip_rules_for(architecture: str | None, config: Mapping | None, *, model_cl
         model_cls: vLLM's model class for the architecture (the engine's own in a
             worker); None: the table's rules only.
         tied: whether the head is tied (None: read `tie_word_embeddings` from CONFIG).
+        table_entry: the architecture table's entry (`arch_table.entry`): its
+            `skipped` facts (substrings, mapper drops, whether the loader drops
+            MTP layers, whether a tied head is skipped) are added to the rules.
 
     Returns:
         The rules; `origin` says whether vLLM's class contributed.
@@ -150,6 +162,14 @@ def skip_rules_for(architecture: str | None, config: Mapping | None, *, model_cl
     spec_arch = architecture in SPEC_LAYER_ARCHITECTURES
     mapper = spec_layer_of = None
     origin = "package"
+    drops: tuple[tuple[str, str], ...] = ()
+    skipped = (table_entry or {}).get("skipped") or {}
+    if skipped:
+        substrings = tuple(dict.fromkeys(substrings + tuple(skipped.get("substr") or ())))
+        drops = tuple((kind, pattern) for kind, patterns in sorted((skipped.get("mapper_drops") or {}).items())
+                      for pattern in patterns)
+        spec_arch = spec_arch or bool(skipped.get("mtp_layers"))
+        tied = tied and bool(skipped.get("tied_head", True))
     if model_cls is not None:
         origin = "vllm"
         substrings = tuple(dict.fromkeys(substrings + _rotary_from_vllm()))
@@ -166,7 +186,27 @@ def skip_rules_for(architecture: str | None, config: Mapping | None, *, model_cl
     count, layers = text.get("num_nextn_predict_layers"), text.get("num_hidden_layers")
     if spec_arch and _positive_int(count) and _positive_int(layers):
         spec_layers = (layers, count)
-    return SkipRules(architecture, origin, substrings, prefixes, spec_layers, tied, mapper, spec_layer_of)
+    return SkipRules(architecture, origin, substrings, prefixes, spec_layers, tied, mapper, spec_layer_of, drops)
+
+
+def _drop_matches(kind: str, pattern: str, name: str) -> bool:
+    """Whether a mapper rule of the table (`prefix`, `substr`, `suffix`, `regex`) maps NAME to None."""
+    if kind == "prefix":
+        return name.startswith(pattern)
+    if kind == "substr":
+        return pattern in name
+    if kind == "suffix":
+        return name.endswith(pattern)
+    return kind == "regex" and _regex(pattern).search(name) is not None
+
+
+_REGEXES: dict[str, re.Pattern] = {}
+
+
+def _regex(pattern: str) -> re.Pattern:
+    if pattern not in _REGEXES:
+        _REGEXES[pattern] = re.compile(pattern)
+    return _REGEXES[pattern]
 
 
 def skipped_by_vllm(architecture: str | None, config: Mapping | None, names: Iterable[str], *,
