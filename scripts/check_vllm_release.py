@@ -8,9 +8,10 @@
    vocabulary padding, the completion rule) is compared definition by
    definition (AST without docstrings) with the installed vLLM, the one the
    engine tests run on; a constant is compared with layerwise's copy of it.
-3. The architecture table (`planning.parents.ARCHITECTURE_TABLE`): each
-   architecture's class in the release (its registry entry, its
-   `packed_modules_mapping`, whether its experts are fused) against the table.
+3. The architecture table: `scripts/gen_arch_table.py` regenerates the table
+   from the release's source, and it must equal the committed table of that
+   version (`layerwise_cli/planning/architectures-release.json`), entry by
+   entry: a new release fails until its table is generated and committed.
 4. `layerwise[gpu]` resolves (`pip install --dry-run --ignore-installed
    --report`, for the wheel's platform and Python 3.12: layerwise's own
    dependencies plus the `gpu` extra, read from pyproject.toml), and the release
@@ -282,88 +283,49 @@ def _constant(source: Source, module: str, name: str):
         return None
 
 
-def _registry(source: Source) -> dict[str, tuple[str, str]]:
-    tree = source.tree("vllm.model_executor.models.registry")
-    found: dict[str, tuple[str, str]] = {}
-    for node in _top_level(tree.body if tree else []):
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", "").endswith("_MODELS") for t in node.targets) \
-                and isinstance(node.value, ast.Dict):
-            for key, value in zip(node.value.keys, node.value.values, strict=True):
-                if isinstance(key, ast.Constant) and isinstance(value, ast.Tuple) and len(value.elts) == 2:
-                    try:
-                        found.setdefault(key.value, tuple(ast.literal_eval(value)))
-                    except ValueError:
-                        continue
-    return found
+def check_architectures(source: Source, version: str, work: Path) -> list[Row]:
+    """The planner's architecture table of VERSION against the table generated from the release's source."""
+    from layerwise_cli.planning import arch_table
 
-
-def _class_fact(source: Source, module: str, node: ast.ClassDef, depth: int = 0) -> tuple[dict | None, set[str]]:
-    """(packed_modules_mapping, names of the class, its bases and methods) following bases in the release."""
-    packed = None
-    names = {node.name} | {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
-    packed = None
-    for item in node.body:
-        if isinstance(item, ast.Assign) and any(getattr(t, "id", None) == "packed_modules_mapping"
-                                                for t in item.targets):
-            try:
-                packed = ast.literal_eval(item.value)
-            except ValueError:
-                packed = None
-    # Fusions a model adds when the config has dense MLP layers too
-    # (`self.packed_modules_mapping["gate_up_proj"] = [...]` in Qwen3-MoE's __init__): the table holds them.
-    added = {}
-    for sub in ast.walk(node):
-        if isinstance(sub, ast.Assign) and len(sub.targets) == 1 and isinstance(sub.targets[0], ast.Subscript):
-            target = sub.targets[0]
-            if isinstance(target.value, ast.Attribute) and target.value.attr == "packed_modules_mapping" \
-                    and isinstance(target.slice, ast.Constant):
-                try:
-                    added[target.slice.value] = ast.literal_eval(sub.value)
-                except ValueError:
-                    continue
-    if added:
-        packed = {**(packed or {}), **added}
-    for base in node.bases:
-        base_name = base.id if isinstance(base, ast.Name) else getattr(base, "attr", None)
-        if base_name is None:
-            continue
-        names.add(base_name)
-        found = find_definition(source, module, base_name) if depth < 8 else None
-        if found and isinstance(found[1], ast.ClassDef):
-            base_packed, base_names = _class_fact(source, found[0], found[1], depth + 1)
-            names |= base_names
-            packed = packed if packed is not None else base_packed
-    return packed, names
-
-
-def check_architectures(source: Source) -> list[Row]:
-    """The planner's architecture table against the release's model classes."""
-    from layerwise_cli.planning.parents import ARCHITECTURE_TABLE
-
-    registry = _registry(source)
+    committed = arch_table.table_for(version)
+    if committed is None:
+        have = ", ".join(str(t["vllm_version"]) for t in arch_table.tables())
+        return [Row("architecture", "table", False, f"no committed table for vLLM {version} (have {have}): run "
+                    "scripts/gen_arch_table.py --vllm-root UNPACKED/vllm --out "
+                    "layerwise_cli/planning/architectures-release.json")]
+    generated = _generator().generate(_package_dir(source, work))["architectures"]
+    expected = committed["architectures"]
     rows = []
-    for arch, entry in ARCHITECTURE_TABLE.items():
-        if arch not in registry:
-            rows.append(Row("architecture", arch, False, "not in the release's model registry"))
-            continue
-        module_name, class_name = registry[arch]
-        module = f"vllm.model_executor.models.{module_name}"
-        found = find_definition(source, module, class_name)
-        if found is None or not isinstance(found[1], ast.ClassDef):
-            rows.append(Row("architecture", arch, False, f"no class {class_name} in {module}"))
-            continue
-        packed, names = _class_fact(source, found[0], found[1])
-        inverse = {part: fused for fused, parts in (packed or {}).items() for part in parts}
-        text = source.text(found[0]) or ""
-        fused = "MixtureOfExperts" in names or "get_expert_mapping" in names or "FusedMoE" in text
-        problems = []
-        if inverse != entry["packed"]:
-            problems.append(f"packed_modules_mapping {packed} differs from the table's {entry['packed']}")
-        if fused != entry["fused_experts"]:
-            problems.append(f"fused experts: release {fused}, table {entry['fused_experts']}")
-        rows.append(Row("architecture", arch, not problems, "; ".join(problems)
-                        or f"{module_name}.{class_name}: fusions and experts as in the table"))
+    for arch in sorted(set(expected) | set(generated)):
+        if expected.get(arch) != generated.get(arch):
+            what = ("new in the release" if arch not in expected else "gone from the release"
+                    if arch not in generated else "entry differs: " + ", ".join(
+                        sorted(k for k in set(expected[arch]) | set(generated[arch])
+                               if expected[arch].get(k) != generated[arch].get(k))))
+            rows.append(Row("architecture", arch, False, what))
+    if not rows:
+        rows.append(Row("architecture", "table", True, f"{len(generated)} architectures of {version} equal the "
+                        "committed table"))
     return rows
+
+
+def _generator():
+    spec = importlib.util.spec_from_file_location("gen_arch_table", ROOT / "scripts" / "gen_arch_table.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _package_dir(source: Source, work: Path) -> Path:
+    """The release's `vllm` package as a directory of `.py` files (a wheel is unpacked into WORK)."""
+    if source._zip is None:
+        return source.path / "vllm"
+    out = work / "unpacked"
+    for name in source._zip.namelist():
+        if name.startswith("vllm/") and name.endswith(".py"):
+            source._zip.extract(name, out)
+    return out / "vllm"
 
 
 def gpu_requirements() -> tuple[list[str], list[str]]:
@@ -475,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [check_symbol(release, symbol) for symbol in vllm_compat.PRIVATE]
         for rule in vllm_compat.COPIED_RULES:
             rows += check_rule(release, installed, rule)
-        rows += check_architectures(release)
+        rows += check_architectures(release, version, work)
         checked = time.perf_counter()
         if not args.skip_resolution:
             rows += check_resolution(version, work)

@@ -11,6 +11,8 @@ imports torchvision), and takes about a second.
 
     python scripts/gen_arch_table.py            # rewrite layerwise_cli/planning/architectures.json
     python scripts/gen_arch_table.py --check    # exit 1 if the committed table differs
+    python scripts/gen_arch_table.py --vllm-root SRC/vllm --out layerwise_cli/planning/architectures-release.json
+                                                # the table of another vLLM (an unpacked release wheel)
 
 The table is stamped with the vLLM version it was read from; the drift test
 (tests/test_arch_table.py) regenerates it and fails on any difference.
@@ -566,8 +568,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="compare with the committed table; exit 1 on a diff")
     parser.add_argument("--out", type=Path, default=TABLE)
+    parser.add_argument("--vllm-root", type=Path, help="the `vllm` package directory to read (default: the installed)")
     args = parser.parse_args(argv)
-    text = render(generate())
+    text = render(generate(args.vllm_root))
     if args.check:
         committed = args.out.read_text() if args.out.exists() else ""
         if committed != text:

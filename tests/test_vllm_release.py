@@ -56,6 +56,11 @@ def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                                                                        "DEFAULT_VOCAB_PADDING_SIZE = 128"),
             "vllm/entrypoints/serve/middleware/authenticate.py": ("def verify_token(", "def check_token("),
         }),
+        # The installed version with one model's fusions changed: the committed table of 0.32.0 no longer matches.
+        "refused": _wheel(folder / "vllm-0.32.0-cp38-abi3-manylinux_2_28_x86_64-fused.whl", {
+            "vllm/model_executor/models/qwen3.py": ('"gate_up_proj": ["gate_proj", "up_proj"],\n    }\n    embedding',
+                                                   '"gate_up_proj": ["gate_proj"],\n    }\n    embedding'),
+        }),
     }
 
 
@@ -70,10 +75,20 @@ def test_a_renamed_symbol_and_a_changed_rule_fail_naming_them(wheels: dict[str, 
     done = _check(wheels["doctored"])
     assert done.returncode == 1, done.stdout + done.stderr
     differences = _differences(done.stdout)
-    assert len(differences) == 5, differences
-    renamed, verify_token, padding_rule, padding_value, completion_rule = differences
+    assert len(differences) == 6, differences
+    renamed, verify_token, padding_rule, padding_value, completion_rule, table = differences
     assert "reload.utils.get_layer_size" in renamed and "get_layer_size is not defined" in renamed
     assert "AuthenticationMiddleware" in verify_token and "has no verify_token" in verify_token
     assert "vocabulary padding" in padding_rule and "changed: DEFAULT_VOCAB_PADDING_SIZE" in padding_rule
     assert "release 128, layerwise (completion.VOCAB_PADDING) 64" in padding_value
     assert "completion rule" in completion_rule and "removed: get_layer_size; added: get_layer_numel" in completion_rule
+    assert "architecture" in table and "no committed table for vLLM 9.9.9" in table
+
+
+def test_an_architecture_the_release_fuses_otherwise_fails_naming_it(wheels: dict[str, Path]) -> None:
+    """The release's model classes regenerate the table; one changed fusion is one failing row naming its class."""
+    done = _check(wheels["refused"])
+    assert done.returncode == 1, done.stdout + done.stderr
+    differences = _differences(done.stdout)
+    assert differences and all("architecture" in line for line in differences), differences
+    assert any("Qwen3ForCausalLM " in line and "entry differs: packed" in line for line in differences), differences

@@ -168,7 +168,7 @@ def mapping_for_config(config: dict | None, prefer: str = "auto", *, model_cls: 
     entry = arch_table.entry(arch)
     # The table is read from one vLLM version; a different installed vLLM answers for itself.
     installed = arch_table.installed_vllm_version() if prefer == "auto" and entry is not None else None
-    stale = installed is not None and installed != arch_table.table_version()
+    stale = installed is not None and arch_table.table_for(installed) is None
     if entry is not None and (prefer == "table" or (prefer == "auto" and not stale)):
         return mapping_from_entry(arch, entry, tied, skips(model_cls, entry))
     if prefer in {"auto", "vllm"} and arch:
