@@ -85,13 +85,14 @@ CONFIGS = [
     Config("qwen3", tied=True, vocab_size=PADDED_VOCAB, repair_names=("lm_head",)),
     Config("llama", vocab_size=PADDED_VOCAB),
     Config("mistral"),
-    Config("qwen3_moe", partial=True, repair_names=("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")),
+    Config("qwen3_moe", partial=True,
+           repair_names=("model.layers.0.mlp.experts.routed_experts", "model.layers.1.mlp.experts.routed_experts")),
     # Hybrids: Mamba2 + attention + MLP (the Mamba2 mixer's `conv_weights` is a view of
     # `conv1d.weight` taken at load, which vLLM's reload leaves stale on CPU) ...
     Config("nemotron_h", layouts=HYBRID_LAYOUTS, repair_names=("model.layers.0.mixer.conv_weights",)),
     # ... and gated delta-net + full attention, MoE with a shared expert (the GDN kernel needs head dims 64).
     Config("qwen3_next", layouts=HYBRID_LAYOUTS,
-           repair_names=tuple(f"model.layers.{i}.mlp.experts" for i in range(4))),
+           repair_names=tuple(f"model.layers.{i}.mlp.experts.routed_experts" for i in range(4))),
     # ... and Mamba2 beside attention in every layer (the same mixer as NemotronH's, under `mamba.mamba`).
     Config("falcon_h1", layouts=HYBRID_LAYOUTS,
            repair_names=("model.layers.0.mamba.mamba.conv_weights", "model.layers.1.mamba.mamba.conv_weights")),

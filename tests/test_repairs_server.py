@@ -26,8 +26,8 @@ FAMILIES = {
                    {("model.layers.0.mixer", "conv_weights")}),
     "qwen3-tied": (Producer("qwen3", tied=True, max_shard_size="96KB"), ("lm_head",), {("lm_head", "cpu_linear")}),
     "qwen3_moe": (Producer("qwen3_moe", max_shard_size="96KB"),
-                  ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts"),
-                  {(f"model.layers.{i}.mlp.experts", p) for i in (0, 1) for p in ("w13_weight", "w2_weight")}),
+                  ("model.layers.0.mlp.experts.routed_experts", "model.layers.1.mlp.experts.routed_experts"),
+                  {(f"model.layers.{i}.mlp.experts.routed_experts", p) for i in (0, 1) for p in ("w13_weight", "w2_weight")}),
 }
 
 
