@@ -164,7 +164,8 @@ def call_workers(llm, method: str, **kwargs) -> list[dict]:
 
 def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = False, readahead: bool = True,
            revision: str | None = None, progress_path: str | None = None, verify: bool = False,
-           allow_nonfinite: bool = False, all_layers: bool = False) -> ReloadReport:
+           allow_nonfinite: bool = False, all_layers: bool = False,
+           allow_unchecked: bool = False) -> ReloadReport:
     """Reload SOURCE into a running `vllm.LLM`, in layer order, and report what it cost.
 
     The engine must have been built with
@@ -190,6 +191,8 @@ def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = Fals
             shard headers, else hashed as read) equals the one each worker
             recorded when layerwise last loaded it, and its state in the
             engine has not changed since (`report.skipped_layers`).
+        allow_unchecked: with `verify`, accept layers (or derived buffers)
+            that could not be checked; by default they fail the verification.
 
     Returns:
         The merged report of all workers; with `verify`, `report.verify` holds
@@ -208,7 +211,7 @@ def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = Fals
                                 all_layers=all_layers)
     verification = None
     if verify:
-        verification = verify_engine(llm, source, revision)
+        verification = verify_engine(llm, source, revision, allow_unchecked=allow_unchecked)
         if not verification.ok:
             raise LayerwiseError(f"{verify_failure(verification)}; the engine holds the reloaded weights, unverified",
                                  where=source)
@@ -235,22 +238,28 @@ def reload_workers(llm, source: str, *, order: str = "layer", allow_partial: boo
     Raises:
         LayerwiseError: a worker failed (its one-line error; see `reload`).
     """
+    from layerwise_cli.engine_defaults import fixups_disabled
+
+    # The diagnostic switch, set in this process: sent only when set (older extensions lack the argument).
+    repairs = {"repairs": False} if fixups_disabled() else {}
     results = call_workers(llm, "layerwise_reload", source=source, order=order, allow_partial=allow_partial,
                            readahead=readahead, revision=revision, progress_path=progress_path,
-                           allow_nonfinite=allow_nonfinite, all_layers=all_layers)
+                           allow_nonfinite=allow_nonfinite, all_layers=all_layers, **repairs)
     per_worker = worker_reports(results)
     # KV blocks cached under the old weights must not serve prompts under the new ones.
     llm.reset_prefix_cache()
     return per_worker
 
 
-def verify_engine(llm, source: str, revision: str | None = None) -> VerifyResult:
+def verify_engine(llm, source: str, revision: str | None = None, *, allow_unchecked: bool = False) -> VerifyResult:
     """Check, on every worker of an in-process engine, that it holds exactly what SOURCE must produce.
 
     Args:
         llm: a `vllm.LLM` built with layerwise's worker extension.
         source: the checkpoint the engine should hold (a path the workers read, or a Hub repo id).
         revision: Hub revision for a repo id.
+        allow_unchecked: layers (or derived buffers) that could not be checked
+            do not make `ok` False (the result says they were accepted).
 
     Returns:
         The merged result; `ok` is False when a layer differs or could not be checked.
@@ -264,7 +273,8 @@ def verify_engine(llm, source: str, revision: str | None = None) -> VerifyResult
     if failures or not results:
         error = failures[0].get("error", "a worker failed without saying why") if failures else "no workers"
         raise LayerwiseError(f"--verify could not run: {error}", where=source)
-    return merge_verify([r["verify"] for r in results], wall_s=time.perf_counter() - start)
+    return merge_verify([r["verify"] for r in results], wall_s=time.perf_counter() - start,
+                        allow_unchecked=allow_unchecked)
 
 
 

@@ -73,7 +73,7 @@ def prepare_sources(source: str, base: str | None, revision: str | None, quiet: 
 def reload_as(llm, local_source: str, shown_as: str, *, order: str = "layer", allow_partial: bool = False,
               readahead: bool = True, allow_nonfinite: bool = False, progress_path: str | None = None,
               verify: bool = False, on_verify: Callable[[], None] | None = None,
-              all_layers: bool = False) -> ReloadReport:
+              all_layers: bool = False, allow_unchecked: bool = False) -> ReloadReport:
     """Reload LOCAL_SOURCE into the engine and build the report once, under the name the user gave.
 
     The command downloads a Hub repo first (with a progress bar) and hands the
@@ -88,6 +88,7 @@ def reload_as(llm, local_source: str, shown_as: str, *, order: str = "layer", al
         verify: check the engine against LOCAL_SOURCE after the reload; the report
             carries the result, passed or not (the caller decides what a failure means).
         on_verify: called just before the verification starts (for a status line).
+        allow_unchecked: with `verify`, layers that could not be checked do not fail it.
 
     Returns:
         The merged report of all workers, with `verify` when asked.
@@ -106,5 +107,5 @@ def reload_as(llm, local_source: str, shown_as: str, *, order: str = "layer", al
     if verify:
         if on_verify is not None:
             on_verify()
-        verification = verify_engine(llm, local_source, None)
+        verification = verify_engine(llm, local_source, None, allow_unchecked=allow_unchecked)
     return merge_reports(per_worker, source=shown_as, verify=verification)

@@ -13,16 +13,30 @@ from layerwise_cli.checkpoint.sources import looks_like_repo_id, open_checkpoint
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.planning.plan import simulate_buffering
 from layerwise_cli.report.progress import ProgressWriter
-from layerwise_cli.report.reload_report import LayerReport, ReloadReport
+from layerwise_cli.report.reload_report import DerivedRefresh, LayerReport, ReloadReport
 from layerwise_cli.worker.consensus import PeerFailed
+from layerwise_cli.worker.cpu_fixups import apply_cpu_fixups
+from layerwise_cli.worker.derived_state import derived_state_of
 from layerwise_cli.worker.layer_records import REASON_UNCHANGED, LayerRecords
 from layerwise_cli.worker.preflight import preflight, reference_checkpoint
 from layerwise_cli.worker.probe import BufferProbe
 from layerwise_cli.worker.rank_plan import plan_for_worker, rank_position
 from layerwise_cli.worker.skip_plan import SkipPlan, quiet_skipped_layers
-from layerwise_cli.worker.stream import ReadAheadStats, read_in_order
+from layerwise_cli.worker.stream import ReadAheadStats, ShardReader, read_in_order
 
 ORDERS = ("layer", "file")
+
+
+def engine_config(worker):
+    """The vLLM config context the worker's own reload runs under (quant methods and loaders may read it)."""
+    import contextlib
+
+    config = getattr(worker, "vllm_config", None)
+    if config is None:
+        return contextlib.nullcontext()
+    from layerwise_cli import vllm_compat
+
+    return vllm_compat.set_current_vllm_config(config)
 
 
 def resolve_local(source: str, revision: str | None = None) -> Path:
@@ -60,7 +74,8 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
                   readahead: bool = True, revision: str | None = None,
                   on_engine_touched=None, progress_path: str | None = None,
                   allow_nonfinite: bool = False, agree: Callable[[bool], bool] | None = None,
-                  records: LayerRecords | None = None, all_layers: bool = False) -> ReloadReport:
+                  records: LayerRecords | None = None, all_layers: bool = False,
+                  repairs: bool = True) -> ReloadReport:
     """Pre-flight SOURCE against this worker's model, then reload it in `order`, measuring.
 
     Args:
@@ -85,6 +100,8 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
             handed to vLLM, which keeps it), and every layer handed over is
             recorded afresh once the reload succeeded. None: no skip, no record.
         all_layers: hand every layer over (and record them), whatever the records say.
+        repairs: refresh what vLLM's reload leaves stale (`cpu_fixups`); False is the
+            diagnostic switch `LAYERWISE_NO_CPU_FIXUPS`.
 
     Returns:
         This worker's report.
@@ -115,6 +132,9 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         held_here = {engine_name.get(name, name): plan.held[name].reason for name in plan.held_on(tp_rank)}
         folder = local if local.is_dir() else local.parent
         device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+        # Found before the first reload changes anything, once per engine (vLLM's record and the live
+        # tensors are both in place between reloads).
+        derived = derived_state_of(worker)
         skip = SkipPlan.build(model, checkpoint, engine_stream, order, records, all_layers=all_layers,
                               checks_finite=not allow_nonfinite)
         stats = ReadAheadStats()
@@ -168,10 +188,19 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         progress.close()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    else:
-        from layerwise_cli.worker.cpu_fixups import apply_cpu_fixups
-
-        notes.extend(apply_cpu_fixups(model, set(probe.timings)))
+    # Each repair is found by its rule and does nothing where it does not apply (on a GPU: nothing).
+    reader = ShardReader(folder)
+    try:
+        with engine_config(worker):
+            repair_notes, refreshed = apply_cpu_fixups(
+                model, set(probe.timings), derived=derived, enabled=repairs,
+                tensors_of=lambda parent: [(item.entry.name, reader.read(item)) for item in engine_stream
+                                           if item.parent == parent])
+    finally:
+        reader.close()
+    notes.extend(repair_notes)
+    if device.type == "cuda" and refreshed:
+        torch.cuda.synchronize(device)
     end = time.perf_counter()
     disk_after = process_disk_read_bytes()
     skip.record(model, checked=not allow_nonfinite)
@@ -236,6 +265,7 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         stale_layers=len(skip.decider.stale) if skip.decider is not None else 0,
         hash_s=stats.hash_s,
         fingerprint_s=skip.fingerprint_s,
+        refreshed=[DerivedRefresh(**entry) for entry in refreshed],
     )
 
 
