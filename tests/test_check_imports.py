@@ -64,3 +64,23 @@ def test_rich_outside_cli_is_found(tmp_path: Path) -> None:
     done = _check(str(package))
     assert done.returncode == 1
     assert done.stderr.strip() == "layerwise_cli.client.local imports rich.table (only cli/ may)"
+
+
+def test_private_vllm_outside_vllm_compat_is_found(tmp_path: Path) -> None:
+    package = _package(tmp_path, {
+        "vllm_compat.py": 'PUBLIC_NAMES = ("LLM", "SamplingParams")\n'
+                          "def info():\n    from vllm.model_executor.model_loader.reload.layerwise import X\n",
+        "client/local.py": "def start():\n    from vllm import LLM, SamplingParams\n",
+        "worker/verify.py": "def f():\n    from vllm.model_executor.model_loader.reload.meta import CopyCounter\n",
+        "worker/cpu_fixups.py": "def g():\n    from vllm import _custom_ops as ops\n",
+        "worker/probe.py": "import vllm.distributed.parallel_state\n",
+    })
+    done = _check(str(package))
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "layerwise_cli.worker.cpu_fixups imports vllm._custom_ops (private vLLM: import it in vllm_compat.py)",
+        "layerwise_cli.worker.probe imports vllm.distributed.parallel_state (private vLLM: import it in "
+        "vllm_compat.py)",
+        "layerwise_cli.worker.verify imports vllm.model_executor.model_loader.reload.meta (private vLLM: import it "
+        "in vllm_compat.py)",
+    ]

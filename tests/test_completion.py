@@ -15,7 +15,7 @@ from layerwise_cli.planning.completion import (
     vocab_shard_rows,
 )
 from layerwise_cli.planning.inspect import inspect_order
-from layerwise_cli.planning.parents import _DENSE_PACKED
+from layerwise_cli.planning.parents import _USUAL_FUSIONS as _DENSE_PACKED
 from layerwise_cli.planning.plan import PlannedTensor, simulate_buffering
 from tests.support.producers import Producer, save_pretrained_checkpoint
 from tests.support.synthetic import SyntheticModel, write_checkpoint

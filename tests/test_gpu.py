@@ -1,7 +1,10 @@
-"""Online FP8 quantization reloads (the QeRL flow) on an NVIDIA GPU; skipped on machines without one.
+"""vLLM's own online FP8 quantization reloads (the QeRL flow) on an NVIDIA GPU; skipped on machines without one.
 
 Run by `scripts/gpu_check.sh` on a GPU machine. FP8 kernels do not exist on
-CPU, so these cannot run here or in CI.
+CPU, so these cannot run here or in CI; `tests/test_online_quant_engine.py`
+runs the same lifecycle on any CPU with layerwise's emulated methods.
+Both of vLLM's online linear methods are covered: `fp8_per_block` (dense)
+and `fp8_per_tensor` (MoE: experts and linear layers).
 """
 
 from __future__ import annotations
@@ -61,14 +64,25 @@ def test_online_fp8_reload_a_b_a(gpu, demo_models, tmp_path, family, experts, me
     try:
         fresh_a = greedy_with_logprobs(llm, PROMPTS)
         before = engine_state(llm)
-        report = reload(llm, str(models["b"]))
+        # --verify re-quantizes B with vLLM's own FP8 method, layer by layer, and compares bit for bit.
+        report = reload(llm, str(models["b"]), verify=True)
         assert report.device.startswith("cuda")
-        assert report.peak_buffer_bytes == report.largest_layer_bytes
+        # Measured against predicted: the buffer holds B's bf16 tensors, one layer at a time.
+        assert report.peak_buffer_bytes == report.predicted_peak_buffer_bytes == report.largest_layer_bytes
+        assert not report.unexpected
+        verify = report.verify
+        assert verify.ok, (verify.mismatched, verify.details, verify.errors)
+        assert any(name.endswith("qkv_proj") for name in verify.quantized), verify.quantized
         quantized = [layer for layer in report.layers if layer.name.endswith(("qkv_proj", "gate_up_proj", "experts"))
                      or ".experts." in layer.name]
         assert quantized and all(layer.process_s > 0 for layer in quantized)
         got = greedy_with_logprobs(llm, PROMPTS)
+        # Greedy tokens and top-5 token ids equal a fresh FP8 engine on B (logprob values: CUDA graphs
+        # against the eager reference may differ in the last bits).
         assert [[s[0] for s in steps] for steps in got] == [[s[0] for s in steps] for steps in fresh_b]
+        assert [[[t for t, _ in s[1]] for s in steps] for steps in got] == [
+            [[t for t, _ in s[1]] for s in steps] for steps in fresh_b]
+        assert got != fresh_a  # A and B answer differently: the reload had something to prove
         assert engine_state(llm)["pointers"] == before["pointers"]  # in place: graphs keep their addresses
         reload(llm, str(models["a"]))
         assert greedy_with_logprobs(llm, PROMPTS) == fresh_a

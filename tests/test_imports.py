@@ -139,7 +139,7 @@ def test_inspect_order_without_the_engine(checkpoints: dict[str, Path], prelude:
     # An architecture outside the table: auto asks vLLM, finds none, and falls back cleanly.
     code, out, err, modules = run_cli("inspect-order", str(checkpoints["unknown"]), "--json", prelude=prelude)
     assert code == 0, err
-    assert json.loads(out)["mapping"]["kind"] == "generic"
+    assert json.loads(out)["mapping"]["kind"] == "guess"
     assert not modules & {"torch", "vllm"}
     # Asking for vLLM's mapping without vLLM: one line, exit 1.
     code, out, err, _ = run_cli("inspect-order", str(checkpoints["known"]), "--mapping", "vllm", prelude=prelude)

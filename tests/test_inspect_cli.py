@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -213,3 +214,79 @@ def test_the_table_is_drawn_from_the_json_data_alone(trainer_export: Path, monke
     files = sum(path.stat().st_size for path in trainer_export.glob("*.safetensors"))
     assert f"{data['header_bytes_read']} header bytes of {files}" in text
     assert "Parent layers, worst first" in text and "model.layers.0.mlp.gate_up_proj" in text
+
+
+# --- --plot: the buffered bytes over the stream, as a picture ------------------------------------------------------
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    """Width and height from a PNG's IHDR chunk, after checking the signature and the chunk's type."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG file"
+    assert data[12:16] == b"IHDR", "a PNG starts with its IHDR chunk"
+    assert data[-8:-4] == b"IEND", "a complete PNG ends with IEND"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_plot_writes_a_png_beside_the_json(make_checkpoint, tmp_path: Path) -> None:
+    folder = make_checkpoint(layout="trainer_export", layers=4)
+    chart = tmp_path / "order.png"
+    result = runner.invoke(app, ["inspect-order", str(folder), "--plot", str(chart), "--json"])
+    assert result.exit_code == 0, result.stderr
+    json.loads(result.stdout)  # stdout is still all JSON; the chart is named on stderr
+    assert str(chart) in result.stderr
+    width, height = _png_size(chart)
+    assert 400 <= width <= 4000 and 300 <= height <= 4000, (width, height)
+    assert chart.stat().st_size > 10_000  # two curves, axes and a legend, not an empty canvas
+
+
+def test_plot_curves_are_the_planners_figures(make_checkpoint) -> None:
+    from layerwise_cli.planning.chart import stream_curves
+    from layerwise_cli.planning.inspect import inspect_order
+
+    report = inspect_order(str(make_checkpoint(layout="trainer_export", layers=4)))
+    curves = stream_curves(report)
+    for order, sim in (("file", report.file_order_buffering), ("layer", report.layer_order_buffering)):
+        curve = curves[order]
+        assert len(curve["delivered_bytes"]) == len(curve["buffered_bytes"]) == len(report.plan.file_order)
+        assert curve["delivered_bytes"][-1] == report.plan.total_bytes
+        assert max(curve["buffered_bytes"]) == sim.peak_buffer_bytes
+    # The point of the picture: this layout buffers more in file order than in layer order.
+    assert max(curves["file"]["buffered_bytes"]) > max(curves["layer"]["buffered_bytes"])
+
+
+@pytest.mark.parametrize("where", ["missing-dir/order.png", "a-file/order.png"])
+def test_plot_to_an_unwritable_path_is_one_line_naming_it(make_checkpoint, tmp_path: Path, where: str) -> None:
+    folder = make_checkpoint()
+    (tmp_path / "a-file").write_text("not a directory\n")
+    chart = tmp_path / where
+    result = runner.invoke(app, ["inspect-order", str(folder), "--plot", str(chart)])
+    assert result.exit_code == 1
+    [line] = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert line.startswith(f"Error: {chart}: cannot write the chart: "), result.stderr
+    assert result.stderr.endswith(line + "\n")  # the last line, after the table and the warning
+    assert not chart.exists()
+
+
+def test_plot_with_an_unknown_suffix_is_refused(make_checkpoint, tmp_path: Path) -> None:
+    chart = tmp_path / "order.txt"
+    result = runner.invoke(app, ["inspect-order", str(make_checkpoint()), "--plot", str(chart)])
+    assert result.exit_code == 1
+    assert f"Error: {chart}: cannot tell the chart's format from the suffix '.txt'" in result.stderr
+    assert not chart.exists()
+
+
+def test_plot_without_matplotlib_names_the_package(make_checkpoint, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    chart = tmp_path / "order.png"
+    result = runner.invoke(app, ["inspect-order", str(make_checkpoint()), "--plot", str(chart)])
+    assert result.exit_code == 1
+    assert (f"Error: {chart}: the chart needs matplotlib, which is not installed: pip install 'layerwise[plot]'"
+            in result.stderr)
+    assert not chart.exists()
+
+
+def test_help_names_the_plot_extra() -> None:
+    # `[plot]` is Rich markup unless escaped: the help would say `pip install 'layerwise'`.
+    result = runner.invoke(app, ["inspect-order", "--help"], terminal_width=200)
+    assert result.exit_code == 0 and "pip install 'layerwise[plot]'" in result.stdout

@@ -48,7 +48,19 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def untied_engine(checkpoints):
+def a_with_rotary_buffers(checkpoints, tmp_path_factory) -> Path:
+    """Untied A as save_pretrained wrote it, plus `rotary_emb.inv_freq` in every layer; its fresh answers recorded."""
+    from tests.support.engine_support import reshard, with_rotary_buffers
+
+    a = checkpoints[f"{UNTIED.label}-A"]
+    out = reshard(a, tmp_path_factory.mktemp("rotary") / "a-inv", lambda name: name.split(".")[2]
+                  if name.startswith("model.layers.") else "other", transform=with_rotary_buffers)
+    fresh_answers(out, prompts())
+    return out
+
+
+@pytest.fixture(scope="module")
+def untied_engine(checkpoints, a_with_rotary_buffers):
     """An engine started on untied B: its answers at start, before any reload, are B's fresh answers.
 
     Recorded in the shared fresh-engine cache (`remember_fresh`), they are the
@@ -186,3 +198,24 @@ def test_partly_covered_fused_layer_is_refused_even_with_allow_partial(untied_en
     after = engine_state(untied_engine)
     assert after["checksums"] == before["checksums"] and after["pointers"] == before["pointers"]
     assert greedy_with_logprobs(untied_engine, prompts()) == answers
+
+
+def test_rotary_buffers_in_every_layer_are_skipped_as_vllm_does(untied_engine, checkpoints, a_with_rotary_buffers):
+    """A save_pretrained Qwen3 checkpoint with `rotary_emb.inv_freq` in every layer (BASE has none) reloads:
+    the buffers are named in the report, never read, never buffered, and the answers are a fresh engine's."""
+    from layerwise_cli.client.local import reload
+    from layerwise_cli.planning.inspect import inspect_order
+
+    reload(untied_engine, str(checkpoints[f"{UNTIED.label}-B"]))
+    on_b = greedy_with_logprobs(untied_engine, prompts())
+    report = reload(untied_engine, str(a_with_rotary_buffers))
+    assert_matches_fresh(untied_engine, a_with_rotary_buffers, prompts())
+    assert on_b != fresh_answers(a_with_rotary_buffers, prompts())
+    inv = [f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(UNTIED.layers)]
+    (note,) = [note for note in report.notes if note.startswith("skipped as vLLM does")]
+    assert f"{len(inv)} tensor(s), rotary buffer" in note and repr(inv[0]) in note
+    predicted = inspect_order(str(a_with_rotary_buffers))
+    assert [t.name for t in predicted.plan.skipped] == inv
+    assert report.bytes == predicted.plan.loaded_bytes < predicted.plan.total_bytes
+    assert report.read_bytes <= predicted.plan.loaded_bytes
+    _assert_prediction_is_measured(report, a_with_rotary_buffers, "layer")

@@ -56,6 +56,19 @@ def _extra(tensors):
     return tensors
 
 
+def _typo(tensors):
+    tensors["model.layers.1.mlp.gate_prj.weight"] = tensors.pop("model.layers.1.mlp.gate_proj.weight")
+    return tensors
+
+
+def _rotary_typo(tensors):
+    import torch
+
+    # Not one of the rotary buffers vLLM drops (`rotary_emb.inv_freq`), so not skipped.
+    tensors["model.layers.0.self_attn.rotary_emb.inv_frq"] = torch.zeros(32, dtype=torch.float32)
+    return tensors
+
+
 def _drop_v_proj(tensors):
     return {k: v for k, v in tensors.items() if "layers.1.self_attn.v_proj" not in k}
 
@@ -79,6 +92,9 @@ CASES = {
     "wrong shape": (_wrong_shape, None, "has shape [64, 136], the engine expects [64, 128]"),
     "wrong dtype": (_wrong_dtype, None, "has dtype I32, the engine expects BF16"),
     "unknown tensor": (_extra, None, "unknown tensor 'model.layers.0.mlp.surprise.weight'"),
+    "typo in a name": (_typo, None, "unknown tensor 'model.layers.1.mlp.gate_prj.weight'"),
+    "typo in a rotary buffer's name": (_rotary_typo, None,
+                                       "unknown tensor 'model.layers.0.self_attn.rotary_emb.inv_frq'"),
     "bad header": (None, _bad_header, "not valid JSON"),
     "header length beyond file": (None, _huge_header_length, "past the end of the file"),
 }

@@ -13,7 +13,7 @@ import pytest
 
 import layerwise_cli
 
-# The names users import (README "Python API for trainer loops"); more may be added, none removed.
+# The names users import (docs/python-api.md, "Python API for trainer loops"); more may be added, none removed.
 PROMISED = {"reload", "start_engine", "stop_engine", "EngineOptions", "inspect_order", "EXTENSION_CLS",
             "verify_engine", "VerifyResult", "ReloadReport", "LayerwiseError"}
 CONSTANTS = {"__version__", "EXTENSION_CLS"}
@@ -87,17 +87,22 @@ def test_an_unknown_name_is_an_attribute_error():
         _ = layerwise_cli.reloadd
 
 
-def test_the_readme_api_section_names_every_promised_name_and_stops_the_engine():
+@pytest.mark.parametrize("page", ["docs/python-api.md", "README.md"])
+def test_the_api_docs_name_every_promised_name_and_stop_the_engine(page):
     import ast
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Python API for trainer loops", 1)[1].split("\n## ", 1)[0]
-    missing = [name for name in PROMISED if not re.search(rf"\b{name}\b", section)]
-    assert not missing, f"the README's Python API section does not name {missing}"
+    repo = Path(__file__).resolve().parents[1]
+    text = (repo / page).read_text(encoding="utf-8")
+    if page == "docs/python-api.md":
+        section = text.split("## Python API for trainer loops", 1)[1].split("\n## ", 1)[0]
+        missing = [name for name in PROMISED if not re.search(rf"\b{name}\b", section)]
+        assert not missing, f"the Python API page does not name {missing}"
+    else:  # the README's one example: the same loop
+        section = text.split("The [Python API]", 1)[1]
     example = ast.parse(section.split("```python", 1)[1].split("```", 1)[0])
     stops = [node for node in ast.walk(example) if isinstance(node, ast.Try)
              for call in ast.walk(ast.Module(body=node.finalbody, type_ignores=[]))
              if isinstance(call, ast.Call) and ast.unparse(call.func).endswith("stop_engine")]
-    assert stops, "the README's example does not call stop_engine in a `finally` (a script would hang at exit)"
+    assert stops, f"{page}'s example does not call stop_engine in a `finally` (a script would hang at exit)"

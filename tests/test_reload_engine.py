@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.engine_support import assert_matches_fresh, engine_state, fresh_answers, parameter_kind, reshard
+from tests.support.engine_support import (
+    assert_matches_fresh,
+    engine_state,
+    fresh_answers,
+    parameter_kind,
+    reshard,
+    with_rotary_buffers,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -28,8 +35,19 @@ def reference_add(demo_models) -> list:
 
 
 @pytest.fixture(scope="module")
-def engine(demo_models, reference_add):
-    """One engine for the module, started on *multiply*."""
+def add_with_rotary_buffers(demo_models, tmp_path_factory) -> Path:
+    """*add* with `rotary_emb.inv_freq` in every layer (vLLM's loaders drop it), and its fresh answers recorded."""
+    config = json.loads((demo_models["add"] / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    out = reshard(demo_models["add"], tmp_path_factory.mktemp("add-inv") / "add_inv", lambda name: "all",
+                  transform=lambda tensors: with_rotary_buffers(tensors, head_dim))
+    fresh_answers(out, prompts())
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(demo_models, reference_add, add_with_rotary_buffers):
+    """One engine for the module, started on *multiply* (after the fresh engines the module compares with)."""
     from layerwise_cli.client.local import EngineOptions, start_engine, stop_engine
 
     llm = start_engine(str(demo_models["multiply"]), EngineOptions(max_model_len=64))
@@ -335,3 +353,33 @@ def test_allow_nonfinite_loads_the_values(on_multiply, demo_models, tmp_path):
     assert after[name] in {tensor_digest(planted.to(dtype)) for dtype in (torch.bfloat16, torch.float16,
                                                                           torch.float32)}
     assert after[name] != before[name]
+
+
+def test_cli_reloads_rotary_buffers_as_vllm_skips_them(on_multiply, demo_models, add_with_rotary_buffers,
+                                                      monkeypatch):
+    """The issue's repro: `reload --weights-path add_inv --model multiply` exits 0 and the engine answers as
+    a fresh engine on add_inv (7 for 3 + 4). The command runs as a user runs it, on this module's engine."""
+    from typer.testing import CliRunner
+
+    from layerwise_cli.cli.app import app
+    from layerwise_cli.client import local
+
+    monkeypatch.setattr(local, "start_engine", lambda model, options=None: on_multiply)
+    monkeypatch.setattr(local, "stop_engine", lambda llm: None)
+    assert answers(on_multiply) == expected("multiply")
+    result = CliRunner().invoke(app, ["reload", "--weights-path", str(add_with_rotary_buffers),
+                                      "--model", str(demo_models["multiply"]), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    notes = [note for note in report["notes"] if note.startswith("skipped as vLLM does (not read): ")]
+    assert len(notes) == 1 and "model.layers.0.self_attn.rotary_emb.inv_freq" in notes[0], report["notes"]
+    config = json.loads((demo_models["add"] / "config.json").read_text())
+    assert f"{config['num_hidden_layers']} tensor(s), rotary buffer" in notes[0]
+    # Never read, never handed to vLLM, never buffered.
+    loaded = sum(layer["bytes"] for layer in report["layers"])
+    assert report["read_bytes"] <= loaded and report["bytes"] == loaded, report
+    assert report["peak_buffer_bytes"] == report["predicted_peak_buffer_bytes"] == report["largest_layer_bytes"]
+    assert not report["unexpected"]
+    assert answers(on_multiply) == expected("add")
+    assert answers(on_multiply)[PAIRS.index((3, 4))] == "7"
+    assert_matches_fresh(on_multiply, add_with_rotary_buffers, prompts())

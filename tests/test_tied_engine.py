@@ -6,15 +6,15 @@ vLLM packs the head's GEMM weight when it processes the head; a reload does
 not process it again (it is not in the checkpoint), so the head kept serving
 the old weights until layerwise rebuilt it (`engine/cpu_fixups.py`).
 
-Engines start one at a time: the CLI run (its own engine), a fresh B, then A.
+Engines start one at a time: a fresh B, then A. `--verify` with the repair off and on runs in the
+equivalence matrix (in process, padded vocabulary: `test_verify_names_what_the_repairs_fix_and_passes_with_them`)
+and against a server (`tests/test_repairs_server.py`, the CLI with `--url`), which replace the two CLI runs
+(one engine each) this module had.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -46,45 +46,10 @@ def tied_ab(tmp_path_factory) -> dict[str, Path]:
     return checkpoints
 
 
-@pytest.fixture(scope="module")
-def padded_ab(tmp_path_factory) -> dict[str, Path]:
-    """The same, with a vocabulary vLLM pads (160 rows -> 192 in the engine)."""
-    root = tmp_path_factory.mktemp("tied-padded")
-    producer = Producer("qwen3", tied=True, vocab_size=160)
-    return {name: save_pretrained_checkpoint(root / name, producer, seed=seed) for name, seed in (("A", 1), ("B", 2))}
-
-
 def on_cpu() -> bool:
     from layerwise_cli.client.local import cuda_available
 
     return not cuda_available()
-
-
-@pytest.mark.parametrize("vocabulary", ["unpadded", "padded"])
-def test_verify_names_the_stale_tied_head_when_the_repair_is_off(tied_ab, padded_ab, vocabulary):
-    """`layerwise reload --verify` with the CPU repairs switched off: exit 1, naming `lm_head` only.
-
-    Runs first, alone: the CLI starts its own engine (on A), reloads B and verifies.
-    With the padded vocabulary the embedding (SOURCE covers 160 of its 192 rows;
-    vLLM's loader zero-fills the rest) is checked too, and matches.
-    """
-    if not on_cpu():
-        pytest.skip("the stale packed head is a CPU-backend fault; on GPU nothing is left stale")
-    pair = tied_ab if vocabulary == "unpadded" else padded_ab
-    proc = subprocess.run(
-        [sys.executable, "-m", "layerwise_cli", "reload", "--weights-path", str(pair["B"]),
-         "--model", str(pair["A"]), "--max-model-len", "64", "--verify"],
-        capture_output=True, text=True, timeout=900,
-        env={**os.environ, "LAYERWISE_NO_CPU_FIXUPS": "1", "COLUMNS": "250"})
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
-    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert str(pair["B"]) in errors[0]
-    assert "1 layer(s) differ from what the source must produce: lm_head" in errors[0]
-    assert "differs: lm_head: derived from model.embed_tokens" in proc.stdout, proc.stdout
-    assert "#kernel" in proc.stdout  # the packed kernel differs, not the stored weight
-    assert "not checked: model.embed_tokens" not in proc.stdout  # checked, and it matches
-    assert "CPU repairs are off (LAYERWISE_NO_CPU_FIXUPS is set)" in proc.stdout
 
 
 @pytest.fixture(scope="module")

@@ -554,19 +554,23 @@ def test_a_tensor_in_two_shards_is_refused_by_inspect_order_as_by_reorder(tmp_pa
         assert "is in both" in line and "zz-copy.safetensors" in line and "vLLM would load it twice" in line
 
 
-# --- 10. the README's Python API example ------------------------------------------------------------------------
+# --- 10. the Python examples of the README and the docs site ------------------------------------------------
 
 
-def test_the_readme_python_example_has_the_main_guard():
+def test_the_python_examples_have_the_main_guard():
     """vLLM starts engine processes by spawning, which re-imports the main module: an example that builds an
-    engine at import fails with vLLM's bootstrapping error, so every engine start sits under the guard."""
+    engine at import fails with vLLM's bootstrapping error, so every engine start sits under the guard, on every
+    page (the README's and the Python API page's examples among them)."""
     import ast
 
-    text = (REPO / "README.md").read_text()
-    blocks = [b.split("```")[0] for b in text.split("```python")[1:]]
-    engine_blocks = [b for b in blocks if "LLM(" in b or "start_engine(" in b]
-    assert engine_blocks, "the README has no Python example that starts an engine"
-    for code in engine_blocks:
+    def engine_blocks(path: Path) -> list[str]:
+        blocks = [b.split("```")[0] for b in path.read_text().split("```python")[1:]]
+        return [b for b in blocks if "LLM(" in b or "start_engine(" in b]
+
+    for page in ("README.md", "docs/python-api.md"):
+        assert engine_blocks(REPO / page), f"{page} has no Python example that starts an engine"
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    for code in (code for page in pages for code in engine_blocks(page)):
         tree = ast.parse(code)
         guards = [node for node in tree.body if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)]
         assert guards, code

@@ -34,7 +34,7 @@ changes when any tensor's bytes, dtype or shape change, or when a tensor is
 added, removed or renamed. A reload can compare it with the digest of the
 layer the engine holds without reading any tensor data.
 
-Only `xxhash` is needed (no torch): see README "Digest speed" for why xxh3-128.
+Only `xxhash` is needed (no torch): see docs/performance.md, "Digest speed", for why xxh3-128.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ MaxModelLenOpt = Annotated[int | None, typer.Option("--max-model-len", min=1, he
 QuantizationOpt = Annotated[
     str | None,
     typer.Option("--quantization", "-q", help="vLLM quantization method, e.g. an online one such as "
-                 "int8_per_channel_weight_only (CPU) or fp8 (GPU)."),
+                 "fp8_per_tensor (GPU), or layerwise_fp8 / layerwise_int8 (any CPU; emulated, see docs/qerl.md)."),
 ]
 EnforceEagerOpt = Annotated[
     bool | None,
@@ -81,7 +81,11 @@ def check_quantization(method: str | None) -> None:
     """Refuse a quantization method the installed vLLM does not know, as a usage error, before any engine starts."""
     if method is None:
         return
-    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+    from layerwise_cli import vllm_compat
+
+    QUANTIZATION_METHODS = vllm_compat.quantization_methods()
+
+    from layerwise_cli.worker import online_quant  # noqa: F401 - registers layerwise_fp8 / layerwise_int8
 
     if method not in QUANTIZATION_METHODS:
         from layerwise_cli.errors import UsageError

@@ -184,10 +184,12 @@ def render_verify(verify: VerifyResult, where: str) -> None:
             f"bit for bit ({verify.tensors_compared} stored tensors, {verify.kernels_compared} kernel "
             f"read-backs) in {human_seconds(verify.wall_s)}")
     if verify.skipped:
-        line += f"; {len(verify.skipped)} not checked"
+        # Never "not checked" beside a success unless the user asked for it, and then in the same line.
+        line += (f"; {len(verify.skipped)} NOT CHECKED, accepted by --allow-unchecked" if verify.unchecked_accepted
+                 else f"; {len(verify.skipped)} not checked: verify fails")
     stdout.print(line, soft_wrap=True)
     for name, origin in verify.derived.items():
-        stdout.print(f"  derived: {escape(name)} (shares its weight with {escape(origin)}; checked through it)",
+        stdout.print(f"  derived: {escape(name)} (derived from {escape(origin)}; checked against it)",
                      soft_wrap=True)
     for name in verify.mismatched:
         stdout.print(f"  differs: {escape(name)}: {escape(verify.details.get(name, ''))}", soft_wrap=True)

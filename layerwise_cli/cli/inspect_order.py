@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -27,6 +28,10 @@ def inspect_order_command(
     scan: Annotated[bool, typer.Option("--scan", help="Also read every tensor's data and report tensors holding "
                                        "NaN or Inf, and tensors whose bytes differ from their header digest; "
                                        "exit 1 if any (reads the whole checkpoint).")] = False,
+    plot: Annotated[Path | None, typer.Option(
+        "--plot", metavar="FILE.png", dir_okay=False,
+        help="Also draw the buffered bytes over the stream, file order against layer order, into FILE "
+             "(.png, .svg or .pdf; needs matplotlib, from the plot extra: pip install 'layerwise\\[plot]').")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Show which engine layer each tensor feeds and what vLLM's read order buffers.
@@ -40,6 +45,8 @@ def inspect_order_command(
     Example: layerwise inspect-order ./checkpoint --top 10 --max-buffer 2GiB
 
     Example: layerwise inspect-order ./checkpoint --scan
+
+    Example: layerwise inspect-order ./checkpoint --plot order.png
     """
     limit = None
     if max_buffer is not None:
@@ -60,6 +67,10 @@ def inspect_order_command(
         render(data, top)
         if scanned is not None:
             render_scan(scanned)
+    if plot is not None:
+        from layerwise_cli.planning.chart import write_order_chart
+
+        stderr.print(f"chart             {escape(str(write_order_chart(report, plot)))}", soft_wrap=True)
     if scanned is not None and scanned.digest_mismatches:
         from layerwise_cli.errors import LayerwiseError
 
@@ -93,6 +104,8 @@ def render(data: dict, top: int) -> None:
     summary.add_column()
     summary.add_row("source", escape(data["source"]) + (f" @ {escape(data['revision'])}" if data["revision"] else ""))
     summary.add_row("mapping", escape(data["mapping"]["description"]))
+    if data["mapping"].get("guess"):
+        summary.add_row("guess", escape(data["mapping"]["guess"]["text"]))
     summary.add_row("checkpoint", f"{data['shards']} shard(s), {data['tensors']} tensors, "
                     f"{human_bytes(data['total_bytes'])}, {data['parent_layers']} parent layers")
     summary.add_row("largest layer", human_bytes(largest))
@@ -119,7 +132,10 @@ def render(data: dict, top: int) -> None:
                         f"{digests['shards_with_digests']} of {data['shards']} shard(s), "
                         f"{len(digests['tensors'])} tensors; per-layer digest in the table")
     if data["skipped_tensors"]:
-        summary.add_row("skipped", f"{len(data['skipped_tensors'])} tensor(s) the engine does not load")
+        rows = data["skipped_as_vllm_does"]
+        reasons = list(dict.fromkeys(row["reason"] for row in rows))
+        summary.add_row("skipped", f"{len(rows)} tensor(s), {human_bytes(sum(row['bytes'] for row in rows))}, "
+                        f"skipped as vLLM does (not read, not buffered): {escape('; '.join(reasons))}")
     summary.add_row("read", f"{data['header_bytes_read']} header bytes of "
                     f"{data['total_bytes'] + data['header_bytes_read']}")
     stdout.print(summary)

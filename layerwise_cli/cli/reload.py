@@ -75,9 +75,12 @@ def reload_command(
         "--api-key", envvar="LAYERWISE_API_KEY", show_envvar=True, show_default=False,
         help="With --url: the servers' API key, sent as a bearer token.")] = None,
     verify: Annotated[bool, typer.Option(
-        "--verify", help="After the reload, check layer by layer (tied heads included) that the engine, or "
-        "every server with --url, holds exactly what the new weights must produce; a difference exits 1 and "
-        "names the layers.")] = False,
+        "--verify", help="After the reload, check layer by layer (tied heads and buffers derived from weights "
+        "included) that the engine, or every server with --url, holds exactly what the new weights must "
+        "produce; a difference, or a layer it cannot check, exits 1 and names the layers.")] = False,
+    allow_unchecked: Annotated[bool, typer.Option(
+        "--allow-unchecked", help="With --verify: accept layers it cannot check (the output lists them and "
+        "says they were accepted) instead of exiting 1.")] = False,
     timeout: Annotated[float | None, typer.Option(
         "--timeout", min=0.1, help="With --url: seconds to wait for each request to a server, the reload "
         "included (default 600).", show_default=False)] = None,
@@ -101,6 +104,8 @@ def reload_command(
 
     Example: layerwise reload --weights-path /ckpt/step-200 --url http://127.0.0.1:8000 --verify
     """
+    if allow_unchecked and not verify:
+        raise UsageError("--allow-unchecked only applies with --verify")
     if url:
         from layerwise_cli.cli.reload_remote import reload_remote
         from layerwise_cli.client.remote import RemoteOptions
@@ -117,7 +122,8 @@ def reload_command(
         options = RemoteOptions(order=order, allow_partial=allow_partial, allow_nonfinite=allow_nonfinite,
                                 all_layers=all_layers, readahead=readahead, revision=revision,
                                 pause_mode=pause_mode or "wait", weight_version=weight_version, api_key=api_key,
-                                verify=verify, timeout=timeout if timeout is not None else 600.0)
+                                verify=verify, allow_unchecked=allow_unchecked,
+                                timeout=timeout if timeout is not None else 600.0)
         raise typer.Exit(reload_remote(url, weights_path, options, as_json=as_json, top=top))
     given = [name for name, value in (("--pause-mode", pause_mode), ("--weight-version", weight_version),
                                       ("--timeout", timeout)) if value is not None]
@@ -154,7 +160,8 @@ def reload_command(
         report = run_with_progress(
             lambda path: reload_as(llm, source_dir, weights_path, order=order, allow_partial=allow_partial,
                                    readahead=readahead, allow_nonfinite=allow_nonfinite, progress_path=path,
-                                   verify=verify, on_verify=on_verify, all_layers=all_layers),
+                                   verify=verify, on_verify=on_verify, all_layers=all_layers,
+                                   allow_unchecked=allow_unchecked),
             None if as_json else new_progress_path(), f"reload {weights_path}", show=not as_json)
     finally:
         # Shut the engine down now: left to interpreter exit, multiprocessing

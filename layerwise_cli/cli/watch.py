@@ -44,13 +44,16 @@ def watch_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object per event on stdout; no live "
                                           "status.")] = False,
     pause_mode: Annotated[Literal["wait", "keep", "abort", "none"], typer.Option(
-        "--pause-mode", help="How generation pauses during each reload (see the README's table: vLLM 0.33 answers "
+        "--pause-mode", help="How generation pauses during each reload (see docs/training-loops.md: vLLM 0.33 answers "
         "new requests 503 while paused in wait and abort).")] = "wait",
     api_key: Annotated[str | None, typer.Option(
         "--api-key", envvar="LAYERWISE_API_KEY", show_envvar=True, show_default=False,
         help="The servers' API key, sent as a bearer token.")] = None,
     verify: Annotated[bool, typer.Option("--verify", help="After each reload, check layer by layer that the server "
                                          "holds exactly the step's weights.")] = False,
+    allow_unchecked: Annotated[bool, typer.Option(
+        "--allow-unchecked", help="With --verify: accept layers it cannot check (they are listed); without it "
+        "such a layer fails the step on that server.")] = False,
     timeout: Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds to wait for each request to a "
                                            "server, a reload included.")] = 600.0,
 ) -> None:
@@ -70,7 +73,9 @@ def watch_command(
 
     options = WatchOptions(patterns=tuple(pattern) if pattern else WatchOptions().patterns, marker=marker,
                            interval=interval, settle=settle, keep=keep, once=once, pause_mode=pause_mode,
-                           api_key=api_key, verify=verify, timeout=timeout)
+                           api_key=api_key, verify=verify, allow_unchecked=allow_unchecked, timeout=timeout)
+    if allow_unchecked and not verify:
+        raise UsageError("--allow-unchecked only applies with --verify")
     if not root.is_dir():
         raise LayerwiseError("no such directory (the root the trainer writes steps into)", where=str(root))
     if marker != "auto" and ("/" in marker or marker in ("", ".", "..")):

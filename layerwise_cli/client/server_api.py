@@ -43,6 +43,8 @@ class RemoteOptions:
     weight_version: str | None = None
     api_key: str | None = None
     verify: bool = False
+    # With verify: layers that could not be checked do not fail it (`--allow-unchecked`).
+    allow_unchecked: bool = False
     # Seconds for each request to a server (the reload and the pause included).
     timeout: float = 600.0
 
@@ -227,6 +229,10 @@ class ServerClient:
             kwargs["allow_nonfinite"] = True
         if options.all_layers:
             kwargs["all_layers"] = True
+        from layerwise_cli.engine_defaults import fixups_disabled
+
+        if fixups_disabled():
+            kwargs["repairs"] = False  # the diagnostic switch, set in this process
         try:
             engines = self.engines_rpc("layerwise_reload", kwargs)
         except _ServerError as exc:
@@ -260,7 +266,7 @@ class ServerClient:
                                    "extension, so vLLM's own reload_weights ran (wall time measured by the client, "
                                    "HTTP included)",))
 
-    def verify(self, source: str, revision: str | None) -> VerifyResult:
+    def verify(self, source: str, revision: str | None, *, allow_unchecked: bool = False) -> VerifyResult:
         start = time.perf_counter()
         try:
             engines = self.engines_rpc("layerwise_verify", {"source": source, "revision": revision})
@@ -273,7 +279,8 @@ class ServerClient:
         if failures or not results:
             error = failures[0].get("error") if failures and isinstance(failures[0], dict) else results
             raise _ServerError(f"--verify could not run: {error}", holds=HOLDS_NEW)
-        return merge_verify([r["verify"] for r in results], wall_s=time.perf_counter() - start)
+        return merge_verify([r["verify"] for r in results], wall_s=time.perf_counter() - start,
+                            allow_unchecked=allow_unchecked)
 
 
 def _engine_outcome(results: list) -> tuple[str | None, str, bool]:

@@ -34,7 +34,8 @@ def prepare_sources(source: str, base: str | None, revision: str | None, quiet: 
     BASE, its headers too, its architecture must match, and every SOURCE
     tensor must be one BASE has, with the same shape and a compatible dtype,
     and (unless `allow_partial`) every BASE tensor that feeds a parent layer
-    must be present. What only the engine knows (which module each tensor
+    must be present; tensors vLLM's loader skips on purpose are exempt from
+    both (`planning.skip_rules`). What only the engine knows (which module each tensor
     feeds, tensor-parallel shapes) is checked again inside the workers.
 
     Returns:
@@ -55,10 +56,15 @@ def prepare_sources(source: str, base: str | None, revision: str | None, quiet: 
                                  where=source)
         from layerwise_cli.planning.parents import mapping_for_config
         from layerwise_cli.planning.reference import check_against_reference
+        from layerwise_cli.planning.vllm_mapping import model_class_if_installed
 
         # Errors name the source as the user gave it, not the download folder.
         named = replace(checkpoint, source=source)
-        mapping = mapping_for_config(checkpoint.config or base_checkpoint.config, "auto")
+        config = checkpoint.config or base_checkpoint.config
+        # vLLM's skip rules from its model class (the engine about to start imports vLLM anyway).
+        names = ours if isinstance(ours, list) and ours else theirs if isinstance(theirs, list) else []
+        model_cls = model_class_if_installed(names[0] if names and isinstance(names[0], str) else None)
+        mapping = mapping_for_config(config, "auto", model_cls=model_cls)
         check_against_reference(named, base_checkpoint, mapping, allow_partial=allow_partial)
         base = base_local
     return local, base
@@ -67,7 +73,7 @@ def prepare_sources(source: str, base: str | None, revision: str | None, quiet: 
 def reload_as(llm, local_source: str, shown_as: str, *, order: str = "layer", allow_partial: bool = False,
               readahead: bool = True, allow_nonfinite: bool = False, progress_path: str | None = None,
               verify: bool = False, on_verify: Callable[[], None] | None = None,
-              all_layers: bool = False) -> ReloadReport:
+              all_layers: bool = False, allow_unchecked: bool = False) -> ReloadReport:
     """Reload LOCAL_SOURCE into the engine and build the report once, under the name the user gave.
 
     The command downloads a Hub repo first (with a progress bar) and hands the
@@ -82,6 +88,7 @@ def reload_as(llm, local_source: str, shown_as: str, *, order: str = "layer", al
         verify: check the engine against LOCAL_SOURCE after the reload; the report
             carries the result, passed or not (the caller decides what a failure means).
         on_verify: called just before the verification starts (for a status line).
+        allow_unchecked: with `verify`, layers that could not be checked do not fail it.
 
     Returns:
         The merged report of all workers, with `verify` when asked.
@@ -100,5 +107,5 @@ def reload_as(llm, local_source: str, shown_as: str, *, order: str = "layer", al
     if verify:
         if on_verify is not None:
             on_verify()
-        verification = verify_engine(llm, local_source, None)
+        verification = verify_engine(llm, local_source, None, allow_unchecked=allow_unchecked)
     return merge_reports(per_worker, source=shown_as, verify=verification)

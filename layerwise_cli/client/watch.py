@@ -22,7 +22,7 @@ def server_targets(urls: list[str], options: WatchOptions) -> list[Target]:
     if options.pause_mode not in PAUSE_MODES:
         raise UsageError(f"unknown pause mode {options.pause_mode!r}: use one of {', '.join(PAUSE_MODES)}")
     remote = RemoteOptions(pause_mode=options.pause_mode, api_key=options.api_key, verify=options.verify,
-                           timeout=options.timeout)
+                           allow_unchecked=options.allow_unchecked, timeout=options.timeout)
     return [ServerTarget(url, remote) for url in urls]
 
 
@@ -54,7 +54,7 @@ def watch(root: str | Path, *, llm=None, urls: list[str] | None = None, options:
         raise UsageError("give either options= or option keywords, not both")
     targets: list[Target] = []
     if llm is not None:
-        targets.append(EngineTarget(llm, verify=options.verify))
+        targets.append(EngineTarget(llm, verify=options.verify, allow_unchecked=options.allow_unchecked))
     targets.extend(server_targets(list(urls or []), options))
     watcher = Watcher(root, targets, options)
     yield from watcher.run()

@@ -23,6 +23,8 @@ class WatchOptions:
         pause_mode: how servers pause during a reload (`wait`, `keep`, `abort`, `none`).
         api_key: the servers' API key.
         verify: verify each server against the step after reloading it.
+        allow_unchecked: with `verify`, accept layers it cannot check (they are
+            listed); otherwise such a layer fails the step on that server.
         timeout: seconds allowed for one server's reload.
     """
 
@@ -37,4 +39,5 @@ class WatchOptions:
     pause_mode: str = "wait"
     api_key: str | None = None
     verify: bool = False
+    allow_unchecked: bool = False
     timeout: float = 600.0

@@ -89,9 +89,10 @@ class EngineTarget:
     threaded = False  # vllm.LLM is not thread-safe: reload where the caller iterates
     name = "engine"
 
-    def __init__(self, llm, *, verify: bool = False) -> None:
+    def __init__(self, llm, *, verify: bool = False, allow_unchecked: bool = False) -> None:
         self.llm = llm
         self.verify = verify
+        self.allow_unchecked = allow_unchecked
 
     def weight_version(self) -> str | None:
         return self.llm.get_weight_version()
@@ -118,7 +119,7 @@ class EngineTarget:
         report = reports_from_results(results)
         self.llm.reset_prefix_cache()
         if self.verify:
-            checked = verify_engine(self.llm, path)
+            checked = verify_engine(self.llm, path, allow_unchecked=self.allow_unchecked)
             if not checked.ok:
                 return Outcome(ok=False, holds="unverified", error=verify_failure(checked), failed_in_reload=True,
                                version=self.llm.get_weight_version(), report={"report": report.to_dict()})

@@ -31,6 +31,11 @@ from layerwise_cli.checkpoint.header import TensorEntry
 # to measure them): attention modules (vLLM defers them to the end, but they
 # load nothing from the checkpoints planned here unless it carries kv-cache
 # scales), parameters a quantization method creates beyond the checkpoint.
+# Online quantization methods (`uses_meta_device`: vLLM's FP8 and int8 MoE
+# methods, layerwise's `layerwise_fp8`/`layerwise_int8`) create their scales
+# only when processing, so their layers complete on the checkpoint's elements
+# and buffer its (bf16) bytes: the rule holds unchanged
+# (tests/test_online_quant_engine.py measures it).
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from layerwise_cli.checkpoint.digests import FORMAT, METADATA_KEY, header_digests, layer_digest
 from layerwise_cli.checkpoint.sources import open_checkpoint
@@ -22,6 +22,9 @@ class OrderReport:
     # Tensor digests from the shard headers' `layerwise.digests` (only shards that carry them).
     tensor_digests: dict[str, str] = field(default_factory=dict)
     digest_shards: int = 0
+    # For a guessed mapping: the layer-order peak if vLLM fused nothing, and if
+    # it fused whole decoder layers (the truth lies between them).
+    guess_range: tuple[int, int] | None = None
 
     def layer_digests(self) -> dict[str, str]:
         """Parent layer -> digest, for the layers whose every tensor has a header digest."""
@@ -57,6 +60,7 @@ class OrderReport:
                 "kind": plan.mapping.kind,
                 "architecture": plan.mapping.architecture,
                 "description": plan.mapping.description,
+                "guess": self.guess_dict(),
             },
             "shards": len(plan.checkpoint.shards),
             "tensors": len(plan.file_order),
@@ -71,6 +75,8 @@ class OrderReport:
             ],
             "held_to_end_bytes": plan.held_bytes(),
             "skipped_tensors": [t.name for t in plan.skipped],
+            "skipped_as_vllm_does": [{"name": t.name, "reason": plan.skip_reasons.get(t.name), "bytes": t.nbytes}
+                                     for t in plan.skipped],
             "held_to_end_reason": plan.held_summary(),
             "file_order": {**_simulation_dict(self.file_order_buffering, largest),
                            "above_largest_layer_because": plan.excess_reason(self.file_order_buffering)},
@@ -96,6 +102,21 @@ class OrderReport:
             ],
         }
 
+
+    def guess_dict(self) -> dict | None:
+        """How far a guessed plan's layer-order peak can be off (None unless the mapping is a guess)."""
+        if self.guess_range is None:
+            return None
+        low, high = self.guess_range
+        guessed = self.layer_order_buffering.peak_buffer_bytes
+        return {
+            "layer_order_peak_without_fusions": low,
+            "layer_order_peak_with_whole_layers_fused": high,
+            "text": (f"a guess: {self.plan.mapping.architecture} is in no table; vLLM's real modules put the "
+                     f"layer-order peak between {low} B (it fuses nothing) and {high} B (it fuses whole decoder "
+                     f"layers); the guess of {guessed} B is {guessed / low if low else 0:.2f}x the first and "
+                     f"{guessed / high if high else 0:.2f}x the second"),
+        }
 
     def layer_order_excess_reason(self) -> str | None:
         """Why layer order buffers more than the largest layer (None when it does not)."""
@@ -133,7 +154,13 @@ def inspect_order(source: str, revision: str | None = None, mapping: str = "auto
             mapping asked for cannot be used.
     """
     checkpoint = open_checkpoint(source, revision)
-    plan = build_plan(checkpoint, mapping_for_config(checkpoint.config, mapping), tensor_parallel_size)
+    chosen = mapping_for_config(checkpoint.config, mapping)
+    plan = build_plan(checkpoint, chosen, tensor_parallel_size)
+    guess_range = None
+    if chosen.kind == "guess":
+        bounds = [build_plan(checkpoint, replace(chosen, kind=kind, packed=packed), tensor_parallel_size)
+                  .simulate("layer").peak_buffer_bytes for kind, packed in (("guess", {}), ("generic", {}))]
+        guess_range = (bounds[0], bounds[1])
     tensor_digests: dict[str, str] = {}
     digest_shards = 0
     for shard in checkpoint.shards:
@@ -141,7 +168,8 @@ def inspect_order(source: str, revision: str | None = None, mapping: str = "auto
         if found is not None:
             digest_shards += 1
             tensor_digests.update(found)
-    return OrderReport(plan, plan.simulate("file"), plan.simulate("layer"), tensor_digests, digest_shards)
+    return OrderReport(plan, plan.simulate("file"), plan.simulate("layer"), tensor_digests, digest_shards,
+                       guess_range)
 
 
 def _shard_where(checkpoint, name: str) -> str:

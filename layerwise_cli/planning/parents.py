@@ -5,27 +5,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-# Fusions vLLM applies in its dense decoder models (`packed_modules_mapping`).
-_QKV_PACKED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
-_DENSE_PACKED = {**_QKV_PACKED, "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+from layerwise_cli.planning.skip_rules import SkipRules, is_output_head, skip_rules_for
 
-# Architectures whose mapping is known exactly: checkpoint module -> vLLM module,
-# and whether experts are fused into one module per layer.
-ARCHITECTURE_TABLE: dict[str, dict[str, object]] = {
-    "Qwen3ForCausalLM": {"packed": _DENSE_PACKED, "fused_experts": False},
-    "Qwen2ForCausalLM": {"packed": _DENSE_PACKED, "fused_experts": False},
-    "LlamaForCausalLM": {"packed": _DENSE_PACKED, "fused_experts": False},
-    "MistralForCausalLM": {"packed": _DENSE_PACKED, "fused_experts": False},
-    "Qwen3MoeForCausalLM": {"packed": _DENSE_PACKED, "fused_experts": True},
-    "Qwen2MoeForCausalLM": {"packed": _DENSE_PACKED, "fused_experts": True},
-    # Mixtral has no dense MLP: its experts' w1/w3 fuse inside the experts module.
-    "MixtralForCausalLM": {"packed": _QKV_PACKED, "fused_experts": True},
-}
+# The fusions vLLM applies in almost every decoder model: the guess for an
+# architecture outside the table.
+_USUAL_FUSIONS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+                  "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
 
 _EXPERT_RE = re.compile(r"^(?P<head>.*\.experts)\.\d+\.")
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
-# Buffers some exporters write that vLLM never loads.
-_IGNORED_RE = re.compile(r"(rotary_emb\.inv_freq|rotary_emb\.cos_cached|rotary_emb\.sin_cached)$")
 
 
 @dataclass(frozen=True)
@@ -34,7 +22,8 @@ class ParentLayer:
 
     name: str
     # (section, decoder layer index): 0 embeddings, 1 decoder layers, 2 final
-    # norm and other modules after the layers, 3 output head.
+    # norm and other modules after the layers, 3 output head, 4 the parts a
+    # wrapped text model carries beside it (vision towers, projectors).
     order_key: tuple[int, int]
 
 
@@ -42,9 +31,11 @@ class ParentLayer:
 class LayerMapping:
     """A rule set mapping checkpoint tensor names to parent layers.
 
-    `kind` says where the rules came from: `table` (this project's table for a
-    known architecture), `vllm` (read from the installed vLLM's model class) or
-    `generic` (unknown architecture: grouped by the outermost layer index).
+    `kind` says where the rules came from: `table` (layerwise's architecture
+    table, read from vLLM's model sources: `arch_table`), `vllm` (read from the
+    installed vLLM's model class), `guess` (an architecture in no table: one
+    parent layer per module with the fusions vLLM applies almost everywhere) or
+    `generic` (no architecture at all: grouped by the outermost layer index).
     """
 
     kind: str
@@ -52,13 +43,42 @@ class LayerMapping:
     packed: dict[str, str] = field(default_factory=dict)
     fused_experts: bool = True
     tie_word_embeddings: bool = False
+    # vLLM's skip rules for the architecture (None: the package's rules, from the fields above).
+    skips: SkipRules | None = None
+    # Checkpoint prefixes of the parts a wrapped text model carries beside it (vision towers, projectors).
+    towers: tuple[str, ...] = ()
+    # Where the table entry came from: the vLLM class, its backend and the vLLM version.
+    source_class: str | None = None
+    backend: str = "vllm"
+    vllm_version: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.skips is None:
+            object.__setattr__(self, "skips", skip_rules_for(self.architecture, None,
+                                                             tied=self.tie_word_embeddings))
+
+    def skip_reason(self, tensor_name: str) -> str | None:
+        """Why vLLM's loader skips a checkpoint tensor on purpose (see `skip_rules`), or None if it loads it."""
+        assert self.skips is not None
+        return self.skips.reason(tensor_name)
 
     @property
     def description(self) -> str:
         arch = self.architecture or "unknown architecture"
+        if self.kind == "table":
+            text = f"{arch}: layerwise's architecture table (vLLM {self.vllm_version}, {self.source_class})"
+            if self.backend == "transformers":
+                text += ("; vLLM runs it on its Transformers backend, which fuses q/k/v into qkv_proj and "
+                         "gate/up into gate_up_proj when it builds the engine")
+            if self.towers:
+                text += (f"; the text model is planned, and {', '.join(self.towers)} (not text) are planned as one "
+                         "parent per module: vLLM reloads them unless the engine runs text-only")
+            return text
         return {
-            "table": f"{arch}: layerwise's architecture table",
             "vllm": f"{arch}: read from the installed vLLM's model class",
+            "guess": f"{arch}: not in layerwise's table (vLLM {self.vllm_version}): a guess, one parent layer "
+                     "per module with the fusions vLLM applies almost everywhere (q/k/v -> qkv_proj, "
+                     "gate/up -> gate_up_proj, a layer's experts)",
             "generic": f"{arch}: generic fallback, grouped by outermost layer index (fusions unknown)",
         }[self.kind]
 
@@ -69,10 +89,11 @@ class LayerMapping:
             tensor_name: the name as stored in the checkpoint.
 
         Returns:
-            The parent layer, or None for tensors the engine does not load
-            (rotary caches, `lm_head` of a model with tied embeddings).
+            The parent layer, or None for tensors vLLM's loader skips on
+            purpose (`skip_reason`: rotary caches, names the model's name
+            mapper drops, a tied `lm_head`, MTP layers).
         """
-        if _IGNORED_RE.search(tensor_name):
+        if self.skip_reason(tensor_name) is not None:
             return None
         module, _, _param = tensor_name.rpartition(".")
         if not module:
@@ -84,26 +105,25 @@ class LayerMapping:
         head, _, leaf = module.rpartition(".")
         if leaf in self.packed:
             module = f"{head}.{self.packed[leaf]}" if head else self.packed[leaf]
-        if self.tie_word_embeddings and _is_head(module):
-            return None
+        tower = next((prefix for prefix in self.towers if tensor_name.startswith(prefix)), None)
         if self.kind == "generic":
             # Fusions are unknown, and a fused module never spans two decoder
             # layers: a whole decoder layer is the one safe unit to complete.
             match = _LAYER_RE.search(module)
             if match:
                 module = module[: match.end() - 1]
+        if tower is not None:
+            # After the text model, in the tower's own layer order.
+            match = _LAYER_RE.search(module + ".")
+            return ParentLayer(module, (4, int(match.group(1)) if match else -1))
         return ParentLayer(module, _order_key(module))
-
-
-def _is_head(module: str) -> bool:
-    return module.split(".")[-1] in {"lm_head", "output", "embed_out"} and "layers." not in module
 
 
 def _order_key(module: str) -> tuple[int, int]:
     match = _LAYER_RE.search(module + ".")
     if match:
         return (1, int(match.group(1)))
-    if _is_head(module):
+    if is_output_head(module):
         return (3, 0)
     leaf = module.split(".")[-1]
     if "embed" in leaf or leaf in {"wte", "wpe"}:
@@ -111,13 +131,19 @@ def _order_key(module: str) -> tuple[int, int]:
     return (2, 0)
 
 
-def mapping_for_config(config: dict | None, prefer: str = "auto") -> LayerMapping:
+def mapping_for_config(config: dict | None, prefer: str = "auto", *, model_cls: type | None = None) -> LayerMapping:
     """Choose the mapping for a checkpoint's `config.json`.
 
     Args:
         config: the parsed `config.json`, or None when the checkpoint has none.
-        prefer: `auto` (table for known architectures, else vLLM's model class
-            when vLLM is installed, else generic), `table`, `vllm` or `generic`.
+        prefer: `auto` (the table for the architectures it holds, unless the
+            installed vLLM is another version than the table's; else vLLM's
+            model class when vLLM is installed; else a guess for a named
+            architecture, generic without one), `table`, `vllm` or `generic`.
+        model_cls: vLLM's model class for the architecture (in a worker, the
+            engine's own): its skip rules are read from it. None: read from the
+            class only when the mapping itself comes from vLLM; else the
+            table's and the package's skip rules.
 
     Returns:
         The mapping to plan with; its `kind` says which was used.
@@ -133,20 +159,48 @@ def mapping_for_config(config: dict | None, prefer: str = "auto") -> LayerMappin
     text_config = config.get("text_config")
     text_config = text_config if isinstance(text_config, dict) else {}
     tied = bool(config.get("tie_word_embeddings", False) or text_config.get("tie_word_embeddings", False))
-    if prefer in {"auto", "table"} and arch in ARCHITECTURE_TABLE:
-        entry = ARCHITECTURE_TABLE[arch]
-        return LayerMapping("table", arch, dict(entry["packed"]), bool(entry["fused_experts"]), tied)
+
+    def skips(cls: type | None, entry: dict | None = None) -> SkipRules:
+        return skip_rules_for(arch, config, model_cls=cls, tied=tied, table_entry=entry)
+
+    from layerwise_cli.planning import arch_table
+
+    entry = arch_table.entry(arch)
+    # The table is read from one vLLM version; a different installed vLLM answers for itself.
+    installed = arch_table.installed_vllm_version() if prefer == "auto" and entry is not None else None
+    stale = installed is not None and arch_table.table_for(installed) is None
+    if entry is not None and (prefer == "table" or (prefer == "auto" and not stale)):
+        return mapping_from_entry(arch, entry, tied, skips(model_cls, entry))
     if prefer in {"auto", "vllm"} and arch:
-        from layerwise_cli.planning.vllm_mapping import fusions_from_vllm
+        from layerwise_cli.planning.vllm_mapping import fusions_from_vllm, model_class_if_installed
 
         found = fusions_from_vllm(arch, required=prefer == "vllm")
         if found is not None:
             packed, fused_experts = found
-            return LayerMapping("vllm", arch, packed, fused_experts, tied)
+            return LayerMapping("vllm", arch, packed, fused_experts, tied,
+                                skips(model_cls or model_class_if_installed(arch), entry))
+        if entry is not None:  # vLLM could not import the class: the table still knows it
+            return mapping_from_entry(arch, entry, tied, skips(model_cls, entry))
     if prefer in {"table", "vllm"}:
         from layerwise_cli.errors import LayerwiseError
 
         if arch is None:
             raise LayerwiseError(f"--mapping {prefer} needs config.json's architectures; the checkpoint has none")
         raise LayerwiseError(f"architecture {arch!r} is not in layerwise's table (try --mapping auto)")
-    return LayerMapping("generic", arch, {}, True, tied)
+    if arch is not None and prefer == "auto":
+        return LayerMapping("guess", arch, dict(_USUAL_FUSIONS), True, tied, skips(model_cls),
+                            vllm_version=arch_table.table_version())
+    return LayerMapping("generic", arch, {}, True, tied, skips(model_cls))
+
+
+def mapping_from_entry(architecture: str, entry: dict, tied: bool, skips: SkipRules) -> LayerMapping:
+    """The mapping one entry of the architecture table describes (see `arch_table`), with its skip rules."""
+    skipped = entry.get("skipped") or {}
+    wrapped = entry.get("wrapped") or {}
+    from layerwise_cli.planning import arch_table
+
+    return LayerMapping(
+        "table", architecture, dict(entry.get("packed") or {}), bool(entry.get("experts")),
+        tied and bool(skipped.get("tied_head", True)), skips, tuple(wrapped.get("tower_prefixes") or ()),
+        entry.get("class"), entry.get("backend", "vllm"), arch_table.table_version(),
+    )

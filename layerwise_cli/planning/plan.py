@@ -59,14 +59,22 @@ class Plan:
     file_order: list[PlannedTensor]
     layer_order: list[PlannedTensor]
     layers: list[ParentLayerStats]  # in model order
+    # Tensors vLLM's loader skips on purpose (`skip_rules`): never read, never buffered.
     skipped: list[TensorEntry]
     # Parent layers vLLM holds until the end of the stream (see `completion`).
     held: dict[str, HeldLayer] = field(default_factory=dict)
     tensor_parallel_size: int = 1
+    # Skipped tensor -> why vLLM skips it.
+    skip_reasons: dict[str, str] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
         return sum(t.entry.nbytes for t in self.file_order)
+
+    @property
+    def loaded_bytes(self) -> int:
+        """Bytes of the tensors vLLM loads (the skipped ones left out)."""
+        return sum(t.entry.nbytes for t in self.file_order if t.parent is not None)
 
     @property
     def largest_layer_bytes(self) -> int:
@@ -102,7 +110,8 @@ class Plan:
             return None
         held = self.held_summary(sim.rank)
         if sim.order == "layer":
-            return held or "unexplained: please report this"
+            return held or (f"the engine's modules do not match this plan's parent layers ({self.mapping.description}):"
+                            " tensors of one engine module arrive apart, so layer order holds more than one open")
         parts = [f"{sim.order} order has {sim.peak_open_layers} layer(s) open at {sim.peak_tensor}"]
         return "; ".join(parts + ([held] if held else []))
 
@@ -137,6 +146,9 @@ def build_plan(checkpoint: Checkpoint, mapping: LayerMapping, tensor_parallel_si
     from their first tensor, they cost least there, and layer order's peak
     is the largest layer or the held layers together, whichever is larger.
 
+    Tensors vLLM's loader skips on purpose (`LayerMapping.skip_reason`) stay
+    in file order, with no parent layer, and are left out of layer order.
+
     Args:
         checkpoint: the checkpoint's headers.
         mapping: how tensor names map to parent layers.
@@ -149,12 +161,14 @@ def build_plan(checkpoint: Checkpoint, mapping: LayerMapping, tensor_parallel_si
     ordered = vllm_read_order(checkpoint)
     planned: list[PlannedTensor] = []
     skipped: list[TensorEntry] = []
+    reasons: dict[str, str] = {}
     groups: dict[str, list[PlannedTensor]] = {}
     keys: dict[str, tuple[tuple[int, int], int]] = {}
     for position, entry in enumerate(ordered):
         parent = mapping.parent_of(entry.name)
         if parent is None:
             skipped.append(entry)
+            reasons[entry.name] = mapping.skip_reason(entry.name) or "vLLM does not load it"
             planned.append(PlannedTensor(entry, None))
             continue
         item = PlannedTensor(entry, parent.name)
@@ -177,7 +191,7 @@ def build_plan(checkpoint: Checkpoint, mapping: LayerMapping, tensor_parallel_si
         hold = to_end.get(name)
         layers.append(ParentLayerStats(name, len(items), sum(i.entry.nbytes for i in items), shards, waiting[name],
                                        hold.reason if hold else None))
-    return Plan(checkpoint, mapping, planned, layer_order, layers, skipped, to_end, tensor_parallel_size)
+    return Plan(checkpoint, mapping, planned, layer_order, layers, skipped, to_end, tensor_parallel_size, reasons)
 
 
 def simulate_buffering(stream: list[PlannedTensor], order: str = "custom", held: Collection[str] = (),

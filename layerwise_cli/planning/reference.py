@@ -16,8 +16,10 @@ def check_against_reference(checkpoint: Checkpoint, reference: Checkpoint, mappi
     Every tensor must be one the reference has, with the same shape and a
     compatible dtype (floating dtypes convert into each other); unless
     `allow_partial`, every reference tensor that feeds a parent layer must
-    be present. Headers only: this runs before an engine starts, and again
-    inside every worker.
+    be present. Tensors vLLM's loader skips on purpose (`mapping.skip_reason`:
+    rotary buffers, a tied head, MTP layers) are neither unknown in CHECKPOINT
+    nor missing from it. Headers only: this runs before an engine starts, and
+    again inside every worker.
 
     Args:
         checkpoint: the new weights (`source` names them in errors).
@@ -28,10 +30,12 @@ def check_against_reference(checkpoint: Checkpoint, reference: Checkpoint, mappi
     source = checkpoint.source
     known = {t.name: t for t in reference.tensors}
     for entry in checkpoint.tensors:
+        if mapping.skip_reason(entry.name) is not None:
+            continue  # vLLM's loader never reads it: whether the reference has it does not matter
         ref = known.get(entry.name)
         if ref is None:
-            raise LayerwiseError(f"unknown tensor {entry.name!r}: the engine's checkpoint has no such tensor",
-                                 where=source)
+            raise LayerwiseError(f"unknown tensor {entry.name!r}: the engine's checkpoint has no such tensor, "
+                                 "and vLLM's loader would not skip it", where=source)
         if ref.shape != entry.shape:
             raise LayerwiseError(
                 f"tensor {entry.name!r} has shape {list(entry.shape)}, the engine expects {list(ref.shape)}",

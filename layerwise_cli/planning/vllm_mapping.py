@@ -6,6 +6,7 @@ Returns plain data; `parents.mapping_for_config` builds the `LayerMapping`
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 
@@ -18,6 +19,24 @@ def vllm_installed() -> bool:
         return importlib.util.find_spec("vllm") is not None
     except (ImportError, ValueError):  # a meta-path finder refused it, or a broken vllm in sys.modules
         return False
+
+
+@functools.lru_cache(maxsize=32)
+def model_class_from_vllm(architecture: str) -> type | None:
+    """vLLM's model class for ARCHITECTURE (None when vLLM does not know it); raises what vLLM's import raises."""
+    from layerwise_cli import vllm_compat
+
+    return vllm_compat.model_class_for(architecture)
+
+
+def model_class_if_installed(architecture: str | None) -> type | None:
+    """vLLM's model class for ARCHITECTURE when vLLM is installed and knows it, else None (never raises)."""
+    if not architecture or not vllm_installed():
+        return None
+    try:
+        return model_class_from_vllm(architecture)
+    except Exception:  # noqa: BLE001 - vLLM import failures vary by platform: the package's rules apply
+        return None
 
 
 def fusions_from_vllm(architecture: str, *, required: bool) -> tuple[dict[str, str], bool] | None:
@@ -42,10 +61,7 @@ def fusions_from_vllm(architecture: str, *, required: bool) -> tuple[dict[str, s
             raise LayerwiseError("--mapping vllm needs vLLM installed (pip install 'layerwise[cpu]' or '[gpu]')")
         return None
     try:
-        from vllm.model_executor.models import ModelRegistry
-
-        # No public lookup by name that stops short of building a model config.
-        model_cls = ModelRegistry._try_load_model_cls(architecture)
+        model_cls = model_class_from_vllm(architecture)
     except Exception as exc:  # vLLM import failures vary by platform
         if required:
             raise LayerwiseError(f"vLLM could not load the model class for {architecture}: {exc}") from exc
@@ -69,7 +85,9 @@ def _is_moe(model_cls: type) -> bool:
     # MixtureOfExperts is a Protocol with data members, so issubclass() refuses
     # it; vLLM's MoE models name it as a base class.
     try:
-        from vllm.model_executor.models.interfaces import MixtureOfExperts
+        from layerwise_cli import vllm_compat
+
+        MixtureOfExperts = vllm_compat.mixture_of_experts_class()
     except Exception:  # noqa: BLE001
         MixtureOfExperts = None
     if MixtureOfExperts is not None and MixtureOfExperts in model_cls.__mro__:

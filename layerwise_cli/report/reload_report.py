@@ -37,6 +37,21 @@ class LayerReport:
 
 
 @dataclass(frozen=True)
+class DerivedRefresh:
+    """One tensor layerwise refreshed after vLLM's reload, because vLLM's reload leaves it stale.
+
+    Attributes:
+        module: the engine module that holds it (`model.layers.0.mixer`, `lm_head`).
+        tensor: the tensor or kernel state (`conv_weights`, `w13_weight`, `cpu_linear`).
+        reason: why vLLM's reload does not refresh it.
+    """
+
+    module: str
+    tensor: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class RankSummary:
     """One worker of a merged report: where it sits and what it read and buffered.
 
@@ -115,6 +130,8 @@ class ReloadReport:
         device: where the engine holds its weights (`cpu`, `cuda:0`).
         finalize_s: seconds vLLM spent after the last tensor (layers it processes only then).
         notes: things the user should know (repairs made after vLLM's reload, missing reference).
+        refreshed: every tensor layerwise refreshed beyond vLLM's reload (`DerivedRefresh`: a buffer
+            derived at load, a tied head's packed kernel, re-packed MoE experts), one per tensor.
         verify: with `--verify` / `reload(..., verify=True)`, the engine checked
             against SOURCE after the reload; None otherwise.
         held_to_end_bytes: bytes of the layers the plan expected vLLM to hold to the end of the stream.
@@ -219,9 +236,10 @@ class ReloadReport:
     spot_check_bytes: int = 0
     spot_check_s: float = 0.0
     stale_header_digests: tuple[dict, ...] = ()
+    refreshed: tuple[DerivedRefresh, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("layers", "unexpected", "notes", "ranks", "stale_header_digests"):
+        for name in ("layers", "unexpected", "notes", "ranks", "stale_header_digests", "refreshed"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @property
@@ -254,6 +272,7 @@ class ReloadReport:
         fields["layers"] = [LayerReport(**layer) for layer in data.get("layers", [])]
         if data.get("verify") is not None:
             fields["verify"] = VerifyResult.from_dict(data["verify"])
+        fields["refreshed"] = [DerivedRefresh(**entry) for entry in data.get("refreshed", [])]
         fields["ranks"] = [RankSummary(**{**rank, "layers": tuple(rank["layers"])}) for rank in data.get("ranks", [])]
         return cls(**fields)
 
@@ -364,6 +383,8 @@ def merge_reports(reports: list[ReloadReport], *, source: str | None = None,
         stale_header_digests=sorted({(d["layer"], d["tensor"], d["file"]): d for r in ordered
                                      for d in r.stale_header_digests}.values(),
                                     key=lambda d: (d["file"], d["layer"])),
+        # Each rank refreshes its own shard of a tensor: one entry per tensor.
+        refreshed=list({(e.module, e.tensor): e for r in ordered for e in r.refreshed}.values()),
     )
 
 

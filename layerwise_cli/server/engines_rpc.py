@@ -21,7 +21,9 @@ from layerwise_cli import ENGINES_RPC_PATH
 
 def attach_engines_rpc() -> None:
     """Add the endpoint wherever vLLM attaches its `/collective_rpc` (only with VLLM_SERVER_DEV_MODE=1)."""
-    from vllm.entrypoints.serve.dev.rpc import api_router
+    from layerwise_cli import vllm_compat
+
+    api_router = vllm_compat.dev_rpc_router_module()
 
     vllm_attach = api_router.attach_router
 
@@ -48,7 +50,9 @@ async def engines_rpc(raw_request: Request):
     # As vLLM's /collective_rpc: only JSON arguments; the method deserializes what it needs.
     call = (body["method"], body.get("timeout"), tuple(body.get("args", [])), body.get("kwargs", {}))
     engine_client = raw_request.app.state.engine_client
-    gather = getattr(getattr(engine_client, "engine_core", None), "call_utility_all_async", None)
+    from layerwise_cli import vllm_compat
+
+    gather = vllm_compat.call_utility_all_async(engine_client)
     if gather is None:  # a client that talks to one engine only
         per_engine = [await engine_client.collective_rpc(*call)]
     else:

@@ -6,12 +6,15 @@ execs); it imports neither Typer nor Rich.
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 
+from layerwise_cli import vllm_compat
 from layerwise_cli.server.command_line import OPEN_PATHS
 from layerwise_cli.server.engines_rpc import attach_engines_rpc
 
-VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+VLLM_SERVER_MODULE = vllm_compat.SERVER_MODULE_NAME
 
 
 def _guard_every_endpoint() -> None:
@@ -23,7 +26,8 @@ def _guard_every_endpoint() -> None:
     """
     from starlette.datastructures import Headers
     from starlette.responses import JSONResponse
-    from vllm.entrypoints.serve.middleware import authenticate
+
+    authenticate = vllm_compat.authenticate_module()
 
     base = authenticate.AuthenticationMiddleware
 
@@ -43,10 +47,26 @@ def launch_vllm_server(args: list[str]) -> None:
     """Run vLLM's OpenAI server in this process with `args`, every endpoint behind the API key if one is set."""
     import runpy
 
+    from layerwise_cli.engine_output import capture_engine_output, start_failure
+    from layerwise_cli.worker import online_quant  # noqa: F401 - registers `layerwise_fp8`/`layerwise_int8` here
+
     _guard_every_endpoint()
     attach_engines_rpc()
     sys.argv = [VLLM_SERVER_MODULE, *args]
-    runpy.run_module(VLLM_SERVER_MODULE, run_name="__main__", alter_sys=True)
+    # vLLM's engine process logs why it failed; the server only raises "see root cause above".
+    with capture_engine_output() as output:
+        try:
+            runpy.run_module(VLLM_SERVER_MODULE, run_name="__main__", alter_sys=True)
+        except Exception as exc:  # noqa: BLE001 - becomes the one-line error below
+            failure = exc
+        else:
+            return
+    if os.environ.get("LAYERWISE_DEBUG", "") not in {"", "0"}:
+        traceback.print_exception(failure)
+    model = args[args.index("--model") + 1] if "--model" in args[:-1] else "layerwise serve"
+    # One line, as the CLI's errors (LAYERWISE_DEBUG=1 adds the traceback above it).
+    sys.stderr.write(f"Error: {model}: {start_failure(failure, output.root_cause())}\n")
+    sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,10 @@ def all_ranks_agree(ok: bool) -> bool:
     try:
         import torch
         import torch.distributed as dist
-        from vllm.distributed import parallel_state as ps
+
+        from layerwise_cli import vllm_compat
+
+        ps = vllm_compat.parallel_state()
     except Exception:  # noqa: BLE001 - no vLLM: a single process
         return ok
     failed = torch.tensor([0 if ok else 1], dtype=torch.int32)

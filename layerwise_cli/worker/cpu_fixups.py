@@ -2,49 +2,68 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-# Diagnostic switch: `LAYERWISE_NO_CPU_FIXUPS=1` leaves the engine as vLLM's
-# reload leaves it (stale tied heads, unpacked MoE experts), so that `--verify`
-# and the tests can show what the repairs below prevent. Never set it otherwise.
-NO_FIXUPS_ENV = "LAYERWISE_NO_CPU_FIXUPS"
+# The diagnostic switch (`LAYERWISE_NO_CPU_FIXUPS=1`) lives where the client reads it too.
+from layerwise_cli.engine_defaults import NO_FIXUPS_ENV, fixups_disabled
 
 
-def fixups_disabled() -> bool:
-    """Whether the diagnostic switch turns the CPU repairs off (read in the worker, at each reload)."""
-    return os.environ.get(NO_FIXUPS_ENV, "") not in {"", "0"}
+def apply_cpu_fixups(model: torch.nn.Module, reloaded: set[str], *, derived=None, tensors_of=None,
+                     enabled: bool = True) -> tuple[list[str], list[dict]]:
+    """Repair what vLLM's reload leaves stale; one note per kind of repair, one entry per tensor refreshed.
 
-
-def apply_cpu_fixups(model: torch.nn.Module, reloaded: set[str]) -> list[str]:
-    """Repair what vLLM's CPU backend leaves stale after an in-place reload; one note per repair.
+    Every repair is found by a rule, never by architecture, and is a no-op
+    where its condition does not hold: on a GPU nothing is repacked after
+    loading, no module holds a CPU kernel handle and every alias buffer still
+    shares its parameter's storage, so nothing is done there.
 
     Args:
         model: the engine's model.
         reloaded: names of the modules this reload processed.
+        derived: the engine's alias buffers (`derived_state.derived_state_of`); None: not refreshed.
+        tensors_of: parent layer -> SOURCE's `(name, tensor)` pairs of it (None if SOURCE lacks it),
+            to recompute alias buffers from.
+        enabled: False (or `LAYERWISE_NO_CPU_FIXUPS` set in the worker) leaves the engine as vLLM's
+            reload leaves it: the diagnostic switch.
 
     Returns:
-        Notes for the reload report (empty when nothing needed repair, or when
-        `LAYERWISE_NO_CPU_FIXUPS` is set: then a note says the repairs are off).
+        (notes for the reload report, `{"module", "tensor", "reason"}` per tensor refreshed).
     """
-    if fixups_disabled():
-        return [f"CPU repairs are off ({NO_FIXUPS_ENV} is set): derived kernels and MoE experts are left as "
-                "vLLM's reload leaves them"]
-    notes = []
+    if fixups_disabled() or not enabled:
+        return [f"CPU repairs are off ({NO_FIXUPS_ENV} is set): derived kernels, alias buffers and MoE experts "
+                "are left as vLLM's reload leaves them"], []
+    notes: list[str] = []
+    refreshed: list[dict] = []
     repacked = repack_cpu_moe_experts(model, reloaded)
     if repacked:
         notes.append(f"re-packed {len(repacked)} CPU MoE expert layer(s) after the reload "
                      "(vLLM's CPU backend skips this on weight updates)")
+        reason = "CPU MoE experts are prepacked only when the kernel is built; vLLM skips it on a weight update"
+        refreshed += [{"module": name, "tensor": param, "reason": reason}
+                      for name in repacked for param in ("w13_weight", "w2_weight")]
     rebuilt, left = rebuild_derived_kernels(model, reloaded)
     if rebuilt:
         notes.append(f"rebuilt the CPU kernel of {', '.join(sorted(rebuilt))}: it shares its weight with "
                      f"{', '.join(sorted(set(rebuilt.values())))}, which this reload refilled, and vLLM does not "
                      "re-process a module that is not in the checkpoint (tied head)")
+        refreshed += [{"module": name, "tensor": "cpu_linear",
+                       "reason": f"its packed CPU kernel is built from the weight it shares with {origin}, "
+                                 "and vLLM does not re-process a module the checkpoint does not name"}
+                      for name, origin in sorted(rebuilt.items())]
     for name, why in sorted(left.items()):
         notes.append(f"{name} shares its weight with a reloaded module but could not be rebuilt ({why}); "
                      "--verify checks it")
-    return notes
+    if derived is not None and tensors_of is not None:
+        from layerwise_cli.worker.derived_state import refresh_alias_buffers
+
+        aliases = refresh_alias_buffers(model, derived, tensors_of)
+        if aliases:
+            notes.append(f"refreshed {len(aliases)} buffer(s) derived at load from a reloaded weight, which "
+                         f"vLLM's reload leaves stale: {', '.join(a['module'] + '.' + a['tensor'] for a in aliases)}")
+        refreshed += aliases
+    for name, why in sorted((derived.unknown if derived is not None else {}).items()):
+        notes.append(f"{name}: {why}; not refreshed (--verify reports it unchecked)")
+    return notes, refreshed
 
 
 def _storages(module: torch.nn.Module) -> dict[int, str]:
@@ -125,10 +144,10 @@ def rebuild_derived_kernels(model: torch.nn.Module, reloaded: set[str]) -> tuple
         module = model.get_submodule(name)
         if getattr(module, "cpu_linear", None) is None:
             continue
-        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+        from layerwise_cli import vllm_compat
 
         method = getattr(module, "quant_method", None)
-        if not isinstance(method, UnquantizedEmbeddingMethod):
+        if not isinstance(method, vllm_compat.unquantized_embedding_method_class()):
             left[name] = f"quant method {type(method).__name__}"
             continue
         before = {key: tensor.untyped_storage().data_ptr()
@@ -169,16 +188,16 @@ def repack_cpu_moe_experts(model: torch.nn.Module, reloaded: set[str]) -> list[s
         experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
         if experts is None:
             continue
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+        from layerwise_cli import vllm_compat
 
         # Subclasses too: on AMX CPUs the kernel is `X86CPUUnquantizedExperts` (isa "amx").
-        if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
+        if not isinstance(experts, vllm_compat.cpu_unquantized_experts_class()) or getattr(experts, "_use_zentorch",
+                                                                                          False):
             continue
-        from vllm import _custom_ops as ops
 
         for param in ("w13_weight", "w2_weight"):
             tensor = getattr(module, param)
-            packed = ops.cpu_prepack_moe_weight(tensor.data.clone(), experts.isa)
+            packed = vllm_compat.cpu_prepack_moe_weight(tensor.data.clone(), experts.isa)
             if packed.shape != tensor.shape:
                 raise RuntimeError(f"{name}.{param}: CPU MoE prepack changed the shape; cannot repack in place")
             tensor.data.copy_(packed)

@@ -7,8 +7,10 @@ import traceback
 from layerwise_cli import EXTENSION_CLS  # noqa: F401 - re-exported for the engine side
 from layerwise_cli.errors import LayerwiseError, describe_exception
 from layerwise_cli.vllm_logs import silence_rotary_reload_warning
+from layerwise_cli.worker import online_quant  # noqa: F401 - registers layerwise's online quantizations here
 from layerwise_cli.worker.consensus import PeerFailed, all_ranks_agree
 from layerwise_cli.worker.fingerprints import model_fingerprints
+from layerwise_cli.worker.reload import engine_config
 from layerwise_cli.worker.verify import verify_against_source
 
 # vLLM imports this module in every worker: the filter lands where the warning is logged.
@@ -40,13 +42,15 @@ class LayerwiseWorkerExtension:
     def layerwise_reload(self, source: str, order: str = "layer", allow_partial: bool = False,
                          readahead: bool = True, revision: str | None = None,
                          progress_path: str | None = None, allow_nonfinite: bool = False,
-                         all_layers: bool = False) -> dict:
+                         all_layers: bool = False, repairs: bool = True) -> dict:
         """Reload SOURCE in place, in `order`, and return this worker's report.
 
         A parent layer holding NaN or Inf is refused before it is handed over
         (and the layers already loaded are rolled back) unless `allow_nonfinite`.
         A layer the engine already holds (same source digest as this worker's
         record, state untouched since) is skipped unless `all_layers`.
+        `repairs=False` leaves what vLLM's reload leaves stale (the diagnostic
+        switch `LAYERWISE_NO_CPU_FIXUPS`, set in the caller's environment).
         """
         from layerwise_cli.worker.layer_records import records_of
         from layerwise_cli.worker.rank_plan import rank_position
@@ -59,7 +63,7 @@ class LayerwiseWorkerExtension:
                     self, source, order=order, allow_partial=allow_partial, readahead=readahead,
                     revision=revision, progress_path=progress_path, allow_nonfinite=allow_nonfinite,
                     on_engine_touched=lambda: touched.update(engine=True), agree=all_ranks_agree,
-                    records=records_of(self), all_layers=all_layers)
+                    records=records_of(self), all_layers=all_layers, repairs=repairs)
                 failure = None
             except Exception as exc:  # noqa: BLE001 - raised below, after the ranks agreed what to do
                 failure = exc
@@ -100,7 +104,7 @@ class LayerwiseWorkerExtension:
         """
         try:
             model = self.model_runner.get_model()
-            with _engine_context(self):
+            with engine_config(self):
                 return {"ok": True, "rank": getattr(self, "rank", None), "fingerprints": model_fingerprints(model)}
         except Exception as exc:  # noqa: BLE001 - an exception here would take the engine down
             return {"ok": False, "error": str(describe_exception(exc))}
@@ -114,24 +118,14 @@ class LayerwiseWorkerExtension:
         are not changed.
         """
         try:
-            with _engine_context(self):
+            with engine_config(self):
+                from layerwise_cli.worker.derived_state import derived_state_of
+
                 result = verify_against_source(self.model_runner.get_model(), source, revision,
-                                               self.model_runner.model_config)
+                                               self.model_runner.model_config, derived_state_of(self))
             return {"ok": True, "rank": getattr(self, "rank", None), "verify": result}
         except Exception as exc:  # noqa: BLE001 - an exception here would take the engine down
             return {"ok": False, "error": str(describe_exception(exc)), "traceback": traceback.format_exc()}
-
-
-def _engine_context(worker):
-    """The vLLM config context the worker's own reload runs under (quant methods may read it)."""
-    import contextlib
-
-    config = getattr(worker, "vllm_config", None)
-    if config is None:
-        return contextlib.nullcontext()
-    from vllm.config import set_current_vllm_config
-
-    return set_current_vllm_config(config)
 
 
 def _roll_back(worker, touched: dict, failure: BaseException):

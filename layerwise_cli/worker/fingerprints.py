@@ -20,11 +20,11 @@ def _reads_back(module) -> bool:
         return False
     if getattr(module, "cpu_linear", None) is not None:
         return True
-    from vllm.model_executor.layers.linear import LinearBase
+    from layerwise_cli import vllm_compat
 
     weight = module._parameters.get("weight")
     hidden = weight is None or weight.device.type == "meta" or weight.numel() == 0
-    return isinstance(module, LinearBase) and hidden
+    return isinstance(module, vllm_compat.linear_base_class()) and hidden
 
 
 def _kernel_readback_digest(module) -> str:

@@ -10,6 +10,7 @@ from layerwise_cli.checkpoint.sources import Checkpoint, open_checkpoint
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.planning.plan import Plan
 from layerwise_cli.planning.reference import check_against_reference
+from layerwise_cli.planning.skip_rules import skip_summary
 
 
 def reference_checkpoint(model_path: str) -> Checkpoint | None:
@@ -45,10 +46,14 @@ def preflight(plan: Plan, model: torch.nn.Module, vllm_names: dict[str, str],
         allow_partial: accept a checkpoint that covers only some parameters.
 
     Returns:
-        Notes for the report (for example, that no reference was available).
+        Notes for the report: the tensors skipped as vLLM does (never read),
+        and that no reference was available, if so.
     """
     source = plan.checkpoint.source
     notes: list[str] = []
+    skipped = skip_summary(plan.skip_reasons)
+    if skipped:
+        notes.append(skipped)
     modules = dict(model.named_modules())
     for item in plan.file_order:
         if item.parent is None:

@@ -50,9 +50,9 @@ class BufferProbe:
     """
 
     def __init__(self, model: torch.nn.Module, on_layer_done=None) -> None:
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        from layerwise_cli import vllm_compat
 
-        self._infos = LAYERWISE_INFO
+        self._infos = vllm_compat.layerwise_info()
         self._modules = dict(model.named_modules())
         self._open: dict[str, _OpenModule] = {}
         self.peak = 0

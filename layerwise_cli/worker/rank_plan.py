@@ -43,7 +43,9 @@ class RankPosition:
 def rank_position(worker=None) -> RankPosition:
     """This worker's position, read from vLLM's process groups (all zeros outside a vLLM worker)."""
     try:
-        from vllm.distributed import parallel_state as ps
+        from layerwise_cli import vllm_compat
+
+        ps = vllm_compat.parallel_state()
     except Exception:  # noqa: BLE001 - no vLLM: a single process
         return RankPosition()
 
@@ -108,7 +110,9 @@ def plan_for_worker(checkpoint: Checkpoint, model: torch.nn.Module, hf_config: d
     """
     position = position or rank_position()
     config = checkpoint.config or hf_config
-    mapping = mapping_for_config(config, "auto")
+    # The engine's own model class: its loader's skip rules are the ones that apply here.
+    model_cls = type(model) if type(model).__module__.startswith("vllm.") else None
+    mapping = mapping_for_config(config, "auto", model_cls=model_cls)
     modules = dict(model.named_modules()) if hasattr(model, "named_modules") else {}
     owner = _Ownership(model, modules, mapping)
     local, elsewhere = owner.split(checkpoint)
@@ -137,11 +141,19 @@ class _Ownership:
         elsewhere = []
         for entry in checkpoint.tensors:
             name = entry.name
+            if self._mapping.skip_reason(name) is not None:
+                local.add(entry.name)  # skipped by the engine on every rank; kept for the plan's accounting
+                continue
             if self._mapper is not None:
-                name = self._mapper._map_name(name) or name  # the mapper's per-name API (private in vLLM)
+                # The mapper's per-name API (`_map_name` before vLLM 0.32); None: the model drops the name.
+                map_name = getattr(self._mapper, "map_name", None) or self._mapper._map_name
+                name = map_name(name)
+                if name is None:
+                    local.add(entry.name)
+                    continue
             parent = self._mapping.parent_of(name)
             if parent is None:
-                local.add(entry.name)  # skipped by the engine on every rank; kept for the plan's accounting
+                local.add(entry.name)
                 continue
             if parent.name not in self._resolved:
                 self._resolved[parent.name] = (holder_of_parameters(self._modules, parent.name)

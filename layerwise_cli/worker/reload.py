@@ -13,16 +13,30 @@ from layerwise_cli.checkpoint.sources import looks_like_repo_id, open_checkpoint
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.planning.plan import simulate_buffering
 from layerwise_cli.report.progress import ProgressWriter
-from layerwise_cli.report.reload_report import LayerReport, ReloadReport
+from layerwise_cli.report.reload_report import DerivedRefresh, LayerReport, ReloadReport
 from layerwise_cli.worker.consensus import PeerFailed
+from layerwise_cli.worker.cpu_fixups import apply_cpu_fixups
+from layerwise_cli.worker.derived_state import derived_state_of
 from layerwise_cli.worker.layer_records import REASON_UNCHANGED, LayerRecords
 from layerwise_cli.worker.preflight import preflight, reference_checkpoint
 from layerwise_cli.worker.probe import BufferProbe
 from layerwise_cli.worker.rank_plan import plan_for_worker, rank_position
 from layerwise_cli.worker.skip_plan import SkipPlan, quiet_skipped_layers
-from layerwise_cli.worker.stream import ReadAheadStats, read_in_order
+from layerwise_cli.worker.stream import ReadAheadStats, ShardReader, read_in_order
 
 ORDERS = ("layer", "file")
+
+
+def engine_config(worker):
+    """The vLLM config context the worker's own reload runs under (quant methods and loaders may read it)."""
+    import contextlib
+
+    config = getattr(worker, "vllm_config", None)
+    if config is None:
+        return contextlib.nullcontext()
+    from layerwise_cli import vllm_compat
+
+    return vllm_compat.set_current_vllm_config(config)
 
 
 def resolve_local(source: str, revision: str | None = None) -> Path:
@@ -60,7 +74,8 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
                   readahead: bool = True, revision: str | None = None,
                   on_engine_touched=None, progress_path: str | None = None,
                   allow_nonfinite: bool = False, agree: Callable[[bool], bool] | None = None,
-                  records: LayerRecords | None = None, all_layers: bool = False) -> ReloadReport:
+                  records: LayerRecords | None = None, all_layers: bool = False,
+                  repairs: bool = True) -> ReloadReport:
     """Pre-flight SOURCE against this worker's model, then reload it in `order`, measuring.
 
     Args:
@@ -85,6 +100,8 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
             handed to vLLM, which keeps it), and every layer handed over is
             recorded afresh once the reload succeeded. None: no skip, no record.
         all_layers: hand every layer over (and record them), whatever the records say.
+        repairs: refresh what vLLM's reload leaves stale (`cpu_fixups`); False is the
+            diagnostic switch `LAYERWISE_NO_CPU_FIXUPS`.
 
     Returns:
         This worker's report.
@@ -103,18 +120,26 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         mine = plan_for_worker(checkpoint, model, hf_config, position, reference_checkpoint(str(model_config.model)))
         plan, vllm_names = mine.plan, mine.vllm_names
         notes = preflight(plan, model, vllm_names, mine.reference, allow_partial=allow_partial)
-        # The probe and the prediction both speak engine module names.
-        engine_stream = mine.engine_stream(order)
+        # The probe and the prediction both speak engine module names. Tensors vLLM's loader skips on
+        # purpose (no parent layer) are not read: vLLM would drop them unread too.
+        engine_stream = [item for item in mine.engine_stream(order) if item.parent is not None]
+        draft = getattr(getattr(worker, "vllm_config", None), "speculative_config", None)
+        if draft is not None:
+            notes.append("the engine runs a draft model (speculative decoding): layerwise reloads the target "
+                         "model only, so the draft keeps its weights")
         engine_name = mine.parent_engine_names()
         # vLLM holds these on this rank until the end of the stream (padded vocabulary, partial fused layers).
         held_here = {engine_name.get(name, name): plan.held[name].reason for name in plan.held_on(tp_rank)}
         folder = local if local.is_dir() else local.parent
         device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+        # Found before the first reload changes anything, once per engine (vLLM's record and the live
+        # tensors are both in place between reloads).
+        derived = derived_state_of(worker)
         skip = SkipPlan.build(model, checkpoint, engine_stream, order, records, all_layers=all_layers,
                               checks_finite=not allow_nonfinite)
         stats = ReadAheadStats()
         rank = getattr(worker, "rank", 0) or 0
-        progress = ProgressWriter(progress_path if rank == 0 else None, len(plan.layers), plan.total_bytes)
+        progress = ProgressWriter(progress_path if rank == 0 else None, len(plan.layers), plan.loaded_bytes)
         probe = BufferProbe(model, on_layer_done=lambda name, timing: progress.write(
             {"event": "layer", "name": name, "tensors": timing.tensors, "bytes": timing.bytes}))
         # A skipped layer counts as done for the progress bar, as soon as it is known to be skipped.
@@ -170,10 +195,19 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         progress.close()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    else:
-        from layerwise_cli.worker.cpu_fixups import apply_cpu_fixups
-
-        notes.extend(apply_cpu_fixups(model, set(probe.timings)))
+    # Each repair is found by its rule and does nothing where it does not apply (on a GPU: nothing).
+    reader = ShardReader(folder)
+    try:
+        with engine_config(worker):
+            repair_notes, refreshed = apply_cpu_fixups(
+                model, set(probe.timings), derived=derived, enabled=repairs,
+                tensors_of=lambda parent: [(item.entry.name, reader.read(item)) for item in engine_stream
+                                           if item.parent == parent])
+    finally:
+        reader.close()
+    notes.extend(repair_notes)
+    if device.type == "cuda" and refreshed:
+        torch.cuda.synchronize(device)
     end = time.perf_counter()
     disk_after = process_disk_read_bytes()
     if stats.hashing_done is not None:
@@ -254,6 +288,7 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         spot_check_bytes=skip.spot.bytes_read if skip.spot is not None else 0,
         spot_check_s=skip.spot.seconds if skip.spot is not None else 0.0,
         stale_header_digests=[found.to_dict() for found in skip.stale_digests()],
+        refreshed=[DerivedRefresh(**entry) for entry in refreshed],
     )
 
 
@@ -264,10 +299,11 @@ def discard_partial_reload(model: torch.nn.Module) -> None:
     their loaders wrapped; `initialize_layerwise_reload` reuses them as they
     are, so only their buffered tensors and counts must go.
     """
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from layerwise_cli import vllm_compat
 
+    infos = vllm_compat.layerwise_info()
     for module in model.modules():
-        info = LAYERWISE_INFO.get(module)
+        info = infos.get(module)
         if info is not None and info.can_load():
             info.loaded_weights = []
             info.load_numel = 0

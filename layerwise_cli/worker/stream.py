@@ -119,6 +119,11 @@ class ReadAheadStats:
     # Once the stream ended: waits until the reading thread has hashed its backlog (None: nothing to wait for).
     hashing_done: Callable[[], None] | None = None
 
+    @property
+    def stage_s(self) -> float:
+        """Seconds putting tensors in host memory (CPU: safetensors' views; CUDA: also the pinned staging copies)."""
+        return self.read_s
+
     def add(self, n: int) -> None:
         self._held += n
         self.peak_bytes = max(self.peak_bytes, self._held)
@@ -144,6 +149,7 @@ def read_in_order(
     skipped: set[str] | None = None,
     samples: dict[str, str] | None = None,
     may_skip: Callable[[str, dict[str, str]], bool] | None = None,
+    copy_threads: int | None = None,
 ) -> Iterator[tuple[PlannedTensor, torch.Tensor]]:
     """Yield (planned tensor, tensor) in stream order.
 
@@ -179,6 +185,8 @@ def read_in_order(
             `hash_layers` that `skip_layer` could drop: False (its samples
             differ from the record's: it changed) hands it over unhashed. None:
             always True. Layers `skip_layer` cannot drop are never hashed.
+        copy_threads: threads for the host copies into pinned staging on CUDA
+            (None: `staging_threads()`; 1: one plain copy per tensor).
 
     Yields:
         Each planned tensor with its data.
@@ -195,7 +203,8 @@ def read_in_order(
     reader = ShardReader(folder)
     cuda = device is not None and device.type == "cuda"
     copy_stream = torch.cuda.Stream(device=device) if cuda else None
-    pool = ThreadPoolExecutor(staging_threads(), thread_name_prefix="layerwise-staging") if cuda else None
+    threads = staging_threads() if copy_threads is None else copy_threads
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="layerwise-staging") if cuda and threads > 1 else None
 
     # Release each shard once its last planned tensor is read, as vLLM's loader
     # does file by file: a shard's mapped pages leave the process as soon as

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from layerwise_cli.errors import LayerwiseError, describe_exception
 from layerwise_cli.worker.fingerprints import module_fingerprints
+from layerwise_cli.worker.scratch import load_alone, process_copy, scratch_copy
 
 
-def verify_against_source(model, source: str, revision: str | None, model_config) -> dict:
-    """Compare every parent layer SOURCE covers, and every module derived from one, with SOURCE.
+def verify_against_source(model, source: str, revision: str | None, model_config, derived=None) -> dict:
+    """Compare every parent layer SOURCE covers, and every module and buffer derived from one, with SOURCE.
 
     For each parent layer (read in layer order, one at a time): a private
     copy of the layer is built from vLLM's reload metadata (the layer in
@@ -18,7 +19,18 @@ def verify_against_source(model, source: str, revision: str | None, model_config
     fingerprints compared with the live layer's, bit for bit. Modules SOURCE
     does not name but whose tensors share storage with a layer it does (a
     tied LM head) are then checked against that layer's copy
-    (`_verify_derived`).
+    (`_verify_derived`). Buffers the engine derived at load from a parameter
+    (views: `derived_state`) are left out of their layer's comparison and
+    checked on their own: each against its source parameter as SOURCE loads
+    it (`_verify_alias_buffers`). A buffer whose source cannot be told is
+    reported `skipped`: not checked, which fails `--verify`.
+
+    Args:
+        model: the engine's model.
+        source: the checkpoint.
+        revision: its Hub revision.
+        model_config: the engine's model config.
+        derived: the engine's `DerivedState` (None: found now).
 
     Returns:
         `layers`: one entry per parent layer (`name`, `status` match,
@@ -33,9 +45,11 @@ def verify_against_source(model, source: str, revision: str | None, model_config
 
     from layerwise_cli.checkpoint.sources import open_checkpoint
     from layerwise_cli.worker.cpu_fixups import derived_modules
+    from layerwise_cli.worker.derived_state import find_derived_state
     from layerwise_cli.worker.rank_plan import plan_for_worker
     from layerwise_cli.worker.reload import resolve_local
     from layerwise_cli.worker.stream import ShardReader, layer_batches
+    from layerwise_cli.worker.verify_quantized import require_recomputed
 
     local = resolve_local(source, revision)
     checkpoint = replace(open_checkpoint(str(local)), source=source)
@@ -48,8 +62,12 @@ def verify_against_source(model, source: str, revision: str | None, model_config
     layers: list[dict] = []
     # Modules SOURCE does not name whose weights are another layer's (a tied head), and the
     # private copies of those layers loaded from SOURCE, kept only for them.
+    derived_state = derived if derived is not None else find_derived_state(model)
+    alias_sources = {alias.source for alias in derived_state.aliases}
     derived = derived_modules(model, {item.parent for item in stream if item.parent is not None})
     loaded: dict[str, object] = {}
+    source_tensors: dict[str, list] = {}
+    statuses: dict[str, str] = {}
     try:
         for batch in layer_batches(stream):
             parent = batch[0].parent
@@ -58,16 +76,23 @@ def verify_against_source(model, source: str, revision: str | None, model_config
             tensors = [(item.entry.name, reader.read(item)) for item in batch]
             try:
                 with torch.no_grad():
-                    entry, scratch = _verify_layer(model, parent, modules.get(parent), tensors)
+                    entry, scratch = _verify_layer(model, parent, modules.get(parent), tensors,
+                                                   derived_state.on_module(parent))
+                entry = require_recomputed(entry, modules.get(parent))
                 layers.append(entry)
+                statuses[parent] = entry["status"]
+                if parent in alias_sources:
+                    source_tensors[parent] = tensors
                 if scratch is not None and parent in derived.values():
                     loaded[parent] = scratch
             except Exception as exc:  # noqa: BLE001 - the layer is reported as not checkable, with why
-                layers.append({"name": parent, "status": "error", "compared": [],
-                               "detail": f"could not be loaded alone: {describe_exception(exc)}"})
+                layers.append(require_recomputed({"name": parent, "status": "error", "compared": [], "detail":
+                                                  f"could not be loaded alone: {describe_exception(exc)}"},
+                                                 modules.get(parent)))
     finally:
         reader.close()
     layers.extend(_verify_derived(model, derived, loaded))
+    layers.extend(_verify_alias_buffers(model, derived_state, source_tensors, statuses))
     matched = [layer for layer in layers if layer["status"] == "match"]
     return {
         "source": source,
@@ -77,6 +102,9 @@ def verify_against_source(model, source: str, revision: str | None, model_config
         "mismatched": [layer["name"] for layer in layers if layer["status"] == "mismatch"],
         "skipped": {layer["name"]: layer["detail"] for layer in layers if layer["status"] == "skipped"},
         "errors": {layer["name"]: layer["detail"] for layer in layers if layer["status"] == "error"},
+        # Layers quantized online, re-quantized from SOURCE with the engine's method and compared -> method.
+        "quantized": {layer["name"]: layer["quantized"] for layer in layers
+                      if layer.get("quantized") and layer["status"] in ("match", "mismatch")},
         "tensors_compared": sum(sum(1 for key in layer["compared"] if key != "#kernel") for layer in layers),
         "kernels_compared": sum(sum(1 for key in layer["compared"] if key == "#kernel") for layer in layers),
     }
@@ -93,8 +121,10 @@ def _verify_derived(model, derived: dict[str, str], loaded: dict) -> list[dict]:
     kernel read-back included. This catches a kernel left stale by a reload.
     """
     import torch
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
+    from layerwise_cli import vllm_compat
+
+    LAYERWISE_INFO = vllm_compat.layerwise_info()
     layers = []
     for name, origin in derived.items():
         module = model.get_submodule(name)
@@ -114,7 +144,7 @@ def _verify_derived(model, derived: dict[str, str], loaded: dict) -> list[dict]:
             continue
         try:
             with torch.no_grad():
-                scratch = _scratch_copy(module, info)
+                scratch = scratch_copy(module, info)
                 owner = {tensor.untyped_storage().data_ptr(): key
                          for key, tensor in list(origin_module._parameters.items())
                          + list(origin_module._buffers.items()) if tensor is not None}
@@ -130,7 +160,7 @@ def _verify_derived(model, derived: dict[str, str], loaded: dict) -> list[dict]:
                         raise LayerwiseError(f"{key}: shape {tuple(target.shape)} does not match "
                                              f"{origin}.{origin_key} {tuple(value.shape)}")
                     target.data.copy_(value)
-                _process(scratch)
+                process_copy(scratch)
                 expected = module_fingerprints(scratch)
                 actual = module_fingerprints(module)
         except Exception as exc:  # noqa: BLE001 - reported as not checkable, with why
@@ -148,11 +178,55 @@ def _verify_derived(model, derived: dict[str, str], loaded: dict) -> list[dict]:
     return layers
 
 
-def _verify_layer(model, name: str, module, tensors: list) -> tuple[dict, object]:
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-    from vllm.model_executor.model_loader.reload.meta import CopyCounter
-    from vllm.model_executor.model_loader.reload.utils import get_layer_size
+def _verify_alias_buffers(model, state, source_tensors: dict[str, list], statuses: dict[str, str]) -> list[dict]:
+    """Check every buffer derived at load from a parameter (`derived_state`) against SOURCE.
+
+    A buffer that still shares its parameter's storage is checked by its
+    source layer's comparison (the same bytes); one that does not (CPU
+    prepack moved the parameter) is compared with its parameter as SOURCE
+    loads it, unprocessed (`expected_alias_value`), which is what a fresh
+    engine holds. A buffer whose source is unknown is not checked (`skipped`).
+    """
+    from layerwise_cli.worker.checksums import tensor_digest
+    from layerwise_cli.worker.derived_state import expected_alias_value
+
+    layers = []
+    for alias in state.aliases:
+        origin = f"{alias.source}.{alias.parameter}"
+        entry = {"name": alias.name, "status": "match", "compared": [], "derived_from": origin,
+                 "detail": f"derived at load: a view of {origin}"}
+        if alias.source not in statuses:
+            entry.update(status="skipped", detail=f"a view of {origin}, which SOURCE does not cover")
+        elif alias.live:
+            entry.update(status=statuses[alias.source] if statuses[alias.source] in ("match", "mismatch")
+                         else "skipped", compared=[alias.buffer],
+                         detail=f"shares its storage with {origin}, checked with {alias.source}")
+        else:
+            try:
+                expected = expected_alias_value(model, alias, source_tensors[alias.source])
+                live = model.get_submodule(alias.module)._buffers[alias.buffer]
+                same = tensor_digest(expected) == tensor_digest(live)
+            except Exception as exc:  # noqa: BLE001 - reported as not checkable, with why
+                entry.update(status="error", detail=f"a view of {origin}; could not be recomputed from SOURCE: "
+                             f"{describe_exception(exc)}")
+                layers.append(entry)
+                continue
+            entry["compared"] = [alias.buffer]
+            if not same:
+                entry.update(status="mismatch", detail=f"{alias.buffer}: a view of {origin} taken at load, "
+                             "differs from that parameter as SOURCE loads it (left stale by the reload)")
+        layers.append(entry)
+    for name, why in state.unknown.items():
+        layers.append({"name": name, "status": "skipped", "compared": [], "detail": why})
+    return layers
+
+
+def _verify_layer(model, name: str, module, tensors: list, derived_buffers: frozenset[str] = frozenset()
+                  ) -> tuple[dict, object]:
+    from layerwise_cli import vllm_compat
+    from layerwise_cli.worker.verify_quantized import drop_processing_outputs
+
+    LAYERWISE_INFO = vllm_compat.layerwise_info()
 
     def entry(status: str, detail: str = "", compared: list | None = None) -> dict:
         return {"name": name, "status": status, "detail": detail, "compared": compared or []}
@@ -162,24 +236,18 @@ def _verify_layer(model, name: str, module, tensors: list) -> tuple[dict, object
     info = LAYERWISE_INFO.get(module)
     if info is None or not any(info.restore_metadata):
         return entry("skipped", "vLLM recorded no reload metadata for this layer"), None
-    if is_deferred_attention_layer(module):
+    if vllm_compat.is_deferred_attention_layer(module):
         return entry("skipped", "attention layers are processed with the whole model, not alone"), None
-    scratch = _scratch_copy(module, info)
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    parent._modules[child] = scratch
-    try:
-        with CopyCounter() as counter:
-            model.load_weights(iter(tensors))
-    finally:
-        parent._modules[child] = module
-    expected_numel = get_layer_size(scratch)
-    if counter.copied_numel < expected_numel and not _fills_its_padding(scratch, counter.copied_numel):
-        return entry("skipped", f"SOURCE covers {counter.copied_numel} of the layer's {expected_numel} "
-                     "elements"), None
-    _process(scratch)
+    # Buffers derived from another layer's weights are not loaded: checked on their own.
+    scratch = scratch_copy(module, info, exclude=derived_buffers)
+    drop_processing_outputs(scratch, module, info)  # a layer quantized online is copied in checkpoint format
+    copied = load_alone(model, name, scratch, tensors)
+    expected_numel = vllm_compat.get_layer_size(scratch)
+    if copied < expected_numel and not _fills_its_padding(scratch, copied):
+        return entry("skipped", f"SOURCE covers {copied} of the layer's {expected_numel} elements"), None
+    process_copy(scratch)
     expected = module_fingerprints(scratch)
-    actual = module_fingerprints(module)
+    actual = {key: value for key, value in module_fingerprints(module).items() if key not in derived_buffers}
     compared = sorted(expected.keys() | actual.keys())
     differing = [key for key in compared if expected.get(key) != actual.get(key)]
     if differing:
@@ -195,87 +263,6 @@ def _fills_its_padding(module, copied: int) -> bool:
     padding rows with zeros itself (`vocab_parallel_embedding.py`,
     `weight_loader`), so the copy holds what a fresh engine holds.
     """
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from layerwise_cli import vllm_compat
 
-    return isinstance(module, VocabParallelEmbedding) and copied > 0
-
-
-def _scratch_copy(module, info):
-    """A private copy of `module` in checkpoint format, sharing no tensor a loader could write into."""
-    import copy
-
-    import torch
-
-    scratch = copy.copy(module)
-    scratch._parameters = {}
-    scratch._buffers = {}
-    scratch._modules = dict(module._modules)
-    scratch._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
-    scratch.__dict__.pop("_already_called_process_weights_after_loading", None)
-    # The engine's kernel handle must not answer for the copy: processing builds the copy's own.
-    scratch.__dict__.pop("cpu_linear", None)
-    restore_params, restore_buffers = info.restore_metadata
-    with torch.device(info.restore_device):
-        for name, meta in restore_params.items():
-            scratch.register_parameter(name, _fresh_tensor(meta, scratch, module, zeros=True))
-        for name, meta in restore_buffers.items():
-            scratch.register_buffer(name, _fresh_tensor(meta, scratch, module, zeros=True),
-                                    persistent=name not in scratch._non_persistent_buffers_set)
-    # Tensors vLLM leaves out of its metadata (`bias`, expert maps) stay live on
-    # the engine's layer: give the copy its own clones of them.
-    for name, tensor in module._parameters.items():
-        if tensor is not None and name not in scratch._parameters:
-            scratch.register_parameter(name, _fresh_tensor(tensor, scratch, module, zeros=False))
-    for name, tensor in module._buffers.items():
-        if tensor is not None and name not in scratch._buffers:
-            scratch.register_buffer(name, _fresh_tensor(tensor, scratch, module, zeros=False),
-                                    persistent=name not in scratch._non_persistent_buffers_set)
-    return scratch
-
-
-def _fresh_tensor(template, scratch, module, *, zeros: bool):
-    """A new tensor shaped like `template` (zeros, or a copy of its values), with its attributes.
-
-    Weight loaders bound to the engine's layer (or to vLLM's placeholder) are
-    rebound to the copy, and layerwise's buffering wrappers are removed, so
-    that loading the copy never touches the engine's layer or its buffers.
-    """
-    from types import MethodType
-
-    import torch
-    from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
-
-    if zeros or template.device.type == "meta":
-        tensor = torch.zeros(tuple(template.shape), dtype=template.dtype)
-    else:
-        tensor = template.detach().clone()
-    tensor.__class__ = template.__class__
-    attributes = {}
-    for key, value in template.__dict__.items():
-        while callable(value) and getattr(value, "__name__", "") == "online_process_loader":
-            value = value.__wrapped__
-        if isinstance(value, MethodType) and (value.__self__ is module or value.__self__ is layer_ref_sentinel):
-            value = value.__func__.__get__(scratch)
-        attributes[key] = value
-    tensor.__dict__ = attributes
-    return tensor
-
-
-def _process(scratch) -> None:
-    """What vLLM does to a layer once all its weights are loaded (repacking, online quantization)."""
-    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-
-    quant_method = getattr(scratch, "quant_method", None)
-    if isinstance(quant_method, QuantizeMethodBase):
-        if getattr(quant_method, "moe_kernel", None) is not None:
-            # Process the copy as a fresh engine does, not as a weight update:
-            # vLLM's MoE methods skip the kernel's own processing (CPU prepack)
-            # once a kernel exists, which is what a reload gets wrong on CPU.
-            import copy
-
-            quant_method = copy.copy(quant_method)
-            quant_method.moe_kernel = None
-            scratch.quant_method = quant_method
-        quant_method.process_weights_after_loading(scratch)
-        if hasattr(scratch, "update_param_tp_status"):
-            scratch.update_param_tp_status()
+    return isinstance(module, vllm_compat.vocab_parallel_embedding_class()) and copied > 0

@@ -210,3 +210,12 @@ def engine_state(llm) -> dict:
     results = llm.collective_rpc("layerwise_checksums")
     assert all(r["ok"] for r in results)
     return results[0]
+
+
+def with_rotary_buffers(tensors: dict, head_dim: int = 64) -> dict:
+    """TENSORS plus `rotary_emb.inv_freq` in every decoder layer, as older Llama-family exports write it."""
+    import torch
+
+    layers = sorted({int(name.split(".")[2]) for name in tensors if name.startswith("model.layers.")})
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    return {**tensors, **{f"model.layers.{i}.self_attn.rotary_emb.inv_freq": inv_freq.clone() for i in layers}}

