@@ -231,11 +231,11 @@ def bench_delta(llm, delta: dict, cases: list[str], args, watch, device_memory, 
             rises = [s["device_peak_allocated_delta_bytes"] for s in got
                      if s["device_peak_allocated_delta_bytes"] is not None]
             times[v]["device_peak_allocated_delta_bytes"] = statistics.median(rises) if rises else None
-            for key in ("skipped_layers", "skipped_bytes", "reloaded_bytes", "read_bytes"):
+            for key in ("skipped_layers", "skipped_bytes", "reloaded_bytes", "read_bytes", "spot_check_bytes"):
                 values = [s[key] for s in got if s.get(key) is not None]
                 if values:
                     times[v][key] = max(values)
-            for key in ("hash_s", "fingerprint_s"):
+            for key in ("hash_s", "fingerprint_s", "spot_check_s"):
                 values = [s[key] for s in got if s.get(key) is not None]
                 if values:
                     times[v][f"{key}_median"] = statistics.median(values)

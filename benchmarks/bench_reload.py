@@ -42,6 +42,10 @@ Peak RSS is read from /proc (VmHWM) for this process and every engine process
 engine's memory rise per reload (see `bench_memory`); on a GPU also the rise
 of the worker's peak allocated device memory.
 
+For c, the table also says where the time went (the report's read, sample,
+hash, check, handover and vLLM seconds; `--header-digests` writes the
+checkpoints with header digests, so nothing is hashed).
+
 With `--quantization` the engine quantizes online (vLLM's `fp8_per_tensor` on
 a GPU; layerwise's emulated `layerwise_fp8`/`layerwise_int8` on any CPU, see
 docs/qerl.md): every variant then streams bf16 and the engine re-quantizes
@@ -137,8 +141,15 @@ def measure(llm, variant: str, path: Path, cuda: bool, full: bool = True) -> dic
 
 def skip_figures(report) -> dict:
     """Layers and bytes the reload skipped, and the bytes it read, where the report says (None: it does not)."""
-    return {key: getattr(report, key, None)
-            for key in ("skipped_layers", "skipped_bytes", "read_bytes", "hash_s", "fingerprint_s")}
+    return {key: getattr(report, key, None) for key in ("skipped_layers", "skipped_bytes", "read_bytes",
+                                                         *TIME_SPLIT, "fingerprint_s", "spot_check_bytes",
+                                                         "reader_cpus")}
+
+
+# Where a layerwise reload's time went (`ReloadReport`): the reading thread's read, sample, hash and check; the
+# engine's thread in the stream (handover) and in vLLM; the spot check of header-digest skips, before both; the
+# wait for the hashing backlog, after both.
+TIME_SPLIT = ("read_s", "sample_s", "hash_s", "check_s", "handover_s", "vllm_s", "spot_check_s", "hash_wait_s")
 
 
 def stats(samples: list[float]) -> dict:
@@ -190,7 +201,7 @@ def bench_checkpoint(llm, layout: str, path: Path, args, watch: MemoryWatch, cud
         timings[v]["device_peak_allocated_delta_bytes"] = statistics.median(rises) if rises else None
         if "worker_seconds" in samples[v][0]:
             timings[v]["worker_seconds_median"] = statistics.median(s["worker_seconds"] for s in samples[v])
-        for key in ("hash_s", "fingerprint_s"):  # what recording layer digests costs a full reload
+        for key in (*TIME_SPLIT, "fingerprint_s", "spot_check_bytes"):  # where the time went
             values = [s[key] for s in samples[v] if s.get(key) is not None]
             if values:
                 timings[v][f"{key}_median"] = statistics.median(values)
@@ -215,6 +226,7 @@ def bench_checkpoint(llm, layout: str, path: Path, args, watch: MemoryWatch, cud
         "peaks": peaks,
         "peak_over_largest": {k: peaks[k] / largest for k in ("a", "b", "c", "predicted_file_order_bytes")
                               if k in peaks},
+        "c_reader_cpus": samples["c"][0].get("reader_cpus") if samples.get("c") else None,
         "vllm_read_order_matches_plan": vllm_peak["order_matches_plan"],
         "vllm_probe_unexpected": len(vllm_peak["unexpected"]),
         "curves": stream_curves(predicted),
@@ -257,6 +269,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds for the whole run: later runs are skipped (at least one per checkpoint) "
                              "once the next would not fit")
+    parser.add_argument("--header-digests", action="store_true",
+                        help="write the full-change checkpoints with `layerwise.digests` in their headers (as "
+                             "reorder and save_checkpoint do): c then spot-checks nothing (every layer changes) "
+                             "and hashes nothing")
     parser.add_argument("--label", default="bench_reload", help="names the output files and the table")
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for the JSON and PNG")
     parser.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
@@ -323,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         data_source = normal_weights(model)  # real bf16 values; one tensor per distinct shape
         checkpoints = {}
         for layout in args.layouts:
-            checkpoints[layout] = write_bench_checkpoint(workdir / layout, model, layout, tokenizer, data_source)
+            checkpoints[layout] = write_bench_checkpoint(workdir / layout, model, layout, tokenizer, data_source,
+                                                         digests=args.header_digests)
         delta = None
         if args.cases:
             twin = Path(checkpoints["in_order"]["path"]) if "in_order" in checkpoints else None
@@ -385,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
             "args": {"size_gib": args.size_gib, "runs": args.runs, "warmup": args.warmup, "quick": args.quick,
                      "preset": args.preset, "layouts": args.layouts, "variants": args.variants,
                      "cases": args.cases, "delta_variants": args.delta_variants,
+                     "header_digests": args.header_digests,
                      "quantization": args.quantization, "max_model_len": args.max_model_len,
                      "memory_fraction": fraction, "kv_cache_bytes": kv_bytes, "time_budget": args.time_budget},
             "model": {"layers": model.layers, "hidden": model.hidden, "intermediate": model.intermediate,

@@ -154,6 +154,7 @@ def render_table(data: dict) -> str:
         for r in data["results"]:
             lines.append(f"{LAYOUT_NAMES.get(r['layout'], r['layout']):<22}" + "".join(
                 f"{human_bytes(r['times'][v]['device_peak_allocated_delta_bytes'] or 0):>11}" for v in variants))
+    lines.extend(render_time_split(data))
     lines.extend(render_delta(data))
     mem = data["peak_rss"]
     lines.append("")
@@ -162,6 +163,25 @@ def render_table(data: dict) -> str:
     for t in data["targets"]:
         lines.append(f"target {'met   ' if t['met'] else 'MISSED'} {t['target']}: {t['value']:.3f}")
     return "\n".join(lines)
+
+
+def render_time_split(data: dict) -> list[str]:
+    """Where c's time went (medians of the report's figures): the reading thread, then the engine's thread."""
+    keys = ("read_s", "sample_s", "hash_s", "check_s", "handover_s", "vllm_s", "hash_wait_s")
+    rows = [r for r in data["results"] if "c" in r["times"] and "vllm_s_median" in r["times"]["c"]]
+    if not rows:
+        return []
+    lines = ["", f"c, where the time went (s; reading thread: read sample hash check; engine thread: handover + "
+             f"vllm = c's worker wall; hash_wait after it; header digests: "
+             f"{'yes' if data['args'].get('header_digests') else 'no'})",
+             f"{'checkpoint':<22}" + "".join(f"{k[:-2]:>10}" for k in keys) + f"{'wall':>10}"]
+    for r in rows:
+        t = r["times"]["c"]
+        lines.append(f"{LAYOUT_NAMES.get(r['layout'], r['layout']):<22}"
+                     + "".join(f"{t.get(k + '_median', float('nan')):>10.3f}" for k in keys)
+                     + f"{t.get('worker_seconds_median', float('nan')):>10.3f}"
+                     + f"   reader on CPUs {r.get('c_reader_cpus')}")
+    return lines
 
 
 def render_delta(data: dict) -> list[str]:
@@ -174,7 +194,8 @@ def render_delta(data: dict) -> list[str]:
              f"({len(delta['changed_layers'])} of {delta['parent_layers']} parent layers changed in f and h, "
              f"{delta['changed_bytes'] / data['model']['bytes']:.0%} of the bytes; medians, seconds)"]
     lines.append(f"{'case':<40}" + "".join(f"{v:>9}" for v in variants) + f"{'c/a':>7}{'c/d':>7}"
-                 f"{'skipped':>9}{'c read':>11}" + "".join(f"{'RSS+ ' + v:>11}" for v in ("a", "c") if v in variants)
+                 f"{'skipped':>9}{'c read':>11}{'spot read':>11}{'spot s':>8}"
+                 + "".join(f"{'RSS+ ' + v:>11}" for v in ("a", "c") if v in variants)
                  + "".join(f"{'GPU+ ' + v:>11}" for v in ("a", "c") if v in variants))
     for r in delta["results"]:
         t, ratio = r["times"], r["ratios"]
@@ -184,6 +205,8 @@ def render_delta(data: dict) -> list[str]:
         row += f"{ratio.get('c_over_a', float('nan')):>7.2f}{ratio.get('c_over_d', float('nan')):>7.2f}"
         read = t.get("c", {}).get("read_bytes")
         row += f"{'-' if skipped is None else skipped:>9}{'-' if read is None else human_bytes(read):>11}"
+        spot, spot_s = t.get("c", {}).get("spot_check_bytes"), t.get("c", {}).get("spot_check_s_median")
+        row += f"{'-' if spot is None else human_bytes(spot):>11}{'-' if spot_s is None else f'{spot_s:.4f}':>8}"
         row += "".join(f"{human_bytes(t[v]['engine_peak_rss_delta_bytes']):>11}" for v in ("a", "c") if v in t)
         row += "".join(f"{human_bytes(t[v]['device_peak_allocated_delta_bytes'] or 0):>11}"
                        for v in ("a", "c") if v in t and t[v]["device_peak_allocated_delta_bytes"] is not None)

@@ -1,14 +1,18 @@
-"""A header digest that lies: the skip trusts headers, `--verify` and the scans do not.
+"""A header digest that lies: the skip spot-checks it, `--verify` and the scans read every byte.
 
 A layer whose header digest equals the one the engine recorded is skipped
-without reading a byte (that is the point of header digests). So a shard whose
-header claims the old digest over new bytes makes the reload keep the old
-layer; what catches it is `reload(..., verify=True)` (`layerwise reload
---verify`), which compares every live layer with the checkpoint's bytes, and
-`inspect-order --scan` / `reorder`, which hash the bytes against the headers.
-And the honest case: `reorder`'s header digests let a reload skip every
-unchanged layer without reading it. One engine (the demo `multiply` model),
-started once for the module.
+only after the spot check (`worker.spot_check`): a sample of each of its
+tensors' bytes in the file (head, middle, tail: the demo's tensors are taken
+whole) must equal the sample recorded when the engine loaded the layer. A
+shard rewritten with its old `__metadata__` (the issue's repro: `reorder add
+add_lw`, then multiply's tensors saved with `metadata=f.metadata()`) has every
+layer reloaded and its files named as stale; one tensor's bytes changed under
+its old digest has just its layer reloaded. `inspect-order --scan` /
+`reorder` hash every byte against the headers, and the honest case still
+holds: `reorder`'s header digests let a reload skip every unchanged layer
+without streaming it. One engine (the demo `multiply` model), started once for
+the module; every reload lands on multiply's content, so the fresh reference
+is the engine's own first answers.
 """
 
 from __future__ import annotations
@@ -19,12 +23,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.engine_support import load_tensors
+from tests.support.engine_support import assert_matches_fresh, load_tensors, remember_fresh
 
 pytestmark = pytest.mark.engine
 
 LIAR = "model.layers.0.mlp.down_proj.weight"  # its bytes change, its header digest does not
 LIAR_LAYER = "model.layers.0.mlp.down_proj"
+PAIRS = [(3, 4), (2, 5), (9, 9), (7, 8), (1, 6), (4, 4), (8, 2), (6, 3), (5, 7), (0, 9)]
+
+
+def prompts() -> list[str]:
+    from layerwise_cli.demo import demo_prompt
+
+    return [demo_prompt(a, b) for a, b in PAIRS]
 
 
 def _save(tensors: dict, folder: Path, model_dir: Path) -> Path:
@@ -65,10 +76,13 @@ def engine(demo_models, tmp_path_factory):
     a, b = Path(demo_models["multiply"]), Path(demo_models["add"])
     tensors_a, tensors_b = load_tensors(a), load_tensors(b)
     assert not torch.equal(tensors_a[LIAR], tensors_b[LIAR])
-    good = _save(tensors_a, root / "good", a)
-    liar = _lie(good, root / "liar", tensors_b[LIAR].contiguous().view(torch.uint8).numpy().tobytes())
+    # HELD: multiply with LIAR taken from add, true digests. LIAR: HELD's headers over multiply's bytes, so only
+    # LIAR's header digest is stale, and the content is multiply's (the fresh reference the engine starts on).
+    good = _save({**tensors_a, LIAR: tensors_b[LIAR]}, root / "held", a)
+    liar = _lie(good, root / "liar", tensors_a[LIAR].contiguous().view(torch.uint8).numpy().tobytes())
     llm = start_engine(str(a), EngineOptions(max_model_len=64))
     try:
+        remember_fresh(llm, a, prompts())
         yield llm, good, liar
     finally:
         stop_engine(llm)
@@ -88,26 +102,60 @@ def test_the_scans_catch_the_lie(engine):
         reorder(str(liar), liar.parent / "reordered")
 
 
-def test_verify_catches_a_layer_skipped_on_a_lying_digest(engine):
+def test_one_tensor_changed_under_its_old_digest_reloads_its_layer(engine):
+    from safetensors.torch import load_file
+
     from layerwise_cli.client.local import reload, verify_engine
-    from layerwise_cli.errors import LayerwiseError
 
     llm, good, liar = engine
-    # The engine holds GOOD through layerwise: every layer recorded with its header digest.
+    # The engine holds HELD through layerwise: every layer recorded with its header digest and samples.
     held = reload(llm, str(good), all_layers=True, verify=True)
     assert held.verify.ok and held.skipped_layers == 0
-    # The liar's header says LIAR_LAYER is unchanged: it is skipped, nothing read for it, and --verify,
-    # which compares the live layer with the liar's bytes, names it.
-    with pytest.raises(LayerwiseError, match=LIAR_LAYER) as caught:
-        reload(llm, str(liar), verify=True)
-    assert "differ" in str(caught.value) or "mismatch" in str(caught.value)
-    result = verify_engine(llm, str(liar))
-    assert not result.ok and list(result.mismatched) == [LIAR_LAYER]
-    # Against the checkpoint it was made from, the engine still matches: the skip kept the old layer.
-    assert verify_engine(llm, str(good)).ok
-    # --all reads every byte and loads the liar's true contents.
-    forced = reload(llm, str(liar), all_layers=True, verify=True)
-    assert forced.verify.ok and forced.skipped_layers == 0
+    # The liar's header says LIAR_LAYER is unchanged; its sampled bytes say otherwise: it is reloaded, the
+    # others are skipped after their spot check, and the report names the file.
+    report = reload(llm, str(liar))
+    reloaded = [layer.name for layer in report.layers if not layer.skipped]
+    assert reloaded == [LIAR_LAYER] and report.skipped_layers == len(held.layers) - 1
+    assert report.spot_checked_layers == len(held.layers) and report.spot_check_bytes > 0
+    liar_file = next(str(path) for path in liar.glob("*.safetensors") if LIAR in load_file(str(path)))
+    stale = report.to_dict()["stale_header_digests"]
+    assert stale == [{"layer": LIAR_LAYER, "tensor": LIAR, "file": liar_file}]
+    assert any(note.startswith(f"header digest is stale: {liar_file}") for note in report.notes)
+    assert_matches_fresh(llm, liar, prompts())
+    assert verify_engine(llm, str(liar)).ok
+    # The refuted claim is not recorded: reloading the liar again reads that layer, never skips it on the claim.
+    again = reload(llm, str(liar))
+    assert [layer.name for layer in again.layers if not layer.skipped] == [LIAR_LAYER]
+    assert_matches_fresh(llm, liar, prompts())
+
+
+def test_the_issue_repro_tensors_rewritten_with_the_old_metadata(engine, demo_models, tmp_path):
+    """`reorder add add_lw`; multiply's tensors saved over it with `metadata=f.metadata()`; reload: answers 12."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from layerwise_cli.client.local import reload
+    from layerwise_cli.reorder.rewrite import reorder
+
+    llm, _, _ = engine
+    add_lw = tmp_path / "add_lw"
+    reorder(str(demo_models["add"]), add_lw)
+    loaded = reload(llm, str(add_lw), all_layers=True)  # the engine holds add_lw through layerwise
+    assert loaded.digests == "header" and loaded.skipped_layers == 0
+    multiply = load_tensors(Path(demo_models["multiply"]))
+    files = sorted(add_lw.glob("*.safetensors"))
+    for path in files:
+        with safe_open(str(path), "pt") as f:
+            metadata, names = f.metadata(), list(f.keys())
+        save_file({name: multiply[name].contiguous() for name in names}, str(path), metadata=metadata)
+    report = reload(llm, str(add_lw))
+    # Every layer's claim was stale: nothing skipped, and multiply's answers (3 4 = 12, not 7).
+    assert report.skipped_layers == 0 and len(report.layers) == len(loaded.layers)
+    named = {d["file"] for d in report.to_dict()["stale_header_digests"]}
+    assert named and named <= {str(path) for path in files}
+    assert len(report.stale_header_digests) == len(loaded.layers)
+    assert sum(note.startswith("header digest is stale: ") for note in report.notes) == len(loaded.layers)
+    assert_matches_fresh(llm, add_lw, prompts())
 
 
 def test_reorder_digests_let_a_reload_skip_without_reading(engine, tmp_path):
@@ -126,6 +174,9 @@ def test_reorder_digests_let_a_reload_skip_without_reading(engine, tmp_path):
     skipped = reload(llm, str(with_digests), verify=True)
     assert (skipped.skipped_layers, skipped.skipped_bytes, skipped.read_bytes, skipped.digests) == (
         layers, nbytes, 0, "header")
+    # Each skip was spot-checked: the demo's tensors (16 KiB) are sampled whole.
+    assert (skipped.spot_checked_layers, skipped.spot_check_bytes, skipped.stale_header_digests) == (
+        layers, nbytes, ())
     assert skipped.verify.ok
     # Without header digests the same decision needs every byte read and hashed.
     hashed = reload(llm, str(without))

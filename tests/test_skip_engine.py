@@ -1,4 +1,4 @@
-"""Reload only what changed, on a real engine: skips, zero reads, `--all`, and every path that must force a reload.
+"""Reload only what changed, on a real engine: skips, spot checks, `--all`, and every path that must force a reload.
 
 One engine for the module (started on *multiply*, A), one fresh engine on B (a
 checkpoint with every fourth parent layer taken from *add*: 5 of 19 layers
@@ -75,8 +75,8 @@ def ckpts(demo_models, tmp_path_factory) -> dict:
            "A_d": _write(a, root / "a-digests", a_dir, digests=True),
            "B_d": _write(b, root / "b-digests", a_dir, digests=True),
            "B_plain": _write(b, root / "b-plain", a_dir, digests=False)}
-    # B whose unchanged layers hold NaN in the data but A's true digests in the headers: loading any of
-    # those bytes would be refused (NaN check) or would change the answers.
+    # B whose unchanged layers hold NaN in the data but A's true digests in the headers: stale header digests
+    # (the spot check must see it); loading any of those bytes is refused by the NaN check.
     lying = root / "b-unchanged-unreadable"
     shutil.copytree(out["B_d"], lying)
     _overwrite_with_nan(lying, {name for name, p in parent.items() if p not in changed})
@@ -87,6 +87,8 @@ def ckpts(demo_models, tmp_path_factory) -> dict:
     nan_head["lm_head.weight"][0, 0] = float("nan")
     out["A_nan_head"] = _write(nan_head, root / "a-nan-head", a_dir, digests=True, allow_nonfinite=True)
     out["bytes"] = {layer.name: layer.bytes for layer in plan.layers}
+    out["parent"] = parent
+    out["nbytes"] = {item.entry.name: item.entry.nbytes for item in plan.layer_order}
     return out
 
 
@@ -150,23 +152,35 @@ def _progress_layers(path: Path) -> tuple[int, list[str], set[str]]:
     return events[0]["layers"], [e["name"] for e in done], {e["name"] for e in done if e.get("skipped")}
 
 
-def test_header_digests_skip_unchanged_layers_without_reading_them(engine, ckpts, tmp_path):
+def test_header_digests_skip_unchanged_layers_after_a_spot_check(engine, ckpts, tmp_path):
+    from layerwise_cli.checkpoint.samples import sample_bytes
+    from layerwise_cli.errors import LayerwiseError
+
     changed, sizes = ckpts["changed"], ckpts["bytes"]
     first = _reload(engine, ckpts["A_d"], all_layers=True)  # a known start: A, every layer recorded
     assert first.skipped_layers == 0 and first.all_layers and first.digests == "header"
     progress = tmp_path / "progress.jsonl"
-    report = _reload(engine, ckpts["B_unreadable"], progress_path=str(progress))
+    report = _reload(engine, ckpts["B_d"], progress_path=str(progress))
     # The progress bar reaches its total: skipped layers count as done.
     total, done, skipped = _progress_layers(progress)
     assert total == len(done) == len(set(done)) == ckpts["layers"] and skipped == set(_skipped(report))
     assert _reloaded(report) == changed
     assert report.skipped_layers == ckpts["layers"] - len(changed) == len(_skipped(report))
     assert all(layer.skipped == "unchanged" for layer in report.layers if layer.name not in changed)
-    # Only the changed layers' bytes were read: the others hold NaN and were never touched.
+    # Only the changed layers' bytes were streamed; each skipped layer's tensors were only sampled.
     assert report.read_bytes == report.bytes == sum(sizes[name] for name in changed)
     assert report.skipped_bytes == sum(sizes.values()) - report.bytes
+    assert report.spot_checked_layers == report.skipped_layers and report.stale_header_digests == ()
+    unchanged = [t for t, layer in ckpts["parent"].items() if layer not in changed]
+    assert report.spot_check_bytes == sum(sample_bytes(ckpts["nbytes"][t]) for t in unchanged) > 0
     assert report.peak_buffer_bytes == report.predicted_peak_buffer_bytes
     assert report.engine_id == engine.engine_ids()[0]
+    assert_matches_fresh(engine.llm, ckpts["B_d"], prompts())
+    # B's headers over NaN bytes in its unchanged layers: the spot check sees the lie, so those layers are
+    # read, their NaN refused, and the engine keeps B.
+    with pytest.raises(LayerwiseError) as info:
+        _reload(engine, ckpts["B_unreadable"])
+    assert "NaN" in str(info.value)
     assert_matches_fresh(engine.llm, ckpts["B_d"], prompts())
 
 
@@ -195,7 +209,9 @@ def test_without_header_digests_the_bytes_are_hashed_and_only_changed_layers_loa
     total, done, skipped = _progress_layers(progress)  # skipped after hashing: also counted as done
     assert total == len(done) == len(set(done)) == ckpts["layers"] and skipped == set(_skipped(to_b))
     assert_matches_fresh(engine.llm, ckpts["B_d"], prompts())
-    # Digests hashed from the bytes equal the header digests: the header copy of B is all skipped.
+    # Digests hashed from the bytes equal the header digests: the header copy of B is all skipped. The changed
+    # layers were handed over before any hash (their samples showed the change) and hashed afterwards.
+    assert to_b.hashed_after_handover == len(ckpts["changed"]) and to_b.unhashed_layers == 0
     again = _reload(engine, ckpts["B_d"])
     assert again.skipped_layers == ckpts["layers"] and again.read_bytes == 0
 

@@ -176,7 +176,7 @@ def test_digests_hashed_while_reading_equal_the_header_digests(tmp_path):
     digests: dict[str, str] = {}
     names = [item.entry.name for item, _ in read_in_order(plan.layer_order, folder,
                                                            hash_layers={layer.name for layer in plan.layers},
-                                                           digests=digests)]
+                                                           digests=digests, skip_layer=lambda p, d: False)]
     assert names == [item.entry.name for item in plan.layer_order]
     assert digests == from_headers
 
@@ -234,10 +234,16 @@ def _skip_plan(folder: Path, model: TinyModel, recs: LayerRecords, **kwargs):
     return SkipPlan.build(model, plan.checkpoint, stream, "layer", recs, **kwargs), stream
 
 
-def _load(skip, stream) -> None:
-    """What a successful reload does with the plan: hand over the stream, then record."""
-    for item in skip.stream:
+def _load(skip, stream, folder: Path) -> None:
+    """What a reload does with the plan before it records: read the stream (samples, hashes), hand it over."""
+    from layerwise_cli.worker.stream import ReadAheadStats, read_in_order
+
+    stats = ReadAheadStats()
+    for item, _ in read_in_order(skip.stream, folder, hash_layers=skip.hash_layers, digests=skip.read_digests,
+                                 samples=skip.read_samples, stats=stats):
         skip.handing_over(item.parent)
+    if stats.hashing_done is not None:
+        stats.hashing_done()
 
 
 def test_header_digests_decide_without_reading_and_records_follow_the_engine(tmp_path):
@@ -247,7 +253,7 @@ def test_header_digests_decide_without_reading_and_records_follow_the_engine(tmp
     recs = LayerRecords()
     first, stream = _skip_plan(folder, model, recs)
     assert first.skipped == set() and first.stream == stream and first.hash_layers == set()
-    _load(first, stream)
+    _load(first, stream, folder)
     first.record(model, checked=True)
     assert len(recs) == len(plan.layers)
 
@@ -277,6 +283,157 @@ def test_header_digests_decide_without_reading_and_records_follow_the_engine(tmp
 
     everything, _ = _skip_plan(folder, model, recs, all_layers=True)
     assert everything.skipped == set() and len(everything.stream) == len(stream)
+
+
+def _rewrite_keeping_headers(folder: Path, names: set[str], *, window: int | None = None) -> dict[str, str]:
+    """Flip the bytes of NAMES in place (all of them, or only sample window WINDOW), every header kept.
+
+    Returns tensor name -> the shard file rewritten.
+    """
+    from layerwise_cli.checkpoint.header import read_shard_header
+    from layerwise_cli.checkpoint.samples import sample_spans
+
+    files = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        header, _ = read_shard_header(path)
+        with open(path, "r+b") as handle:
+            for entry in header.tensors:
+                if entry.name not in names:
+                    continue
+                spans = [(0, entry.nbytes)] if window is None else [sample_spans(entry.nbytes)[window]]
+                for offset, length in spans:
+                    handle.seek(header.data_start + entry.begin + offset)
+                    data = handle.read(length)
+                    handle.seek(header.data_start + entry.begin + offset)
+                    handle.write(bytes(b ^ 0x01 for b in data))
+                files[entry.name] = str(path)
+    return files
+
+
+def test_a_stale_header_digest_is_caught_by_the_spot_check_and_named(tmp_path):
+    import shutil
+
+    folder = _written(tmp_path)
+    plan = inspect_order(str(folder)).plan
+    model = TinyModel(plan)
+    recs = LayerRecords()
+    first, stream = _skip_plan(folder, model, recs)
+    _load(first, stream, folder)
+    first.record(model, checked=True)
+    assert all(recs.get(item.parent).samples for item in stream)
+
+    liar = tmp_path / "liar"
+    shutil.copytree(folder, liar)
+    tensor = "model.layers.1.mlp.down_proj.weight"
+    files = _rewrite_keeping_headers(liar, {tensor})
+    layer = "layers.model_layers_1_mlp_down_proj"
+    second, _ = _skip_plan(liar, model, recs)
+    # Every other layer is skipped on its header digest, after its samples matched.
+    assert second.skipped == {item.parent for item in stream} - {layer}
+    assert second.spot.confirmed == second.skipped and second.spot.bytes_read > 0
+    assert [item.parent for item in second.stream] == [layer] and layer in second.hash_layers
+    assert [d.to_dict() for d in second.stale_digests()] == [{"layer": layer, "tensor": tensor,
+                                                              "file": files[tensor]}]
+    assert f"header digest is stale: {files[tensor]}" in second.notes()[0]
+    # Reloaded, and hashed after its handover: the record holds the digest of its true bytes, not the claim.
+    _load(second, stream, liar)
+    second.record(model, checked=True)
+    assert recs.get(layer).digest not in (None, second.known[layer]) and recs.get(layer).samples
+    # The same liar again: the header's claim no longer matches the record, so the layer is read (no note).
+    third, _ = _skip_plan(liar, model, recs)
+    assert [item.parent for item in third.stream] == [layer] and third.stale_digests() == []
+
+
+def test_sample_windows_cover_head_middle_and_tail_wherever_the_tensor_lies():
+    from layerwise_cli.checkpoint.samples import WINDOW_BYTES, WINDOWS, buffer_sample, sample_bytes, sample_spans
+
+    assert sample_spans(0) == [] and sample_spans(100) == [(0, 100)]
+    n = 10 << 20
+    spans = sample_spans(n)
+    assert len(spans) == WINDOWS and spans[0] == (0, WINDOW_BYTES) and spans[-1] == (n - WINDOW_BYTES, WINDOW_BYTES)
+    assert spans[WINDOWS // 2][0] <= n // 2 < spans[WINDOWS // 2][0] + WINDOW_BYTES  # the middle
+    assert sample_bytes(n) == WINDOWS * WINDOW_BYTES
+    data = bytearray(range(256)) * (n // 256)
+    base = buffer_sample("BF16", [n // 2], data)
+    # Any sampled byte changes the sample, and so do dtype and shape; a byte between windows does not.
+    for offset, length in spans:
+        changed = bytearray(data)
+        changed[offset + length // 2] ^= 1
+        assert buffer_sample("BF16", [n // 2], changed) != base
+    between = bytearray(data)
+    between[spans[1][0] + WINDOW_BYTES + 10] ^= 1
+    assert buffer_sample("BF16", [n // 2], between) == base
+    assert buffer_sample("F16", [n // 2], data) != base and buffer_sample("BF16", [2, n // 4], data) != base
+
+
+@pytest.mark.parametrize("readahead", [True, False])
+def test_a_layer_whose_samples_differ_is_hashed_only_after_its_handover(tmp_path, readahead):
+    from layerwise_cli.checkpoint.digests import checkpoint_digests
+    from layerwise_cli.worker.stream import ReadAheadStats, read_in_order
+
+    folder = _written(tmp_path)
+    plan = inspect_order(str(folder)).plan
+    layers = {layer.name for layer in plan.layers}
+    digests: dict[str, str] = {}
+    stats = ReadAheadStats()
+    asked: list[str] = []
+
+    def may_skip(parent: str, samples: dict[str, str]) -> bool:
+        asked.append(parent)
+        return ".mlp." in parent  # the others "changed": handed over before any hash
+
+    decided: list[str] = []
+    handed = [item.parent for item, _ in read_in_order(
+        plan.layer_order, folder, stats=stats, hash_layers=layers, digests=digests, readahead=readahead,
+        may_skip=may_skip, skip_layer=lambda parent, digest: decided.append(parent) or False)]
+    if stats.hashing_done is not None:
+        stats.hashing_done()  # what a reload does before it records
+    mlp = {name for name in layers if ".mlp." in name}
+    assert set(handed) == layers and set(asked) == layers and set(decided) == mlp
+    changed = len(layers) - len(mlp)
+    assert stats.hashed_after_handover + stats.unhashed_layers == changed
+    if readahead:  # hashed while the reader waited: the digests are right
+        want = checkpoint_digests(plan.checkpoint.shards)
+        assert all(digests[name] == want[name] for name in digests)
+        assert stats.hashed_after_handover > 0
+    else:  # no reader thread: nothing is hashed after a handover
+        assert stats.unhashed_layers == changed
+        assert {item.parent for item in plan.layer_order if item.entry.name in digests} == mlp
+
+
+def test_a_layer_recorded_by_its_samples_alone_is_hashed_when_they_match_then_skipped(tmp_path):
+    from safetensors.torch import save_file
+
+    sd = qwen3_like()
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(__import__("json").dumps(CONFIG))
+    plan = inspect_order(str(folder)).plan
+    model = TinyModel(plan)
+    recs = LayerRecords()
+
+    def reload_plain():
+        from layerwise_cli.worker.stream import read_in_order
+
+        skip, _ = _skip_plan(folder, model, recs)
+        # No read-ahead thread: a layer handed over unhashed stays unhashed (recorded by its samples).
+        for item, _ in read_in_order(skip.stream, folder, hash_layers=skip.hash_layers, digests=skip.read_digests,
+                                     samples=skip.read_samples, skip_layer=skip.skip_layer, skipped=skip.skipped,
+                                     may_skip=skip.samples_match, readahead=False):
+            skip.handing_over(item.parent)
+        skip.record(model, checked=True)
+        return skip
+
+    layers = {item.parent for item in _skip_plan(folder, model, recs)[1]}
+    first = reload_plain()  # no records: nothing to skip, nothing hashed, recorded by samples
+    assert first.read_digests == {} and first.skipped == set()
+    assert all(recs.get(name).digest is None and recs.get(name).samples for name in layers)
+    second = reload_plain()  # samples match: hashed, but a record without a digest allows no skip
+    assert second.skipped == set() and len(second.read_digests) == len(plan.layer_order)
+    assert all(recs.get(name).digest is not None for name in layers)
+    third = reload_plain()
+    assert third.skipped == layers
 
 
 def test_without_header_digests_every_layer_is_hashed(tmp_path):
@@ -353,3 +510,28 @@ def test_only_the_warnings_of_skipped_layers_are_dropped(caplog):
     messages = [record.getMessage() for record in caplog.records]
     assert messages == ["QKVParallelLinear: Failed to load weights", "RowParallelLinear: Failed to load weights",
                         "QKVParallelLinear: Failed to load weights"]
+
+
+def test_reports_carry_the_time_split_and_the_stale_header_files(capsys):
+    from layerwise_cli.cli._reload_view import render_report
+    from layerwise_cli.report.reload_report import LayerReport, ReloadReport, merge_reports
+
+    def worker(tp_rank: int, stale: list[dict]) -> ReloadReport:
+        return ReloadReport(order="layer", source="s", wall_s=0.5, bytes=300, tensors=2, peak_buffer_bytes=300,
+                            peak_tensor="b.w", predicted_peak_buffer_bytes=300, largest_layer_bytes=300,
+                            layers=[LayerReport("b", 2, 300, 0.1, 0.2, 300)], rank=tp_rank,
+                            position={"rank": tp_rank, "tp_rank": tp_rank, "tp_size": 2}, digests="header",
+                            read_s=0.01 * (tp_rank + 1), check_s=0.02, handover_s=0.1, vllm_s=0.4 - tp_rank / 10,
+                            spot_checked_layers=3, spot_check_bytes=4096 * (tp_rank + 1), spot_check_s=0.001,
+                            stale_header_digests=stale, reader_cpus=[1], notes=["header digest is stale: /x/b"])
+
+    stale = [{"layer": "b", "tensor": "b.w", "file": "/x/b"}]
+    merged = merge_reports([worker(0, stale), worker(1, stale + [{"layer": "a", "tensor": "a.w", "file": "/x/a"}])])
+    assert [d["file"] for d in merged.stale_header_digests] == ["/x/a", "/x/b"]  # one entry each, by file
+    assert (merged.read_s, merged.vllm_s, merged.spot_check_bytes, merged.reader_cpus) == (0.02, 0.4, 8192, [1])
+    data = merged.to_dict()
+    assert data["stale_header_digests"][1] == stale[0] and data["handover_s"] == 0.1
+    assert ReloadReport.from_dict(data) == merged
+    render_report(merged)
+    out = capsys.readouterr().out
+    assert "handover" in out and "spot check of 3 layer(s)" in out and "header digest is stale: /x/b" in out

@@ -108,6 +108,7 @@ def render_report(report: ReloadReport, title: str = "Reload", top: int = 0) -> 
     verdict = "matches" if report.matches_prediction else "[yellow]DIFFERS from[/]"
     summary.add_row("predicted", f"{human_bytes(report.predicted_peak_buffer_bytes)} ({verdict} the measurement)")
     summary.add_row("read-ahead", f"{human_bytes(report.readahead_peak_bytes)} held at most, on top of the buffers")
+    summary.add_row("time", time_line(report))
     summary.add_row("skipped", skipped_line(report))
     for note in report.notes:
         summary.add_row("note", escape(note))
@@ -118,14 +119,25 @@ def render_report(report: ReloadReport, title: str = "Reload", top: int = 0) -> 
         render_ranks(report)
 
 
+def time_line(report: ReloadReport) -> str:
+    """Where the wall time went: the engine's thread (handover + vLLM), and the reading thread beside it."""
+    line = (f"handover {human_seconds(report.handover_s)} + vLLM {human_seconds(report.vllm_s)}; reading thread: "
+            f"read {human_seconds(report.read_s)}, check {human_seconds(report.check_s)}, "
+            f"hash {human_seconds(report.hash_s)}, sample {human_seconds(report.sample_s)}")
+    if report.spot_checked_layers:
+        line += (f"; spot check of {report.spot_checked_layers} layer(s) {human_seconds(report.spot_check_s)} "
+                 f"({human_bytes(report.spot_check_bytes)})")
+    return line
+
+
 def skipped_line(report: ReloadReport) -> str:
-    """`3 of 19 layers (1.00 MiB) unchanged, kept by the engine; digests from the shard headers: not read`."""
+    """`3 of 19 layers (1.00 MiB) unchanged, kept by the engine; digests from the shard headers: ...`."""
     total = len(report.layers)
     if report.all_layers:
         return f"none (--all: every layer reloaded and recorded; engine {report.engine_id or '-'})"
     if report.digests == "none":
         return "none (no records kept)"
-    how = {"header": "digests from the shard headers: skipped layers not read",
+    how = {"header": "digests from the shard headers: skipped layers spot-checked, not streamed",
            "read": "digests hashed as read", "mixed": "digests from headers where present, else hashed as read"}
     line = (f"{report.skipped_layers} of {total} layers ({human_bytes(report.skipped_bytes)}) unchanged, kept by "
             f"the engine; {how.get(report.digests, report.digests)}")

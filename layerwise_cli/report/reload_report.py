@@ -156,8 +156,28 @@ class ReloadReport:
             needed), `read` (hashed as read), `mixed`, or `none` (no records kept).
         stale_layers: layers whose source digest matched the record but whose state in the engine had
             changed since (another reload, a rollback): reloaded.
-        hash_s: seconds the reading thread spent hashing bytes (no header digests).
+        hash_s: seconds the reading thread spent hashing bytes in full to decide a skip (no header digests).
         fingerprint_s: seconds spent taking the layers' fingerprints (before deciding, and after loading).
+        read_s: seconds the reading thread spent getting tensors from the shards (CPU: mapping them, the
+            bytes come in with the check or the engine's copy; CUDA: also staging in pinned memory).
+        sample_s: seconds the reading thread spent taking each tensor's spot sample for the records.
+        check_s: seconds the reading thread spent in the NaN/Inf check.
+        handover_s: seconds the engine's thread spent in the stream between tensors (waiting for the
+            reading thread, bookkeeping): the part of `wall_s` that is layerwise's.
+        vllm_s: `wall_s` less `handover_s`: vLLM loading, processing and finalizing (and the CPU repairs).
+        hashed_after_handover: layers handed over before any hash (their samples showed them changed, or no
+            hash could skip them now), hashed afterwards while the reading thread waited, for the next reload.
+        unhashed_layers: such layers streamed without read-ahead (never hashed): recorded by their samples
+            alone, so they are not skipped on the next reload.
+        hash_wait_s: seconds waited after vLLM's reload (outside `wall_s`) for the reading thread to finish
+            hashing those layers.
+        reader_cpus: the CPUs the read-ahead thread ran on (None: no read-ahead; merged: rank 0's).
+        spot_checked_layers: layers the header digests would skip whose sampled bytes were read and
+            compared with what the engine loaded (`checkpoint.samples`).
+        spot_check_bytes: bytes that spot check read from the files (not in `read_bytes`).
+        spot_check_s: its seconds (before the engine is touched).
+        stale_header_digests: per layer whose header digest claimed the engine's bytes while its sampled
+            bytes differ: `{"layer", "tensor", "file"}`; each was reloaded.
         gb_per_s: `bytes` over `wall_s`, in GB/s (a property).
         peak_over_largest: `peak_buffer_bytes` over `largest_layer_bytes` (a property).
         matches_prediction: whether the measured peak equals the predicted one (a property).
@@ -203,10 +223,23 @@ class ReloadReport:
     stale_layers: int = 0
     hash_s: float = 0.0
     fingerprint_s: float = 0.0
+    read_s: float = 0.0
+    sample_s: float = 0.0
+    check_s: float = 0.0
+    handover_s: float = 0.0
+    vllm_s: float = 0.0
+    hashed_after_handover: int = 0
+    unhashed_layers: int = 0
+    hash_wait_s: float = 0.0
+    reader_cpus: list[int] | None = None
+    spot_checked_layers: int = 0
+    spot_check_bytes: int = 0
+    spot_check_s: float = 0.0
+    stale_header_digests: tuple[dict, ...] = ()
     refreshed: tuple[DerivedRefresh, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("layers", "unexpected", "notes", "ranks", "refreshed"):
+        for name in ("layers", "unexpected", "notes", "ranks", "stale_header_digests", "refreshed"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @property
@@ -335,6 +368,21 @@ def merge_reports(reports: list[ReloadReport], *, source: str | None = None,
         stale_layers=max(r.stale_layers for r in ordered),
         hash_s=max(r.hash_s for r in ordered),
         fingerprint_s=max(r.fingerprint_s for r in ordered),
+        read_s=max(r.read_s for r in ordered),
+        sample_s=max(r.sample_s for r in ordered),
+        check_s=max(r.check_s for r in ordered),
+        handover_s=max(r.handover_s for r in ordered),
+        vllm_s=max(r.vllm_s for r in ordered),
+        hashed_after_handover=max(r.hashed_after_handover for r in ordered),
+        unhashed_layers=max(r.unhashed_layers for r in ordered),
+        hash_wait_s=max(r.hash_wait_s for r in ordered),
+        reader_cpus=first.reader_cpus,
+        spot_checked_layers=max(r.spot_checked_layers for r in ordered),
+        spot_check_bytes=max(r.spot_check_bytes for r in ordered),
+        spot_check_s=max(r.spot_check_s for r in ordered),
+        stale_header_digests=sorted({(d["layer"], d["tensor"], d["file"]): d for r in ordered
+                                     for d in r.stale_header_digests}.values(),
+                                    key=lambda d: (d["file"], d["layer"])),
         # Each rank refreshes its own shard of a tensor: one entry per tensor.
         refreshed=list({(e.module, e.tensor): e for r in ordered for e in r.refreshed}.values()),
     )

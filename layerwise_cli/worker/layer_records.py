@@ -4,15 +4,19 @@ Every worker keeps, in its own process memory, one `LayerRecords`: per parent
 layer it reloaded (the engine's module name on this rank), the layer digest of
 the source bytes that produced it (`checkpoint.digests.layer_digest`), the
 fingerprint of the layer's state taken right after the reload
-(`worker.layer_state`), and whether the NaN/Inf check ran on those bytes. An
+(`worker.layer_state`), whether the NaN/Inf check ran on those bytes, and
+the sample digest of each of its tensors (`checkpoint.samples`). An
 id made once per worker process names the record: a restarted engine has a
 new id and no record.
 
 A layer is skipped on the next reload only when all of these hold: the reload
 does not ask for every layer (`all_layers`); the record exists; its digest
 equals the new source's layer digest; its fingerprint equals the layer's
-fingerprint now (nothing else wrote the layer since); and either the record's
-bytes were checked for NaN/Inf or this reload does not check either. A record
+fingerprint now (nothing else wrote the layer since); either the record's
+bytes were checked for NaN/Inf or this reload does not check either; and, when
+the new digest is a header's claim rather than hashed from the bytes, the
+sampled bytes of every tensor in the file equal the record's samples
+(`worker.spot_check`): a header rewritten with old `__metadata__` never skips. A record
 is dropped as soon as its layer is handed to vLLM and set again only when the
 reload succeeded, so a failed or rolled-back reload leaves no record of the
 layers it touched.
@@ -31,9 +35,14 @@ REASON_UNCHANGED = "unchanged"
 class LayerRecord:
     """One parent layer as layerwise last loaded it on this worker."""
 
-    digest: str  # the layer digest of the source bytes loaded
+    # The layer digest of the source bytes loaded; None when they were not hashed (no header digests, and the
+    # samples showed the layer changed): such a record never allows a skip, and the next reload whose samples
+    # match hashes the layer and records its digest.
+    digest: str | None
     fingerprint: object  # the layer's state right after the reload (compared with ==)
     checked: bool  # the bytes passed the NaN/Inf check
+    # Tensor name -> sample digest of the bytes loaded (`checkpoint.samples`): what a header digest is checked by.
+    samples: Mapping[str, str] = field(default_factory=dict)
 
 
 class LayerRecords:
@@ -110,7 +119,7 @@ class SkipDecider:
         candidates = []
         for name, digest in self.known.items():
             record = self.records.get(name)
-            if record is None or (self.checks_finite and not record.checked):
+            if record is None or record.digest is None or (self.checks_finite and not record.checked):
                 continue
             if digest is not None and digest != record.digest:
                 continue  # changed in the source: reloaded, no need to look at the engine
@@ -129,7 +138,7 @@ class SkipDecider:
                 self._changed[name] = record.digest
 
     def skip_before_reading(self) -> set[str]:
-        """Layers skipped from their header digests alone: their bytes are never read."""
+        """Layers the header digests would skip without streaming them (`worker.spot_check` checks them first)."""
         return {name for name, digest in self.known.items() if digest is not None and self.trusted.get(name) == digest}
 
     def skip_after_reading(self, name: str, digest: str) -> bool:

@@ -154,16 +154,23 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
             return skipped
 
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
+            # Handover: the engine's thread inside this generator (waiting for the reader, bookkeeping);
+            # everything else of the reload's wall time is vLLM's.
+            asked = time.perf_counter()
             for item, tensor in read_in_order(skip.stream, folder, device=device, readahead=readahead, stats=stats,
                                               check_finite=not allow_nonfinite, hash_layers=skip.hash_layers,
                                               digests=skip.read_digests,
                                               skip_layer=skip_after_read if decide_after_read else None,
-                                              skipped=skip.skipped):
+                                              skipped=skip.skipped, samples=skip.read_samples,
+                                              may_skip=skip.samples_match):
                 skip.handing_over(item.parent)
                 probe.before_handover(item.entry.name, item.parent, item.entry.nbytes)
+                timer["handover_s"] += time.perf_counter() - asked
                 yield item.entry.name, tensor
+                asked = time.perf_counter()
             probe.finish()
             timer["stream_done"] = time.perf_counter()
+            timer["handover_s"] += timer["stream_done"] - asked
 
     except Exception:
         if agree is not None:
@@ -171,7 +178,7 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         raise
     if agree is not None and not agree(True):
         raise PeerFailed("pre-flight failed on another rank of this engine; nothing was changed")
-    timer: dict[str, float] = {}
+    timer: dict[str, float] = {"handover_s": 0.0}
     if on_engine_touched is not None:
         on_engine_touched()
     start = time.perf_counter()
@@ -203,6 +210,9 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         torch.cuda.synchronize(device)
     end = time.perf_counter()
     disk_after = process_disk_read_bytes()
+    if stats.hashing_done is not None:
+        stats.hashing_done()  # the digests of the layers hashed after their handover, for the records
+    hash_wait_s = time.perf_counter() - end
     skip.record(model, checked=not allow_nonfinite)
     notes.extend(skip.notes())
     # vLLM holds these on this rank until the end of the stream (padded vocabulary), unless skipped.
@@ -265,6 +275,19 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         stale_layers=len(skip.decider.stale) if skip.decider is not None else 0,
         hash_s=stats.hash_s,
         fingerprint_s=skip.fingerprint_s,
+        read_s=stats.read_s,
+        sample_s=stats.sample_s,
+        check_s=stats.check_s,
+        handover_s=timer["handover_s"],
+        vllm_s=max(0.0, end - start - timer["handover_s"]),
+        hashed_after_handover=stats.hashed_after_handover,
+        unhashed_layers=stats.unhashed_layers,
+        hash_wait_s=hash_wait_s,
+        reader_cpus=stats.reader_cpus,
+        spot_checked_layers=len(skip.spot.confirmed) + len(skip.spot.stale) if skip.spot is not None else 0,
+        spot_check_bytes=skip.spot.bytes_read if skip.spot is not None else 0,
+        spot_check_s=skip.spot.seconds if skip.spot is not None else 0.0,
+        stale_header_digests=[found.to_dict() for found in skip.stale_digests()],
         refreshed=[DerivedRefresh(**entry) for entry in refreshed],
     )
 

@@ -13,6 +13,7 @@ from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.planning.plan import PlannedTensor
 from layerwise_cli.worker.layer_records import LayerRecord, LayerRecords, SkipDecider
 from layerwise_cli.worker.layer_state import layer_fingerprints
+from layerwise_cli.worker.spot_check import SpotCheck, StaleDigest, spot_check
 
 
 @dataclass
@@ -21,11 +22,14 @@ class SkipPlan:
 
     Attributes:
         stream: the tensors to read, without the layers skipped from their header digests.
-        hash_layers: layers whose digest is not in the headers: hashed as they are read.
+        hash_layers: layers whose digest is not in the headers, or whose header digest failed its spot
+            check: hashed as they are read.
         skip_layer: the decision for a hashed layer once read (None: none is skipped after reading).
-        skipped: every layer skipped, from headers or after reading.
+        skipped: every layer skipped, from headers (after their spot check) or after reading.
         read_digests: tensor digests computed while reading.
+        read_samples: tensor sample digests taken while reading (`checkpoint.samples`).
         layer_sizes: layer -> (tensors, bytes) in the source, on this rank.
+        spot: the spot check of the layers the header digests would skip (None: none were).
     """
 
     records: LayerRecords | None
@@ -40,8 +44,10 @@ class SkipPlan:
     layer_sizes: dict[str, tuple[int, int]]
     skipped: set[str] = field(default_factory=set)
     read_digests: dict[str, str] = field(default_factory=dict)
+    read_samples: dict[str, str] = field(default_factory=dict)
     handed: set[str] = field(default_factory=set)
     fingerprint_s: float = 0.0
+    spot: SpotCheck | None = None
 
     @classmethod
     def build(cls, model: torch.nn.Module, checkpoint: Checkpoint, engine_stream: list[PlannedTensor], order: str,
@@ -87,12 +93,29 @@ class SkipPlan:
         plan.decider = SkipDecider(records, known, plan._fingerprints, all_layers=all_layers,
                                    checks_finite=checks_finite)
         before = plan.decider.skip_before_reading()
+        if before:
+            # A header digest is the file's claim: the sampled bytes must be those the engine loaded.
+            entries: dict[str, list] = {}
+            for item in engine_stream:
+                if item.parent in before:
+                    entries.setdefault(item.parent, []).append(item.entry)
+            plan.spot = spot_check(before, entries, records, checkpoint)
+            # The others are streamed like layers without header digests: a stale one (its samples differ) is
+            # loaded and its refuted claim never recorded; one whose record lacked samples is hashed only if it
+            # could still be skipped.
+            plan.hash_layers |= before - plan.spot.confirmed
+            before = plan.spot.confirmed
         plan.skipped |= before
         plan.stream = [item for item in engine_stream if item.parent not in before]
-        plan.hash_layers = {name for name, digest in known.items() if digest is None}
+        plan.hash_layers |= {name for name, digest in known.items() if digest is None}
         if order == "layer" and not all_layers:
             plan.skip_layer = plan.decider.skip_after_reading
         return plan
+
+    def samples_match(self, name: str, samples: dict[str, str]) -> bool:
+        """Whether a layer's samples as read equal its record's: only then can hashing it in full lead to a skip."""
+        record = self.records.get(name) if self.records is not None else None
+        return record is not None and all(record.samples.get(t) == d for t, d in samples.items())
 
     def _fingerprints(self, names: list[str]) -> dict[str, object]:
         start = time.perf_counter()
@@ -112,17 +135,23 @@ class SkipPlan:
         """After a successful reload: record every layer handed over, with its digest and its state now."""
         if self.records is None or not self.handed:
             return
-        digests = {}
+        digests: dict[str, str | None] = {}
         for name in self.handed:
-            digest = self.known.get(name)
             tensors = self.groups.get(name, [])
-            if digest is None and tensors and all(t in self.read_digests for t in tensors):
+            # The digest of the bytes as read wins over a header's claim; a claim the spot check refuted is
+            # never recorded.
+            if tensors and all(t in self.read_digests for t in tensors):
                 digest = layer_digest({t: self.read_digests[t] for t in tensors})
-            if digest is not None:
-                digests[name] = digest
+            elif self.spot is not None and name in self.spot.refuted():
+                digest = None
+            else:
+                digest = self.known.get(name)
+            if tensors and all(t in self.read_samples for t in tensors):
+                digests[name] = digest  # None: recorded by its samples alone
         now = self._fingerprints(sorted(digests))
         for name, digest in digests.items():
-            self.records.set(name, LayerRecord(digest, now[name], checked))
+            samples = {t: self.read_samples[t] for t in self.groups.get(name, [])}
+            self.records.set(name, LayerRecord(digest, now[name], checked, samples))
 
     def skipped_classes(self, model: torch.nn.Module) -> Counter:
         """Class names of the modules skipped so far (vLLM warns once per layer it got nothing for)."""
@@ -140,11 +169,16 @@ class SkipPlan:
 
     def notes(self) -> list[str]:
         """What the report should say about the records (layers something else changed)."""
+        notes = [found.describe() for found in self.stale_digests()]
         stale = self.decider.stale if self.decider is not None else []
-        if not stale:
-            return []
-        return [f"{len(stale)} layer(s) matched the source's digest but their state in the engine changed since "
-                "layerwise loaded them (another reload, a rollback): reloaded, not skipped"]
+        if stale:
+            notes.append(f"{len(stale)} layer(s) matched the source's digest but their state in the engine changed "
+                         "since layerwise loaded them (another reload, a rollback): reloaded, not skipped")
+        return notes
+
+    def stale_digests(self) -> list[StaleDigest]:
+        """Layers whose header digest claimed the engine's bytes while their sampled bytes differ."""
+        return list(self.spot.stale) if self.spot is not None else []
 
 
 def quiet_skipped_layers(plan: SkipPlan, model: torch.nn.Module):

@@ -6,7 +6,7 @@ import os
 import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -14,9 +14,13 @@ from pathlib import Path
 
 import torch
 
+from layerwise_cli.checkpoint.chunks import CHUNK_BYTES
+from layerwise_cli.checkpoint.digests import TensorHasher, layer_digest, tensor_digest
 from layerwise_cli.checkpoint.finite import first_nonfinite, refusal
+from layerwise_cli.checkpoint.samples import buffer_sample
 from layerwise_cli.checkpoint.sources import shard_file
 from layerwise_cli.planning.plan import PlannedTensor
+from layerwise_cli.worker.cpu_placement import move_to, spare_cpus
 
 # Host copies into pinned memory are split into chunks of this size over a
 # few threads: after start-up vLLM sets torch to one CPU thread on GPU
@@ -92,19 +96,33 @@ def copy_in_chunks(dst: torch.Tensor, src: torch.Tensor, pool: ThreadPoolExecuto
 
 @dataclass
 class ReadAheadStats:
-    """What the stream read: the most bytes read ahead but not yet handed over, and every tensor byte read."""
+    """What the stream read, and where the reading side's time went (all of it in the reading thread)."""
 
     peak_bytes: int = 0
     _held: int = 0
     # Bytes of tensor data taken from the shards (skipped layers decided from headers are never read).
     read_bytes: int = 0
-    # Seconds the reading thread spent hashing bytes to decide skips (no header digests).
+    # Seconds getting tensors from the shards (CPU: mapping them; CUDA: also staging into pinned memory).
+    read_s: float = 0.0
+    # Seconds taking each tensor's spot sample (`checkpoint.samples`), for the next reload's header check.
+    sample_s: float = 0.0
+    # Seconds hashing bytes in full to decide a skip (layers whose samples match their record).
     hash_s: float = 0.0
-    # Seconds the reading thread spent putting tensors in host memory (CPU: safetensors' views;
-    # CUDA: the copies into pinned staging), and in the NaN/Inf check (CUDA: it waits for the
-    # layer's copies to the device, so the transfer's tail is in it).
-    stage_s: float = 0.0
+    # Seconds in the NaN/Inf check.
     check_s: float = 0.0
+    # Layers handed over unhashed (their samples showed them changed, or no hash could skip them now) and
+    # hashed afterwards; and those never hashed (no read-ahead thread, or the stream stopped early).
+    hashed_after_handover: int = 0
+    unhashed_layers: int = 0
+    # The CPUs the reading thread ran on (None: no read-ahead thread).
+    reader_cpus: list[int] | None = None
+    # Once the stream ended: waits until the reading thread has hashed its backlog (None: nothing to wait for).
+    hashing_done: Callable[[], None] | None = None
+
+    @property
+    def stage_s(self) -> float:
+        """Seconds putting tensors in host memory (CPU: safetensors' views; CUDA: also the pinned staging copies)."""
+        return self.read_s
 
     def add(self, n: int) -> None:
         self._held += n
@@ -129,6 +147,8 @@ def read_in_order(
     digests: dict[str, str] | None = None,
     skip_layer: Callable[[str, str], bool] | None = None,
     skipped: set[str] | None = None,
+    samples: dict[str, str] | None = None,
+    may_skip: Callable[[str, dict[str, str]], bool] | None = None,
     copy_threads: int | None = None,
 ) -> Iterator[tuple[PlannedTensor, torch.Tensor]]:
     """Yield (planned tensor, tensor) in stream order.
@@ -151,13 +171,20 @@ def read_in_order(
             its tensors is handed over (a cheap reduction per tensor, one
             read-back per layer; see `layerwise_cli.checkpoint.finite`).
         hash_layers: parent layers whose tensors are hashed as they are read
-            (xxh3-128, `checkpoint.digests`), in the reading thread; each
-            tensor's digest goes into `digests`.
+            (xxh3-128, `checkpoint.digests`), in the reading thread, when the
+            hash can decide a skip (see `may_skip`); each tensor's digest goes
+            into `digests`.
         digests: receives tensor name -> digest for the hashed tensors.
         skip_layer: called as `skip_layer(parent, layer_digest)` once a hashed
             layer that the stream holds in one run is read, before any of its
             tensors is handed over; True drops the layer (added to `skipped`).
         skipped: receives the layers `skip_layer` dropped.
+        samples: receives tensor name -> sample digest (`checkpoint.samples`)
+            of every tensor read, for the records.
+        may_skip: called as `may_skip(parent, samples)` for a layer of
+            `hash_layers` that `skip_layer` could drop: False (its samples
+            differ from the record's: it changed) hands it over unhashed. None:
+            always True. Layers `skip_layer` cannot drop are never hashed.
         copy_threads: threads for the host copies into pinned staging on CUDA
             (None: `staging_threads()`; 1: one plain copy per tensor).
 
@@ -170,6 +197,7 @@ def read_in_order(
     """
     stats = stats or ReadAheadStats()
     digests = digests if digests is not None else {}
+    samples = samples if samples is not None else {}
     skipped = skipped if skipped is not None else set()
     hash_layers = frozenset(hash_layers)
     reader = ShardReader(folder)
@@ -183,19 +211,22 @@ def read_in_order(
     # the engine has freed its tensors, not at the end of the stream.
     last_of_shard = {item.entry.shard: item for item in stream}
 
-    def read_host(item: PlannedTensor) -> torch.Tensor:
-        """The tensor on the host: safetensors' view of the file on CPU, a pinned copy for CUDA."""
+    def read_host(item: PlannedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the tensor on the host, its raw bytes): safetensors' view of the file, plus a pinned copy for CUDA."""
         start = time.perf_counter()
         tensor = reader.read(item)
         stats.read_bytes += item.entry.nbytes
         if last_of_shard.get(item.entry.shard) is item:
             reader.release(item.entry.shard)
+        host = tensor
         if cuda:
-            pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            copy_in_chunks(pinned, tensor, pool)
-            tensor = pinned
-        stats.stage_s += time.perf_counter() - start
-        return tensor
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            copy_in_chunks(host, tensor, pool)
+        sampled = time.perf_counter()
+        stats.read_s += sampled - start
+        samples[item.entry.name] = buffer_sample(item.entry.dtype, item.entry.shape, raw_bytes(tensor))
+        stats.sample_s += time.perf_counter() - sampled
+        return host, tensor
 
     def to_device(host: torch.Tensor):
         if not cuda:
@@ -211,19 +242,19 @@ def read_in_order(
     # A layer split into several runs of the stream cannot be dropped: part of it would already be handed over.
     runs = Counter(batch[0].parent for batch in batches)
 
-    def hash_batch(batch: list[PlannedTensor], hosts: list[torch.Tensor]) -> bool:
-        """Hash a layer's tensors; True when `skip_layer` drops the layer."""
-        from layerwise_cli.checkpoint.digests import layer_digest, tensor_digest
+    # The backlog keeps views of at most two of the largest layers' bytes.
+    backlog = _HashBacklog(digests, stats, 2 * max((sum(i.entry.nbytes for i in b) for b in batches), default=0))
 
+    def hash_batch(batch: list[PlannedTensor], raws: list[torch.Tensor]) -> None:
+        """Hash a layer's tensors in full into `digests`."""
         start = time.perf_counter()
-        for item, host in zip(batch, hosts):
-            flat = host.reshape(-1)
-            data = flat.view(torch.uint8).numpy().data if flat.numel() else b""
-            digests[item.entry.name] = tensor_digest(item.entry.dtype, item.entry.shape, data)
+        for item, raw in zip(batch, raws):
+            digests[item.entry.name] = tensor_digest(item.entry.dtype, item.entry.shape, raw_bytes(raw))
         stats.hash_s += time.perf_counter() - start
+
+    def dropped(batch: list[PlannedTensor]) -> bool:
+        """After hashing: True when `skip_layer` drops the layer."""
         parent = batch[0].parent
-        if skip_layer is None or parent is None or runs[parent] != 1:
-            return False
         if skip_layer(parent, layer_digest({item.entry.name: digests[item.entry.name] for item in batch})):
             skipped.add(parent)
             return True
@@ -234,13 +265,22 @@ def read_in_order(
 
         None when the layer is hashed and `skip_layer` drops it.
         """
-        if batch[0].parent in hash_layers:
-            hosts = [read_host(item) for item in batch]
-            if hash_batch(batch, hosts):
-                return None
-            loaded = [(item, *to_device(host)) for item, host in zip(batch, hosts)]
-        else:
-            loaded = [(item, *to_device(read_host(item))) for item in batch]
+        parent = batch[0].parent
+        read = [read_host(item) for item in batch]
+        if parent in hash_layers:
+            # Hashed in full only when the hash can decide a skip now: the layer is whole in this run and its
+            # samples equal its record's. A changed layer (a full change: every one) costs no hash at all.
+            if skip_layer is not None and parent is not None and runs[parent] == 1 and (
+                    may_skip is None or may_skip(parent, {item.entry.name: samples[item.entry.name]
+                                                          for item in batch})):
+                hash_batch(batch, [raw for _, raw in read])
+                if dropped(batch):
+                    return None
+            elif readahead:
+                backlog.add(batch, [raw for _, raw in read])
+            else:
+                stats.unhashed_layers += 1
+        loaded = [(item, *to_device(host)) for item, (host, _) in zip(batch, read)]
         if check_finite:
             start = time.perf_counter()
             tensors = [(item.entry.name, item.entry.shard, tensor) for item, tensor, _ in loaded]
@@ -283,11 +323,20 @@ def read_in_order(
     # One slot: the reader may hold at most one layer that the engine has not started.
     slot = threading.Semaphore(1)
     stop = threading.Event()
+    spare = spare_cpus()
+
+    def wait_for_slot() -> None:
+        """Block until the engine starts the layer handed over last, hashing the backlog meanwhile."""
+        while not slot.acquire(blocking=False):
+            if stop.is_set() or not backlog.step():
+                slot.acquire()
+                return
 
     def produce() -> None:
         try:
+            stats.reader_cpus = move_to(spare)
             for batch in batches:
-                slot.acquire()
+                wait_for_slot()
                 if stop.is_set():
                     return
                 loaded = load_batch(batch)
@@ -298,15 +347,22 @@ def read_in_order(
                     stats.add(item.entry.nbytes)
                 ready.put(loaded)
             ready.put(_DONE)
+            # While vLLM finalizes (the caller waits for this before recording; `stop` drops the rest).
+            while not stop.is_set() and backlog.step():
+                pass
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             ready.put(exc)
+        finally:
+            backlog.abandon()
 
     thread = threading.Thread(target=produce, name="layerwise-readahead", daemon=True)
     thread.start()
+    complete = False
     try:
         while True:
             loaded = ready.get()
             if loaded is _DONE:
+                complete = True
                 break
             if isinstance(loaded, BaseException):
                 raise loaded
@@ -315,9 +371,73 @@ def read_in_order(
                 stats.remove(item.entry.nbytes)
                 yield handover(item, tensor, event)
     finally:
-        stop.set()
-        slot.release()
-        thread.join(timeout=60)
+        if complete:
+            # The reader finishes the backlog while vLLM finalizes; the caller waits for it before recording.
+            stats.hashing_done = lambda: thread.join(timeout=60)
+        else:
+            stop.set()
+            slot.release()
+            thread.join(timeout=60)
         reader.close()
         if pool is not None:
             pool.shutdown(wait=True)
+
+
+class _HashBacklog:
+    """Tensors handed over unhashed (their layer changed), hashed chunk by chunk while the reader would wait.
+
+    Their digests only serve the next reload's records, so they never delay a
+    handover: the reader hashes one chunk at a time while the engine has not
+    yet started the layer it was given, and after the stream while vLLM
+    finalizes. Beyond two of the largest layers, the oldest are hashed before
+    the reader reads on, so the views held stay bounded.
+    """
+
+    def __init__(self, digests: dict[str, str], stats: ReadAheadStats, max_bytes: int) -> None:
+        self._digests = digests
+        self._stats = stats
+        self._max_bytes = max_bytes
+        self._bytes = 0  # left to hash
+        # [tensor name, hasher, raw bytes, bytes hashed so far, last tensor of its layer]
+        self._jobs: deque[list] = deque()
+
+    def add(self, batch: list[PlannedTensor], raws: list[torch.Tensor]) -> None:
+        new = sum(item.entry.nbytes for item in batch)
+        # Over the bound, the oldest are hashed now: the reader is ahead of what it must hash, not the engine.
+        while self._jobs and self._bytes + new > self._max_bytes:
+            self.step()
+        for i, (item, raw) in enumerate(zip(batch, raws)):
+            data = memoryview(raw_bytes(raw)).cast("B")
+            self._jobs.append([item.entry.name, TensorHasher(item.entry.dtype, item.entry.shape), data, 0,
+                               i == len(batch) - 1])
+        self._bytes += new
+
+    def step(self) -> bool:
+        """Hash the next chunk; False when nothing is left."""
+        if not self._jobs:
+            return False
+        start = time.perf_counter()
+        job = self._jobs[0]
+        name, hasher, data, done, last = job
+        chunk = data[done:done + CHUNK_BYTES]
+        hasher.update(chunk)
+        self._bytes -= len(chunk)
+        job[3] = done = done + len(chunk)
+        if done >= len(data):
+            self._digests[name] = hasher.hexdigest()
+            self._jobs.popleft()
+            self._stats.hashed_after_handover += last
+        self._stats.hash_s += time.perf_counter() - start
+        return True
+
+    def abandon(self) -> None:
+        """Drop what is left (and the views it holds)."""
+        self._stats.unhashed_layers += sum(1 for job in self._jobs if job[4])
+        self._jobs.clear()
+        self._bytes = 0
+
+
+def raw_bytes(tensor: torch.Tensor):
+    """A contiguous host tensor's raw bytes, without a copy (b"" for an empty one)."""
+    flat = tensor.reshape(-1)
+    return flat.view(torch.uint8).numpy().data if flat.numel() else b""
