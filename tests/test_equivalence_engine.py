@@ -123,6 +123,11 @@ class Reload:
     predicted: int | None = None
     planned: int | None = None  # what `inspect_order` (the planner) predicts for this order
     largest: int | None = None
+    # The planner's parent layers and largest layer, and what the engine's report measured.
+    planned_layers: int | None = None
+    planned_largest: int | None = None
+    measured_layers: int | None = None
+    measured_largest: int | None = None
     notes: list[str] = field(default_factory=list)
     refreshed: list[tuple[str, str]] = field(default_factory=list)
     error: str | None = None
@@ -185,6 +190,7 @@ def layerwise_reload(llm, source: Path, order: str, *, allow_partial: bool = Fal
     planned = inspect_order(str(source))
     buffering = planned.layer_order_buffering if order == "layer" else planned.file_order_buffering
     record.planned = buffering.peak_buffer_bytes
+    record.planned_layers, record.planned_largest = len(planned.plan.layers), planned.plan.largest_layer_bytes
     try:
         report = reload(llm, str(source), order=order, allow_partial=allow_partial, all_layers=all_layers)
     except LayerwiseError as exc:
@@ -192,6 +198,8 @@ def layerwise_reload(llm, source: Path, order: str, *, allow_partial: bool = Fal
         return record
     record.peak, record.predicted = report.peak_buffer_bytes, report.predicted_peak_buffer_bytes
     record.largest, record.notes = report.largest_layer_bytes, report.notes
+    record.measured_layers = len(report.layers)
+    record.measured_largest = max((layer.bytes for layer in report.layers), default=0)
     record.refreshed = [(entry.module, entry.tensor) for entry in report.refreshed]
     record.answers = answers(llm)
     return record
@@ -342,6 +350,18 @@ def test_measured_peak_equals_prediction(matrix, config, layout, order):
         assert (reload.peak, reload.predicted) == (reload.planned, reload.planned), \
             f"{reload.source.name} ({reload.order} order): measured {reload.peak}, predicted " \
             f"{reload.predicted}, inspect_order {reload.planned}, largest layer {reload.largest}"
+
+
+@pytest.mark.parametrize(("config", "layout", "order"), CELLS)
+def test_planned_parent_layers_equal_the_engine(matrix, config, layout, order):
+    """For B and for A back: `inspect_order`'s parent layers and largest layer are the engine's (its report)."""
+    cell = matrix[config].cells[layout, order]
+    for reload in (cell.to_b, cell.back_to_a):
+        assert reload.error is None, reload.error
+        assert (reload.measured_layers, reload.measured_largest) == (reload.planned_layers, reload.planned_largest), \
+            f"{reload.source.name} ({reload.order} order): the engine reloaded {reload.measured_layers} parent " \
+            f"layers, largest {reload.measured_largest} B; inspect_order planned {reload.planned_layers}, " \
+            f"largest {reload.planned_largest} B"
 
 
 PARTIALS = [pytest.param(config, order, id=f"{config.label}-{order}")
