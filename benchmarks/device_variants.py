@@ -195,7 +195,7 @@ def _layerwise_body(options: dict) -> Callable[[Setup, Sink], dict]:
         if stats.hashing_done is not None:
             stats.hashing_done()  # the layers hashed after their handover (the worker waits the same way)
         return {"stream": {"readahead_peak_bytes": stats.peak_bytes, "read_bytes": stats.read_bytes,
-                           "stage_s": stats.stage_s, "check_s": stats.check_s, "hash_s": stats.hash_s},
+                           "stage_s": stats.read_s, "check_s": stats.check_s, "hash_s": stats.hash_s},
                 "read_digests": digests if options.get("hash") else None}
     return body
 

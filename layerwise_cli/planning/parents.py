@@ -195,12 +195,11 @@ def mapping_for_config(config: dict | None, prefer: str = "auto", *, model_cls: 
 
 def mapping_from_entry(architecture: str, entry: dict, tied: bool, skips: SkipRules) -> LayerMapping:
     """The mapping one entry of the architecture table describes (see `arch_table`), with its skip rules."""
-    skipped = entry.get("skipped") or {}
     wrapped = entry.get("wrapped") or {}
     from layerwise_cli.planning import arch_table
 
     return LayerMapping(
         "table", architecture, dict(entry.get("packed") or {}), bool(entry.get("experts")),
-        tied and bool(skipped.get("tied_head", True)), skips, tuple(wrapped.get("tower_prefixes") or ()),
+        skips.tied_head, skips, tuple(wrapped.get("tower_prefixes") or ()),
         entry.get("class"), entry.get("backend", "vllm"), arch_table.table_version(),
     )

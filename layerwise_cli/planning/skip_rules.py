@@ -197,16 +197,7 @@ def _drop_matches(kind: str, pattern: str, name: str) -> bool:
         return pattern in name
     if kind == "suffix":
         return name.endswith(pattern)
-    return kind == "regex" and _regex(pattern).search(name) is not None
-
-
-_REGEXES: dict[str, re.Pattern] = {}
-
-
-def _regex(pattern: str) -> re.Pattern:
-    if pattern not in _REGEXES:
-        _REGEXES[pattern] = re.compile(pattern)
-    return _REGEXES[pattern]
+    return kind == "regex" and re.search(pattern, name) is not None  # `re` caches the compiled pattern
 
 
 def skipped_by_vllm(architecture: str | None, config: Mapping | None, names: Iterable[str], *,

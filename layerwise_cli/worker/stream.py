@@ -119,11 +119,6 @@ class ReadAheadStats:
     # Once the stream ended: waits until the reading thread has hashed its backlog (None: nothing to wait for).
     hashing_done: Callable[[], None] | None = None
 
-    @property
-    def stage_s(self) -> float:
-        """Seconds putting tensors in host memory (CPU: safetensors' views; CUDA: also the pinned staging copies)."""
-        return self.read_s
-
     def add(self, n: int) -> None:
         self._held += n
         self.peak_bytes = max(self.peak_bytes, self._held)
