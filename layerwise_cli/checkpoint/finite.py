@@ -142,6 +142,33 @@ def first_nonfinite(tensors: Iterable[tuple[str, str, object]]) -> NonFinite | N
     return None
 
 
+def any_suspect(tensors: Iterable[object]) -> bool:
+    """Whether any of the tensors may hold NaN or Inf (`suspect_flag`), with one read-back."""
+    import torch
+
+    flags = [flag for tensor in tensors if (flag := suspect_flag(tensor)) is not None]
+    return bool(flags) and bool(torch.stack(flags).any())
+
+
+def first_nonfinite_shared(tensors: list[tuple[str, str, object]], submit) -> NonFinite | None:
+    """`first_nonfinite` for host tensors, with the second half of every tensor's first pass on another thread.
+
+    SUBMIT is an executor's `submit` (one thread on another core): it runs the
+    suspicion pass over the tensors' second halves while this thread runs it
+    over their first halves. Only a suspect group is then counted exactly.
+    """
+    halves = []
+    for _, _, tensor in tensors:
+        flat = tensor.reshape(-1)
+        middle = flat.numel() // 2
+        halves.append((flat[:middle], flat[middle:]))
+    other = submit(any_suspect, [second for _, second in halves])
+    mine = any_suspect([first for first, _ in halves])
+    if not other.result() and not mine:
+        return None
+    return first_nonfinite(tensors)
+
+
 # Raw little-endian bytes (reorder --verify, inspect-order --scan) are checked by
 # bit patterns with numpy, without torch (its import alone costs 250 MiB here):
 # (element width in bytes, mask, value, mantissa mask). An element x is

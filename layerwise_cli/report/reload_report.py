@@ -157,7 +157,8 @@ class ReloadReport:
         stale_layers: layers whose source digest matched the record but whose state in the engine had
             changed since (another reload, a rollback): reloaded.
         hash_s: seconds the reading thread spent hashing bytes in full to decide a skip (no header digests).
-        fingerprint_s: seconds spent taking the layers' fingerprints (before deciding, and after loading).
+        fingerprint_s: seconds spent taking the layers' fingerprints (before deciding, and after loading; on
+            the CPU the reading thread takes most of the latter while the engine loads later layers).
         read_s: seconds the reading thread spent getting tensors from the shards (CPU: mapping them, the
             bytes come in with the check or the engine's copy; CUDA: also staging in pinned memory).
         sample_s: seconds the reading thread spent taking each tensor's spot sample for the records.

@@ -1,37 +1,66 @@
-"""Where the read-ahead thread runs when vLLM bound the worker to some cores: on them (default), or beside them.
+"""Where the read-ahead thread runs when vLLM bound the worker to some cores: beside them (default), or on them.
 
 vLLM's CPU backend binds each worker's OpenMP threads, its main thread
 included, to the cores it gives that rank (`VLLM_CPU_OMP_THREADS_BIND`,
 `auto` by default) and leaves the rest to the engine-core process
 (`reserved_cpus` in its log). A thread the worker starts inherits its
-creator's binding, so the read-ahead thread reads and checks on the core that
-runs vLLM's loading and processing.
+creator's binding, so a read-ahead thread left there reads, checks and hashes
+on the core that runs vLLM's loading and processing: its work adds to vLLM's
+instead of overlapping it.
 
-`LAYERWISE_READAHEAD_CPUS=spare` in the engine's environment moves it to the
-CPUs the worker's parent process may use (the user's own `taskset` or cgroup,
-never wider) minus the engine's. It is not the default: with `auto` binding
-those CPUs are the ones vLLM reserves for its engine-core process, which is
-busy while it waits for the worker's reply. Measured on 2 cores
-(docs/skip-safety.md), a full reload was slower there more often than faster.
-On a GPU host the worker is usually not bound: there is nothing to move.
+By default the read-ahead thread moves to the CPUs the worker's parent
+process may use (the user's own `taskset` or cgroup, never wider) minus the
+engine's and minus every CPU a vLLM worker on this host is bound to (the
+engine's other ranks, other engines and servers, which busy-poll their queues
+when idle). With `auto` binding on one engine that is the CPU vLLM reserves
+for its engine-core process, which only polls (`sched_yield`) while the
+worker reloads, so the reader gets the core; where servers split the cores
+between them nothing is left, and the reader stays. Measured on 2 cores
+(docs/performance.md). `LAYERWISE_READAHEAD_CPUS=inherit` in the engine's
+environment keeps it on the engine's cores. On a GPU host the worker is
+usually not bound: there is nothing to move.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
+import time
 
-# `spare` moves the read-ahead thread off the engine's cores; `inherit` (the default) keeps it there.
+# `spare` (the default) moves the read-ahead thread off the engine's cores; `inherit` keeps it there.
 PLACEMENT_ENV = "LAYERWISE_READAHEAD_CPUS"
+# The process title vLLM gives its worker processes (`VLLM::Worker`, `VLLM::Worker_TP1`, ...).
+WORKER_TITLE = "VLLM::Worker"
+# Thread -> (when, spare CPUs): the scan of /proc takes about 1 ms; placements do not change from one call to the next.
+_CACHE: dict[int, tuple[float, frozenset[int]]] = {}
+_CACHE_S = 10.0
 
 
 def spare_cpus() -> set[int]:
-    """CPUs the calling thread's process may use that the calling (engine) thread is not bound to; may be empty.
+    """CPUs beside the engine's that no vLLM worker computes on: where the read-ahead thread may go; may be empty.
 
-    Empty unless `LAYERWISE_READAHEAD_CPUS=spare` is in the engine's environment.
+    The CPUs the worker's parent process may use, minus the calling (engine)
+    thread's and minus every CPU a vLLM worker process on this host is bound
+    to (this engine's other ranks, other engines and servers: their cores are
+    theirs, and an idle vLLM worker busy-polls its queue). With `auto`
+    binding on one engine that leaves the CPUs vLLM reserves for its
+    engine-core process. Empty when `LAYERWISE_READAHEAD_CPUS=inherit` is in
+    the engine's environment.
     """
-    if os.environ.get(PLACEMENT_ENV, "inherit") != "spare":
+    if os.environ.get(PLACEMENT_ENV, "spare") == "inherit":
         return set()
+    now = time.monotonic()
+    key = threading.get_ident()
+    cached = _CACHE.get(key)
+    if cached is not None and now - cached[0] < _CACHE_S:
+        return set(cached[1])
+    found = _spare_now()
+    _CACHE[key] = (now, frozenset(found))
+    return found
+
+
+def _spare_now() -> set[int]:
     try:
         engine = os.sched_getaffinity(0)
     except (AttributeError, OSError):
@@ -40,7 +69,38 @@ def spare_cpus() -> set[int]:
         allowed = os.sched_getaffinity(os.getppid())
     except OSError:
         allowed = engine
-    return set(allowed) - set(engine)
+    spare = set(allowed) - set(engine)
+    if spare:
+        spare -= bound_worker_cpus(exclude=os.getpid())
+    return spare
+
+
+def bound_worker_cpus(exclude: int | None = None) -> set[int]:
+    """The CPUs vLLM worker processes on this host (`VLLM::Worker...`, other than EXCLUDE) are bound to.
+
+    A worker whose affinity is every CPU of the host is not bound and counts
+    for nothing. Processes that cannot be read (gone, another user's) are
+    passed over.
+    """
+    everything = set(range(os.cpu_count() or 1))
+    taken: set[int] = set()
+    try:
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return taken
+    for pid in pids:
+        if pid == exclude:
+            continue
+        try:
+            with open(f"/proc/{pid}/comm") as handle:
+                if not handle.read().startswith(WORKER_TITLE):
+                    continue
+            cpus = os.sched_getaffinity(pid)
+        except OSError:
+            continue
+        if set(cpus) != everything:
+            taken |= set(cpus)
+    return taken
 
 
 def move_to(cpus: set[int]) -> list[int]:

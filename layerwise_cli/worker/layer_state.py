@@ -227,3 +227,50 @@ def _read_back(pending: list[_Pending]) -> None:
         for item in items:
             item.value = combine_sums(values[offset:offset + len(item.sums)])
             offset += len(item.sums)
+
+
+def stored_bytes(modules: dict[str, torch.nn.Module], names: list[str]) -> int:
+    """Bytes of the stored tensors a fingerprint of these modules (and their submodules) reads."""
+    total = 0
+    for module_name in names:
+        root = modules.get(module_name)
+        if root is None:
+            continue
+        for module in root.modules():
+            total += sum(t.numel() * t.element_size() for _, t in _own_tensors(module))
+    return total
+
+
+def layer_fingerprints_parallel(modules: dict[str, torch.nn.Module], layers: dict[str, list[str]],
+                                spare: set[int], min_bytes: int = 32 << 20) -> dict[str, tuple]:
+    """`layer_fingerprints` of host tensors in two threads, the second bound to SPARE (the CPUs beside the engine).
+
+    The layers are split in two parts of about equal bytes; with no spare CPU,
+    or fewer than MIN_BYTES to read, everything runs in the calling thread.
+    The result equals `layer_fingerprints(modules, layers)`.
+    """
+    sizes = {layer: stored_bytes(modules, names) for layer, names in layers.items()}
+    if not spare or len(layers) < 2 or sum(sizes.values()) < min_bytes:
+        return layer_fingerprints(modules, layers)
+    from concurrent.futures import ThreadPoolExecutor
+
+    from layerwise_cli.worker.cpu_placement import move_to
+
+    mine: dict[str, list[str]] = {}
+    other: dict[str, list[str]] = {}
+    weights = [0, 0]
+    for layer in sorted(layers, key=lambda name: -sizes[name]):
+        side = 0 if weights[0] <= weights[1] else 1
+        (mine if side == 0 else other)[layer] = layers[layer]
+        weights[side] += sizes[layer]
+
+    def beside() -> dict[str, tuple]:
+        move_to(spare)
+        return layer_fingerprints(modules, other)
+
+    with ThreadPoolExecutor(1, thread_name_prefix="layerwise-fingerprint") as pool:
+        future = pool.submit(beside)
+        found = layer_fingerprints(modules, mine)
+        found.update(future.result())
+    return {layer: found[layer] for layer in layers}
+

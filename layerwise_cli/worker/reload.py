@@ -17,12 +17,15 @@ from layerwise_cli.report.reload_report import DerivedRefresh, LayerReport, Relo
 from layerwise_cli.worker.consensus import PeerFailed
 from layerwise_cli.worker.cpu_fixups import apply_cpu_fixups
 from layerwise_cli.worker.derived_state import derived_state_of
+from layerwise_cli.worker.early_fingerprints import EarlyFingerprints
 from layerwise_cli.worker.layer_records import REASON_UNCHANGED, LayerRecords
+from layerwise_cli.worker.plan_cache import plan_cache_of, structure_key
 from layerwise_cli.worker.preflight import preflight, reference_checkpoint
 from layerwise_cli.worker.probe import BufferProbe
 from layerwise_cli.worker.rank_plan import plan_for_worker, rank_position
+from layerwise_cli.worker.read_order import pipelined_order
 from layerwise_cli.worker.skip_plan import SkipPlan, quiet_skipped_layers
-from layerwise_cli.worker.stream import ReadAheadStats, ShardReader, read_in_order
+from layerwise_cli.worker.stream import OpenStream, ReadAheadStats, ShardReader, open_stream
 
 ORDERS = ("layer", "file")
 
@@ -116,10 +119,19 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         hf_config = model_config.hf_config.to_dict() if hasattr(model_config.hf_config, "to_dict") else None
         position = rank_position(worker)
         tp_size, tp_rank = position.tp_size, position.tp_rank
-        # Only the tensors this rank holds: its pipeline stage, its experts.
-        mine = plan_for_worker(checkpoint, model, hf_config, position, reference_checkpoint(str(model_config.model)))
-        plan, vllm_names = mine.plan, mine.vllm_names
-        notes = preflight(plan, model, vllm_names, mine.reference, allow_partial=allow_partial)
+        # Only the tensors this rank holds: its pipeline stage, its experts. The same structure as last time
+        # (a trainer's next step) reuses last time's plan and pre-flight.
+        cache = plan_cache_of(worker)
+        key = structure_key(checkpoint, allow_partial)
+        cached = cache.get(key)
+        if cached is not None:
+            mine, notes = cached
+        else:
+            mine = plan_for_worker(checkpoint, model, hf_config, position,
+                                   reference_checkpoint(str(model_config.model)))
+            notes = preflight(mine.plan, model, mine.vllm_names, mine.reference, allow_partial=allow_partial)
+            cache.put(key, mine, notes)
+        plan = mine.plan
         # The probe and the prediction both speak engine module names. Tensors vLLM's loader skips on
         # purpose (no parent layer) are not read: vLLM would drop them unread too.
         engine_stream = [item for item in mine.engine_stream(order) if item.parent is not None]
@@ -130,6 +142,9 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         engine_name = mine.parent_engine_names()
         # vLLM holds these on this rank until the end of the stream (padded vocabulary, partial fused layers).
         held_here = {engine_name.get(name, name): plan.held[name].reason for name in plan.held_on(tp_rank)}
+        if order == "layer":
+            # A large first or last layer moved inward: the engine does not wait for it (`read_order`).
+            engine_stream = pipelined_order(engine_stream, held_here)
         folder = local if local.is_dir() else local.parent
         device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
         # Found before the first reload changes anything, once per engine (vLLM's record and the live
@@ -140,8 +155,16 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         stats = ReadAheadStats()
         rank = getattr(worker, "rank", 0) or 0
         progress = ProgressWriter(progress_path if rank == 0 else None, len(plan.layers), plan.loaded_bytes)
-        probe = BufferProbe(model, on_layer_done=lambda name, timing: progress.write(
-            {"event": "layer", "name": name, "tensors": timing.tensors, "bytes": timing.bytes}))
+        # On the CPU the reading thread fingerprints each layer vLLM finished, for the records, while the engine
+        # loads the next ones (`early_fingerprints`).
+        early = EarlyFingerprints(skip.modules, skip.covers) if records is not None and device.type == "cpu" else None
+
+        def layer_done(name: str, timing) -> None:
+            progress.write({"event": "layer", "name": name, "tensors": timing.tensors, "bytes": timing.bytes})
+            if early is not None:
+                early.layer_done(name)
+
+        probe = BufferProbe(model, on_layer_done=layer_done)
         # A skipped layer counts as done for the progress bar, as soon as it is known to be skipped.
         for name in sorted(skip.skipped):
             progress.write({"event": "layer", "name": name, "skipped": True})
@@ -153,17 +176,21 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
                 progress.write({"event": "layer", "name": parent, "skipped": True})
             return skipped
 
-        def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        def open_source() -> OpenStream:
+            return open_stream(skip.stream, folder, device=device, readahead=readahead, stats=stats,
+                               check_finite=not allow_nonfinite, hash_layers=skip.hash_layers,
+                               digests=skip.read_digests, skip_layer=skip_after_read if decide_after_read else None,
+                               skipped=skip.skipped, samples=skip.read_samples, may_skip=skip.samples_match,
+                               idle=early.step if early is not None else None)
+
+        def weights(opened: OpenStream) -> Iterator[tuple[str, torch.Tensor]]:
             # Handover: the engine's thread inside this generator (waiting for the reader, bookkeeping);
             # everything else of the reload's wall time is vLLM's.
             asked = time.perf_counter()
-            for item, tensor in read_in_order(skip.stream, folder, device=device, readahead=readahead, stats=stats,
-                                              check_finite=not allow_nonfinite, hash_layers=skip.hash_layers,
-                                              digests=skip.read_digests,
-                                              skip_layer=skip_after_read if decide_after_read else None,
-                                              skipped=skip.skipped, samples=skip.read_samples,
-                                              may_skip=skip.samples_match):
+            for item, tensor in opened:
                 skip.handing_over(item.parent)
+                if early is not None:
+                    early.handing_over(item.parent)
                 probe.before_handover(item.entry.name, item.parent, item.entry.nbytes)
                 timer["handover_s"] += time.perf_counter() - asked
                 yield item.entry.name, tensor
@@ -183,28 +210,40 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         on_engine_touched()
     start = time.perf_counter()
     disk_before = process_disk_read_bytes()
+    # The reading thread starts now: the first layers are read while vLLM prepares its reload.
+    opened = open_source() if any(item.parent is not None for item in skip.stream) else None
+    if early is not None and opened is not None:
+        early.wake = opened.wake
+    failed = True
     try:
-        if any(item.parent is not None for item in skip.stream):
-            with quiet_skipped_layers(skip, model):
-                worker.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
-        else:
-            # Every layer skipped from the headers: vLLM would only move every layer to meta and back.
-            probe.finish()
+        try:
+            if opened is not None:
+                with quiet_skipped_layers(skip, model):
+                    worker.reload_weights(weights_iterator=weights(opened), is_checkpoint_format=True)
+            else:
+                # Every layer skipped from the headers: vLLM would only move every layer to meta and back.
+                probe.finish()
+        finally:
+            progress.write({"event": "end"})
+            progress.close()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        # Each repair is found by its rule and does nothing where it does not apply (on a GPU: nothing).
+        reader = ShardReader(folder)
+        try:
+            with engine_config(worker):
+                repair_notes, refreshed = apply_cpu_fixups(
+                    model, set(probe.timings), derived=derived, enabled=repairs,
+                    tensors_of=lambda parent: [(item.entry.name, reader.read(item)) for item in engine_stream
+                                               if item.parent == parent])
+        finally:
+            reader.close()
+        failed = False
     finally:
-        progress.write({"event": "end"})
-        progress.close()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    # Each repair is found by its rule and does nothing where it does not apply (on a GPU: nothing).
-    reader = ShardReader(folder)
-    try:
-        with engine_config(worker):
-            repair_notes, refreshed = apply_cpu_fixups(
-                model, set(probe.timings), derived=derived, enabled=repairs,
-                tensors_of=lambda parent: [(item.entry.name, reader.read(item)) for item in engine_stream
-                                           if item.parent == parent])
-    finally:
-        reader.close()
+        if opened is not None:
+            opened.close()  # stops the reading thread, unless the stream ended (it finishes below)
+        if failed and stats.hashing_done is not None:
+            stats.hashing_done()
     notes.extend(repair_notes)
     if device.type == "cuda" and refreshed:
         torch.cuda.synchronize(device)
@@ -213,7 +252,8 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
     if stats.hashing_done is not None:
         stats.hashing_done()  # the digests of the layers hashed after their handover, for the records
     hash_wait_s = time.perf_counter() - end
-    skip.record(model, checked=not allow_nonfinite)
+    skip.record(model, checked=not allow_nonfinite,
+                fingerprints=early.valid(entry["module"] for entry in refreshed) if early is not None else None)
     notes.extend(skip.notes())
     # vLLM holds these on this rank until the end of the stream (padded vocabulary), unless skipped.
     held_here = {name: why for name, why in held_here.items() if name not in skip.skipped}
@@ -274,7 +314,7 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         digests=skip.digest_source(),
         stale_layers=len(skip.decider.stale) if skip.decider is not None else 0,
         hash_s=stats.hash_s,
-        fingerprint_s=skip.fingerprint_s,
+        fingerprint_s=skip.fingerprint_s + (early.seconds if early is not None else 0.0),
         read_s=stats.read_s,
         sample_s=stats.sample_s,
         check_s=stats.check_s,

@@ -11,8 +11,9 @@ import torch
 from layerwise_cli.checkpoint.digests import header_digests, layer_digest
 from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.planning.plan import PlannedTensor
+from layerwise_cli.worker.cpu_placement import spare_cpus
 from layerwise_cli.worker.layer_records import LayerRecord, LayerRecords, SkipDecider
-from layerwise_cli.worker.layer_state import layer_fingerprints
+from layerwise_cli.worker.layer_state import layer_fingerprints, layer_fingerprints_parallel
 from layerwise_cli.worker.spot_check import SpotCheck, StaleDigest, spot_check
 
 
@@ -48,6 +49,8 @@ class SkipPlan:
     handed: set[str] = field(default_factory=set)
     fingerprint_s: float = 0.0
     spot: SpotCheck | None = None
+    # The model's tensors are in host memory (fingerprints are then read by two threads where a spare CPU is).
+    on_host: bool = False
 
     @classmethod
     def build(cls, model: torch.nn.Module, checkpoint: Checkpoint, engine_stream: list[PlannedTensor], order: str,
@@ -90,6 +93,7 @@ class SkipPlan:
         derived = derived_modules(model, set(groups))
         covers = {name: [name] + sorted(d for d, origin in derived.items() if origin == name) for name in groups}
         plan = cls(records, None, known, covers, modules, groups, [], set(), None, layer_sizes)
+        plan.on_host = next((p.device.type for p in model.parameters() if p.device.type != "meta"), "cpu") == "cpu"
         plan.decider = SkipDecider(records, known, plan._fingerprints, all_layers=all_layers,
                                    checks_finite=checks_finite)
         before = plan.decider.skip_before_reading()
@@ -120,7 +124,11 @@ class SkipPlan:
     def _fingerprints(self, names: list[str]) -> dict[str, object]:
         start = time.perf_counter()
         try:
-            return layer_fingerprints(self.modules, {name: self.covers[name] for name in names})
+            layers = {name: self.covers[name] for name in names}
+            if self.on_host:
+                # Nothing writes the engine's tensors now: half of them are read on the CPUs beside the engine.
+                return layer_fingerprints_parallel(self.modules, layers, spare_cpus())
+            return layer_fingerprints(self.modules, layers)
         finally:
             self.fingerprint_s += time.perf_counter() - start
 
@@ -131,8 +139,12 @@ class SkipPlan:
             if self.records is not None:
                 self.records.drop(parent)
 
-    def record(self, model: torch.nn.Module, *, checked: bool) -> None:
-        """After a successful reload: record every layer handed over, with its digest and its state now."""
+    def record(self, model: torch.nn.Module, *, checked: bool, fingerprints: dict[str, object] | None = None) -> None:
+        """After a successful reload: record every layer handed over, with its digest and its state now.
+
+        FINGERPRINTS: layers' states already taken since vLLM finished them and still true
+        (`early_fingerprints`); the others are taken now.
+        """
         if self.records is None or not self.handed:
             return
         digests: dict[str, str | None] = {}
@@ -148,7 +160,9 @@ class SkipPlan:
                 digest = self.known.get(name)
             if tensors and all(t in self.read_samples for t in tensors):
                 digests[name] = digest  # None: recorded by its samples alone
-        now = self._fingerprints(sorted(digests))
+        ready = fingerprints or {}
+        now = {name: ready[name] for name in digests if name in ready}
+        now.update(self._fingerprints(sorted(name for name in digests if name not in ready)))
         for name, digest in digests.items():
             samples = {t: self.read_samples[t] for t in self.groups.get(name, [])}
             self.records.set(name, LayerRecord(digest, now[name], checked, samples))

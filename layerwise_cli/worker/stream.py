@@ -16,7 +16,7 @@ import torch
 
 from layerwise_cli.checkpoint.chunks import CHUNK_BYTES
 from layerwise_cli.checkpoint.digests import TensorHasher, layer_digest, tensor_digest
-from layerwise_cli.checkpoint.finite import first_nonfinite, refusal
+from layerwise_cli.checkpoint.finite import first_nonfinite, first_nonfinite_shared, refusal
 from layerwise_cli.checkpoint.samples import buffer_sample
 from layerwise_cli.checkpoint.sources import shard_file
 from layerwise_cli.planning.plan import PlannedTensor
@@ -27,6 +27,8 @@ from layerwise_cli.worker.cpu_placement import move_to, spare_cpus
 # workers, and one thread copying out of the page cache is slower than the
 # device's copy engine.
 _STAGING_CHUNK_BYTES = 64 << 20
+# A layer the engine waits for is checked by two threads when it holds at least this many bytes.
+_SHARED_CHECK_BYTES = 8 << 20
 
 
 def layer_batches(stream: list[PlannedTensor]) -> list[list[PlannedTensor]]:
@@ -100,6 +102,8 @@ class ReadAheadStats:
 
     peak_bytes: int = 0
     _held: int = 0
+    # Layers read (and checked) so far.
+    read_layers: int = 0
     # Bytes of tensor data taken from the shards (skipped layers decided from headers are never read).
     read_bytes: int = 0
     # Seconds getting tensors from the shards (CPU: mapping them; CUDA: also staging into pinned memory).
@@ -130,7 +134,37 @@ class ReadAheadStats:
 _DONE = object()
 
 
-def read_in_order(
+def read_in_order(stream: list[PlannedTensor], folder: Path, **options) -> Iterator[tuple[PlannedTensor, torch.Tensor]]:
+    """Yield (planned tensor, tensor) in stream order: `open_stream`, read as a generator (closed with it)."""
+    opened = open_stream(stream, folder, **options)
+    try:
+        yield from opened
+    finally:
+        opened.close()
+
+
+class OpenStream:
+    """A stream `open_stream` started: iterate it once; `close` it in any case (it stops the reading thread)."""
+
+    def __init__(self, tensors: Iterator, abort: Callable[[], None], wake: Callable[[], None]) -> None:
+        self._tensors = tensors
+        self._abort = abort
+        self._wake = wake
+
+    def __iter__(self) -> Iterator[tuple[PlannedTensor, torch.Tensor]]:
+        return self._tensors
+
+    def wake(self) -> None:
+        """Tell the reading thread that new idle work is there (any thread may call it)."""
+        self._wake()
+
+    def close(self) -> None:
+        """Stop reading and let go of the shards (a no-op once the stream was read to its end)."""
+        self._tensors.close()  # runs the stream's own clean-up when it was started
+        self._abort()
+
+
+def open_stream(
     stream: list[PlannedTensor],
     folder: Path,
     *,
@@ -145,16 +179,30 @@ def read_in_order(
     samples: dict[str, str] | None = None,
     may_skip: Callable[[str, dict[str, str]], bool] | None = None,
     copy_threads: int | None = None,
-) -> Iterator[tuple[PlannedTensor, torch.Tensor]]:
-    """Yield (planned tensor, tensor) in stream order.
+    ahead_bytes: int | None = None,
+    idle: Callable[[], bool] | None = None,
+) -> OpenStream:
+    """Start reading STREAM; iterating the result yields (planned tensor, tensor) in stream order.
 
-    With `readahead`, a thread reads the next parent layer while the engine
-    loads and processes the current one; it never runs more than one layer
-    ahead. On CPU the tensors are safetensors' lazy views of the file
-    mapping: their bytes are read when the engine copies them. On a CUDA
+    The reading thread starts at once, so the first layers are read (and
+    checked) while the caller prepares the engine (vLLM's reload moves the
+    model's layers to the meta device before it asks for the first tensor).
+
+    With `readahead`, a thread reads the next parent layers while the engine
+    loads and processes the current one, at most `ahead_bytes` of layers the
+    engine has not started (always at least one layer). On CPU the tensors are
+    safetensors' views of the file mapping (no copy: holding them costs
+    mapped page cache, not memory of their own), so the reader may run two of
+    the largest layers ahead: a small layer (a norm) takes the engine no time,
+    and a reader only one layer ahead would make it wait for the next. On a CUDA
     device, tensors are staged in pinned host memory (copied by a few
     threads) and copied to the device asynchronously on a side stream, so the
     engine's processing (online quantization) runs on the device.
+
+    On the CPU, the reading thread moves beside the cores vLLM bound the
+    worker to (`cpu_placement`), and a layer the engine waits for (the first
+    one always) is checked by two threads: the reader and one on the engine's
+    idle cores.
 
     Args:
         stream: tensors in the order to hand them over.
@@ -182,9 +230,17 @@ def read_in_order(
             always True. Layers `skip_layer` cannot drop are never hashed.
         copy_threads: threads for the host copies into pinned staging on CUDA
             (None: `staging_threads()`; 1: one plain copy per tensor).
+        ahead_bytes: bytes of read layers the engine has not started that the
+            reader may hold before it reads another (a layer is read whenever
+            none is held). None: twice the largest layer on CPU, one layer at
+            a time on CUDA (staging holds pinned and device memory).
+        idle: work for the reading thread while it may not read on, after the
+            hashing backlog: called until it returns False (nothing to do now),
+            and again after `OpenStream.wake`, and after the stream until the
+            caller waits for the thread (`stats.hashing_done`).
 
-    Yields:
-        Each planned tensor with its data.
+    Returns:
+        An `OpenStream` (iterate it once; close it in any case), yielding each planned tensor with its data.
 
     Raises:
         LayerwiseError: a tensor holds NaN or Inf (naming its shard file), at
@@ -237,8 +293,9 @@ def read_in_order(
     # A layer split into several runs of the stream cannot be dropped: part of it would already be handed over.
     runs = Counter(batch[0].parent for batch in batches)
 
+    largest_batch = max((sum(i.entry.nbytes for i in b) for b in batches), default=0)
     # The backlog keeps views of at most two of the largest layers' bytes.
-    backlog = _HashBacklog(digests, stats, 2 * max((sum(i.entry.nbytes for i in b) for b in batches), default=0))
+    backlog = _HashBacklog(digests, stats, 2 * largest_batch)
 
     def hash_batch(batch: list[PlannedTensor], raws: list[torch.Tensor]) -> None:
         """Hash a layer's tensors in full into `digests`."""
@@ -283,11 +340,16 @@ def read_in_order(
                 # Reduced on the device, after the copies, on their stream: one read-back per layer.
                 with torch.cuda.stream(copy_stream):
                     found = first_nonfinite(tensors)
+            elif helper is not None and (not stats.read_layers or engine_waiting.is_set()) and (
+                    sum(item.entry.nbytes for item in batch) >= _SHARED_CHECK_BYTES):
+                # The engine waits for this layer (the first one always does): its core is idle, so it checks half.
+                found = first_nonfinite_shared(tensors, helper.submit)
             else:
                 found = first_nonfinite(tensors)
             stats.check_s += time.perf_counter() - start
             if found is not None:
                 raise refusal(found, str(folder / found.shard))
+        stats.read_layers += 1
         return loaded
 
     def handover(item: PlannedTensor, tensor, event) -> tuple[PlannedTensor, torch.Tensor]:
@@ -296,55 +358,111 @@ def read_in_order(
             tensor.record_stream(torch.cuda.current_stream(device))
         return item, tensor
 
+    spare = spare_cpus() if readahead else set()
+    # When the reading thread runs beside the engine's cores: one thread on them, which checks half of a layer
+    # the engine waits for. Started here, by the engine's thread, so that it runs where the engine does.
+    shared_check = bool(spare) and check_finite and not cuda
+    helper = ThreadPoolExecutor(1, thread_name_prefix="layerwise-check") if shared_check else None
+    if helper is not None:
+        helper.submit(lambda: None).result()
+    engine_waiting = threading.Event()
+
+    def release() -> None:
+        reader.close()
+        if pool is not None:
+            pool.shutdown(wait=True)
+        if helper is not None:
+            helper.shutdown(wait=True)
+
     if not readahead:
-        try:
-            for batch in batches:
-                # The whole layer is read (and checked) before its first tensor is handed over.
-                loaded = load_batch(batch)
-                if loaded is None:
-                    continue
-                for item, _, _ in loaded:
-                    stats.add(item.entry.nbytes)
-                for item, tensor, event in loaded:
-                    stats.remove(item.entry.nbytes)
-                    yield handover(item, tensor, event)
-        finally:
-            reader.close()
-            if pool is not None:
-                pool.shutdown(wait=True)
-        return
+        def inline() -> Iterator[tuple[PlannedTensor, torch.Tensor]]:
+            try:
+                for batch in batches:
+                    # The whole layer is read (and checked) before its first tensor is handed over.
+                    loaded = load_batch(batch)
+                    if loaded is None:
+                        continue
+                    for item, _, _ in loaded:
+                        stats.add(item.entry.nbytes)
+                    for item, tensor, event in loaded:
+                        stats.remove(item.entry.nbytes)
+                        yield handover(item, tensor, event)
+            finally:
+                release()
+
+        return OpenStream(inline(), release, lambda: None)
 
     ready: queue.Queue = queue.Queue()
-    # One slot: the reader may hold at most one layer that the engine has not started.
-    slot = threading.Semaphore(1)
+    limit = ahead_bytes if ahead_bytes is not None else (0 if cuda else 2 * largest_batch)
+    # Bytes of the layers read that the engine has not started; the reader waits on `room` for it to fall.
+    waiting = [0]
+    room = threading.Condition()
     stop = threading.Event()
-    spare = spare_cpus()
+    finishing = threading.Event()
 
-    def wait_for_slot() -> None:
-        """Block until the engine starts the layer handed over last, hashing the backlog meanwhile."""
-        while not slot.acquire(blocking=False):
-            if stop.is_set() or not backlog.step():
-                slot.acquire()
-                return
+    def fits(nbytes: int) -> bool:
+        return stop.is_set() or waiting[0] == 0 or waiting[0] + nbytes <= limit
+
+    def other_work() -> bool:
+        """One step of the hashing backlog, else of the caller's idle work; False when neither had any."""
+        return backlog.step() or (idle is not None and idle())
+
+    # Set by `wake` (new idle work), cleared by the reader when it looks for work.
+    woken = [False]
+
+    def wake() -> None:
+        with room:
+            woken[0] = True
+            room.notify_all()
+
+    def wait_for_room(nbytes: int) -> None:
+        """Block until a layer of NBYTES may be read, doing other work meanwhile; then count it."""
+        while True:
+            with room:
+                if fits(nbytes):
+                    waiting[0] += nbytes
+                    return
+                woken[0] = False
+            if other_work():
+                continue
+            with room:
+                room.wait_for(lambda: fits(nbytes) or woken[0])
+
+    def started(nbytes: int) -> None:
+        with room:
+            waiting[0] -= nbytes
+            room.notify()
 
     def produce() -> None:
         try:
             stats.reader_cpus = move_to(spare)
             for batch in batches:
-                wait_for_slot()
+                nbytes = sum(item.entry.nbytes for item in batch)
+                wait_for_room(nbytes)
                 if stop.is_set():
                     return
                 loaded = load_batch(batch)
                 if loaded is None:
-                    slot.release()  # nothing handed over: the slot stays free
+                    started(nbytes)  # nothing handed over: no room taken
                     continue
                 for item, _, _ in loaded:
                     stats.add(item.entry.nbytes)
-                ready.put(loaded)
+                ready.put((nbytes, loaded))
             ready.put(_DONE)
-            # While vLLM finalizes (the caller waits for this before recording; `stop` drops the rest).
-            while not stop.is_set() and backlog.step():
-                pass
+            # While vLLM finalizes (`stop` drops the rest): the backlog, and with idle work, whatever the caller
+            # adds until it waits for this thread before recording (the last layers finish after the stream; a
+            # caller that never waits lets it go after a minute).
+            given_up = time.monotonic() + 60
+            while not stop.is_set():
+                with room:
+                    woken[0] = False
+                if other_work():
+                    continue
+                if idle is None or finishing.is_set() or time.monotonic() > given_up:
+                    break
+                with room:
+                    room.wait_for(lambda: woken[0] or finishing.is_set() or stop.is_set(),
+                                  timeout=max(0.0, given_up - time.monotonic()))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             ready.put(exc)
         finally:
@@ -352,30 +470,49 @@ def read_in_order(
 
     thread = threading.Thread(target=produce, name="layerwise-readahead", daemon=True)
     thread.start()
-    complete = False
-    try:
-        while True:
-            loaded = ready.get()
-            if loaded is _DONE:
-                complete = True
-                break
-            if isinstance(loaded, BaseException):
-                raise loaded
-            slot.release()  # the engine starts this layer: the reader may fetch the next
-            for item, tensor, event in loaded:
-                stats.remove(item.entry.nbytes)
-                yield handover(item, tensor, event)
-    finally:
-        if complete:
-            # The reader finishes the backlog while vLLM finalizes; the caller waits for it before recording.
-            stats.hashing_done = lambda: thread.join(timeout=60)
-        else:
+    state = {"complete": False, "closed": False}
+
+    def abort() -> None:
+        """Stop the reading thread unless the stream ended (then the caller waits for it: `hashing_done`)."""
+        if state["closed"]:
+            return
+        state["closed"] = True
+        if not state["complete"]:
             stop.set()
-            slot.release()
+            with room:
+                room.notify_all()
             thread.join(timeout=60)
-        reader.close()
-        if pool is not None:
-            pool.shutdown(wait=True)
+        release()
+
+    def consume() -> Iterator[tuple[PlannedTensor, torch.Tensor]]:
+        try:
+            while True:
+                engine_waiting.set()
+                got = ready.get()
+                engine_waiting.clear()
+                if got is _DONE:
+                    state["complete"] = True
+                    break
+                if isinstance(got, BaseException):
+                    raise got
+                nbytes, loaded = got
+                started(nbytes)  # the engine starts this layer: the reader may fetch more
+                for item, tensor, event in loaded:
+                    stats.remove(item.entry.nbytes)
+                    yield handover(item, tensor, event)
+        finally:
+            if state["complete"]:
+                # The reader finishes its backlog and idle work while vLLM finalizes; the caller waits for it
+                # before recording.
+                def hashing_done() -> None:
+                    finishing.set()
+                    wake()
+                    thread.join(timeout=60)
+
+                stats.hashing_done = hashing_done
+            abort()
+
+    return OpenStream(consume(), abort, wake)
 
 
 class _HashBacklog:
@@ -406,6 +543,9 @@ class _HashBacklog:
             self._jobs.append([item.entry.name, TensorHasher(item.entry.dtype, item.entry.shape), data, 0,
                                i == len(batch) - 1])
         self._bytes += new
+
+    def pending(self) -> bool:
+        return bool(self._jobs)
 
     def step(self) -> bool:
         """Hash the next chunk; False when nothing is left."""
