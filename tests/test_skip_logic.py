@@ -423,14 +423,19 @@ def test_a_layer_whose_samples_differ_is_hashed_only_after_its_handover(tmp_path
         assert {item.parent for item in plan.layer_order if item.entry.name in digests} == mlp
 
 
-def test_a_layer_recorded_by_its_samples_alone_is_hashed_when_they_match_then_skipped(tmp_path):
+def _plain(tmp_path: Path) -> Path:
+    """The Qwen3-like checkpoint as plain `save_file` writes it: one file, no header digests."""
     from safetensors.torch import save_file
 
-    sd = qwen3_like()
     folder = tmp_path / "plain"
     folder.mkdir()
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(folder / "model.safetensors"))
+    save_file({k: v.contiguous() for k, v in qwen3_like().items()}, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(__import__("json").dumps(CONFIG))
+    return folder
+
+
+def test_a_layer_recorded_by_its_samples_alone_is_hashed_when_they_match_then_skipped(tmp_path):
+    folder = _plain(tmp_path)
     plan = inspect_order(str(folder)).plan
     model = TinyModel(plan)
     recs = LayerRecords()
@@ -459,13 +464,7 @@ def test_a_layer_recorded_by_its_samples_alone_is_hashed_when_they_match_then_sk
 
 
 def test_without_header_digests_every_layer_is_hashed(tmp_path):
-    from safetensors.torch import save_file
-
-    sd = qwen3_like()
-    folder = tmp_path / "plain"
-    folder.mkdir()
-    save_file({k: v.contiguous() for k, v in sd.items()}, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(__import__("json").dumps(CONFIG))
+    folder = _plain(tmp_path)
     plan = inspect_order(str(folder)).plan
     skip, stream = _skip_plan(folder, TinyModel(plan), LayerRecords())
     assert skip.stream == stream and skip.hash_layers == {item.parent for item in stream}

@@ -121,6 +121,19 @@ def count_nonfinite(tensor, dtype: str | None = None) -> tuple[int, int]:
     return nan, inf
 
 
+def any_suspect(tensors: Iterable[object]) -> bool:
+    """Whether any of the tensors may hold NaN or Inf (`suspect_flag`), with one read-back."""
+    return _any_flag(suspect_flag(tensor) for tensor in tensors)
+
+
+def _any_flag(flags: Iterable[object]) -> bool:
+    """Whether any of the `suspect_flag` results (None: cannot hold NaN/Inf) is set: one read-back for all."""
+    import torch
+
+    present = [flag for flag in flags if flag is not None]
+    return bool(present) and bool(torch.stack(present).any())
+
+
 def first_nonfinite(tensors: Iterable[tuple[str, str, object]]) -> NonFinite | None:
     """The first of (name, shard, tensor) that holds NaN or Inf, or None.
 
@@ -128,11 +141,8 @@ def first_nonfinite(tensors: Iterable[tuple[str, str, object]]) -> NonFinite | N
     exact count only for suspects. On an accelerator, call it under the stream
     that produced the tensors.
     """
-    import torch
-
     group = [(name, shard, tensor, suspect_flag(tensor)) for name, shard, tensor in tensors]
-    flags = [flag for *_, flag in group if flag is not None]
-    if not flags or not bool(torch.stack(flags).any()):
+    if not _any_flag(flag for *_, flag in group):
         return None
     for name, shard, tensor, flag in group:
         if flag is not None and bool(flag):
@@ -140,14 +150,6 @@ def first_nonfinite(tensors: Iterable[tuple[str, str, object]]) -> NonFinite | N
             if nan or inf:
                 return NonFinite(name, shard, nan, inf)
     return None
-
-
-def any_suspect(tensors: Iterable[object]) -> bool:
-    """Whether any of the tensors may hold NaN or Inf (`suspect_flag`), with one read-back."""
-    import torch
-
-    flags = [flag for tensor in tensors if (flag := suspect_flag(tensor)) is not None]
-    return bool(flags) and bool(torch.stack(flags).any())
 
 
 def first_nonfinite_shared(tensors: list[tuple[str, str, object]], submit) -> NonFinite | None:

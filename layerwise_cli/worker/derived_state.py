@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from layerwise_cli.worker.worker_state import kept_on
+
 
 @dataclass(frozen=True)
 class AliasBuffer:
@@ -128,11 +130,7 @@ def find_derived_state(model) -> DerivedState:
 
 def derived_state_of(worker) -> DerivedState:
     """The engine's derived state, found on first use and kept on the worker (its modules never change)."""
-    state = getattr(worker, "_layerwise_derived_state", None)
-    if state is None:
-        state = find_derived_state(worker.model_runner.get_model())
-        worker._layerwise_derived_state = state
-    return state
+    return kept_on(worker, "_layerwise_derived_state", lambda: find_derived_state(worker.model_runner.get_model()))
 
 
 def expected_alias_value(model, alias: AliasBuffer, tensors: list):

@@ -28,6 +28,8 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from layerwise_cli.worker.worker_state import kept_on
+
 REASON_UNCHANGED = "unchanged"
 
 
@@ -76,11 +78,7 @@ _ATTRIBUTE = "_layerwise_records"
 
 def records_of(worker) -> LayerRecords:
     """The worker's records, made on first use (the worker extension instance lives as long as the process)."""
-    records = getattr(worker, _ATTRIBUTE, None)
-    if records is None:
-        records = LayerRecords()
-        setattr(worker, _ATTRIBUTE, records)
-    return records
+    return kept_on(worker, _ATTRIBUTE, LayerRecords)
 
 
 @dataclass

@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass
 
 from layerwise_cli.checkpoint.sources import Checkpoint
+from layerwise_cli.worker.worker_state import kept_on
 
 _ATTRIBUTE = "_layerwise_plan_cache"
 
@@ -57,8 +58,4 @@ class PlanCache:
 
 def plan_cache_of(worker) -> PlanCache:
     """The worker's cache, made on first use."""
-    cache = getattr(worker, _ATTRIBUTE, None)
-    if cache is None:
-        cache = PlanCache()
-        setattr(worker, _ATTRIBUTE, cache)
-    return cache
+    return kept_on(worker, _ATTRIBUTE, PlanCache)

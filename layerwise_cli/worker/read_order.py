@@ -25,6 +25,7 @@ import statistics
 from collections.abc import Collection
 
 from layerwise_cli.planning.plan import PlannedTensor
+from layerwise_cli.worker.stream import layer_batches
 
 # A first or last layer this many times the median layer is moved inward ...
 _LARGE = 4
@@ -43,12 +44,7 @@ def pipelined_order(stream: list[PlannedTensor], held: Collection[str] = ()) -> 
     Returns:
         The same tensors, each parent layer's run unchanged, in the order to read them.
     """
-    batches: list[list[PlannedTensor]] = []
-    for item in stream:
-        if batches and batches[-1][0].parent == item.parent:
-            batches[-1].append(item)
-        else:
-            batches.append([item])
+    batches = layer_batches(stream)
     if len(batches) < 4 or len({batch[0].parent for batch in batches}) != len(batches):
         return list(stream)  # a layer split into several runs: leave the order alone
     sizes = [sum(item.entry.nbytes for item in batch) for batch in batches]

@@ -151,7 +151,7 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         # tensors are both in place between reloads).
         derived = derived_state_of(worker)
         skip = SkipPlan.build(model, checkpoint, engine_stream, order, records, all_layers=all_layers,
-                              checks_finite=not allow_nonfinite)
+                              checks_finite=not allow_nonfinite, on_host=device.type == "cpu")
         stats = ReadAheadStats()
         rank = getattr(worker, "rank", 0) or 0
         progress = ProgressWriter(progress_path if rank == 0 else None, len(plan.layers), plan.loaded_bytes)

@@ -54,7 +54,8 @@ class SkipPlan:
 
     @classmethod
     def build(cls, model: torch.nn.Module, checkpoint: Checkpoint, engine_stream: list[PlannedTensor], order: str,
-              records: LayerRecords | None, *, all_layers: bool = False, checks_finite: bool = True) -> SkipPlan:
+              records: LayerRecords | None, *, all_layers: bool = False, checks_finite: bool = True,
+              on_host: bool = False) -> SkipPlan:
         """Decide what can be decided before reading: records against header digests and the layers' state.
 
         Args:
@@ -66,6 +67,7 @@ class SkipPlan:
             records: the worker's records (None: skip nothing, record nothing).
             all_layers: skip nothing, record everything handed over.
             checks_finite: this reload refuses NaN/Inf.
+            on_host: the model's tensors are in host memory (its fingerprints may then be read by two threads).
         """
         from layerwise_cli.worker.cpu_fixups import derived_modules
 
@@ -93,7 +95,7 @@ class SkipPlan:
         derived = derived_modules(model, set(groups))
         covers = {name: [name] + sorted(d for d, origin in derived.items() if origin == name) for name in groups}
         plan = cls(records, None, known, covers, modules, groups, [], set(), None, layer_sizes)
-        plan.on_host = next((p.device.type for p in model.parameters() if p.device.type != "meta"), "cpu") == "cpu"
+        plan.on_host = on_host
         plan.decider = SkipDecider(records, known, plan._fingerprints, all_layers=all_layers,
                                    checks_finite=checks_finite)
         before = plan.decider.skip_before_reading()

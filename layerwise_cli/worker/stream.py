@@ -293,7 +293,8 @@ def open_stream(
     # A layer split into several runs of the stream cannot be dropped: part of it would already be handed over.
     runs = Counter(batch[0].parent for batch in batches)
 
-    largest_batch = max((sum(i.entry.nbytes for i in b) for b in batches), default=0)
+    batch_bytes = [sum(item.entry.nbytes for item in batch) for batch in batches]
+    largest_batch = max(batch_bytes, default=0)
     # The backlog keeps views of at most two of the largest layers' bytes.
     backlog = _HashBacklog(digests, stats, 2 * largest_batch)
 
@@ -312,8 +313,8 @@ def open_stream(
             return True
         return False
 
-    def load_batch(batch: list[PlannedTensor]) -> list[tuple] | None:
-        """Read one parent layer; with `check_finite`, refuse it if any tensor holds NaN or Inf.
+    def load_batch(batch: list[PlannedTensor], nbytes: int) -> list[tuple] | None:
+        """Read one parent layer (NBYTES: its tensors' bytes); with `check_finite`, refuse it if any holds NaN or Inf.
 
         None when the layer is hashed and `skip_layer` drops it.
         """
@@ -341,7 +342,7 @@ def open_stream(
                 with torch.cuda.stream(copy_stream):
                     found = first_nonfinite(tensors)
             elif helper is not None and (not stats.read_layers or engine_waiting.is_set()) and (
-                    sum(item.entry.nbytes for item in batch) >= _SHARED_CHECK_BYTES):
+                    nbytes >= _SHARED_CHECK_BYTES):
                 # The engine waits for this layer (the first one always does): its core is idle, so it checks half.
                 found = first_nonfinite_shared(tensors, helper.submit)
             else:
@@ -377,9 +378,9 @@ def open_stream(
     if not readahead:
         def inline() -> Iterator[tuple[PlannedTensor, torch.Tensor]]:
             try:
-                for batch in batches:
+                for batch, nbytes in zip(batches, batch_bytes):
                     # The whole layer is read (and checked) before its first tensor is handed over.
-                    loaded = load_batch(batch)
+                    loaded = load_batch(batch, nbytes)
                     if loaded is None:
                         continue
                     for item, _, _ in loaded:
@@ -436,12 +437,11 @@ def open_stream(
     def produce() -> None:
         try:
             stats.reader_cpus = move_to(spare)
-            for batch in batches:
-                nbytes = sum(item.entry.nbytes for item in batch)
+            for batch, nbytes in zip(batches, batch_bytes):
                 wait_for_room(nbytes)
                 if stop.is_set():
                     return
-                loaded = load_batch(batch)
+                loaded = load_batch(batch, nbytes)
                 if loaded is None:
                     started(nbytes)  # nothing handed over: no room taken
                     continue
@@ -543,9 +543,6 @@ class _HashBacklog:
             self._jobs.append([item.entry.name, TensorHasher(item.entry.dtype, item.entry.shape), data, 0,
                                i == len(batch) - 1])
         self._bytes += new
-
-    def pending(self) -> bool:
-        return bool(self._jobs)
 
     def step(self) -> bool:
         """Hash the next chunk; False when nothing is left."""
