@@ -330,7 +330,7 @@ def open_stream(
                 if dropped(batch):
                     return None
             elif readahead:
-                backlog.add(batch, [raw for _, raw in read])
+                backlog.add(batch, [raw for _, raw in read], nbytes)
             else:
                 stats.unhashed_layers += 1
         loaded = [(item, *to_device(host)) for item, (host, _) in zip(batch, read)]
@@ -533,8 +533,8 @@ class _HashBacklog:
         # [tensor name, hasher, raw bytes, bytes hashed so far, last tensor of its layer]
         self._jobs: deque[list] = deque()
 
-    def add(self, batch: list[PlannedTensor], raws: list[torch.Tensor]) -> None:
-        new = sum(item.entry.nbytes for item in batch)
+    def add(self, batch: list[PlannedTensor], raws: list[torch.Tensor], new: int) -> None:
+        """Queue a layer's tensors (NEW: their bytes) for hashing."""
         # Over the bound, the oldest are hashed now: the reader is ahead of what it must hash, not the engine.
         while self._jobs and self._bytes + new > self._max_bytes:
             self.step()
