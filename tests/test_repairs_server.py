@@ -3,8 +3,9 @@
 One `layerwise serve` server per family, started on B (so that its fingerprints as started are a fresh
 engine's on B), then reloaded to A. With `LAYERWISE_NO_CPU_FIXUPS=1` in the CLI's environment (the client
 asks the workers for a reload without repairs), `--verify` must exit 1 naming exactly what vLLM's reload
-leaves stale; without it, `--verify` passes with nothing unchecked, the JSON report names every tensor
-refreshed, and the server's fingerprints (every tensor and buffer, kernels read back) equal the fresh ones.
+leaves stale on this CPU (and pass where its kernels leave nothing stale); without it, `--verify` passes
+with nothing unchecked, the JSON report names every tensor refreshed, and the server's fingerprints (every
+tensor and buffer, kernels read back) equal the fresh ones.
 The same two checks run in process in the equivalence matrix (`test_verify_names_what_the_repairs_fix...`),
 with answers compared to a fresh engine.
 """
@@ -15,12 +16,14 @@ import json
 
 import pytest
 
+from tests.support.cpu_kernels import left_stale_by_vllm, on_cpu
 from tests.support.producers import Producer, save_pretrained_checkpoint
 from tests.support.server_support import RunningServer, run_cli
 
 pytestmark = pytest.mark.engine
 
-# Family -> (producer, what vLLM's reload leaves stale: verify's names, and the report's (module, tensor)).
+# Family -> (producer, what vLLM's reload can leave stale: verify's names, and the report's (module, tensor)).
+# Which of them it leaves stale depends on the CPU's kernels (`left_stale_by_vllm`).
 FAMILIES = {
     "nemotron_h": (Producer("nemotron_h", max_shard_size="96KB"), ("model.layers.0.mixer.conv_weights",),
                    {("model.layers.0.mixer", "conv_weights")}),
@@ -30,12 +33,6 @@ FAMILIES = {
                   {(f"model.layers.{i}.mlp.experts.routed_experts", p)
                    for i in (0, 1) for p in ("w13_weight", "w2_weight")}),
 }
-
-
-def on_cpu() -> bool:
-    from layerwise_cli.client.local import cuda_available
-
-    return not cuda_available()
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -52,7 +49,9 @@ def family(request, tmp_path_factory):
         done = run_cli("reload", "--weights-path", str(a), "--url", server.url)
         assert done.returncode == 0, done.stderr[-3000:]
         assert server_fingerprints(server.url) != fresh
-        yield {"server": server, "a": a, "b": b, "fresh": fresh, "names": names, "refreshed": refreshed}
+        stale = left_stale_by_vllm(names, b)
+        yield {"server": server, "a": a, "b": b, "fresh": fresh, "names": names, "refreshed": refreshed,
+               "stale": stale}
 
 
 def test_verify_with_the_repairs_off_names_what_vllm_leaves_stale(family):
@@ -60,15 +59,20 @@ def test_verify_with_the_repairs_off_names_what_vllm_leaves_stale(family):
         pytest.skip("nothing is left stale on a GPU (no repack after loading): the repairs do nothing there")
     proc = run_cli("reload", "--weights-path", str(family["b"]), "--url", family["server"].url, "--verify",
                    env={"LAYERWISE_NO_CPU_FIXUPS": "1", "COLUMNS": "250"})
+    assert "CPU repairs are off" in proc.stdout
+    names = family["stale"]
+    if not names:
+        # This CPU's kernels follow the weights in place (no packed copy): nothing is stale to name.
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "verified" in proc.stderr and "differs:" not in proc.stdout
+        return
     assert proc.returncode == 1, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    names = family["names"]
     assert f"{len(names)} layer(s) differ from what the source must produce: {', '.join(names)}" in errors[0]
     for name in names:
         assert f"differs: {name}:" in proc.stdout, proc.stdout
     assert "not checked" not in proc.stdout
-    assert "CPU repairs are off" in proc.stdout
 
 
 def test_verify_with_the_repairs_on_passes_and_the_server_holds_a_fresh_engines_state(family):
@@ -83,6 +87,9 @@ def test_verify_with_the_repairs_on_passes_and_the_server_holds_a_fresh_engines_
     assert verify["ok"] and not verify["skipped"] and not verify["errors"] and not verify["unchecked_accepted"]
     assert verify["checked"] == verify["matched"] > 0
     refreshed = {(entry["module"], entry["tensor"]) for entry in server["report"]["refreshed"]}
-    assert refreshed == (family["refreshed"] if on_cpu() else set())
+    # Everything stale is refreshed; a kernel rebuilt where it was not stale (the tied head) is harmless.
+    stale = {(module, tensor) for module, tensor in family["refreshed"]
+             if any(module == name or f"{module}.{tensor}" == name for name in family["stale"])}
+    assert stale <= refreshed <= (family["refreshed"] if on_cpu() else set())
     assert all(entry["reason"] for entry in server["report"]["refreshed"])
     assert server_fingerprints(family["server"].url) == family["fresh"]

@@ -31,11 +31,21 @@ class DataConsole(Console):
     is on, and cut tables to fit: columns vanish and names wrap mid-word.
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Rich fixes the width from COLUMNS as it is when the console is made (this module's import);
+        # `size` reads COLUMNS as it is when printing instead.
+        self._width = kwargs.get("width")
+
     @property
     def size(self) -> ConsoleDimensions:
         size = super().size
-        if self._width is None and not self.is_terminal and not self._environ.get("COLUMNS", "").isdigit():
-            return ConsoleDimensions(PIPED_WIDTH, size.height)
+        if self._width is None:
+            columns = self._environ.get("COLUMNS", "")
+            if columns.isdigit():
+                return ConsoleDimensions(int(columns), size.height)
+            if not self.is_terminal:
+                return ConsoleDimensions(PIPED_WIDTH, size.height)
         return size
 
 

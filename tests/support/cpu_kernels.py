@@ -1,0 +1,91 @@
+"""Which derived CPU kernels vLLM builds on this machine, asked of vLLM's own dispatch (no engine).
+
+What vLLM's reload leaves stale on CPU depends on the CPU: `dispatch_cpu_unquantized_gemm`
+(`vllm/model_executor/layers/utils.py`) packs a copy of a linear weight (SGL on AMX, oneDNN where it
+supports bf16, e.g. AVX-512) or falls back to `F.linear` on the weight itself (AVX2: oneDNN has no bf16
+matmul there), and prepacks a width-4 bf16 causal-conv weight only with AVX512-BF16 or ARM bf16.
+A kernel built from a copy is what a reload leaves stale (the tied head's; the Mamba2 `conv_weights`
+view then keeps the unpacked original). The tests ask the same function the engine calls, on the
+same machine, so their expectations follow the CPU they run on, not the CPU they were written on.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
+
+
+def on_cpu() -> bool:
+    from layerwise_cli.client.local import cuda_available
+
+    return not cuda_available()
+
+
+def _module_with_weight(weight):
+    import torch
+
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(weight, requires_grad=False)
+    return module
+
+
+@functools.cache
+def linear_kernel_holds_a_copy(out_features: int, in_features: int) -> bool:
+    """True when vLLM's CPU GEMM kernel of a bf16 weight this shape does not follow an in-place update of it."""
+    import torch
+    import torch.nn.functional as F
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    generator = torch.Generator().manual_seed(0)
+    module = _module_with_weight(torch.randn(out_features, in_features, generator=generator, dtype=torch.bfloat16))
+    dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(out_features, in_features, generator=generator, dtype=torch.bfloat16))
+    x = torch.randn(3, in_features, generator=generator, dtype=torch.bfloat16)
+    kernel = module.cpu_linear(x, module.weight, None).float()
+    return not torch.allclose(kernel, F.linear(x, module.weight).float(), rtol=2e-2, atol=2e-2)
+
+
+@functools.cache
+def conv_weight_is_prepacked(channels: int = 256, width: int = 4) -> bool:
+    """True when vLLM replaces a bf16 causal-conv weight `[channels, 1, width]` by a prepacked one after loading."""
+    import torch
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    module = _module_with_weight(torch.randn(channels, 1, width, dtype=torch.bfloat16))
+    before = module.weight.data_ptr()
+    dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+    return module.weight.data_ptr() != before or module.weight.dim() != 3
+
+
+def head_shape(checkpoint: Path) -> tuple[int, int]:
+    """The engine's LM head `(padded vocabulary, hidden size)` for a checkpoint's config."""
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    vocab = -(-config["vocab_size"] // VOCAB_PADDING) * VOCAB_PADDING
+    return vocab, config["hidden_size"]
+
+
+def left_stale_by_vllm(candidates: Iterable[str], checkpoint: Path) -> tuple[str, ...]:
+    """Of the derived state a repair exists for, what vLLM's reload leaves stale on this machine.
+
+    `candidates` are `--verify`'s names: `lm_head` (a tied head's kernel), `...conv_weights` (the Mamba2
+    view of `conv1d.weight`), `...experts.routed_experts` (CPU MoE experts, prepacked only when the kernel
+    is built: stale on every CPU). Nothing is stale on a GPU.
+    """
+    if not on_cpu():
+        return ()
+
+    def stale(name: str) -> bool:
+        if name == "lm_head":
+            return linear_kernel_holds_a_copy(*head_shape(checkpoint))
+        if name.endswith(".conv_weights"):
+            return conv_weight_is_prepacked()
+        if name.endswith(".routed_experts"):
+            return True
+        raise ValueError(f"no rule for {name}: say when vLLM leaves it stale")
+
+    return tuple(name for name in candidates if stale(name))
