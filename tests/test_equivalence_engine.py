@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cpu_kernels import conv_weight_is_prepacked, left_stale_by_vllm
+from tests.support.cpu_kernels import conv_weight_is_prepacked, left_stale_by_vllm, verify_name
 from tests.support.engine_support import (
     assert_matches_fresh,
     checkpoint_digest,
@@ -413,8 +413,7 @@ def test_verify_names_what_the_repairs_fix_and_passes_with_them(matrix, config):
     assert not verify.skipped and not verify.errors, verify
     assert bool(differing_prompts(off.answers, fresh_answers(off.source, PROMPTS, options()))) == bool(stale)
     # Repairs on: everything stale is refreshed; a kernel rebuilt where it was not stale is harmless.
-    refreshed = {module if tensor in ("cpu_linear", "w13_weight", "w2_weight") else f"{module}.{tensor}"
-                 for module, tensor in on.refreshed}
+    refreshed = {verify_name(module, tensor) for module, tensor in on.refreshed}
     assert stale <= refreshed <= set(config.repair_names), on.refreshed
     verify = run.repairs_on_verify
     assert verify.ok and not verify.skipped and not verify.errors and not verify.unchecked_accepted, verify

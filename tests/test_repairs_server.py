@@ -16,7 +16,7 @@ import json
 
 import pytest
 
-from tests.support.cpu_kernels import left_stale_by_vllm, on_cpu
+from tests.support.cpu_kernels import left_stale_by_vllm, on_cpu, verify_name
 from tests.support.producers import Producer, save_pretrained_checkpoint
 from tests.support.server_support import RunningServer, run_cli
 
@@ -89,7 +89,7 @@ def test_verify_with_the_repairs_on_passes_and_the_server_holds_a_fresh_engines_
     refreshed = {(entry["module"], entry["tensor"]) for entry in server["report"]["refreshed"]}
     # Everything stale is refreshed; a kernel rebuilt where it was not stale (the tied head) is harmless.
     stale = {(module, tensor) for module, tensor in family["refreshed"]
-             if any(module == name or f"{module}.{tensor}" == name for name in family["stale"])}
+             if verify_name(module, tensor) in family["stale"]}
     assert stale <= refreshed <= (family["refreshed"] if on_cpu() else set())
     assert all(entry["reason"] for entry in server["report"]["refreshed"])
     assert server_fingerprints(family["server"].url) == family["fresh"]

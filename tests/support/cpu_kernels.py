@@ -69,6 +69,16 @@ def head_shape(checkpoint: Path) -> tuple[int, int]:
     return vocab, config["hidden_size"]
 
 
+# The report's refreshed tensors that stand for their whole module in `--verify`'s names.
+MODULE_WIDE = ("cpu_linear", "w13_weight", "w2_weight")
+
+
+def verify_name(module: str, tensor: str) -> str:
+    """`--verify`'s name for a refreshed (module, tensor) of the report: a kernel or MoE experts' module itself,
+    an alias buffer as `module.tensor`."""
+    return module if tensor in MODULE_WIDE else f"{module}.{tensor}"
+
+
 def left_stale_by_vllm(candidates: Iterable[str], checkpoint: Path) -> tuple[str, ...]:
     """Of the derived state a repair exists for, what vLLM's reload leaves stale on this machine.
 
