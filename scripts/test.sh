@@ -7,4 +7,4 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/scripts/ensure_venv.sh"
 cd "$root"
-exec .venv/bin/python -m pytest -n "${LAYERWISE_TEST_WORKERS:-2}" --dist loadfile "$@"
+exec .venv/bin/python -m pytest -n "${LAYERWISE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

@@ -3,11 +3,87 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.support.synthetic import SyntheticModel, write_checkpoint
+
+# Seconds each of the slowest test files took in two xdist workers on a 2-core AMD EPYC (2026-12-02, 35 min in
+# all). Under xdist the files start heaviest first (and the rest in collection order), so that no long file is
+# left to run alone at the end. Order only: no test depends on it.
+HEAVY_FILES = {
+    "test_equivalence_engine.py": 1010, "test_serve.py": 372, "test_watch.py": 243, "test_planner_engine.py": 211,
+    "test_data_parallel.py": 189, "test_repairs_server.py": 169, "test_padded_engine.py": 161,
+    "test_engine_start_failure.py": 161, "test_reload_engine.py": 152, "test_online_quant_engine.py": 124,
+    "test_pipeline_parallel.py": 123, "test_skip_engine.py": 112, "test_reorder.py": 104, "test_moe_engine.py": 104,
+    "test_reload_cli.py": 87, "test_mtp_engine.py": 87, "test_tied_engine.py": 73, "test_load.py": 68,
+    "test_bench_quick.py": 65, "test_demo_cli.py": 62,
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Heaviest files first (a stable sort: tests keep their order within a file)."""
+    items.sort(key=lambda item: -HEAVY_FILES.get(item.path.name, 0))
+
+
+def xdist_core() -> int | None:
+    """Under pytest-xdist on two or more CPUs: the CPU this worker's engines are bound to (round robin)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    cpus = sorted(os.sched_getaffinity(0))
+    if not worker.startswith("gw") or len(cpus) < 2:
+        return None
+    return cpus[int(worker[2:]) % len(cpus)]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def engines_on_own_core():
+    """Under xdist, each worker's single-rank engines and servers get a core of their own.
+
+    vLLM's CPU worker binds its threads itself; with `auto` every engine on
+    the host takes the same core, so two workers' engines would compute on
+    one core while the other does the rest (`own_core` in
+    tests/support/server_support.py measured what that costs). Tests that
+    start several ranks drop the variable (they give each rank its own core).
+    """
+    core = xdist_core()
+    if core is None or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        yield
+        return
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+    try:
+        yield
+    finally:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fresh_answers_shared(tmp_path_factory: pytest.TempPathFactory):
+    """Under xdist, the workers share fresh engines' answers (`engine_support.fresh_answers`) in this run."""
+    from tests.support.engine_support import FRESH_DIR_ENV
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    # Every worker's base temp is a folder of the run's own: their parent is the run's.
+    os.environ[FRESH_DIR_ENV] = str(tmp_path_factory.getbasetemp().parent / "fresh-answers")
+    try:
+        yield
+    finally:
+        os.environ.pop(FRESH_DIR_ENV, None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def timeline(request: pytest.FixtureRequest):
+    """With LAYERWISE_TEST_TIMELINE=FILE: one line per test file (worker, start, seconds), to see the schedule."""
+    path = os.environ.get("LAYERWISE_TEST_TIMELINE")
+    start = time.time()
+    yield
+    if path:
+        with open(path, "a") as out:
+            out.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {start:.0f} {time.time() - start:.0f} "
+                      f"{request.node.path.name}\n")
 
 
 @pytest.fixture(autouse=True)

@@ -48,6 +48,8 @@ class _DataParallelServer(RunningServer):
         from tests.support.server_support import ROOT
 
         _, env = super().command()
+        # Two ranks: vLLM's own binding gives each its core (a test worker's one-core binding fits one rank).
+        env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
         # The engines import the test's extension class from the repository's `tests` package.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
         plan = server_command_line(self.model, port=self.port, data_parallel_size=2, max_model_len=64,

@@ -13,18 +13,32 @@ def _reads_back(module) -> bool:
 
     True for a linear layer whose weight lives only inside a kernel handle
     (CPU repacking empties `weight`), and for any layer with a CPU kernel
-    handle (`cpu_linear`, e.g. the LM head), which may hold its own copy of
-    a weight that is also stored.
+    handle (`cpu_linear`, e.g. the LM head) that may hold its own copy of a
+    weight that is also stored. A handle that captures nothing (vLLM's
+    `F.linear` fallback, where oneDNN has no bf16 matmul: AVX2) computes with
+    the weight it is passed, the stored one, whose digest covers it: reading
+    it back would cost width / 256 GEMMs of the layer for nothing.
     """
     if not hasattr(getattr(module, "quant_method", None), "apply"):
         return False
-    if getattr(module, "cpu_linear", None) is not None:
-        return True
+    kernel = getattr(module, "cpu_linear", None)
+    if kernel is not None:
+        return not _follows_the_stored_weight(module, kernel)
     from layerwise_cli import vllm_compat
 
     weight = module._parameters.get("weight")
     hidden = weight is None or weight.device.type == "meta" or weight.numel() == 0
     return isinstance(module, vllm_compat.linear_base_class()) and hidden
+
+
+def _follows_the_stored_weight(module, kernel) -> bool:
+    """Whether a CPU kernel handle holds no state of its own (a plain function without closure cells)."""
+    import types
+
+    weight = module._parameters.get("weight")
+    stored = weight is not None and weight.device.type != "meta" and weight.numel() > 0
+    return stored and isinstance(kernel, types.FunctionType) and not kernel.__closure__ and \
+        not kernel.__defaults__ and not kernel.__kwdefaults__
 
 
 def _kernel_readback_digest(module) -> str:

@@ -50,6 +50,15 @@ def linear_kernel_holds_a_copy(out_features: int, in_features: int) -> bool:
     return not torch.allclose(kernel, F.linear(x, module.weight).float(), rtol=2e-2, atol=2e-2)
 
 
+def linear_kernels_are_read_back() -> bool:
+    """Whether `--verify` reads dense linear weights back through their CPU kernels here (`#kernel` entries).
+
+    Only a kernel that holds a copy is read back; vLLM's `F.linear` fallback
+    (AVX2) computes with the stored weight, which is compared as a tensor.
+    """
+    return on_cpu() and linear_kernel_holds_a_copy(256, 256)
+
+
 @functools.cache
 def conv_weight_is_prepacked(channels: int = 256, width: int = 4) -> bool:
     """True when vLLM replaces a bf16 causal-conv weight `[channels, 1, width]` by a prepacked one after loading."""

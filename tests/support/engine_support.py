@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -121,6 +123,8 @@ def assert_same_outputs(got: list, want: list, *, exact: bool) -> None:
 # on a checkpoint answers, keyed by the checkpoint's content (config and tensor
 # bytes, not its shard layout), the prompts and the engine options.
 _FRESH: dict[tuple, list] = {}
+# Where the xdist workers of one run share fresh answers (set by tests/conftest.py).
+FRESH_DIR_ENV = "LAYERWISE_TEST_FRESH_DIR"
 
 
 def checkpoint_digest(checkpoint: Path) -> str:
@@ -158,15 +162,57 @@ def _default_options():
     return EngineOptions(max_model_len=64)
 
 
+def _shared_file(key: tuple) -> Path | None:
+    """Under pytest-xdist: the file this run's workers share KEY's fresh answers through (None: one process).
+
+    The folder is `LAYERWISE_TEST_FRESH_DIR`, which tests/conftest.py sets to one
+    folder of this run's temporary directory (pytest removes old runs' own).
+    """
+    import hashlib
+
+    shared = os.environ.get(FRESH_DIR_ENV)
+    if not shared:
+        return None
+    folder = Path(shared)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"{hashlib.sha256(repr(key).encode()).hexdigest()}.json"
+
+
+def _as_answers(data: list) -> list:
+    """Answers read back from JSON in `greedy_with_logprobs`' shape (tuples where it has tuples)."""
+    return [[(token, [(tid, lp) for tid, lp in top]) for token, top in steps] for steps in data]
+
+
+def _share(path: Path | None, answers: list) -> None:
+    if path is not None:
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(answers))
+        partial.replace(path)
+
+
 def fresh_answers(checkpoint: Path, prompts: list[str], options=None) -> list:
     """What an engine started fresh on CHECKPOINT answers (`greedy_with_logprobs`), cached per content.
 
     Starts (and stops) an engine only on a cache miss. Call it before starting
-    the engine under test, so that two engines never run at once.
+    the engine under test, so that two engines never run at once. Under
+    pytest-xdist the workers of one run share the answers (a file per key in
+    this run's temporary directory; a worker that needs a key another is
+    computing waits for it): an engine started fresh in this run, never an
+    answer kept from an earlier one.
     """
+    import fcntl
+
     options = options or _default_options()
     key = _fresh_key(checkpoint, prompts, options)
-    if key not in _FRESH:
+    if key in _FRESH:
+        return _FRESH[key]
+    path = _shared_file(key)
+    with open(path.with_suffix(".lock"), "a") if path is not None else contextlib.nullcontext() as lock:
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if path is not None and path.exists():
+            _FRESH[key] = _as_answers(json.loads(path.read_text()))
+            return _FRESH[key]
         from layerwise_cli.client.local import start_engine, stop_engine
 
         llm = start_engine(str(checkpoint), options)
@@ -174,13 +220,16 @@ def fresh_answers(checkpoint: Path, prompts: list[str], options=None) -> list:
             _FRESH[key] = greedy_with_logprobs(llm, prompts)
         finally:
             stop_engine(llm)
+        _share(path, _FRESH[key])
     return _FRESH[key]
 
 
 def remember_fresh(llm, checkpoint: Path, prompts: list[str], options=None) -> list:
     """Record the answers of LLM, just started on CHECKPOINT and never reloaded, as its fresh answers."""
     options = options or _default_options()
-    _FRESH[_fresh_key(checkpoint, prompts, options)] = answers = greedy_with_logprobs(llm, prompts)
+    key = _fresh_key(checkpoint, prompts, options)
+    _FRESH[key] = answers = greedy_with_logprobs(llm, prompts)
+    _share(_shared_file(key), answers)
     return answers
 
 
