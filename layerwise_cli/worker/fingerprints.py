@@ -8,6 +8,12 @@ from layerwise_cli.errors import LayerwiseError
 _READBACK_ROWS = 256
 
 
+def _stored_weight(module):
+    """The module's own `weight` when it keeps storage (not on meta, not emptied by CPU repacking), else None."""
+    weight = module._parameters.get("weight")
+    return weight if weight is not None and weight.device.type != "meta" and weight.numel() > 0 else None
+
+
 def _reads_back(module) -> bool:
     """Whether a module's weights must be read back through its kernel to be fingerprinted.
 
@@ -21,23 +27,20 @@ def _reads_back(module) -> bool:
     """
     if not hasattr(getattr(module, "quant_method", None), "apply"):
         return False
+    stored = _stored_weight(module) is not None
     kernel = getattr(module, "cpu_linear", None)
     if kernel is not None:
-        return not _follows_the_stored_weight(module, kernel)
+        return not (stored and _holds_no_state(kernel))
     from layerwise_cli import vllm_compat
 
-    weight = module._parameters.get("weight")
-    hidden = weight is None or weight.device.type == "meta" or weight.numel() == 0
-    return isinstance(module, vllm_compat.linear_base_class()) and hidden
+    return isinstance(module, vllm_compat.linear_base_class()) and not stored
 
 
-def _follows_the_stored_weight(module, kernel) -> bool:
-    """Whether a CPU kernel handle holds no state of its own (a plain function without closure cells)."""
+def _holds_no_state(kernel) -> bool:
+    """Whether a CPU kernel handle is a plain function that captures nothing (no closure cells, no defaults)."""
     import types
 
-    weight = module._parameters.get("weight")
-    stored = weight is not None and weight.device.type != "meta" and weight.numel() > 0
-    return stored and isinstance(kernel, types.FunctionType) and not kernel.__closure__ and \
+    return isinstance(kernel, types.FunctionType) and not kernel.__closure__ and \
         not kernel.__defaults__ and not kernel.__kwdefaults__
 
 
@@ -54,7 +57,7 @@ def _kernel_readback_digest(module) -> str:
     import torch
 
     weight = module._parameters.get("weight")
-    stored = weight is not None and weight.device.type != "meta" and weight.numel() > 0
+    stored = _stored_weight(module) is not None
     # Parallel layers know their input width per rank; `ReplicatedLinear` (MoE routers) only `input_size`.
     width = (getattr(module, "input_size_per_partition", None) or (weight.shape[-1] if stored else None)
              or getattr(module, "input_size", None))
