@@ -10,16 +10,16 @@ import pytest
 
 from tests.support.synthetic import SyntheticModel, write_checkpoint
 
-# Seconds each of the slowest test files took in two xdist workers on a 2-core AMD EPYC (2026-12-02, 35 min in
+# Seconds each of the slowest test files took in two xdist workers on a 2-core AVX-512 AMD EPYC (2026-12-02, 20 min in
 # all). Under xdist the files start heaviest first (and the rest in collection order), so that no long file is
 # left to run alone at the end. Order only: no test depends on it.
 HEAVY_FILES = {
-    "test_equivalence_engine.py": 1010, "test_serve.py": 372, "test_watch.py": 243, "test_planner_engine.py": 211,
-    "test_data_parallel.py": 189, "test_repairs_server.py": 169, "test_padded_engine.py": 161,
-    "test_engine_start_failure.py": 161, "test_reload_engine.py": 152, "test_online_quant_engine.py": 124,
-    "test_pipeline_parallel.py": 123, "test_skip_engine.py": 112, "test_reorder.py": 104, "test_moe_engine.py": 104,
-    "test_reload_cli.py": 87, "test_mtp_engine.py": 87, "test_tied_engine.py": 73, "test_load.py": 68,
-    "test_bench_quick.py": 65, "test_demo_cli.py": 62,
+    "test_serve.py": 251, "test_equivalence_engine.py": 242, "test_watch.py": 183, "test_data_parallel.py": 144,
+    "test_engine_start_failure.py": 134, "test_repairs_server.py": 133, "test_planner_engine.py": 124,
+    "test_reorder.py": 107, "test_pipeline_parallel.py": 106, "test_padded_engine.py": 97,
+    "test_online_quant_engine.py": 74, "test_bench_quick.py": 70, "test_reload_cli.py": 70, "test_demo_models.py": 61,
+    "test_load.py": 56, "test_demo_cli.py": 49, "test_in_process_engine.py": 49, "test_arch_table.py": 46,
+    "test_tensor_parallel.py": 45, "test_moe_engine.py": 39,
 }
 
 

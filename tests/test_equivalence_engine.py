@@ -9,7 +9,9 @@ reloads every layout of B in layer order and in file order, A after each,
 the `--allow-partial` checkpoints where the configuration has them, and last
 vLLM's own `reload_weights` of B. Everything is recorded first (engines are
 stopped before the next starts) and the tests below assert on the records,
-so each cell passes or fails on its own.
+so each cell passes or fails on its own. The engines run in this process
+(`tests/support/in_process.py`: the same vLLM engine, without spawning two
+processes per start).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from tests.support.engine_support import (
     remember_fresh,
     reshard,
 )
+from tests.support.in_process import start_here, stop_here
 from tests.support.producers import PADDED_VOCAB, UNPADDED_VOCAB, Producer, save_pretrained_checkpoint
 
 pytestmark = pytest.mark.engine
@@ -233,7 +236,6 @@ def write_checkpoints(config: Config, root: Path) -> tuple[Path, dict[str, Path]
 
 def run_config(config: Config, root: Path) -> ConfigRun:
     """Start the engines of one configuration, do every reload, record, stop."""
-    from layerwise_cli.client.local import start_engine, stop_engine
     from layerwise_cli.planning.inspect import inspect_order
 
     began = time.perf_counter()
@@ -254,7 +256,7 @@ def run_config(config: Config, root: Path) -> ConfigRun:
     fresh_answers(b[SHARD_SIZES[0]], PROMPTS, options())
     if mixed is not None:
         fresh_answers(mixed, PROMPTS, options())
-    llm = start_engine(str(a), options())
+    llm = start_here(str(a), options())
     try:
         run = ConfigRun(config, a, b, partial_b, mixed, remember_fresh(llm, a, PROMPTS, options()))
         for layout in config.shard_layouts:
@@ -276,7 +278,7 @@ def run_config(config: Config, root: Path) -> ConfigRun:
         own.answers = answers(llm)
         run.vllm_reload = own
     finally:
-        stop_engine(llm)
+        stop_here(llm)
     run.seconds = time.perf_counter() - began
     return run
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.engine_support import assert_matches_fresh, load_tensors, remember_fresh
+from tests.support.in_process import start_here, stop_here
 
 pytestmark = pytest.mark.engine
 
@@ -70,7 +71,7 @@ def _lie(good: Path, liar: Path, new_bytes: bytes) -> Path:
 def engine(demo_models, tmp_path_factory):
     import torch
 
-    from layerwise_cli.client.local import EngineOptions, start_engine, stop_engine
+    from layerwise_cli.client.local import EngineOptions
 
     root = tmp_path_factory.mktemp("lying-digest")
     a, b = Path(demo_models["multiply"]), Path(demo_models["add"])
@@ -80,12 +81,12 @@ def engine(demo_models, tmp_path_factory):
     # LIAR's header digest is stale, and the content is multiply's (the fresh reference the engine starts on).
     good = _save({**tensors_a, LIAR: tensors_b[LIAR]}, root / "held", a)
     liar = _lie(good, root / "liar", tensors_a[LIAR].contiguous().view(torch.uint8).numpy().tobytes())
-    llm = start_engine(str(a), EngineOptions(max_model_len=64))
+    llm = start_here(str(a), EngineOptions(max_model_len=64))
     try:
         remember_fresh(llm, a, prompts())
         yield llm, good, liar
     finally:
-        stop_engine(llm)
+        stop_here(llm)
 
 
 def test_the_scans_catch_the_lie(engine):

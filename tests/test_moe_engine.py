@@ -19,6 +19,7 @@ from tests.support.engine_support import (
     remember_fresh,
     reshard,
 )
+from tests.support.in_process import start_here, stop_here
 
 pytestmark = pytest.mark.engine
 
@@ -66,12 +67,11 @@ def fresh_b(demo_models, quantization) -> list:
 @pytest.fixture(scope="module")
 def engine_a(demo_models, quantization, fresh_b):
     """An engine started on *moe-multiply* (A); its first answers are A's fresh answers."""
-    from layerwise_cli.client.local import start_engine, stop_engine
 
-    llm = start_engine(str(demo_models["moe-multiply"]), options(quantization))
+    llm = start_here(str(demo_models["moe-multiply"]), options(quantization))
     remember_fresh(llm, demo_models["moe-multiply"], prompts(), options(quantization))
     yield llm
-    stop_engine(llm)
+    stop_here(llm)
 
 
 def test_reload_b_matches_fresh_b_and_a_comes_back_exactly(engine_a, demo_models, fresh_b, quantization):

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.engine_support import assert_matches_fresh, fresh_answers, greedy_with_logprobs, remember_fresh
+from tests.support.in_process import start_here, stop_here
 from tests.support.producers import Producer, save_pretrained_checkpoint
 
 pytestmark = pytest.mark.engine
@@ -96,13 +97,13 @@ def engine(checkpoints):
 
     Its answers at start are B's fresh answers (`remember_fresh`): no second engine is started for them.
     """
-    from layerwise_cli.client.local import EngineOptions, start_engine, stop_engine
+    from layerwise_cli.client.local import EngineOptions
 
     fresh_answers(checkpoints["A-mtp"], prompts())
-    llm = start_engine(str(checkpoints["base"]), EngineOptions(max_model_len=64))
+    llm = start_here(str(checkpoints["base"]), EngineOptions(max_model_len=64))
     remember_fresh(llm, checkpoints["base"], prompts())
     yield llm
-    stop_engine(llm)
+    stop_here(llm)
 
 
 def _mtp_note(report) -> str:

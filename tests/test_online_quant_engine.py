@@ -25,6 +25,7 @@ from tests.support.engine_support import (
     remember_fresh,
     reshard,
 )
+from tests.support.in_process import start_here, stop_here
 from tests.support.producers import Producer, save_pretrained_checkpoint
 from tests.support.quant_tamper import TAMPER_EXTENSION_CLS
 
@@ -116,12 +117,11 @@ class TestOnlineQuantFp8:
 
     @pytest.fixture(scope="class")
     def engine(self, checkpoints, fresh_b):
-        from layerwise_cli.client.local import start_engine, stop_engine
 
-        llm = start_engine(str(checkpoints["A"]), options(self.QUANT))
+        llm = start_here(str(checkpoints["A"]), options(self.QUANT))
         remember_fresh(llm, checkpoints["A"], prompts(), options(self.QUANT))
         yield llm
-        stop_engine(llm)
+        stop_here(llm)
 
     def test_online_quant_engine_holds_fp8_weights_and_scales(self, engine):
         held = engine.collective_rpc("layerwise_test_quantized")[0]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.engine_support import assert_matches_fresh, fresh_answers, greedy_with_logprobs, remember_fresh
+from tests.support.in_process import start_here, stop_here
 from tests.support.producers import Producer, save_pretrained_checkpoint
 
 pytestmark = pytest.mark.engine
@@ -66,13 +67,13 @@ def untied_engine(checkpoints, a_with_rotary_buffers):
     Recorded in the shared fresh-engine cache (`remember_fresh`), they are the
     reference for every reload of B, so no second engine is started for them.
     """
-    from layerwise_cli.client.local import EngineOptions, start_engine, stop_engine
+    from layerwise_cli.client.local import EngineOptions
 
     b = checkpoints[f"{UNTIED.label}-B"]
-    llm = start_engine(str(b), EngineOptions(max_model_len=64))
+    llm = start_here(str(b), EngineOptions(max_model_len=64))
     remember_fresh(llm, b, prompts())
     yield llm
-    stop_engine(llm)
+    stop_here(llm)
 
 
 def _assert_prediction_is_measured(report, source: Path, order: str, tensor_parallel_size: int = 1) -> None:
@@ -129,10 +130,10 @@ def test_tied_padded_reload_prediction(checkpoints) -> None:
     Answers are not compared here: a tied head after a reload is another
     issue's repair (the matrix tests cover it).
     """
-    from layerwise_cli.client.local import EngineOptions, reload, start_engine, stop_engine
+    from layerwise_cli.client.local import EngineOptions, reload
 
     a, b = checkpoints[f"{TIED.label}-A"], checkpoints[f"{TIED.label}-B"]
-    llm = start_engine(str(a), EngineOptions(max_model_len=64))
+    llm = start_here(str(a), EngineOptions(max_model_len=64))
     try:
         layer = reload(llm, str(b), order="layer")
         _assert_prediction_is_measured(layer, b, "layer")
@@ -144,7 +145,7 @@ def test_tied_padded_reload_prediction(checkpoints) -> None:
         _assert_prediction_is_measured(file, a, "file")
         assert file.peak_buffer_bytes > file.largest_layer_bytes
     finally:
-        stop_engine(llm)
+        stop_here(llm)
 
 
 def test_tensor_parallel_two_holds_on_the_last_rank(checkpoints, monkeypatch) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.in_process import start_here, stop_here
 from tests.support.producers import Producer, save_pretrained_checkpoint
 
 pytestmark = pytest.mark.engine
@@ -36,7 +37,7 @@ def predicted(source: Path) -> dict:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict[str, dict]:
     """Per architecture: the prediction, and per order what the engine measured."""
-    from layerwise_cli.client.local import EngineOptions, reload, start_engine, stop_engine
+    from layerwise_cli.client.local import EngineOptions, reload
 
     root = tmp_path_factory.mktemp("planner")
     runs: dict[str, dict] = {}
@@ -44,7 +45,7 @@ def measured(tmp_path_factory) -> dict[str, dict]:
         a = save_pretrained_checkpoint(root / f"{arch}-a", Producer(arch), seed=1)
         b = save_pretrained_checkpoint(root / f"{arch}-b", Producer(arch), seed=2)
         run: dict = {"predicted": predicted(b)}
-        llm = start_engine(str(a), EngineOptions(max_model_len=64))
+        llm = start_here(str(a), EngineOptions(max_model_len=64))
         try:
             for order in ORDERS:
                 report = reload(llm, str(b), order=order)
@@ -58,7 +59,7 @@ def measured(tmp_path_factory) -> dict[str, dict]:
                     "mapping": report.mapping,
                 }
         finally:
-            stop_engine(llm)
+            stop_here(llm)
         runs[arch] = run
     if os.environ.get("LAYERWISE_PLANNER_FIGURES"):  # the figures docs/planner.md quotes
         Path(os.environ["LAYERWISE_PLANNER_FIGURES"]).write_text(json.dumps(runs, indent=1))

@@ -16,6 +16,7 @@ from tests.support.engine_support import (
     reshard,
     with_rotary_buffers,
 )
+from tests.support.in_process import start_here, stop_here
 
 pytestmark = pytest.mark.engine
 
@@ -48,11 +49,11 @@ def add_with_rotary_buffers(demo_models, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def engine(demo_models, reference_add, add_with_rotary_buffers):
     """One engine for the module, started on *multiply* (after the fresh engines the module compares with)."""
-    from layerwise_cli.client.local import EngineOptions, start_engine, stop_engine
+    from layerwise_cli.client.local import EngineOptions
 
-    llm = start_engine(str(demo_models["multiply"]), EngineOptions(max_model_len=64))
+    llm = start_here(str(demo_models["multiply"]), EngineOptions(max_model_len=64))
     yield llm
-    stop_engine(llm)
+    stop_here(llm)
 
 
 @pytest.fixture

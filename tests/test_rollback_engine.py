@@ -14,6 +14,7 @@ import shutil
 import pytest
 
 from tests.support.engine_support import engine_state, parameter_kind, reshard
+from tests.support.in_process import start_here, stop_here
 
 pytestmark = pytest.mark.engine
 
@@ -24,7 +25,7 @@ def test_failure_mid_stream_rolls_the_engine_back(demo_models, tmp_path):
     import torch
 
     from layerwise_cli.client.generate import greedy_answers
-    from layerwise_cli.client.local import EngineOptions, reload, start_engine, stop_engine
+    from layerwise_cli.client.local import EngineOptions, reload
     from layerwise_cli.demo import demo_prompt, expected_answer
     from layerwise_cli.errors import LayerwiseError
 
@@ -39,7 +40,7 @@ def test_failure_mid_stream_rolls_the_engine_back(demo_models, tmp_path):
 
     bad = reshard(demo_models["add"], tmp_path / "bad", parameter_kind, transform=wrong_down_proj)
     prompts = [demo_prompt(a, b) for a, b in PAIRS]
-    llm = start_engine(str(started_from), EngineOptions(max_model_len=64))
+    llm = start_here(str(started_from), EngineOptions(max_model_len=64))
     try:
         reload(llm, str(demo_models["multiply"]))  # the weights it has now come from here
         shutil.rmtree(started_from)
@@ -56,4 +57,4 @@ def test_failure_mid_stream_rolls_the_engine_back(demo_models, tmp_path):
         reload(llm, str(demo_models["add"]))
         assert greedy_answers(llm, prompts) == [expected_answer("add", a, b) for a, b in PAIRS]
     finally:
-        stop_engine(llm)
+        stop_here(llm)

@@ -20,6 +20,7 @@ from tests.support.engine_support import (
     load_tensors,
     remember_fresh,
 )
+from tests.support.in_process import start_here, stop_here
 
 pytestmark = pytest.mark.engine
 
@@ -98,22 +99,20 @@ def fresh_b(ckpts) -> list:
 
 
 class Engine:
-    """The module's engine; `restart` stops it and starts a new one on A (a new worker process)."""
+    """The module's engine; `restart` stops it and starts a new one on A (a new worker, here in process)."""
 
     def __init__(self, model: Path) -> None:
         self.model = model
         self.llm = None
 
     def start(self) -> None:
-        from layerwise_cli.client.local import EngineOptions, start_engine
+        from layerwise_cli.client.local import EngineOptions
 
-        self.llm = start_engine(str(self.model), EngineOptions(max_model_len=64))
+        self.llm = start_here(str(self.model), EngineOptions(max_model_len=64))
 
     def stop(self) -> None:
-        from layerwise_cli.client.local import stop_engine
-
         if self.llm is not None:
-            stop_engine(self.llm)
+            stop_here(self.llm)
             self.llm = None
 
     def engine_ids(self) -> list[str]:

@@ -27,6 +27,7 @@ from tests.support.engine_support import (
     greedy_with_logprobs,
     remember_fresh,
 )
+from tests.support.in_process import start_here, stop_here
 from tests.support.producers import Producer, save_pretrained_checkpoint
 
 pytestmark = pytest.mark.engine
@@ -54,13 +55,13 @@ def engine_a(tied_ab):
     B's fresh answers come from the shared fresh-engine cache first (an engine
     on B only on a miss, stopped before A's starts: never two at once).
     """
-    from layerwise_cli.client.local import EngineOptions, start_engine, stop_engine
+    from layerwise_cli.client.local import EngineOptions
 
     fresh_answers(tied_ab["B"], PROMPTS)
-    llm = start_engine(str(tied_ab["A"]), EngineOptions(max_model_len=64))
+    llm = start_here(str(tied_ab["A"]), EngineOptions(max_model_len=64))
     remember_fresh(llm, tied_ab["A"], PROMPTS)
     yield llm
-    stop_engine(llm)
+    stop_here(llm)
 
 
 @pytest.mark.parametrize("order", ["layer", "file"])

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.engine_support import differing_prompts, fresh_answers, greedy_with_logprobs, load_tensors
+from tests.support.in_process import start_here, stop_here
 from tests.support.producers import Producer, save_pretrained_checkpoint
 from tests.test_equivalence_engine import PROMPTS, options
 
@@ -43,7 +44,6 @@ def run(tmp_path_factory) -> Written:
     import transformers
 
     from layerwise_cli import save_checkpoint
-    from layerwise_cli.client.local import start_engine, stop_engine
 
     root = tmp_path_factory.mktemp("writer-engine")
     original = save_pretrained_checkpoint(root / "b", Producer("qwen3", max_shard_size="40KB"), seed=2)
@@ -58,11 +58,11 @@ def run(tmp_path_factory) -> Written:
         if path.name.startswith("tokenizer") or path.name in {"special_tokens_map.json", "vocab.json"}:
             shutil.copy2(path, written / path.name)
     fresh = fresh_answers(original, PROMPTS, options())
-    llm = start_engine(str(written), options())
+    llm = start_here(str(written), options())
     try:
         answers = greedy_with_logprobs(llm, PROMPTS)
     finally:
-        stop_engine(llm)
+        stop_here(llm)
     return Written(original, state_dict, written, saved, fresh, answers)
 
 

@@ -213,15 +213,23 @@ def fresh_answers(checkpoint: Path, prompts: list[str], options=None) -> list:
         if path is not None and path.exists():
             _FRESH[key] = _as_answers(json.loads(path.read_text()))
             return _FRESH[key]
-        from layerwise_cli.client.local import start_engine, stop_engine
-
-        llm = start_engine(str(checkpoint), options)
-        try:
-            _FRESH[key] = greedy_with_logprobs(llm, prompts)
-        finally:
-            stop_engine(llm)
+        _FRESH[key] = _answers_of_fresh_engine(checkpoint, prompts, options)
         _share(path, _FRESH[key])
     return _FRESH[key]
+
+
+def _answers_of_fresh_engine(checkpoint: Path, prompts: list[str], options) -> list:
+    """Start an engine on CHECKPOINT, ask, stop: in this process where it has one rank (`in_process`)."""
+    from layerwise_cli.client.local import start_engine, stop_engine
+    from tests.support.in_process import start_here, stop_here
+
+    single = options.tensor_parallel_size * options.pipeline_parallel_size == 1
+    start, stop = (start_here, stop_here) if single else (start_engine, stop_engine)
+    llm = start(str(checkpoint), options)
+    try:
+        return greedy_with_logprobs(llm, prompts)
+    finally:
+        stop(llm)
 
 
 def remember_fresh(llm, checkpoint: Path, prompts: list[str], options=None) -> list:

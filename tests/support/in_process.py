@@ -1,0 +1,163 @@
+"""Single-rank engines whose engine core and worker run in the test's own process.
+
+`start_engine` as users call it gives vLLM its default layout: an engine-core
+process and (on the CPU backend always) a worker process, each spawned and
+importing vLLM and torch: about 40 s of a start's 45 on a loaded 2-core
+machine, a few seconds of which are vLLM's own work. With
+`VLLM_ENABLE_V1_MULTIPROCESSING=0` the same engine (the same `CPUWorker`,
+model runner, reload code and kernels) runs in this process, already importing
+vLLM, and starts in about 3 s. vLLM's own test suite runs most of its engines
+this way.
+
+What differs, and stays tested in other files with the default layout: what
+crosses the process boundary (`collective_rpc` results are not serialized
+here), the engine process's logs on a failed start, the read-ahead thread's
+placement beside a `VLLM::Worker` process, and multi-rank engines. The
+answers are the same: `tests/test_in_process_engine.py` compares them with an
+engine started the default way, bit for bit.
+
+An in-process engine leaves state in this process that the next one must not
+inherit: vLLM's cache of its environment variables (taken once the engine core
+is up, so a later `VLLM_CPU_OMP_THREADS_BIND` would be ignored; `start_here`
+turns it off at once), its
+distributed groups, a frozen garbage-collector heap, the worker extension
+class added to vLLM's worker class, and the OpenMP binding of this thread to
+the engine's core. `stop_here` clears all of it. Two things it could not
+clear are avoided: models on vLLM's Transformers backend (it patches the
+`transformers` classes) start the default way, as do all engines once
+llvmlite is loaded here (vLLM's CPU worker then fails to start in process).
+One runs at a time: stopping
+one tears down the groups any other would use, so while one runs `start_here`
+starts the next the default way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+# The test models' KV cache at max_model_len 64 needs well under 1 MiB; the size does not change an answer.
+KV_CACHE_BYTES = 256 * 2**20
+# The in-process engine running now (by id; one at most), the engines `start_here` started the default
+# way because one was running, and the CPUs this thread could use before the in-process one started.
+_RUNNING: set[int] = set()
+_ELSEWHERE: set[int] = set()
+_AFFINITY_BEFORE: list[set[int]] = []
+# The worker class's bases before it started (vLLM extends them with the worker extension class).
+_BASES_BEFORE: list[tuple] = []
+
+
+def start_here(model: str, options=None):
+    """`start_engine(model, options)` with the engine core and its single worker in this process.
+
+    While an in-process engine runs, the default way (processes of its own): vLLM runs
+    one in-process engine per process at a time.
+    """
+    from layerwise_cli.client.local import EngineOptions, start_engine
+
+    options = options or EngineOptions()
+    ranks = options.tensor_parallel_size * options.pipeline_parallel_size
+    assert ranks == 1, f"an in-process engine has one rank, not {ranks}: use start_engine"
+    if _RUNNING or _keeps_state_here(model):
+        llm = start_engine(model, options)
+        assert type(llm.llm_engine.engine_core).__name__ != "InprocClient"
+        _ELSEWHERE.add(id(llm))
+        return llm
+    _AFFINITY_BEFORE[:] = [os.sched_getaffinity(0)]
+    _BASES_BEFORE[:] = [_worker_class().__bases__]
+    if "kv_cache_memory_bytes" not in options.extra:
+        # vLLM's CPU worker gives the KV cache its share of host memory minus the RSS of its own process:
+        # here that is this test process. A size of its own instead.
+        options = dataclasses.replace(options, extra={**options.extra, "kv_cache_memory_bytes": KV_CACHE_BYTES})
+    saved = os.environ.get(MULTIPROCESSING_ENV)
+    os.environ[MULTIPROCESSING_ENV] = "0"
+    try:
+        llm = start_engine(model, options)
+    except BaseException:
+        _clear()
+        raise
+    finally:
+        if saved is None:
+            os.environ.pop(MULTIPROCESSING_ENV, None)
+        else:
+            os.environ[MULTIPROCESSING_ENV] = saved
+    _RUNNING.add(id(llm))
+    # The engine core cached vLLM's environment variables when it came up (MULTIPROCESSING_ENV=0 among
+    # them): without this, any other engine started in this process while this one runs would start in
+    # process too, and its stop tear down this one's distributed groups. vLLM reads them live after.
+    from vllm import envs
+
+    envs.disable_envs_cache()
+    return llm
+
+
+def stop_here(llm) -> None:
+    """`stop_engine(llm)`, then clear what an in-process engine left in this process."""
+    from layerwise_cli.client.local import stop_engine
+
+    stop_engine(llm)
+    if id(llm) in _ELSEWHERE:
+        _ELSEWHERE.discard(id(llm))
+        return
+    _RUNNING.discard(id(llm))
+    _clear()
+
+
+@contextlib.contextmanager
+def engine_here(model: str, options=None):
+    """`with engine_here(model, options) as llm:` an in-process engine, stopped and cleared after."""
+    llm = start_here(model, options)
+    try:
+        yield llm
+    finally:
+        stop_here(llm)
+
+
+def _keeps_state_here(model: str) -> str | None:
+    """Why an engine on MODEL would leave this process unfit for what follows (None: it would not)."""
+    import json
+    import sys
+    import warnings
+    from pathlib import Path
+
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    if "llvmlite" in sys.modules:
+        # vLLM's CPU worker rebinds its kernels by walking every loaded module, and fails on llvmlite's
+        # (numba's) function wrappers: "'_lib_fn_wrapper' object has no attribute 'get'".
+        reason = "llvmlite is loaded in this process (vLLM's CPU kernel rebinding fails on it)"
+        warnings.warn(f"{model}: started the default way: {reason}", stacklevel=3)
+        return reason
+    config = Path(model) / "config.json"
+    architectures = json.loads(config.read_text()).get("architectures", []) if config.is_file() else []
+    for arch in architectures:
+        entry = ModelRegistry.models.get(arch)
+        if entry is None or getattr(entry, "module_name", "").endswith(".transformers"):
+            # vLLM's Transformers backend patches the `transformers` model classes it runs, for the
+            # process's lifetime: a later `save_pretrained` producer here would build vLLM's version.
+            return f"{arch} runs on vLLM's Transformers backend"
+    return None
+
+
+def _clear() -> None:
+    # vLLM's own clean-up between in-process engines (EngineCore.shutdown runs it too, not on a failed
+    # start): the environment cache off, the frozen heap unfrozen, the groups destroyed, a collection.
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+    if _AFFINITY_BEFORE:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, _AFFINITY_BEFORE.pop())
+    if _BASES_BEFORE:
+        # vLLM adds the engine's `worker_extension_cls` to the worker class's bases, for the process's
+        # lifetime: a later engine with another extension class would then fail its start.
+        _worker_class().__bases__ = _BASES_BEFORE.pop()
+
+
+def _worker_class():
+    """The worker class vLLM's CPU platform runs (`parallel_config.worker_cls` there)."""
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    return CPUWorker
