@@ -46,6 +46,7 @@ def answers(checkpoints: dict[str, Path]) -> dict[str, object]:
 
     got: dict[str, object] = {}
     affinity = os.sched_getaffinity(0)
+    environ = dict(os.environ)
     llm = start_here(str(checkpoints["a"]), options())
     try:
         got["here core"] = type(llm.llm_engine.engine_core).__name__
@@ -64,6 +65,8 @@ def answers(checkpoints: dict[str, Path]) -> dict[str, object]:
         got["here reloaded b"] = greedy_with_logprobs(llm, PROMPTS)
     finally:
         stop_here(llm)
+    got["variables left"] = [key for key in ("VLLM_DIST_IDENT", "LOCAL_WORLD_SIZE", "LD_PRELOAD")
+                             if os.environ.get(key) != environ.get(key)]
     got["cache after stop"] = envs._is_envs_cache_enabled()
     got["affinity restored"] = os.sched_getaffinity(0) == affinity
     import torch.distributed
@@ -101,3 +104,5 @@ def test_stopping_an_in_process_engine_leaves_nothing_behind(answers: dict[str, 
     assert answers["cache after stop"] is False, "vLLM's environment cache stayed on: later variables are ignored"
     assert answers["affinity restored"], "this thread stayed bound to the engine's core"
     assert answers["distributed after stop"] is False, "torch.distributed stayed initialized"
+    # vLLM's worker wrote these into this process's environment: a server started later would inherit them.
+    assert answers["variables left"] == [], answers["variables left"]

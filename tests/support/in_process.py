@@ -21,8 +21,10 @@ inherit: vLLM's cache of its environment variables (taken once the engine core
 is up, so a later `VLLM_CPU_OMP_THREADS_BIND` would be ignored; `start_here`
 turns it off at once), its
 distributed groups, a frozen garbage-collector heap, the worker extension
-class added to vLLM's worker class, and the OpenMP binding of this thread to
-the engine's core. `stop_here` clears all of it. Two things it could not
+class added to vLLM's worker class, the environment variables its start wrote
+(`VLLM_DIST_IDENT`, `LOCAL_WORLD_SIZE`, `LD_PRELOAD`: a server started later
+would inherit them), and the OpenMP binding of this thread to the engine's
+core. `stop_here` clears all of it. Two things it could not
 clear are avoided: models on vLLM's Transformers backend (it patches the
 `transformers` classes) start the default way, as do all engines once
 llvmlite is loaded here (vLLM's CPU worker then fails to start in process).
@@ -47,6 +49,8 @@ _ELSEWHERE: set[int] = set()
 _AFFINITY_BEFORE: list[set[int]] = []
 # The worker class's bases before it started (vLLM extends them with the worker extension class).
 _BASES_BEFORE: list[tuple] = []
+# The environment variables its start set or changed, with their values before (None: unset).
+_ENVIRON_BEFORE: list[dict[str, str | None]] = []
 
 
 def start_here(model: str, options=None):
@@ -67,6 +71,7 @@ def start_here(model: str, options=None):
         return llm
     _AFFINITY_BEFORE[:] = [os.sched_getaffinity(0)]
     _BASES_BEFORE[:] = [_worker_class().__bases__]
+    environ_before = dict(os.environ)
     if "kv_cache_memory_bytes" not in options.extra:
         # vLLM's CPU worker gives the KV cache its share of host memory minus the RSS of its own process:
         # here that is this test process. A size of its own instead.
@@ -76,6 +81,7 @@ def start_here(model: str, options=None):
     try:
         llm = start_engine(model, options)
     except BaseException:
+        _remember_environ_changes(environ_before)
         _clear()
         raise
     finally:
@@ -83,6 +89,7 @@ def start_here(model: str, options=None):
             os.environ.pop(MULTIPROCESSING_ENV, None)
         else:
             os.environ[MULTIPROCESSING_ENV] = saved
+    _remember_environ_changes(environ_before)
     _RUNNING.add(id(llm))
     # The engine core cached vLLM's environment variables when it came up (MULTIPROCESSING_ENV=0 among
     # them): without this, any other engine started in this process while this one runs would start in
@@ -141,6 +148,18 @@ def _keeps_state_here(model: str) -> str | None:
     return None
 
 
+def _remember_environ_changes(before: dict[str, str]) -> None:
+    """Note the variables the start set or changed in this process, to undo on stop.
+
+    vLLM's CPU platform and worker write them into `os.environ` (`VLLM_DIST_IDENT`,
+    `LOCAL_WORLD_SIZE`, `LD_PRELOAD`, ...): processes this one starts later (servers,
+    other ranks) would inherit this engine's.
+    """
+    changed = {key: before.get(key) for key in set(before) | set(os.environ) if before.get(key) != os.environ.get(key)}
+    changed.pop(MULTIPROCESSING_ENV, None)
+    _ENVIRON_BEFORE[:] = [changed]
+
+
 def _clear() -> None:
     # vLLM's own clean-up between in-process engines (EngineCore.shutdown runs it too, not on a failed
     # start): the environment cache off, the frozen heap unfrozen, the groups destroyed, a collection.
@@ -150,6 +169,11 @@ def _clear() -> None:
     if _AFFINITY_BEFORE:
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, _AFFINITY_BEFORE.pop())
+    for key, value in (_ENVIRON_BEFORE.pop() if _ENVIRON_BEFORE else {}).items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     if _BASES_BEFORE:
         # vLLM adds the engine's `worker_extension_cls` to the worker class's bases, for the process's
         # lifetime: a later engine with another extension class would then fail its start.
