@@ -54,12 +54,7 @@ def answers(checkpoints: dict[str, Path]) -> dict[str, object]:
         got["here fresh a"] = greedy_with_logprobs(llm, PROMPTS)
         # One in-process engine at a time: this one starts in processes of its own, and its stop
         # must leave the running engine whole.
-        other = start_here(str(checkpoints["b"]), options())
-        try:
-            got["other core"] = type(other.llm_engine.engine_core).__name__
-            got["default fresh b"] = greedy_with_logprobs(other, PROMPTS)
-        finally:
-            stop_here(other)
+        got["other core"], got["default fresh b"] = _core_and_answers(checkpoints["b"])
         got["here a after the other stopped"] = greedy_with_logprobs(llm, PROMPTS)
         reload(llm, str(checkpoints["b"]))
         got["here reloaded b"] = greedy_with_logprobs(llm, PROMPTS)
@@ -72,13 +67,19 @@ def answers(checkpoints: dict[str, Path]) -> dict[str, object]:
     import torch.distributed
 
     got["distributed after stop"] = torch.distributed.is_initialized()
-    llm = start_here(str(checkpoints["b"]), options())
+    got["second here core"], got["here fresh b"] = _core_and_answers(checkpoints["b"])
+    return got
+
+
+def _core_and_answers(model: Path) -> tuple[str, list]:
+    """Start an engine with `start_here`, ask it PROMPTS, stop it: its engine-core client's class and answers."""
+    from tests.support.in_process import start_here, stop_here
+
+    llm = start_here(str(model), options())
     try:
-        got["second here core"] = type(llm.llm_engine.engine_core).__name__
-        got["here fresh b"] = greedy_with_logprobs(llm, PROMPTS)
+        return type(llm.llm_engine.engine_core).__name__, greedy_with_logprobs(llm, PROMPTS)
     finally:
         stop_here(llm)
-    return got
 
 
 def test_one_in_process_engine_at_a_time(answers: dict[str, object]):

@@ -19,18 +19,17 @@ engine started the default way, bit for bit.
 An in-process engine leaves state in this process that the next one must not
 inherit: vLLM's cache of its environment variables (taken once the engine core
 is up, so a later `VLLM_CPU_OMP_THREADS_BIND` would be ignored; `start_here`
-turns it off at once), its
-distributed groups, a frozen garbage-collector heap, the worker extension
-class added to vLLM's worker class, the environment variables its start wrote
-(`VLLM_DIST_IDENT`, `LOCAL_WORLD_SIZE`, `LD_PRELOAD`: a server started later
-would inherit them), and the OpenMP binding of this thread to the engine's
-core. `stop_here` clears all of it. Two things it could not
-clear are avoided: models on vLLM's Transformers backend (it patches the
-`transformers` classes) start the default way, as do all engines once
-llvmlite is loaded here (vLLM's CPU worker then fails to start in process).
-One runs at a time: stopping
-one tears down the groups any other would use, so while one runs `start_here`
-starts the next the default way.
+turns it off at once), its distributed groups, a frozen garbage-collector
+heap, the worker extension class added to vLLM's worker class, the
+environment variables its start wrote (`VLLM_DIST_IDENT`, `LOCAL_WORLD_SIZE`,
+`LD_PRELOAD`: a server started later would inherit them), and the OpenMP
+binding of this thread to the engine's core. `stop_here` clears all of it.
+Two things it could not clear are avoided: models on vLLM's Transformers
+backend (it patches the `transformers` classes) start the default way, as do
+all engines once llvmlite is loaded here (vLLM's CPU worker then fails to
+start in process). One runs at a time: stopping one tears down the groups any
+other would use, so while one runs `start_here` starts the next the default
+way.
 """
 
 from __future__ import annotations
@@ -42,15 +41,21 @@ import os
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 # The test models' KV cache at max_model_len 64 needs well under 1 MiB; the size does not change an answer.
 KV_CACHE_BYTES = 256 * 2**20
-# The in-process engine running now (by id; one at most), the engines `start_here` started the default
-# way because one was running, and the CPUs this thread could use before the in-process one started.
-_RUNNING: set[int] = set()
+
+
+@dataclasses.dataclass
+class _InProcess:
+    """The in-process engine running now, and what to put back in this process when it stops."""
+
+    affinity: set[int]  # the CPUs this thread could use before
+    worker_bases: tuple  # the worker class's bases before (vLLM adds the worker extension class)
+    environ: dict[str, str | None] = dataclasses.field(default_factory=dict)  # what its start wrote: old values
+    engine_id: int | None = None  # None while it starts
+
+
+# One at most; and the engines `start_here` started the default way because one was running.
+_RUNNING: _InProcess | None = None
 _ELSEWHERE: set[int] = set()
-_AFFINITY_BEFORE: list[set[int]] = []
-# The worker class's bases before it started (vLLM extends them with the worker extension class).
-_BASES_BEFORE: list[tuple] = []
-# The environment variables its start set or changed, with their values before (None: unset).
-_ENVIRON_BEFORE: list[dict[str, str | None]] = []
 
 
 def start_here(model: str, options=None):
@@ -59,18 +64,18 @@ def start_here(model: str, options=None):
     While an in-process engine runs, the default way (processes of its own): vLLM runs
     one in-process engine per process at a time.
     """
+    global _RUNNING
     from layerwise_cli.client.local import EngineOptions, start_engine
 
     options = options or EngineOptions()
     ranks = options.tensor_parallel_size * options.pipeline_parallel_size
     assert ranks == 1, f"an in-process engine has one rank, not {ranks}: use start_engine"
-    if _RUNNING or _keeps_state_here(model):
+    if _RUNNING is not None or _keeps_state_here(model):
         llm = start_engine(model, options)
         assert type(llm.llm_engine.engine_core).__name__ != "InprocClient"
         _ELSEWHERE.add(id(llm))
         return llm
-    _AFFINITY_BEFORE[:] = [os.sched_getaffinity(0)]
-    _BASES_BEFORE[:] = [_worker_class().__bases__]
+    _RUNNING = _InProcess(os.sched_getaffinity(0), _worker_class().__bases__)
     environ_before = dict(os.environ)
     if "kv_cache_memory_bytes" not in options.extra:
         # vLLM's CPU worker gives the KV cache its share of host memory minus the RSS of its own process:
@@ -81,7 +86,7 @@ def start_here(model: str, options=None):
     try:
         llm = start_engine(model, options)
     except BaseException:
-        _remember_environ_changes(environ_before)
+        _RUNNING.environ = _changed_since(environ_before)
         _clear()
         raise
     finally:
@@ -89,8 +94,8 @@ def start_here(model: str, options=None):
             os.environ.pop(MULTIPROCESSING_ENV, None)
         else:
             os.environ[MULTIPROCESSING_ENV] = saved
-    _remember_environ_changes(environ_before)
-    _RUNNING.add(id(llm))
+    _RUNNING.environ = _changed_since(environ_before)
+    _RUNNING.engine_id = id(llm)
     # The engine core cached vLLM's environment variables when it came up (MULTIPROCESSING_ENV=0 among
     # them): without this, any other engine started in this process while this one runs would start in
     # process too, and its stop tear down this one's distributed groups. vLLM reads them live after.
@@ -108,18 +113,8 @@ def stop_here(llm) -> None:
     if id(llm) in _ELSEWHERE:
         _ELSEWHERE.discard(id(llm))
         return
-    _RUNNING.discard(id(llm))
+    assert _RUNNING is not None and _RUNNING.engine_id == id(llm), "not an engine start_here started"
     _clear()
-
-
-@contextlib.contextmanager
-def engine_here(model: str, options=None):
-    """`with engine_here(model, options) as llm:` an in-process engine, stopped and cleared after."""
-    llm = start_here(model, options)
-    try:
-        yield llm
-    finally:
-        stop_here(llm)
 
 
 def _keeps_state_here(model: str) -> str | None:
@@ -148,8 +143,8 @@ def _keeps_state_here(model: str) -> str | None:
     return None
 
 
-def _remember_environ_changes(before: dict[str, str]) -> None:
-    """Note the variables the start set or changed in this process, to undo on stop.
+def _changed_since(before: dict[str, str]) -> dict[str, str | None]:
+    """The variables set or changed in this process since BEFORE, with their values then (None: unset).
 
     vLLM's CPU platform and worker write them into `os.environ` (`VLLM_DIST_IDENT`,
     `LOCAL_WORLD_SIZE`, `LD_PRELOAD`, ...): processes this one starts later (servers,
@@ -157,27 +152,28 @@ def _remember_environ_changes(before: dict[str, str]) -> None:
     """
     changed = {key: before.get(key) for key in set(before) | set(os.environ) if before.get(key) != os.environ.get(key)}
     changed.pop(MULTIPROCESSING_ENV, None)
-    _ENVIRON_BEFORE[:] = [changed]
+    return changed
 
 
 def _clear() -> None:
+    """Put back what the in-process engine (stopped, or failed to start) changed in this process."""
+    global _RUNNING
     # vLLM's own clean-up between in-process engines (EngineCore.shutdown runs it too, not on a failed
     # start): the environment cache off, the frozen heap unfrozen, the groups destroyed, a collection.
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     cleanup_dist_env_and_memory()
-    if _AFFINITY_BEFORE:
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(0, _AFFINITY_BEFORE.pop())
-    for key, value in (_ENVIRON_BEFORE.pop() if _ENVIRON_BEFORE else {}).items():
+    running, _RUNNING = _RUNNING, None
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, running.affinity)
+    for key, value in running.environ.items():
         if value is None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
-    if _BASES_BEFORE:
-        # vLLM adds the engine's `worker_extension_cls` to the worker class's bases, for the process's
-        # lifetime: a later engine with another extension class would then fail its start.
-        _worker_class().__bases__ = _BASES_BEFORE.pop()
+    # vLLM adds the engine's `worker_extension_cls` to the worker class's bases, for the process's
+    # lifetime: a later engine with another extension class would then fail its start.
+    _worker_class().__bases__ = running.worker_bases
 
 
 def _worker_class():
