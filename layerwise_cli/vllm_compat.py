@@ -39,6 +39,10 @@ class PrivateSymbol:
             it or its instances (class body, `self.X = ...` in a method, or a base).
         parameters: for a function, the parameter names layerwise passes, in order.
         nested: a function defined inside another (checked by its name anywhere in the module).
+        moved_to: modules that hold the same name in later releases (vLLM moved it), tried in
+            order after `module`, at run time and by the release check.
+        since: the first release that has it (an older one lacks it: layerwise then keeps the
+            behaviour vLLM had before it). None: every supported release has it.
         used_by: where layerwise uses it (for the reader of a failed check).
     """
 
@@ -48,7 +52,14 @@ class PrivateSymbol:
     members: tuple[str, ...] = ()
     parameters: tuple[str, ...] | None = None
     nested: bool = False
+    moved_to: tuple[str, ...] = ()
+    since: str | None = None
     used_by: str = ""
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """Where to look for it, first to last."""
+        return (self.module, *self.moved_to)
 
     @property
     def label(self) -> str:
@@ -93,7 +104,8 @@ CPU_UNQUANTIZED_EXPERTS = PrivateSymbol("vllm.model_executor.layers.fused_moe.ex
                                         "CPUUnquantizedExperts", "class", members=("isa", "_use_zentorch"),
                                         used_by="worker/cpu_fixups.py (CPU MoE repack)")
 CPU_PREPACK_MOE_WEIGHT = PrivateSymbol("vllm._custom_ops", "cpu_prepack_moe_weight", "function",
-                                       parameters=("weight", "isa"), used_by="worker/cpu_fixups.py")
+                                       parameters=("weight", "isa"), moved_to=("vllm._cpu_ops",),  # 0.34
+                                       used_by="worker/cpu_fixups.py")
 PARALLEL_STATE = PrivateSymbol("vllm.distributed.parallel_state", None, "module",
                                used_by="worker/consensus.py, worker/rank_plan.py")
 GET_TP_GROUP = PrivateSymbol("vllm.distributed.parallel_state", "get_tp_group", "function", parameters=(),
@@ -107,7 +119,9 @@ SET_CURRENT_VLLM_CONFIG = PrivateSymbol("vllm.config", "set_current_vllm_config"
                                         parameters=("vllm_config",), used_by="worker/extension.py")
 MODEL_RUNNER = PrivateSymbol("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "class",
                              members=("get_model", "model_config", "vllm_config"),
-                             used_by="worker/extension.py (worker.model_runner; the CPU runner subclasses it)")
+                             moved_to=("vllm.v1.worker.gpu.model_runner",),  # 0.34
+                             used_by="worker/extension.py (worker.model_runner; the x86 CPU runner subclasses "
+                             "it, 0.34's StandaloneCPUModelRunner elsewhere has the same members)")
 MODEL_REGISTRY = PrivateSymbol("vllm.model_executor.models", "ModelRegistry", "attribute",
                                used_by="planning/vllm_mapping.py")
 MODEL_REGISTRY_CLASS = PrivateSymbol("vllm.model_executor.models.registry", "_ModelRegistry", "class",
@@ -151,8 +165,19 @@ CALL_UTILITY_ALL_ASYNC = PrivateSymbol("vllm.v1.engine.core_client", "AsyncMPCli
                                        used_by="server/engines_rpc.py (engine_client.engine_core)")
 ENGINE_CORE_SHUTDOWN = PrivateSymbol("vllm.v1.engine.core_client", "SyncMPClient", "class", members=("shutdown",),
                                      used_by="client/local.py stop_engine (llm.llm_engine.engine_core)")
+ENGINE_CORE_PAUSE = PrivateSymbol("vllm.v1.engine.core", "EngineCore", "class",
+                                  members=("pause_scheduler", "resume_scheduler"),
+                                  used_by="client/local.py (pauses an in-process engine, caches cleared, around a "
+                                  "reload: vLLM 0.34's extensible KV cache lends its memory to the reload then)")
 SERVER_MODULE = PrivateSymbol("vllm.entrypoints.openai.api_server", None, "module",
                               used_by="server/launch.py (run as __main__)")
+# vLLM 0.34's second reload mode (`VLLM_RELOAD_MODE=direct`): no per-layer buffers, no LAYERWISE_INFO bookkeeping.
+DIRECT_RELOAD_ENABLED = PrivateSymbol(f"{_RELOAD}.direct", "direct_reload_enabled", "function", parameters=(),
+                                      since="0.34.0", used_by="worker/reload.py (refuses the direct mode)")
+# vLLM 0.34 ends every reload by rerunning each module's own process_weights_after_loading.
+FINALIZE_MODEL_WEIGHTS = PrivateSymbol("vllm.model_executor.model_loader.weight_utils", "finalize_model_weights",
+                                       "function", parameters=("model",), since="0.34.0",
+                                       used_by="worker/rerun_hooks.py (layers a skip would leave to those hooks)")
 LOGGER_RELOAD = PrivateSymbol(f"{_RELOAD}.layerwise", None, "module", used_by="vllm_logs.py (logger name)")
 LOGGER_INPLACE = PrivateSymbol(f"{_RELOAD}.inplace", None, "module", used_by="vllm_logs.py (logger name)")
 LOGGER_SHUTDOWN = PrivateSymbol("vllm.v1.utils", None, "module", used_by="vllm_logs.py (logger name)")
@@ -197,9 +222,112 @@ COPIED_RULES: tuple[CopiedRule, ...] = (
 )
 
 
+@dataclass(frozen=True)
+class ReviewedChange:
+    """A release's definition of a copied rule that differs from the installed vLLM's, read and judged.
+
+    `scripts/check_vllm_release.py` passes a changed definition only when this
+    records exactly the release's text (its digest): a later edit fails again.
+
+    Attributes:
+        module: the vLLM module.
+        definition: the top-level name in it.
+        release: the first release reviewed with this text.
+        digest: `check_vllm_release.definition_digest` of the release's definition (`removed`: it is gone).
+        verdict: what changed and what layerwise does about it.
+    """
+
+    module: str
+    definition: str
+    release: str
+    digest: str
+    verdict: str
+
+
+_LAYERWISE = f"{_RELOAD}.layerwise"
+_FINALIZE_HOOKS = ("worker/reload.py runs no hook itself; the planner's completion rule is unchanged (when a "
+                   "layer is processed, what it buffers)")
+
+REVIEWED_CHANGES: tuple[ReviewedChange, ...] = (
+    ReviewedChange("vllm.model_executor.model_loader.weight_utils", "safetensors_weights_iterator", "0.34.0",
+                   "4fde37e5c749",
+                   "adds shuffle_safetensors_files (off by default; --shuffle-safetensors-files): each rank reads "
+                   "the shards in a rank-seeded random order. The default order the planner copies is unchanged; "
+                   "inspect-order and the benchmark's vLLM variant model the default only"),
+    ReviewedChange(_LAYERWISE, "__all__", "0.34.0", "12227efb2728", "exports max_layer_reload_bytes too"),
+    ReviewedChange(_LAYERWISE, "max_layer_reload_bytes", "0.34.0", "4a6a5282b00e",
+                   "new: the largest layer's checkpoint bytes, which GPUWorker.reload_weights needs free before it "
+                   "reloads with an extensible KV cache (it lends the cache or refuses); not part of the rule"),
+    ReviewedChange(_LAYERWISE, "initialize_layerwise_reload", "0.34.0", "0e0efde319f7",
+                   "adds defer_processing (default False; only EPLB redistribution passes True): vLLM's reload "
+                   "and layerwise's pass nothing, so the rule is unchanged"),
+    ReviewedChange(_LAYERWISE, "make_online_process_loader", "0.34.0", "4ffc58360be0",
+                   "with defer_processing a layer waits for finalize; off by default: the rule is unchanged"),
+    ReviewedChange(_LAYERWISE, "finalize_layerwise_processing", "0.34.0", "dd66e8e423b0",
+                   "the delayed-processing test drops 'load_numel > 0', which the branch above already "
+                   "guarantees, and adds defer_processing: unchanged by default"),
+    ReviewedChange(_LAYERWISE, "finalize_layerwise_reload", "0.34.0", "b4d5697808b4",
+                   "then runs weight_utils.finalize_model_weights: every module's own process_weights_after_loading "
+                   "(quantized layers' submodules excepted), on every reload, sent layers or not; "
+                   + _FINALIZE_HOOKS),
+    ReviewedChange(_LAYERWISE, "_finalize_attention_layer", "0.34.0", "e610a00d2737",
+                   "no longer runs the attention layer's hook itself: finalize_model_weights runs it after every "
+                   "other layer (as before: last)"),
+    ReviewedChange(f"{_RELOAD}.types", "LayerReloadingInfo", "0.34.0", "0cedceeb8bc0",
+                   "adds the defer_processing field (default False); the members layerwise reads are unchanged"),
+    ReviewedChange(f"{_RELOAD}.meta", "materialize_meta_tensor", "0.34.0", "11ae1efddf88",
+                   "zero-fills the materialized tensor: the same bytes are allocated, so the planner's buffer sizes "
+                   "hold; padding a loader does not write is zero instead of uninitialized"),
+)
+
+
+@dataclass(frozen=True)
+class ReviewedHook:
+    """A module-level `process_weights_after_loading` read and judged safe to rerun on weights not re-sent.
+
+    `worker/rerun_hooks.py` lets a layer be skipped under vLLM 0.34's rerun of
+    every module hook only if each hook in it is one of these (by module and
+    qualified name); `scripts/check_vllm_release.py` fails when a release's
+    text of one differs from the digest reviewed.
+    """
+
+    module: str
+    qualname: str
+    release: str
+    digest: str
+    verdict: str
+
+
+IDEMPOTENT_HOOKS: tuple[ReviewedHook, ...] = (
+    ReviewedHook("vllm.model_executor.layers.attention.attention", "Attention.process_weights_after_loading",
+                 "0.34.0", "db62e92e1143", "the backend's own processing and default KV scales, from the layer's "
+                 "config; vLLM 0.32 and 0.33 already reran it on every attention layer of a reload"),
+    ReviewedHook("vllm.model_executor.layers.attention.mm_encoder_attention",
+                 "MMEncoderAttention.process_weights_after_loading", "0.34.0", "ff51325d578b",
+                 "fills FP8 scale buffers from the configured scale file, or nothing"),
+    ReviewedHook("vllm.model_executor.layers.fused_moe.runner.moe_runner", "MoERunner.process_weights_after_loading",
+                 "0.34.0", "8e23916a02e8", "refills the fused router and shared-expert gate (_combined_gate_weight) "
+                 "from the two gate weights, in place"),
+)
+
+
 def _load(symbol: PrivateSymbol) -> Any:
-    module = importlib.import_module(symbol.module)
-    return module if symbol.name is None else getattr(module, symbol.name)
+    """The object SYMBOL names, from the first of its modules that holds it (the last failure is raised)."""
+    failure: Exception | None = None
+    for name in symbol.modules:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not name.startswith(exc.name):
+                raise  # the module exists and an import inside it failed: not a move
+            failure = exc
+            continue
+        if symbol.name is None:
+            return module
+        if hasattr(module, symbol.name):
+            return getattr(module, symbol.name)
+        failure = AttributeError(f"module {name!r} has no attribute {symbol.name!r}")
+    raise failure
 
 
 # Accessors: each imports its symbol on first call (never at import time).
@@ -259,6 +387,25 @@ def cpu_prepack_moe_weight(weight, isa: str):
     return _load(CPU_PREPACK_MOE_WEIGHT)(weight, isa)
 
 
+def reload_mode() -> str:
+    """The reload mode the installed vLLM runs in this process: `layerwise`, or `direct` (0.34's
+    `VLLM_RELOAD_MODE=direct`). A vLLM before the direct mode always reloads layerwise."""
+    try:
+        enabled = _load(DIRECT_RELOAD_ENABLED)
+    except ModuleNotFoundError:
+        return "layerwise"
+    return "direct" if enabled() else "layerwise"
+
+
+def reruns_module_hooks() -> bool:
+    """Whether the installed vLLM reruns every module's own `process_weights_after_loading` after a reload (0.34)."""
+    try:
+        _load(FINALIZE_MODEL_WEIGHTS)
+    except (ModuleNotFoundError, AttributeError):
+        return False
+    return True
+
+
 def parallel_state():
     """`vllm.distributed.parallel_state` (`get_tp_group`, `get_pp_group`)."""
     return _load(PARALLEL_STATE)
@@ -310,6 +457,28 @@ def call_utility_all_async(engine_client):
 def shutdown_engine_core(llm) -> None:
     """Stop a `vllm.LLM`'s engine processes now."""
     getattr(llm.llm_engine.engine_core, ENGINE_CORE_SHUTDOWN.members[0])()
+
+
+def pause_engine_core(llm) -> None:
+    """Pause a `vllm.LLM`'s scheduler with its caches cleared, as vLLM asks before a weight update.
+
+    Requests in flight are aborted (an offline `LLM` has none between calls).
+    On vLLM 0.34 with its extensible KV cache (the CUDA default) this is what
+    marks the cache reclaimable, so that the reload may borrow its memory.
+    """
+    _engine_core_call(llm, ENGINE_CORE_PAUSE.members[0], "abort", True)
+
+
+def resume_engine_core(llm) -> None:
+    """Resume what `pause_engine_core` paused."""
+    _engine_core_call(llm, ENGINE_CORE_PAUSE.members[1])
+
+
+def _engine_core_call(llm, method: str, *args) -> Any:
+    client = llm.llm_engine.engine_core
+    if hasattr(client, "call_utility"):  # the engine core in its own process (SyncMPClient)
+        return client.call_utility(method, *args)
+    return getattr(client.engine_core, method)(*args)  # in this process (InprocClient)
 
 
 SERVER_MODULE_NAME = SERVER_MODULE.module

@@ -183,23 +183,27 @@ def _parameters(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
     return names + ([f"*{args.vararg.arg}"] if args.vararg else []) + [a.arg for a in args.kwonlyargs]
 
 
-def check_symbol(source: Source, symbol: PrivateSymbol) -> Row:
-    """One PRIVATE entry against SOURCE."""
+def check_symbol(source: Source, symbol: PrivateSymbol, version: str = "0") -> Row:
+    """One PRIVATE entry against SOURCE (release VERSION): in its module or, moved, in one of `moved_to`."""
     row = lambda ok, detail: Row("symbol", symbol.label, ok, detail)  # noqa: E731
-    tree = source.tree(symbol.module)
-    if tree is None:
-        return row(False, f"module {symbol.module} is missing")
-    if symbol.name is None:
-        return row(True, "module present")
-    if symbol.nested:
-        defs = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
-                and n.name == symbol.name]
-        return row(bool(defs), "nested def present" if defs else f"no def {symbol.name} in {symbol.module}")
-    found = find_definition(source, symbol.module, symbol.name)
+    found = where_defined(source, symbol)
+    if found is None and symbol.since is not None and _older(version, symbol.since):
+        return row(True, f"absent, as in every release before {symbol.since} (layerwise keeps the older behaviour)")
     if found is None:
-        return row(False, f"{symbol.name} is not defined in {symbol.module}")
-    where, node = found
-    at = "" if where == symbol.module else f" (from {where})"
+        modules = [m for m in symbol.modules if source.tree(m) is not None]
+        if not modules:
+            return row(False, f"module {' or '.join(symbol.modules)} is missing")
+        if symbol.nested:
+            return row(False, f"no def {symbol.name} in {' or '.join(modules)}")
+        return row(False, f"{symbol.name} is not defined in {' or '.join(modules)}")
+    module, node = found
+    moved = "" if module == symbol.module else f" (moved to {module})"
+    if symbol.name is None:
+        return row(True, f"module present{moved}")
+    if symbol.nested:
+        return row(True, f"nested def present{moved}")
+    where, node = node
+    at = moved or ("" if where == module else f" (from {where})")
     if symbol.kind == "class":
         if not isinstance(node, ast.ClassDef):
             return row(False, f"{symbol.name} is no longer a class{at}")
@@ -220,6 +224,36 @@ def check_symbol(source: Source, symbol: PrivateSymbol) -> Row:
             return row(False, f"{symbol.name} is a {type(node).__name__}{at}, not a module attribute")
         return row(True, f"attribute{at}")
     return row(False, f"unknown kind {symbol.kind!r} in vllm_compat")
+
+
+def where_defined(source: Source, symbol: PrivateSymbol) -> tuple[str, object] | None:
+    """(module, definition) of SYMBOL in the first of its modules that has it; a module symbol's definition is
+    its tree, a nested def's the def node, any other `find_definition`'s (defining module, node)."""
+    for module in symbol.modules:
+        tree = source.tree(module)
+        if tree is None:
+            continue
+        if symbol.name is None:
+            return module, tree
+        if symbol.nested:
+            defs = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+                    and n.name == symbol.name]
+            if defs:
+                return module, defs[0]
+            continue
+        found = find_definition(source, module, symbol.name)
+        if found is not None:
+            return module, found
+    return None
+
+
+def _older(version: str, than: str) -> bool:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version) < Version(than)
+    except InvalidVersion:
+        return False
 
 
 def _without_docstrings(node: ast.AST) -> ast.AST:
@@ -244,12 +278,22 @@ def _definitions(source: Source, module: str) -> dict[str, str] | None:
             [t.id for t in node.targets if isinstance(t, ast.Name)] if isinstance(node, ast.Assign) else \
             [node.target.id] if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) else []
         for name in names:
-            found[name] = hashlib.sha256(ast.dump(_without_docstrings(node)).encode()).hexdigest()[:12]
+            found[name] = definition_digest(node)
     return found
 
 
+def definition_digest(node: ast.AST) -> str:
+    """12 hex digits of sha256 over the definition's source as `ast.unparse` writes it, docstrings left out
+    (formatting and comments do not count; `vllm_compat.REVIEWED_CHANGES` records these)."""
+    return hashlib.sha256(ast.unparse(_without_docstrings(node)).encode()).hexdigest()[:12]
+
+
 def check_rule(release: Source, installed: Source, rule: CopiedRule) -> list[Row]:
-    """One COPIED_RULES entry: the release's definitions against the installed vLLM's, and the constant's value."""
+    """One COPIED_RULES entry: the release's definitions against the installed vLLM's, and the constant's value.
+
+    A definition that differs passes only if `vllm_compat.REVIEWED_CHANGES` holds a review of exactly the
+    release's definition (its digest; `removed` for one the release dropped): one row per review, with its verdict.
+    """
     subject = f"{rule.name}: {rule.module.removeprefix('vllm.')}"
     new, old = _definitions(release, rule.module), _definitions(installed, rule.module)
     if new is None or old is None:
@@ -260,10 +304,20 @@ def check_rule(release: Source, installed: Source, rule: CopiedRule) -> list[Row
     gone = [n for n in names if n in old and n not in new]
     added = [n for n in names if n not in old and n in new]
     absent = [n for n in names if n not in old and n not in new]
+    reviews = {(r.module, r.definition, r.digest): r for r in vllm_compat.REVIEWED_CHANGES}
+    reviewed = {n: reviews.get((rule.module, n, new.get(n, "removed"))) for n in changed + gone + added}
+    reviewed = {n: review for n, review in reviewed.items() if review is not None}
+    unreviewed = [("changed", changed), ("removed", gone), ("added", added)]
     parts = [f"{label}: {', '.join(names_)}" for label, names_ in
-             (("changed", changed), ("removed", gone), ("added", added), ("not found", absent)) if names_]
-    rows = [Row("rule", subject, not parts, "; ".join(parts) or f"{len(names)} definitions unchanged since the "
-                "installed vLLM")]
+             [(label, [n for n in found if n not in reviewed]) for label, found in unreviewed]
+             + [("not found", absent)] if names_]
+    same = len(names) - len(changed) - len(gone) - len(added) - len(absent)
+    detail = "; ".join(parts) or (f"{same} definitions unchanged since the installed vLLM"
+                                  + (f", {len(reviewed)} changed and reviewed (below)" if reviewed else ""))
+    rows = [Row("rule", subject, not parts, detail)]
+    short = rule.module.removeprefix("vllm.model_executor.").removeprefix("model_loader.")
+    rows += [Row("reviewed", f"{short}.{n}", True, f"{review.release} ({review.digest}): {review.verdict}")
+             for n, review in reviewed.items()]
     if rule.constant and rule.copied_value:
         value = _constant(release, rule.module, rule.constant)
         module, attr = rule.copied_value
@@ -271,6 +325,38 @@ def check_rule(release: Source, installed: Source, rule: CopiedRule) -> list[Row
         rows.append(Row("rule", f"{rule.name}: {rule.constant}", value == copied,
                         f"release {value!r}, layerwise ({module.rsplit('.', 1)[-1]}.{attr}) {copied!r}"))
     return rows
+
+
+def check_hooks(source: Source) -> list[Row]:
+    """The reviewed hooks, in a release that reruns module hooks after a reload (0.34's `finalize_model_weights`)."""
+    if where_defined(source, vllm_compat.FINALIZE_MODEL_WEIGHTS) is None:
+        return [Row("hook", "finalize_model_weights", True, "absent: the release reruns no module's own hook after "
+                    "a reload (nothing to review)")]
+    return [check_hook(source, hook) for hook in vllm_compat.IDEMPOTENT_HOOKS]
+
+
+def check_hook(source: Source, hook) -> Row:
+    """One `vllm_compat.IDEMPOTENT_HOOKS` entry: the release's text of the hook must be the one reviewed."""
+    subject = f"{hook.module.removeprefix('vllm.model_executor.')}.{hook.qualname}"
+    node = method_node(source, hook.module, hook.qualname)
+    if node is None:
+        return Row("hook", subject, False, "not found in the release: layerwise skips no layer holding it (safe, "
+                   "slower); review the hook that replaced it")
+    digest = definition_digest(node)
+    if digest != hook.digest:
+        return Row("hook", subject, False, f"changed since reviewed ({hook.release}, {hook.digest}; now {digest}): "
+                   "read it again; is it still safe to rerun on a layer that was not re-sent?")
+    return Row("hook", subject, True, f"as reviewed for {hook.release}: {hook.verdict}")
+
+
+def method_node(source: Source, module: str, qualname: str) -> ast.FunctionDef | None:
+    """The def of `Class.method` (QUALNAME) in MODULE, following re-exports of the class; None if absent."""
+    class_name, _, method = qualname.partition(".")
+    found = find_definition(source, module, class_name)
+    if found is None or not isinstance(found[1], ast.ClassDef):
+        return None
+    return next((item for item in found[1].body if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)
+                 and item.name == method), None)
 
 
 def _constant(source: Source, module: str, name: str):
@@ -342,7 +428,13 @@ def _pip_platform_args() -> list[str]:
 
 
 def check_resolution(version: str, work: Path) -> list[Row]:
-    """`pip install --dry-run` of layerwise[gpu]'s requirements for a GPU machine; the release within the extra."""
+    """`pip install --dry-run` of layerwise[gpu]'s requirements for a GPU machine; the release within the extra.
+
+    When `vllm==VERSION` does not resolve with layerwise's requirements, vLLM is resolved alone: if it does not
+    resolve either, the release itself cannot be installed from the index (one of its own pins is missing), which
+    no change to layerwise mends; then what a user gets is checked instead: `layerwise[gpu]` without a pin must
+    resolve, and the row names the vllm it picks.
+    """
     from packaging.requirements import Requirement
 
     base, extra = gpu_requirements()
@@ -351,23 +443,51 @@ def check_resolution(version: str, work: Path) -> list[Row]:
     inside = bool(vllm_pins) and all(r.specifier.contains(version, prereleases=True) for r in vllm_pins)
     rows.append(Row("gpu extra", "vllm range", inside, f"{', '.join(map(str, vllm_pins)) or 'no vllm'} "
                     f"{'includes' if inside else 'excludes'} {version}"))
-    report = work / "resolve-report.json"
+    pinned = _resolve([*base, *extra, f"vllm=={version}"], work / "pinned.json")
+    if pinned.installed is not None:
+        rows.append(Row("gpu extra", "pip resolution", pinned.installed.get("vllm") == version, pinned.summary()))
+        return rows
+    alone = _resolve([f"vllm=={version}"], work / "alone.json")
+    if alone.installed is not None:
+        rows.append(Row("gpu extra", "pip resolution", False, f"vllm {version} resolves alone but not with "
+                        f"layerwise's requirements: {pinned.error}"))
+        return rows
+    unpinned = _resolve([*base, *extra], work / "unpinned.json")
+    if unpinned.installed is None:
+        rows.append(Row("gpu extra", "pip resolution", False, f"layerwise[gpu] does not resolve: {unpinned.error}"))
+        return rows
+    rows.append(Row("gpu extra", "pip resolution", True, f"vllm {version} itself does not resolve from the index "
+                    f"({alone.error[-160:]}); layerwise[gpu] resolves to vllm {unpinned.installed.get('vllm')}: "
+                    f"{unpinned.summary()}"))
+    return rows
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """One `pip install --dry-run --report`: the packages it would install (None: it failed, see `error`)."""
+
+    installed: dict[str, str] | None
+    error: str
+    seconds: float
+
+    def summary(self) -> str:
+        shown = ", ".join(f"{name} {self.installed.get(name, '?')}"
+                          for name in ("vllm", "torch", "transformers", "huggingface-hub"))
+        return f"{len(self.installed)} packages in {self.seconds:.0f} s: {shown}"
+
+
+def _resolve(requirements: list[str], report: Path) -> Resolution:
     command = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report",
-               str(report), *_pip_platform_args(), *base, *extra, f"vllm=={version}"]
+               str(report), *_pip_platform_args(), *requirements]
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=900)
     took = time.perf_counter() - started
     if done.returncode != 0:
-        tail = " ".join((done.stderr or done.stdout).split())[-400:]
-        rows.append(Row("gpu extra", "pip resolution", False, f"pip exit {done.returncode}: {tail}"))
-        return rows
+        lines = [line for line in (done.stderr or done.stdout).splitlines() if "WARNING: Location" not in line]
+        return Resolution(None, f"pip exit {done.returncode}: {' '.join(' '.join(lines).split())[-400:]}", took)
     installed = {item["metadata"]["name"].lower().replace("_", "-"): item["metadata"]["version"]
                  for item in json.loads(report.read_text())["install"]}
-    shown = ", ".join(f"{name} {installed.get(name, '?')}"
-                      for name in ("vllm", "torch", "transformers", "huggingface-hub"))
-    rows.append(Row("gpu extra", "pip resolution", installed.get("vllm") == version,
-                    f"{len(installed)} packages in {took:.0f} s: {shown}"))
-    return rows
+    return Resolution(installed, "", took)
 
 
 def newest_version() -> str:
@@ -434,9 +554,10 @@ def main(argv: list[str] | None = None) -> int:
         installed = Source(args.installed) if args.installed else installed_source()
         print(f"vLLM {version} from {path.name} against layerwise's vllm_compat ({len(vllm_compat.PRIVATE)} symbols, "
               f"{len(vllm_compat.COPIED_RULES)} copied rules); reference: {installed.path}")
-        rows = [check_symbol(release, symbol) for symbol in vllm_compat.PRIVATE]
+        rows = [check_symbol(release, symbol, version) for symbol in vllm_compat.PRIVATE]
         for rule in vllm_compat.COPIED_RULES:
             rows += check_rule(release, installed, rule)
+        rows += check_hooks(release)
         rows += check_architectures(release, version, work)
         checked = time.perf_counter()
         if not args.skip_resolution:

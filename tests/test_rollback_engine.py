@@ -58,3 +58,50 @@ def test_failure_mid_stream_rolls_the_engine_back(demo_models, tmp_path):
         assert greedy_answers(llm, prompts) == [expected_answer("add", a, b) for a, b in PAIRS]
     finally:
         stop_here(llm)
+
+
+def test_a_reload_vllm_refuses_before_changing_a_weight_is_not_rolled_back(demo_models):
+    """vLLM 0.34 refuses a reload up front when its extensible KV cache leaves too little device memory.
+
+    That refusal cannot happen on CPU; here the worker's own `reload_weights` raises vLLM 0.34's message
+    before it starts, in an engine in this process (the engine is real, only the refusal is injected). The
+    error is one line, says no weight changed, and no rollback runs: a rollback would be refused the same way.
+    """
+    from layerwise_cli.client.generate import greedy_answers
+    from layerwise_cli.client.local import EngineOptions, reload
+    from layerwise_cli.demo import demo_prompt, expected_answer
+    from layerwise_cli.errors import LayerwiseError
+
+    prompts = [demo_prompt(a, b) for a, b in PAIRS]
+    llm = start_here(str(demo_models["multiply"]), EngineOptions(max_model_len=64))
+    try:
+        client = llm.llm_engine.engine_core
+        assert type(client).__name__ == "InprocClient", "this test needs the engine in this process"
+        worker = client.engine_core.model_executor.driver_worker.worker
+        calls = []
+
+        def refuse(*args, **kwargs):
+            calls.append(kwargs)
+            raise RuntimeError("Updating weights layer by layer needs about 0.75 GiB of free device memory, at "
+                               "least 0.25 GiB for the largest layer alone, but only 0.10 GiB is free beside the "
+                               "extensible KV cache. Pause generation with the cache cleared first")
+
+        before = engine_state(llm)
+        worker.reload_weights = refuse
+        try:
+            with pytest.raises(LayerwiseError) as info:
+                reload(llm, str(demo_models["add"]))
+        finally:
+            del worker.reload_weights
+        text = str(info.value)
+        assert "vLLM refused the reload before changing any weight" in text, text
+        assert "largest layer alone" in text and "rolled back" not in text and "\n" not in text
+        assert len(calls) == 1, "a rollback ran"
+        after = engine_state(llm)
+        assert after["checksums"] == before["checksums"] and after["pointers"] == before["pointers"]
+        assert greedy_answers(llm, prompts) == [expected_answer("multiply", a, b) for a, b in PAIRS]
+        # The engine takes the next reload normally.
+        reload(llm, str(demo_models["add"]))
+        assert greedy_answers(llm, prompts) == [expected_answer("add", a, b) for a, b in PAIRS]
+    finally:
+        stop_here(llm)

@@ -271,3 +271,30 @@ def test_a_restarted_engine_has_a_new_id_and_no_record(engine, ckpts):
     to_b = _reload(engine, ckpts["B_d"])
     assert _reloaded(to_b) == ckpts["changed"]
     assert_matches_fresh(engine.llm, ckpts["B_d"], prompts())
+
+
+def test_layers_vllm_would_rerun_an_unreviewed_hook_on_are_handed_over(engine, ckpts, monkeypatch):
+    """vLLM 0.34 reruns every module's own `process_weights_after_loading` after a reload, skipped layers too.
+
+    Emulated on this vLLM (0.32 reruns none), in this process where the engine runs: vLLM is said to rerun
+    them, and the MLP class gets a hook layerwise never reviewed. On an identical checkpoint the MLP's layers
+    are handed over, every other layer is still skipped, and the report says why.
+    """
+    from layerwise_cli import vllm_compat
+
+    client = engine.llm.llm_engine.engine_core
+    assert type(client).__name__ == "InprocClient", "this test needs the engine in this process"
+    model = client.engine_core.model_executor.driver_worker.worker.model_runner.get_model()
+    mlp_class = type(model.model.layers[0].mlp)
+    _reload(engine, ckpts["B_d"], all_layers=True)
+    monkeypatch.setattr(vllm_compat, "reruns_module_hooks", lambda: True)
+    monkeypatch.setattr(mlp_class, "process_weights_after_loading", lambda self: None, raising=False)
+    report = _reload(engine, ckpts["B_d"])
+    in_mlp = {name for name in ckpts["bytes"] if ".mlp." in name}
+    assert in_mlp and _reloaded(report) == in_mlp
+    assert _skipped(report) == set(ckpts["bytes"]) - in_mlp
+    note = next(note for note in report.notes if "handed over, not skipped" in note)
+    assert note.startswith(f"{len(in_mlp)} layer(s)") and "model.layers.0.mlp (" in note
+    assert_matches_fresh(engine.llm, ckpts["B_d"], prompts())
+    monkeypatch.undo()
+    assert _reload(engine, ckpts["B_d"]).skipped_layers == ckpts["layers"]

@@ -57,6 +57,16 @@ def test_all_layers_skips_nothing_and_looks_at_nothing():
     assert not decider.skip_after_reading("a", "d-a")
 
 
+def test_a_layer_vllm_would_rerun_a_hook_on_is_never_skipped():
+    """`never` (worker/rerun_hooks.py): handed over before and after reading, its state not even looked at."""
+    recs = records(a=LayerRecord("d-a", "fp-a", True), b=LayerRecord("d-b", "fp-b", True))
+    fps = Fingerprints({"a": "fp-a", "b": "fp-b"})
+    decider = SkipDecider(recs, {"a": "d-a", "b": None}, fps, never=frozenset({"a", "b"}))
+    assert decider.skip_before_reading() == set() and fps.asked == []
+    assert not decider.skip_after_reading("b", "d-b")
+    assert SkipDecider(recs, {"a": "d-a"}, Fingerprints({"a": "fp-a"})).skip_before_reading() == {"a"}
+
+
 def test_a_record_loaded_without_the_nan_check_allows_a_skip_only_without_it():
     recs = records(a=LayerRecord("d-a", "fp-a", checked=False))
     assert SkipDecider(recs, {"a": "d-a"}, Fingerprints({"a": "fp-a"})).skip_before_reading() == set()

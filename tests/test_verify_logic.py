@@ -61,6 +61,13 @@ class _FakeLLM:
     def __init__(self, verify_statuses: list[dict[str, str]]) -> None:
         self.verify_statuses = verify_statuses
         self.calls: list[str] = []
+        calls = self.calls
+
+        class EngineCore:  # the engine-core client (`SyncMPClient`): pause and resume around the reload
+            def call_utility(self, method: str, *args) -> None:
+                calls.append(method)
+
+        self.llm_engine = type("LLMEngine", (), {"engine_core": EngineCore()})()
 
     def collective_rpc(self, method: str, kwargs: dict):
         self.calls.append(method)
@@ -83,7 +90,8 @@ def test_reload_with_verify_returns_the_verification():
 
     llm = _FakeLLM([{"model.embed_tokens": "match", "lm_head": "match"}] * 2)
     report = reload(llm, "/ckpt/B", verify=True)
-    assert llm.calls == ["layerwise_reload", "reset_prefix_cache", "layerwise_verify"]
+    assert llm.calls == ["pause_scheduler", "layerwise_reload", "resume_scheduler", "reset_prefix_cache",
+                         "layerwise_verify"]
     assert report.verify.ok and report.verify.checked == 2 and report.verify.derived == {
         "lm_head": "model.embed_tokens"}
     assert report.to_dict()["verify"]["ok"] is True
@@ -129,10 +137,26 @@ def test_reload_as_names_the_source_as_given_and_carries_a_failed_verification(t
     llm = _FakeLLM([{"model.embed_tokens": "match", "lm_head": "mismatch"}])
     report = reload_as(llm, "/cache/snapshots/abc", "org/model", progress_path=str(progress), verify=True,
                        on_verify=lambda: verifying.append("now"))
-    assert llm.calls == ["layerwise_reload", "reset_prefix_cache", "layerwise_verify"] and verifying == ["now"]
+    assert llm.calls == ["pause_scheduler", "layerwise_reload", "resume_scheduler", "reset_prefix_cache",
+                         "layerwise_verify"] and verifying == ["now"]
     assert report.source == "org/model"  # the workers read "/cache/snapshots/abc"
     assert report.verify is not None and not report.verify.ok and report.verify.mismatched == ("lm_head",)
     assert report.verify.wall_s > 0
     assert not progress.exists()
     quiet = reload_as(_FakeLLM([{"lm_head": "match"}]), "/ckpt/B", "B")
     assert quiet.source == "B" and quiet.verify is None
+
+
+def test_the_engine_is_resumed_when_the_reload_call_itself_fails():
+    """`reload` pauses the engine (caches cleared) for the workers' reload, and resumes it whatever happens."""
+    from layerwise_cli.client.local import reload
+
+    class Failing(_FakeLLM):
+        def collective_rpc(self, method: str, kwargs: dict):
+            self.calls.append(method)
+            raise RuntimeError("the engine core died")
+
+    llm = Failing([{"model.embed_tokens": "match"}])
+    with pytest.raises(RuntimeError, match="engine core died"):
+        reload(llm, "/ckpt/B")
+    assert llm.calls == ["pause_scheduler", "layerwise_reload", "resume_scheduler"]

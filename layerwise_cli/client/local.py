@@ -6,7 +6,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from layerwise_cli import EXTENSION_CLS
+from layerwise_cli import EXTENSION_CLS, vllm_compat
 from layerwise_cli.engine_defaults import (
     cpu_threads_binding,
     cuda_available,
@@ -242,9 +242,16 @@ def reload_workers(llm, source: str, *, order: str = "layer", allow_partial: boo
 
     # The diagnostic switch, set in this process: sent only when set (older extensions lack the argument).
     repairs = {"repairs": False} if fixups_disabled() else {}
-    results = call_workers(llm, "layerwise_reload", source=source, order=order, allow_partial=allow_partial,
-                           readahead=readahead, revision=revision, progress_path=progress_path,
-                           allow_nonfinite=allow_nonfinite, all_layers=all_layers, **repairs)
+    # Paused with its caches cleared, as vLLM asks before a weight update: KV blocks cached under the old weights
+    # must not serve prompts under the new ones, and vLLM 0.34's extensible KV cache (the CUDA default) lends the
+    # reload its memory only when it holds nothing to keep.
+    vllm_compat.pause_engine_core(llm)
+    try:
+        results = call_workers(llm, "layerwise_reload", source=source, order=order, allow_partial=allow_partial,
+                               readahead=readahead, revision=revision, progress_path=progress_path,
+                               allow_nonfinite=allow_nonfinite, all_layers=all_layers, **repairs)
+    finally:
+        vllm_compat.resume_engine_core(llm)
     per_worker = worker_reports(results)
     # KV blocks cached under the old weights must not serve prompts under the new ones.
     llm.reset_prefix_cache()

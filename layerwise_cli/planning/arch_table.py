@@ -7,7 +7,10 @@ and stamped with the vLLM version it was read from:
   test regenerates it from the installed vLLM and fails on a difference;
 - `architectures-release.json`: the newest vLLM release, what GPU users install;
   `scripts/check_vllm_release.py` regenerates it from that release's wheel in CI
-  and fails on a difference (a new release fails CI until the table is regenerated).
+  and fails on a difference (a new release fails CI until the table is regenerated);
+- `architectures-X.Y.Z.json`: an older release the `gpu` extra still allows, kept
+  when a newer one came out (vLLM 0.34 moved Gemma, OLMoE and StableLM to its
+  Transformers backend: 0.33's engines still fuse them natively).
 
 The planner uses the table of the installed vLLM's version; without vLLM, the
 newest table (the release), then the other for an architecture it lacks.
@@ -26,7 +29,7 @@ from pathlib import Path
 _VERSION_RE = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", re.MULTILINE)
 
 
-TABLE_FILES = ("architectures.json", "architectures-release.json")
+TABLE_FILES = ("architectures.json", "architectures-release.json", "architectures-0.33.0.json")
 
 
 @cache

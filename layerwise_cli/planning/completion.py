@@ -52,7 +52,7 @@ class HeldLayer:
     # Tensor-parallel ranks that hold it (all ranks unless the rule depends on the rank).
     ranks: tuple[int, ...]
     # `vocabulary` (padding: harmless) or `partial` (a fused layer the checkpoint
-    # covers partly: vLLM fills the rest from fresh, uninitialized memory).
+    # covers partly: vLLM fills the rest from fresh memory, uninitialized before 0.34, zeros from 0.34).
     kind: str = "vocabulary"
 
 

@@ -54,7 +54,7 @@ class LayerwiseWorkerExtension:
         """
         from layerwise_cli.worker.layer_records import records_of
         from layerwise_cli.worker.rank_plan import rank_position
-        from layerwise_cli.worker.reload import stream_reload
+        from layerwise_cli.worker.reload import EngineUnchanged, stream_reload
 
         touched = {"engine": False}
         try:
@@ -69,8 +69,11 @@ class LayerwiseWorkerExtension:
                 failure = exc
             # Every rank touched its weights (they agreed to); all keep the new ones, or all roll back.
             if touched["engine"] and not all_ranks_agree(failure is None):
-                _roll_back(self, touched, failure or PeerFailed(
-                    "another rank of this engine failed during the reload"))
+                if isinstance(failure, EngineUnchanged):
+                    touched["engine"] = False  # vLLM refused before it changed a weight here: nothing to roll back
+                else:
+                    _roll_back(self, touched, failure or PeerFailed(
+                        "another rank of this engine failed during the reload"))
             if failure is not None:
                 raise failure
         except Exception as exc:  # noqa: BLE001 - every failure becomes one line for the caller

@@ -94,6 +94,7 @@ class SkipDecider:
         all_layers: reload everything (never skip).
         checks_finite: this reload refuses NaN/Inf (then only records whose
             bytes were checked allow a skip).
+        never: layers handed over whatever their records say (`rerun_hooks`).
     """
 
     records: LayerRecords
@@ -101,6 +102,7 @@ class SkipDecider:
     fingerprint_now: Callable[[list[str]], Mapping[str, object]]
     all_layers: bool = False
     checks_finite: bool = True
+    never: frozenset[str] = frozenset()
     # Filled in __post_init__: layer -> the recorded digest it may be skipped for.
     trusted: dict[str, str] = field(default_factory=dict, init=False)
     # Layers whose source digest equals their record's but whose state changed since (something else wrote
@@ -117,7 +119,8 @@ class SkipDecider:
         candidates = []
         for name, digest in self.known.items():
             record = self.records.get(name)
-            if record is None or record.digest is None or (self.checks_finite and not record.checked):
+            if name in self.never or record is None or record.digest is None or (
+                    self.checks_finite and not record.checked):
                 continue
             if digest is not None and digest != record.digest:
                 continue  # changed in the source: reloaded, no need to look at the engine

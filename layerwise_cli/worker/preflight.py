@@ -78,9 +78,9 @@ def _refuse_partly_covered_layers(plan: Plan) -> None:
     """Refuse a fused layer the checkpoint covers only partly, even with --allow-partial.
 
     vLLM never completes such a layer while streaming; at the end it
-    materializes the whole layer from fresh (uninitialized) memory, loads the
-    parts it got and copies all of it into place, so the missing parts would
-    not keep their weights.
+    materializes the whole layer from fresh memory (uninitialized before vLLM
+    0.34, zeros from 0.34), loads the parts it got and copies all of it into
+    place, so the missing parts would not keep their weights.
     """
     partial = [hold for hold in plan.held.values() if hold.kind == "partial"]
     if partial:
@@ -88,5 +88,5 @@ def _refuse_partly_covered_layers(plan: Plan) -> None:
         more = f" (and {len(partial) - 1} more layer(s))" if len(partial) > 1 else ""
         raise LayerwiseError(
             f"fused layer {first.name} is only partly in the checkpoint: {first.reason}{more}; vLLM would "
-            "overwrite the missing part with uninitialized memory, so a partial checkpoint must hold every "
+            "overwrite the missing part with fresh memory, so a partial checkpoint must hold every "
             "part of each fused layer it touches", where=plan.checkpoint.source)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from layerwise_cli.checkpoint.sources import looks_like_repo_id, open_checkpoint
-from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.errors import LayerwiseError, describe_exception
 from layerwise_cli.planning.plan import simulate_buffering
 from layerwise_cli.report.progress import ProgressWriter
 from layerwise_cli.report.reload_report import DerivedRefresh, LayerReport, ReloadReport
@@ -112,6 +112,7 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
     if order not in ORDERS:
         raise LayerwiseError(f"unknown order {order!r}: use layer or file")
     try:
+        refuse_direct_mode()
         model = worker.model_runner.get_model()
         model_config = worker.model_runner.model_config
         local = resolve_local(source, revision)
@@ -187,6 +188,7 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
             # Handover: the engine's thread inside this generator (waiting for the reader, bookkeeping);
             # everything else of the reload's wall time is vLLM's.
             asked = time.perf_counter()
+            timer["asked"] = True  # vLLM began its reload: `initialize_layerwise_reload` put the layers on meta
             for item, tensor in opened:
                 skip.handing_over(item.parent)
                 if early is not None:
@@ -205,7 +207,7 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         raise
     if agree is not None and not agree(True):
         raise PeerFailed("pre-flight failed on another rank of this engine; nothing was changed")
-    timer: dict[str, float] = {"handover_s": 0.0}
+    timer: dict[str, float | bool] = {"handover_s": 0.0, "asked": False}
     if on_engine_touched is not None:
         on_engine_touched()
     start = time.perf_counter()
@@ -219,7 +221,13 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         try:
             if opened is not None:
                 with quiet_skipped_layers(skip, model):
-                    worker.reload_weights(weights_iterator=weights(opened), is_checkpoint_format=True)
+                    try:
+                        worker.reload_weights(weights_iterator=weights(opened), is_checkpoint_format=True)
+                    except Exception as exc:
+                        if not timer["asked"] and not on_meta_device(model):
+                            raise EngineUnchanged(f"vLLM refused the reload before changing any weight: "
+                                                  f"{describe_exception(exc)}") from exc
+                        raise
             else:
                 # Every layer skipped from the headers: vLLM would only move every layer to meta and back.
                 probe.finish()
@@ -330,6 +338,35 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         stale_header_digests=[found.to_dict() for found in skip.stale_digests()],
         refreshed=[DerivedRefresh(**entry) for entry in refreshed],
     )
+
+
+class EngineUnchanged(LayerwiseError):
+    """vLLM's `reload_weights` failed before it changed any weight of this rank (nothing to roll back here).
+
+    vLLM 0.34 checks for free device memory first when its extensible KV
+    cache (the CUDA default) is on: short of the largest layer, it refuses.
+    """
+
+
+def on_meta_device(model: torch.nn.Module) -> bool:
+    """Whether any parameter or buffer of MODEL is on the meta device (a reload vLLM began and did not finish)."""
+    return any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers()))
+
+
+def refuse_direct_mode() -> None:
+    """Raise `LayerwiseError` when this engine's vLLM reloads in its direct mode (0.34's `VLLM_RELOAD_MODE=direct`).
+
+    The direct mode writes each tensor straight into the engine's storage and
+    re-processes the whole model at the end: no per-layer buffers, none of the
+    bookkeeping layerwise measures, skips and rolls back by, and no rollback
+    of its own. layerwise drives the layerwise mode only; the check runs
+    before anything of the engine is touched.
+    """
+    from layerwise_cli import vllm_compat
+
+    if vllm_compat.reload_mode() == "direct":
+        raise LayerwiseError("this engine's vLLM runs its direct reload mode (VLLM_RELOAD_MODE=direct): layerwise "
+                             "drives the layerwise mode only; start the engine without VLLM_RELOAD_MODE=direct")
 
 
 def discard_partial_reload(model: torch.nn.Module) -> None:

@@ -14,6 +14,7 @@ from layerwise_cli.planning.plan import PlannedTensor
 from layerwise_cli.worker.cpu_placement import spare_cpus
 from layerwise_cli.worker.layer_records import LayerRecord, LayerRecords, SkipDecider
 from layerwise_cli.worker.layer_state import layer_fingerprints, layer_fingerprints_parallel
+from layerwise_cli.worker.rerun_hooks import RerunHooks, rerun_hooks
 from layerwise_cli.worker.spot_check import SpotCheck, StaleDigest, spot_check
 
 
@@ -51,6 +52,8 @@ class SkipPlan:
     spot: SpotCheck | None = None
     # The model's tensors are in host memory (fingerprints are then read by two threads where a spare CPU is).
     on_host: bool = False
+    # Layers vLLM's rerun of module hooks forbids to skip (vLLM 0.34; none before).
+    rerun: RerunHooks = field(default_factory=RerunHooks)
 
     @classmethod
     def build(cls, model: torch.nn.Module, checkpoint: Checkpoint, engine_stream: list[PlannedTensor], order: str,
@@ -96,8 +99,9 @@ class SkipPlan:
         covers = {name: [name] + sorted(d for d, origin in derived.items() if origin == name) for name in groups}
         plan = cls(records, None, known, covers, modules, groups, [], set(), None, layer_sizes)
         plan.on_host = on_host
+        plan.rerun = rerun_hooks(model, groups)
         plan.decider = SkipDecider(records, known, plan._fingerprints, all_layers=all_layers,
-                                   checks_finite=checks_finite)
+                                   checks_finite=checks_finite, never=plan.rerun.hand_over)
         before = plan.decider.skip_before_reading()
         if before:
             # A header digest is the file's claim: the sampled bytes must be those the engine loaded.
@@ -186,6 +190,10 @@ class SkipPlan:
     def notes(self) -> list[str]:
         """What the report should say about the records (layers something else changed)."""
         notes = [found.describe() for found in self.stale_digests()]
+        recorded = [name for name in self.rerun.hand_over if self.records is not None and self.records.get(name)]
+        forced = self.rerun.note(recorded) if self.decider is not None and not self.decider.all_layers else None
+        if forced:
+            notes.append(forced)
         stale = self.decider.stale if self.decider is not None else []
         if stale:
             notes.append(f"{len(stale)} layer(s) matched the source's digest but their state in the engine changed "
