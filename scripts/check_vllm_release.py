@@ -3,26 +3,34 @@
 1. Symbols: every entry of `layerwise_cli.vllm_compat.PRIVATE` (module, class,
    function, module attribute; a class's members; a function's parameters) is
    looked up in the release's `.py` files, parsed with `ast` (nothing of the
-   release is imported; re-exports are followed).
+   release is imported; re-exports are followed), in its module or one it
+   moved to (`moved_to`); one added in a later release (`since`) may be absent
+   from an older one.
 2. Copied rules: every `vllm_compat.COPIED_RULES` entry (the read order, the
    vocabulary padding, the completion rule) is compared definition by
-   definition (AST without docstrings) with the installed vLLM, the one the
-   engine tests run on; a constant is compared with layerwise's copy of it.
-3. The architecture table: `scripts/gen_arch_table.py` regenerates the table
+   definition (source without docstrings) with the installed vLLM, the one the
+   engine tests run on; a definition that differs passes only with a review of
+   exactly its text (`vllm_compat.REVIEWED_CHANGES`); a constant is compared
+   with layerwise's copy of it.
+3. Hooks: in a release that reruns module hooks after a reload (0.34's
+   `finalize_model_weights`), each hook reviewed as safe to rerun on a layer
+   not re-sent (`vllm_compat.IDEMPOTENT_HOOKS`) must have the reviewed text.
+4. The architecture table: `scripts/gen_arch_table.py` regenerates the table
    from the release's source, and it must equal the committed table of that
    version (`layerwise_cli/planning/architectures-release.json`), entry by
    entry: a new release fails until its table is generated and committed.
-4. `layerwise[gpu]` resolves (`pip install --dry-run --ignore-installed
+5. `layerwise[gpu]` resolves (`pip install --dry-run --ignore-installed
    --report`, for the wheel's platform and Python 3.12: layerwise's own
    dependencies plus the `gpu` extra, read from pyproject.toml), and the release
-   is inside the extra's range.
+   is inside the extra's range. A release whose own pins do not resolve from
+   the index is reported, and `layerwise[gpu]` resolved unpinned instead.
 
 Prints one table row per check and exits 1 on any difference (a check that
 could not run is a difference).
 
 Usage:
     python scripts/check_vllm_release.py                    # newest release, downloaded to a temp dir
-    python scripts/check_vllm_release.py --version 0.33.0 --download-dir DIR   # DIR caches the wheel
+    python scripts/check_vllm_release.py --version 0.34.0 --download-dir DIR   # DIR caches the wheel
     python scripts/check_vllm_release.py --wheel PATH       # a wheel (.whl) or an unpacked source tree
 """
 
