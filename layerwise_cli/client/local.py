@@ -171,7 +171,9 @@ def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = Fals
     The engine must have been built with
     `worker_extension_cls="layerwise_cli.worker.extension.LayerwiseWorkerExtension"`
     (`layerwise_cli.EXTENSION_CLS`). Every worker checks the checkpoint against
-    its model first; if any check fails nothing is loaded.
+    its model first; if any check fails nothing is loaded. The engine's
+    scheduler is paused with its caches cleared for the reload (requests in
+    flight are aborted) and resumed after, as vLLM asks before a weight update.
 
     Args:
         llm: the engine.
