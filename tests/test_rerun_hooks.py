@@ -11,14 +11,16 @@ from layerwise_cli import vllm_compat
 from layerwise_cli.worker.rerun_hooks import rerun_hooks
 
 
-class Hooked(nn.Module):
-    """A module with its own hook that layerwise has not reviewed (it could transform its weights in place)."""
-
+class Plain(nn.Module):
     def __init__(self, *children: tuple[str, nn.Module]) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(2))
         for name, child in children:
             self.add_module(name, child)
+
+
+class Hooked(Plain):
+    """A module with its own hook that layerwise has not reviewed (it could transform its weights in place)."""
 
     def process_weights_after_loading(self) -> None:
         self.weight.data.mul_(2)
@@ -27,14 +29,6 @@ class Hooked(nn.Module):
 class Reviewed(Hooked):
     def process_weights_after_loading(self) -> None:
         pass
-
-
-class Plain(nn.Module):
-    def __init__(self, *children: tuple[str, nn.Module]) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(2))
-        for name, child in children:
-            self.add_module(name, child)
 
 
 def _tree(root_hooked: bool = False) -> tuple[nn.Module, list[str]]:

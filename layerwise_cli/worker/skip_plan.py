@@ -99,7 +99,8 @@ class SkipPlan:
         covers = {name: [name] + sorted(d for d, origin in derived.items() if origin == name) for name in groups}
         plan = cls(records, None, known, covers, modules, groups, [], set(), None, layer_sizes)
         plan.on_host = on_host
-        plan.rerun = rerun_hooks(model, groups)
+        if not all_layers:  # with --all nothing is skipped: no hook can forbid it
+            plan.rerun = rerun_hooks(model, groups)
         plan.decider = SkipDecider(records, known, plan._fingerprints, all_layers=all_layers,
                                    checks_finite=checks_finite, never=plan.rerun.hand_over)
         before = plan.decider.skip_before_reading()
@@ -190,8 +191,7 @@ class SkipPlan:
     def notes(self) -> list[str]:
         """What the report should say about the records (layers something else changed)."""
         notes = [found.describe() for found in self.stale_digests()]
-        recorded = [name for name in self.rerun.hand_over if self.records is not None and self.records.get(name)]
-        forced = self.rerun.note(recorded) if self.decider is not None and not self.decider.all_layers else None
+        forced = self.rerun.note(name for name in self.rerun.hand_over if self.records.get(name))
         if forced:
             notes.append(forced)
         stale = self.decider.stale if self.decider is not None else []
