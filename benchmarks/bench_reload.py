@@ -14,6 +14,8 @@ extension, and for each checkpoint times, interleaved, `--runs` runs of:
     c      layerwise, --order layer (read-ahead on: the product's default)
     c-nora layerwise, --order layer, read-ahead off (does the read-ahead overlap?)
     c-nocheck layerwise, --order layer, --allow-nonfinite (what the NaN/Inf check costs)
+    c-fresh layerwise, --order layer, every layer in vLLM's fresh buffers (what loading
+           in place saves: `worker/in_place.py`)
     d      the read limit: every tensor read with safetensors into memory the
            worker owns, nothing else, in the worker process (CPU: an anonymous
            copy of each tensor; CUDA: the stream's pinned staging, then the device)
@@ -83,7 +85,7 @@ from benchmarks.bench_checkpoints import (
 )
 from benchmarks.bench_delta import DELTA_CASES, DELTA_VARIANTS, bench_delta, write_delta_checkpoints
 from benchmarks.bench_memory import DeviceMemory, MemoryWatch
-from benchmarks.bench_report import VARIANTS, ratios_of, render_table, targets, write_chart
+from benchmarks.bench_report import LAYERWISE_VARIANTS, VARIANTS, ratios_of, render_table, targets, write_chart
 from tests.support.synthetic import normal_weights
 
 
@@ -119,11 +121,11 @@ def measure(llm, variant: str, path: Path, cuda: bool, full: bool = True) -> dic
         if cuda:  # vLLM returns before its last copies are done; the others synchronize
             rpc(llm, "layerwise_bench_sync")
         return {"seconds": time.perf_counter() - start}
-    if variant in ("b", "c", "c-nora", "c-nocheck"):
+    if variant in LAYERWISE_VARIANTS:
         order = "file" if variant == "b" else "layer"
         results = llm.collective_rpc("layerwise_reload", kwargs={
             "source": source, "order": order, "readahead": variant != "c-nora",
-            "allow_nonfinite": variant == "c-nocheck",
+            "allow_nonfinite": variant == "c-nocheck", "in_place": variant != "c-fresh",
             # Every run reloads the same checkpoint: without all_layers, every run after the first skips it all.
             "all_layers": full})
         seconds = time.perf_counter() - start
@@ -143,7 +145,7 @@ def skip_figures(report) -> dict:
     """Layers and bytes the reload skipped, and the bytes it read, where the report says (None: it does not)."""
     return {key: getattr(report, key, None) for key in ("skipped_layers", "skipped_bytes", "read_bytes",
                                                          *TIME_SPLIT, "fingerprint_s", "spot_check_bytes",
-                                                         "reader_cpus")}
+                                                         "reader_cpus", "in_place_layers", "in_place_bytes")}
 
 
 # Where a layerwise reload's time went (`ReloadReport`): the reading thread's read, sample, hash and check; the
@@ -210,7 +212,7 @@ def bench_checkpoint(llm, layout: str, path: Path, args, watch: MemoryWatch, cud
              "predicted_file_order_bytes": file_prediction,
              "predicted_layer_order_bytes": predicted.layer_order_buffering.peak_buffer_bytes,
              "a": vllm_peak["peak_buffer_bytes"]}
-    for v in ("b", "c", "c-nora", "c-nocheck"):
+    for v in LAYERWISE_VARIANTS:
         if v in samples:
             peaks[v] = max(s["peak_buffer_bytes"] for s in samples[v])
             peaks[f"{v}_readahead_bytes"] = max(s["readahead_peak_bytes"] for s in samples[v])
@@ -227,6 +229,8 @@ def bench_checkpoint(llm, layout: str, path: Path, args, watch: MemoryWatch, cud
         "peak_over_largest": {k: peaks[k] / largest for k in ("a", "b", "c", "predicted_file_order_bytes")
                               if k in peaks},
         "c_reader_cpus": samples["c"][0].get("reader_cpus") if samples.get("c") else None,
+        "c_in_place": ({k: samples["c"][0].get(k) for k in ("in_place_layers", "in_place_bytes")}
+                       if samples.get("c") else None),
         "vllm_read_order_matches_plan": vllm_peak["order_matches_plan"],
         "vllm_probe_unexpected": len(vllm_peak["unexpected"]),
         "curves": stream_curves(predicted),

@@ -7,13 +7,16 @@ from pathlib import Path
 from benchmarks.bench_checkpoints import LAYOUT_NAMES
 from benchmarks.bench_delta import DELTA_NAMES
 
-VARIANTS = ("a", "b", "c", "c-nora", "c-nocheck", "d", "e")
+VARIANTS = ("a", "b", "c", "c-nora", "c-nocheck", "c-fresh", "d", "e")
+# The variants that call layerwise's reload (the others are vLLM's own, the read limit and the floor).
+LAYERWISE_VARIANTS = ("b", "c", "c-nora", "c-nocheck", "c-fresh")
 VARIANT_NAMES = {
     "a": "vLLM reload_weights(weights_path)",
     "b": "layerwise --order file",
     "c": "layerwise --order layer",
     "c-nora": "layerwise --order layer, no read-ahead",
     "c-nocheck": "layerwise --order layer, no NaN/Inf check",
+    "c-fresh": "layerwise --order layer, every layer in vLLM's fresh buffers",
     "d": "read limit (safetensors into memory)",
     "e": "engine floor (tensors already in memory)",
 }
@@ -46,6 +49,9 @@ def ratios_of(t: dict, peaks: dict) -> dict:
     if "c" in med and "c-nocheck" in med:
         # The NaN/Inf check's share of a reload: (c - c-nocheck) / c.
         ratios["check_share_of_c"] = (med["c"] - med["c-nocheck"]) / med["c"]
+    if "c" in med and "c-fresh" in med:
+        # What loading in place saves: c over c with vLLM's fresh buffers for every layer.
+        ratios["c_over_fresh"] = med["c"] / med["c-fresh"]
     predicted = peaks["predicted_file_order_bytes"]
     for v in ("a", "b"):
         if v in peaks and predicted:
@@ -117,7 +123,7 @@ def render_table(data: dict) -> str:
                  f"device {data['engine']['device_name']}, quantization {data['engine']['quantization'] or 'none'}, "
                  f"{min(runs)}-{max(runs)} runs per checkpoint (medians, seconds)")
     head = f"{'checkpoint':<22}" + "".join(f"{v:>{max(9, len(v) + 1)}}" for v in variants) + \
-        f"{'c/a':>7}{'c/max(d,e)':>12}{'nora/c':>8}{'check/c':>9}"
+        f"{'c/a':>7}{'c/max(d,e)':>12}{'nora/c':>8}{'check/c':>9}{'c/fresh':>9}"
     lines.append(head)
     for r in data["results"]:
         row = f"{LAYOUT_NAMES.get(r['layout'], r['layout']):<22}"
@@ -126,6 +132,7 @@ def render_table(data: dict) -> str:
         row += f"{ratio.get('c_over_a', float('nan')):>7.2f}{ratio.get('c_over_limit', float('nan')):>12.2f}"
         row += f"{ratio.get('nora_over_c', float('nan')):>8.2f}"
         row += f"{ratio.get('check_share_of_c', float('nan')):>9.3f}"
+        row += f"{ratio.get('c_over_fresh', float('nan')):>9.2f}"
         lines.append(row)
     lines.append("")
     lines.append(f"{'peak buffered':<22}{'largest':>11}{'predicted':>11}{'a':>11}{'b':>11}{'c':>11}"
@@ -176,8 +183,15 @@ def render_time_split(data: dict) -> list[str]:
         lines.append(f"{LAYOUT_NAMES.get(r['layout'], r['layout']):<22}"
                      + "".join(f"{t.get(k + '_median', float('nan')):>10.3f}" for k in keys)
                      + f"{t.get('worker_seconds_median', float('nan')):>10.3f}"
-                     + f"   reader on CPUs {r.get('c_reader_cpus')}")
+                     + f"   reader on CPUs {r.get('c_reader_cpus')}" + _in_place_note(r.get("c_in_place")))
     return lines
+
+
+def _in_place_note(in_place: dict | None) -> str:
+    """`; N layers in place (BYTES)`: what vLLM loaded into the engine's own tensors in c, if it says."""
+    if not in_place or in_place.get("in_place_layers") is None:
+        return ""
+    return f"; {in_place['in_place_layers']} layers in place ({human_bytes(in_place['in_place_bytes'] or 0)})"
 
 
 def render_delta(data: dict) -> list[str]:

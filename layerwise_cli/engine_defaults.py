@@ -17,6 +17,18 @@ def fixups_disabled() -> bool:
     return os.environ.get(NO_FIXUPS_ENV, "") not in {"", "0"}
 
 
+# Diagnostic switch: `LAYERWISE_FRESH_BUFFERS=1` has vLLM materialize every layer in fresh
+# buffers, as its own reload does, instead of loading the layers that qualify into the
+# engine's own tensors (`worker/in_place.py`): to compare, or to rule loading in place
+# out. Read in the worker and by the client, which then asks for `in_place=False`.
+FRESH_BUFFERS_ENV = "LAYERWISE_FRESH_BUFFERS"
+
+
+def fresh_buffers_forced() -> bool:
+    """Whether the diagnostic switch asks for vLLM's fresh buffers for every layer (in this process)."""
+    return os.environ.get(FRESH_BUFFERS_ENV, "") not in {"", "0"}
+
+
 # On CPU the KV cache takes this fraction of host memory (vLLM's GPU default, 0.9, would take the machine).
 CPU_MEMORY_FRACTION = 0.1
 

@@ -72,8 +72,9 @@ LAYERWISE_INFO = PrivateSymbol(f"{_RELOAD}.layerwise", "LAYERWISE_INFO", "attrib
                                used_by="worker/probe.py, worker/reload.py, worker/verify.py")
 LAYER_RELOADING_INFO = PrivateSymbol(
     f"{_RELOAD}.types", "LayerReloadingInfo", "class",
-    members=("restore_metadata", "restore_device", "loaded_weights", "load_numel", "load_numel_total", "can_load"),
-    used_by="the values of LAYERWISE_INFO (worker/probe.py, worker/reload.py, worker/verify.py)")
+    members=("restore_metadata", "restore_device", "loaded_weights", "load_numel", "load_numel_total", "can_load",
+             "kernel_tensors"),
+    used_by="the values of LAYERWISE_INFO (worker/probe.py, worker/reload.py, worker/verify.py, worker/in_place.py)")
 ONLINE_PROCESS_LOADER = PrivateSymbol(f"{_RELOAD}.layerwise", "online_process_loader", "function", nested=True,
                                       used_by="worker/verify.py (unwraps the buffering loader by its name)")
 COPY_COUNTER = PrivateSymbol(f"{_RELOAD}.meta", "CopyCounter", "class", members=("copied_numel",),
@@ -148,7 +149,12 @@ REPLACE_PARAMETER = PrivateSymbol("vllm.model_executor.utils", "replace_paramete
                                   parameters=("layer", "param_name"),
                                   used_by="worker/online_quant.py (quantized weight and scale)")
 SKIP_TENSORS = PrivateSymbol(f"{_RELOAD}.meta", "SKIP_TENSORS", "attribute",
-                             used_by="worker/verify_quantized.py (tensors vLLM's restore leaves alone)")
+                             used_by="worker/verify_quantized.py, worker/in_place.py (tensors vLLM's restore "
+                             "leaves alone)")
+MATERIALIZE_LAYER = PrivateSymbol(f"{_RELOAD}.layerwise", "materialize_layer", "function",
+                                  parameters=("layer", "info"),
+                                  used_by="worker/in_place.py (the name `_layerwise_process` calls, replaced "
+                                  "during a layerwise reload)")
 AUTO_WEIGHTS_LOADER = PrivateSymbol("vllm.model_executor.models.utils", "AutoWeightsLoader", "class",
                                     members=("REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER",),
                                     used_by="planning/skip_rules.py (the rotary buffers vLLM's loader drops)")
@@ -219,6 +225,13 @@ COPIED_RULES: tuple[CopiedRule, ...] = (
                layerwise_site="planning/completion.py VOCAB_PADDING"),
     *(CopiedRule("completion rule", f"{_RELOAD}.{name}", layerwise_site="planning/completion.py")
       for name in ("layerwise", "types", "utils", "meta", "sanitize")),
+    # worker/in_place.py hands `_layerwise_process` views of the engine's tensors: it relies on vLLM calling
+    # `materialize_layer` by its module-level name, loading into what it materialized and copying that back.
+    CopiedRule("in-place materialization", f"{_RELOAD}.layerwise",
+               ("_layerwise_process", "_copy_and_restore_kernel_tensors", "_place_kernel_tensors"),
+               layerwise_site="worker/in_place.py"),
+    CopiedRule("in-place materialization", f"{_RELOAD}.meta", ("materialize_layer", "materialize_meta_tensor"),
+               layerwise_site="worker/in_place.py"),
 )
 
 
@@ -277,7 +290,8 @@ REVIEWED_CHANGES: tuple[ReviewedChange, ...] = (
                    "adds the defer_processing field (default False); the members layerwise reads are unchanged"),
     ReviewedChange(f"{_RELOAD}.meta", "materialize_meta_tensor", "0.34.0", "11ae1efddf88",
                    "zero-fills the materialized tensor: the same bytes are allocated, so the planner's buffer sizes "
-                   "hold; padding a loader does not write is zero instead of uninitialized"),
+                   "hold; padding a loader does not write is zero instead of uninitialized (worker/in_place.py "
+                   "takes only layers with no such padding)"),
 )
 
 
@@ -355,6 +369,17 @@ def is_deferred_attention_layer(layer) -> bool:
 def layer_ref_sentinel() -> object:
     """The object vLLM binds a layer's weight loaders to while the layer is on the meta device."""
     return _load(LAYER_REF_SENTINEL)
+
+
+def reload_layerwise_module():
+    """vLLM's `reload.layerwise` module, whose global `materialize_layer` its `_layerwise_process` calls."""
+    _load(MATERIALIZE_LAYER)
+    return _load(PrivateSymbol(MATERIALIZE_LAYER.module, None, "module"))
+
+
+def skip_tensors() -> set[str]:
+    """Tensor names vLLM's reload never moves to, or materializes from, the meta device."""
+    return set(_load(SKIP_TENSORS))
 
 
 def vocab_parallel_embedding_class() -> type:

@@ -136,6 +136,8 @@ class Reload:
     measured_largest: int | None = None
     notes: list[str] = field(default_factory=list)
     refreshed: list[tuple[str, str]] = field(default_factory=list)
+    # The layers vLLM loaded into the engine's own tensors (`worker/in_place.py`).
+    in_place: list[str] = field(default_factory=list)
     error: str | None = None
 
 
@@ -173,6 +175,12 @@ class ConfigRun:
     repairs_off_verify: object = None
     repairs_on: Reload | None = None
     repairs_on_verify: object = None
+    # B with every layer in vLLM's fresh buffers, then with the layers that qualify in place; the engine's
+    # checksums after each.
+    fresh_buffers: Reload | None = None
+    fresh_buffers_state: dict | None = None
+    in_place: Reload | None = None
+    in_place_state: dict | None = None
     seconds: float = 0.0
 
 
@@ -207,6 +215,7 @@ def layerwise_reload(llm, source: Path, order: str, *, allow_partial: bool = Fal
     record.measured_layers = len(report.layers)
     record.measured_largest = max((layer.bytes for layer in report.layers), default=0)
     record.refreshed = [(entry.module, entry.tensor) for entry in report.refreshed]
+    record.in_place = [layer.name for layer in report.layers if layer.in_place]
     record.answers = answers(llm)
     return record
 
@@ -269,6 +278,7 @@ def run_config(config: Config, root: Path) -> ConfigRun:
                 reload = layerwise_reload(llm, partial_b, order, allow_partial=True)
                 after = engine_state(llm)["checksums"]
                 run.partials[order] = Partial(reload, before, after, layerwise_reload(llm, a, "layer"))
+        run_in_place(run, llm, b[SHARD_SIZES[0]])
         if config.repair_names:
             run_repairs(run, llm, b[SHARD_SIZES[0]])
         # Last: vLLM's own reload (it may leave the engine wrong; nothing runs after it).
@@ -303,6 +313,25 @@ def run_repairs(run: ConfigRun, llm, b: Path) -> None:
     # Every layer: the records would skip them all (their bytes are B's already).
     run.repairs_on = layerwise_reload(llm, b, "layer", all_layers=True)
     run.repairs_on_verify = verify_engine(llm, str(b))
+    layerwise_reload(llm, run.a, "layer")
+
+
+def run_in_place(run: ConfigRun, llm, b: Path) -> None:
+    """B with every layer in vLLM's fresh buffers (`LAYERWISE_FRESH_BUFFERS`, read by the client), then B with the
+    layers that qualify loaded in place (the default), each from A and each followed by the engine's checksums."""
+    import os
+
+    from layerwise_cli.engine_defaults import FRESH_BUFFERS_ENV
+
+    os.environ[FRESH_BUFFERS_ENV] = "1"
+    try:
+        run.fresh_buffers = layerwise_reload(llm, b, "layer")
+        run.fresh_buffers_state = engine_state(llm)["checksums"]
+    finally:
+        del os.environ[FRESH_BUFFERS_ENV]
+    layerwise_reload(llm, run.a, "layer")
+    run.in_place = layerwise_reload(llm, b, "layer")
+    run.in_place_state = engine_state(llm)["checksums"]
     layerwise_reload(llm, run.a, "layer")
 
 
@@ -393,6 +422,28 @@ def test_allow_partial_keeps_the_omitted_layers(matrix, config, order):
     assert_matches_fresh(partial.reload.answers, run.mixed, PROMPTS, options=options())
     assert partial.reload.peak == partial.reload.predicted == partial.reload.planned
     assert_matches_fresh(partial.back_to_a.answers, run.a, PROMPTS, options=options())
+
+
+@pytest.mark.parametrize("config", [pytest.param(config, id=config.label) for config in CONFIGS])
+def test_loading_in_place_leaves_the_engine_as_vllms_fresh_buffers_do(matrix, config):
+    """The layers whose processing keeps the loaded layout load into the engine's own tensors
+    (`worker/in_place.py`): the norms always, the embedding and an untied head where vLLM does not pad the
+    vocabulary (a padded one completes only at the end: left to vLLM's fresh buffer). The engine then holds,
+    bit for bit, what every layer through vLLM's fresh buffers leaves, and answers the same."""
+    run = matrix[config]
+    fresh, in_place = run.fresh_buffers, run.in_place
+    assert fresh.error is None and in_place.error is None, (fresh.error, in_place.error)
+    print(f"{config.label}: {len(in_place.in_place)} layers in place: {sorted(in_place.in_place)}")
+    assert fresh.in_place == []
+    assert any(name.endswith("norm") for name in in_place.in_place), in_place.in_place
+    embeddings = {name for name in in_place.in_place if name.endswith(("embed_tokens", "embeddings", "lm_head"))}
+    padded = config.vocab_size % 64 != 0
+    assert bool(embeddings) == (not padded), in_place.in_place
+    if not padded and not config.tied:
+        assert "lm_head" in embeddings, in_place.in_place
+    assert run.in_place_state == run.fresh_buffers_state
+    assert not differing_prompts(in_place.answers, fresh.answers, exact=True)
+    assert_matches_fresh(in_place.answers, in_place.source, PROMPTS, options=options())
 
 
 REPAIRED = [pytest.param(config, id=config.label) for config in CONFIGS if config.repair_names]

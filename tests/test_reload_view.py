@@ -94,3 +94,31 @@ def test_table_names_held_layers_and_why_the_peak_is_above_the_largest_layer(mon
     assert "held to end embed_tokens (vocabulary padded 160 -> 192; rank 1 of 2 fills 64 of its 96 rows)" in text
     assert "above the largest layer: vLLM holds model.embed_tokens to the end" in text
     assert "embed_tokens (finalize)" in text
+
+
+def test_in_place_layers_merge_as_every_rank_did_them_and_show_in_the_table(monkeypatch):
+    """A layer counts as loaded in place only where every rank that holds it loaded it so; the table says how many."""
+    from dataclasses import replace
+
+    from layerwise_cli.cli import _reload_view
+
+    def ranked(rank: int, embedding_in_place: bool) -> ReloadReport:
+        base = report(rank, 3000, 0.1)
+        layers = [replace(base.layers[0], in_place=embedding_in_place), *base.layers[1:]]
+        return replace(base, layers=layers, in_place_layers=int(embedding_in_place),
+                       in_place_bytes=1000 * embedding_in_place)
+
+    merged = merge_reports([ranked(0, True), ranked(1, False)])
+    assert [layer.in_place for layer in merged.layers] == [False, False, False]
+    assert merged.in_place_layers == 1 and merged.in_place_bytes == 1000  # the most on one rank
+    both = merge_reports([ranked(0, True), ranked(1, True)])
+    assert [layer.in_place for layer in both.layers] == [True, False, False]
+    assert ReloadReport.from_dict(both.to_dict()) == both
+    out = io.StringIO()
+    monkeypatch.setattr(_reload_view, "stdout", Console(file=out, width=200, no_color=True))
+    _reload_view.render_report(both, title="Reload")
+    assert "1 of 3 layers (1000 B) loaded into the engine's own tensors" in out.getvalue()
+    out = io.StringIO()
+    monkeypatch.setattr(_reload_view, "stdout", Console(file=out, width=200, no_color=True))
+    _reload_view.render_report(report(0, 3000, 0.1), title="Reload")
+    assert "none of 3 layers: vLLM materialized each in fresh tensors" in out.getvalue()

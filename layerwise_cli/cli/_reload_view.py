@@ -108,6 +108,7 @@ def render_report(report: ReloadReport, title: str = "Reload", top: int = 0) -> 
     verdict = "matches" if report.matches_prediction else "[yellow]DIFFERS from[/]"
     summary.add_row("predicted", f"{human_bytes(report.predicted_peak_buffer_bytes)} ({verdict} the measurement)")
     summary.add_row("read-ahead", f"{human_bytes(report.readahead_peak_bytes)} held at most, on top of the buffers")
+    summary.add_row("in place", in_place_line(report))
     summary.add_row("time", time_line(report))
     summary.add_row("skipped", skipped_line(report))
     for note in report.notes:
@@ -128,6 +129,15 @@ def time_line(report: ReloadReport) -> str:
         line += (f"; spot check of {report.spot_checked_layers} layer(s) {human_seconds(report.spot_check_s)} "
                  f"({human_bytes(report.spot_check_bytes)})")
     return line
+
+
+def in_place_line(report: ReloadReport) -> str:
+    """`115 of 227 layers (351.9 MiB) loaded into the engine's own tensors: ...`."""
+    reloaded = sum(1 for layer in report.layers if not layer.skipped)
+    if not report.in_place_layers:
+        return f"none of {reloaded} layers: vLLM materialized each in fresh tensors and copied them over"
+    return (f"{report.in_place_layers} of {reloaded} layers ({human_bytes(report.in_place_bytes)}) loaded into the "
+            "engine's own tensors (their processing keeps the loaded layout); the rest through vLLM's fresh tensors")
 
 
 def skipped_line(report: ReloadReport) -> str:

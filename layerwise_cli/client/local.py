@@ -240,10 +240,12 @@ def reload_workers(llm, source: str, *, order: str = "layer", allow_partial: boo
     Raises:
         LayerwiseError: a worker failed (its one-line error; see `reload`).
     """
-    from layerwise_cli.engine_defaults import fixups_disabled
+    from layerwise_cli.engine_defaults import fixups_disabled, fresh_buffers_forced
 
-    # The diagnostic switch, set in this process: sent only when set (older extensions lack the argument).
-    repairs = {"repairs": False} if fixups_disabled() else {}
+    # The diagnostic switches, set in this process: sent only when set (older extensions lack the arguments).
+    switches = {"repairs": False} if fixups_disabled() else {}
+    if fresh_buffers_forced():
+        switches["in_place"] = False
     # Paused with its caches cleared, as vLLM asks before a weight update: KV blocks cached under the old weights
     # must not serve prompts under the new ones, and vLLM 0.34's extensible KV cache (the CUDA default) lends the
     # reload its memory only when it holds nothing to keep.
@@ -251,7 +253,7 @@ def reload_workers(llm, source: str, *, order: str = "layer", allow_partial: boo
     try:
         results = call_workers(llm, "layerwise_reload", source=source, order=order, allow_partial=allow_partial,
                                readahead=readahead, revision=revision, progress_path=progress_path,
-                               allow_nonfinite=allow_nonfinite, all_layers=all_layers, **repairs)
+                               allow_nonfinite=allow_nonfinite, all_layers=all_layers, **switches)
     finally:
         vllm_compat.resume_engine_core(llm)
     per_worker = worker_reports(results)

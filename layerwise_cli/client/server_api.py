@@ -229,10 +229,12 @@ class ServerClient:
             kwargs["allow_nonfinite"] = True
         if options.all_layers:
             kwargs["all_layers"] = True
-        from layerwise_cli.engine_defaults import fixups_disabled
+        from layerwise_cli.engine_defaults import fixups_disabled, fresh_buffers_forced
 
         if fixups_disabled():
             kwargs["repairs"] = False  # the diagnostic switch, set in this process
+        if fresh_buffers_forced():
+            kwargs["in_place"] = False  # the other diagnostic switch
         try:
             engines = self.engines_rpc("layerwise_reload", kwargs)
         except _ServerError as exc:

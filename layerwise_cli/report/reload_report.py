@@ -30,6 +30,8 @@ class LayerReport:
     held_to_end: str | None = None
     # Why it was not handed to vLLM at all (`unchanged`: the engine already holds these bytes); None: reloaded.
     skipped: str | None = None
+    # vLLM loaded it into the engine's own tensors, not into fresh ones copied over (`worker/in_place.py`).
+    in_place: bool = False
 
     @property
     def seconds(self) -> float:
@@ -179,6 +181,9 @@ class ReloadReport:
         spot_check_s: its seconds (before the engine is touched).
         stale_header_digests: per layer whose header digest claimed the engine's bytes while its sampled
             bytes differ: `{"layer", "tensor", "file"}`; each was reloaded.
+        in_place_layers: layers vLLM loaded into the engine's own tensors instead of fresh ones it copies
+            over (their processing keeps the loaded layout: `layers[].in_place`); merged: the most on one rank.
+        in_place_bytes: the bytes of engine tensors those layers did not allocate afresh.
         gb_per_s: `bytes` over `wall_s`, in GB/s (a property).
         peak_over_largest: `peak_buffer_bytes` over `largest_layer_bytes` (a property).
         matches_prediction: whether the measured peak equals the predicted one (a property).
@@ -238,6 +243,8 @@ class ReloadReport:
     spot_check_s: float = 0.0
     stale_header_digests: tuple[dict, ...] = ()
     refreshed: tuple[DerivedRefresh, ...] = ()
+    in_place_layers: int = 0
+    in_place_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("layers", "unexpected", "notes", "ranks", "stale_header_digests", "refreshed"):
@@ -329,6 +336,7 @@ def merge_reports(reports: list[ReloadReport], *, source: str | None = None,
             held_to_end=next((layer.held_to_end for layer in per_worker if layer.held_to_end), None),
             # Skipped only where every rank holding it skipped it.
             skipped=base.skipped if all(layer.skipped for layer in per_worker) else None,
+            in_place=all(layer.in_place for layer in per_worker),
         ))
     # Ranks may hold different layers to the end (vocabulary padding falls on the last ranks).
     predicted = max(ordered, key=lambda r: r.predicted_peak_buffer_bytes)
@@ -386,6 +394,8 @@ def merge_reports(reports: list[ReloadReport], *, source: str | None = None,
                                     key=lambda d: (d["file"], d["layer"])),
         # Each rank refreshes its own shard of a tensor: one entry per tensor.
         refreshed=list({(e.module, e.tensor): e for r in ordered for e in r.refreshed}.values()),
+        in_place_layers=max(r.in_place_layers for r in ordered),
+        in_place_bytes=max(r.in_place_bytes for r in ordered),
     )
 
 

@@ -42,7 +42,7 @@ class LayerwiseWorkerExtension:
     def layerwise_reload(self, source: str, order: str = "layer", allow_partial: bool = False,
                          readahead: bool = True, revision: str | None = None,
                          progress_path: str | None = None, allow_nonfinite: bool = False,
-                         all_layers: bool = False, repairs: bool = True) -> dict:
+                         all_layers: bool = False, repairs: bool = True, in_place: bool = True) -> dict:
         """Reload SOURCE in place, in `order`, and return this worker's report.
 
         A parent layer holding NaN or Inf is refused before it is handed over
@@ -51,6 +51,8 @@ class LayerwiseWorkerExtension:
         record, state untouched since) is skipped unless `all_layers`.
         `repairs=False` leaves what vLLM's reload leaves stale (the diagnostic
         switch `LAYERWISE_NO_CPU_FIXUPS`, set in the caller's environment).
+        `in_place=False` has vLLM materialize every layer in fresh buffers (`worker/in_place.py`; the
+        worker's `LAYERWISE_FRESH_BUFFERS=1` does the same).
         """
         from layerwise_cli.worker.layer_records import records_of
         from layerwise_cli.worker.rank_plan import rank_position
@@ -63,7 +65,7 @@ class LayerwiseWorkerExtension:
                     self, source, order=order, allow_partial=allow_partial, readahead=readahead,
                     revision=revision, progress_path=progress_path, allow_nonfinite=allow_nonfinite,
                     on_engine_touched=lambda: touched.update(engine=True), agree=all_ranks_agree,
-                    records=records_of(self), all_layers=all_layers, repairs=repairs)
+                    records=records_of(self), all_layers=all_layers, repairs=repairs, in_place=in_place)
                 failure = None
             except Exception as exc:  # noqa: BLE001 - raised below, after the ranks agreed what to do
                 failure = exc

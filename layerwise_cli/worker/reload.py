@@ -18,6 +18,7 @@ from layerwise_cli.worker.consensus import PeerFailed
 from layerwise_cli.worker.cpu_fixups import apply_cpu_fixups
 from layerwise_cli.worker.derived_state import derived_state_of
 from layerwise_cli.worker.early_fingerprints import EarlyFingerprints
+from layerwise_cli.worker.in_place import in_place_materialization
 from layerwise_cli.worker.layer_records import REASON_UNCHANGED, LayerRecords
 from layerwise_cli.worker.plan_cache import plan_cache_of, structure_key
 from layerwise_cli.worker.preflight import preflight, reference_checkpoint
@@ -78,7 +79,7 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
                   on_engine_touched=None, progress_path: str | None = None,
                   allow_nonfinite: bool = False, agree: Callable[[bool], bool] | None = None,
                   records: LayerRecords | None = None, all_layers: bool = False,
-                  repairs: bool = True) -> ReloadReport:
+                  repairs: bool = True, in_place: bool = True) -> ReloadReport:
     """Pre-flight SOURCE against this worker's model, then reload it in `order`, measuring.
 
     Args:
@@ -105,6 +106,10 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         all_layers: hand every layer over (and record them), whatever the records say.
         repairs: refresh what vLLM's reload leaves stale (`cpu_fixups`); False is the
             diagnostic switch `LAYERWISE_NO_CPU_FIXUPS`.
+        in_place: let vLLM load a layer into the engine's own tensors where its
+            processing keeps their layout (`in_place`); False (or
+            `LAYERWISE_FRESH_BUFFERS` set in the worker) leaves every layer to
+            vLLM's fresh buffers.
 
     Returns:
         This worker's report.
@@ -217,10 +222,11 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
     if early is not None and opened is not None:
         early.wake = opened.wake
     failed = True
+    loaded_in_place = None
     try:
         try:
             if opened is not None:
-                with quiet_skipped_layers(skip, model):
+                with quiet_skipped_layers(skip, model), in_place_materialization(model, in_place) as loaded_in_place:
                     try:
                         worker.reload_weights(weights_iterator=weights(opened), is_checkpoint_format=True)
                     except Exception as exc:
@@ -289,6 +295,7 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
             buffered_bytes_at_completion=timing.buffered_at_completion,
             completed_during_stream=timing.done is not None,
             held_to_end=held_here.get(name),
+            in_place=loaded_in_place is not None and name in loaded_in_place.names,
         ))
     return ReloadReport(
         order=order,
@@ -337,6 +344,8 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         spot_check_s=skip.spot.seconds if skip.spot is not None else 0.0,
         stale_header_digests=[found.to_dict() for found in skip.stale_digests()],
         refreshed=[DerivedRefresh(**entry) for entry in refreshed],
+        in_place_layers=len(loaded_in_place.names) if loaded_in_place is not None else 0,
+        in_place_bytes=loaded_in_place.bytes if loaded_in_place is not None else 0,
     )
 
 
