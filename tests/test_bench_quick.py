@@ -29,7 +29,7 @@ def test_quick_benchmark_writes_consistent_json(tmp_path, demo_models):
     assert {r["layout"] for r in data["results"]} == {"in_order", "split_layer", "trainer_export"}
     assert data["peak_rss"]["engine_bytes"] > 0 and data["peak_rss"]["bench_bytes"] > 0
     for result in data["results"]:
-        for variant in ("a", "b", "c", "c-nora", "c-nocheck", "d", "e"):
+        for variant in ("a", "b", "c", "c-nora", "c-nocheck", "c-fresh", "d", "e"):
             times = result["times"][variant]
             assert len(times["samples"]) == 1 and times["median"] > 0
         peaks = result["peaks"]
@@ -40,10 +40,14 @@ def test_quick_benchmark_writes_consistent_json(tmp_path, demo_models):
         assert result["vllm_probe_unexpected"] == 0
         assert peaks["a"] == peaks["b"] == peaks["predicted_file_order_bytes"]
         assert peaks["c"] == peaks["c-nora"] == peaks["c-nocheck"] == peaks["predicted_layer_order_bytes"] == largest
+        # Loading in place changes what vLLM materializes, not what it buffers.
+        assert peaks["c-fresh"] == largest
+        # The embedding, the head and the norms keep their layout on every CPU: they load in place in c.
+        assert result["c_in_place"]["in_place_layers"] > 0 and result["c_in_place"]["in_place_bytes"] > 0
         # Read-ahead runs at most one parent layer ahead: what it holds is the rest of
         # the layer being handed over and the next one.
         assert 0 < peaks["c_readahead_bytes"] <= 2 * largest
-        assert set(result["ratios"]) >= {"c_over_a", "c_over_limit", "nora_over_c", "check_share_of_c",
+        assert set(result["ratios"]) >= {"c_over_a", "c_over_limit", "nora_over_c", "check_share_of_c", "c_over_fresh",
                                          "a_peak_over_file_prediction", "c_peak_over_largest"}
     export = next(r for r in data["results"] if r["layout"] == "trainer_export")
     assert export["peaks"]["a"] > export["peaks"]["largest_layer_bytes"]

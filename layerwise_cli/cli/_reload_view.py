@@ -134,6 +134,8 @@ def time_line(report: ReloadReport) -> str:
 def in_place_line(report: ReloadReport) -> str:
     """`115 of 227 layers (351.9 MiB) loaded into the engine's own tensors: ...`."""
     reloaded = sum(1 for layer in report.layers if not layer.skipped)
+    if not reloaded:
+        return "none (no layer reloaded)"
     if not report.in_place_layers:
         return f"none of {reloaded} layers: vLLM materialized each in fresh tensors and copied them over"
     return (f"{report.in_place_layers} of {reloaded} layers ({human_bytes(report.in_place_bytes)}) loaded into the "
