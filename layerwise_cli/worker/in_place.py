@@ -16,9 +16,11 @@ writes the result into the engine's storage as before.
 
 What this saves on the engine's thread: the allocation of every such tensor
 (on the CPU, a large one is a fresh mapping whose pages fault on first write)
-and one copy of its bytes. On the CPU that is the embedding, the LM head and
-the norms (vLLM moves linear weights into kernel handles, so their stored
-tensor no longer has the loaded layout); on a GPU every unquantized layer.
+and one copy of its bytes. On an AVX-512 or AMX CPU that is the embedding,
+the LM head, the norms, the mixers' own tensors and the MoE experts (vLLM
+moves dense linear weights into kernel handles there, so their stored tensor
+no longer has the loaded layout); where vLLM computes with the stored linear
+weight (its `F.linear` fallback on AVX2 CPUs, a GPU) the linear layers too.
 
 Everything else is vLLM's: the same loaders, the same processing, the same
 bookkeeping the probe reads. A layer that does not qualify (first load,
