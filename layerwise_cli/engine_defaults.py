@@ -12,9 +12,14 @@ import os
 NO_FIXUPS_ENV = "LAYERWISE_NO_CPU_FIXUPS"
 
 
+def _switch_set(name: str) -> bool:
+    """Whether the diagnostic switch NAME is set in this process's environment (any value but empty or 0)."""
+    return os.environ.get(name, "") not in {"", "0"}
+
+
 def fixups_disabled() -> bool:
     """Whether the diagnostic switch turns the repairs after vLLM's reload off (in this process)."""
-    return os.environ.get(NO_FIXUPS_ENV, "") not in {"", "0"}
+    return _switch_set(NO_FIXUPS_ENV)
 
 
 # Diagnostic switch: `LAYERWISE_FRESH_BUFFERS=1` has vLLM materialize every layer in fresh
@@ -26,7 +31,7 @@ FRESH_BUFFERS_ENV = "LAYERWISE_FRESH_BUFFERS"
 
 def fresh_buffers_forced() -> bool:
     """Whether the diagnostic switch asks for vLLM's fresh buffers for every layer (in this process)."""
-    return os.environ.get(FRESH_BUFFERS_ENV, "") not in {"", "0"}
+    return _switch_set(FRESH_BUFFERS_ENV)
 
 
 # On CPU the KV cache takes this fraction of host memory (vLLM's GPU default, 0.9, would take the machine).

@@ -81,6 +81,8 @@ COPY_COUNTER = PrivateSymbol(f"{_RELOAD}.meta", "CopyCounter", "class", members=
                              used_by="worker/verify.py")
 GET_LAYER_SIZE = PrivateSymbol(f"{_RELOAD}.utils", "get_layer_size", "function", parameters=("layer",),
                                used_by="worker/verify.py")
+GET_LAYER_TENSORS = PrivateSymbol(f"{_RELOAD}.utils", "get_layer_tensors", "function", parameters=("layer",),
+                                  used_by="worker/in_place.py (the tensors vLLM materializes for a layer)")
 LAYER_REF_SENTINEL = PrivateSymbol(f"{_RELOAD}.sanitize", "layer_ref_sentinel", "attribute",
                                    used_by="worker/verify.py")
 IS_DEFERRED_ATTENTION_LAYER = PrivateSymbol("vllm.model_executor.layers.attention", "is_deferred_attention_layer",
@@ -364,6 +366,11 @@ def get_layer_size(layer) -> int:
 def is_deferred_attention_layer(layer) -> bool:
     """Whether vLLM processes LAYER with the whole model at the end of a reload, not alone."""
     return _load(IS_DEFERRED_ATTENTION_LAYER)(layer)
+
+
+def get_layer_tensors(layer) -> dict:
+    """LAYER's own parameters and buffers, as vLLM's reload lists them (the tensors it materializes)."""
+    return _load(GET_LAYER_TENSORS)(layer)
 
 
 def layer_ref_sentinel() -> object:

@@ -88,9 +88,9 @@ def kernel_views(layer: torch.nn.Module, info) -> dict[str, torch.Tensor] | None
     Qualifies only a layer being reloaded (vLLM kept its engine tensors),
     not processed with the whole model (attention), whose loaders have copied
     every element (`load_numel` reached vLLM's own threshold, and no tensor
-    declares padding the loaders skip), and where every tensor to materialize has an engine tensor of
-    the same class, shape, strides, dtype and device that shares storage with
-    no other tensor of the layer.
+    declares padding the loaders skip), and where every tensor to materialize
+    has an engine tensor of the same class, shape, strides, dtype and device
+    that shares storage with no other tensor of the layer.
     """
     from layerwise_cli import vllm_compat
 
@@ -102,7 +102,7 @@ def kernel_views(layer: torch.nn.Module, info) -> dict[str, torch.Tensor] | None
     skip = vllm_compat.skip_tensors()
     views: dict[str, torch.Tensor] = {}
     storages: set[int] = set()
-    for name, meta in layer_tensors(layer).items():
+    for name, meta in vllm_compat.get_layer_tensors(layer).items():
         if name in skip or not meta.is_meta:
             continue
         kernel = params.get(name, buffers.get(name))
@@ -119,12 +119,6 @@ def kernel_views(layer: torch.nn.Module, info) -> dict[str, torch.Tensor] | None
         view.__dict__ = meta.__dict__.copy()
         views[name] = view
     return views or None
-
-
-def layer_tensors(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """LAYER's own parameters and buffers (not its children's), as vLLM's `get_layer_tensors` lists them."""
-    return {name: tensor for tensors in (layer._parameters, layer._buffers) for name, tensor in tensors.items()
-            if tensor is not None}
 
 
 def same_layout(meta: torch.Tensor, kernel: torch.Tensor, device) -> bool:
