@@ -179,7 +179,7 @@ def bench_delta(llm, delta: dict, cases: list[str], args, watch, device_memory, 
         `{"results": [per case: times, ratios, ...], "base_reload_s_median": s}`.
 
     Args:
-        measure: `bench_reload.measure(llm, variant, path, cuda, full=...)`.
+        measure: `bench_measure.measure(llm, variant, path, cuda, full=...)`.
         watch: the `MemoryWatch` (engine RSS rise per call).
         device_memory: the `DeviceMemory` (peak allocated rise per call on a GPU), or None (CPU).
     """

@@ -145,9 +145,8 @@ def _info(worker) -> dict:
 
 def _engine_stream(worker, source: str, order: str):
     """The planned stream in engine names (as the reload streams it), and the checkpoint's folder."""
-    from layerwise_cli.checkpoint.sources import open_checkpoint
-    from layerwise_cli.worker.rank_plan import plan_for_worker
-    from layerwise_cli.worker.reload import resolve_local
+    from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
+    from layerwise_cli.worker.stream.rank_plan import plan_for_worker
 
     model = worker.model_runner.get_model()
     model_config = worker.model_runner.model_config
@@ -207,7 +206,8 @@ class _Loader:
     def __init__(self, folder: Path, device) -> None:
         import torch
 
-        from layerwise_cli.worker.stream import ShardReader, staging_threads
+        from layerwise_cli.worker.stream.shards import ShardReader
+        from layerwise_cli.worker.stream.staging import staging_threads
 
         self.prefault = _Prefault()
         self.device = device
@@ -220,7 +220,7 @@ class _Loader:
         """The tensor in memory: an anonymous copy (or, with MAPPED, the prefaulted view) on CPU."""
         import torch
 
-        from layerwise_cli.worker.stream import copy_in_chunks
+        from layerwise_cli.worker.stream.staging import copy_in_chunks
 
         tensor = self.reader.read(item)
         if not self.cuda:
@@ -293,7 +293,7 @@ def _vllm_peak(worker, source: str) -> dict:
     import torch
     from vllm.model_executor.model_loader import get_model_loader
 
-    from layerwise_cli.worker.probe import BufferProbe
+    from layerwise_cli.worker.reload.probe import BufferProbe
 
     _folder, plan, vllm_names, _ = _engine_stream(worker, source, "file")
     model = worker.model_runner.get_model()

@@ -28,8 +28,8 @@ def _in_worker(self) -> dict:
     """Time the fingerprints inside a worker (run through `collective_rpc`)."""
     import time
 
-    from layerwise_cli.worker.fingerprints import model_fingerprints
-    from layerwise_cli.worker.layer_state import device_checksum, layer_fingerprints
+    from layerwise_cli.worker.proof.fingerprints import model_fingerprints
+    from layerwise_cli.worker.state.layer_state import device_checksum, layer_fingerprints
 
     model = self.model_runner.get_model()
     modules = dict(model.named_modules())

@@ -8,7 +8,7 @@ with the device mapped to CPU (CI: `tests/test_device_check.py`):
 
 It needs torch, safetensors, xxhash and numpy, and never imports vLLM (the
 lent GPU machine has none): the code timed is the worker's own reader,
-`layerwise_cli.worker.stream.read_in_order`, fed the plan `inspect-order`
+`layerwise_cli.worker.stream.read_ahead.read_in_order`, fed the plan `inspect-order`
 makes, without an engine. It
 
 1. writes a synthetic checkpoint (Qwen3-8B's shapes by default, 16.4 GB bf16,
@@ -34,10 +34,7 @@ Exit status: 0 when everything asked for ran and every byte check passed
 from __future__ import annotations
 
 import argparse
-import gc
-import json
 import os
-import platform
 import random
 import shutil
 import struct
@@ -45,12 +42,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
 from benchmarks.bench_checkpoints import LAYOUTS, model_for, numel, warm_page_cache, write_bench_checkpoint
+from benchmarks.device_cold import cold_estimate, cold_passes
 from benchmarks.device_report import (
     explain,
     layout_targets,
@@ -61,30 +58,22 @@ from benchmarks.device_report import (
     summarize,
     where_time_went,
 )
+from benchmarks.device_run import Run, log
 from benchmarks.device_variants import LAYERWISE, VARIANTS, Sample, Setup, run_variant
-from benchmarks.page_cache import drop, filesystem_of, flush, resident_bytes
-from layerwise_cli.checkpoint.digests import checkpoint_digests, header_digests
-from layerwise_cli.checkpoint.header import read_shard_header
+from benchmarks.device_writer import writer_check
+from benchmarks.page_cache import filesystem_of
+from layerwise_cli.checkpoint.digests import checkpoint_digests
 from layerwise_cli.checkpoint.sources import open_checkpoint
 from layerwise_cli.planning.parents import mapping_for_config
 from layerwise_cli.planning.plan import build_plan, vllm_read_order
-from layerwise_cli.worker.reload import process_disk_read_bytes
-from layerwise_cli.worker.stream import read_in_order
 from tests.support.synthetic import normal_weights
 
-COLD_VARIANTS = ("page_cache_read", "layerwise", "load_file", "safe_open_vllm_order")
 # After the first layout, what the layout can change: the reading order across shards. The parts that
 # isolate the check, hashing, chunked copies and the file read depend on the bytes, not on their order.
 LATER_LAYOUT_VARIANTS = ("layerwise", "layerwise_no_readahead", "load_file", "safe_open_vllm_order",
                          "staging_only", "pinned_copy_limit")
 # Written into the checkpoint's stamp: a reused folder holds these same bytes.
 DATA_VARIANT = "device-check-stamped-v1"
-# A cold pass counts as cold when at most this share of the files was cached when it started.
-COLD_RESIDENT_SHARE = 0.05
-
-
-def log(message: str) -> None:
-    print(f"device_check: {message}", file=sys.stderr, flush=True)
 
 
 def stamped_weights(model) -> Callable[[str, int], bytes]:
@@ -104,64 +93,6 @@ def stamped_weights(model) -> Callable[[str, int], bytes]:
         return stamp + memoryview(raw)[2 * head:]
 
     return data
-
-
-def machine_info(device: torch.device) -> dict:
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    import safetensors
-
-    info = {"hostname": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "safetensors": safetensors.__version__, "cpus": cpus,
-            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-            "root": os.geteuid() == 0, "torch_threads": torch.get_num_threads(), "device": str(device),
-            "device_name": "cpu", "cuda": torch.version.cuda}
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        info.update(device_name=props.name, device_memory_bytes=props.total_memory)
-    return info
-
-
-class Budget:
-    """The run's deadline, and what each phase is expected to take."""
-
-    def __init__(self, seconds: float) -> None:
-        self.start = time.perf_counter()
-        self.deadline = self.start + seconds
-
-    def left(self) -> float:
-        return self.deadline - time.perf_counter()
-
-    def fits(self, seconds: float) -> bool:
-        return self.left() > seconds
-
-
-class Run:
-    """One device_check run: the report it builds, written out after every phase."""
-
-    def __init__(self, args, device: torch.device, out: Path, workdir: Path) -> None:
-        self.args = args
-        self.device = device
-        self.out = out
-        self.workdir = workdir
-        self.budget = Budget(args.time_budget)
-        self.report: dict = {
-            "tool": "device_check", "version": 1, "date": datetime.now(UTC).isoformat(timespec="seconds"),
-            "machine": machine_info(device), "args": {k: v for k, v in vars(args).items()},
-            "layouts": [], "writer": None, "targets": [], "skipped": [], "ok": False,
-        }
-
-    def save(self) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.report["elapsed_s"] = time.perf_counter() - self.budget.start
-        (self.out / "device_check.json").write_text(json.dumps(self.report, indent=1, default=str))
-        (self.out / "device_check.txt").write_text(render_table(self.report) + "\n")
-
-    def skip(self, what: str) -> None:
-        log(f"NOT RUN: {what}")
-        self.report["skipped"].append(what)
 
 
 def plan_setup(folder: Path, device: torch.device) -> Setup:
@@ -257,121 +188,6 @@ def measure_layout(run: Run, layout: str, model, data, first: bool) -> None:
     result["explanation"] = explain(result["time"], missed)
     run.report["targets"].extend(targets)
     run.save()
-
-
-def cold_estimate(result: dict) -> float:
-    """Seconds the cold passes may take: the warm medians, or the write time where that is larger (a disk)."""
-    warm = result.get("warm") or {}
-    per = max([warm[v]["median_s"] for v in COLD_VARIANTS if v in warm] + [result["write_s"] / 2, 1.0])
-    return per * len(COLD_VARIANTS)
-
-
-def cold_passes(run: Run, result: dict, setup: Setup) -> None:
-    """One pass of each of COLD_VARIANTS after the checkpoint's pages are dropped, where they can be."""
-    total = result["bytes"]
-    start = time.perf_counter()
-    flush(setup.shards)
-    cold: dict = {"status": "ran", "flush_s": time.perf_counter() - start, "variants": {}}
-    result["cold"] = cold
-    rate = None  # bytes per second read cold, once measured
-    for variant in COLD_VARIANTS:
-        warm_s = result["warm"].get(variant, {}).get("median_s", 1.0)
-        estimate = max(warm_s, total / rate if rate else result["write_s"] / 2)
-        if not run.budget.fits(estimate + 5):
-            run.skip(f"{result['layout']}: cold {variant} (time budget: about {estimate:.0f} s needed)")
-            cold["status"] = "partial (time budget)"
-            continue
-        gc.collect()  # no mapping of the files left: the kernel drops mapped pages only once they are unmapped
-        method = drop(setup.shards)
-        resident = resident_bytes(setup.shards)
-        if resident is not None and resident > COLD_RESIDENT_SHARE * total:
-            cold.update(status=f"not possible: {resident / total:.0%} of the files stay cached after {method} "
-                               f"(filesystem {result['filesystem']}; tmpfs keeps its pages)",
-                        variants={})
-            log(f"cold: {cold['status']}")
-            return
-        disk_before = process_disk_read_bytes()
-        sample = run_variant(variant, setup)
-        disk_after = process_disk_read_bytes()
-        disk = disk_after - disk_before if disk_before is not None and disk_after is not None else None
-        rate = total / sample.seconds
-        cold["variants"][variant] = {"seconds": sample.seconds, "gb_per_s": total / sample.seconds / 1e9,
-                                     "dropped_by": method, "resident_before_bytes": resident,
-                                     "disk_read_bytes": disk, "peak_device_bytes": sample.peak_device_bytes}
-        log(f"cold {variant}: {sample.seconds:.2f} s ({total / sample.seconds / 1e9:.2f} GB/s; "
-            f"{'?' if disk is None else f'{disk / 1e9:.2f} GB'} from storage)")
-        run.save()
-    warm_page_cache(setup.folder)
-
-
-def writer_check(run: Run, setup: Setup) -> None:
-    """save_checkpoint from the tensors read into the device, and from CPU copies of them: the same files?"""
-    from layerwise_cli.writer.save import save_checkpoint
-
-    want = int(run.args.writer_gib * 2**30)
-    parents: list[str | None] = []
-    chosen, nbytes = [], 0
-    for item in setup.layer_order:
-        if item.parent not in parents:
-            if nbytes >= want:
-                break
-            parents.append(item.parent)
-        chosen.append(item)
-        nbytes += item.entry.nbytes
-    shm = Path("/dev/shm")
-    base = shm if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 5 * nbytes \
-        else run.workdir
-    root = Path(tempfile.mkdtemp(prefix="layerwise-device-writer-", dir=base))
-    config = open_checkpoint(str(setup.folder)).config
-    shard_size = max(1, nbytes // 3)
-    writer: dict = {"ran": False, "device": str(setup.device), "tensors": len(chosen), "bytes": nbytes,
-                    "layers": len(parents), "where": str(base)}
-    run.report["writer"] = writer
-    try:
-        on_device = [(item.entry.name, tensor) for item, tensor in read_in_order(chosen, setup.folder,
-                                                                                 device=setup.device)]
-        if setup.cuda:
-            torch.cuda.synchronize(setup.device)
-        on_cpu = [(name, tensor.to("cpu").clone()) for name, tensor in on_device]
-        start = time.perf_counter()
-        save_checkpoint(iter(on_device), root / "device", config=config, max_shard_size=shard_size)
-        writer["device_s"] = time.perf_counter() - start
-        del on_device
-        start = time.perf_counter()
-        save_checkpoint(iter(on_cpu), root / "cpu", config=config, max_shard_size=shard_size)
-        writer["cpu_s"] = time.perf_counter() - start
-        del on_cpu
-        files = sorted(p.name for p in (root / "cpu").iterdir())
-        device_files = sorted(p.name for p in (root / "device").iterdir())
-        differences = [] if files == device_files else [f"file lists differ: {device_files} vs {files}"]
-        for name in files:
-            if name in device_files and not same_bytes(root / "device" / name, root / "cpu" / name):
-                differences.append(name)
-        written = {}
-        for name in device_files:
-            if name.endswith(".safetensors"):
-                written.update(header_digests(read_shard_header(root / "device" / name)[0]) or {})
-        writer.update(ran=True, files=files, identical=not differences, differences=differences,
-                      digests_match_source=bool(written) and all(setup.digests.get(n) == d for n, d in written.items())
-                      and len(written) == len(chosen))
-        log(f"writer: {len(files)} files, {'byte-identical' if not differences else 'DIFFERENT'}")
-    except Exception as exc:  # noqa: BLE001 - a failed check is reported, and fails the run
-        writer.update(ran=False, reason=f"{type(exc).__name__}: {exc}")
-        log(f"writer check failed: {writer['reason']}")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def same_bytes(a: Path, b: Path) -> bool:
-    if a.stat().st_size != b.stat().st_size:
-        return False
-    with open(a, "rb") as fa, open(b, "rb") as fb:
-        while True:
-            x, y = fa.read(8 << 20), fb.read(8 << 20)
-            if x != y:
-                return False
-            if not x:
-                return True
 
 
 def parse_args(argv: list[str] | None):

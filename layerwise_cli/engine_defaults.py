@@ -24,7 +24,7 @@ def fixups_disabled() -> bool:
 
 # Diagnostic switch: `LAYERWISE_FRESH_BUFFERS=1` has vLLM materialize every layer in fresh
 # buffers, as its own reload does, instead of loading the layers that qualify into the
-# engine's own tensors (`worker/in_place.py`): to compare, or to rule loading in place
+# engine's own tensors (`worker/stream/in_place.py`): to compare, or to rule loading in place
 # out. Read in the worker and by the client, which then asks for `in_place=False`.
 FRESH_BUFFERS_ENV = "LAYERWISE_FRESH_BUFFERS"
 

@@ -9,6 +9,10 @@ not from a reader.
 - Layers (`LAYERS`): a subpackage may import only its own modules and those of
   lower layers, so data flows one way (checkpoint -> planning -> worker ->
   client -> cli). Checked only when PACKAGE_DIR is layerwise_cli itself.
+- Rooms of `worker/` (`WORKER_ROOMS`): the same rule one level down (rpc ->
+  stream -> state -> beyond_vllm -> proof -> reload -> extension); every
+  sub-package of `worker/` is a room, and `worker/` has at most
+  `WORKER_TOP_ENTRIES` entries at its top.
 - Typer and Rich are imported only under `cli/` (`UI_LIBRARIES`).
 - vLLM is imported only by `vllm_compat.py`, the one door to its private
   symbols; elsewhere only `from vllm import NAME` for a NAME in that module's
@@ -73,6 +77,18 @@ LAYERS = {
 }
 UI_LIBRARIES = ("typer", "rich", "click")
 
+# The rooms of worker/ (a module or sub-package directly under it) -> their order inside the worker layer.
+WORKER_ROOMS = {
+    "rpc": 0,  # the extension's call surface: method names, arguments, answers (the client imports it too)
+    "stream": 1,  # reading a checkpoint for one rank: plan, read order, read-ahead, handover, loading in place
+    "state": 2,  # what a worker keeps between reloads: records, state digests, spot checks, plan cache
+    "beyond_vllm": 3,  # derived state, CPU repairs, rerun hooks, online quantization
+    "proof": 4,  # --verify, fingerprints, checksums, consensus across ranks
+    "reload": 5,  # one reload start to end: pre-flight, skip plan, stream into vLLM, probe, rollback
+    "extension": 6,  # the class vLLM mixes into every worker
+}
+WORKER_TOP_ENTRIES = 8
+
 
 ENTRY_POINTS = {"__main__": 7}  # `python -m layerwise_cli` runs the CLI
 
@@ -96,6 +112,36 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
             if layer_of(target) >= layer_of(name) and layer_of(target) > 0:
                 found.append(f"layer order: {name} (layer {layer_of(name)}) imports {target} "
                              f"(layer {layer_of(target)})")
+    return found
+
+
+def room_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports inside `worker/` against the room order."""
+    found = []
+    for name, targets in sorted(graph.items()):
+        here = name.split(".")
+        if here[1:2] != ["worker"] or len(here) < 3 or here[2] not in WORKER_ROOMS:
+            continue
+        for target in sorted(targets):
+            there = target.split(".")
+            if there[1:2] != ["worker"] or len(there) < 3 or there[2] not in WORKER_ROOMS or there[2] == here[2]:
+                continue
+            if WORKER_ROOMS[there[2]] > WORKER_ROOMS[here[2]]:
+                found.append(f"room order: {name} (room {here[2]}) imports {target} (room {there[2]}, "
+                             "which comes later)")
+    return found
+
+
+def worker_layout(root: Path) -> list[str]:
+    """Sub-packages of worker/ that are no room, and too many entries at its top."""
+    worker = root / "worker"
+    if not worker.is_dir():
+        return []
+    entries = sorted(p for p in worker.iterdir() if p.name != "__pycache__")
+    found = [f"worker/{p.name} is not a room of WORKER_ROOMS" for p in entries if p.is_dir()
+             and p.name not in WORKER_ROOMS]
+    if len(entries) > WORKER_TOP_ENTRIES:
+        found.append(f"worker/ has {len(entries)} entries at its top (at most {WORKER_TOP_ENTRIES})")
     return found
 
 
@@ -190,11 +236,12 @@ def main(argv: list[str]) -> int:
     public = public_vllm_names(root)
     problems += [problem for name, path in paths.items() for problem in vllm_imports(path, name, public)]
     if root.name == "layerwise_cli":
-        problems += layer_violations(graph)
+        problems += layer_violations(graph) + room_violations(graph) + worker_layout(root)
     for problem in problems:
         print(problem, file=sys.stderr)
     if not found and not problems:
-        print(f"no import cycles among {len(graph)} modules of {root.name}; layers, UI and vLLM imports in order")
+        print(f"no import cycles among {len(graph)} modules of {root.name}; layers, worker rooms, UI and vLLM "
+              "imports in order")
     return 1 if found or problems else 0
 
 

@@ -84,3 +84,25 @@ def test_private_vllm_outside_vllm_compat_is_found(tmp_path: Path) -> None:
         "layerwise_cli.worker.verify imports vllm.model_executor.model_loader.reload.meta (private vLLM: import it "
         "in vllm_compat.py)",
     ]
+
+
+def test_an_import_against_the_worker_room_order_is_found(tmp_path: Path) -> None:
+    package = _package(tmp_path, {
+        "worker/stream/reader.py": "def f():\n    from layerwise_cli.worker.proof.verify import g\n",
+        "worker/proof/verify.py": "from layerwise_cli.worker import rpc\n",
+        "worker/rpc.py": "",
+    })
+    done = _check(str(package))
+    assert done.returncode == 1
+    assert done.stderr.strip() == ("room order: layerwise_cli.worker.stream.reader (room stream) imports "
+                                   "layerwise_cli.worker.proof.verify (room proof, which comes later)")
+
+
+def test_a_worker_folder_that_is_no_room_and_a_crowded_worker_top_are_found(tmp_path: Path) -> None:
+    files = {"worker/misc/thing.py": ""} | {f"worker/part{i}.py": "" for i in range(8)}
+    done = _check(str(_package(tmp_path, files)))
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "worker/misc is not a room of WORKER_ROOMS",
+        "worker/ has 10 entries at its top (at most 8)",
+    ]

@@ -6,9 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layerwise_cli.report.reload_report import DerivedRefresh, ReloadReport
+from layerwise_cli.report.reload_report import ReloadReport
+from layerwise_cli.report.report_parts import DerivedRefresh
 from layerwise_cli.report.verify_result import merge_verify, verify_failure
-from layerwise_cli.worker.derived_state import expected_alias_value, find_derived_state, refresh_alias_buffers
+from layerwise_cli.worker.beyond_vllm.derived_state import (
+    expected_alias_value,
+    find_derived_state,
+    refresh_alias_buffers,
+)
 
 
 class _Mixer(torch.nn.Module):

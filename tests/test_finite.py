@@ -146,7 +146,7 @@ def _stream(folder: Path, **kwargs) -> list[str]:
     """Names handed over by `read_in_order` in layer order, until it raises (the error is returned last)."""
     from layerwise_cli.errors import LayerwiseError
     from layerwise_cli.planning.inspect import inspect_order
-    from layerwise_cli.worker.stream import read_in_order
+    from layerwise_cli.worker.stream.read_ahead import read_in_order
 
     plan = inspect_order(str(folder)).plan
     names: list[str] = []

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from layerwise_cli.worker.in_place import in_place_materialization, kernel_views
+from layerwise_cli.worker.stream.in_place import in_place_materialization, kernel_views
 
 pytestmark = pytest.mark.slow  # imports vLLM
 

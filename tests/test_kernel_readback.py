@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from layerwise_cli.worker.fingerprints import module_fingerprints
+from layerwise_cli.worker.proof.fingerprints import module_fingerprints
 
 
 def _linear(weight: torch.Tensor, kernel) -> torch.nn.Module:

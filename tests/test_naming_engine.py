@@ -55,7 +55,7 @@ def test_prefixed_language_model_names_map_to_the_engine_modules(make_checkpoint
     from vllm.model_executor.models.utils import WeightsMapper
 
     from layerwise_cli.checkpoint.sources import open_checkpoint
-    from layerwise_cli.worker.rank_plan import plan_for_worker
+    from layerwise_cli.worker.stream.rank_plan import plan_for_worker
 
     mapper = WeightsMapper(orig_to_new_prefix={
         "model.visual.": "visual.",

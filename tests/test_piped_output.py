@@ -50,7 +50,8 @@ def test_inspect_order_table_is_whole_when_piped(tmp_path: Path) -> None:
 def test_reload_table_is_whole_when_piped() -> None:
     code = textwrap.dedent("""
         from layerwise_cli.cli._reload_view import render_report
-        from layerwise_cli.report.reload_report import LayerReport, ReloadReport
+        from layerwise_cli.report.reload_report import ReloadReport
+        from layerwise_cli.report.report_parts import LayerReport
 
         names = ["model.layers.0.post_attention_layernorm",
                  "model.language_model.layers.11.mlp.experts.routed_experts"]

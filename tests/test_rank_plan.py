@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from layerwise_cli.checkpoint.sources import open_checkpoint
-from layerwise_cli.worker.rank_plan import RankPosition, plan_for_worker
+from layerwise_cli.worker.stream.rank_plan import RankPosition, plan_for_worker
 from tests.support.synthetic import SyntheticModel, write_checkpoint
 
 
@@ -72,7 +72,7 @@ def test_each_stage_plans_only_its_layers(four_layers):
 
 def test_preflight_runs_per_stage_against_a_reference_cut_the_same_way(four_layers, tmp_path):
     from layerwise_cli.errors import LayerwiseError
-    from layerwise_cli.worker.preflight import preflight
+    from layerwise_cli.worker.reload.preflight import preflight
 
     model = _stage(4, range(2, 4), first=False, last=True)
     mine = plan_for_worker(four_layers, model, None, RankPosition(pp_rank=1, pp_size=2), reference=four_layers)
@@ -116,7 +116,8 @@ def test_expert_parallel_ranks_read_only_their_experts(tmp_path, use_ep):
 
 
 def _report(rank, pp, tp, dp, layers, nbytes, peak):
-    from layerwise_cli.report.reload_report import LayerReport, ReloadReport
+    from layerwise_cli.report.reload_report import ReloadReport
+    from layerwise_cli.report.report_parts import LayerReport
 
     return ReloadReport(order="layer", source="S", wall_s=1.0, bytes=nbytes, tensors=len(layers),
                         peak_buffer_bytes=peak, peak_tensor="t", predicted_peak_buffer_bytes=peak,

@@ -16,11 +16,12 @@ from layerwise_cli.checkpoint.finite import first_nonfinite, first_nonfinite_sha
 from layerwise_cli.checkpoint.header import TensorEntry
 from layerwise_cli.planning.inspect import inspect_order
 from layerwise_cli.planning.plan import PlannedTensor, simulate_buffering
-from layerwise_cli.worker.early_fingerprints import EarlyFingerprints
-from layerwise_cli.worker.layer_state import layer_fingerprints
-from layerwise_cli.worker.plan_cache import PlanCache, structure_key
-from layerwise_cli.worker.read_order import pipelined_order
-from layerwise_cli.worker.stream import ReadAheadStats, open_stream, read_in_order
+from layerwise_cli.worker.proof.early_fingerprints import EarlyFingerprints
+from layerwise_cli.worker.state.layer_state import layer_fingerprints
+from layerwise_cli.worker.state.plan_cache import PlanCache, structure_key
+from layerwise_cli.worker.stream.read_ahead import open_stream, read_in_order
+from layerwise_cli.worker.stream.read_order import pipelined_order
+from layerwise_cli.worker.stream.stats import ReadAheadStats
 from tests.test_writer import CONFIG, qwen3_like
 
 
@@ -165,7 +166,7 @@ def test_the_shared_check_finds_what_the_single_one_finds(where):
 
 
 def test_a_layer_the_engine_waits_for_is_checked_on_two_threads(tmp_path, monkeypatch):
-    import layerwise_cli.worker.stream as stream_module
+    import layerwise_cli.worker.stream.read_ahead as stream_module
 
     sd = qwen3_like()
     name = "model.embed_tokens.weight"
@@ -242,7 +243,7 @@ def test_the_plan_cache_keys_on_structure_not_on_metadata(tmp_path):
 
 
 def test_fingerprints_read_by_two_threads_equal_those_read_by_one():
-    from layerwise_cli.worker.layer_state import layer_fingerprints_parallel
+    from layerwise_cli.worker.state.layer_state import layer_fingerprints_parallel
 
     model = torch.nn.ModuleDict({f"l{i}": torch.nn.Linear(64 * (i + 1), 64) for i in range(5)})
     modules = dict(model.named_modules())
@@ -259,7 +260,7 @@ def test_a_cpu_another_vllm_worker_is_bound_to_is_never_spare():
     import subprocess
     import sys
 
-    from layerwise_cli.worker.cpu_placement import bound_worker_cpus
+    from layerwise_cli.worker.stream.cpu_placement import bound_worker_cpus
 
     cpu = max(os.sched_getaffinity(0))
     # A process titled as vLLM titles its workers, bound to one CPU (as another server's worker would be).

@@ -340,7 +340,7 @@ def test_allow_nonfinite_loads_the_values(on_multiply, demo_models, tmp_path):
     from safetensors.torch import load_file
 
     from layerwise_cli.client.local import reload
-    from layerwise_cli.worker.checksums import tensor_digest
+    from layerwise_cli.worker.proof.checksums import tensor_digest
 
     name = "model.norm.weight"
     bad = reshard(demo_models["add"], tmp_path / "bad", parameter_kind, transform=_plant(name, nan=2, inf=1))

@@ -6,7 +6,8 @@ import io
 
 from rich.console import Console
 
-from layerwise_cli.report.reload_report import LayerReport, ReloadReport, merge_reports
+from layerwise_cli.report.reload_report import ReloadReport, merge_reports
+from layerwise_cli.report.report_parts import LayerReport
 
 
 def report(rank: int, peak: int, load: float) -> ReloadReport:

@@ -10,7 +10,8 @@ import pytest
 from layerwise_cli.checkpoint.header import ShardHeader, TensorEntry
 from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.client.remote import ServerResult
-from layerwise_cli.report.reload_report import LayerReport, ReloadReport, merge_reports
+from layerwise_cli.report.reload_report import ReloadReport, merge_reports
+from layerwise_cli.report.report_parts import LayerReport
 from layerwise_cli.report.verify_result import VerifyResult, merge_verify
 
 

@@ -13,8 +13,8 @@ import torch
 
 from layerwise_cli.checkpoint.digests import layer_digest
 from layerwise_cli.planning.inspect import inspect_order
-from layerwise_cli.worker.layer_records import LayerRecord, LayerRecords, SkipDecider, records_of
-from layerwise_cli.worker.layer_state import device_checksum, host_checksum, layer_fingerprints
+from layerwise_cli.worker.state.layer_records import LayerRecord, LayerRecords, SkipDecider, records_of
+from layerwise_cli.worker.state.layer_state import device_checksum, host_checksum, layer_fingerprints
 from tests.test_writer import CONFIG, qwen3_like
 
 # ----------------------------------------------------------------------------- the decision
@@ -179,7 +179,7 @@ def _written(tmp_path: Path, seed: int = 0, *, change: tuple[str, ...] = ()) -> 
 
 def test_digests_hashed_while_reading_equal_the_header_digests(tmp_path):
     from layerwise_cli.checkpoint.digests import checkpoint_digests
-    from layerwise_cli.worker.stream import read_in_order
+    from layerwise_cli.worker.stream.read_ahead import read_in_order
 
     folder = _written(tmp_path)
     plan = inspect_order(str(folder)).plan
@@ -195,7 +195,8 @@ def test_digests_hashed_while_reading_equal_the_header_digests(tmp_path):
 
 @pytest.mark.parametrize("readahead", [True, False])
 def test_a_layer_skipped_after_reading_is_never_handed_over(tmp_path, readahead):
-    from layerwise_cli.worker.stream import ReadAheadStats, read_in_order
+    from layerwise_cli.worker.stream.read_ahead import read_in_order
+    from layerwise_cli.worker.stream.stats import ReadAheadStats
 
     folder = _written(tmp_path)
     plan = inspect_order(str(folder)).plan
@@ -223,7 +224,8 @@ def test_a_layer_skipped_after_reading_is_never_handed_over(tmp_path, readahead)
 
 
 def test_read_ahead_holds_at_most_what_it_is_allowed(tmp_path):
-    from layerwise_cli.worker.stream import ReadAheadStats, read_in_order
+    from layerwise_cli.worker.stream.read_ahead import read_in_order
+    from layerwise_cli.worker.stream.stats import ReadAheadStats
 
     folder = _written(tmp_path)
     plan = inspect_order(str(folder)).plan
@@ -259,7 +261,7 @@ class TinyModel(torch.nn.Module):
 
 def _skip_plan(folder: Path, model: TinyModel, recs: LayerRecords, **kwargs):
     from layerwise_cli.planning.plan import PlannedTensor
-    from layerwise_cli.worker.skip_plan import SkipPlan
+    from layerwise_cli.worker.reload.skip_plan import SkipPlan
 
     plan = inspect_order(str(folder)).plan
     stream = [PlannedTensor(item.entry, "layers." + item.parent.replace(".", "_")) for item in plan.layer_order]
@@ -268,7 +270,8 @@ def _skip_plan(folder: Path, model: TinyModel, recs: LayerRecords, **kwargs):
 
 def _load(skip, stream, folder: Path) -> None:
     """What a reload does with the plan before it records: read the stream (samples, hashes), hand it over."""
-    from layerwise_cli.worker.stream import ReadAheadStats, read_in_order
+    from layerwise_cli.worker.stream.read_ahead import read_in_order
+    from layerwise_cli.worker.stream.stats import ReadAheadStats
 
     stats = ReadAheadStats()
     for item, _ in read_in_order(skip.stream, folder, hash_layers=skip.hash_layers, digests=skip.read_digests,
@@ -401,7 +404,8 @@ def test_sample_windows_cover_head_middle_and_tail_wherever_the_tensor_lies():
 @pytest.mark.parametrize("readahead", [True, False])
 def test_a_layer_whose_samples_differ_is_hashed_only_after_its_handover(tmp_path, readahead):
     from layerwise_cli.checkpoint.digests import checkpoint_digests
-    from layerwise_cli.worker.stream import ReadAheadStats, read_in_order
+    from layerwise_cli.worker.stream.read_ahead import read_in_order
+    from layerwise_cli.worker.stream.stats import ReadAheadStats
 
     folder = _written(tmp_path)
     plan = inspect_order(str(folder)).plan
@@ -451,7 +455,7 @@ def test_a_layer_recorded_by_its_samples_alone_is_hashed_when_they_match_then_sk
     recs = LayerRecords()
 
     def reload_plain():
-        from layerwise_cli.worker.stream import read_in_order
+        from layerwise_cli.worker.stream.read_ahead import read_in_order
 
         skip, _ = _skip_plan(folder, model, recs)
         # No read-ahead thread: a layer handed over unhashed stays unhashed (recorded by its samples).
@@ -485,7 +489,8 @@ def test_without_header_digests_every_layer_is_hashed(tmp_path):
 
 
 def test_reports_mark_skipped_layers_and_merge_them():
-    from layerwise_cli.report.reload_report import LayerReport, ReloadReport, merge_reports
+    from layerwise_cli.report.reload_report import ReloadReport, merge_reports
+    from layerwise_cli.report.report_parts import LayerReport
 
     def worker(tp_rank: int, skipped: bool) -> ReloadReport:
         layers = [LayerReport("a", 1, 100, 0.0, 0.0, 0, skipped="unchanged"),
@@ -511,7 +516,8 @@ def test_reports_mark_skipped_layers_and_merge_them():
 
 def test_the_table_shows_skipped_layers(capsys):
     from layerwise_cli.cli._reload_view import render_report
-    from layerwise_cli.report.reload_report import LayerReport, ReloadReport
+    from layerwise_cli.report.reload_report import ReloadReport
+    from layerwise_cli.report.report_parts import LayerReport
 
     report = ReloadReport(order="layer", source="s", wall_s=0.01, bytes=300, tensors=2, peak_buffer_bytes=300,
                           peak_tensor="b.w", predicted_peak_buffer_bytes=300, largest_layer_bytes=300,
@@ -545,7 +551,8 @@ def test_only_the_warnings_of_skipped_layers_are_dropped(caplog):
 
 def test_reports_carry_the_time_split_and_the_stale_header_files(capsys):
     from layerwise_cli.cli._reload_view import render_report
-    from layerwise_cli.report.reload_report import LayerReport, ReloadReport, merge_reports
+    from layerwise_cli.report.reload_report import ReloadReport, merge_reports
+    from layerwise_cli.report.report_parts import LayerReport
 
     def worker(tp_rank: int, stale: list[dict]) -> ReloadReport:
         return ReloadReport(order="layer", source="s", wall_s=0.5, bytes=300, tensors=2, peak_buffer_bytes=300,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layerwise_cli.worker.cpu_fixups import derived_modules, fixups_disabled
+from layerwise_cli.worker.beyond_vllm.cpu_fixups import derived_modules, fixups_disabled
 
 
 class _Tied(torch.nn.Module):

@@ -81,7 +81,7 @@ def test_direct_mode_is_refused_before_the_engine_is_touched(monkeypatch) -> Non
     import types
 
     from layerwise_cli.errors import LayerwiseError
-    from layerwise_cli.worker import reload as worker_reload
+    from layerwise_cli.worker.reload import stream_reload as worker_reload
 
     module = types.ModuleType(vllm_compat.DIRECT_RELOAD_ENABLED.module)
     module.direct_reload_enabled = lambda: True

@@ -65,6 +65,21 @@ def looks_like_repo_id(source: str) -> bool:
     return bool(_REPO_ID_RE.match(source)) and not os.path.lexists(source)
 
 
+def resolve_local(source: str, revision: str | None = None) -> Path:
+    """A local directory (or file) for SOURCE; Hub repo ids are downloaded (weights and config)."""
+    path = Path(source)
+    if path.exists():
+        return path
+    if looks_like_repo_id(source):
+        from layerwise_cli.checkpoint.hub import download_checkpoint
+
+        try:
+            return download_checkpoint(source, revision)
+        except Exception as exc:
+            raise describe_exception(exc, where=source) from exc
+    raise LayerwiseError("no such file or directory, and not a Hub repo id (org/name)", where=source)
+
+
 def open_checkpoint(source: str, revision: str | None = None) -> Checkpoint:
     """Read the headers of every shard of SOURCE, never its tensor data.
 

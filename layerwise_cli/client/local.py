@@ -17,6 +17,7 @@ from layerwise_cli.engine_defaults import (
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.report.reload_report import ReloadReport, first_failure, merge_reports
 from layerwise_cli.report.verify_result import VerifyResult, merge_verify, verify_failure
+from layerwise_cli.worker.rpc import ReloadAnswer, ReloadCall, VerifyAnswer, VerifyCall
 
 
 @dataclass
@@ -107,7 +108,7 @@ def start_engine(model: str, options: EngineOptions | None = None):
 
             # Registers layerwise's online quantizations (`layerwise_fp8`, `layerwise_int8`) in this process;
             # the engine's processes import the module too (the worker extension imports it).
-            from layerwise_cli.worker import online_quant  # noqa: F401
+            from layerwise_cli.worker.beyond_vllm import online_quant  # noqa: F401
 
             llm = LLM(model=model, **options.llm_kwargs())
         except Exception as exc:  # noqa: BLE001 - every start failure becomes one line
@@ -140,8 +141,17 @@ def stop_engine(llm) -> None:
         pass
 
 
+def ask_workers(llm, call) -> list[dict]:
+    """Send CALL (a call of `layerwise_cli.worker.rpc`) to every worker; one JSON answer per worker.
+
+    Raises:
+        LayerwiseError: the engine has no layerwise worker extension.
+    """
+    return call_workers(llm, call.method, **call.kwargs())
+
+
 def call_workers(llm, method: str, **kwargs) -> list[dict]:
-    """Call an extension method on every worker; one result per worker.
+    """Call an extension method on every worker by its name; one result per worker.
 
     Raises:
         LayerwiseError: the engine has no layerwise worker extension.
@@ -251,9 +261,9 @@ def reload_workers(llm, source: str, *, order: str = "layer", allow_partial: boo
     # reload its memory only when it holds nothing to keep.
     vllm_compat.pause_engine_core(llm)
     try:
-        results = call_workers(llm, "layerwise_reload", source=source, order=order, allow_partial=allow_partial,
-                               readahead=readahead, revision=revision, progress_path=progress_path,
-                               allow_nonfinite=allow_nonfinite, all_layers=all_layers, **switches)
+        results = ask_workers(llm, ReloadCall(source=source, order=order, allow_partial=allow_partial,
+                                              readahead=readahead, revision=revision, progress_path=progress_path,
+                                              allow_nonfinite=allow_nonfinite, all_layers=all_layers, **switches))
     finally:
         vllm_compat.resume_engine_core(llm)
     per_worker = worker_reports(results)
@@ -279,12 +289,12 @@ def verify_engine(llm, source: str, revision: str | None = None, *, allow_unchec
         LayerwiseError: the check itself could not run.
     """
     start = time.perf_counter()
-    results = call_workers(llm, "layerwise_verify", source=source, revision=revision)
-    failures = [r for r in results if not r.get("ok")]
-    if failures or not results:
-        error = failures[0].get("error", "a worker failed without saying why") if failures else "no workers"
+    answers = [VerifyAnswer.from_json(r) for r in ask_workers(llm, VerifyCall(source=source, revision=revision))]
+    failures = [a for a in answers if not a.ok]
+    if failures or not answers:
+        error = (failures[0].error or "a worker failed without saying why") if failures else "no workers"
         raise LayerwiseError(f"--verify could not run: {error}", where=source)
-    return merge_verify([r["verify"] for r in results], wall_s=time.perf_counter() - start,
+    return merge_verify([a.verify for a in answers], wall_s=time.perf_counter() - start,
                         allow_unchecked=allow_unchecked)
 
 
@@ -294,7 +304,7 @@ def worker_reports(results: list[dict]) -> list[ReloadReport]:
     error = first_failure(results)
     if error is not None:
         raise LayerwiseError(error)
-    return [ReloadReport.from_dict(r["report"]) for r in results]
+    return [ReloadReport.from_dict(ReloadAnswer.from_json(r).report) for r in results]
 
 
 def reports_from_results(results: list[dict]) -> ReloadReport:

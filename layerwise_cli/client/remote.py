@@ -22,6 +22,7 @@ from layerwise_cli.errors import LayerwiseError, one_line
 from layerwise_cli.report.jsonable import jsonable
 from layerwise_cli.report.reload_report import ReloadReport
 from layerwise_cli.report.verify_result import VerifyResult, verify_failure
+from layerwise_cli.worker.rpc import FingerprintsAnswer, FingerprintsCall
 
 
 @dataclass(frozen=True)
@@ -247,18 +248,19 @@ def server_fingerprints(url: str, api_key: str | None = None, timeout: float = 6
     """The extension's fingerprints of a server's weights (qualified by rank, and engine, when there are several)."""
     client = ServerClient(url, api_key=api_key, timeout=timeout)
     try:
-        engines = client.engines_rpc("layerwise_fingerprints")
+        engines = client.ask(FingerprintsCall())
     finally:
         client.close()
     out: dict[str, str] = {}
     for engine, results in enumerate(engines):
         for rank, item in enumerate(results):
             where = f"engine {engine} worker {rank}" if len(engines) > 1 else f"worker {rank}"
-            if not isinstance(item, dict) or not item.get("ok"):
-                error = item.get("error") if isinstance(item, dict) else item
+            answer = FingerprintsAnswer.from_json(item)
+            if not answer.ok:
+                error = answer.error if isinstance(item, dict) else item
                 raise LayerwiseError(f"fingerprints failed on {where}: {error}", where=url)
             prefix = (f"engine{engine}:" if len(engines) > 1 else "") + (f"rank{rank}:" if len(results) > 1 else "")
-            out.update({prefix + name: digest for name, digest in item["fingerprints"].items()})
+            out.update({prefix + name: digest for name, digest in answer.fingerprints.items()})
     return out
 
 

@@ -10,6 +10,8 @@ from layerwise_cli import ENGINES_RPC_PATH
 from layerwise_cli.errors import LayerwiseError, one_line
 from layerwise_cli.report.reload_report import ReloadReport, first_failure, merge_reports
 from layerwise_cli.report.verify_result import VerifyResult, merge_verify
+from layerwise_cli.worker import rpc
+from layerwise_cli.worker.rpc import PingAnswer, PingCall, ReloadAnswer, ReloadCall, VerifyAnswer, VerifyCall
 
 PAUSE_MODES = ("wait", "keep", "abort", "none")
 
@@ -175,6 +177,10 @@ class ServerClient:
             self.per_engine = False
         return [self.collective_rpc(method, kwargs, short=short)]
 
+    def ask(self, call, *, short: bool = False) -> list[list]:
+        """Send CALL (a call of `layerwise_cli.worker.rpc`) to every worker of every engine (`engines_rpc`)."""
+        return self.engines_rpc(call.method, call.kwargs(), short=short)
+
     def ping_extension(self) -> str | None:
         """None when every worker has layerwise's extension, else why not (one clause).
 
@@ -182,16 +188,17 @@ class ServerClient:
         `dp_size`) and whether each answers for itself (`per_engine`).
         """
         try:
-            engines = self.engines_rpc("layerwise_ping", short=True)
+            engines = self.ask(PingCall(), short=True)
         except RpcError as exc:
-            if "has no attribute 'layerwise_ping'" in exc.detail:
-                return "the server has no layerwise worker extension (its workers have no method layerwise_ping)"
-            raise _ServerError(f"layerwise_ping failed inside the server: {exc.detail}") from None
+            if f"has no attribute '{rpc.PING}'" in exc.detail:
+                return f"the server has no layerwise worker extension (its workers have no method {rpc.PING})"
+            raise _ServerError(f"{rpc.PING} failed inside the server: {exc.detail}") from None
         results = [r for workers in engines for r in workers]
-        if not results or not all(isinstance(r, dict) and r.get("ok") for r in results):
-            return f"the server has no layerwise worker extension (layerwise_ping answered {results!r})"
+        answers = [PingAnswer.from_json(r) for r in results]
+        if not answers or not all(a.ok for a in answers):
+            return f"the server has no layerwise worker extension ({rpc.PING} answered {results!r})"
         self.engines = len(engines)
-        self.dp_size = max(((r.get("position") or {}).get("dp_size", 1) for r in results), default=1)
+        self.dp_size = max(((a.position or {}).get("dp_size", 1) for a in answers), default=1)
         return None
 
     def engines_warning(self) -> str | None:
@@ -222,21 +229,16 @@ class ServerClient:
         self._json(response, "POST /update_weight_version")
 
     def layerwise_reload(self, source: str, options: RemoteOptions) -> ReloadReport:
-        kwargs = {"source": source, "order": options.order, "allow_partial": options.allow_partial,
-                  "readahead": options.readahead, "revision": options.revision}
-        if options.allow_nonfinite:
-            # Sent only when set: a server running an older extension still takes the default call.
-            kwargs["allow_nonfinite"] = True
-        if options.all_layers:
-            kwargs["all_layers"] = True
         from layerwise_cli.engine_defaults import fixups_disabled, fresh_buffers_forced
 
-        if fixups_disabled():
-            kwargs["repairs"] = False  # the diagnostic switch, set in this process
-        if fresh_buffers_forced():
-            kwargs["in_place"] = False  # the other diagnostic switch
+        # Arguments left at their defaults are not sent: a server running an older extension still takes the call.
+        call = ReloadCall(source=source, order=options.order, allow_partial=options.allow_partial,
+                          readahead=options.readahead, revision=options.revision,
+                          allow_nonfinite=options.allow_nonfinite, all_layers=options.all_layers,
+                          # the diagnostic switches, set in this process
+                          repairs=not fixups_disabled(), in_place=not fresh_buffers_forced())
         try:
-            engines = self.engines_rpc("layerwise_reload", kwargs)
+            engines = self.ask(call)
         except _ServerError as exc:
             # Timed out or lost: the worker may still be streaming into the engine.
             if isinstance(exc, RpcError):
@@ -247,7 +249,8 @@ class ServerClient:
         outcomes = [_engine_outcome(results) for results in engines]
         if not engines or any(error is not None for error, _, _ in outcomes):
             raise _engines_failure(outcomes, source)
-        return merge_reports([ReloadReport.from_dict(r["report"]) for results in engines for r in results])
+        return merge_reports([ReloadReport.from_dict(ReloadAnswer.from_json(r).report)
+                              for results in engines for r in results])
 
     def vllm_reload(self, source: str) -> ReloadReport:
         """vLLM's own `reload_weights(weights_path=SOURCE)`: only its wall time is known."""
@@ -271,17 +274,18 @@ class ServerClient:
     def verify(self, source: str, revision: str | None, *, allow_unchecked: bool = False) -> VerifyResult:
         start = time.perf_counter()
         try:
-            engines = self.engines_rpc("layerwise_verify", {"source": source, "revision": revision})
+            engines = self.ask(VerifyCall(source=source, revision=revision))
             results = [r for workers in engines for r in workers]
         except RpcError as exc:
             raise _ServerError(f"--verify failed inside the server: {exc.detail}", holds=HOLDS_NEW) from None
         except _ServerError as exc:
             raise _ServerError(f"--verify: {exc}", holds=HOLDS_NEW) from None
-        failures = [r for r in results if not (isinstance(r, dict) and r.get("ok"))]
+        answers = [VerifyAnswer.from_json(r) for r in results]
+        failures = [r for r, a in zip(results, answers) if not a.ok]
         if failures or not results:
             error = failures[0].get("error") if failures and isinstance(failures[0], dict) else results
             raise _ServerError(f"--verify could not run: {error}", holds=HOLDS_NEW)
-        return merge_verify([r["verify"] for r in results], wall_s=time.perf_counter() - start,
+        return merge_verify([a.verify for a in answers], wall_s=time.perf_counter() - start,
                             allow_unchecked=allow_unchecked)
 
 
@@ -290,9 +294,9 @@ def _engine_outcome(results: list) -> tuple[str | None, str, bool]:
     error = first_failure(results)
     if error is None:
         return None, HOLDS_NEW, False
-    failures = [r for r in results if not (isinstance(r, dict) and r.get("ok"))]
-    touched = any(isinstance(r, dict) and r.get("engine_touched") for r in failures)
-    rolled_back = all(isinstance(r, dict) and r.get("rolled_back") for r in failures if r.get("engine_touched"))
+    failures = [a for a in map(ReloadAnswer.from_json, results) if not a.ok]
+    touched = any(a.engine_touched for a in failures)
+    rolled_back = all(a.rolled_back for a in failures if a.engine_touched)
     if not touched:
         return error, HOLDS_PREVIOUS, False
     return error, (HOLDS_PREVIOUS if rolled_back else HOLDS_UNKNOWN), rolled_back

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 from layerwise_cli.client.server_api import HOLDS_NEW, HOLDS_PREVIOUS, HOLDS_UNKNOWN, RemoteOptions
 from layerwise_cli.errors import one_line
+from layerwise_cli.worker.rpc import ReloadAnswer, ReloadCall
 
 
 class TargetDown(Exception):
@@ -98,22 +99,22 @@ class EngineTarget:
         return self.llm.get_weight_version()
 
     def reload(self, path: str, version: str) -> Outcome:
-        from layerwise_cli.client.local import call_workers, reports_from_results, verify_engine
+        from layerwise_cli.client.local import ask_workers, reports_from_results, verify_engine
         from layerwise_cli.errors import describe_exception
         from layerwise_cli.report.verify_result import verify_failure
 
         start = time.perf_counter()
         try:
-            results = call_workers(self.llm, "layerwise_reload", source=path)
+            results = ask_workers(self.llm, ReloadCall(source=path))
         except Exception as exc:  # noqa: BLE001 - one line, like a server's failure
             return Outcome(ok=False, holds=HOLDS_UNKNOWN, error=one_line(str(describe_exception(exc))),
                            failed_in_reload=True)
-        failures = [r for r in results if not r.get("ok")]
+        failures = [a for a in map(ReloadAnswer.from_json, results) if not a.ok]
         if failures:
-            touched = any(r.get("engine_touched") for r in failures)
-            rolled_back = all(r.get("rolled_back") for r in failures if r.get("engine_touched"))
+            touched = any(a.engine_touched for a in failures)
+            rolled_back = all(a.rolled_back for a in failures if a.engine_touched)
             holds = HOLDS_PREVIOUS if not touched or rolled_back else HOLDS_UNKNOWN
-            return Outcome(ok=False, holds=holds, error=one_line(failures[0].get("error") or "a worker failed"),
+            return Outcome(ok=False, holds=holds, error=one_line(failures[0].error or "a worker failed"),
                            failed_in_reload=True, version=self.llm.get_weight_version(),
                            report={"results": [{k: v for k, v in r.items() if k != "traceback"} for r in results]})
         report = reports_from_results(results)

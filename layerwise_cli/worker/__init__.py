@@ -1,0 +1,6 @@
+"""Runs inside vLLM's worker processes: the extension vLLM mixes into each worker, and the rooms it calls.
+
+Rooms, in import order (a room imports only itself and the rooms before it;
+`scripts/check_imports.py` enforces it): `rpc` (the call surface the client
+shares), `stream`, `state`, `beyond_vllm`, `proof`, `reload`, `extension`.
+"""

@@ -5,13 +5,21 @@ from __future__ import annotations
 import traceback
 
 from layerwise_cli import EXTENSION_CLS  # noqa: F401 - re-exported for the engine side
-from layerwise_cli.errors import LayerwiseError, describe_exception
+from layerwise_cli.errors import describe_exception
 from layerwise_cli.vllm_logs import silence_rotary_reload_warning
-from layerwise_cli.worker import online_quant  # noqa: F401 - registers layerwise's online quantizations here
-from layerwise_cli.worker.consensus import PeerFailed, all_ranks_agree
-from layerwise_cli.worker.fingerprints import model_fingerprints
-from layerwise_cli.worker.reload import engine_config
-from layerwise_cli.worker.verify import verify_against_source
+from layerwise_cli.worker.beyond_vllm import online_quant  # noqa: F401 - registers layerwise's online quantizations here
+from layerwise_cli.worker.proof.consensus import PeerFailed, all_ranks_agree
+from layerwise_cli.worker.proof.fingerprints import model_fingerprints
+from layerwise_cli.worker.proof.verify import verify_against_source
+from layerwise_cli.worker.reload.rollback import roll_back
+from layerwise_cli.worker.reload.stream_reload import engine_config
+from layerwise_cli.worker.rpc import (
+    ChecksumsAnswer,
+    FingerprintsAnswer,
+    PingAnswer,
+    ReloadAnswer,
+    VerifyAnswer,
+)
 
 # vLLM imports this module in every worker: the filter lands where the warning is logged.
 silence_rotary_reload_warning()
@@ -20,7 +28,9 @@ silence_rotary_reload_warning()
 class LayerwiseWorkerExtension:
     """Methods callable with `collective_rpc("layerwise_...")` on every worker.
 
-    Every method returns plain JSON-ready data, so the same calls work in
+    Each method's name, arguments and answer are declared in `worker/rpc.py`
+    (`rpc.RELOAD`, `ReloadCall`, `ReloadAnswer`, ...), which the client imports
+    too. Every method returns plain JSON-ready data (the answer's `to_json()`), so the same calls work in
     process (`LLM.collective_rpc`) and over HTTP (`POST /collective_rpc`).
     Failures come back as `{"ok": False, "error": "..."}` rather than
     exceptions: an exception escaping a worker method makes vLLM's engine core
@@ -31,13 +41,13 @@ class LayerwiseWorkerExtension:
     def layerwise_ping(self) -> dict:
         """Prove the extension is loaded; report its version and this worker's rank and place (tp/pp/dp)."""
         from layerwise_cli import __version__
-        from layerwise_cli.worker.layer_records import records_of
-        from layerwise_cli.worker.rank_plan import rank_position
+        from layerwise_cli.worker.state.layer_records import records_of
+        from layerwise_cli.worker.stream.rank_plan import rank_position
 
         records = records_of(self)
-        return {"ok": True, "version": __version__, "rank": getattr(self, "rank", None),
-                "position": rank_position(self).to_dict(), "engine_id": records.engine_id,
-                "recorded_layers": len(records)}
+        return PingAnswer(ok=True, version=__version__, rank=getattr(self, "rank", None),
+                          position=rank_position(self).to_dict(), engine_id=records.engine_id,
+                          recorded_layers=len(records)).to_json()
 
     def layerwise_reload(self, source: str, order: str = "layer", allow_partial: bool = False,
                          readahead: bool = True, revision: str | None = None,
@@ -51,12 +61,12 @@ class LayerwiseWorkerExtension:
         record, state untouched since) is skipped unless `all_layers`.
         `repairs=False` leaves what vLLM's reload leaves stale (the diagnostic
         switch `LAYERWISE_NO_CPU_FIXUPS`, set in the caller's environment).
-        `in_place=False` has vLLM materialize every layer in fresh buffers (`worker/in_place.py`; the
+        `in_place=False` has vLLM materialize every layer in fresh buffers (`worker/stream/in_place.py`; the
         worker's `LAYERWISE_FRESH_BUFFERS=1` does the same).
         """
-        from layerwise_cli.worker.layer_records import records_of
-        from layerwise_cli.worker.rank_plan import rank_position
-        from layerwise_cli.worker.reload import EngineUnchanged, stream_reload
+        from layerwise_cli.worker.reload.stream_reload import EngineUnchanged, stream_reload
+        from layerwise_cli.worker.state.layer_records import records_of
+        from layerwise_cli.worker.stream.rank_plan import rank_position
 
         touched = {"engine": False}
         try:
@@ -74,29 +84,29 @@ class LayerwiseWorkerExtension:
                 if isinstance(failure, EngineUnchanged):
                     touched["engine"] = False  # vLLM refused before it changed a weight here: nothing to roll back
                 else:
-                    _roll_back(self, touched, failure or PeerFailed(
+                    roll_back(self, touched, failure or PeerFailed(
                         "another rank of this engine failed during the reload"))
             if failure is not None:
                 raise failure
         except Exception as exc:  # noqa: BLE001 - every failure becomes one line for the caller
             error = describe_exception(exc)
-            return {"ok": False, "error": str(error), "engine_touched": touched["engine"],
-                    "rolled_back": touched.get("rolled_back", False), "followed_another_rank":
-                    isinstance(exc, PeerFailed),
-                    "position": rank_position(self).to_dict(), "traceback": traceback.format_exc()}
+            return ReloadAnswer(ok=False, error=str(error), engine_touched=touched["engine"],
+                                rolled_back=touched.get("rolled_back", False),
+                                followed_another_rank=isinstance(exc, PeerFailed),
+                                position=rank_position(self).to_dict(), traceback=traceback.format_exc()).to_json()
         self._layerwise_loaded_from = (source, revision)
-        return {"ok": True, "report": report.to_dict()}
+        return ReloadAnswer(ok=True, report=report.to_dict()).to_json()
 
     def layerwise_checksums(self) -> dict:
         """SHA-256 of every engine tensor that keeps storage, and their storage pointers."""
-        from layerwise_cli.worker.checksums import model_checksums, storage_pointers
+        from layerwise_cli.worker.proof.checksums import model_checksums, storage_pointers
 
         try:
             model = self.model_runner.get_model()
-            return {"ok": True, "rank": getattr(self, "rank", None), "checksums": model_checksums(model),
-                    "pointers": storage_pointers(model)}
+            return ChecksumsAnswer(ok=True, rank=getattr(self, "rank", None), checksums=model_checksums(model),
+                                   pointers=storage_pointers(model)).to_json()
         except Exception as exc:  # noqa: BLE001 - an exception here would take the engine down
-            return {"ok": False, "error": str(describe_exception(exc))}
+            return ChecksumsAnswer(ok=False, error=str(describe_exception(exc))).to_json()
 
     def layerwise_fingerprints(self) -> dict:
         """A digest of what every module computes with, including weights hidden in kernel handles.
@@ -110,9 +120,10 @@ class LayerwiseWorkerExtension:
         try:
             model = self.model_runner.get_model()
             with engine_config(self):
-                return {"ok": True, "rank": getattr(self, "rank", None), "fingerprints": model_fingerprints(model)}
+                return FingerprintsAnswer(ok=True, rank=getattr(self, "rank", None),
+                                          fingerprints=model_fingerprints(model)).to_json()
         except Exception as exc:  # noqa: BLE001 - an exception here would take the engine down
-            return {"ok": False, "error": str(describe_exception(exc))}
+            return FingerprintsAnswer(ok=False, error=str(describe_exception(exc))).to_json()
 
     def layerwise_verify(self, source: str, revision: str | None = None) -> dict:
         """Check, parent layer by parent layer, that the engine holds what SOURCE must produce.
@@ -124,34 +135,11 @@ class LayerwiseWorkerExtension:
         """
         try:
             with engine_config(self):
-                from layerwise_cli.worker.derived_state import derived_state_of
+                from layerwise_cli.worker.beyond_vllm.derived_state import derived_state_of
 
                 result = verify_against_source(self.model_runner.get_model(), source, revision,
                                                self.model_runner.model_config, derived_state_of(self))
-            return {"ok": True, "rank": getattr(self, "rank", None), "verify": result}
+            return VerifyAnswer(ok=True, rank=getattr(self, "rank", None), verify=result).to_json()
         except Exception as exc:  # noqa: BLE001 - an exception here would take the engine down
-            return {"ok": False, "error": str(describe_exception(exc)), "traceback": traceback.format_exc()}
-
-
-def _roll_back(worker, touched: dict, failure: BaseException):
-    """After a reload failed on this rank or another, reload what this rank had before, then raise."""
-    error = describe_exception(failure)
-    previous = getattr(worker, "_layerwise_loaded_from", None)
-    source, revision = previous or (str(worker.model_runner.model_config.model), None)
-    from layerwise_cli.worker.layer_records import records_of
-    from layerwise_cli.worker.reload import discard_partial_reload, stream_reload
-
-    records = records_of(worker)
-    discard_partial_reload(worker.model_runner.get_model())
-    # The weights it had are put back as they were, whatever they hold: every layer (the failed reload dropped
-    # the records of the layers it touched; the others are on vLLM's meta device until a reload completes).
-    # What the rollback loads is recorded as loaded without the NaN/Inf check.
-    try:
-        stream_reload(worker, source, revision=revision, allow_partial=True, allow_nonfinite=True,
-                      records=records, all_layers=True)
-    except BaseException:
-        records.clear()  # the engine's state is unknown: no layer may be skipped until reloaded
-        raise
-    touched["rolled_back"] = True
-    cls = PeerFailed if isinstance(failure, PeerFailed) else LayerwiseError
-    raise cls(f"{error}; the engine was rolled back to the weights of {source}") from None
+            return VerifyAnswer(ok=False, error=str(describe_exception(exc)),
+                                traceback=traceback.format_exc()).to_json()

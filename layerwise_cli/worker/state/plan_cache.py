@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 
 from layerwise_cli.checkpoint.sources import Checkpoint
-from layerwise_cli.worker.worker_state import kept_on
+from layerwise_cli.worker.state.worker_state import kept_on
 
 _ATTRIBUTE = "_layerwise_plan_cache"
 

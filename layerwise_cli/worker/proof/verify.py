@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from layerwise_cli.errors import LayerwiseError, describe_exception
-from layerwise_cli.worker.fingerprints import module_fingerprints
-from layerwise_cli.worker.scratch import load_alone, process_copy, scratch_copy
+from layerwise_cli.worker.beyond_vllm.scratch import load_alone, process_copy, scratch_copy
+from layerwise_cli.worker.proof.fingerprints import module_fingerprints
 
 
 def verify_against_source(model, source: str, revision: str | None, model_config, derived=None) -> dict:
@@ -43,13 +43,12 @@ def verify_against_source(model, source: str, revision: str | None, model_config
 
     import torch
 
-    from layerwise_cli.checkpoint.sources import open_checkpoint
-    from layerwise_cli.worker.cpu_fixups import derived_modules
-    from layerwise_cli.worker.derived_state import find_derived_state
-    from layerwise_cli.worker.rank_plan import plan_for_worker
-    from layerwise_cli.worker.reload import resolve_local
-    from layerwise_cli.worker.stream import ShardReader, layer_batches
-    from layerwise_cli.worker.verify_quantized import require_recomputed
+    from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
+    from layerwise_cli.worker.beyond_vllm.cpu_fixups import derived_modules
+    from layerwise_cli.worker.beyond_vllm.derived_state import find_derived_state
+    from layerwise_cli.worker.proof.verify_quantized import require_recomputed
+    from layerwise_cli.worker.stream.rank_plan import plan_for_worker
+    from layerwise_cli.worker.stream.shards import ShardReader, layer_batches
 
     local = resolve_local(source, revision)
     checkpoint = replace(open_checkpoint(str(local)), source=source)
@@ -187,8 +186,8 @@ def _verify_alias_buffers(model, state, source_tensors: dict[str, list], statuse
     loads it, unprocessed (`expected_alias_value`), which is what a fresh
     engine holds. A buffer whose source is unknown is not checked (`skipped`).
     """
-    from layerwise_cli.worker.checksums import tensor_digest
-    from layerwise_cli.worker.derived_state import expected_alias_value
+    from layerwise_cli.worker.beyond_vllm.derived_state import expected_alias_value
+    from layerwise_cli.worker.proof.checksums import tensor_digest
 
     layers = []
     for alias in state.aliases:
@@ -224,7 +223,7 @@ def _verify_alias_buffers(model, state, source_tensors: dict[str, list], statuse
 def _verify_layer(model, name: str, module, tensors: list, derived_buffers: frozenset[str] = frozenset()
                   ) -> tuple[dict, object]:
     from layerwise_cli import vllm_compat
-    from layerwise_cli.worker.verify_quantized import drop_processing_outputs
+    from layerwise_cli.worker.proof.verify_quantized import drop_processing_outputs
 
     LAYERWISE_INFO = vllm_compat.layerwise_info()
 

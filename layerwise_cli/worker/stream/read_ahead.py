@@ -2,135 +2,28 @@
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from layerwise_cli.checkpoint.chunks import CHUNK_BYTES
-from layerwise_cli.checkpoint.digests import TensorHasher, layer_digest, tensor_digest
+from layerwise_cli.checkpoint.digests import layer_digest, tensor_digest
 from layerwise_cli.checkpoint.finite import first_nonfinite, first_nonfinite_shared, refusal
 from layerwise_cli.checkpoint.samples import buffer_sample
-from layerwise_cli.checkpoint.sources import shard_file
 from layerwise_cli.planning.plan import PlannedTensor
-from layerwise_cli.worker.cpu_placement import move_to, spare_cpus
+from layerwise_cli.worker.stream.cpu_placement import move_to, spare_cpus
+from layerwise_cli.worker.stream.hash_backlog import HashBacklog
+from layerwise_cli.worker.stream.shards import ShardReader, layer_batches, raw_bytes
+from layerwise_cli.worker.stream.staging import copy_in_chunks, handed_over, staging_threads, to_device
+from layerwise_cli.worker.stream.stats import ReadAheadStats
 
-# Host copies into pinned memory are split into chunks of this size over a
-# few threads: after start-up vLLM sets torch to one CPU thread on GPU
-# workers, and one thread copying out of the page cache is slower than the
-# device's copy engine.
-_STAGING_CHUNK_BYTES = 64 << 20
 # A layer the engine waits for is checked by two threads when it holds at least this many bytes.
 _SHARED_CHECK_BYTES = 8 << 20
-
-
-def layer_batches(stream: list[PlannedTensor]) -> list[list[PlannedTensor]]:
-    """Split a stream into runs of consecutive tensors with the same parent layer."""
-    batches: list[list[PlannedTensor]] = []
-    for item in stream:
-        if batches and batches[-1][0].parent == item.parent:
-            batches[-1].append(item)
-        else:
-            batches.append([item])
-    return batches
-
-
-class ShardReader:
-    """Reads single tensors from a checkpoint's shards, keeping each shard open."""
-
-    def __init__(self, folder: Path) -> None:
-        self._folder = folder
-        self._handles: dict[str, object] = {}
-
-    def read(self, item: PlannedTensor) -> torch.Tensor:
-        from safetensors import safe_open
-
-        shard = item.entry.shard
-        handle = self._handles.get(shard)
-        if handle is None:
-            path = shard_file(self._folder, shard, str(self._folder))
-            handle = self._handles[shard] = safe_open(str(path), framework="pt", device="cpu")
-        return handle.get_tensor(item.entry.name)
-
-    def release(self, shard: str) -> None:
-        """Drop a shard's handle; its file mapping goes once the tensors read from it are freed too."""
-        self._handles.pop(shard, None)
-
-    def close(self) -> None:
-        self._handles.clear()
-
-
-def staging_threads() -> int:
-    """Threads for host-side staging copies on CUDA: half the CPUs this process may use, 1 to 8."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, min(8, cpus // 2))
-
-
-def copy_in_chunks(dst: torch.Tensor, src: torch.Tensor, pool: ThreadPoolExecutor | None,
-                   chunk_bytes: int = _STAGING_CHUNK_BYTES) -> None:
-    """`dst.copy_(src)` for two contiguous tensors of one dtype and shape, in byte ranges over POOL.
-
-    torch releases the GIL inside `copy_`, so the chunks copy in parallel.
-    """
-    nbytes = src.numel() * src.element_size()
-    if pool is None or nbytes <= chunk_bytes:
-        dst.copy_(src)
-        return
-    flat_dst = dst.reshape(-1).view(torch.uint8)
-    flat_src = src.reshape(-1).view(torch.uint8)
-
-    def copy(start: int) -> None:
-        flat_dst[start:start + chunk_bytes].copy_(flat_src[start:start + chunk_bytes])
-
-    for future in [pool.submit(copy, start) for start in range(0, nbytes, chunk_bytes)]:
-        future.result()
-
-
-@dataclass
-class ReadAheadStats:
-    """What the stream read, and where the reading side's time went (all of it in the reading thread)."""
-
-    peak_bytes: int = 0
-    _held: int = 0
-    # Layers read (and checked) so far.
-    read_layers: int = 0
-    # Bytes of tensor data taken from the shards (skipped layers decided from headers are never read).
-    read_bytes: int = 0
-    # Seconds getting tensors from the shards (CPU: mapping them; CUDA: also staging into pinned memory).
-    read_s: float = 0.0
-    # Seconds taking each tensor's spot sample (`checkpoint.samples`), for the next reload's header check.
-    sample_s: float = 0.0
-    # Seconds hashing bytes in full to decide a skip (layers whose samples match their record).
-    hash_s: float = 0.0
-    # Seconds in the NaN/Inf check.
-    check_s: float = 0.0
-    # Layers handed over unhashed (their samples showed them changed, or no hash could skip them now) and
-    # hashed afterwards; and those never hashed (no read-ahead thread, or the stream stopped early).
-    hashed_after_handover: int = 0
-    unhashed_layers: int = 0
-    # The CPUs the reading thread ran on (None: no read-ahead thread).
-    reader_cpus: list[int] | None = None
-    # Once the stream ended: waits until the reading thread has hashed its backlog (None: nothing to wait for).
-    hashing_done: Callable[[], None] | None = None
-
-    def add(self, n: int) -> None:
-        self._held += n
-        self.peak_bytes = max(self.peak_bytes, self._held)
-
-    def remove(self, n: int) -> None:
-        self._held -= n
-
-
 _DONE = object()
 
 
@@ -279,16 +172,6 @@ def open_stream(
         stats.sample_s += time.perf_counter() - sampled
         return host, tensor
 
-    def to_device(host: torch.Tensor):
-        if not cuda:
-            return host, None
-        with torch.cuda.stream(copy_stream):
-            # The caching host allocator keeps `pinned` from reuse until this copy is done.
-            staged = host.to(device, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(copy_stream)
-        return staged, event
-
     batches = layer_batches(stream)
     # A layer split into several runs of the stream cannot be dropped: part of it would already be handed over.
     runs = Counter(batch[0].parent for batch in batches)
@@ -296,7 +179,7 @@ def open_stream(
     batch_bytes = [sum(item.entry.nbytes for item in batch) for batch in batches]
     largest_batch = max(batch_bytes, default=0)
     # The backlog keeps views of at most two of the largest layers' bytes.
-    backlog = _HashBacklog(digests, stats, 2 * largest_batch)
+    backlog = HashBacklog(digests, stats, 2 * largest_batch)
 
     def hash_batch(batch: list[PlannedTensor], raws: list[torch.Tensor]) -> None:
         """Hash a layer's tensors in full into `digests`."""
@@ -333,7 +216,7 @@ def open_stream(
                 backlog.add(batch, [raw for _, raw in read], nbytes)
             else:
                 stats.unhashed_layers += 1
-        loaded = [(item, *to_device(host)) for item, (host, _) in zip(batch, read)]
+        loaded = [(item, *to_device(host, device, copy_stream)) for item, (host, _) in zip(batch, read)]
         if check_finite:
             start = time.perf_counter()
             tensors = [(item.entry.name, item.entry.shard, tensor) for item, tensor, _ in loaded]
@@ -354,10 +237,7 @@ def open_stream(
         return loaded
 
     def handover(item: PlannedTensor, tensor, event) -> tuple[PlannedTensor, torch.Tensor]:
-        if event is not None:
-            torch.cuda.current_stream(device).wait_event(event)
-            tensor.record_stream(torch.cuda.current_stream(device))
-        return item, tensor
+        return item, handed_over(tensor, event, device)
 
     spare = spare_cpus() if readahead else set()
     # When the reading thread runs beside the engine's cores: one thread on them, which checks half of a layer
@@ -513,63 +393,3 @@ def open_stream(
             abort()
 
     return OpenStream(consume(), abort, wake)
-
-
-class _HashBacklog:
-    """Tensors handed over unhashed (their layer changed), hashed chunk by chunk while the reader would wait.
-
-    Their digests only serve the next reload's records, so they never delay a
-    handover: the reader hashes one chunk at a time while the engine has not
-    yet started the layer it was given, and after the stream while vLLM
-    finalizes. Beyond two of the largest layers, the oldest are hashed before
-    the reader reads on, so the views held stay bounded.
-    """
-
-    def __init__(self, digests: dict[str, str], stats: ReadAheadStats, max_bytes: int) -> None:
-        self._digests = digests
-        self._stats = stats
-        self._max_bytes = max_bytes
-        self._bytes = 0  # left to hash
-        # [tensor name, hasher, raw bytes, bytes hashed so far, last tensor of its layer]
-        self._jobs: deque[list] = deque()
-
-    def add(self, batch: list[PlannedTensor], raws: list[torch.Tensor], new: int) -> None:
-        """Queue a layer's tensors (NEW: their bytes) for hashing."""
-        # Over the bound, the oldest are hashed now: the reader is ahead of what it must hash, not the engine.
-        while self._jobs and self._bytes + new > self._max_bytes:
-            self.step()
-        for i, (item, raw) in enumerate(zip(batch, raws)):
-            data = memoryview(raw_bytes(raw)).cast("B")
-            self._jobs.append([item.entry.name, TensorHasher(item.entry.dtype, item.entry.shape), data, 0,
-                               i == len(batch) - 1])
-        self._bytes += new
-
-    def step(self) -> bool:
-        """Hash the next chunk; False when nothing is left."""
-        if not self._jobs:
-            return False
-        start = time.perf_counter()
-        job = self._jobs[0]
-        name, hasher, data, done, last = job
-        chunk = data[done:done + CHUNK_BYTES]
-        hasher.update(chunk)
-        self._bytes -= len(chunk)
-        job[3] = done = done + len(chunk)
-        if done >= len(data):
-            self._digests[name] = hasher.hexdigest()
-            self._jobs.popleft()
-            self._stats.hashed_after_handover += last
-        self._stats.hash_s += time.perf_counter() - start
-        return True
-
-    def abandon(self) -> None:
-        """Drop what is left (and the views it holds)."""
-        self._stats.unhashed_layers += sum(1 for job in self._jobs if job[4])
-        self._jobs.clear()
-        self._bytes = 0
-
-
-def raw_bytes(tensor: torch.Tensor):
-    """A contiguous host tensor's raw bytes, without a copy (b"" for an empty one)."""
-    flat = tensor.reshape(-1)
-    return flat.view(torch.uint8).numpy().data if flat.numel() else b""

@@ -141,3 +141,18 @@ class BufferProbe:
         for name, info in self._scan_list:
             if info.loaded_weights and name not in self._open:
                 self._open[name] = _OpenModule(info, info.loaded_weights)
+
+
+def process_disk_read_bytes() -> int | None:
+    """Bytes this process has caused to be read from storage so far (Linux `/proc/self/io`), or None.
+
+    Page-cache hits are not counted: a file already cached costs no disk read.
+    """
+    try:
+        with open("/proc/self/io") as handle:
+            for line in handle:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None

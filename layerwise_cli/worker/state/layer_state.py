@@ -254,7 +254,7 @@ def layer_fingerprints_parallel(modules: dict[str, torch.nn.Module], layers: dic
         return layer_fingerprints(modules, layers)
     from concurrent.futures import ThreadPoolExecutor
 
-    from layerwise_cli.worker.cpu_placement import move_to
+    from layerwise_cli.worker.stream.cpu_placement import move_to
 
     mine: dict[str, list[str]] = {}
     other: dict[str, list[str]] = {}

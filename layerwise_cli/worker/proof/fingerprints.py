@@ -81,7 +81,7 @@ def _kernel_readback_digest(module) -> str:
 
 def module_fingerprints(module, prefix: str = "") -> dict[str, str]:
     """Digests of one module's own tensors that keep storage, and `<prefix>#kernel` for hidden weights."""
-    from layerwise_cli.worker.checksums import tensor_digest
+    from layerwise_cli.worker.proof.checksums import tensor_digest
 
     out: dict[str, str] = {}
     for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):

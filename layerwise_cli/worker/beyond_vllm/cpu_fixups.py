@@ -54,7 +54,7 @@ def apply_cpu_fixups(model: torch.nn.Module, reloaded: set[str], *, derived=None
         notes.append(f"{name} shares its weight with a reloaded module but could not be rebuilt ({why}); "
                      "--verify checks it")
     if derived is not None and tensors_of is not None:
-        from layerwise_cli.worker.derived_state import refresh_alias_buffers
+        from layerwise_cli.worker.beyond_vllm.derived_state import refresh_alias_buffers
 
         aliases = refresh_alias_buffers(model, derived, tensors_of)
         if aliases:

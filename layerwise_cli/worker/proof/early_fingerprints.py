@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-from layerwise_cli.worker.layer_state import layer_fingerprints
+from layerwise_cli.worker.state.layer_state import layer_fingerprints
 
 
 class EarlyFingerprints:

@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from layerwise_cli.worker.worker_state import kept_on
+from layerwise_cli.worker.state.worker_state import kept_on
 
 REASON_UNCHANGED = "unchanged"
 

@@ -11,11 +11,11 @@ import torch
 from layerwise_cli.checkpoint.digests import header_digests, layer_digest
 from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.planning.plan import PlannedTensor
-from layerwise_cli.worker.cpu_placement import spare_cpus
-from layerwise_cli.worker.layer_records import LayerRecord, LayerRecords, SkipDecider
-from layerwise_cli.worker.layer_state import layer_fingerprints, layer_fingerprints_parallel
-from layerwise_cli.worker.rerun_hooks import RerunHooks, rerun_hooks
-from layerwise_cli.worker.spot_check import SpotCheck, StaleDigest, spot_check
+from layerwise_cli.worker.beyond_vllm.rerun_hooks import RerunHooks, rerun_hooks
+from layerwise_cli.worker.state.layer_records import LayerRecord, LayerRecords, SkipDecider
+from layerwise_cli.worker.state.layer_state import layer_fingerprints, layer_fingerprints_parallel
+from layerwise_cli.worker.state.spot_check import SpotCheck, StaleDigest, spot_check
+from layerwise_cli.worker.stream.cpu_placement import spare_cpus
 
 
 @dataclass
@@ -72,7 +72,7 @@ class SkipPlan:
             checks_finite: this reload refuses NaN/Inf.
             on_host: the model's tensors are in host memory (its fingerprints may then be read by two threads).
         """
-        from layerwise_cli.worker.cpu_fixups import derived_modules
+        from layerwise_cli.worker.beyond_vllm.cpu_fixups import derived_modules
 
         groups: dict[str, list[str]] = {}
         sizes: dict[str, list[int]] = {}

@@ -27,7 +27,7 @@ weights are those of a fresh TP=2 engine, not of a TP=1 engine.
 Importing this module registers both methods with vLLM; layerwise imports it
 in the user's process (`start_engine`), in every worker (the worker
 extension) and through vLLM's `vllm.general_plugins` entry point
-(`layerwise_cli.worker.online_quant:register`).
+(`layerwise_cli.worker.beyond_vllm.online_quant:register`).
 """
 
 from __future__ import annotations

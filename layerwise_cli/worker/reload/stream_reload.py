@@ -5,28 +5,30 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
-from layerwise_cli.checkpoint.sources import looks_like_repo_id, open_checkpoint
+from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
 from layerwise_cli.errors import LayerwiseError, describe_exception
 from layerwise_cli.planning.plan import simulate_buffering
 from layerwise_cli.report.progress import ProgressWriter
-from layerwise_cli.report.reload_report import DerivedRefresh, LayerReport, ReloadReport
-from layerwise_cli.worker.consensus import PeerFailed
-from layerwise_cli.worker.cpu_fixups import apply_cpu_fixups
-from layerwise_cli.worker.derived_state import derived_state_of
-from layerwise_cli.worker.early_fingerprints import EarlyFingerprints
-from layerwise_cli.worker.in_place import in_place_materialization
-from layerwise_cli.worker.layer_records import REASON_UNCHANGED, LayerRecords
-from layerwise_cli.worker.plan_cache import plan_cache_of, structure_key
-from layerwise_cli.worker.preflight import preflight, reference_checkpoint
-from layerwise_cli.worker.probe import BufferProbe
-from layerwise_cli.worker.rank_plan import plan_for_worker, rank_position
-from layerwise_cli.worker.read_order import pipelined_order
-from layerwise_cli.worker.skip_plan import SkipPlan, quiet_skipped_layers
-from layerwise_cli.worker.stream import OpenStream, ReadAheadStats, ShardReader, open_stream
+from layerwise_cli.report.reload_report import ReloadReport
+from layerwise_cli.report.report_parts import DerivedRefresh, LayerReport
+from layerwise_cli.worker.beyond_vllm.cpu_fixups import apply_cpu_fixups
+from layerwise_cli.worker.beyond_vllm.derived_state import derived_state_of
+from layerwise_cli.worker.proof.consensus import PeerFailed
+from layerwise_cli.worker.proof.early_fingerprints import EarlyFingerprints
+from layerwise_cli.worker.reload.preflight import preflight, reference_checkpoint
+from layerwise_cli.worker.reload.probe import BufferProbe, process_disk_read_bytes
+from layerwise_cli.worker.reload.skip_plan import SkipPlan, quiet_skipped_layers
+from layerwise_cli.worker.state.layer_records import REASON_UNCHANGED, LayerRecords
+from layerwise_cli.worker.state.plan_cache import plan_cache_of, structure_key
+from layerwise_cli.worker.stream.in_place import in_place_materialization
+from layerwise_cli.worker.stream.rank_plan import plan_for_worker, rank_position
+from layerwise_cli.worker.stream.read_ahead import OpenStream, open_stream
+from layerwise_cli.worker.stream.read_order import pipelined_order
+from layerwise_cli.worker.stream.shards import ShardReader
+from layerwise_cli.worker.stream.stats import ReadAheadStats
 
 ORDERS = ("layer", "file")
 
@@ -41,37 +43,6 @@ def engine_config(worker):
     from layerwise_cli import vllm_compat
 
     return vllm_compat.set_current_vllm_config(config)
-
-
-def resolve_local(source: str, revision: str | None = None) -> Path:
-    """A local directory (or file) for SOURCE; Hub repo ids are downloaded (weights and config)."""
-    path = Path(source)
-    if path.exists():
-        return path
-    if looks_like_repo_id(source):
-        from layerwise_cli.checkpoint.hub import download_checkpoint
-        from layerwise_cli.errors import describe_exception
-
-        try:
-            return download_checkpoint(source, revision)
-        except Exception as exc:
-            raise describe_exception(exc, where=source) from exc
-    raise LayerwiseError("no such file or directory, and not a Hub repo id (org/name)", where=source)
-
-
-def process_disk_read_bytes() -> int | None:
-    """Bytes this process has caused to be read from storage so far (Linux `/proc/self/io`), or None.
-
-    Page-cache hits are not counted: a file already cached costs no disk read.
-    """
-    try:
-        with open("/proc/self/io") as handle:
-            for line in handle:
-                if line.startswith("read_bytes:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        return None
-    return None
 
 
 def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: bool = False,
@@ -376,20 +347,3 @@ def refuse_direct_mode() -> None:
     if vllm_compat.reload_mode() == "direct":
         raise LayerwiseError("this engine's vLLM runs its direct reload mode (VLLM_RELOAD_MODE=direct): layerwise "
                              "drives the layerwise mode only; start the engine without VLLM_RELOAD_MODE=direct")
-
-
-def discard_partial_reload(model: torch.nn.Module) -> None:
-    """Drop what a failed reload left in vLLM's layer buffers, so that the next reload starts clean.
-
-    Layers the failed reload never completed stay on the meta device with
-    their loaders wrapped; `initialize_layerwise_reload` reuses them as they
-    are, so only their buffered tensors and counts must go.
-    """
-    from layerwise_cli import vllm_compat
-
-    infos = vllm_compat.layerwise_info()
-    for module in model.modules():
-        info = infos.get(module)
-        if info is not None and info.can_load():
-            info.loaded_weights = []
-            info.load_numel = 0

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from layerwise_cli.checkpoint.header import TensorEntry
 from layerwise_cli.checkpoint.samples import file_sample, sample_bytes
 from layerwise_cli.checkpoint.sources import Checkpoint
-from layerwise_cli.worker.layer_records import LayerRecords
+from layerwise_cli.worker.state.layer_records import LayerRecords
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,104 @@
+"""The records a reload report is made of: one per parent layer, per refreshed tensor and per worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LayerReport:
+    """One parent layer as the engine took it (see the comments on each field)."""
+
+    name: str
+    tensors: int
+    bytes: int
+    # Seconds from handing over the layer's first tensor to handing over its last.
+    load_s: float
+    # Seconds vLLM spent on the handover that completed the layer: it
+    # materializes the layer, runs the weight loaders on the buffered tensors,
+    # processes (online quantization, repacking) and copies into place.
+    process_s: float
+    # Bytes held in vLLM's layer buffers when this layer completed, counting
+    # the tensor that completed it.
+    buffered_bytes_at_completion: int
+    # False when vLLM processed it only in finalize (attention, padded layers).
+    completed_during_stream: bool = True
+    # Why the plan expected vLLM to hold it to the end (None: expected to complete).
+    held_to_end: str | None = None
+    # Why it was not handed to vLLM at all (`unchanged`: the engine already holds these bytes); None: reloaded.
+    skipped: str | None = None
+    # vLLM loaded it into the engine's own tensors, not into fresh ones copied over (`worker/stream/in_place.py`).
+    in_place: bool = False
+
+    @property
+    def seconds(self) -> float:
+        return self.load_s + self.process_s
+
+
+@dataclass(frozen=True)
+class DerivedRefresh:
+    """One tensor layerwise refreshed after vLLM's reload, because vLLM's reload leaves it stale.
+
+    Attributes:
+        module: the engine module that holds it (`model.layers.0.mixer`, `lm_head`).
+        tensor: the tensor or kernel state (`conv_weights`, `w13_weight`, `cpu_linear`).
+        reason: why vLLM's reload does not refresh it.
+    """
+
+    module: str
+    tensor: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    """One worker of a merged report: where it sits and what it read and buffered.
+
+    Attributes:
+        rank: the worker's global rank (None outside tensor or pipeline parallel).
+        pp_rank, tp_rank, dp_rank: its pipeline stage, tensor-parallel rank and data-parallel engine.
+        layers: the parent layers it held and loaded, in load order.
+        bytes, tensors: what it streamed.
+        disk_read_bytes: bytes its process read from storage (None: not measurable).
+        peak_buffer_bytes, predicted_peak_buffer_bytes: its measured and predicted buffer peak.
+        wall_s: its reload's wall time.
+        elsewhere_tensors: tensors of the source that other ranks hold (not read here).
+        engine_id: the id of the worker process's records (new in every engine process).
+        skipped_layers: parent layers it skipped, unchanged since layerwise loaded them.
+    """
+
+    rank: int | None
+    pp_rank: int
+    tp_rank: int
+    dp_rank: int
+    # The parent layers this rank held and loaded, in the order it loaded them.
+    layers: tuple[str, ...]
+    bytes: int
+    tensors: int
+    # Bytes this rank's process caused to be read from storage during the reload (None: not measurable;
+    # page-cache hits do not count).
+    disk_read_bytes: int | None
+    peak_buffer_bytes: int
+    predicted_peak_buffer_bytes: int
+    wall_s: float
+    # Tensors of the source other ranks hold (another pipeline stage, other experts): not read here.
+    elsewhere_tensors: int = 0
+    engine_id: str | None = None
+    skipped_layers: int = 0
+
+    @classmethod
+    def of(cls, report) -> RankSummary:
+        """The summary of one worker's `ReloadReport` (not imported here: that module imports this one)."""
+        position = report.position or {}
+        return cls(rank=report.rank, pp_rank=position.get("pp_rank", 0), tp_rank=position.get("tp_rank", 0),
+                   dp_rank=position.get("dp_rank", 0), layers=tuple(layer.name for layer in report.layers),
+                   bytes=report.bytes, tensors=report.tensors, disk_read_bytes=report.disk_read_bytes,
+                   peak_buffer_bytes=report.peak_buffer_bytes,
+                   predicted_peak_buffer_bytes=report.predicted_peak_buffer_bytes, wall_s=report.wall_s,
+                   elsewhere_tensors=report.elsewhere_tensors, engine_id=report.engine_id,
+                   skipped_layers=report.skipped_layers)
+
+    def label(self) -> str:
+        """`rank 1 (pp 1, tp 0, dp 0)`."""
+        return f"rank {self.rank} (pp {self.pp_rank}, tp {self.tp_rank}, dp {self.dp_rank})"
+

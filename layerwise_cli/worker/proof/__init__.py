@@ -1,0 +1,1 @@
+"""Showing what the engine holds: --verify, fingerprints, checksums, and consensus across ranks."""

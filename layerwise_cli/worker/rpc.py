@@ -1,0 +1,197 @@
+"""The worker's RPC surface: each extension method's name, its arguments and its answer, imported by both sides.
+
+vLLM calls a worker method by its name (`LLM.collective_rpc(NAME, kwargs=...)`
+in process, `POST /collective_rpc` over HTTP), so the client cannot import
+the method it calls. Both sides import this module instead: the client sends
+a call's `kwargs()` to its `method`, the extension (`worker/extension.py`)
+answers with an answer's `to_json()`, and the client reads it back with
+`from_json()`. Only JSON crosses: these dataclasses are its schema. Nothing
+here imports torch or vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+PING = "layerwise_ping"
+RELOAD = "layerwise_reload"
+CHECKSUMS = "layerwise_checksums"
+FINGERPRINTS = "layerwise_fingerprints"
+VERIFY = "layerwise_verify"
+
+
+@dataclass(frozen=True)
+class PingCall:
+    """Is the extension loaded? Answered by `PingAnswer`."""
+
+    method: ClassVar[str] = PING
+
+    def kwargs(self) -> dict[str, Any]:
+        return {}
+
+
+@dataclass(frozen=True)
+class ReloadCall:
+    """Reload SOURCE on every worker (`LayerwiseWorkerExtension.layerwise_reload`). Answered by `ReloadAnswer`.
+
+    Attributes:
+        source: a checkpoint directory or file the workers read, or a Hub repo id.
+        order: `layer` or `file` (vLLM's own read order).
+        allow_partial: accept a checkpoint that covers only some parameters.
+        readahead: read the next layer while the engine loads the current one.
+        revision: Hub revision for a repo id.
+        progress_path: a file the first worker appends per-layer progress to.
+        allow_nonfinite: load tensors holding NaN or Inf.
+        all_layers: hand every layer over, also those the engine already holds.
+        repairs: False leaves what vLLM's reload leaves stale (`LAYERWISE_NO_CPU_FIXUPS`).
+        in_place: False has vLLM materialize every layer in fresh buffers (`LAYERWISE_FRESH_BUFFERS`).
+    """
+
+    method: ClassVar[str] = RELOAD
+    source: str
+    order: str = "layer"
+    allow_partial: bool = False
+    readahead: bool = True
+    revision: str | None = None
+    progress_path: str | None = None
+    allow_nonfinite: bool = False
+    all_layers: bool = False
+    repairs: bool = True
+    in_place: bool = True
+
+    def kwargs(self) -> dict[str, Any]:
+        """The keyword arguments: the first five always, the others only when not their default.
+
+        An extension older than an argument still takes a call that leaves it at its default.
+        """
+        sent: dict[str, Any] = {"source": self.source, "order": self.order, "allow_partial": self.allow_partial,
+                                "readahead": self.readahead, "revision": self.revision}
+        for name in ("progress_path", "allow_nonfinite", "all_layers", "repairs", "in_place"):
+            value = getattr(self, name)
+            if value != _DEFAULTS[name]:
+                sent[name] = value
+        return sent
+
+
+@dataclass(frozen=True)
+class ChecksumsCall:
+    """SHA-256 of every engine tensor that keeps storage, and their pointers. Answered by `ChecksumsAnswer`."""
+
+    method: ClassVar[str] = CHECKSUMS
+
+    def kwargs(self) -> dict[str, Any]:
+        return {}
+
+
+@dataclass(frozen=True)
+class FingerprintsCall:
+    """A digest of what every module computes with. Answered by `FingerprintsAnswer`."""
+
+    method: ClassVar[str] = FINGERPRINTS
+
+    def kwargs(self) -> dict[str, Any]:
+        return {}
+
+
+@dataclass(frozen=True)
+class VerifyCall:
+    """Check that the engine holds what SOURCE must produce. Answered by `VerifyAnswer`."""
+
+    method: ClassVar[str] = VERIFY
+    source: str
+    revision: str | None = None
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"source": self.source, "revision": self.revision}
+
+
+_DEFAULTS = {f.name: f.default for f in fields(ReloadCall)}
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """One worker's answer: `ok`, and on failure `error`; the JSON keys are the fields each outcome names."""
+
+    ok: bool = False
+    error: str | None = None
+
+    # The fields a successful / a failed answer carries besides `ok` (the wire shape).
+    ok_fields: ClassVar[tuple[str, ...]] = ()
+    failure_fields: ClassVar[tuple[str, ...]] = ("error",)
+
+    def to_json(self) -> dict[str, Any]:
+        carried = self.ok_fields if self.ok else self.failure_fields
+        return {"ok": self.ok, **{name: getattr(self, name) for name in carried}}
+
+    @classmethod
+    def from_json(cls, data: Any):
+        """The answer a worker sent; anything but an object is a failed answer saying what came."""
+        if not isinstance(data, dict):
+            return cls(ok=False, error=f"the worker answered {data!r}, not an object")
+        known = {f.name for f in fields(cls)}
+        return cls(**{name: value for name, value in data.items() if name in known})
+
+
+@dataclass(frozen=True)
+class PingAnswer(_Answer):
+    """The extension's version, and this worker's rank, place (tp/pp/dp) and records."""
+
+    version: str | None = None
+    rank: int | None = None
+    position: dict = field(default_factory=dict)
+    engine_id: str | None = None
+    recorded_layers: int = 0
+
+    ok_fields: ClassVar[tuple[str, ...]] = ("version", "rank", "position", "engine_id", "recorded_layers")
+
+
+@dataclass(frozen=True)
+class ReloadAnswer(_Answer):
+    """This worker's report (`ReloadReport.to_dict()`), or why it failed and what that left behind."""
+
+    report: dict | None = None
+    # Whether this worker's weights were touched, and put back.
+    engine_touched: bool = False
+    rolled_back: bool = False
+    # The failure began on another rank; this one only followed.
+    followed_another_rank: bool = False
+    position: dict = field(default_factory=dict)
+    traceback: str | None = None
+
+    ok_fields: ClassVar[tuple[str, ...]] = ("report",)
+    failure_fields: ClassVar[tuple[str, ...]] = ("error", "engine_touched", "rolled_back", "followed_another_rank",
+                                                 "position", "traceback")
+
+
+@dataclass(frozen=True)
+class ChecksumsAnswer(_Answer):
+    """Tensor name -> SHA-256, and tensor name -> storage pointer."""
+
+    rank: int | None = None
+    checksums: dict = field(default_factory=dict)
+    pointers: dict = field(default_factory=dict)
+
+    ok_fields: ClassVar[tuple[str, ...]] = ("rank", "checksums", "pointers")
+
+
+@dataclass(frozen=True)
+class FingerprintsAnswer(_Answer):
+    """Module name -> fingerprint of what it computes with."""
+
+    rank: int | None = None
+    fingerprints: dict = field(default_factory=dict)
+
+    ok_fields: ClassVar[tuple[str, ...]] = ("rank", "fingerprints")
+
+
+@dataclass(frozen=True)
+class VerifyAnswer(_Answer):
+    """This worker's verification (`verify_against_source`'s dict, merged by `merge_verify`)."""
+
+    rank: int | None = None
+    verify: dict | None = None
+    traceback: str | None = None
+
+    ok_fields: ClassVar[tuple[str, ...]] = ("rank", "verify")
+    failure_fields: ClassVar[tuple[str, ...]] = ("error", "traceback")

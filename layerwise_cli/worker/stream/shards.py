@@ -1,0 +1,52 @@
+"""Reading single tensors out of a checkpoint's shards: the reader, layer runs and raw bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from layerwise_cli.checkpoint.sources import shard_file
+from layerwise_cli.planning.plan import PlannedTensor
+
+
+def layer_batches(stream: list[PlannedTensor]) -> list[list[PlannedTensor]]:
+    """Split a stream into runs of consecutive tensors with the same parent layer."""
+    batches: list[list[PlannedTensor]] = []
+    for item in stream:
+        if batches and batches[-1][0].parent == item.parent:
+            batches[-1].append(item)
+        else:
+            batches.append([item])
+    return batches
+
+
+class ShardReader:
+    """Reads single tensors from a checkpoint's shards, keeping each shard open."""
+
+    def __init__(self, folder: Path) -> None:
+        self._folder = folder
+        self._handles: dict[str, object] = {}
+
+    def read(self, item: PlannedTensor) -> torch.Tensor:
+        from safetensors import safe_open
+
+        shard = item.entry.shard
+        handle = self._handles.get(shard)
+        if handle is None:
+            path = shard_file(self._folder, shard, str(self._folder))
+            handle = self._handles[shard] = safe_open(str(path), framework="pt", device="cpu")
+        return handle.get_tensor(item.entry.name)
+
+    def release(self, shard: str) -> None:
+        """Drop a shard's handle; its file mapping goes once the tensors read from it are freed too."""
+        self._handles.pop(shard, None)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def raw_bytes(tensor: torch.Tensor):
+    """A contiguous host tensor's raw bytes, without a copy (b"" for an empty one)."""
+    flat = tensor.reshape(-1)
+    return flat.view(torch.uint8).numpy().data if flat.numel() else b""

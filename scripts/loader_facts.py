@@ -1,0 +1,139 @@
+"""What a model's loader code fuses, skips and wraps, read from the source of the modules it is built from."""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+
+from scripts.vllm_source import ClassRef, ModuleSource, VllmSource
+
+_MOE_NAMES = ("FusedMoE", "SharedFusedMoE", "RoutedExperts", "FusedMoEFactory")
+_VOCAB_NAMES = ("VocabParallelEmbedding", "ParallelLMHead")
+
+
+def leaf(name: str) -> str:
+    parts = [p for p in name.split(".") if p]
+    return parts[-1] if parts else name
+
+
+def _str_tuples(node: ast.AST) -> list[tuple[str, str]]:
+    """(param, weight) of the `(param_name, weight_name, shard_id)` tuples in a list literal."""
+    found = []
+    if isinstance(node, ast.List):
+        for elt in node.elts:
+            if (isinstance(elt, ast.Tuple) and len(elt.elts) >= 3 and all(
+                    isinstance(e, ast.Constant) and isinstance(e.value, str) for e in elt.elts[:2])):
+                found.append((elt.elts[0].value, elt.elts[1].value))
+    return found
+
+
+def _is_name_test(test: ast.expr) -> list[str]:
+    """String constants C in tests like `C in name` (or `or` of them)."""
+    if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or):
+        found = [_is_name_test(v) for v in test.values]
+        return [s for part in found for s in part] if all(found) else []
+    if (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.In)
+            and isinstance(test.left, ast.Constant) and isinstance(test.left.value, str)
+            and isinstance(test.comparators[0], ast.Name) and test.comparators[0].id in ("name", "weight_name")):
+        return [test.left.value]
+    return []
+
+
+@dataclass
+class LoaderFacts:
+    stacked: list[tuple[str, str]] = field(default_factory=list)
+    expert_names: set[str] = field(default_factory=set)
+    moe: bool = False
+    vocab_parallel: bool = False
+    tied: bool = False
+    auto_loader: bool = False
+    skip_substr: set[str] = field(default_factory=set)
+    unexpected_prefix: set[str] = field(default_factory=set)
+    unexpected_suffix: set[str] = field(default_factory=set)
+    spec_layers: bool = False
+    towers: set[str] = field(default_factory=set)
+    language_model: set[str] = field(default_factory=set)
+
+
+def loader_facts(modules: list[ModuleSource]) -> LoaderFacts:
+    """The facts of MODULES' loader code, together."""
+    facts = LoaderFacts()
+    for mod in modules:
+        one = _module_facts(mod)
+        facts.stacked.extend(one.stacked)
+        for name in ("expert_names", "skip_substr", "unexpected_prefix", "unexpected_suffix", "towers",
+                     "language_model"):
+            getattr(facts, name).update(getattr(one, name))
+        for name in ("moe", "vocab_parallel", "tied", "auto_loader", "spec_layers"):
+            setattr(facts, name, getattr(facts, name) or getattr(one, name))
+    return facts
+
+
+_FACTS: dict[str, LoaderFacts] = {}
+
+
+def _module_facts(mod: ModuleSource) -> LoaderFacts:
+    if mod.name in _FACTS:
+        return _FACTS[mod.name]
+    facts = _FACTS[mod.name] = LoaderFacts()
+    text = mod.path.read_text()
+    facts.moe |= any(name in text for name in _MOE_NAMES)
+    facts.vocab_parallel |= any(name in text for name in _VOCAB_NAMES)
+    facts.tied |= "tie_word_embeddings" in text
+    facts.spec_layers |= "get_spec_layer_idx_from_weight_name" in text
+    for node in ast.walk(mod.tree):
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and "mapping" in t.id and "expert" not in t.id for t in node.targets):
+            facts.stacked.extend(_str_tuples(node.value))
+        elif isinstance(node, ast.Call):
+            func = node.func
+            fname = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if fname.endswith("make_expert_params_mapping"):
+                for kw in node.keywords:
+                    if (kw.arg and kw.arg.startswith("ckpt_") and isinstance(kw.value, ast.Constant)
+                            and isinstance(kw.value.value, str)):
+                        facts.expert_names.add(kw.value.value)
+            elif fname == "AutoWeightsLoader":
+                facts.auto_loader = True
+                for kw in node.keywords:
+                    target = {"ignore_unexpected_prefixes": facts.unexpected_prefix,
+                              "ignore_unexpected_suffixes": facts.unexpected_suffix}.get(kw.arg or "")
+                    if target is not None and isinstance(kw.value, (ast.List, ast.Tuple)):
+                        target.update(e.value for e in kw.value.elts if isinstance(e, ast.Constant))
+            elif fname == "extend" and node.args:
+                facts.stacked.extend(_str_tuples(node.args[0]))
+        elif isinstance(node, ast.FunctionDef) and node.name == "load_weights":
+            # `if "rotary_emb.inv_freq" in name: continue` directly in the loop over the weights
+            # (not in the inner loops over the stacked mappings, where `continue` tries the next one).
+            for loop in ast.walk(node):
+                if isinstance(loop, ast.For) and "weights" in ast.unparse(loop.iter):
+                    for sub in loop.body:
+                        if isinstance(sub, ast.If) and sub.body and isinstance(sub.body[0], ast.Continue):
+                            facts.skip_substr.update(_is_name_test(sub.test))
+        elif isinstance(node, ast.With):
+            for item in node.items:
+                call = item.context_expr
+                if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute):
+                    bucket = {"_mark_tower_model": facts.towers,
+                              "_mark_language_model": facts.language_model}.get(call.func.attr)
+                    if bucket is not None:
+                        for sub in ast.walk(node):
+                            if (isinstance(sub, ast.Assign) and isinstance(sub.targets[0], ast.Attribute)
+                                    and isinstance(sub.targets[0].value, ast.Name)
+                                    and sub.targets[0].value.id == "self"):
+                                bucket.add(sub.targets[0].attr)
+    return facts
+
+
+def related_modules(src: VllmSource, ref: ClassRef) -> list[ModuleSource]:
+    """The class's module, its bases' modules, and the modules their inner models come from."""
+    mods: dict[str, ModuleSource] = {}
+    for cls in src.mro(ref):
+        mods.setdefault(cls.module.name, cls.module)
+    for mod in list(mods.values()):
+        for local, (source, attr) in mod.imports.items():
+            if attr and (local.endswith(("Model", "DecoderLayer", "MoE", "MoeBlock")) or "Model" in local):
+                other = src.module(source)
+                if other is not None and source.startswith("vllm.model") and attr in other.classes:
+                    mods.setdefault(other.name, other)
+    return [mods[name] for name in sorted(mods)]
