@@ -31,6 +31,7 @@ from layerwise_cli.vllm_symbols import (
     DIRECT_RELOAD_ENABLED,
     ENGINE_CORE_PAUSE,
     ENGINE_CORE_SHUTDOWN,
+    FINALIZE_LAYERWISE_PROCESSING,
     FINALIZE_MODEL_WEIGHTS,
     GET_LAYER_SIZE,
     GET_LAYER_TENSORS,
@@ -134,6 +135,11 @@ def reload_layerwise_module():
     """vLLM's `reload.layerwise` module, whose global `materialize_layer` its `_layerwise_process` calls."""
     _load(MATERIALIZE_LAYER)
     return _load(PrivateSymbol(MATERIALIZE_LAYER.module, None, "module"))
+
+
+def finalize_layerwise_processing():
+    """vLLM's `finalize_layerwise_processing`, which its `finalize_layerwise_reload` calls by its module-level name."""
+    return _load(FINALIZE_LAYERWISE_PROCESSING)
 
 
 def skip_tensors() -> set[str]:

@@ -143,6 +143,11 @@ MATERIALIZE_LAYER = PrivateSymbol(f"{_RELOAD}.layerwise", "materialize_layer", "
                                   parameters=("layer", "info"),
                                   used_by="worker/stream/in_place.py (the name `_layerwise_process` calls, replaced "
                                   "during a layerwise reload)")
+FINALIZE_LAYERWISE_PROCESSING = PrivateSymbol(f"{_RELOAD}.layerwise", "finalize_layerwise_processing", "function",
+                                              parameters=("model", "model_config"),
+                                              used_by="worker/reload/completion.py (the name "
+                                              "`finalize_layerwise_reload` calls, wrapped during a layerwise "
+                                              "reload to list the layers it puts back unloaded)")
 AUTO_WEIGHTS_LOADER = PrivateSymbol("vllm.model_executor.models.utils", "AutoWeightsLoader", "class",
                                     members=("REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER",),
                                     used_by="planning/skip_rules.py (the rotary buffers vLLM's loader drops)")

@@ -79,8 +79,9 @@ def reload_command(
         "included) that the engine, or every server with --url, holds exactly what the new weights must "
         "produce; a difference, or a layer it cannot check, exits 1 and names the layers.")] = False,
     allow_unchecked: Annotated[bool, typer.Option(
-        "--allow-unchecked", help="With --verify: accept layers it cannot check (the output lists them and "
-        "says they were accepted) instead of exiting 1.")] = False,
+        "--allow-unchecked", help="Accept a reload in which vLLM could not load a layer it was handed (those "
+        "layers keep their previous weights) and, with --verify, layers it cannot check; the output lists "
+        "them and says they were accepted, instead of exiting 1 (rolled back).")] = False,
     timeout: Annotated[float | None, typer.Option(
         "--timeout", min=0.1, help="With --url: seconds to wait for each request to a server, the reload "
         "included (default 600).", show_default=False)] = None,
@@ -104,8 +105,6 @@ def reload_command(
 
     Example: layerwise reload --weights-path /ckpt/step-200 --url http://127.0.0.1:8000 --verify
     """
-    if allow_unchecked and not verify:
-        raise UsageError("--allow-unchecked only applies with --verify")
     if url:
         from layerwise_cli.cli.reload_remote import reload_remote
         from layerwise_cli.client.remote import RemoteOptions

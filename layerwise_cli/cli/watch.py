@@ -52,8 +52,9 @@ def watch_command(
     verify: Annotated[bool, typer.Option("--verify", help="After each reload, check layer by layer that the server "
                                          "holds exactly the step's weights.")] = False,
     allow_unchecked: Annotated[bool, typer.Option(
-        "--allow-unchecked", help="With --verify: accept layers it cannot check (they are listed); without it "
-        "such a layer fails the step on that server.")] = False,
+        "--allow-unchecked", help="Accept layers vLLM could not load (they keep their previous weights) and, "
+        "with --verify, layers it cannot check (both are listed); without it such a layer fails the step on "
+        "that server.")] = False,
     timeout: Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds to wait for each request to a "
                                            "server, a reload included.")] = 600.0,
 ) -> None:
@@ -74,8 +75,6 @@ def watch_command(
     options = WatchOptions(patterns=tuple(pattern) if pattern else WatchOptions().patterns, marker=marker,
                            interval=interval, settle=settle, keep=keep, once=once, pause_mode=pause_mode,
                            api_key=api_key, verify=verify, allow_unchecked=allow_unchecked, timeout=timeout)
-    if allow_unchecked and not verify:
-        raise UsageError("--allow-unchecked only applies with --verify")
     if not root.is_dir():
         raise LayerwiseError("no such directory (the root the trainer writes steps into)", where=str(root))
     if marker != "auto" and ("/" in marker or marker in ("", ".", "..")):

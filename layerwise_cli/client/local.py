@@ -205,6 +205,9 @@ def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = Fals
             engine has not changed since (`report.skipped_layers`).
         allow_unchecked: with `verify`, accept layers (or derived buffers)
             that could not be checked; by default they fail the verification.
+            With or without `verify`, also keep a reload in which vLLM could
+            not load a layer it was handed (the report notes the layers, which
+            keep their previous weights); by default that reload is rolled back.
 
     Returns:
         The merged report of all workers; with `verify`, `report.verify` holds
@@ -216,11 +219,13 @@ def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = Fals
             differs from SOURCE or could not be checked (the message names the
             layers; the engine then holds SOURCE's weights, unverified: call
             `verify_engine` for the full result); or a tensor holds NaN or Inf
-            (refused and rolled back unless `allow_nonfinite`).
+            (refused and rolled back unless `allow_nonfinite`); or vLLM could
+            not load a layer it was handed (rolled back, the layers named,
+            unless `allow_unchecked`).
     """
     per_worker = reload_workers(llm, source, order=order, allow_partial=allow_partial, readahead=readahead,
                                 revision=revision, progress_path=progress_path, allow_nonfinite=allow_nonfinite,
-                                all_layers=all_layers)
+                                all_layers=all_layers, allow_incomplete=allow_unchecked)
     verification = None
     if verify:
         verification = verify_engine(llm, source, revision, allow_unchecked=allow_unchecked)
@@ -232,7 +237,8 @@ def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = Fals
 
 def reload_workers(llm, source: str, *, order: str = "layer", allow_partial: bool = False, readahead: bool = True,
                    revision: str | None = None, progress_path: str | None = None,
-                   allow_nonfinite: bool = False, all_layers: bool = False) -> list[ReloadReport]:
+                   allow_nonfinite: bool = False, all_layers: bool = False,
+                   allow_incomplete: bool = False) -> list[ReloadReport]:
     """Reload SOURCE on every worker of LLM and reset its prefix cache; the workers' own reports.
 
     `reload` without verification or merging, for callers that build the
@@ -243,6 +249,8 @@ def reload_workers(llm, source: str, *, order: str = "layer", allow_partial: boo
         llm: the engine (see `reload`).
         source: a checkpoint directory or file the workers can read, or a Hub repo id.
         order, allow_partial, readahead, revision, progress_path, allow_nonfinite, all_layers: as for `reload`.
+        allow_incomplete: keep a reload in which vLLM could not load a layer it was handed (`reload`'s
+            `allow_unchecked`).
 
     Returns:
         One report per worker, in rank order.
@@ -263,7 +271,8 @@ def reload_workers(llm, source: str, *, order: str = "layer", allow_partial: boo
     try:
         results = ask_workers(llm, ReloadCall(source=source, order=order, allow_partial=allow_partial,
                                               readahead=readahead, revision=revision, progress_path=progress_path,
-                                              allow_nonfinite=allow_nonfinite, all_layers=all_layers, **switches))
+                                              allow_nonfinite=allow_nonfinite, all_layers=all_layers,
+                                              allow_incomplete=allow_incomplete, **switches))
     finally:
         vllm_compat.resume_engine_core(llm)
     per_worker = worker_reports(results)

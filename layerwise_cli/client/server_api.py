@@ -45,7 +45,8 @@ class RemoteOptions:
     weight_version: str | None = None
     api_key: str | None = None
     verify: bool = False
-    # With verify: layers that could not be checked do not fail it (`--allow-unchecked`).
+    # With verify: layers that could not be checked do not fail it (`--allow-unchecked`); with or without it, a
+    # layer vLLM could not load does not fail the reload (noted in the report).
     allow_unchecked: bool = False
     # Seconds for each request to a server (the reload and the pause included).
     timeout: float = 600.0
@@ -235,6 +236,7 @@ class ServerClient:
         call = ReloadCall(source=source, order=options.order, allow_partial=options.allow_partial,
                           readahead=options.readahead, revision=options.revision,
                           allow_nonfinite=options.allow_nonfinite, all_layers=options.all_layers,
+                          allow_incomplete=options.allow_unchecked,
                           # the diagnostic switches, set in this process
                           repairs=not fixups_disabled(), in_place=not fresh_buffers_forced())
         try:

@@ -88,7 +88,8 @@ def reload_as(llm, local_source: str, shown_as: str, *, order: str = "layer", al
         verify: check the engine against LOCAL_SOURCE after the reload; the report
             carries the result, passed or not (the caller decides what a failure means).
         on_verify: called just before the verification starts (for a status line).
-        allow_unchecked: with `verify`, layers that could not be checked do not fail it.
+        allow_unchecked: with `verify`, layers that could not be checked do not fail it; with or without it,
+            a layer vLLM could not load does not fail the reload (the report notes it).
 
     Returns:
         The merged report of all workers, with `verify` when asked.
@@ -99,7 +100,8 @@ def reload_as(llm, local_source: str, shown_as: str, *, order: str = "layer", al
     try:
         per_worker = reload_workers(llm, local_source, order=order, allow_partial=allow_partial,
                                     readahead=readahead, progress_path=progress_path,
-                                    allow_nonfinite=allow_nonfinite, all_layers=all_layers)
+                                    allow_nonfinite=allow_nonfinite, all_layers=all_layers,
+                                    allow_incomplete=allow_unchecked)
     finally:
         if progress_path:
             Path(progress_path).unlink(missing_ok=True)

@@ -105,7 +105,7 @@ class EngineTarget:
 
         start = time.perf_counter()
         try:
-            results = ask_workers(self.llm, ReloadCall(source=path))
+            results = ask_workers(self.llm, ReloadCall(source=path, allow_incomplete=self.allow_unchecked))
         except Exception as exc:  # noqa: BLE001 - one line, like a server's failure
             return Outcome(ok=False, holds=HOLDS_UNKNOWN, error=one_line(str(describe_exception(exc))),
                            failed_in_reload=True)

@@ -52,7 +52,8 @@ class LayerwiseWorkerExtension:
     def layerwise_reload(self, source: str, order: str = "layer", allow_partial: bool = False,
                          readahead: bool = True, revision: str | None = None,
                          progress_path: str | None = None, allow_nonfinite: bool = False,
-                         all_layers: bool = False, repairs: bool = True, in_place: bool = True) -> dict:
+                         all_layers: bool = False, repairs: bool = True, in_place: bool = True,
+                         allow_incomplete: bool = False) -> dict:
         """Reload SOURCE in place, in `order`, and return this worker's report.
 
         A parent layer holding NaN or Inf is refused before it is handed over
@@ -63,6 +64,8 @@ class LayerwiseWorkerExtension:
         switch `LAYERWISE_NO_CPU_FIXUPS`, set in the caller's environment).
         `in_place=False` has vLLM materialize every layer in fresh buffers (`worker/stream/in_place.py`; the
         worker's `LAYERWISE_FRESH_BUFFERS=1` does the same).
+        A layer vLLM could not load (it counted no element loaded and put the old tensors back) fails the
+        reload, rolled back, unless `allow_incomplete` (then the report notes it).
         """
         from layerwise_cli.worker.reload.stream_reload import EngineUnchanged, stream_reload
         from layerwise_cli.worker.state.layer_records import records_of
@@ -75,7 +78,8 @@ class LayerwiseWorkerExtension:
                     self, source, order=order, allow_partial=allow_partial, readahead=readahead,
                     revision=revision, progress_path=progress_path, allow_nonfinite=allow_nonfinite,
                     on_engine_touched=lambda: touched.update(engine=True), agree=all_ranks_agree,
-                    records=records_of(self), all_layers=all_layers, repairs=repairs, in_place=in_place)
+                    records=records_of(self), all_layers=all_layers, repairs=repairs, in_place=in_place,
+                    require_complete=not allow_incomplete)
                 failure = None
             except Exception as exc:  # noqa: BLE001 - raised below, after the ranks agreed what to do
                 failure = exc

@@ -46,6 +46,8 @@ class ReloadCall:
         all_layers: hand every layer over, also those the engine already holds.
         repairs: False leaves what vLLM's reload leaves stale (`LAYERWISE_NO_CPU_FIXUPS`).
         in_place: False has vLLM materialize every layer in fresh buffers (`LAYERWISE_FRESH_BUFFERS`).
+        allow_incomplete: keep a reload in which vLLM could not load a layer it was handed (noted in the
+            report) instead of rolling it back (`--allow-unchecked`).
     """
 
     method: ClassVar[str] = RELOAD
@@ -59,6 +61,7 @@ class ReloadCall:
     all_layers: bool = False
     repairs: bool = True
     in_place: bool = True
+    allow_incomplete: bool = False
 
     def kwargs(self) -> dict[str, Any]:
         """The keyword arguments: the first five always, the others only when not their default.
@@ -67,7 +70,7 @@ class ReloadCall:
         """
         sent: dict[str, Any] = {"source": self.source, "order": self.order, "allow_partial": self.allow_partial,
                                 "readahead": self.readahead, "revision": self.revision}
-        for name in ("progress_path", "allow_nonfinite", "all_layers", "repairs", "in_place"):
+        for name in ("progress_path", "allow_nonfinite", "all_layers", "repairs", "in_place", "allow_incomplete"):
             value = getattr(self, name)
             if value != _DEFAULTS[name]:
                 sent[name] = value

@@ -31,6 +31,7 @@ ARCHITECTURES = {
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",  # Granite-4 hybrid: Mamba2 + attention, MoE
     "falcon_h1": "FalconH1ForCausalLM",  # Mamba2 and attention in parallel in every layer
     "jamba": "JambaForCausalLM",  # Mamba (v1) + attention, MoE every other layer
+    "gpt_oss": "GptOssForCausalLM",  # attention sinks and biases, fused routed experts with biases
 }
 
 # A vocabulary vLLM keeps as it is (a multiple of 64) and one it pads (160 -> 192).
@@ -126,6 +127,12 @@ def _config(producer: Producer):
             **no_head_dim, rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2, expert_layer_period=2,
             expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=16, mamba_d_conv=4,
             mamba_expand=2, mamba_dt_rank=8, **small)
+    if producer.arch == "gpt_oss":
+        # One sliding and one full attention layer, as gpt-oss alternates them.
+        return transformers.GptOssConfig(
+            hidden_size=128, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+            num_local_experts=4, num_experts_per_tok=2, sliding_window=16, rms_norm_eps=1e-6,
+            layer_types=(["sliding_attention", "full_attention"] * producer.layers)[:producer.layers], **small)
     if producer.arch == "qwen3":
         return transformers.Qwen3Config(**common)
     if producer.arch == "llama":

@@ -23,8 +23,9 @@ def roll_back(worker, touched: dict, failure: BaseException):
     # the records of the layers it touched; the others are on vLLM's meta device until a reload completes).
     # What the rollback loads is recorded as loaded without the NaN/Inf check.
     try:
+        # A layer vLLM could not load now was not changed by the failed reload either (vLLM put it back).
         stream_reload(worker, source, revision=revision, allow_partial=True, allow_nonfinite=True,
-                      records=records, all_layers=True)
+                      records=records, all_layers=True, require_complete=False)
     except BaseException:
         records.clear()  # the engine's state is unknown: no layer may be skipped until reloaded
         raise

@@ -18,6 +18,7 @@ from layerwise_cli.worker.beyond_vllm.cpu_fixups import apply_cpu_fixups
 from layerwise_cli.worker.beyond_vllm.derived_state import derived_state_of
 from layerwise_cli.worker.proof.consensus import PeerFailed
 from layerwise_cli.worker.proof.early_fingerprints import EarlyFingerprints
+from layerwise_cli.worker.reload.completion import unloaded_layer_watch, unloaded_message
 from layerwise_cli.worker.reload.preflight import preflight, reference_checkpoint
 from layerwise_cli.worker.reload.probe import BufferProbe, process_disk_read_bytes
 from layerwise_cli.worker.reload.skip_plan import SkipPlan, quiet_skipped_layers
@@ -50,7 +51,7 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
                   on_engine_touched=None, progress_path: str | None = None,
                   allow_nonfinite: bool = False, agree: Callable[[bool], bool] | None = None,
                   records: LayerRecords | None = None, all_layers: bool = False,
-                  repairs: bool = True, in_place: bool = True) -> ReloadReport:
+                  repairs: bool = True, in_place: bool = True, require_complete: bool = True) -> ReloadReport:
     """Pre-flight SOURCE against this worker's model, then reload it in `order`, measuring.
 
     Args:
@@ -77,6 +78,8 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         all_layers: hand every layer over (and record them), whatever the records say.
         repairs: refresh what vLLM's reload leaves stale (`cpu_fixups`); False is the
             diagnostic switch `LAYERWISE_NO_CPU_FIXUPS`.
+        require_complete: raise `LayerwiseError` (after vLLM finished; the caller rolls back) when vLLM
+            could not load a layer it was handed (`completion.unloaded_layer_watch`); False only notes them.
         in_place: let vLLM load a layer into the engine's own tensors where its
             processing keeps their layout (`in_place`); False (or
             `LAYERWISE_FRESH_BUFFERS` set in the worker) leaves every layer to
@@ -194,10 +197,12 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         early.wake = opened.wake
     failed = True
     loaded_in_place = None
+    unloaded: list[str] = []  # modules vLLM could not load (it put their tensors back)
     try:
         try:
             if opened is not None:
-                with quiet_skipped_layers(skip, model), in_place_materialization(model, in_place) as loaded_in_place:
+                with quiet_skipped_layers(skip, model), in_place_materialization(model, in_place) as loaded_in_place, \
+                        unloaded_layer_watch(model, lambda: probe.timings.keys()) as unloaded:
                     try:
                         worker.reload_weights(weights_iterator=weights(opened), is_checkpoint_format=True)
                     except Exception as exc:
@@ -205,6 +210,11 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
                             raise EngineUnchanged(f"vLLM refused the reload before changing any weight: "
                                                   f"{describe_exception(exc)}") from exc
                         raise
+                if unloaded and require_complete:
+                    raise LayerwiseError(unloaded_message(unloaded))
+                if unloaded:
+                    notes.append(f"{unloaded_message(unloaded).split('; --allow')[0]}: they keep their previous "
+                                 "weights (accepted by --allow-unchecked)")
             else:
                 # Every layer skipped from the headers: vLLM would only move every layer to meta and back.
                 probe.finish()
@@ -218,7 +228,10 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         try:
             with engine_config(worker):
                 repair_notes, refreshed = apply_cpu_fixups(
-                    model, set(probe.timings), derived=derived, enabled=repairs,
+                    # A layer vLLM put back unloaded holds what it held: repacking it again would corrupt it.
+                    model, {name for name in probe.timings if not any(
+                        module == name or module.startswith(name + ".") for module in unloaded)},
+                    derived=derived, enabled=repairs,
                     tensors_of=lambda parent: [(item.entry.name, reader.read(item)) for item in engine_stream
                                                if item.parent == parent])
         finally:
