@@ -93,7 +93,7 @@ def entry_for(src: VllmSource, architecture: str, module: str, class_name: str, 
             "tower_prefixes": sorted(k for k, v in prefixes.items() if isinstance(v, str)
                                      and "language_model" not in v and k.startswith("model.") and k != "model."),
         }
-    return {
+    entry = {
         "class": f"{dotted}.{class_name}",
         "backend": backend,
         "packed": dict(sorted(packed.items())),
@@ -106,4 +106,12 @@ def entry_for(src: VllmSource, architecture: str, module: str, class_name: str, 
         "wrapped": wrapped,
         "notes": notes,
     }
+    if facts.renames:
+        # In the order the loader's source has them. `when`: the tests of the `if`s around it, all of which must
+        # hold (each: the name ends with one of `suffix` or holds one of `substr`); a rename with a test that
+        # was not read (`when` null) applies only to a name whose module the engine lacks (the worker tries it).
+        entry["renames"] = [{"old": old, "new": new, "when": None if guards is None else [
+            {"suffix": list(suffixes), "substr": list(substrings)} for suffixes, substrings in guards]}
+            for old, new, guards in facts.renames]
+    return entry
 

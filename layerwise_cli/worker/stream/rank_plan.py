@@ -155,16 +155,28 @@ class _Ownership:
             if parent is None:
                 local.add(entry.name)
                 continue
-            if parent.name not in self._resolved:
-                self._resolved[parent.name] = (holder_of_parameters(self._modules, parent.name)
-                                               if self._modules else parent.name)
-            module_name = self._resolved[parent.name]
+            module_name = self._resolve(parent.name)
+            if self._modules and not _holds_parameters(self._modules.get(module_name)):
+                # Not a module of this engine: the model's loader may rename it itself (Granite-4's fused experts).
+                module_name = next((renamed for renamed in map(self._resolve_name,
+                                                               self._mapping.renamed_candidates(name))
+                                    if renamed is not None and _holds_parameters(self._modules.get(renamed))),
+                                   module_name)
             if self._on_other_rank(module_name, name):
                 elsewhere.append(entry)
                 continue
             self.engine_names[entry.name] = module_name
             local.add(entry.name)
         return local, elsewhere
+
+    def _resolve(self, parent: str) -> str:
+        if parent not in self._resolved:
+            self._resolved[parent] = holder_of_parameters(self._modules, parent) if self._modules else parent
+        return self._resolved[parent]
+
+    def _resolve_name(self, tensor_name: str) -> str | None:
+        parent = self._mapping.parent_of(tensor_name)
+        return self._resolve(parent.name) if parent is not None else None
 
     def _on_other_rank(self, module_name: str, tensor_name: str) -> bool:
         # Another pipeline stage's layer: the module, or one above it, is vLLM's placeholder.
@@ -180,6 +192,10 @@ class _Ownership:
             return local_id(int(match.group(1))) == -1
         except Exception:  # noqa: BLE001 - cannot tell: read it, vLLM's loader decides
             return False
+
+
+def _holds_parameters(module: torch.nn.Module | None) -> bool:
+    return module is not None and any(True for _ in module.parameters(recurse=False))
 
 
 def _is_missing_layer(module: torch.nn.Module) -> bool:
