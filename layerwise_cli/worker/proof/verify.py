@@ -155,9 +155,14 @@ def _verify_derived(model, derived: dict[str, str], loaded: dict) -> list[dict]:
                     value = getattr(expected_from, origin_key) if origin_key is not None else live
                     if value.device.type == "meta" or value.numel() == 0:
                         continue
-                    if tuple(value.shape) != tuple(target.shape):
+                    loaded_shape = tuple(value.shape)
+                    if loaded_shape != tuple(target.shape) and origin_key is not None:
+                        # A view of the origin's tensor (MLA's W_UV and W_UK_T of kv_b_proj.weight): the same
+                        # view of what SOURCE loads into the origin.
+                        value = same_view(live, getattr(origin_module, origin_key), value)
+                    if value is None or tuple(value.shape) != tuple(target.shape):
                         raise LayerwiseError(f"{key}: shape {tuple(target.shape)} does not match "
-                                             f"{origin}.{origin_key} {tuple(value.shape)}")
+                                             f"{origin}.{origin_key} {loaded_shape}")
                     target.data.copy_(value)
                 process_copy(scratch)
                 expected = module_fingerprints(scratch)
@@ -175,6 +180,22 @@ def _verify_derived(model, derived: dict[str, str], loaded: dict) -> list[dict]:
                          f"and differs from what SOURCE must produce: {', '.join(differing)}")
         layers.append(entry)
     return layers
+
+
+def same_view(live, origin, expected):
+    """The view of EXPECTED that LIVE is of ORIGIN (size, strides, offset), or None when EXPECTED is laid out otherwise.
+
+    LIVE shares ORIGIN's storage; EXPECTED is ORIGIN as SOURCE loads it, with ORIGIN's shape and strides.
+    """
+    import torch
+
+    if tuple(expected.shape) != tuple(origin.shape) or expected.stride() != origin.stride():
+        return None
+    offset = live.storage_offset() - origin.storage_offset()
+    end = offset + sum((size - 1) * stride for size, stride in zip(live.shape, live.stride())) + 1
+    if offset < 0 or end > origin.numel():
+        return None
+    return torch.as_strided(expected, live.size(), live.stride(), expected.storage_offset() + offset)
 
 
 def _verify_alias_buffers(model, state, source_tensors: dict[str, list], statuses: dict[str, str]) -> list[dict]:
