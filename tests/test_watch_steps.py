@@ -231,6 +231,44 @@ def test_keep_deletes_only_what_no_server_holds(tmp_path):
     assert all(e.by == "watch" for e in events if e.kind == "step_deleted")
 
 
+def test_keep_deletes_only_steps_it_would_load_never_through_a_link_and_reports_only_what_it_deleted(tmp_path):
+    """A `step_0` holding a user's notes, a step with neither marker nor complete files, and a symlinked step
+    are left in place and not reported; a complete old step goes (by its files, when its marker is gone)."""
+    notes = tmp_path / "step_0"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("my notes")
+    partial = write_step(tmp_path, "step_1", shards=2)
+    (partial / "model-00002-of-00002.safetensors").unlink()  # the index names a shard that is not there
+    outside = write_step(tmp_path / "elsewhere", "step_2", marker="STABLE")
+    (tmp_path / "step_2").symlink_to(outside, target_is_directory=True)
+    write_step(tmp_path, "step_3")  # complete files, no marker: a step this watch would load
+    for n in (4, 5):
+        write_step(tmp_path, f"step_{n}", marker="STABLE")
+    a = FakeTarget("a", version="step_5")
+    _, events = run_once(tmp_path, [a], keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "step_0", "step_1", "step_2", "step_5"]
+    assert (notes / "notes.txt").read_text() == "my notes"
+    assert (outside / "STABLE").exists() and (tmp_path / "step_2").is_symlink()
+    assert sorted(step for step, _ in kinds(events, "step_deleted")) == ["step_3", "step_4"]
+
+
+def test_deletion_refusal_says_why_a_step_stays(tmp_path):
+    from layerwise_cli.checkpoint.steps import StepDir, deletion_refusal
+
+    def step(name):
+        return StepDir(name, tmp_path / name, 1)
+
+    (tmp_path / "step_a").mkdir()
+    assert "not a complete checkpoint: no .safetensors file yet" in deletion_refusal(step("step_a"), "STABLE")
+    write_step(tmp_path, "step_b")
+    assert deletion_refusal(step("step_b"), "STABLE") is None and deletion_refusal(step("step_b")) is None
+    (tmp_path / "step_c").symlink_to(tmp_path / "step_b", target_is_directory=True)
+    assert "symbolic link" in deletion_refusal(step("step_c"))
+    (tmp_path / "step_d").mkdir()
+    (tmp_path / "step_d" / "STABLE").touch()
+    assert deletion_refusal(step("step_d"), "STABLE") is None
+
+
 def test_usage_errors(tmp_path):
     from layerwise_cli.errors import UsageError
 

@@ -191,6 +191,29 @@ class CompletenessTracker:
                 del self._seen[name]
 
 
+def deletion_refusal(step: StepDir, marker: str = AUTO) -> str | None:
+    """Why `--keep` must leave STEP where it is, or None when it may delete it.
+
+    Only a step this watch would load may go: a real directory (a symbolic
+    link is never followed: its target is not the run's), complete by the
+    marker or by its files (a valid index naming shards that are all there, or
+    one valid shard). A directory that only matches the pattern (`step_0`
+    holding notes) is not a step.
+    """
+    if step.path.is_symlink():
+        return "a symbolic link: its target is not the run's to delete"
+    if not step.path.is_dir():
+        return "not a directory"
+    if marker != AUTO:
+        try:
+            if marker in os.listdir(step.path):
+                return None
+        except OSError as exc:
+            return f"cannot list it ({exc.strerror or exc})"
+    problem = files_problem(step.path)
+    return None if problem is None else f"not a complete checkpoint: {problem}"
+
+
 def steps_to_delete(steps: list[StepDir], keep: int, held: StepDir, protected: Iterable[str]) -> list[StepDir]:
     """The steps `--keep N` removes once every server holds HELD.
 

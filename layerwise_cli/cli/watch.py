@@ -36,7 +36,8 @@ def watch_command(
                                           "unchanged to count as complete.")] = 2.0,
     keep: Annotated[int | None, typer.Option(
         "--keep", min=1, metavar="N", help="Once every server holds the newest step, delete steps older than the "
-        "newest N (never one a server holds or loads). Default: delete nothing.", show_default=False)] = None,
+        "newest N (never one a server holds or loads, never a directory that is not a complete step, never through "
+        "a symbolic link). Default: delete nothing.", show_default=False)] = None,
     once: Annotated[bool, typer.Option("--once", help="Bring every server to the newest complete step, then exit "
                                        "(0 when all hold it).")] = False,
     log: Annotated[Path | None, typer.Option("--log", metavar="FILE.jsonl", help="Append every event, with the "

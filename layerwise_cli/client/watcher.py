@@ -16,6 +16,7 @@ from layerwise_cli.checkpoint.steps import (
     SETTLING,
     CompletenessTracker,
     StepDir,
+    deletion_refusal,
     list_steps,
     steps_to_delete,
 )
@@ -361,8 +362,16 @@ class Watcher:
         protected = {s.last_version for s in servers if s.last_version} | {s.version for s in servers if s.version}
         steps = list_steps(self.root, self.options.patterns)
         for step in steps_to_delete(steps, keep, target, protected):
+            if deletion_refusal(step, self.options.marker) is not None:
+                continue  # not a step this watch would load: left alone, and nothing happened to report
             self._deleted_by_us.add(step.name)
-            shutil.rmtree(step.path, ignore_errors=True)
+            try:
+                shutil.rmtree(step.path)
+            except OSError as exc:
+                self._deleted_by_us.discard(step.name)
+                self._emit(ev.STEP_SKIPPED, step=step.name,
+                           message=f"--keep {keep} could not delete it ({exc.strerror or exc})")
+                continue
             self._emit(ev.STEP_DELETED, step=step.name, by="watch", message=f"--keep {keep}")
 
     def _refresh_state(self) -> None:
