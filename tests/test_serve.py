@@ -530,8 +530,9 @@ def test_pause_modes_with_requests_in_flight(on_multiply, demo_models, mode):
     ref_multiply = reference()
     done: list[tuple[str, str]] = []
     # Whether requests are still queued when the pause lands depends on how busy two shared cores are;
-    # abort needs some, so it gets a few tries (each one a full reload under traffic).
-    for _ in range(3 if mode == "abort" else 1):
+    # abort needs some, so it gets a few tries (each one a full reload under traffic; 3 missed in 2 of 5
+    # full-suite runs on a 2-core AVX2 EPYC, 2026-12-03, though the test passed alone).
+    for _ in range(6 if mode == "abort" else 1):
         times: dict[str, float] = {}
         if mode == "abort":
             # On two shared cores the server takes requests in slower than the engine serves them, so a
