@@ -364,14 +364,13 @@ class Watcher:
         for step in steps_to_delete(steps, keep, target, protected):
             if deletion_refusal(step, self.options.marker) is not None:
                 continue  # not a step this watch would load: left alone, and nothing happened to report
-            self._deleted_by_us.add(step.name)
             try:
                 shutil.rmtree(step.path)
             except OSError as exc:
-                self._deleted_by_us.discard(step.name)
                 self._emit(ev.STEP_SKIPPED, step=step.name,
                            message=f"--keep {keep} could not delete it ({exc.strerror or exc})")
                 continue
+            self._deleted_by_us.add(step.name)
             self._emit(ev.STEP_DELETED, step=step.name, by="watch", message=f"--keep {keep}")
 
     def _refresh_state(self) -> None:

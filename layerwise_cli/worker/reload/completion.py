@@ -18,6 +18,7 @@ from contextlib import contextmanager
 import torch
 
 from layerwise_cli import vllm_compat
+from layerwise_cli.worker.stream.rank_plan import holds_parameters
 
 
 @contextmanager
@@ -72,16 +73,19 @@ def unloaded_modules(model: torch.nn.Module, names: dict[int, str], handed: Coll
         name = names.get(id(module), type(module).__name__)
         # Under a handed layer, only a module with parameters of its own takes checkpoint tensors: one holding
         # buffers alone (a rotary embedding's cos/sin cache) is derived from the config, and vLLM puts it back.
-        owns_parameters = next(module.parameters(recurse=False), None) is not None
-        if name in parents or (owns_parameters and name not in planned
+        if name in parents or (holds_parameters(module) and name not in planned
                                and any(name.startswith(parent + ".") for parent in parents)):
             found.append(name)
     return found
 
 
-def unloaded_message(names: list[str]) -> str:
-    """One line: which layers vLLM could not load, and why."""
+def unloaded_description(names: list[str]) -> str:
+    """Which layers vLLM could not load, and why (a clause)."""
     shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
     return (f"vLLM could not load {len(names)} layer(s) it was handed: {shown} (its reload counted no element "
-            "loaded and put their old tensors back: vLLM logs 'Failed to load weights'); "
-            "--allow-unchecked keeps them as they were")
+            "loaded and put their old tensors back: vLLM logs 'Failed to load weights')")
+
+
+def unloaded_message(names: list[str]) -> str:
+    """One line for the failed reload: which layers vLLM could not load, why, and what keeps them."""
+    return f"{unloaded_description(names)}; --allow-unchecked keeps them as they were"

@@ -20,7 +20,7 @@ from layerwise_cli.worker.beyond_vllm.derived_state import derived_state_of
 from layerwise_cli.worker.beyond_vllm.put_back_layers import holding_parents, load_put_back_layers
 from layerwise_cli.worker.proof.consensus import PeerFailed
 from layerwise_cli.worker.proof.early_fingerprints import EarlyFingerprints
-from layerwise_cli.worker.reload.completion import unloaded_layer_watch, unloaded_message
+from layerwise_cli.worker.reload.completion import unloaded_description, unloaded_layer_watch, unloaded_message
 from layerwise_cli.worker.reload.preflight import preflight, reference_checkpoint
 from layerwise_cli.worker.reload.probe import BufferProbe, process_disk_read_bytes
 from layerwise_cli.worker.reload.skip_plan import SkipPlan, quiet_skipped_layers
@@ -199,6 +199,8 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         early.wake = opened.wake
     failed = True
     loaded_in_place = None
+    # SOURCE's tensors again, for the layers loaded after vLLM's reload and for the repairs.
+    reader = ShardReader(folder)
     unloaded: list[str] = []  # modules vLLM could not load (it put their tensors back)
     never_buffered: list[str] = []  # the parent layers holding them: vLLM's reload buffered none of their tensors
     try:
@@ -218,12 +220,8 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
                 if unloaded and repairs and not fixups_disabled():
                     # vLLM put them back as they were: their model's own loader now writes them in place.
                     put_back = never_buffered
-                    reader = ShardReader(folder)
-                    try:
-                        with engine_config(worker):
-                            handed = load_put_back_layers(model, put_back, engine_stream, reader.read)
-                    finally:
-                        reader.close()
+                    with engine_config(worker):
+                        handed = load_put_back_layers(model, put_back, engine_stream, reader.read)
                     notes.append(f"loaded {len(put_back)} layer(s) vLLM's reload could not ({', '.join(unloaded)}: "
                                  f"their model writes them outside what the reload sees) with the model's own "
                                  f"loader after the reload ({handed} tensor(s))")
@@ -231,8 +229,8 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
                 if unloaded and require_complete:
                     raise LayerwiseError(unloaded_message(unloaded))
                 if unloaded:
-                    notes.append(f"{unloaded_message(unloaded).split('; --allow')[0]}: they keep their previous "
-                                 "weights (accepted by --allow-unchecked)")
+                    notes.append(f"{unloaded_description(unloaded)}: they keep their previous weights (accepted "
+                                 "by --allow-unchecked)")
             else:
                 # Every layer skipped from the headers: vLLM would only move every layer to meta and back.
                 probe.finish()
@@ -242,20 +240,16 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         # Each repair is found by its rule and does nothing where it does not apply (on a GPU: nothing).
-        reader = ShardReader(folder)
-        try:
-            with engine_config(worker):
-                repair_notes, refreshed = apply_cpu_fixups(
-                    # A layer vLLM put back unloaded holds what it held: repacking it again would corrupt it.
-                    model, {name for name in probe.timings if not any(
-                        module == name or module.startswith(name + ".") for module in unloaded)},
-                    derived=derived, enabled=repairs,
-                    tensors_of=lambda parent: [(item.entry.name, reader.read(item)) for item in engine_stream
-                                               if item.parent == parent])
-        finally:
-            reader.close()
+        with engine_config(worker):
+            repair_notes, refreshed = apply_cpu_fixups(
+                # A layer vLLM put back unloaded holds what it held: repacking it again would corrupt it.
+                model, set(probe.timings) - set(holding_parents(unloaded, probe.timings)),
+                derived=derived, enabled=repairs,
+                tensors_of=lambda parent: [(item.entry.name, reader.read(item)) for item in engine_stream
+                                           if item.parent == parent])
         failed = False
     finally:
+        reader.close()
         if opened is not None:
             opened.close()  # stops the reading thread, unless the stream ended (it finishes below)
         if failed and stats.hashing_done is not None:

@@ -156,11 +156,11 @@ class _Ownership:
                 local.add(entry.name)
                 continue
             module_name = self._resolve(parent.name)
-            if self._modules and not _holds_parameters(self._modules.get(module_name)):
+            if self._modules and not holds_parameters(self._modules.get(module_name)):
                 # Not a module of this engine: the model's loader may rename it itself (Granite-4's fused experts).
                 module_name = next((renamed for renamed in map(self._resolve_name,
                                                                self._mapping.renamed_candidates(name))
-                                    if renamed is not None and _holds_parameters(self._modules.get(renamed))),
+                                    if renamed is not None and holds_parameters(self._modules.get(renamed))),
                                    module_name)
             if self._on_other_rank(module_name, name):
                 elsewhere.append(entry)
@@ -194,7 +194,8 @@ class _Ownership:
             return False
 
 
-def _holds_parameters(module: torch.nn.Module | None) -> bool:
+def holds_parameters(module: torch.nn.Module | None) -> bool:
+    """Whether MODULE has parameters of its own (not only in its sub-modules)."""
     return module is not None and any(True for _ in module.parameters(recurse=False))
 
 
@@ -222,8 +223,7 @@ def holder_of_parameters(modules: dict[str, torch.nn.Module], name: str) -> str:
     `mlp.experts.routed_experts`); then that child is the layer vLLM buffers.
     """
     module = modules.get(name)
-    if module is None or any(True for _ in module.parameters(recurse=False)):
+    if module is None or holds_parameters(module):
         return name
-    holders = [child for child, sub in modules.items()
-               if child.startswith(name + ".") and any(True for _ in sub.parameters(recurse=False))]
+    holders = [child for child, sub in modules.items() if child.startswith(name + ".") and holds_parameters(sub)]
     return holders[0] if len(holders) == 1 else name
