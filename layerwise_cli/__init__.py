@@ -34,6 +34,10 @@ __version__ = "0.1.0"
 EXTENSION_CLS = "layerwise_cli.worker.extension.LayerwiseWorkerExtension"
 # `layerwise serve`'s endpoint answering a worker call from every data-parallel engine (server.engines_rpc).
 ENGINES_RPC_PATH = "/layerwise/engines_rpc"
+# The pause under a lease that ends by itself (`server/pause_lease.py`), its renewal and its end.
+PAUSE_LEASE_PATH = "/layerwise/pause"
+RENEW_LEASE_PATH = "/layerwise/renew"
+RESUME_LEASE_PATH = "/layerwise/resume"
 
 _LAZY = {
     "reload": ("layerwise_cli.client.local", "reload"),

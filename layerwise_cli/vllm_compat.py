@@ -46,6 +46,7 @@ from layerwise_cli.vllm_symbols import (
     LOGGER_SHUTDOWN,
     MATERIALIZE_LAYER,
     MIXTURE_OF_EXPERTS,
+    MLA_ATTENTION,
     MODEL_REGISTRY,
     ONLINE_PROCESS_LOADER,
     PARALLEL_STATE,
@@ -54,6 +55,7 @@ from layerwise_cli.vllm_symbols import (
     SERVER_MODULE,
     SET_CURRENT_VLLM_CONFIG,
     SKIP_TENSORS,
+    SPLIT_KV_B_PROJ,
     UNQUANTIZED_EMBEDDING_METHOD,
     VOCAB_PARALLEL_EMBEDDING,
     PrivateSymbol,
@@ -145,6 +147,16 @@ def finalize_layerwise_processing():
 def skip_tensors() -> set[str]:
     """Tensor names vLLM's reload never moves to, or materializes from, the meta device."""
     return set(_load(SKIP_TENSORS))
+
+
+def mla_attention_class() -> type:
+    """vLLM's `MLAAttention` (DeepSeek's multi-head latent attention)."""
+    return _load(MLA_ATTENTION)
+
+
+def split_kv_b_proj():
+    """vLLM's `split_kv_b_proj`: `kv_b_proj`'s weight (dequantized) as `W_UK [L,N,P]`, `W_UV [L,N,V]`."""
+    return _load(SPLIT_KV_B_PROJ)
 
 
 def vocab_parallel_embedding_class() -> type:

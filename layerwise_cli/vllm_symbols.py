@@ -148,6 +148,19 @@ FINALIZE_LAYERWISE_PROCESSING = PrivateSymbol(f"{_RELOAD}.layerwise", "finalize_
                                               used_by="worker/reload/completion.py (the name "
                                               "`finalize_layerwise_reload` calls, wrapped during a layerwise "
                                               "reload to list the layers it puts back unloaded)")
+MLA_ATTENTION = PrivateSymbol("vllm.model_executor.layers.attention.mla_attention", "MLAAttention", "class",
+                              members=("kv_b_proj", "kv_lora_rank", "num_heads", "qk_nope_head_dim", "v_head_dim",
+                                       "is_amx_bmm_enabled", "process_weights_after_loading"),
+                              used_by="worker/proof/verify_mla.py (W_UV and W_UK_T, which its "
+                              "process_weights_after_loading derives from kv_b_proj, recomputed from SOURCE)")
+SPLIT_KV_B_PROJ = PrivateSymbol("vllm.model_executor.layers.attention.mla_attention", "split_kv_b_proj", "function",
+                                parameters=("kv_b_proj", "out_dtype", "kv_lora_rank", "num_heads", "qk_nope_head_dim",
+                                            "v_head_dim"),
+                                used_by="worker/proof/verify_mla.py (vLLM's own split of kv_b_proj into W_UK, W_UV)")
+ROTARY_EMBEDDING = PrivateSymbol("vllm.model_executor.layers.rotary_embedding.base", "RotaryEmbedding", "class",
+                                 members=("forward_cpu",),
+                                 used_by="worker/beyond_vllm/mla_cpu_repair.py (wrapped: its CPU kernel takes query "
+                                 "and key as 2-D, MLA passes 3-D views)")
 AUTO_WEIGHTS_LOADER = PrivateSymbol("vllm.model_executor.models.utils", "AutoWeightsLoader", "class",
                                     members=("REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER",),
                                     used_by="planning/skip_rules.py (the rotary buffers vLLM's loader drops)")
@@ -159,6 +172,9 @@ AUTHENTICATION_MIDDLEWARE = PrivateSymbol("vllm.entrypoints.serve.middleware.aut
                                           used_by="server/launch.py (replaced so the API key covers every path)")
 ATTACH_DEV_ROUTER = PrivateSymbol("vllm.entrypoints.serve.dev.rpc.api_router", "attach_router", "function",
                                   parameters=("app",), used_by="server/engines_rpc.py (wrapped)")
+ENGINE_CLIENT = PrivateSymbol("vllm.engine.protocol", "EngineClient", "class",
+                              members=("pause_generation", "resume_generation", "update_weight_version"),
+                              used_by="server/pause_lease.py, server/engines_rpc.py (app.state.engine_client)")
 CALL_UTILITY_ALL_ASYNC = PrivateSymbol("vllm.v1.engine.core_client", "AsyncMPClient", "class",
                                        members=("call_utility_all_async",),
                                        used_by="server/engines_rpc.py (engine_client.engine_core)")

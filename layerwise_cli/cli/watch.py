@@ -47,15 +47,19 @@ def watch_command(
     pause_mode: Annotated[Literal["wait", "keep", "abort", "none"], typer.Option(
         "--pause-mode", help="How generation pauses during each reload (see docs/training-loops.md: vLLM 0.33 answers "
         "new requests 503 while paused in wait and abort).")] = "wait",
+    pause_lease: Annotated[float, typer.Option(
+        "--pause-lease", min=1.0, max=3600.0, metavar="SECONDS", help="A server with layerwise's pause lease "
+        "resumes by itself this long after this command stops renewing its pause (it died).")] = 60.0,
     api_key: Annotated[str | None, typer.Option(
         "--api-key", envvar="LAYERWISE_API_KEY", show_envvar=True, show_default=False,
         help="The servers' API key, sent as a bearer token.")] = None,
     verify: Annotated[bool, typer.Option("--verify", help="After each reload, check layer by layer that the server "
                                          "holds exactly the step's weights.")] = False,
     allow_unchecked: Annotated[bool, typer.Option(
-        "--allow-unchecked", help="Accept layers vLLM could not load (they keep their previous weights) and, "
-        "with --verify, layers it cannot check (both are listed); without it such a layer fails the step on "
-        "that server.")] = False,
+        "--allow-unchecked", help="Accept a reload whose completion cannot be shown (layers vLLM could not "
+        "load keep their previous weights; stale derived buffers; a peak other than predicted) and, with "
+        "--verify, layers it cannot check (all listed); without it such a reload fails the step on that "
+        "server.")] = False,
     timeout: Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds to wait for each request to a "
                                            "server, a reload included.")] = 600.0,
 ) -> None:
@@ -75,7 +79,8 @@ def watch_command(
 
     options = WatchOptions(patterns=tuple(pattern) if pattern else WatchOptions().patterns, marker=marker,
                            interval=interval, settle=settle, keep=keep, once=once, pause_mode=pause_mode,
-                           api_key=api_key, verify=verify, allow_unchecked=allow_unchecked, timeout=timeout)
+                           pause_lease_s=pause_lease, api_key=api_key, verify=verify,
+                           allow_unchecked=allow_unchecked, timeout=timeout)
     if not root.is_dir():
         raise LayerwiseError("no such directory (the root the trainer writes steps into)", where=str(root))
     if marker != "auto" and ("/" in marker or marker in ("", ".", "..")):

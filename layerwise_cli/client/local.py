@@ -205,9 +205,11 @@ def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = Fals
             engine has not changed since (`report.skipped_layers`).
         allow_unchecked: with `verify`, accept layers (or derived buffers)
             that could not be checked; by default they fail the verification.
-            With or without `verify`, also keep a reload in which vLLM could
-            not load a layer it was handed (the report notes the layers, which
-            keep their previous weights); by default that reload is rolled back.
+            With or without `verify`, also keep a reload whose completion could
+            not be shown: vLLM could not load a layer it was handed (those keep
+            their previous weights), a buffer derived at load was left stale, or
+            the measured buffer peak is not the prediction. The report notes what
+            was accepted; by default such a reload is rolled back.
 
     Returns:
         The merged report of all workers; with `verify`, `report.verify` holds

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
+from layerwise_cli.client.pause_keeper import LeaseKeeper, step_done
 from layerwise_cli.client.server_api import (
     HOLDS_MIXED,
     HOLDS_NEW,
@@ -23,6 +24,10 @@ from layerwise_cli.report.jsonable import jsonable
 from layerwise_cli.report.reload_report import ReloadReport
 from layerwise_cli.report.verify_result import VerifyResult, verify_failure
 from layerwise_cli.worker.rpc import FingerprintsAnswer, FingerprintsCall
+
+NO_LEASE_WARNING = ("this server has no pause lease (layerwise's vLLM plugin is not loaded in it): had this client "
+                    "died while the server was paused, it would have stayed paused until POST /resume; start it "
+                    "with `layerwise serve`, or install layerwise where it runs")
 
 
 @dataclass(frozen=True)
@@ -122,15 +127,18 @@ def reload_server(url: str, source: str, options: RemoteOptions | None = None,
     start = time.perf_counter()
     client = ServerClient(url, api_key=options.api_key, timeout=options.timeout)
     paused_at: float | None = None
+    keeper: LeaseKeeper | None = None
     try:
         # Few round trips before the pause: on a busy server each one waits behind the traffic.
         stage = "connect"
         client.check_api_key()  # also proves the server answers
+        step_done(stage)
         stage = "check"
         version_before = client.weight_version()  # also proves the dev endpoints are on
         if client.is_paused():
             raise _ServerError("the server is already paused (another reload in progress, or paused by hand); "
-                               "refusing to reload. POST /resume to it if the pause is stale")
+                               "refusing to reload. A pause under layerwise's lease ends by itself; any other, "
+                               "POST /resume to it if it is stale")
         extension = client.ping_extension()
         if extension is not None:
             method, fallback_reason = "vllm", extension
@@ -146,20 +154,27 @@ def reload_server(url: str, source: str, options: RemoteOptions | None = None,
             if client.engines_warning():
                 warnings.append(client.engines_warning())
         emit(url, "checked", {"method": method, "fallback_reason": fallback_reason})
+        step_done(stage)
 
         if options.pause_mode != "none":
             stage = "pause"
             # From here on, resume whatever happens: the engine pauses as soon as the request lands,
             # even if the answer (which waits for in-flight requests with `wait`) never reaches us.
             paused_at = time.perf_counter()
-            client.pause(options.pause_mode)
-            emit(url, "paused", {"mode": options.pause_mode})
+            if client.pause(options.pause_mode, options.pause_lease_s):
+                keeper = LeaseKeeper(client, options.pause_lease_s)
+            else:
+                warnings.append(NO_LEASE_WARNING)
+            emit(url, "paused", {"mode": options.pause_mode, "lease_s": options.pause_lease_s if keeper else None})
+            step_done(stage)
 
         stage = "reload"
-        report = client.layerwise_reload(source, options) if method == "layerwise" else client.vllm_reload(source)
+        report = (client.layerwise_reload(source, options) if method == "layerwise"
+                  else client.vllm_reload(source, options.weight_version))
         holds = HOLDS_NEW
         warnings.extend(_reset_prefix_cache(client))
         emit(url, "reloaded", {"report": report})
+        step_done(stage)
 
         if options.verify:
             stage = "verify"
@@ -168,12 +183,15 @@ def reload_server(url: str, source: str, options: RemoteOptions | None = None,
             if not verify.ok:
                 holds = HOLDS_UNVERIFIED
                 raise _ServerError(verify_failure(verify), holds=HOLDS_UNVERIFIED)
+            step_done(stage)
 
         if options.weight_version is not None:
             stage = "version"
-            client.set_weight_version(options.weight_version)
+            if not client.version_set_with_reload:  # else the server set it when the reload succeeded
+                client.set_weight_version(options.weight_version)
             version_after = options.weight_version
             emit(url, "versioned", {"version": options.weight_version})
+            step_done(stage)
         ok = True
     except _ServerError as exc:
         error = str(exc)
@@ -188,11 +206,17 @@ def reload_server(url: str, source: str, options: RemoteOptions | None = None,
         if stage == "reload" and holds == HOLDS_PREVIOUS:
             holds = HOLDS_UNKNOWN
     finally:
+        if keeper is not None:
+            keeper.stop()
+            if keeper.lost:
+                warnings.append(f"its pause lease ran out while this client worked ({keeper.lost}): the server "
+                                "resumed by itself; pass a longer --pause-lease")
         if paused_at is not None:
             try:
                 client.resume()
                 paused_s = time.perf_counter() - paused_at
                 emit(url, "resumed", {"paused_s": paused_s})
+                step_done("resume")
             except Exception as exc:  # noqa: BLE001 - reported, never raised past the other servers
                 from layerwise_cli.errors import describe_exception
 

@@ -6,7 +6,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from layerwise_cli import ENGINES_RPC_PATH
+from layerwise_cli import ENGINES_RPC_PATH, PAUSE_LEASE_PATH, RENEW_LEASE_PATH, RESUME_LEASE_PATH
+from layerwise_cli.client.http_text import error_text as _error_text
+from layerwise_cli.client.http_text import excerpt as _excerpt
 from layerwise_cli.errors import LayerwiseError, one_line
 from layerwise_cli.report.reload_report import ReloadReport, first_failure, merge_reports
 from layerwise_cli.report.verify_result import VerifyResult, merge_verify
@@ -50,6 +52,8 @@ class RemoteOptions:
     allow_unchecked: bool = False
     # Seconds for each request to a server (the reload and the pause included).
     timeout: float = 600.0
+    # Seconds a server with layerwise's pause lease stays paused after this client stops renewing it (it dies).
+    pause_lease_s: float = 60.0
 
 
 class _ServerError(LayerwiseError):
@@ -77,6 +81,10 @@ class ServerClient:
         self.per_engine: bool | None = None
         self.engines = 1
         self.dp_size = 1
+        # The pause lease this client holds on the server (`server/pause_lease.py`), if any.
+        self.lease_token: str | None = None
+        # Whether the server set the weight version itself, with the reload (`engines_rpc`'s `weight_version`).
+        self.version_set_with_reload = False
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # A fresh connection per request: vLLM's server drops a connection after a failed handler (500),
         # and a pooled connection would then fail the next call (the resume, say) with a reset.
@@ -156,16 +164,20 @@ class ServerClient:
             return []
         return self._json(response, method).get("results") or []
 
-    def engines_rpc(self, method: str, kwargs: dict | None = None, *, short: bool = False) -> list[list]:
+    def engines_rpc(self, method: str, kwargs: dict | None = None, *, short: bool = False,
+                    weight_version: str | None = None) -> list[list]:
         """A worker call answered by every data-parallel engine: one list of worker results per engine.
 
         Through `layerwise serve`'s `ENGINES_RPC_PATH`; a server without it
         (plain vLLM) answers through `/collective_rpc`, which returns the
-        first engine's workers only (`per_engine` turns False).
+        first engine's workers only (`per_engine` turns False). WEIGHT_VERSION:
+        the server sets it once every worker answered ok, in the same request.
         """
         if self.per_engine is not False:
-            response = self._request("POST", ENGINES_RPC_PATH, json={"method": method, "kwargs": kwargs or {}},
-                                     short=short, what=method)
+            body = {"method": method, "kwargs": kwargs or {}}
+            if weight_version is not None:
+                body["weight_version"] = weight_version
+            response = self._request("POST", ENGINES_RPC_PATH, json=body, short=short, what=method)
             if response.status_code != 404:
                 self.per_engine = True
                 if response.status_code >= 400:
@@ -174,13 +186,14 @@ class ServerClient:
                 if not isinstance(engines, list) or not all(isinstance(e, list) for e in engines):
                     raise _ServerError(f"{method}: {ENGINES_RPC_PATH} answered {_excerpt(response)}, not a list "
                                        "per engine")
+                self.version_set_with_reload = weight_version is not None
                 return engines
             self.per_engine = False
         return [self.collective_rpc(method, kwargs, short=short)]
 
-    def ask(self, call, *, short: bool = False) -> list[list]:
+    def ask(self, call, *, short: bool = False, weight_version: str | None = None) -> list[list]:
         """Send CALL (a call of `layerwise_cli.worker.rpc`) to every worker of every engine (`engines_rpc`)."""
-        return self.engines_rpc(call.method, call.kwargs(), short=short)
+        return self.engines_rpc(call.method, call.kwargs(), short=short, weight_version=weight_version)
 
     def ping_extension(self) -> str | None:
         """None when every worker has layerwise's extension, else why not (one clause).
@@ -210,15 +223,35 @@ class ServerClient:
                     "engine 0 is reported and verified. Start it with `layerwise serve` to report each engine")
         return None
 
-    def pause(self, mode: str) -> None:
+    def pause(self, mode: str, lease_s: float) -> bool:
+        """Pause the server, under a lease of LEASE_S seconds where it has layerwise's; whether it has one."""
+        what = f"POST {PAUSE_LEASE_PATH}?mode={mode}"
+        response = self._request("POST", PAUSE_LEASE_PATH, params={"mode": mode, "lease_s": lease_s}, what=what)
+        if response.status_code != 404:
+            if response.status_code == 409:
+                raise _ServerError(f"{_error_text(response)}; refusing to reload")
+            self.lease_token = self._json(response, what).get("token")
+            return True
         response = self._request("POST", "/pause", params={"mode": mode}, what=f"POST /pause?mode={mode}")
         self._json(response, f"POST /pause?mode={mode}")
+        return False
+
+    def renew(self, lease_s: float) -> None:
+        """Extend this client's pause lease by LEASE_S seconds from now (`_ServerError` once it ran out)."""
+        response = self._request("POST", RENEW_LEASE_PATH, params={"token": self.lease_token, "lease_s": lease_s},
+                                 short=True)
+        self._json(response, f"POST {RENEW_LEASE_PATH}")
 
     def resume(self) -> None:
-        response = self._request("POST", "/resume", short=True)
-        self._json(response, "POST /resume")
+        if self.lease_token is not None:
+            response = self._request("POST", RESUME_LEASE_PATH, params={"token": self.lease_token}, short=True)
+            self._json(response, f"POST {RESUME_LEASE_PATH}")
+            self.lease_token = None
+        else:
+            response = self._request("POST", "/resume", short=True)
+            self._json(response, "POST /resume")
         if self.is_paused():
-            raise _ServerError("POST /resume answered, but the server still says it is paused")
+            raise _ServerError("the server answered the resume, but still says it is paused")
 
     def reset_prefix_cache(self) -> bool:
         response = self._request("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"},
@@ -240,7 +273,8 @@ class ServerClient:
                           # the diagnostic switches, set in this process
                           repairs=not fixups_disabled(), in_place=not fresh_buffers_forced())
         try:
-            engines = self.ask(call)
+            # The version travels with the reload: a server with layerwise's endpoint sets it on success.
+            engines = self.ask(call, weight_version=options.weight_version)
         except _ServerError as exc:
             # Timed out or lost: the worker may still be streaming into the engine.
             if isinstance(exc, RpcError):
@@ -254,11 +288,11 @@ class ServerClient:
         return merge_reports([ReloadReport.from_dict(ReloadAnswer.from_json(r).report)
                               for results in engines for r in results])
 
-    def vllm_reload(self, source: str) -> ReloadReport:
+    def vllm_reload(self, source: str, weight_version: str | None = None) -> ReloadReport:
         """vLLM's own `reload_weights(weights_path=SOURCE)`: only its wall time is known."""
         start = time.perf_counter()
         try:
-            self.collective_rpc("reload_weights", {"weights_path": source})
+            self.engines_rpc("reload_weights", {"weights_path": source}, weight_version=weight_version)
         except RpcError as exc:
             raise _ServerError(f"vLLM's reload_weights failed inside the server: {exc.detail}",
                                holds=HOLDS_UNKNOWN) from None
@@ -335,34 +369,3 @@ class RpcError(_ServerError):
         self.method = method
         self.status = status
         self.detail = detail
-
-
-_EXCERPT_CHARS = 120
-
-
-def _excerpt(response) -> str:
-    """A short, one-line quote of a non-JSON body: an HTML page (another kind of server) by its title only."""
-    import re
-
-    text = response.text or ""
-    if "html" in response.headers.get("content-type", "").lower() or text.lstrip()[:1] == "<":
-        title = re.search(r"<title[^>]*>(.*?)</title>", text, re.IGNORECASE | re.DOTALL)
-        name = f" titled {one_line(title.group(1))[:_EXCERPT_CHARS]!r}" if title else ""
-        return f"an HTML page{name} ({len(text)} characters; not a vLLM server?)"
-    line = one_line(text)
-    return repr(line[:_EXCERPT_CHARS] + ("..." if len(line) > _EXCERPT_CHARS else ""))
-
-
-def _error_text(response) -> str:
-    try:
-        body = response.json()
-    except ValueError:
-        return _excerpt(response) or response.reason_phrase
-    if isinstance(body, dict):
-        for key in ("detail", "error", "message"):
-            value = body.get(key)
-            if isinstance(value, dict):
-                value = value.get("message") or value
-            if value:
-                return one_line(str(value))[:300]
-    return one_line(str(body))[:300]

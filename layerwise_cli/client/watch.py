@@ -21,7 +21,8 @@ def server_targets(urls: list[str], options: WatchOptions) -> list[Target]:
     """One `ServerTarget` per URL, reloading with OPTIONS' pause mode, API key, --verify and timeout."""
     if options.pause_mode not in PAUSE_MODES:
         raise UsageError(f"unknown pause mode {options.pause_mode!r}: use one of {', '.join(PAUSE_MODES)}")
-    remote = RemoteOptions(pause_mode=options.pause_mode, api_key=options.api_key, verify=options.verify,
+    remote = RemoteOptions(pause_mode=options.pause_mode, pause_lease_s=options.pause_lease_s,
+                           api_key=options.api_key, verify=options.verify,
                            allow_unchecked=options.allow_unchecked, timeout=options.timeout)
     return [ServerTarget(url, remote) for url in urls]
 

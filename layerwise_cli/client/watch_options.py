@@ -21,6 +21,8 @@ class WatchOptions:
             the newest; None never deletes.
         once: bring every server to the newest complete step, then stop.
         pause_mode: how servers pause during a reload (`wait`, `keep`, `abort`, `none`).
+        pause_lease_s: seconds a server with layerwise's pause lease stays paused once this process stops
+            renewing it.
         api_key: the servers' API key.
         verify: verify each server against the step after reloading it.
         allow_unchecked: with `verify`, accept layers it cannot check (they are
@@ -37,6 +39,7 @@ class WatchOptions:
     keep: int | None = None
     once: bool = False
     pause_mode: str = "wait"
+    pause_lease_s: float = 60.0
     api_key: str | None = None
     verify: bool = False
     allow_unchecked: bool = False

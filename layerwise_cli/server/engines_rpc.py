@@ -10,6 +10,12 @@ through `call_utility_all_async` and answers `{"engines": [[worker results],
 ...]}`, one list per engine, so that a reload reports, verifies and fails
 per engine. `layerwise serve` adds it next to vLLM's dev endpoints (same
 body, same API-key rule).
+
+With `"weight_version": TAG` in the body, the server sets its weight version
+to TAG once every worker of every engine answered and none said it failed,
+in the same request:
+a client that dies after the reload cannot leave the tag naming the weights
+the server held before.
 """
 
 from __future__ import annotations
@@ -28,8 +34,15 @@ def attach_engines_rpc() -> None:
     vllm_attach = api_router.attach_router
 
     def attach(app) -> None:
+        from layerwise_cli.server.pause_lease import add_pause_lease_routes
+
         vllm_attach(app)
         app.add_api_route(ENGINES_RPC_PATH, engines_rpc, methods=["POST"])
+        add_pause_lease_routes(app)
+
+    if getattr(vllm_attach, "_layerwise", False):
+        return  # attached already in this process (`layerwise serve`, then the plugin)
+    attach._layerwise = True
 
     api_router.attach_router = attach
 
@@ -57,7 +70,14 @@ async def engines_rpc(raw_request: Request):
         per_engine = [await engine_client.collective_rpc(*call)]
     else:
         per_engine = await gather("collective_rpc", *call)
-    return JSONResponse(content={"engines": [[_jsonable(r) for r in (results or [])] for results in per_engine]})
+    engines = [[_jsonable(r) for r in (results or [])] for results in per_engine]
+    version = body.get("weight_version")
+    # Every worker of every engine answered, and none said it failed (vLLM's own reload_weights answers None).
+    failed = any(not results or any(isinstance(r, dict) and not r.get("ok", True) for r in results)
+                 for results in engines)
+    if isinstance(version, str) and engines and not failed:
+        await engine_client.update_weight_version(version)
+    return JSONResponse(content={"engines": engines})
 
 
 def _jsonable(result):

@@ -123,6 +123,7 @@ def assert_same_outputs(got: list, want: list, *, exact: bool) -> None:
 # on a checkpoint answers, keyed by the checkpoint's content (config and tensor
 # bytes, not its shard layout), the prompts and the engine options.
 _FRESH: dict[tuple, list] = {}
+_FRESH_STATE: dict[tuple, dict] = {}  # key -> the fresh engine's checksums after it answered
 # Where the xdist workers of one run share fresh answers (set by tests/conftest.py).
 FRESH_DIR_ENV = "LAYERWISE_TEST_FRESH_DIR"
 
@@ -212,14 +213,31 @@ def fresh_answers(checkpoint: Path, prompts: list[str], options=None) -> list:
             fcntl.flock(lock, fcntl.LOCK_EX)
         if path is not None and path.exists():
             _FRESH[key] = _as_answers(json.loads(path.read_text()))
+            if path.with_suffix(".state").exists():
+                _FRESH_STATE[key] = json.loads(path.with_suffix(".state").read_text())
             return _FRESH[key]
-        _FRESH[key] = _answers_of_fresh_engine(checkpoint, prompts, options)
+        _FRESH[key], _FRESH_STATE[key] = _answers_of_fresh_engine(checkpoint, prompts, options)
+        if path is not None:
+            _share(path.with_suffix(".state"), _FRESH_STATE[key])  # first: the answers' file says both are there
         _share(path, _FRESH[key])
     return _FRESH[key]
 
 
-def _answers_of_fresh_engine(checkpoint: Path, prompts: list[str], options) -> list:
-    """Start an engine on CHECKPOINT, ask, stop: in this process where it has one rank (`in_process`)."""
+def fresh_state(checkpoint: Path, prompts: list[str], options=None) -> dict:
+    """The checksums of every parameter and buffer of the engine `fresh_answers` started on CHECKPOINT.
+
+    Taken after it answered PROMPTS (a rotary cache takes its final form at the
+    first forward pass). Starts that engine if `fresh_answers` has not yet.
+    """
+    options = options or _default_options()
+    key = _fresh_key(checkpoint, prompts, options)
+    fresh_answers(checkpoint, prompts, options)
+    assert key in _FRESH_STATE, f"{checkpoint}: no fresh engine's state was recorded with its answers"
+    return _FRESH_STATE[key]
+
+
+def _answers_of_fresh_engine(checkpoint: Path, prompts: list[str], options) -> tuple[list, dict]:
+    """Start an engine on CHECKPOINT, ask, take its checksums, stop: in this process where it has one rank."""
     from layerwise_cli.client.local import start_engine, stop_engine
     from tests.support.in_process import start_here, stop_here
 
@@ -227,7 +245,7 @@ def _answers_of_fresh_engine(checkpoint: Path, prompts: list[str], options) -> l
     start, stop = (start_here, stop_here) if single else (start_engine, stop_engine)
     llm = start(str(checkpoint), options)
     try:
-        return greedy_with_logprobs(llm, prompts)
+        return greedy_with_logprobs(llm, prompts), engine_state(llm)["checksums"]
     finally:
         stop(llm)
 
@@ -237,7 +255,11 @@ def remember_fresh(llm, checkpoint: Path, prompts: list[str], options=None) -> l
     options = options or _default_options()
     key = _fresh_key(checkpoint, prompts, options)
     _FRESH[key] = answers = greedy_with_logprobs(llm, prompts)
-    _share(_shared_file(key), answers)
+    _FRESH_STATE[key] = engine_state(llm)["checksums"]
+    path = _shared_file(key)
+    if path is not None:
+        _share(path.with_suffix(".state"), _FRESH_STATE[key])
+    _share(path, answers)
     return answers
 
 

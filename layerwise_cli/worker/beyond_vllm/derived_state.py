@@ -202,3 +202,42 @@ def refresh_alias_buffers(model, state: DerivedState, tensors_of) -> list[dict]:
         refreshed.append({"module": alias.module, "tensor": alias.buffer,
                           "reason": STALE_REASON.format(source=alias.source, parameter=alias.parameter)})
     return refreshed
+
+
+def aliases_left_stale(model, state: DerivedState, reloaded: set[str], refreshed: list[dict]) -> list[str]:
+    """The buffers derived at load from a layer this reload refilled that are neither live nor refreshed.
+
+    A live alias must still share its parameter's storage (vLLM's in-place copy
+    then wrote it); any other must be among REFRESHED. A derived buffer whose
+    source could not be told cannot be refreshed, so it is listed too.
+
+    Args:
+        model: the engine's model.
+        state: `derived_state_of(worker)`, found before the reload.
+        reloaded: the parent layers this reload handed to vLLM.
+        refreshed: the `{"module", "tensor", ...}` entries of the repairs.
+
+    Returns:
+        One `name: why` per buffer, in model order.
+    """
+
+    def refilled(module: str) -> bool:
+        return any(module == parent or module.startswith(parent + ".") for parent in reloaded)
+
+    done = {(entry["module"], entry["tensor"]) for entry in refreshed}
+    left = []
+    for alias in state.aliases:
+        if not refilled(alias.source):
+            continue
+        buffer = model.get_submodule(alias.module)._buffers.get(alias.buffer)
+        origin = getattr(model.get_submodule(alias.source), alias.parameter, None)
+        if alias.live:
+            if _pointer(buffer) is None or _pointer(buffer) != _pointer(origin):
+                left.append(f"{alias.name}: no longer shares its storage with {alias.source}.{alias.parameter}")
+        elif (alias.module, alias.buffer) not in done:
+            left.append(f"{alias.name}: a view of {alias.source}.{alias.parameter} taken at load, not refreshed")
+    for name in state.unknown:
+        module = name.rpartition(".")[0]
+        if refilled(module) or any(parent.startswith(module + ".") for parent in reloaded):
+            left.append(f"{name}: derived at load from a tensor that cannot be told, so not refreshed")
+    return left

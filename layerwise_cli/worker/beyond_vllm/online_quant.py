@@ -179,9 +179,13 @@ _CONFIGS = {FP8: LayerwiseFp8Config, INT8: LayerwiseInt8Config}
 
 
 def register() -> None:
-    """Register both methods with vLLM (idempotent); vLLM's `vllm.general_plugins` entry point calls it."""
+    """Register both methods with vLLM and apply the CPU rotary repair (idempotent; vLLM's plugin entry point)."""
     for name, config in _CONFIGS.items():
         register_quantization_config(name)(config)
+    # Not quantization: this entry point is layerwise's one hook in every vLLM process before a model is built.
+    from layerwise_cli.worker.beyond_vllm import mla_cpu_repair
+
+    mla_cpu_repair.apply()
 
 
 def is_layerwise_method(quantization: str | None) -> bool:

@@ -46,6 +46,7 @@ def verify_against_source(model, source: str, revision: str | None, model_config
     from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
     from layerwise_cli.worker.beyond_vllm.cpu_fixups import derived_modules
     from layerwise_cli.worker.beyond_vllm.derived_state import find_derived_state
+    from layerwise_cli.worker.proof.verify_mla import mla_modules, verify_mla
     from layerwise_cli.worker.proof.verify_quantized import require_recomputed
     from layerwise_cli.worker.stream.rank_plan import plan_for_worker
     from layerwise_cli.worker.stream.shards import ShardReader, layer_batches
@@ -63,7 +64,10 @@ def verify_against_source(model, source: str, revision: str | None, model_config
     # private copies of those layers loaded from SOURCE, kept only for them.
     derived_state = derived if derived is not None else find_derived_state(model)
     alias_sources = {alias.source for alias in derived_state.aliases}
-    derived = derived_modules(model, {item.parent for item in stream if item.parent is not None})
+    parents = {item.parent for item in stream if item.parent is not None}
+    # MLA's W_UV and W_UK_T are recomputed from kv_b_proj as vLLM derives them (views or copies alike).
+    mla = mla_modules(model, parents)
+    derived = {name: origin for name, origin in derived_modules(model, parents).items() if name not in mla}
     loaded: dict[str, object] = {}
     source_tensors: dict[str, list] = {}
     statuses: dict[str, str] = {}
@@ -82,7 +86,7 @@ def verify_against_source(model, source: str, revision: str | None, model_config
                 statuses[parent] = entry["status"]
                 if parent in alias_sources:
                     source_tensors[parent] = tensors
-                if scratch is not None and parent in derived.values():
+                if scratch is not None and (parent in derived.values() or parent in mla.values()):
                     loaded[parent] = scratch
             except Exception as exc:  # noqa: BLE001 - the layer is reported as not checkable, with why
                 layers.append(require_recomputed({"name": parent, "status": "error", "compared": [], "detail":
@@ -91,6 +95,7 @@ def verify_against_source(model, source: str, revision: str | None, model_config
     finally:
         reader.close()
     layers.extend(_verify_derived(model, derived, loaded))
+    layers.extend(verify_mla(model, mla, loaded))
     layers.extend(_verify_alias_buffers(model, derived_state, source_tensors, statuses))
     matched = [layer for layer in layers if layer["status"] == "match"]
     return {
@@ -157,8 +162,8 @@ def _verify_derived(model, derived: dict[str, str], loaded: dict) -> list[dict]:
                         continue
                     loaded_shape = tuple(value.shape)
                     if loaded_shape != tuple(target.shape) and origin_key is not None:
-                        # A view of the origin's tensor (MLA's W_UV and W_UK_T of kv_b_proj.weight): the same
-                        # view of what SOURCE loads into the origin.
+                        # A view of the origin's tensor in another shape: the same view of what SOURCE loads
+                        # into the origin.
                         value = same_view(live, getattr(origin_module, origin_key), value)
                     if value is None or tuple(value.shape) != tuple(target.shape):
                         raise LayerwiseError(f"{key}: shape {tuple(target.shape)} does not match "

@@ -90,3 +90,19 @@ def _refuse_partly_covered_layers(plan: Plan) -> None:
             f"fused layer {first.name} is only partly in the checkpoint: {first.reason}{more}; vLLM would "
             "overwrite the missing part with fresh memory, so a partial checkpoint must hold every "
             "part of each fused layer it touches", where=plan.checkpoint.source)
+
+
+def refuse_direct_mode() -> None:
+    """Raise `LayerwiseError` when this engine's vLLM reloads in its direct mode (0.34's `VLLM_RELOAD_MODE=direct`).
+
+    The direct mode writes each tensor straight into the engine's storage and
+    re-processes the whole model at the end: no per-layer buffers, none of the
+    bookkeeping layerwise measures, skips and rolls back by, and no rollback
+    of its own. layerwise drives the layerwise mode only; the check runs
+    before anything of the engine is touched.
+    """
+    from layerwise_cli import vllm_compat
+
+    if vllm_compat.reload_mode() == "direct":
+        raise LayerwiseError("this engine's vLLM runs its direct reload mode (VLLM_RELOAD_MODE=direct): layerwise "
+                             "drives the layerwise mode only; start the engine without VLLM_RELOAD_MODE=direct")

@@ -24,8 +24,9 @@ def roll_back(worker, touched: dict, failure: BaseException):
     # What the rollback loads is recorded as loaded without the NaN/Inf check.
     try:
         # A layer vLLM could not load now was not changed by the failed reload either (vLLM put it back).
+        # One vLLM processed partly loaded was changed: the model's own loader writes it back, repairs on or off.
         stream_reload(worker, source, revision=revision, allow_partial=True, allow_nonfinite=True,
-                      records=records, all_layers=True, require_complete=False)
+                      records=records, all_layers=True, require_complete=False, restore_partial=True)
     except BaseException:
         records.clear()  # the engine's state is unknown: no layer may be skipped until reloaded
         raise

@@ -16,12 +16,19 @@ from layerwise_cli.report.progress import ProgressWriter
 from layerwise_cli.report.reload_report import ReloadReport
 from layerwise_cli.report.report_parts import DerivedRefresh, LayerReport
 from layerwise_cli.worker.beyond_vllm.cpu_fixups import apply_cpu_fixups
-from layerwise_cli.worker.beyond_vllm.derived_state import derived_state_of
+from layerwise_cli.worker.beyond_vllm.derived_state import aliases_left_stale, derived_state_of
 from layerwise_cli.worker.beyond_vllm.put_back_layers import holding_parents, load_put_back_layers
 from layerwise_cli.worker.proof.consensus import PeerFailed
 from layerwise_cli.worker.proof.early_fingerprints import EarlyFingerprints
-from layerwise_cli.worker.reload.completion import unloaded_description, unloaded_layer_watch, unloaded_message
-from layerwise_cli.worker.reload.preflight import preflight, reference_checkpoint
+from layerwise_cli.worker.reload.completion import (
+    Unloaded,
+    peak_message,
+    stale_message,
+    unloaded_description,
+    unloaded_layer_watch,
+    unloaded_message,
+)
+from layerwise_cli.worker.reload.preflight import preflight, reference_checkpoint, refuse_direct_mode
 from layerwise_cli.worker.reload.probe import BufferProbe, process_disk_read_bytes
 from layerwise_cli.worker.reload.skip_plan import SkipPlan, quiet_skipped_layers
 from layerwise_cli.worker.state.layer_records import REASON_UNCHANGED, LayerRecords
@@ -53,7 +60,8 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
                   on_engine_touched=None, progress_path: str | None = None,
                   allow_nonfinite: bool = False, agree: Callable[[bool], bool] | None = None,
                   records: LayerRecords | None = None, all_layers: bool = False,
-                  repairs: bool = True, in_place: bool = True, require_complete: bool = True) -> ReloadReport:
+                  repairs: bool = True, in_place: bool = True, require_complete: bool = True,
+                  restore_partial: bool = False) -> ReloadReport:
     """Pre-flight SOURCE against this worker's model, then reload it in `order`, measuring.
 
     Args:
@@ -82,6 +90,8 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
             diagnostic switch `LAYERWISE_NO_CPU_FIXUPS`.
         require_complete: raise `LayerwiseError` (after vLLM finished; the caller rolls back) when vLLM
             could not load a layer it was handed (`completion.unloaded_layer_watch`); False only notes them.
+        restore_partial: load the layers vLLM processed partly loaded with the model's own loader even with the
+            repairs off (a rollback: vLLM overwrote them, unlike the layers it put back unloaded).
         in_place: let vLLM load a layer into the engine's own tensors where its
             processing keeps their layout (`in_place`); False (or
             `LAYERWISE_FRESH_BUFFERS` set in the worker) leaves every layer to
@@ -201,8 +211,8 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
     loaded_in_place = None
     # SOURCE's tensors again, for the layers loaded after vLLM's reload and for the repairs.
     reader = ShardReader(folder)
-    unloaded: list[str] = []  # modules vLLM could not load (it put their tensors back)
-    never_buffered: list[str] = []  # the parent layers holding them: vLLM's reload buffered none of their tensors
+    unloaded = Unloaded()  # modules vLLM could not load (it put their tensors back, or processed them partly loaded)
+    never_buffered: list[str] = []  # the parent layers of those it put back: vLLM buffered none of their tensors
     try:
         try:
             if opened is not None:
@@ -216,21 +226,26 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
                             raise EngineUnchanged(f"vLLM refused the reload before changing any weight: "
                                                   f"{describe_exception(exc)}") from exc
                         raise
-                never_buffered = holding_parents(unloaded, probe.timings)
-                if unloaded and repairs and not fixups_disabled():
-                    # vLLM put them back as they were: their model's own loader now writes them in place.
-                    put_back = never_buffered
+                put_back_unloaded = [name for name in unloaded.modules if name not in unloaded.partial]
+                never_buffered = holding_parents(put_back_unloaded, probe.timings)
+                repairing = repairs and not fixups_disabled()
+                load_again = unloaded.modules if repairing else unloaded.partial if restore_partial else []
+                if load_again:
+                    # Their model's own loader now writes them in place: those vLLM put back as they were, and
+                    # those it processed partly loaded.
+                    put_back = holding_parents(load_again, probe.timings)
                     with engine_config(worker):
                         handed = load_put_back_layers(model, put_back, engine_stream, reader.read)
-                    notes.append(f"loaded {len(put_back)} layer(s) vLLM's reload could not ({', '.join(unloaded)}: "
+                    notes.append(f"loaded {len(put_back)} layer(s) vLLM's reload could not ({', '.join(load_again)}: "
                                  f"their model writes them outside what the reload sees) with the model's own "
                                  f"loader after the reload ({handed} tensor(s))")
-                    unloaded = []
-                if unloaded and require_complete:
-                    raise LayerwiseError(unloaded_message(unloaded))
-                if unloaded:
-                    notes.append(f"{unloaded_description(unloaded)}: they keep their previous weights (accepted "
+                left = [name for name in unloaded.modules if name not in load_again]
+                if left and require_complete:
+                    raise LayerwiseError(unloaded_message(left))
+                if left:
+                    notes.append(f"{unloaded_description(left)}: they keep their previous weights (accepted "
                                  "by --allow-unchecked)")
+                unloaded.modules = left
             else:
                 # Every layer skipped from the headers: vLLM would only move every layer to meta and back.
                 probe.finish()
@@ -243,10 +258,15 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         with engine_config(worker):
             repair_notes, refreshed = apply_cpu_fixups(
                 # A layer vLLM put back unloaded holds what it held: repacking it again would corrupt it.
-                model, set(probe.timings) - set(holding_parents(unloaded, probe.timings)),
+                model, set(probe.timings) - set(holding_parents(unloaded.modules, probe.timings)),
                 derived=derived, enabled=repairs,
                 tensors_of=lambda parent: [(item.entry.name, reader.read(item)) for item in engine_stream
                                            if item.parent == parent])
+        stale = aliases_left_stale(model, derived, set(probe.timings), refreshed)
+        if stale and require_complete:
+            raise LayerwiseError(stale_message(stale))
+        if stale:
+            notes.append(f"{stale_message(stale, accepted=True)}")
         failed = False
     finally:
         reader.close()
@@ -273,6 +293,12 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
     buffered = [replace(item, parent=f"{item.parent}:{item.entry.name}") if item.parent in never_buffered else item
                 for item in delivered]
     predicted = simulate_buffering(buffered, order, held_here, rank=tp_rank if tp_size > 1 else None)
+    if probe.peak != predicted.peak_buffer_bytes:
+        # vLLM buffered otherwise than the plan says it must: a layer completed later, or never, than planned.
+        message = peak_message(probe.peak, predicted.peak_buffer_bytes, probe.peak_tensor)
+        if require_complete:
+            raise LayerwiseError(message)
+        notes.append(f"{message} (accepted by --allow-unchecked)")
     sizes = skip.layer_sizes
     layers = []
     # Layers in the order the stream reached their first tensor (skipped ones too, marked).
@@ -361,18 +387,3 @@ def on_meta_device(model: torch.nn.Module) -> bool:
     """Whether any parameter or buffer of MODEL is on the meta device (a reload vLLM began and did not finish)."""
     return any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers()))
 
-
-def refuse_direct_mode() -> None:
-    """Raise `LayerwiseError` when this engine's vLLM reloads in its direct mode (0.34's `VLLM_RELOAD_MODE=direct`).
-
-    The direct mode writes each tensor straight into the engine's storage and
-    re-processes the whole model at the end: no per-layer buffers, none of the
-    bookkeeping layerwise measures, skips and rolls back by, and no rollback
-    of its own. layerwise drives the layerwise mode only; the check runs
-    before anything of the engine is touched.
-    """
-    from layerwise_cli import vllm_compat
-
-    if vllm_compat.reload_mode() == "direct":
-        raise LayerwiseError("this engine's vLLM runs its direct reload mode (VLLM_RELOAD_MODE=direct): layerwise "
-                             "drives the layerwise mode only; start the engine without VLLM_RELOAD_MODE=direct")

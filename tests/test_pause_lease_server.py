@@ -1,0 +1,148 @@
+"""No pause outlives its client: `layerwise reload --url` SIGKILLed after each step, against real servers.
+
+The client is a real `layerwise` process; `LAYERWISE_TEST_KILL_AFTER=STEP` (test-only) makes it SIGKILL itself
+right after STEP. After each kill the server must answer completions again within the pause lease, and its
+weight-version tag must name what it serves: the new tag where the answers are the new model's, the old one
+where they are the old model's. Two kinds of server: `layerwise serve`, and vLLM's own server where layerwise
+is installed (its vLLM plugin adds the lease; vLLM's own reload runs there, no layerwise extension). Without
+the plugin (`VLLM_PLUGINS` leaves it out), the client says the server cannot promise this.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.support.server_support import RunningServer, run_cli
+
+pytestmark = pytest.mark.server
+
+PAIRS = [(3, 4), (2, 5), (9, 9)]
+LEASE_S = 4.0
+# The steps of a reload over HTTP, in order; a kill after `pause` or later leaves a pause the lease must end.
+STEPS = ("connect", "check", "pause", "reload", "verify", "version", "resume")
+KILLED = -9
+
+
+def expected(name: str) -> list[str]:
+    from layerwise_cli.demo import expected_answer
+
+    return [expected_answer(name, a, b) for a, b in PAIRS]
+
+
+def weight_version(server: RunningServer) -> str:
+    response = httpx.get(f"{server.url}/weight_info", headers=server.headers(), timeout=10)
+    response.raise_for_status()
+    return response.json()["weight_version"]
+
+
+def serving_within(server: RunningServer, seconds: float) -> float:
+    """Seconds until the server is unpaused (at most SECONDS, else the test fails)."""
+    start = time.monotonic()
+    while server.is_paused():
+        assert time.monotonic() - start < seconds, f"{server.url} still paused after {seconds:g} s"
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
+class Fleet:
+    """A server on MULTIPLY and which model and tag it serves now, flipped by each reload that lands."""
+
+    def __init__(self, server: RunningServer, models) -> None:
+        self.server, self.models = server, models
+        self.serving, self.version, self.count = "multiply", weight_version(server), 0
+
+    def other(self) -> str:
+        return "add" if self.serving == "multiply" else "multiply"
+
+    def reload_killed_after(self, step: str, *args: str) -> tuple[str, str]:
+        """Reload the other model, killed after STEP; return (model served, tag) once the server serves again."""
+        self.count += 1
+        tag = f"{self.other()}-{self.count}"
+        proc = run_cli("reload", "--weights-path", str(self.models[self.other()]), "--url", self.server.url,
+                       "--weight-version", tag, "--pause-lease", str(LEASE_S), *args,
+                       env={"LAYERWISE_TEST_KILL_AFTER": step})
+        assert proc.returncode == KILLED, (step, proc.returncode, proc.stderr[-2000:])
+        serving_within(self.server, LEASE_S + 5)
+        answers = self.server.answers(PAIRS)
+        served = next(name for name in ("add", "multiply") if answers == expected(name))
+        version = weight_version(self.server)
+        if served != self.serving:
+            self.serving, self.version = served, tag
+        return served, version
+
+
+@pytest.fixture(scope="module")
+def layerwise_server(demo_models):
+    with RunningServer(demo_models["multiply"], kind="layerwise") as server:
+        yield Fleet(server, demo_models)
+
+
+@pytest.fixture(scope="module")
+def plain_server_with_plugin(demo_models):
+    with RunningServer(demo_models["multiply"], kind="plain") as server:
+        yield Fleet(server, demo_models)
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_a_killed_client_leaves_layerwise_serve_serving_whole_weights_under_a_true_tag(layerwise_server, step):
+    before = layerwise_server.serving
+    served, version = layerwise_server.reload_killed_after(step, "--verify")
+    # Killed before its reload was sent: the old weights; once the reload answered: the new ones.
+    changed = step not in ("connect", "check", "pause")
+    assert (served != before) == changed, (step, before, served)
+    assert version == layerwise_server.version, (step, served, version)
+
+
+@pytest.mark.parametrize("step", ("pause", "reload", "version"))
+def test_a_killed_client_leaves_a_vllm_server_with_the_plugin_serving_under_a_true_tag(plain_server_with_plugin,
+                                                                                      step):
+    fleet = plain_server_with_plugin
+    before = fleet.serving
+    served, version = fleet.reload_killed_after(step)
+    assert (served != before) == (step != "pause"), (step, before, served)
+    assert version == fleet.version, (step, served, version)
+
+
+def test_a_pause_past_its_lease_ends_by_itself_and_a_second_client_is_refused_meanwhile(layerwise_server):
+    server = layerwise_server.server
+    lease_s = 15.0  # longer than a client process takes to start
+    held = httpx.post(f"{server.url}/layerwise/pause", params={"mode": "wait", "lease_s": lease_s}, timeout=30)
+    assert held.status_code == 200, held.text
+    began = time.monotonic()
+    assert server.is_paused()
+    second = run_cli("reload", "--weights-path", str(layerwise_server.models[layerwise_server.other()]), "--url",
+                     server.url)
+    assert time.monotonic() - began < lease_s, "the second client came too late to meet the lease"
+    assert second.returncode == 1 and "already paused" in second.stderr, second.stderr[-2000:]
+    assert "ends by itself" in second.stderr
+    # A pause taken past that check (two clients at once) is refused by the server itself.
+    racing = httpx.post(f"{server.url}/layerwise/pause", params={"mode": "wait", "lease_s": 5}, timeout=30)
+    assert racing.status_code == 409 and "another client's lease" in racing.text
+    serving_within(server, lease_s + 5)
+    renew = httpx.post(f"{server.url}/layerwise/renew", params={"token": held.json()["token"], "lease_s": 5},
+                       timeout=10)
+    assert renew.status_code == 409 and "ran out" in renew.text
+    assert server.answers(PAIRS) == expected(layerwise_server.serving)
+
+
+def test_a_client_renews_its_lease_through_a_pause_longer_than_the_lease(layerwise_server):
+    """A reload whose pause lasts longer than the lease (here: a 1 s lease, a reload with --verify) keeps it."""
+    server, other = layerwise_server.server, layerwise_server.other()
+    proc = run_cli("reload", "--weights-path", str(layerwise_server.models[other]), "--url", server.url,
+                   "--verify", "--pause-lease", "1", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "pause lease ran out" not in proc.stdout + proc.stderr
+    layerwise_server.serving = other
+    assert server.answers(PAIRS) == expected(other)
+
+
+def test_without_the_plugin_the_client_says_what_the_server_cannot_promise(demo_models):
+    with RunningServer(demo_models["multiply"], kind="plain", env={"VLLM_PLUGINS": "layerwise_online_quant"}) as server:
+        proc = run_cli("reload", "--weights-path", str(demo_models["add"]), "--url", server.url)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        said = " ".join(proc.stderr.split())  # as one line: the output wraps at the terminal's width
+        assert "has no pause lease" in said and "stayed paused until POST /resume" in said, said
+        assert httpx.post(f"{server.url}/layerwise/pause", params={"lease_s": 5}).status_code == 404
