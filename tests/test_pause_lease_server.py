@@ -146,3 +146,42 @@ def test_without_the_plugin_the_client_says_what_the_server_cannot_promise(demo_
         said = " ".join(proc.stderr.split())  # as one line: the output wraps at the terminal's width
         assert "has no pause lease" in said and "stayed paused until POST /resume" in said, said
         assert httpx.post(f"{server.url}/layerwise/pause", params={"lease_s": 5}).status_code == 404
+
+
+def _scrape(server: RunningServer) -> dict[tuple[str, tuple], float]:
+    """Every sample of the server's /metrics: (name, sorted labels) -> value, parsed as Prometheus does."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def test_metrics_count_reloads_pauses_bytes_and_the_version(layerwise_server, tmp_path):
+    """/metrics (vLLM's endpoint, scraped and parsed) carries layerwise's own figures next to vLLM's."""
+    server, other = layerwise_server.server, layerwise_server.other()
+    before = _scrape(server)
+    assert any(name.startswith("vllm:") for name, _ in before)  # vLLM's own, on the same endpoint
+    done = run_cli("reload", "--weights-path", str(layerwise_server.models[other]), "--url", server.url,
+                   "--weight-version", "metrics-1", "--all")
+    assert done.returncode == 0, done.stderr[-2000:]
+    layerwise_server.serving, layerwise_server.version = other, "metrics-1"
+    # A reload refused inside the server (pre-flight: a checkpoint of another shape), nothing changed.
+    from tests.support.producers import Producer, save_pretrained_checkpoint
+
+    foreign = save_pretrained_checkpoint(tmp_path / "qwen3", Producer("qwen3"), seed=1)
+    refused = run_cli("reload", "--weights-path", str(foreign), "--url", server.url)
+    assert refused.returncode == 1
+    after = _scrape(server)
+
+    def grew(name: str, labels: tuple = ()) -> float:
+        return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+
+    assert grew("layerwise_reloads_total", (("result", "ok"),)) == 1
+    assert grew("layerwise_reloads_total", (("result", "refused"),)) == 1
+    assert grew("layerwise_reload_seconds_count") == 2 and grew("layerwise_reload_seconds_sum") > 0
+    assert grew("layerwise_pause_seconds_count") == 2
+    assert grew("layerwise_read_bytes_total") > 0
+    assert after[("layerwise_weight_version", (("version", "metrics-1"),))] == 1
+    assert not any(name == "layerwise_weight_version" and dict(labels).get("version") != "metrics-1" and value
+                   for (name, labels), value in after.items())

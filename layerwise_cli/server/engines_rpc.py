@@ -20,6 +20,8 @@ the server held before.
 
 from __future__ import annotations
 
+import time
+
 from fastapi import Request
 
 from layerwise_cli import ENGINES_RPC_PATH
@@ -64,19 +66,23 @@ async def engines_rpc(raw_request: Request):
     call = (body["method"], body.get("timeout"), tuple(body.get("args", [])), body.get("kwargs", {}))
     engine_client = raw_request.app.state.engine_client
     from layerwise_cli import vllm_compat
+    from layerwise_cli.server import metrics
 
     gather = vllm_compat.call_utility_all_async(engine_client)
+    start = time.perf_counter()
     if gather is None:  # a client that talks to one engine only
         per_engine = [await engine_client.collective_rpc(*call)]
     else:
         per_engine = await gather("collective_rpc", *call)
     engines = [[_jsonable(r) for r in (results or [])] for results in per_engine]
+    metrics.record_call(body["method"], engines, time.perf_counter() - start)
     version = body.get("weight_version")
     # Every worker of every engine answered, and none said it failed (vLLM's own reload_weights answers None).
     failed = any(not results or any(isinstance(r, dict) and not r.get("ok", True) for r in results)
                  for results in engines)
     if isinstance(version, str) and engines and not failed:
         await engine_client.update_weight_version(version)
+        metrics.record_version(version)
     return JSONResponse(content={"engines": engines})
 
 

@@ -42,6 +42,7 @@ class PauseLease:
     token: str
     deadline: float
     lease_s: float
+    began: float = 0.0  # when the pause was asked for (the event loop's clock)
     expiry: asyncio.Task | None = field(default=None, repr=False)
 
 
@@ -81,7 +82,7 @@ async def pause_with_lease(raw_request: Request):
                            f"{max(0.0, held.deadline - loop.time()):.0f} s unless renewed)")
     # The lease counts from now, before the pause is taken: a client that dies while a `wait` pause drains the
     # running requests still leaves a pause that ends.
-    lease = PauseLease(token=secrets.token_hex(8), deadline=loop.time() + lease_s, lease_s=lease_s)
+    lease = PauseLease(token=secrets.token_hex(8), deadline=loop.time() + lease_s, lease_s=lease_s, began=loop.time())
     _set_lease(app, lease)
     lease.expiry = asyncio.create_task(_expire(app, lease))
     try:
@@ -140,6 +141,9 @@ async def _end(app, lease: PauseLease, *, reason: str | None) -> None:
     if reason is not None:
         logger.warning("layerwise pause lease ended: %s; resuming generation", reason)
     await app.state.engine_client.resume_generation()
+    from layerwise_cli.server import metrics
+
+    metrics.record_pause(asyncio.get_running_loop().time() - lease.began, expired=reason is not None)
 
 
 def add_pause_lease_routes(app) -> None:
