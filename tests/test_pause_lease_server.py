@@ -10,6 +10,7 @@ the plugin (`VLLM_PLUGINS` leaves it out), the client says the server cannot pro
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import httpx
@@ -75,8 +76,14 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def layerwise_server(demo_models):
-    with RunningServer(demo_models["multiply"], kind="layerwise") as server:
+def layerwise_server(demo_models, tmp_path_factory):
+    from tests.support.server_support import SMALL
+
+    # The demo tokenizer has no chat template of its own: the server gets one, for the chat answers.
+    template = tmp_path_factory.mktemp("chat") / "template.jinja"
+    template.write_text("{% for message in messages %}{{ message['content'] }}{% endfor %}")
+    with RunningServer(demo_models["multiply"], kind="layerwise",
+                       extra=[*SMALL, "--chat-template", str(template)]) as server:
         yield Fleet(server, demo_models)
 
 
@@ -185,3 +192,75 @@ def test_metrics_count_reloads_pauses_bytes_and_the_version(layerwise_server, tm
     assert after[("layerwise_weight_version", (("version", "metrics-1"),))] == 1
     assert not any(name == "layerwise_weight_version" and dict(labels).get("version") != "metrics-1" and value
                    for (name, labels), value in after.items())
+
+
+def _answer(server: RunningServer, path: str = "/v1/completions", max_tokens: int = 40) -> httpx.Response:
+    from layerwise_cli.demo import demo_prompt
+
+    body = {"model": server.model, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    if path == "/v1/completions":
+        body["prompt"] = demo_prompt(3, 4)
+    else:
+        body["messages"] = [{"role": "user", "content": demo_prompt(3, 4)}]
+    response = httpx.post(f"{server.url}{path}", json=body, headers=server.headers(), timeout=120)
+    response.raise_for_status()
+    return response
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_every_answer_names_the_weights_that_produced_it(layerwise_server, path):
+    server = layerwise_server.server
+    response = _answer(server, path, max_tokens=5)
+    spans = response.json()["weight_versions"]
+    version = weight_version(server)
+    assert [span["version"] for span in spans] == [version] and spans[0]["start"] == 0 and spans[0]["end"] == 5
+    assert response.headers["x-weight-versions"] == version
+
+
+@pytest.mark.parametrize("mode", ["keep", "wait"])
+def test_answers_in_flight_across_a_reload_name_the_versions_that_produced_them(layerwise_server, mode):
+    """Requests back to back from 4 threads while a reload runs. keep: a request frozen by the pause names both
+    versions, old tokens first; wait: none does (in-flight ones finish on the old weights, queued ones run on the
+    new). Every answer's spans cover its tokens, in order, and name only the two versions."""
+    import threading
+
+    server, other = layerwise_server.server, layerwise_server.other()
+    old = weight_version(server)
+    new = f"{other}-{mode}"
+    answers: list[httpx.Response] = []
+    done = threading.Event()
+
+    def keep_asking() -> None:
+        while not done.is_set():
+            answers.append(_answer(server))
+
+    for attempt in range(6):  # the pause must land while a request is in flight: retried when none was
+        answers.clear()
+        done.clear()
+        threads = [threading.Thread(target=keep_asking) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        proc = run_cli("reload", "--weights-path", str(layerwise_server.models[other]), "--url", server.url,
+                       "--pause-mode", mode, "--weight-version", new)
+        time.sleep(0.5)
+        done.set()
+        for thread in threads:
+            thread.join()
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        layerwise_server.serving, layerwise_server.version = other, new
+        versions = [[span["version"] for span in answer.json()["weight_versions"]] for answer in answers]
+        for answer, named in zip(answers, versions):
+            spans = answer.json()["weight_versions"]
+            assert spans[0]["start"] == 0 and spans[-1]["end"] == 40
+            assert all(a["end"] == b["start"] for a, b in itertools.pairwise(spans))
+            assert named in ([old], [new], [old, new]), named
+            assert answer.headers["x-weight-versions"] == ",".join(named)
+        both = sum(named == [old, new] for named in versions)
+        if mode == "wait":
+            assert both == 0, versions
+            if [old] in versions and [new] in versions:
+                return
+        elif both:
+            return
+        other, old, new = layerwise_server.other(), new, f"{layerwise_server.other()}-{mode}-{attempt}"
+    pytest.fail(f"in 6 reloads no request was in flight when the pause landed ({mode})")

@@ -36,11 +36,13 @@ def attach_engines_rpc() -> None:
     vllm_attach = api_router.attach_router
 
     def attach(app) -> None:
+        from layerwise_cli.server.answer_versions import AnswerVersions
         from layerwise_cli.server.pause_lease import add_pause_lease_routes
 
         vllm_attach(app)
         app.add_api_route(ENGINES_RPC_PATH, engines_rpc, methods=["POST"])
         add_pause_lease_routes(app)
+        app.add_middleware(AnswerVersions)  # every completion and chat answer names its weights
 
     if getattr(vllm_attach, "_layerwise", False):
         return  # attached already in this process (`layerwise serve`, then the plugin)
