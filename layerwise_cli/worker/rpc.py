@@ -46,8 +46,9 @@ class ReloadCall:
         all_layers: hand every layer over, also those the engine already holds.
         repairs: False leaves what vLLM's reload leaves stale (`LAYERWISE_NO_CPU_FIXUPS`).
         in_place: False has vLLM materialize every layer in fresh buffers (`LAYERWISE_FRESH_BUFFERS`).
-        allow_incomplete: keep a reload in which vLLM could not load a layer it was handed (noted in the
-            report) instead of rolling it back (`--allow-unchecked`).
+        allow_incomplete: keep a reload whose completion could not be shown (a layer vLLM could not load, a
+            derived buffer left stale, a peak other than the prediction; noted in the report) instead of
+            rolling it back (`--allow-unchecked`).
     """
 
     method: ClassVar[str] = RELOAD

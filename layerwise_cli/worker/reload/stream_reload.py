@@ -266,7 +266,7 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         if stale and require_complete:
             raise LayerwiseError(stale_message(stale))
         if stale:
-            notes.append(f"{stale_message(stale, accepted=True)}")
+            notes.append(stale_message(stale, accepted=True))
         failed = False
     finally:
         reader.close()
