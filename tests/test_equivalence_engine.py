@@ -109,6 +109,9 @@ CONFIGS = [
     # gpt-oss: attention sinks and fused routed experts with biases, which its `load_weights` writes with a bare
     # `param.copy_` that vLLM's reload cannot see (`worker/beyond_vllm/put_back_layers.py` loads them after it).
     Config("gpt_oss", layouts=HYBRID_LAYOUTS),
+    # DeepSeek-V3 shape: MLA (W_UV/W_UK_T derived from kv_b_proj after loading), a dense layer, then MoE with a
+    # shared expert; its answers are stable only with the CPU rotary repair (`worker/beyond_vllm/mla_cpu_repair.py`).
+    Config("deepseek_v3", layouts=HYBRID_LAYOUTS, repair_names=("model.layers.1.mlp.experts.routed_experts",)),
 ]
 ORDERS = ("layer", "file")
 OMITTED = "model.layers.1."  # what the partial checkpoint leaves out
@@ -130,6 +133,7 @@ VLLM_RELOAD_DIFFERS = {
     "qwen3_next-v192": 10,  # CPU MoE experts are not re-packed on a weight update
     "falcon_h1-v192": 10,  # as NemotronH: the Mamba2 mixers' `conv_weights` views
     "granitemoehybrid-v192": 10,  # CPU MoE experts are not re-packed on a weight update
+    "deepseek_v3-v192": 10,  # CPU MoE experts are not re-packed on a weight update
 }
 
 

@@ -296,9 +296,14 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
     if probe.peak != predicted.peak_buffer_bytes:
         # vLLM buffered otherwise than the plan says it must: a layer completed later, or never, than planned.
         message = peak_message(probe.peak, predicted.peak_buffer_bytes, probe.peak_tensor)
-        if require_complete:
+        if unloaded.partial:
+            # Explained: the layers vLLM processed partly loaded were found, and loaded again after it.
+            notes.append(f"{message}: explained by the partly loaded layer(s) {', '.join(unloaded.partial)}, "
+                         "loaded again after vLLM's reload")
+        elif require_complete:
             raise LayerwiseError(message)
-        notes.append(f"{message} (accepted by --allow-unchecked)")
+        else:
+            notes.append(f"{message} (accepted by --allow-unchecked)")
     sizes = skip.layer_sizes
     layers = []
     # Layers in the order the stream reached their first tensor (skipped ones too, marked).
