@@ -171,7 +171,8 @@ class ServerClient:
         Through `layerwise serve`'s `ENGINES_RPC_PATH`; a server without it
         (plain vLLM) answers through `/collective_rpc`, which returns the
         first engine's workers only (`per_engine` turns False). WEIGHT_VERSION:
-        the server sets it once every worker answered ok, in the same request.
+        the server sets it once every worker answered and none failed, in the
+        same request.
         """
         if self.per_engine is not False:
             body = {"method": method, "kwargs": kwargs or {}}

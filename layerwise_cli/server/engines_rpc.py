@@ -13,9 +13,8 @@ body, same API-key rule).
 
 With `"weight_version": TAG` in the body, the server sets its weight version
 to TAG once every worker of every engine answered and none said it failed,
-in the same request:
-a client that dies after the reload cannot leave the tag naming the weights
-the server held before.
+in the same request: a client that dies after the reload cannot leave the tag
+naming the weights the server held before.
 """
 
 from __future__ import annotations

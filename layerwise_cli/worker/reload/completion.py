@@ -120,13 +120,12 @@ def never_loaded_parameters(module: torch.nn.Module, info) -> list[str]:
         return []
     handed = {name for name, _ in info.loaded_weights}
     skipped = vllm_compat.skip_tensors()
-    missing = [name for name, param in module._parameters.items()
-               if param is not None and name not in handed and name not in skipped
-               and getattr(param, "weight_loader_numel", param.numel()) > 0]
+    # Elements to load, as vLLM's `get_tensor_load_numel` counts them (declared padding left out).
+    missing = {name: getattr(param, "weight_loader_numel", param.numel()) for name, param in module._parameters.items()
+               if param is not None and name not in handed and name not in skipped}
+    missing = {name: numel for name, numel in missing.items() if numel > 0}
     shortfall = info.load_numel_total - info.load_numel
-    size = sum(getattr(module._parameters[name], "weight_loader_numel", module._parameters[name].numel())
-               for name in missing)
-    return missing if missing and size <= shortfall else []
+    return list(missing) if missing and sum(missing.values()) <= shortfall else []
 
 
 def unloaded_description(names: list[str]) -> str:
