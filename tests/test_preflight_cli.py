@@ -202,7 +202,7 @@ def test_allow_nonfinite_reaches_the_servers(monkeypatch):
 
     seen: list[RemoteOptions] = []
     monkeypatch.setattr(reload_remote, "reload_servers",
-                        lambda urls, source, options, on_event=None: seen.append(options) or [])
+                        lambda urls, source, options, on_event=None, atomic=None: seen.append(options) or [])
     runner.invoke(app, ["reload", "--weights-path", "W", "--url", "http://127.0.0.1:9", "--allow-nonfinite"])
     runner.invoke(app, ["reload", "--weights-path", "W", "--url", "http://127.0.0.1:9"])
     assert [options.allow_nonfinite for options in seen] == [True, False]

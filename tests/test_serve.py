@@ -229,8 +229,20 @@ def test_table_output_names_the_server(on_multiply, demo_models):
 @pytest.mark.server
 def test_two_servers_at_once_and_a_bad_url(on_multiply, fresh_add, demo_models):
     dead = f"http://127.0.0.1:{free_port()}"
-    done = run_cli("reload", "--weights-path", str(demo_models["multiply"]), "--url", fresh_add.url,
-                   "--url", dead, "--url", on_multiply.url, "--json", env=_with_key())
+    urls = ["--url", fresh_add.url, "--url", dead, "--url", on_multiply.url]
+    # All or nothing (the default with several servers): the dead one stops the update before any server pauses.
+    held = fresh_add.answers(PAIRS)
+    done = run_cli("reload", "--weights-path", str(demo_models["multiply"]), *urls, "--json", env=_with_key())
+    assert done.returncode == 1
+    data = json.loads(done.stdout)
+    assert data["atomic"] is True
+    assert [entry["left_alone"] for entry in data["servers"]] == [True, False, True]
+    assert all(entry["paused_s"] == 0.0 for entry in data["servers"])
+    assert f"{fresh_add.url}: not changed: holds its previous weights" in done.stderr
+    assert fresh_add.answers(PAIRS) == held
+    # Each server on its own: the good ones reload.
+    done = run_cli("reload", "--weights-path", str(demo_models["multiply"]), *urls, "--no-atomic", "--json",
+                   env=_with_key())
     assert done.returncode == 1
     errors = _error_lines(done.stderr)
     assert len(errors) == 1 and dead in errors[0] and "cannot connect" in errors[0]
@@ -333,8 +345,9 @@ def test_verify_mismatch_through_the_cli(on_multiply, demo_models, tmp_path, mon
     source = tmp_path / "add"
     shutil.copytree(demo_models["add"], source)
     original = reload_remote.reload_servers
-    monkeypatch.setattr(reload_remote, "reload_servers", lambda urls, src, options, on_event=None: original(
-        urls, src, options, on_event=_swap_after_reload(source, demo_models["multiply"])))
+    monkeypatch.setattr(reload_remote, "reload_servers", lambda urls, src, options, on_event=None, atomic=None:
+                        original(urls, src, options, on_event=_swap_after_reload(source, demo_models["multiply"]),
+                                 atomic=atomic))
     result = CliRunner().invoke(app, ["reload", "--weights-path", str(source), "--url", on_multiply.url,
                                       "--verify", "--api-key", KEY], env={"COLUMNS": "200"})
     assert result.exit_code == 1

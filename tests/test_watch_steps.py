@@ -303,3 +303,45 @@ def test_when_every_step_is_broken_each_is_tried_once(tmp_path):
     assert [e.step for e in events if e.kind == "step_skipped"] == ["step_2", "step_1"]
     assert watcher.failure is not None and "no complete step" in watcher.failure
     assert "broken: step_2, step_1" in watcher.failure
+
+
+class ThreadedTarget(FakeTarget):
+    """A fake server target: threaded, so `watch` brings several of them to a step all or nothing."""
+
+    threaded = True
+
+
+def test_several_servers_are_brought_to_a_step_together_and_a_dead_one_is_left_out(tmp_path, monkeypatch):
+    """The scheduling of --atomic (our logic; the fleet rule itself is proven on real servers in test_fleet_server)."""
+    from layerwise_cli.client import watcher as watcher_module
+
+    write_step(tmp_path, "step_1", marker="STABLE")
+    a, b = ThreadedTarget("a"), ThreadedTarget("b")
+    calls: list[tuple[list[str], str]] = []
+
+    def reload_together(targets, path, version):
+        calls.append(([t.name for t in targets], version))
+        if len(calls) == 1:  # b dies during the first update: a is reloaded back, b is down
+            b.down = 1
+            return {"a": Outcome(ok=False, holds="previous", error="b failed; reloaded back", version=None),
+                    "b": Outcome(ok=False, holds="unknown", error="cannot connect", reached=False)}
+        return {t.name: t.reload(path, version) for t in targets}
+
+    monkeypatch.setattr(watcher_module, "reload_together", reload_together)
+    watcher, events = run_once(tmp_path, [a, b])
+    assert watcher.failure is None and a.version == b.version == "step_1"
+    assert calls[0] == (["a", "b"], "step_1")
+    # Never one server alone while the other answers: after b went down, a alone; b, back, alone (a held it).
+    assert [names for names, _ in calls[1:]] in (
+        [["a"], ["b"]], [["a", "b"]], [["b"], ["a"]]), calls
+    assert not [e for e in events if e.kind == "step_skipped"]  # a server's death does not break the step
+
+
+def test_no_atomic_reloads_each_server_on_its_own(tmp_path, monkeypatch):
+    from layerwise_cli.client import watcher as watcher_module
+
+    write_step(tmp_path, "step_1", marker="STABLE")
+    a, b = ThreadedTarget("a"), ThreadedTarget("b")
+    monkeypatch.setattr(watcher_module, "reload_together", lambda *args: pytest.fail("reloaded together"))
+    watcher, _ = run_once(tmp_path, [a, b], atomic=False)
+    assert watcher.failure is None and a.reloads == ["step_1"] and b.reloads == ["step_1"]

@@ -12,7 +12,7 @@ import pytest
 from layerwise_cli.worker import rpc
 
 EXTENSION = Path(__file__).resolve().parent.parent / "layerwise_cli" / "worker" / "extension.py"
-CALLS = (rpc.PingCall, rpc.ReloadCall, rpc.ChecksumsCall, rpc.FingerprintsCall, rpc.VerifyCall)
+CALLS = (rpc.PingCall, rpc.ReloadCall, rpc.ChecksumsCall, rpc.FingerprintsCall, rpc.VerifyCall, rpc.PreflightCall)
 
 
 def _extension_methods() -> dict[str, list[str]]:

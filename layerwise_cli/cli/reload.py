@@ -90,6 +90,11 @@ def reload_command(
     timeout: Annotated[float | None, typer.Option(
         "--timeout", min=0.1, help="With --url: seconds to wait for each request to a server, the reload "
         "included (default 600).", show_default=False)] = None,
+    atomic: Annotated[bool | None, typer.Option(
+        "--atomic/--no-atomic", help="With --url: all or nothing (default with more than one --url). Every "
+        "server is pre-flighted before any is paused; if one fails after others changed, those are reloaded "
+        "back to what they held; all resume together. --no-atomic: each server on its own.",
+        show_default=False)] = None,
 ) -> None:
     """Reload new weights into a vLLM engine in layer order, with a per-layer report.
 
@@ -102,7 +107,9 @@ def reload_command(
     With --url, attaches to running vLLM servers instead (started with
     `layerwise serve`, or any vLLM server with VLLM_SERVER_DEV_MODE=1): pauses
     each, reloads the new weights (a path as the server sees it, or a Hub
-    repo id), resumes, all servers at once.
+    repo id), resumes, all servers at once. With more than one server, all or
+    nothing: each is pre-flighted before any is paused, and those that changed
+    are reloaded back if another fails (--no-atomic: each on its own).
 
     Example: layerwise reload --weights-path ./step-200 --model ./step-100 --max-model-len 2048
 
@@ -129,9 +136,10 @@ def reload_command(
                                 verify=verify, allow_unchecked=allow_unchecked,
                                 timeout=timeout if timeout is not None else 600.0,
                                 pause_lease_s=pause_lease if pause_lease is not None else 60.0)
-        raise typer.Exit(reload_remote(url, weights_path, options, as_json=as_json, top=top))
+        raise typer.Exit(reload_remote(url, weights_path, options, as_json=as_json, top=top, atomic=atomic))
     given = [name for name, value in (("--pause-mode", pause_mode), ("--weight-version", weight_version),
-                                      ("--timeout", timeout), ("--pause-lease", pause_lease)) if value is not None]
+                                      ("--timeout", timeout), ("--pause-lease", pause_lease),
+                                      ("--atomic/--no-atomic", atomic)) if value is not None]
     if given:
         raise UsageError(f"{', '.join(given)} only apply with --url (reloading running servers)")
     if data_parallel_size > 1:

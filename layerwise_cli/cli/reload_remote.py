@@ -23,7 +23,7 @@ _HOLDS_TEXT = {
 
 
 def reload_remote(urls: list[str], source: str, options: RemoteOptions, as_json: bool = False,
-                  top: int = 0) -> int:
+                  top: int = 0, atomic: bool | None = None) -> int:
     """Reload SOURCE into every server, print one report per server and the verdict.
 
     Returns:
@@ -52,15 +52,25 @@ def reload_remote(urls: list[str], source: str, options: RemoteOptions, as_json:
                 stderr.print(f"{where}: {state}")
             elif event == "versioned":
                 stderr.print(f"{where}: weight version set to {escape(data['version'])}")
+            elif event == "preflighted":
+                stderr.print(f"{where}: pre-flight passed")
+            elif event == "going_back":
+                stderr.print(f"{where}: [yellow]reloading it back[/] to {escape(data['source'])} "
+                             f"({escape(data['because'])})")
+            elif event == "reloaded_back":
+                stderr.print(f"{where}: reloaded back to {escape(data['source'])}")
             elif event == "resumed":
                 stderr.print(f"{where}: generation resumed after {human_seconds(data['paused_s'])} paused")
 
+    all_or_nothing = atomic if atomic is not None else len(urls) > 1
     if not as_json:
-        stderr.print(f"Reloading {escape(source)} into {len(urls)} server(s) ...")
-    results = reload_servers(urls, source, options, on_event=on_event)
+        rule = ", all or nothing" if all_or_nothing and len(urls) > 1 else ""
+        stderr.print(f"Reloading {escape(source)} into {len(urls)} server(s){rule} ...")
+    results = reload_servers(urls, source, options, on_event=on_event, atomic=all_or_nothing)
     ok = all(result.ok for result in results)
     if as_json:
-        print_json({"ok": ok, "source": source, "servers": [result.to_dict() for result in results],
+        print_json({"ok": ok, "source": source, "atomic": all_or_nothing,
+                    "servers": [result.to_dict() for result in results],
                     "holdings": holdings(results, source)})
     else:
         for result in results:
@@ -98,14 +108,27 @@ def _render_summary(results: list[ServerResult]) -> None:
     table.add_column("holds")
     table.add_column("weight version")
     for result in results:
-        state = "[green]ok[/]" if result.ok else f"[red]failed at {result.stage}[/]"
+        state = ("[green]ok[/]" if result.ok else "[yellow]reloaded back[/]" if _went_back(result)
+                 else "[yellow]not changed[/]" if result.left_alone else f"[red]failed at {result.stage}[/]"
+                 + (", reloaded back" if result.reloaded_back else ""))
         reload_s = human_seconds(result.report.wall_s) if result.report is not None else "-"
         table.add_row(escape(result.url), state, "layerwise" if result.method == "layerwise" else "vLLM reload_weights",
                       reload_s, human_seconds(result.paused_s) if result.paused_s else "-",
                       _HOLDS_TEXT.get(result.holds, result.holds),
                       escape(str(result.version_after)) if result.version_after is not None else "-")
     stdout.print(table)
-    failed = sum(1 for result in results if not result.ok)
-    verdict = (f"All {len(results)} server(s) reloaded." if not failed
-               else f"{failed} of {len(results)} server(s) failed.")
-    stdout.print(verdict)
+    failed = sum(1 for result in results if not result.ok and not _went_back(result) and not result.left_alone)
+    back = sum(1 for result in results if result.reloaded_back)
+    alone = sum(1 for result in results if result.left_alone)
+    if not failed and not back and not alone:
+        stdout.print(f"All {len(results)} server(s) reloaded.")
+        return
+    others = [f"{back} reloaded back to their previous weights" if back else "",
+              f"{alone} left as they were" if alone else ""]
+    tail = "; ".join(part for part in others if part)
+    stdout.print(f"{failed} of {len(results)} server(s) failed" + (f"; {tail}." if tail else "."))
+
+
+def _went_back(result: ServerResult) -> bool:
+    """Reloaded back whole, for another server's failure (it did not fail itself)."""
+    return result.stage == "back" and result.reloaded_back

@@ -62,6 +62,10 @@ def watch_command(
         "server.")] = False,
     timeout: Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds to wait for each request to a "
                                            "server, a reload included.")] = 600.0,
+    atomic: Annotated[bool | None, typer.Option(
+        "--atomic/--no-atomic", help="Bring the servers to each step all or nothing (default with more than one "
+        "--url): every server that answers is pre-flighted before any is paused, and reloaded back if another "
+        "fails. --no-atomic: each server on its own.", show_default=False)] = None,
 ) -> None:
     """Keep servers on the newest complete step of a training run, reloading each new one.
 
@@ -70,8 +74,10 @@ def watch_command(
     (a server's weight version is the step's directory name, so a restarted
     watch reloads nothing that is current). Broken steps are reported once and
     skipped; a server that stops answering is retried and brought up to date
-    when it returns. Ctrl-C or SIGTERM lets a running reload finish (no server
-    is left paused) and exits 0.
+    when it returns. With several servers, each step is loaded all or nothing
+    (--atomic): the fleet serves two versions for no longer than one reload.
+    Ctrl-C or SIGTERM lets a running reload finish (no server is left paused)
+    and exits 0.
 
     Example: layerwise watch /runs/exp1/weights --url http://127.0.0.1:8000 --url http://127.0.0.1:8001 --keep 3
     """
@@ -80,7 +86,7 @@ def watch_command(
     options = WatchOptions(patterns=tuple(pattern) if pattern else WatchOptions().patterns, marker=marker,
                            interval=interval, settle=settle, keep=keep, once=once, pause_mode=pause_mode,
                            pause_lease_s=pause_lease, api_key=api_key, verify=verify,
-                           allow_unchecked=allow_unchecked, timeout=timeout)
+                           allow_unchecked=allow_unchecked, timeout=timeout, atomic=atomic)
     if not root.is_dir():
         raise LayerwiseError("no such directory (the root the trainer writes steps into)", where=str(root))
     if marker != "auto" and ("/" in marker or marker in ("", ".", "..")):

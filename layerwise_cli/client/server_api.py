@@ -138,6 +138,14 @@ class ServerClient:
                                "VLLM_SERVER_DEV_MODE=1 (`layerwise serve` does)")
         return self._json(response, "GET /weight_info").get("weight_version")
 
+    def answers(self) -> bool:
+        """Whether the server answers at all now (GET /health, any status)."""
+        try:
+            self._request("GET", "/health", short=True)
+        except _ServerError:
+            return False
+        return True
+
     def weight_version_or_none(self) -> str | None:
         try:
             return self.weight_version()

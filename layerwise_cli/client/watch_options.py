@@ -28,6 +28,9 @@ class WatchOptions:
         allow_unchecked: with `verify`, accept layers it cannot check (they are
             listed); otherwise such a layer fails the step on that server.
         timeout: seconds allowed for one server's reload.
+        atomic: bring the servers to a step all or nothing (`client/fleet.py`): every server that is up is
+            pre-flighted before any is paused, and reloaded back if another fails; None: when there is more
+            than one server.
     """
 
     patterns: tuple[str, ...] = DEFAULT_PATTERNS
@@ -44,3 +47,4 @@ class WatchOptions:
     verify: bool = False
     allow_unchecked: bool = False
     timeout: float = 600.0
+    atomic: bool | None = None

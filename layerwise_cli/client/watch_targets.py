@@ -75,13 +75,31 @@ class ServerTarget:
 
         from layerwise_cli.client.remote import reload_server
 
-        result = reload_server(self.url, path, replace(self.options, weight_version=version))
-        report = result.report
-        return Outcome(ok=result.ok, holds=result.holds, error=result.error,
-                       failed_in_reload=result.stage in ("reload", "verify"), reached=result.reached,
-                       version=result.version_after, wall_s=report.wall_s if report else None,
-                       peak_bytes=report.peak_buffer_bytes if report else None,
-                       paused_s=result.paused_s or None, report=result.to_dict())
+        return outcome_of(reload_server(self.url, path, replace(self.options, weight_version=version)))
+
+
+def reload_together(targets: list[ServerTarget], path: str, version: str) -> dict[str, Outcome]:
+    """Reload PATH into every server of TARGETS all or nothing (`client/fleet.py`); target name -> its outcome."""
+    from dataclasses import replace
+
+    from layerwise_cli.client.fleet import reload_fleet
+
+    options = replace(targets[0].options, weight_version=version)
+    results = reload_fleet([target.url for target in targets], path, options)
+    return {target.name: outcome_of(result) for target, result in zip(targets, results)}
+
+
+def outcome_of(result) -> Outcome:
+    """A server's `ServerResult` as a watch outcome."""
+    report = result.report
+    # A server that died during its reload is down, and the step not to blame; nor is it for a server a fleet
+    # left alone or reloaded back (another server failed).
+    own = result.stage in ("preflight", "reload", "verify") and result.answering and not result.left_alone
+    return Outcome(ok=result.ok, holds=result.holds, error=result.error, failed_in_reload=own,
+                   reached=result.reached and result.answering, version=result.version_after,
+                   wall_s=report.wall_s if report else None,
+                   peak_bytes=report.peak_buffer_bytes if report else None,
+                   paused_s=result.paused_s or None, report=result.to_dict())
 
 
 class EngineTarget:

@@ -7,7 +7,6 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from layerwise_cli.checkpoint.steps import (
@@ -24,40 +23,14 @@ from layerwise_cli.client import watch_events as ev
 from layerwise_cli.client.server_api import HOLDS_PREVIOUS
 from layerwise_cli.client.watch_events import WatchEvent
 from layerwise_cli.client.watch_options import WatchOptions
-from layerwise_cli.client.watch_targets import Outcome, Target, TargetDown
+from layerwise_cli.client.watch_state import ServerState, WatchState
+from layerwise_cli.client.watch_targets import Outcome, Target, TargetDown, reload_together
 from layerwise_cli.errors import UsageError, one_line
 
 # Backoff for a server that does not answer: 0.5 s, 1 s, 2 s, ... up to this.
 _BACKOFF_MAX_S = 10.0
 # With --once, a server that failed this many times in a row is given up.
 _ONCE_TRIES = 3
-
-
-@dataclass
-class _Server:
-    target: Target
-    version: str | None = None  # what it holds, by its weight version; None: unknown
-    last_version: str | None = None  # the last version it was known to hold (kept while it is down)
-    seen: bool = False
-    up: bool | None = None
-    busy: str | None = None  # "probe", or the name of the step it is loading
-    # Its weights may differ from what its version names (a reload failed half-way): reload whatever it says.
-    dirty: bool = False
-    failures: int = 0
-    next_try: float = 0.0
-    next_probe: float = 0.0
-    wall_s: float | None = None
-    peak_bytes: int | None = None
-    error: str | None = None
-
-
-@dataclass
-class WatchState:
-    """Where the watch stands, for a live view (read it between events; the watcher updates it)."""
-
-    newest_seen: str | None = None
-    target: str | None = None
-    servers: dict[str, dict] = field(default_factory=dict)
 
 
 class Watcher:
@@ -80,7 +53,7 @@ class Watcher:
             raise UsageError(f"--keep must be at least 1, not {self.options.keep}")
         if self.options.interval <= 0 or self.options.settle < 0:
             raise UsageError("--interval must be positive and --settle not negative")
-        self._servers = {t.name: _Server(t) for t in targets}
+        self._servers = {t.name: ServerState(t) for t in targets}
         self._clock = clock
         self._wall = wall
         self._tracker = CompletenessTracker(self.options.marker, self.options.settle, clock)
@@ -219,22 +192,37 @@ class Watcher:
 
     def _schedule(self, pool: ThreadPoolExecutor) -> None:
         now = self._clock()
+        together = self._together()
+        waiting: list[ServerState] = []  # the servers to bring to the target together (--atomic)
+        target = self._target
+        if target is not None and target.name in self._broken:
+            target = None
         for server in self._servers.values():
-            if server.busy or now < server.next_try or self._stopping:
+            if server.busy or self._stopping:
                 continue
             if self.options.once and server.failures >= _ONCE_TRIES:
                 continue
-            target = self._target
-            if target is not None and target.name in self._broken:
-                target = None
-            if server.seen and server.up and target is not None and (server.dirty or server.version != target.name):
+            wants = server.seen and server.up and target is not None and (server.dirty or server.version != target.name)
+            if wants and together and server.target.threaded:
+                waiting.append(server)
+            elif now < server.next_try:
+                continue
+            elif wants:
                 self._start(pool, server, "reload", target)
             elif now >= server.next_probe:
                 # Once per interval: a server restarted on its base weights is found by its weight version.
                 server.next_probe = now + self.options.interval
                 self._start(pool, server, "probe", None)
+        # Together: once no server is busy (a probe may find one down) and none is waiting out a backoff.
+        if waiting and target is not None and not any(s.busy for s in self._servers.values()) \
+                and all(now >= s.next_try for s in waiting):
+            self._start_together(pool, waiting, target)
 
-    def _start(self, pool: ThreadPoolExecutor, server: _Server, job: str, step: StepDir | None) -> None:
+    def _together(self) -> bool:
+        threaded = sum(1 for s in self._servers.values() if s.target.threaded)
+        return self.options.atomic if self.options.atomic is not None else threaded > 1
+
+    def _start(self, pool: ThreadPoolExecutor, server: ServerState, job: str, step: StepDir | None) -> None:
         if job == "reload":
             assert step is not None
             server.busy = step.name
@@ -248,6 +236,21 @@ class Watcher:
             return
         future = pool.submit(_call, run)
         future.add_done_callback(lambda f: self._results.put((server.target.name, job, step, f.result())))
+
+    def _start_together(self, pool: ThreadPoolExecutor, servers: list[ServerState], step: StepDir) -> None:
+        """One all-or-nothing reload of SERVERS to STEP (`reload_together`); each server's outcome comes back alone."""
+        for server in servers:
+            server.busy = step.name
+            self._emit(ev.RELOAD_STARTED, step=step.name, server=server.target.name)
+        names = [server.target.name for server in servers]
+        targets = [server.target for server in servers]
+
+        def done(future) -> None:
+            ok, value = future.result()
+            for name in names:
+                self._results.put((name, "reload", step, (True, value[name]) if ok else (False, value)))
+
+        pool.submit(_call, lambda: reload_together(targets, str(step.path), step.name)).add_done_callback(done)
 
     def _handle(self, name: str, job: str, step: StepDir | None, result: tuple[bool, object]) -> None:
         server = self._servers[name]
@@ -268,7 +271,7 @@ class Watcher:
         if not self._stopping:
             self._maybe_clean()
 
-    def _up(self, server: _Server, version) -> None:
+    def _up(self, server: ServerState, version) -> None:
         if server.up is False:
             self._emit(ev.SERVER_BACK, server=server.target.name, version=version)
         elif not server.seen:
@@ -278,7 +281,7 @@ class Watcher:
         server.failures = 0
         server.next_try = 0.0
 
-    def _down(self, server: _Server, error) -> None:
+    def _down(self, server: ServerState, error) -> None:
         message = str(error) if isinstance(error, TargetDown) else _line(error)
         if server.up is not False:
             self._emit(ev.SERVER_DOWN, server=server.target.name, message=message)
@@ -288,7 +291,7 @@ class Watcher:
         server.failures += 1
         server.next_try = self._clock() + min(_BACKOFF_MAX_S, 0.5 * 2 ** (server.failures - 1))
 
-    def _reloaded(self, server: _Server, step: StepDir, outcome: Outcome) -> None:
+    def _reloaded(self, server: ServerState, step: StepDir, outcome: Outcome) -> None:
         name = server.target.name
         if outcome.ok:
             server.version = server.last_version = step.name

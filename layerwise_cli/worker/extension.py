@@ -11,12 +11,14 @@ from layerwise_cli.worker.beyond_vllm import online_quant  # noqa: F401 - regist
 from layerwise_cli.worker.proof.consensus import PeerFailed, all_ranks_agree
 from layerwise_cli.worker.proof.fingerprints import model_fingerprints
 from layerwise_cli.worker.proof.verify import verify_against_source
+from layerwise_cli.worker.reload.reload_plan import loaded_from, mark_loaded_from, plan_reload
 from layerwise_cli.worker.reload.rollback import roll_back
 from layerwise_cli.worker.reload.stream_reload import engine_config
 from layerwise_cli.worker.rpc import (
     ChecksumsAnswer,
     FingerprintsAnswer,
     PingAnswer,
+    PreflightAnswer,
     ReloadAnswer,
     VerifyAnswer,
 )
@@ -98,8 +100,29 @@ class LayerwiseWorkerExtension:
                                 rolled_back=touched.get("rolled_back", False),
                                 followed_another_rank=isinstance(exc, PeerFailed),
                                 position=rank_position(self).to_dict(), traceback=traceback.format_exc()).to_json()
-        self._layerwise_loaded_from = (source, revision)
+        mark_loaded_from(self, source, revision)
         return ReloadAnswer(ok=True, report=report.to_dict()).to_json()
+
+    def layerwise_preflight(self, source: str, revision: str | None = None, allow_partial: bool = False) -> dict:
+        """Pre-flight SOURCE as a reload would (its headers, this rank's plan, the checks); change nothing.
+
+        Also says where the weights this worker holds came from (`loaded_from`) and whether their headers can
+        still be read here: what a fleet reloads to go back when another server fails.
+        """
+        from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
+
+        try:
+            planned = plan_reload(self, source, revision=revision, allow_partial=allow_partial)
+            back, back_revision = loaded_from(self)
+            try:
+                open_checkpoint(str(resolve_local(back, back_revision)))
+                back_error = None
+            except Exception as exc:  # noqa: BLE001 - reported: the fleet decides
+                back_error = str(describe_exception(exc, where=back))
+            return PreflightAnswer(ok=True, rank=getattr(self, "rank", None), notes=list(planned.notes),
+                                   loaded_from=back, loaded_revision=back_revision, back_error=back_error).to_json()
+        except Exception as exc:  # noqa: BLE001 - an exception here would take the engine down
+            return PreflightAnswer(ok=False, error=str(describe_exception(exc))).to_json()
 
     def layerwise_checksums(self) -> dict:
         """SHA-256 of every engine tensor that keeps storage, and their storage pointers."""

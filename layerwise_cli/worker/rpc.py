@@ -19,6 +19,7 @@ RELOAD = "layerwise_reload"
 CHECKSUMS = "layerwise_checksums"
 FINGERPRINTS = "layerwise_fingerprints"
 VERIFY = "layerwise_verify"
+PREFLIGHT = "layerwise_preflight"
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,25 @@ class VerifyCall:
         return {"source": self.source, "revision": self.revision}
 
 
+@dataclass(frozen=True)
+class PreflightCall:
+    """Would SOURCE reload cleanly, and what does the engine hold now? Nothing changes. Answered by `PreflightAnswer`.
+
+    Attributes:
+        source: a checkpoint directory or file the workers read, or a Hub repo id.
+        revision: Hub revision for a repo id.
+        allow_partial: accept a checkpoint that covers only some parameters.
+    """
+
+    method: ClassVar[str] = PREFLIGHT
+    source: str
+    revision: str | None = None
+    allow_partial: bool = False
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"source": self.source, "revision": self.revision, "allow_partial": self.allow_partial}
+
+
 _DEFAULTS = {f.name: f.default for f in fields(ReloadCall)}
 
 
@@ -199,3 +219,23 @@ class VerifyAnswer(_Answer):
 
     ok_fields: ClassVar[tuple[str, ...]] = ("rank", "verify")
     failure_fields: ClassVar[tuple[str, ...]] = ("error", "traceback")
+
+
+@dataclass(frozen=True)
+class PreflightAnswer(_Answer):
+    """SOURCE passed this worker's pre-flight; where the weights it holds came from, and whether that is still there.
+
+    Attributes:
+        loaded_from: the source (and revision) of the weights this worker holds now: its last completed
+            reload, or the engine's model.
+        back_error: why `loaded_from` could not be read again here (deleted, truncated), or None: a fleet
+            that must be able to go back refuses a server it could not reload back.
+    """
+
+    rank: int | None = None
+    notes: list = field(default_factory=list)
+    loaded_from: str | None = None
+    loaded_revision: str | None = None
+    back_error: str | None = None
+
+    ok_fields: ClassVar[tuple[str, ...]] = ("rank", "notes", "loaded_from", "loaded_revision", "back_error")

@@ -53,8 +53,10 @@ class RunningServer:
 
     def __init__(self, model: Path | str, *, kind: str = "layerwise", api_key: str | None = None,
                  extra: list[str] | None = None, env: dict[str, str] | None = None,
-                 start_timeout: float = 300.0) -> None:
+                 start_timeout: float = 300.0, cwd: Path | None = None) -> None:
         self.model = str(model)
+        # Its working directory: a relative SOURCE path resolves there (a node's own disk, in the fleet tests).
+        self.cwd = cwd or ROOT
         self.kind = kind
         self.api_key = api_key
         self._env = dict(env or {})
@@ -89,7 +91,7 @@ class RunningServer:
     def start(self) -> RunningServer:
         argv, env = self.command()
         # A session of its own: stop() signals the server and every process it spawned.
-        self._proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+        self._proc = subprocess.Popen(argv, env=env, cwd=self.cwd, stdout=self._log, stderr=subprocess.STDOUT,
                                       start_new_session=True)
         deadline = time.monotonic() + self._start_timeout
         while time.monotonic() < deadline:

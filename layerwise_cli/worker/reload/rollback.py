@@ -7,6 +7,7 @@ import torch
 from layerwise_cli import vllm_compat
 from layerwise_cli.errors import LayerwiseError, describe_exception
 from layerwise_cli.worker.proof.consensus import PeerFailed
+from layerwise_cli.worker.reload.reload_plan import loaded_from
 from layerwise_cli.worker.reload.stream_reload import stream_reload
 from layerwise_cli.worker.state.layer_records import records_of
 
@@ -14,8 +15,7 @@ from layerwise_cli.worker.state.layer_records import records_of
 def roll_back(worker, touched: dict, failure: BaseException):
     """After a reload failed on this rank or another, reload what this rank had before, then raise."""
     error = describe_exception(failure)
-    previous = getattr(worker, "_layerwise_loaded_from", None)
-    source, revision = previous or (str(worker.model_runner.model_config.model), None)
+    source, revision = loaded_from(worker)
 
     records = records_of(worker)
     discard_partial_reload(worker.model_runner.get_model())

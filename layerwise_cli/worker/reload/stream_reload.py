@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import torch
 
-from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
 from layerwise_cli.engine_defaults import fixups_disabled
 from layerwise_cli.errors import LayerwiseError, describe_exception
 from layerwise_cli.planning.plan import simulate_buffering
@@ -28,13 +27,11 @@ from layerwise_cli.worker.reload.completion import (
     unloaded_layer_watch,
     unloaded_message,
 )
-from layerwise_cli.worker.reload.preflight import preflight, reference_checkpoint, refuse_direct_mode
 from layerwise_cli.worker.reload.probe import BufferProbe, process_disk_read_bytes
+from layerwise_cli.worker.reload.reload_plan import plan_reload
 from layerwise_cli.worker.reload.skip_plan import SkipPlan, quiet_skipped_layers
 from layerwise_cli.worker.state.layer_records import REASON_UNCHANGED, LayerRecords
-from layerwise_cli.worker.state.plan_cache import plan_cache_of, structure_key
 from layerwise_cli.worker.stream.in_place import in_place_materialization
-from layerwise_cli.worker.stream.rank_plan import plan_for_worker, rank_position
 from layerwise_cli.worker.stream.read_ahead import OpenStream, open_stream
 from layerwise_cli.worker.stream.read_order import pipelined_order
 from layerwise_cli.worker.stream.shards import ShardReader
@@ -103,26 +100,11 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
     if order not in ORDERS:
         raise LayerwiseError(f"unknown order {order!r}: use layer or file")
     try:
-        refuse_direct_mode()
+        planned = plan_reload(worker, source, revision=revision, allow_partial=allow_partial)
         model = worker.model_runner.get_model()
-        model_config = worker.model_runner.model_config
-        local = resolve_local(source, revision)
-        checkpoint = replace(open_checkpoint(str(local)), source=source)
-        hf_config = model_config.hf_config.to_dict() if hasattr(model_config.hf_config, "to_dict") else None
-        position = rank_position(worker)
+        local, checkpoint, position, mine, notes = (planned.local, planned.checkpoint, planned.position,
+                                                    planned.mine, planned.notes)
         tp_size, tp_rank = position.tp_size, position.tp_rank
-        # Only the tensors this rank holds: its pipeline stage, its experts. The same structure as last time
-        # (a trainer's next step) reuses last time's plan and pre-flight.
-        cache = plan_cache_of(worker)
-        key = structure_key(checkpoint, allow_partial)
-        cached = cache.get(key)
-        if cached is not None:
-            mine, notes = cached
-        else:
-            mine = plan_for_worker(checkpoint, model, hf_config, position,
-                                   reference_checkpoint(str(model_config.model)))
-            notes = preflight(mine.plan, model, mine.vllm_names, mine.reference, allow_partial=allow_partial)
-            cache.put(key, mine, notes)
         plan = mine.plan
         # The probe and the prediction both speak engine module names. Tensors vLLM's loader skips on
         # purpose (no parent layer) are not read: vLLM would drop them unread too.

@@ -1,0 +1,71 @@
+"""A reload's plan on one worker, made before anything changes: SOURCE opened, planned for this rank, pre-flighted.
+
+`stream_reload` runs it first; the `layerwise_preflight` RPC runs only it, so
+that a fleet can check every server before it pauses any (`client/fleet.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from layerwise_cli.checkpoint.sources import Checkpoint, open_checkpoint, resolve_local
+from layerwise_cli.worker.reload.preflight import preflight, reference_checkpoint, refuse_direct_mode
+from layerwise_cli.worker.state.plan_cache import plan_cache_of, structure_key
+from layerwise_cli.worker.stream.rank_plan import RankPosition, WorkerPlan, plan_for_worker, rank_position
+
+_LOADED_FROM = "_layerwise_loaded_from"
+
+
+@dataclass
+class PlannedReload:
+    """What pre-flight found: SOURCE on this machine, its headers, this rank's plan and the report's notes."""
+
+    local: Path
+    checkpoint: Checkpoint
+    position: RankPosition
+    mine: WorkerPlan
+    notes: list[str]
+
+
+def plan_reload(worker, source: str, *, revision: str | None = None, allow_partial: bool = False) -> PlannedReload:
+    """Open SOURCE, plan this rank's share of it and pre-flight it against the engine; change nothing.
+
+    The same structure as last time (a trainer's next step) reuses last time's
+    plan and pre-flight (`plan_cache`).
+
+    Raises:
+        LayerwiseError: SOURCE cannot be read, or cannot be loaded cleanly into this engine.
+    """
+    refuse_direct_mode()
+    model = worker.model_runner.get_model()
+    model_config = worker.model_runner.model_config
+    local = resolve_local(source, revision)
+    checkpoint = replace(open_checkpoint(str(local)), source=source)
+    hf_config = model_config.hf_config.to_dict() if hasattr(model_config.hf_config, "to_dict") else None
+    position = rank_position(worker)
+    # Only the tensors this rank holds: its pipeline stage, its experts.
+    cache = plan_cache_of(worker)
+    key = structure_key(checkpoint, allow_partial)
+    cached = cache.get(key)
+    if cached is not None:
+        mine, notes = cached
+    else:
+        mine = plan_for_worker(checkpoint, model, hf_config, position, reference_checkpoint(str(model_config.model)))
+        notes = preflight(mine.plan, model, mine.vllm_names, mine.reference, allow_partial=allow_partial)
+        cache.put(key, mine, notes)
+    return PlannedReload(local, checkpoint, position, mine, notes)
+
+
+def loaded_from(worker) -> tuple[str, str | None]:
+    """(source, revision) of the weights this worker holds: its last completed reload, else the engine's model."""
+    previous = getattr(worker, _LOADED_FROM, None)
+    if previous is not None:
+        return previous
+    model_config = worker.model_runner.model_config
+    return str(model_config.model), getattr(model_config, "revision", None)
+
+
+def mark_loaded_from(worker, source: str, revision: str | None) -> None:
+    """Record that WORKER now holds SOURCE (at REVISION): what a rollback, or a fleet going back, reloads."""
+    setattr(worker, _LOADED_FROM, (source, revision))
