@@ -16,12 +16,11 @@ from __future__ import annotations
 import json
 import threading
 
-import httpx
 import pytest
 
 from tests.support.engine_support import reshard
 from tests.support.server_support import RunningServer, own_core, run_cli
-from tests.support.watch_support import start_servers
+from tests.support.watch_support import start_servers, weight_version
 
 pytestmark = pytest.mark.server
 
@@ -76,15 +75,11 @@ def nan_in_final_norm(tensors: dict) -> dict:
     return tensors
 
 
-def weight_version(server: RunningServer) -> str:
-    return httpx.get(f"{server.url}/weight_info", timeout=10).json()["weight_version"]
-
-
 def snapshot(fleet) -> list[tuple]:
     """What each server holds: its answers, every module's fingerprint, its tag; and that it is not paused."""
     from layerwise_cli.client.remote import server_fingerprints
 
-    return [(server.answers(PAIRS), server_fingerprints(server.url), weight_version(server), server.is_paused())
+    return [(server.answers(PAIRS), server_fingerprints(server.url), weight_version(server.url), server.is_paused())
             for server in fleet]
 
 
@@ -190,11 +185,11 @@ def test_a_server_whose_previous_step_was_deleted_is_updated_and_named_when_it_c
         first, second, moe = results
         assert any("could not be reloaded back" in w and held in w for w in first.warnings), first.warnings
         assert not moe.ok and moe.stage == "reload"
-        assert second.reloaded_back and weight_version(fleet[1]) == held
+        assert second.reloaded_back and weight_version(fleet[1].url) == held
         assert fleet[1].answers(PAIRS) == expected("add")
         # The first could not go back: it holds the step, says so, and its tag names it.
         assert not first.reloaded_back and first.holds == "new" and "reloading it back failed" in first.error
-        assert fleet[0].answers(PAIRS) == expected("multiply") and weight_version(fleet[0]) == "v-next"
+        assert fleet[0].answers(PAIRS) == expected("multiply") and weight_version(fleet[0].url) == "v-next"
         assert holdings(results, STEP)[0] == f"{fleet[0].url}: holds {STEP} (weight version 'v-next')"
     finally:
         # Every server back on the model it started on, for the next test.
@@ -210,15 +205,17 @@ def test_a_server_killed_mid_reload_leaves_the_others_on_their_previous_weights(
     before = snapshot(fleet)[:2]
     victim = fleet[2]
     killed = threading.Event()
+    killer = threading.Timer(0.02, victim.kill)
 
     def on_event(url: str, event: str, data: dict) -> None:
         if url == victim.url and event == "paused" and not killed.is_set():
             killed.set()
             # As its reload request leaves (a reload of the demo takes a few hundred ms; the others reload
             # meanwhile): the request finds it dying, or dies with it.
-            threading.Timer(0.02, victim.kill).start()
+            killer.start()
 
     results = reload_servers([s.url for s in fleet], STEP, RemoteOptions(weight_version="v-next"), on_event)
+    killer.join(timeout=120)  # the kill reaps the whole process group; the fleet may be done before that
     assert killed.is_set() and not victim.alive()
     *survivors, dead = results
     assert not dead.ok and not dead.answering

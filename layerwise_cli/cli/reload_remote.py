@@ -9,6 +9,7 @@ from rich.table import Table
 
 from layerwise_cli.cli._output import print_json, report_error, stderr, stdout
 from layerwise_cli.cli._reload_view import render_report, render_verify
+from layerwise_cli.client.fleet import all_or_nothing
 from layerwise_cli.client.remote import ServerResult, holdings, reload_servers
 from layerwise_cli.client.server_api import HOLDS_NEW, RemoteOptions
 from layerwise_cli.units import human_seconds
@@ -62,14 +63,14 @@ def reload_remote(urls: list[str], source: str, options: RemoteOptions, as_json:
             elif event == "resumed":
                 stderr.print(f"{where}: generation resumed after {human_seconds(data['paused_s'])} paused")
 
-    all_or_nothing = atomic if atomic is not None else len(urls) > 1
+    atomic = all_or_nothing(atomic, len(urls))
     if not as_json:
-        rule = ", all or nothing" if all_or_nothing and len(urls) > 1 else ""
+        rule = ", all or nothing" if atomic and len(urls) > 1 else ""
         stderr.print(f"Reloading {escape(source)} into {len(urls)} server(s){rule} ...")
-    results = reload_servers(urls, source, options, on_event=on_event, atomic=all_or_nothing)
+    results = reload_servers(urls, source, options, on_event=on_event, atomic=atomic)
     ok = all(result.ok for result in results)
     if as_json:
-        print_json({"ok": ok, "source": source, "atomic": all_or_nothing,
+        print_json({"ok": ok, "source": source, "atomic": atomic,
                     "servers": [result.to_dict() for result in results],
                     "holdings": holdings(results, source)})
     else:

@@ -54,6 +54,11 @@ def reload_fleet(urls: list[str], source: str, options: RemoteOptions,
     return results
 
 
+def all_or_nothing(atomic: bool | None, servers: int) -> bool:
+    """Whether an update of SERVERS servers is all or nothing: `--atomic`/`--no-atomic`, else when there are several."""
+    return atomic if atomic is not None else servers > 1
+
+
 def _because(runs: list[ServerReload], when: str) -> str:
     first = runs[0]
     more = f" (and {len(runs) - 1} more)" if len(runs) > 1 else ""

@@ -53,9 +53,9 @@ def reload_servers(urls: list[str], source: str, options: RemoteOptions | None =
         from layerwise_cli.errors import UsageError
 
         raise UsageError("the same server URL is given twice")
-    if atomic if atomic is not None else len(urls) > 1:
-        from layerwise_cli.client.fleet import reload_fleet
+    from layerwise_cli.client.fleet import all_or_nothing, reload_fleet
 
+    if all_or_nothing(atomic, len(urls)):
         return reload_fleet(urls, source, options, on_event)
     with ThreadPoolExecutor(max_workers=max(1, len(urls)), thread_name_prefix="layerwise-remote") as pool:
         return list(pool.map(lambda url: reload_server(url, source, options, on_event), urls))

@@ -20,6 +20,7 @@ from layerwise_cli.checkpoint.steps import (
     steps_to_delete,
 )
 from layerwise_cli.client import watch_events as ev
+from layerwise_cli.client.fleet import all_or_nothing
 from layerwise_cli.client.server_api import HOLDS_PREVIOUS
 from layerwise_cli.client.watch_events import WatchEvent
 from layerwise_cli.client.watch_options import WatchOptions
@@ -219,8 +220,7 @@ class Watcher:
             self._start_together(pool, waiting, target)
 
     def _together(self) -> bool:
-        threaded = sum(1 for s in self._servers.values() if s.target.threaded)
-        return self.options.atomic if self.options.atomic is not None else threaded > 1
+        return all_or_nothing(self.options.atomic, sum(1 for s in self._servers.values() if s.target.threaded))
 
     def _start(self, pool: ThreadPoolExecutor, server: ServerState, job: str, step: StepDir | None) -> None:
         if job == "reload":

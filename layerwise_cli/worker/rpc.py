@@ -229,7 +229,7 @@ class PreflightAnswer(_Answer):
         loaded_from: the source (and revision) of the weights this worker holds now: its last completed
             reload, or the engine's model.
         back_error: why `loaded_from` could not be read again here (deleted, truncated), or None: a fleet
-            that must be able to go back refuses a server it could not reload back.
+            still updates such a server, with a warning, and says so if it cannot reload it back.
     """
 
     rank: int | None = None
