@@ -18,6 +18,22 @@ from layerwise_cli.errors import describe_exception
 from layerwise_cli.worker.extension import LayerwiseWorkerExtension
 
 BENCH_EXTENSION_CLS = "benchmarks.bench_extension.BenchWorkerExtension"
+# Set by `bench_reload --linear-fallback`: vLLM's CPU GEMM dispatch takes its `F.linear` fallback on the stored
+# weight (as on an AVX2 CPU: no oneDNN, no SGL kernel), so the dense linear layers keep their loaded layout and
+# load in place, as on a GPU. Applied when the worker imports this module, before it loads the model.
+LINEAR_FALLBACK_ENV = "LAYERWISE_BENCH_LINEAR_FALLBACK"
+
+
+def _take_linear_fallback() -> None:
+    from vllm import _custom_ops
+    from vllm.model_executor.layers import utils
+
+    _custom_ops._supports_onednn = False
+    utils.check_cpu_sgl_kernel = lambda *args: False
+
+
+if os.environ.get(LINEAR_FALLBACK_ENV):
+    _take_linear_fallback()
 
 
 class BenchWorkerExtension(LayerwiseWorkerExtension):
@@ -42,6 +58,16 @@ class BenchWorkerExtension(LayerwiseWorkerExtension):
         so memory stays flat.
         """
         return _guard(lambda: _read(self, source, order))
+
+    def layerwise_bench_read_into(self, source: str, order: str = "layer") -> dict:
+        """(d-place) the read-into-place limit: every tensor read from its file into a tensor of its shape.
+
+        The tensors are allocated and touched first (untimed), as the engine's
+        own tensors are; then only the reads are timed: `os.preadv` of each
+        tensor's bytes into its tensor, in the chunks reading into place uses,
+        nothing checked, hashed or handed to vLLM. CPU only.
+        """
+        return _guard(lambda: _read_into(self, source, order))
 
     def layerwise_bench_floor(self, source: str, order: str = "layer") -> dict:
         """(e) the engine's floor: vLLM's layerwise reload fed from tensors already in memory.
@@ -257,6 +283,40 @@ def _read(worker, source: str, order: str) -> dict:
         loader.finish()
     return {"ok": True, "seconds": time.perf_counter() - start, "bytes": total, "tensors": len(stream),
             "order": order, "device": str(device)}
+
+
+def _read_into(worker, source: str, order: str) -> dict:
+    import struct
+
+    import torch
+
+    from layerwise_cli.checkpoint.sources import shard_file
+    from layerwise_cli.worker.stream.read_into_place import CHUNK_BYTES, _read_fully
+
+    folder, _plan, _, stream = _engine_stream(worker, source, order)
+    if _device(worker).type != "cpu":
+        return {"ok": False, "error": "reading into place is the CPU path"}
+    # Allocated and touched before the clock starts, as the engine's tensors are.
+    targets = [torch.ones(item.entry.nbytes, dtype=torch.uint8) for item in stream]
+    files: dict[str, tuple[int, int, str]] = {}
+    for item in stream:
+        if item.entry.shard not in files:
+            path = str(shard_file(folder, item.entry.shard, str(folder)))
+            fd = os.open(path, os.O_RDONLY)
+            files[item.entry.shard] = (fd, 8 + struct.unpack("<Q", os.pread(fd, 8, 0))[0], path)
+    start = time.perf_counter()
+    try:
+        for item, target in zip(stream, targets):
+            fd, data_start, path = files[item.entry.shard]
+            for begin in range(0, target.numel(), CHUNK_BYTES):
+                chunk = target[begin:begin + CHUNK_BYTES].numpy()
+                _read_fully(fd, chunk, data_start + item.entry.begin + begin, path)
+        seconds = time.perf_counter() - start
+    finally:
+        for fd, _, _ in files.values():
+            os.close(fd)
+    return {"ok": True, "seconds": seconds, "bytes": sum(t.numel() for t in targets), "tensors": len(stream),
+            "order": order, "device": "cpu"}
 
 
 def _floor(worker, source: str, order: str) -> dict:

@@ -16,9 +16,13 @@ extension, and for each checkpoint times, interleaved, `--runs` runs of:
     c-nocheck layerwise, --order layer, --allow-nonfinite (what the NaN/Inf check costs)
     c-fresh layerwise, --order layer, every layer in vLLM's fresh buffers (what loading
            in place saves: `worker/stream/in_place.py`)
+    c-place layerwise, --order layer, reading into place on (`LAYERWISE_READ_INTO_PLACE=1`:
+           plain-copy tensors read from the file straight into the engine's tensors)
     d      the read limit: every tensor read with safetensors into memory the
            worker owns, nothing else, in the worker process (CPU: an anonymous
            copy of each tensor; CUDA: the stream's pinned staging, then the device)
+    d-place the read-into-place limit (CPU): every tensor read from its file with
+           `os.preadv` into a preallocated, touched tensor of its shape, nothing else
     e      the engine's floor: vLLM's layerwise reload fed from tensors already
            in memory, only vLLM's loading and processing timed (CPU:
            safetensors' views with every page already mapped, which vLLM copies
@@ -31,8 +35,11 @@ without, (h) `save_checkpoint`'s output of f; each timed as a (vLLM's own
 reload of it), c (layerwise, skipping unchanged layers) and d (its read limit).
 b and c above reload every layer (skipping off), as a full change must.
 
+`--linear-fallback` makes vLLM compute dense linear layers with its `F.linear`
+fallback on this CPU (as on an AVX2 CPU), so they load in place as on a GPU.
+
 a, b, c are timed in this process around the call (what a user waits for);
-d and e inside the worker (the call's round trip is a few ms). The page cache
+d, d-place and e inside the worker (the call's round trip is a few ms). The page cache
 is warm for all of them: every shard is read once before the first run, and
 one untimed round of every variant comes first (`--warmup`).
 
@@ -128,6 +135,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="write the full-change checkpoints with `layerwise.digests` in their headers (as "
                              "reorder and save_checkpoint do): c then spot-checks nothing (every layer changes) "
                              "and hashes nothing")
+    parser.add_argument("--linear-fallback", action="store_true",
+                        help="CPU: make vLLM compute dense linear layers with its F.linear fallback (as on an AVX2 "
+                             "CPU), so they keep their loaded layout and load in place, as on a GPU")
     parser.add_argument("--label", default="bench_reload", help="names the output files and the table")
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for the JSON and PNG")
     parser.add_argument("--verbose", action="store_true", help="keep vLLM's INFO logs")
@@ -168,7 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     import torch
 
-    from benchmarks.bench_extension import BENCH_EXTENSION_CLS
+    from benchmarks.bench_extension import BENCH_EXTENSION_CLS, LINEAR_FALLBACK_ENV
+
+    if args.linear_fallback:
+        os.environ[LINEAR_FALLBACK_ENV] = "1"  # read by the worker as it imports the benchmark's extension
     from layerwise_cli import __version__
     from layerwise_cli.client.local import EngineOptions, cuda_available, start_engine, stop_engine
 
@@ -257,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             "args": {"size_gib": args.size_gib, "runs": args.runs, "warmup": args.warmup, "quick": args.quick,
                      "preset": args.preset, "layouts": args.layouts, "variants": args.variants,
                      "cases": args.cases, "delta_variants": args.delta_variants,
-                     "header_digests": args.header_digests,
+                     "header_digests": args.header_digests, "linear_fallback": args.linear_fallback,
                      "quantization": args.quantization, "max_model_len": args.max_model_len,
                      "memory_fraction": fraction, "kv_cache_bytes": kv_bytes, "time_budget": args.time_budget},
             "model": {"layers": model.layers, "hidden": model.hidden, "intermediate": model.intermediate,
@@ -267,8 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             "checkpoint_write_s": write_s,
             "engine": {"start_s": engine_start_s, **{k: v for k, v in info.items() if k != "ok"}},
             "page_cache": "warm for all variants (every shard read once, then --warmup untimed rounds)",
-            "timing": "a, b, c, c-nora: wall time in the bench process around collective_rpc; "
-                      "d, e: inside the worker",
+            "timing": "a, b, c, c-*: wall time in the bench process around collective_rpc; "
+                      "d, d-place, e: inside the worker",
             "results": results,
             "delta": None if delta is None else {
                 "base": delta["base"], "changed_layers": delta["changed_layers"],

@@ -123,3 +123,30 @@ def test_in_place_layers_merge_as_every_rank_did_them_and_show_in_the_table(monk
     monkeypatch.setattr(_reload_view, "stdout", Console(file=out, width=200, no_color=True))
     _reload_view.render_report(report(0, 3000, 0.1), title="Reload")
     assert "none of 3 layers: vLLM materialized each in fresh tensors" in out.getvalue()
+
+
+def test_layers_read_into_place_merge_as_every_rank_did_them_and_show_in_the_in_place_line(monkeypatch):
+    """A layer counts as read into place only where every rank read it so; the in-place line says how many."""
+    from dataclasses import replace
+
+    from layerwise_cli.cli import _reload_view
+
+    def ranked(rank: int, read: bool) -> ReloadReport:
+        base = report(rank, 3000, 0.1)
+        layers = [replace(base.layers[0], in_place=True, read_into_place=read), *base.layers[1:]]
+        return replace(base, layers=layers, in_place_layers=1, in_place_bytes=1000,
+                       read_into_place_layers=int(read), read_into_place_bytes=1000 * read)
+
+    mixed = merge_reports([ranked(0, True), ranked(1, False)])
+    assert [layer.read_into_place for layer in mixed.layers] == [False, False, False]
+    both = merge_reports([ranked(0, True), ranked(1, True)])
+    assert [layer.read_into_place for layer in both.layers] == [True, False, False]
+    assert both.read_into_place_layers == 1 and ReloadReport.from_dict(both.to_dict()) == both
+    out = io.StringIO()
+    monkeypatch.setattr(_reload_view, "stdout", Console(file=out, width=250, no_color=True))
+    _reload_view.render_report(both, title="Reload")
+    assert "1 read from the file straight into them (1000 B)" in out.getvalue()
+    out = io.StringIO()
+    monkeypatch.setattr(_reload_view, "stdout", Console(file=out, width=250, no_color=True))
+    _reload_view.render_report(ranked(0, False), title="Reload")
+    assert "read from the file straight" not in out.getvalue()

@@ -123,10 +123,10 @@ def count_nonfinite(tensor, dtype: str | None = None) -> tuple[int, int]:
 
 def any_suspect(tensors: Iterable[object]) -> bool:
     """Whether any of the tensors may hold NaN or Inf (`suspect_flag`), with one read-back."""
-    return _any_flag(suspect_flag(tensor) for tensor in tensors)
+    return any_flag(suspect_flag(tensor) for tensor in tensors)
 
 
-def _any_flag(flags: Iterable[object]) -> bool:
+def any_flag(flags: Iterable[object]) -> bool:
     """Whether any of the `suspect_flag` results (None: cannot hold NaN/Inf) is set: one read-back for all."""
     import torch
 
@@ -142,7 +142,7 @@ def first_nonfinite(tensors: Iterable[tuple[str, str, object]]) -> NonFinite | N
     that produced the tensors.
     """
     group = [(name, shard, tensor, suspect_flag(tensor)) for name, shard, tensor in tensors]
-    if not _any_flag(flag for *_, flag in group):
+    if not any_flag(flag for *_, flag in group):
         return None
     for name, shard, tensor, flag in group:
         if flag is not None and bool(flag):

@@ -13,11 +13,13 @@ from pathlib import Path
 import torch
 
 from layerwise_cli.checkpoint.digests import layer_digest, tensor_digest
-from layerwise_cli.checkpoint.finite import first_nonfinite, first_nonfinite_shared, refusal
+from layerwise_cli.checkpoint.finite import any_flag, first_nonfinite, first_nonfinite_shared, refusal
 from layerwise_cli.checkpoint.samples import buffer_sample
 from layerwise_cli.planning.plan import PlannedTensor
 from layerwise_cli.worker.stream.cpu_placement import move_to, spare_cpus
 from layerwise_cli.worker.stream.hash_backlog import HashBacklog
+from layerwise_cli.worker.stream.open_stream import OpenStream
+from layerwise_cli.worker.stream.read_into_place import PlaceReader
 from layerwise_cli.worker.stream.shards import ShardReader, layer_batches, raw_bytes
 from layerwise_cli.worker.stream.staging import copy_in_chunks, handed_over, staging_threads, to_device
 from layerwise_cli.worker.stream.stats import ReadAheadStats
@@ -34,27 +36,6 @@ def read_in_order(stream: list[PlannedTensor], folder: Path, **options) -> Itera
         yield from opened
     finally:
         opened.close()
-
-
-class OpenStream:
-    """A stream `open_stream` started: iterate it once; `close` it in any case (it stops the reading thread)."""
-
-    def __init__(self, tensors: Iterator, abort: Callable[[], None], wake: Callable[[], None]) -> None:
-        self._tensors = tensors
-        self._abort = abort
-        self._wake = wake
-
-    def __iter__(self) -> Iterator[tuple[PlannedTensor, torch.Tensor]]:
-        return self._tensors
-
-    def wake(self) -> None:
-        """Tell the reading thread that new idle work is there (any thread may call it)."""
-        self._wake()
-
-    def close(self) -> None:
-        """Stop reading and let go of the shards (a no-op once the stream was read to its end)."""
-        self._tensors.close()  # runs the stream's own clean-up when it was started
-        self._abort()
 
 
 def open_stream(
@@ -74,6 +55,7 @@ def open_stream(
     copy_threads: int | None = None,
     ahead_bytes: int | None = None,
     idle: Callable[[], bool] | None = None,
+    into_place: PlaceReader | None = None,
 ) -> OpenStream:
     """Start reading STREAM; iterating the result yields (planned tensor, tensor) in stream order.
 
@@ -84,18 +66,14 @@ def open_stream(
     With `readahead`, a thread reads the next parent layers while the engine
     loads and processes the current one, at most `ahead_bytes` of layers the
     engine has not started (always at least one layer). On CPU the tensors are
-    safetensors' views of the file mapping (no copy: holding them costs
-    mapped page cache, not memory of their own), so the reader may run two of
-    the largest layers ahead: a small layer (a norm) takes the engine no time,
-    and a reader only one layer ahead would make it wait for the next. On a CUDA
-    device, tensors are staged in pinned host memory (copied by a few
-    threads) and copied to the device asynchronously on a side stream, so the
-    engine's processing (online quantization) runs on the device.
-
-    On the CPU, the reading thread moves beside the cores vLLM bound the
-    worker to (`cpu_placement`), and a layer the engine waits for (the first
-    one always) is checked by two threads: the reader and one on the engine's
-    idle cores.
+    safetensors' views of the file mapping (holding them costs mapped page
+    cache, not memory of their own), so the reader may run two of the largest
+    layers ahead (a small layer takes the engine no time). On a CUDA device,
+    tensors are staged in pinned host memory by a few threads and copied to the
+    device asynchronously on a side stream. On the CPU, the reading thread moves
+    beside the cores vLLM bound the worker to (`cpu_placement`), and a layer the
+    engine waits for (the first one always) is checked by two threads: the
+    reader and one on the engine's idle cores.
 
     Args:
         stream: tensors in the order to hand them over.
@@ -131,6 +109,8 @@ def open_stream(
             hashing backlog: called until it returns False (nothing to do now),
             and again after `OpenStream.wake`, and after the stream until the
             caller waits for the thread (`stats.hashing_done`).
+        into_place: reads the tensors it plans straight into the engine's tensors, checked, sampled and
+            hashed in one pass, once vLLM's reload began (`read_into_place`; CPU only).
 
     Returns:
         An `OpenStream` (iterate it once; close it in any case), yielding each planned tensor with its data.
@@ -196,38 +176,63 @@ def open_stream(
             return True
         return False
 
+    def mapped(item: PlannedTensor) -> torch.Tensor:
+        tensor = reader.read(item)  # safetensors' view of the file: handed to vLLM, whose copy from it is skipped
+        if last_of_shard.get(item.entry.shard) is item:
+            reader.release(item.entry.shard)
+        return tensor
+
     def load_batch(batch: list[PlannedTensor], nbytes: int) -> list[tuple] | None:
         """Read one parent layer (NBYTES: its tensors' bytes); with `check_finite`, refuse it if any holds NaN or Inf.
 
         None when the layer is hashed and `skip_layer` drops it.
         """
         parent = batch[0].parent
-        read = [read_host(item) for item in batch]
+        may_drop = skip_layer is not None and parent is not None and parent in hash_layers and runs[parent] == 1
+        placing = into_place.to_place(batch, may_drop, may_skip) if into_place is not None and not cuda else set()
+        if placing and not into_place.wait_for_engine(stop):
+            return None  # stopped before vLLM began: nothing read, nothing changed
+        # The engine waits for this layer (the first always): its idle core checks part of it. A layer read into
+        # place is always shared: the copy moved from the engine's thread to the reading side.
+        share = helper.submit if helper is not None and (not stats.read_layers or engine_waiting.is_set()) else None
+        placed = into_place.read_layer([item for item in batch if item.entry.name in placing], mapped, stats, samples,
+                                       digests, check=check_finite, digest=parent in hash_layers,
+                                       submit=helper.submit if helper is not None else None) if placing else {}
+        read = [(placed[item.entry.name].mapped,) * 2 if item.entry.name in placed else read_host(item)
+                for item in batch]
         if parent in hash_layers:
             # Hashed in full only when the hash can decide a skip now: the layer is whole in this run and its
-            # samples equal its record's. A changed layer (a full change: every one) costs no hash at all.
-            if skip_layer is not None and parent is not None and runs[parent] == 1 and (
-                    may_skip is None or may_skip(parent, {item.entry.name: samples[item.entry.name]
-                                                          for item in batch})):
+            # samples equal its record's. A changed layer (a full change: every one) costs no hash at all, except
+            # the tensors read into place: hashed in that pass, while their bytes are in the cache.
+            if not placing and may_drop and (may_skip is None or may_skip(
+                    parent, {item.entry.name: samples[item.entry.name] for item in batch})):
                 hash_batch(batch, [raw for _, raw in read])
                 if dropped(batch):
                     return None
-            elif readahead:
-                backlog.add(batch, [raw for _, raw in read], nbytes)
             else:
-                stats.unhashed_layers += 1
+                rest = [(item, raw) for item, (_, raw) in zip(batch, read) if item.entry.name not in digests]
+                if rest and readahead:
+                    backlog.add([item for item, _ in rest], [raw for _, raw in rest], nbytes)
+                elif rest:
+                    stats.unhashed_layers += 1
         loaded = [(item, *to_device(host, device, copy_stream)) for item, (host, _) in zip(batch, read)]
         if check_finite:
             start = time.perf_counter()
-            tensors = [(item.entry.name, item.entry.shard, tensor) for item, tensor, _ in loaded]
-            if cuda:
+            tensors = [(item.entry.name, item.entry.shard, tensor) for item, tensor, _ in loaded
+                       if item.entry.name not in placed]
+            found = None
+            if placed and any_flag(flag for done in placed.values() for flag in done.flags):
+                # A flag is a suspicion (a sum can overflow): counted exactly in what was read into place.
+                found = next((hit for hit in (into_place.nonfinite(item) for item in batch
+                                              if item.entry.name in placed) if hit is not None), None)
+            if found is not None or not tensors:
+                pass
+            elif cuda:
                 # Reduced on the device, after the copies, on their stream: one read-back per layer.
                 with torch.cuda.stream(copy_stream):
                     found = first_nonfinite(tensors)
-            elif helper is not None and (not stats.read_layers or engine_waiting.is_set()) and (
-                    nbytes >= _SHARED_CHECK_BYTES):
-                # The engine waits for this layer (the first one always does): its core is idle, so it checks half.
-                found = first_nonfinite_shared(tensors, helper.submit)
+            elif share is not None and nbytes >= _SHARED_CHECK_BYTES:
+                found = first_nonfinite_shared(tensors, share)
             else:
                 found = first_nonfinite(tensors)
             stats.check_s += time.perf_counter() - start
@@ -242,11 +247,12 @@ def open_stream(
     spare = spare_cpus() if readahead else set()
     # When the reading thread runs beside the engine's cores: one thread on them, which checks half of a layer
     # the engine waits for. Started here, by the engine's thread, so that it runs where the engine does.
-    shared_check = bool(spare) and check_finite and not cuda
+    shared_check = bool(spare) and (check_finite or into_place is not None) and not cuda
     helper = ThreadPoolExecutor(1, thread_name_prefix="layerwise-check") if shared_check else None
     if helper is not None:
         helper.submit(lambda: None).result()
     engine_waiting = threading.Event()
+    stop = threading.Event()  # set when the stream is closed before its end
 
     def release() -> None:
         reader.close()
@@ -278,7 +284,6 @@ def open_stream(
     # Bytes of the layers read that the engine has not started; the reader waits on `room` for it to fall.
     waiting = [0]
     room = threading.Condition()
-    stop = threading.Event()
     finishing = threading.Event()
 
     def fits(nbytes: int) -> bool:

@@ -1,0 +1,276 @@
+"""Read a checkpoint tensor from its file straight into the engine's tensor, checked and hashed in the same pass.
+
+For a tensor whose loader is a plain copy (`loader_copies`) into a layer the
+last reload loaded into the engine's own tensors (`in_place`), the least a
+reload can do is one copy: the file's bytes from the page cache into the
+engine's storage. The reader does that copy itself (`os.preadv` into the
+engine tensor's memory, in chunks, the GIL released), and on each chunk while
+it is in the cache: the NaN/Inf flag (`finite.suspect_flag`) and the xxh3
+digest for the records. vLLM is then handed the checkpoint's tensor as
+before (safetensors' view of the file, never touched), counts it, buffers it
+and replays its loader as before; the replayed copy of bytes already in place
+is skipped (`LoaderWatch`).
+
+What is read into place is new in the engine's tensor before vLLM processes
+its layer: a layer refused after it was read (NaN/Inf, a file cut short) is
+put back by the rollback, which reloads every layer. Only the CPU path: on a
+GPU the engine's tensors are in device memory.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from layerwise_cli.checkpoint.digests import TensorHasher
+from layerwise_cli.checkpoint.finite import NonFinite, count_nonfinite, suspect_flag
+from layerwise_cli.checkpoint.samples import buffer_sample, file_sample
+from layerwise_cli.checkpoint.sources import shard_file
+from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.planning.plan import PlannedTensor
+from layerwise_cli.worker.stream.loader_copies import Filled, LoaderFacts, LoaderWatch, PlainCopy
+
+# Bytes read (then flagged and hashed) at a time: small enough to stay in the core's cache for the checks.
+CHUNK_BYTES = 2 << 20
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where one plain copy of a checkpoint tensor lands: the engine tensor's elements it fills."""
+
+    copy: PlainCopy
+    dst: torch.Tensor  # a flat view of the engine tensor's storage, `copy.numel` elements
+
+
+@dataclass(frozen=True)
+class IntoPlace:
+    """One checkpoint tensor to read into place: its targets; `whole` when one target takes all of it, in order."""
+
+    targets: tuple[Target, ...]
+    whole: bool
+
+
+def plan_into_place(model: torch.nn.Module, facts: LoaderFacts, stream: list[PlannedTensor]
+                    ) -> dict[str, IntoPlace]:
+    """Before the reload, on the engine's thread: the tensors of STREAM to read into place, and where.
+
+    A tensor qualifies when the last completed reload showed its loader a
+    plain copy for this dtype and shape, into modules that reload loaded into
+    the engine's own tensors, and those tensors are still on the host,
+    contiguous, of that dtype and large enough.
+    """
+    modules = dict(model.named_modules())
+    plans: dict[str, IntoPlace] = {}
+    for item in stream:
+        fact = facts.copies.get(item.entry.name)
+        if item.parent is None or fact is None:
+            continue
+        if fact.dtype != item.entry.dtype or fact.shape != tuple(item.entry.shape):
+            continue
+        numel = 1
+        for size in item.entry.shape:
+            numel *= size
+        targets = []
+        for copy in fact.copies:
+            kernel = _engine_tensor(modules.get(copy.module), copy.tensor) if copy.module in facts.in_place else None
+            if (kernel is None or kernel.is_meta or kernel.device.type != "cpu" or not kernel.is_contiguous()
+                    or copy.dst_offset < 0 or copy.dst_offset + copy.numel > kernel.numel()
+                    or copy.src_offset + copy.numel > numel):
+                break
+            targets.append(Target(copy, kernel.detach().view(-1)[copy.dst_offset:copy.dst_offset + copy.numel]))
+        else:
+            if targets and sum(t.copy.numel for t in targets) <= numel:
+                whole = len(targets) == 1 and targets[0].copy.src_offset == 0 and targets[0].copy.numel == numel
+                plans[item.entry.name] = IntoPlace(tuple(targets), whole)
+    return plans
+
+
+def place_reader(model: torch.nn.Module, folder: Path, stream: list[PlannedTensor], facts: LoaderFacts,
+                 watch: LoaderWatch, *, enabled: bool) -> PlaceReader | None:
+    """The reader of this reload's tensors to read into place; None unless ENABLED (and on the CPU, in place).
+
+    With `LAYERWISE_FRESH_BUFFERS` set in the worker no layer loads in place, so nothing is read into place.
+    """
+    from layerwise_cli.engine_defaults import fresh_buffers_forced
+
+    if not enabled or fresh_buffers_forced():
+        return None
+    return PlaceReader(folder, plan_into_place(model, facts, stream), watch)
+
+
+def _engine_tensor(module, name: str) -> torch.Tensor | None:
+    if module is None:
+        return None
+    found = module._parameters.get(name)
+    return found if found is not None else module._buffers.get(name)
+
+
+@dataclass
+class PlacedTensor:
+    """What reading one tensor into place found: NaN/Inf suspicion flags, its sample and (whole) its digest."""
+
+    flags: list
+    sample: str
+    digest: str | None
+    mapped: torch.Tensor | None = None  # the tensor vLLM is handed (safetensors' view of the file)
+    seconds: float = 0.0  # the pass; of which flagging NaN/Inf, and hashing:
+    check_s: float = 0.0
+    hash_s: float = 0.0
+
+
+class PlaceReader:
+    """Reads the planned tensors from their shard files into the engine's tensors (the reading thread's side)."""
+
+    def __init__(self, folder: Path, plans: dict[str, IntoPlace], watch: LoaderWatch) -> None:
+        self._folder = folder
+        self.plans = plans
+        self._watch = watch
+        self._files: dict[str, tuple[int, int, str]] = {}  # shard -> (fd, data start, path)
+        self.bytes = 0
+        self.tensors = 0
+        self.layers: set[str] = set()
+        # Set once vLLM asked for the first tensor: nothing is written into the engine before its reload began
+        # (a reload vLLM refuses at its start leaves the engine as it was).
+        self.engine_started = threading.Event()
+        self._lock = threading.Lock()  # two threads may read one layer (`read_layer`)
+
+    def wait_for_engine(self, stop: threading.Event) -> bool:
+        """Block until vLLM's reload began; False when the stream was stopped first."""
+        while not self.engine_started.wait(0.05):
+            if stop.is_set():
+                return False
+        return True
+
+    def read(self, item: PlannedTensor, mapped: torch.Tensor, check: bool, digest: bool) -> PlacedTensor:
+        """Read ITEM's bytes into its targets; MAPPED is the tensor vLLM will be handed (its loader's source)."""
+        began = time.perf_counter()
+        plan = self.plans[item.entry.name]
+        fd, data_start, path = self._open(item.entry.shard)
+        at = data_start + item.entry.begin
+        hasher = TensorHasher(item.entry.dtype, item.entry.shape) if digest and plan.whole else None
+        flags: list = []
+        check_s = hash_s = 0.0
+        for target in plan.targets:
+            size = target.dst.element_size()
+            raw = target.dst.view(torch.uint8)
+            start = at + target.copy.src_offset * size
+            for begin in range(0, raw.numel(), CHUNK_BYTES):
+                end = min(raw.numel(), begin + CHUNK_BYTES)
+                chunk = raw[begin:end].numpy()
+                _read_fully(fd, chunk, start + begin, path)
+                read = time.perf_counter()
+                if check:
+                    flag = suspect_flag(target.dst[begin // size:end // size])
+                    if flag is not None:
+                        flags.append(flag)
+                checked = time.perf_counter()
+                if hasher is not None:
+                    hasher.update(chunk)
+                check_s += checked - read
+                hash_s += time.perf_counter() - checked
+            self._watch.fill(Filled(module=target.copy.module, dst_ptr=target.dst.data_ptr(),
+                                    src_ptr=mapped.data_ptr() + target.copy.src_offset * size,
+                                    numel=target.copy.numel, dtype=target.dst.dtype))
+        with self._lock:
+            self.bytes += sum(target.dst.numel() * target.dst.element_size() for target in plan.targets)
+            self.tensors += 1
+            if item.parent is not None:
+                self.layers.add(item.parent)
+        if plan.whole:
+            sample = buffer_sample(item.entry.dtype, item.entry.shape, plan.targets[0].dst.view(torch.uint8).numpy())
+        else:
+            sample = file_sample(fd, at, item.entry.dtype, item.entry.shape, item.entry.nbytes)
+        return PlacedTensor(flags, sample, hasher.hexdigest() if hasher is not None else None, mapped,
+                            time.perf_counter() - began, check_s, hash_s)
+
+    def to_place(self, batch: list[PlannedTensor], may_drop: bool, may_skip) -> set[str]:
+        """The tensors of BATCH to read into place: none when the layer may be unchanged (it is hashed first).
+
+        MAY_DROP: the layer could be skipped by its digest now; MAY_SKIP: the stream's samples test (None: any).
+        """
+        names = {item.entry.name for item in batch if item.entry.name in self.plans}
+        if names and may_drop and (may_skip is None or may_skip(batch[0].parent, self.samples_of(batch))):
+            return set()
+        return names
+
+    def read_layer(self, items: list[PlannedTensor], mapped_of, stats, samples: dict, digests: dict, *,
+                   check: bool, digest: bool, submit=None) -> dict[str, PlacedTensor]:
+        """`read` each of ITEMS (MAPPED_OF(item): the tensor vLLM is handed), with the stream's figures.
+
+        With SUBMIT (an executor's `submit`, on the engine's idle core) about half the bytes are read there,
+        beside this thread. The seconds go to `stats` as read, check and hash; samples and digests to theirs.
+        """
+        if not items:
+            return {}
+        views = {item.entry.name: mapped_of(item) for item in items}
+        mine, theirs = list(items), []
+        if submit is not None and len(items) > 1:
+            mine, theirs, load = [], [], [0, 0]
+            for item in sorted(items, key=lambda item: -item.entry.nbytes):
+                (mine if load[0] <= load[1] else theirs).append(item)
+                load[0 if load[0] <= load[1] else 1] += item.entry.nbytes
+        pending = [submit(self.read, item, views[item.entry.name], check, digest) for item in theirs]
+        found = {item.entry.name: self.read(item, views[item.entry.name], check, digest) for item in mine}
+        found.update((item.entry.name, future.result()) for item, future in zip(theirs, pending))
+        for item in items:
+            done = found[item.entry.name]
+            stats.read_bytes += item.entry.nbytes
+            stats.read_s += done.seconds - done.check_s - done.hash_s
+            stats.check_s += done.check_s
+            stats.hash_s += done.hash_s
+            samples[item.entry.name] = done.sample
+            if done.digest is not None:
+                digests[item.entry.name] = done.digest
+        return found
+
+    def samples_of(self, batch: list[PlannedTensor]) -> dict[str, str]:
+        """The sample digests of BATCH's tensors, read from their files (a few windows each, nothing mapped)."""
+        found = {}
+        for item in batch:
+            fd, data_start, _ = self._open(item.entry.shard)
+            found[item.entry.name] = file_sample(fd, data_start + item.entry.begin, item.entry.dtype,
+                                                 item.entry.shape, item.entry.nbytes)
+        return found
+
+    def nonfinite(self, item: PlannedTensor) -> NonFinite | None:
+        """Count NaN and Inf in what was read into place for ITEM (after a flag said it may hold some)."""
+        nan = inf = 0
+        for target in self.plans[item.entry.name].targets:
+            found_nan, found_inf = count_nonfinite(target.dst)
+            nan, inf = nan + found_nan, inf + found_inf
+        return NonFinite(item.entry.name, item.entry.shard, nan, inf) if nan or inf else None
+
+    def _open(self, shard: str) -> tuple[int, int, str]:
+        with self._lock:
+            return self._files.get(shard) or self._open_now(shard)
+
+    def _open_now(self, shard: str) -> tuple[int, int, str]:
+        path = str(shard_file(self._folder, shard, str(self._folder)))
+        fd = os.open(path, os.O_RDONLY)
+        (header_len,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+        found = self._files[shard] = (fd, 8 + header_len, path)
+        return found
+
+    def close(self) -> None:
+        for fd, _, _ in self._files.values():
+            os.close(fd)
+        self._files.clear()
+
+
+def _read_fully(fd: int, chunk, offset: int, path: str) -> None:
+    """Fill CHUNK (a writable buffer) from FD at OFFSET; a file that ends first is cut short."""
+    view = memoryview(chunk).cast("B")
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise LayerwiseError(f"{path}: the file ends at byte {offset + done}, inside a tensor its header "
+                                 "places there (cut short while it was read)")
+        done += got
+
