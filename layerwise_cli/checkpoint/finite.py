@@ -51,6 +51,37 @@ def refusal(found: NonFinite, where: str) -> LayerwiseError:
     return LayerwiseError(f"{found.describe()}; refusing (use --allow-nonfinite to load anyway)", where=where)
 
 
+# Floats by their bit patterns, as unsigned integers of their width: (numpy dtype, magnitude mask, smallest
+# non-finite magnitude). A value is NaN or Inf exactly when (bits & mask) >= that magnitude: an all-ones exponent.
+_WIDE_PATTERNS = {
+    "F64": ("<u8", 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000),
+    "F32": ("<u4", 0x7FFF_FFFF, 0x7F80_0000),
+    "F16": ("<u2", 0x7FFF, 0x7C00),
+    "BF16": ("<u2", 0x7FFF, 0x7F80),
+}
+
+
+def bytes_hold_nonfinite(data, dtype: str) -> bool:
+    """Whether raw little-endian bytes of safetensors DTYPE hold a NaN or an Inf: exact, from the bit patterns.
+
+    One pass with numpy (no torch dispatch, the GIL released): for the reader's chunks, while they are in the
+    cache. False for dtypes that cannot hold NaN or Inf.
+    """
+    import numpy as np
+
+    if dtype in _WIDE_PATTERNS:
+        kind, mask, smallest = _WIDE_PATTERNS[dtype]
+        values = np.frombuffer(data, dtype=kind)
+        return bool(values.size) and int(np.bitwise_and(values, mask).max()) >= smallest
+    if dtype in _BYTE_PATTERNS:
+        mask, value = _BYTE_PATTERNS[dtype]
+        values = np.frombuffer(data, dtype=np.uint8)
+        if mask == 0xFF:
+            return bool(np.any(values == value))
+        return bool(values.size) and int(np.bitwise_and(values, mask).max()) >= value
+    return False
+
+
 def dtype_name(tensor) -> str | None:
     """The safetensors name of a torch tensor's dtype, for the dtypes this module checks; else None."""
     return _torch_names().get(tensor.dtype)

@@ -127,8 +127,7 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
             engine_stream = pipelined_order(engine_stream, held_here)
         folder = local if local.is_dir() else local.parent
         device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
-        # Found before the first reload changes anything, once per engine (vLLM's record and the live
-        # tensors are both in place between reloads).
+        # Found before the first reload changes anything, once per engine (vLLM's record and tensors hold).
         derived = derived_state_of(worker)
         skip = SkipPlan.build(model, checkpoint, engine_stream, order, records, all_layers=all_layers,
                               checks_finite=not allow_nonfinite, on_host=device.type == "cpu")
@@ -156,7 +155,8 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
                 progress.write({"event": "layer", "name": parent, "skipped": True})
             return skipped
 
-        facts, watch = loader_facts_of(worker), LoaderWatch(model)  # what loaders showed; this reload's watch
+        facts = loader_facts_of(worker)
+        watch = LoaderWatch(model, facts)  # what the loaders showed, and this reload's watch over them
         into_place = place_reader(model, folder, skip.stream, facts, watch, enabled=in_place and device.type == "cpu"
                                   and (read_into_place or read_into_place_asked()))
 
@@ -271,8 +271,8 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         reader.close()
         if into_place is not None:
             into_place.close()
-        facts.after_reload(watch, failed=failed or into_place is None, in_place=loaded_in_place,
-                           handed=set(probe.timings))
+        facts.after_reload(watch, failed=failed, in_place=loaded_in_place, handed=set(probe.timings),
+                           watched=into_place is not None)
         if opened is not None:
             opened.close()  # stops the reading thread, unless the stream ended (it finishes below)
         if failed and stats.hashing_done is not None:

@@ -72,40 +72,57 @@ class TensorCopies:
 class LoaderFacts:
     """What a worker learned of its engine's loaders (kept between reloads; `kept_on`).
 
-    `copies`: checkpoint tensor name -> its plain copies (tensors whose loader
-    did more are absent). `in_place`: the modules the last completed reload
-    loaded into the engine's own tensors (`in_place`): only their tensors are
-    read into place.
+    `copies`: checkpoint tensor name -> its plain copies. `not_plain`: tensor
+    name -> (dtype, shape) of those whose loader did more. Both hold for the
+    engine's life (its loaders do not change), so a tensor known either way is
+    not watched again. `in_place`: the modules loaded into the engine's own
+    tensors (`in_place`) by the last reload that handed them over: only their
+    tensors are read into place.
     """
 
     copies: dict[str, TensorCopies] = field(default_factory=dict)
+    not_plain: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
     in_place: set[str] = field(default_factory=set)
 
-    def learned(self, seen: dict[str, TensorCopies | None], in_place: set[str], handed: set[str]) -> None:
+    def knows(self, name: str, dtype: str, shape: tuple[int, ...]) -> bool:
+        """Whether the loader of tensor NAME of this DTYPE and SHAPE was seen already (a plain copy or not)."""
+        fact = self.copies.get(name)
+        if fact is not None:
+            return fact.dtype == dtype and fact.shape == shape
+        return self.not_plain.get(name) == (dtype, shape)
+
+    def learned(self, seen: dict[str, TensorCopies | tuple], in_place: set[str], handed: set[str]) -> None:
         """After a completed reload: what its loader calls showed, and the modules it loaded in place.
 
         HANDED: the layers it handed to vLLM; a layer it skipped keeps what the reload before showed.
         """
         for name, found in seen.items():
-            if found is None:
-                self.copies.pop(name, None)
-            else:
+            if isinstance(found, TensorCopies):
                 self.copies[name] = found
+                self.not_plain.pop(name, None)
+            else:
+                self.copies.pop(name, None)
+                if found is not None:
+                    self.not_plain[name] = found
         self.in_place = (self.in_place - handed) | set(in_place)
 
     def forget(self) -> None:
         """After a failed reload: nothing is read into place until a reload completes again."""
         self.in_place = set()
 
-    def after_reload(self, watch: LoaderWatch, *, failed: bool, in_place, handed: set[str]) -> None:
-        """What one reload leaves: `forget` if it FAILED (or was not watched), else `learned` from WATCH.
+    def after_reload(self, watch: LoaderWatch, *, failed: bool, in_place, handed: set[str], watched: bool) -> None:
+        """What one reload leaves: `forget` if it FAILED, else `learned` from WATCH (IN_PLACE: its `InPlaceLayers`).
 
-        IN_PLACE: the reload's `InPlaceLayers`.
+        A reload not WATCHED (reading into place off) learns no copy, and a layer it handed over that did not
+        load in place is dropped from `in_place`.
         """
+        names = in_place.names if in_place is not None else set()
         if failed:
             self.forget()
-        elif watch.seen or handed:
-            self.learned(watch.seen, in_place.names if in_place is not None else set(), handed)
+        elif watched:
+            self.learned(watch.seen, names, handed)
+        else:
+            self.in_place -= handed - set(names)
 
 
 @dataclass
@@ -128,12 +145,15 @@ class LoaderWatch:
     a region into an engine tensor.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, facts: LoaderFacts | None = None) -> None:
         self._model = model
+        self._facts = facts or LoaderFacts()
+        self._layer_ids: set[int] = set()  # the modules holding regions read into place (`fill`)
         self._names: dict[int, tuple[str, str]] = {}
         self._current: tuple[str, str, int, int, torch.dtype, tuple[int, ...]] | None = None
-        # Checkpoint tensor -> its copies (None: not a plain copy), from the loader calls made while it was handed.
-        self.seen: dict[str, TensorCopies | None] = {}
+        # Checkpoint tensor -> its copies, or (dtype, shape) when not a plain copy: from the loader calls made
+        # while it was handed.
+        self.seen: dict[str, TensorCopies | tuple] = {}
         self.filled: dict[int, Filled] = {}
         self._fills: dict[str, list[tuple[int, int]]] = {}  # checkpoint tensor -> the spans its loader filled
         self._lock = threading.Lock()
@@ -141,16 +161,20 @@ class LoaderWatch:
     def handing(self, name: str, dtype: str, tensor: torch.Tensor) -> None:
         """TENSOR (checkpoint name NAME, safetensors DTYPE) is handed to vLLM next: the loader calls until the next
         one are its."""
+        if self._facts.knows(name, dtype, tuple(tensor.shape)):
+            self._current = None  # seen in an earlier reload: its copies are checked at the replay (`filled`)
+            return
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             self._current = None
-            self.seen[name] = None
+            self.seen[name] = (dtype, tuple(tensor.shape))
             return
         self._current = (name, dtype, tensor.data_ptr(), tensor.numel(), tensor.dtype, tuple(tensor.shape))
 
-    def fill(self, region: Filled) -> None:
-        """The reader filled REGION: a replayed copy of exactly it is skipped."""
+    def fill(self, region: Filled, layer: torch.nn.Module) -> None:
+        """The reader filled REGION of LAYER's tensor: a replayed copy of exactly it is skipped."""
         with self._lock:
             self.filled[region.dst_ptr] = region
+            self._layer_ids.add(id(layer))
 
     def check_confirmed(self, in_place_modules: set[str]) -> None:
         """Raise `LayerwiseError` unless every region read into place in IN_PLACE_MODULES met its copy."""
@@ -179,10 +203,14 @@ class LoaderWatch:
         watch = self
 
         def get_numel_loaded(weight_loader, args):
+            if watch._current is None:
+                return count(weight_loader, args)
             with _CountWatch(watch, args.arguments.get("param")):
                 return count(weight_loader, args)
 
         def layerwise_process(layer, info):
+            if id(layer) not in watch._layer_ids:
+                return process(layer, info)  # nothing of it read into place: vLLM's as it is
             with _ReplaySkip(watch):
                 return process(layer, info)
 
@@ -208,7 +236,7 @@ class LoaderWatch:
         if current is None:
             return
         name, dtype_name, base, numel, dtype, shape = current
-        if self.seen.get(name, ()) is None:
+        if isinstance(self.seen.get(name), tuple):
             return  # already shown not to be a plain copy
         op = func.__name__.split(".")[0]
         if op in _VIEW_OPS:
@@ -230,7 +258,7 @@ class LoaderWatch:
                 self._fills.setdefault(name, []).append(span)
                 return
         if copy is None:
-            self.seen[name] = None
+            self.seen[name] = (dtype_name, shape)
             return
         self.seen[name] = TensorCopies(dtype_name, shape, (*copies, copy))
 

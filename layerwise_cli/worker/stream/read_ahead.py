@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from layerwise_cli.checkpoint.digests import layer_digest, tensor_digest
-from layerwise_cli.checkpoint.finite import any_flag, first_nonfinite, first_nonfinite_shared, refusal
+from layerwise_cli.checkpoint.finite import first_nonfinite, first_nonfinite_shared, refusal
 from layerwise_cli.checkpoint.samples import buffer_sample
 from layerwise_cli.planning.plan import PlannedTensor
 from layerwise_cli.worker.stream.cpu_placement import move_to, spare_cpus
@@ -221,8 +221,8 @@ def open_stream(
             tensors = [(item.entry.name, item.entry.shard, tensor) for item, tensor, _ in loaded
                        if item.entry.name not in placed]
             found = None
-            if placed and any_flag(flag for done in placed.values() for flag in done.flags):
-                # A flag is a suspicion (a sum can overflow): counted exactly in what was read into place.
+            if any(done.nonfinite for done in placed.values()):
+                # Found from the bit patterns as each chunk was read: counted exactly, named.
                 found = next((hit for hit in (into_place.nonfinite(item) for item in batch
                                               if item.entry.name in placed) if hit is not None), None)
             if found is not None or not tensors:
@@ -247,7 +247,7 @@ def open_stream(
     spare = spare_cpus() if readahead else set()
     # When the reading thread runs beside the engine's cores: one thread on them, which checks half of a layer
     # the engine waits for. Started here, by the engine's thread, so that it runs where the engine does.
-    shared_check = bool(spare) and (check_finite or into_place is not None) and not cuda
+    shared_check = ((bool(spare) and check_finite) or into_place is not None) and not cuda
     helper = ThreadPoolExecutor(1, thread_name_prefix="layerwise-check") if shared_check else None
     if helper is not None:
         helper.submit(lambda: None).result()

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from layerwise_cli.checkpoint.digests import TensorHasher
-from layerwise_cli.checkpoint.finite import NonFinite, count_nonfinite, suspect_flag
+from layerwise_cli.checkpoint.finite import NonFinite, bytes_hold_nonfinite, count_nonfinite
 from layerwise_cli.checkpoint.samples import buffer_sample, file_sample
 from layerwise_cli.checkpoint.sources import shard_file
 from layerwise_cli.errors import LayerwiseError
@@ -46,6 +46,7 @@ class Target:
 
     copy: PlainCopy
     dst: torch.Tensor  # a flat view of the engine tensor's storage, `copy.numel` elements
+    layer: torch.nn.Module  # the module holding it
 
 
 @dataclass(frozen=True)
@@ -78,12 +79,13 @@ def plan_into_place(model: torch.nn.Module, facts: LoaderFacts, stream: list[Pla
             numel *= size
         targets = []
         for copy in fact.copies:
-            kernel = _engine_tensor(modules.get(copy.module), copy.tensor) if copy.module in facts.in_place else None
+            layer = modules.get(copy.module)
+            kernel = _engine_tensor(layer, copy.tensor) if copy.module in facts.in_place else None
             if (kernel is None or kernel.is_meta or kernel.device.type != "cpu" or not kernel.is_contiguous()
                     or copy.dst_offset < 0 or copy.dst_offset + copy.numel > kernel.numel()
                     or copy.src_offset + copy.numel > numel):
                 break
-            targets.append(Target(copy, kernel.detach().view(-1)[copy.dst_offset:copy.dst_offset + copy.numel]))
+            targets.append(Target(copy, kernel.detach().view(-1)[copy.dst_offset:copy.dst_offset + copy.numel], layer))
         else:
             if targets and sum(t.copy.numel for t in targets) <= numel:
                 whole = len(targets) == 1 and targets[0].copy.src_offset == 0 and targets[0].copy.numel == numel
@@ -113,15 +115,26 @@ def _engine_tensor(module, name: str) -> torch.Tensor | None:
 
 @dataclass
 class PlacedTensor:
-    """What reading one tensor into place found: NaN/Inf suspicion flags, its sample and (whole) its digest."""
+    """What reading one tensor into place found: NaN/Inf in it, its sample, (whole) its digest."""
 
-    flags: list
+    nonfinite: bool
     sample: str
     digest: str | None
     mapped: torch.Tensor | None = None  # the tensor vLLM is handed (safetensors' view of the file)
-    seconds: float = 0.0  # the pass; of which flagging NaN/Inf, and hashing:
-    check_s: float = 0.0
-    hash_s: float = 0.0
+
+
+@dataclass
+class _Reading:
+    """One tensor being read into place: where its bytes are, and what the chunks found."""
+
+    item: PlannedTensor
+    mapped: torch.Tensor
+    plan: IntoPlace
+    fd: int
+    at: int  # where its data starts in the file
+    path: str
+    nonfinite: bool = False
+    digest: str | None = None
 
 
 class PlaceReader:
@@ -138,7 +151,7 @@ class PlaceReader:
         # Set once vLLM asked for the first tensor: nothing is written into the engine before its reload began
         # (a reload vLLM refuses at its start leaves the engine as it was).
         self.engine_started = threading.Event()
-        self._lock = threading.Lock()  # two threads may read one layer (`read_layer`)
+        self._lock = threading.Lock()  # two threads read one layer (`read_layer`)
 
     def wait_for_engine(self, stop: threading.Event) -> bool:
         """Block until vLLM's reload began; False when the stream was stopped first."""
@@ -148,46 +161,79 @@ class PlaceReader:
         return True
 
     def read(self, item: PlannedTensor, mapped: torch.Tensor, check: bool, digest: bool) -> PlacedTensor:
-        """Read ITEM's bytes into its targets; MAPPED is the tensor vLLM will be handed (its loader's source)."""
-        began = time.perf_counter()
-        plan = self.plans[item.entry.name]
-        fd, data_start, path = self._open(item.entry.shard)
-        at = data_start + item.entry.begin
-        hasher = TensorHasher(item.entry.dtype, item.entry.shape) if digest and plan.whole else None
-        flags: list = []
-        check_s = hash_s = 0.0
-        for target in plan.targets:
-            size = target.dst.element_size()
-            raw = target.dst.view(torch.uint8)
-            start = at + target.copy.src_offset * size
-            for begin in range(0, raw.numel(), CHUNK_BYTES):
-                end = min(raw.numel(), begin + CHUNK_BYTES)
-                chunk = raw[begin:end].numpy()
-                _read_fully(fd, chunk, start + begin, path)
-                read = time.perf_counter()
-                if check:
-                    flag = suspect_flag(target.dst[begin // size:end // size])
-                    if flag is not None:
-                        flags.append(flag)
-                checked = time.perf_counter()
-                if hasher is not None:
-                    hasher.update(chunk)
-                check_s += checked - read
-                hash_s += time.perf_counter() - checked
-            self._watch.fill(Filled(module=target.copy.module, dst_ptr=target.dst.data_ptr(),
-                                    src_ptr=mapped.data_ptr() + target.copy.src_offset * size,
-                                    numel=target.copy.numel, dtype=target.dst.dtype))
-        with self._lock:
-            self.bytes += sum(target.dst.numel() * target.dst.element_size() for target in plan.targets)
+        """Read one tensor into place (`read_layer` of it alone, on this thread)."""
+        from layerwise_cli.worker.stream.stats import ReadAheadStats
+
+        return self.read_layer([item], lambda _: mapped, ReadAheadStats(), {}, {}, check=check,
+                               digest=digest)[item.entry.name]
+
+    def read_layer(self, items: list[PlannedTensor], mapped_of, stats, samples: dict, digests: dict, *,
+                   check: bool, digest: bool, submit=None) -> dict[str, PlacedTensor]:
+        """Read ITEMS (a layer's tensors to read into place; MAPPED_OF(item): the tensor vLLM is handed).
+
+        Its chunks are read and flagged for NaN/Inf, then the digests of whole tensors (when DIGEST) taken,
+        from one queue: by this thread and, with SUBMIT (an executor's `submit`, on the engine's core), by a
+        second one, whichever is free taking the next. The seconds go to STATS as read, check and hash; the
+        samples and digests to theirs.
+        """
+        if not items:
+            return {}
+        readings = [_Reading(item, mapped_of(item), self.plans[item.entry.name], *self._where(item)) for item in items]
+        chunks = [(reading, target, begin, min(begin + CHUNK_BYTES, _nbytes(target.dst)))
+                  for reading in readings for target in reading.plan.targets
+                  for begin in range(0, _nbytes(target.dst), CHUNK_BYTES)]
+        _share(lambda job: self._fill(*job, check=check), chunks, submit, stats)
+        _share(self._hash, [r for r in readings if digest and r.plan.whole], submit, stats)
+        found = {}
+        for reading in readings:
+            item, plan = reading.item, reading.plan
+            for target in plan.targets:
+                self._watch.fill(Filled(module=target.copy.module, dst_ptr=target.dst.data_ptr(),
+                                        src_ptr=reading.mapped.data_ptr() + target.copy.src_offset
+                                        * target.dst.element_size(),
+                                        numel=target.copy.numel, dtype=target.dst.dtype), target.layer)
+            self.bytes += sum(_nbytes(target.dst) for target in plan.targets)
             self.tensors += 1
             if item.parent is not None:
                 self.layers.add(item.parent)
-        if plan.whole:
-            sample = buffer_sample(item.entry.dtype, item.entry.shape, plan.targets[0].dst.view(torch.uint8).numpy())
-        else:
-            sample = file_sample(fd, at, item.entry.dtype, item.entry.shape, item.entry.nbytes)
-        return PlacedTensor(flags, sample, hasher.hexdigest() if hasher is not None else None, mapped,
-                            time.perf_counter() - began, check_s, hash_s)
+            started = time.perf_counter()
+            if plan.whole:
+                raw = plan.targets[0].dst.view(torch.uint8).numpy()
+                sample = buffer_sample(item.entry.dtype, item.entry.shape, raw)
+            else:
+                sample = file_sample(reading.fd, reading.at, item.entry.dtype, item.entry.shape, item.entry.nbytes)
+            stats.sample_s += time.perf_counter() - started
+            stats.read_bytes += item.entry.nbytes
+            samples[item.entry.name] = sample
+            if reading.digest is not None:
+                digests[item.entry.name] = reading.digest
+            found[item.entry.name] = PlacedTensor(reading.nonfinite, sample, reading.digest, reading.mapped)
+        return found
+
+    def _fill(self, reading: _Reading, target: Target, begin: int, end: int, *, check: bool) -> tuple[float, float]:
+        """Read bytes [BEGIN, END) of TARGET from the file, and flag NaN/Inf in them: (read s, check s)."""
+        start = time.perf_counter()
+        chunk = target.dst.view(torch.uint8)[begin:end].numpy()
+        _read_fully(reading.fd, chunk, reading.at + target.copy.src_offset * target.dst.element_size() + begin,
+                    reading.path)
+        read = time.perf_counter()
+        if check and bytes_hold_nonfinite(chunk, reading.item.entry.dtype):
+            reading.nonfinite = True
+        return read - start, time.perf_counter() - read
+
+    def _hash(self, reading: _Reading) -> tuple[float, float]:
+        """The digest of a tensor read whole into its one target (after its chunks): (0, hash s)."""
+        start = time.perf_counter()
+        hasher = TensorHasher(reading.item.entry.dtype, reading.item.entry.shape)
+        raw = reading.plan.targets[0].dst.view(torch.uint8)
+        for begin in range(0, raw.numel(), CHUNK_BYTES):
+            hasher.update(raw[begin:begin + CHUNK_BYTES].numpy())
+        reading.digest = hasher.hexdigest()
+        return 0.0, time.perf_counter() - start
+
+    def _where(self, item: PlannedTensor) -> tuple[int, int, str]:
+        fd, data_start, path = self._open(item.entry.shard)
+        return fd, data_start + item.entry.begin, path
 
     def to_place(self, batch: list[PlannedTensor], may_drop: bool, may_skip) -> set[str]:
         """The tensors of BATCH to read into place: none when the layer may be unchanged (it is hashed first).
@@ -198,36 +244,6 @@ class PlaceReader:
         if names and may_drop and (may_skip is None or may_skip(batch[0].parent, self.samples_of(batch))):
             return set()
         return names
-
-    def read_layer(self, items: list[PlannedTensor], mapped_of, stats, samples: dict, digests: dict, *,
-                   check: bool, digest: bool, submit=None) -> dict[str, PlacedTensor]:
-        """`read` each of ITEMS (MAPPED_OF(item): the tensor vLLM is handed), with the stream's figures.
-
-        With SUBMIT (an executor's `submit`, on the engine's idle core) about half the bytes are read there,
-        beside this thread. The seconds go to `stats` as read, check and hash; samples and digests to theirs.
-        """
-        if not items:
-            return {}
-        views = {item.entry.name: mapped_of(item) for item in items}
-        mine, theirs = list(items), []
-        if submit is not None and len(items) > 1:
-            mine, theirs, load = [], [], [0, 0]
-            for item in sorted(items, key=lambda item: -item.entry.nbytes):
-                (mine if load[0] <= load[1] else theirs).append(item)
-                load[0 if load[0] <= load[1] else 1] += item.entry.nbytes
-        pending = [submit(self.read, item, views[item.entry.name], check, digest) for item in theirs]
-        found = {item.entry.name: self.read(item, views[item.entry.name], check, digest) for item in mine}
-        found.update((item.entry.name, future.result()) for item, future in zip(theirs, pending))
-        for item in items:
-            done = found[item.entry.name]
-            stats.read_bytes += item.entry.nbytes
-            stats.read_s += done.seconds - done.check_s - done.hash_s
-            stats.check_s += done.check_s
-            stats.hash_s += done.hash_s
-            samples[item.entry.name] = done.sample
-            if done.digest is not None:
-                digests[item.entry.name] = done.digest
-        return found
 
     def samples_of(self, batch: list[PlannedTensor]) -> dict[str, str]:
         """The sample digests of BATCH's tensors, read from their files (a few windows each, nothing mapped)."""
@@ -261,6 +277,61 @@ class PlaceReader:
         for fd, _, _ in self._files.values():
             os.close(fd)
         self._files.clear()
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _share(work, jobs: list, submit, stats) -> None:
+    """Run WORK on each of JOBS, taken from one queue by this thread and (with SUBMIT) by another.
+
+    Each WORK returns (read s, check s) or (0, hash s) for STATS. The first failure stops both and is raised
+    once the other thread stopped too (nothing is written into the engine after this returns).
+    """
+    if not jobs:
+        return
+    queue = iter(jobs)
+    lock = threading.Lock()
+    failed = threading.Event()
+    hashing = work.__name__ == "_hash"
+
+    def drain() -> tuple[float, float]:
+        spent = [0.0, 0.0]
+        while not failed.is_set():
+            with lock:
+                job = next(queue, None)
+            if job is None:
+                break
+            try:
+                first, second = work(job)
+            except BaseException:
+                failed.set()
+                raise
+            spent[0] += first
+            spent[1] += second
+        return spent[0], spent[1]
+
+    pending = submit(drain) if submit is not None and len(jobs) > 1 else None
+    error = None
+    spent = []
+    try:
+        spent.append(drain())
+    except BaseException as exc:  # noqa: BLE001 - raised below, once the other thread stopped
+        error = exc
+    if pending is not None:
+        try:
+            spent.append(pending.result())
+        except BaseException as exc:  # noqa: BLE001 - the first failure is raised
+            error = error or exc
+    if error is not None:
+        raise error
+    for first, second in spent:
+        if hashing:
+            stats.hash_s += second
+        else:
+            stats.read_s += first
+            stats.check_s += second
 
 
 def _read_fully(fd: int, chunk, offset: int, path: str) -> None:
