@@ -93,7 +93,7 @@ from benchmarks.bench_checkpoints import (
 from benchmarks.bench_delta import DELTA_CASES, DELTA_VARIANTS, bench_delta, write_delta_checkpoints
 from benchmarks.bench_measure import bench_checkpoint, log, measure, rpc
 from benchmarks.bench_memory import DeviceMemory, MemoryWatch
-from benchmarks.bench_report import VARIANTS, render_table, targets, write_chart
+from benchmarks.bench_report import CPU_ONLY_VARIANTS, VARIANTS, render_table, targets, write_chart
 from tests.support.synthetic import normal_weights
 
 
@@ -186,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     from layerwise_cli.client.local import EngineOptions, cuda_available, start_engine, stop_engine
 
     cuda = cuda_available()
+    if cuda and any(v in CPU_ONLY_VARIANTS for v in args.variants):
+        # Reading into place is the CPU path: on a GPU the engine's tensors are in device memory.
+        log(f"not on a GPU: {', '.join(v for v in args.variants if v in CPU_ONLY_VARIANTS)} (CPU only)")
+        args.variants = [v for v in args.variants if v not in CPU_ONLY_VARIANTS]
     tokenizer = args.tokenizer
     if tokenizer is None:
         from layerwise_cli.demo import demo_checkpoint

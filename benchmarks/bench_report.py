@@ -10,6 +10,7 @@ from benchmarks.bench_delta import DELTA_NAMES
 VARIANTS = ("a", "b", "c", "c-nora", "c-nocheck", "c-fresh", "c-place", "d", "d-place", "e")
 # The variants that call layerwise's reload (the others are vLLM's own, the read limits and the floor).
 LAYERWISE_VARIANTS = ("b", "c", "c-nora", "c-nocheck", "c-fresh", "c-place")
+CPU_ONLY_VARIANTS = ("c-place", "d-place")  # reading into place: the engine's tensors must be in host memory
 VARIANT_NAMES = {
     "a": "vLLM reload_weights(weights_path)",
     "b": "layerwise --order file",

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cpu_flags import cpu_flags
 from tests.support.synthetic import SyntheticModel, write_checkpoint
 
 # Seconds each of the slowest test files took in two xdist workers on a 2-core AVX-512 AMD EPYC (2026-12-02, 20 min in
@@ -23,37 +24,16 @@ HEAVY_FILES = {
 }
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
-
-
-# Known gaps on CPUs the suite first ran on in session 16 (Intel Xeon with AMX and AVX-512; it had run on AVX2
-# only). Expected to fail there, strictly: a fix makes them pass and the mark must then go. Not hidden: listed
-# in docs/model-families.md ("Known gaps on AMX / AVX-512 CPUs") and in that session's closing note.
-_AMX_MLA = ("vLLM's own layerwise reload fails on MLA with the AMX CPU backend: that backend packs W_UK/W_UV itself "
-            "and empties kv_b_proj.weight, and vLLM's _copy_and_restore_kernel_tensors then copies 512 columns "
-            "into 0 (RuntimeError inside reload_weights)")
-_AVX512_CONV = ("on AVX-512 vLLM's reload leaves NemotronH/Granite-4 mamba conv_weights stale with the repairs off, "
-                "which --verify names but the derived-buffer check does not")
-KNOWN_CPU_GAPS = (
-    ("amx_tile", "test_equivalence_engine.py::", "deepseek_v3", _AMX_MLA),
-    ("amx_tile", "test_mla_engine.py::test_every_reload_of_b_leaves_every_tensor", "", _AMX_MLA),
-    ("amx_tile", "test_mla_engine.py::test_verify_checks_what_mla_derives", "", _AMX_MLA),
-    ("amx_tile", "test_mla_engine.py::test_verify_recomputes_mla_copies", "", _AMX_MLA),
-    ("avx512f", "test_equivalence_engine.py::test_verify_names_what_the_repairs_fix", "granitemoehybrid",
-     _AVX512_CONV),
-)
+# Known gaps on particular CPUs: (a /proc/cpuinfo flag, a test id part, a parameter id part, why). Expected to fail
+# there, strictly: a fix makes them pass and the mark must then go. Listed in docs/model-families.md ("Known gaps on
+# AMX / AVX-512 CPUs"). Both found in session 16 on an AMX/AVX-512 Xeon are fixed (2026-12-04); none is known now.
+KNOWN_CPU_GAPS: tuple[tuple[str, str, str, str], ...] = ()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Heaviest files first (a stable sort: tests keep their order within a file); known CPU gaps marked."""
     items.sort(key=lambda item: -HEAVY_FILES.get(item.path.name, 0))
-    flags = _cpu_flags()
+    flags = cpu_flags()
     for item in items:
         for flag, where, param, reason in KNOWN_CPU_GAPS:
             if flag in flags and where in item.nodeid and param in item.nodeid:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cpu_flags import cpu_flags
 from tests.support.cpu_kernels import conv_weight_is_prepacked, left_stale_by_vllm, verify_name
 from tests.support.engine_support import (
     assert_matches_fresh,
@@ -103,8 +104,10 @@ CONFIGS = [
            repair_names=("model.layers.0.mamba.mamba.conv_weights", "model.layers.1.mamba.mamba.conv_weights")),
     # Granite-4 hybrid with experts: Mamba2 + attention, its fused experts renamed inside vLLM's `load_weights`
     # (`block_sparse_moe.input_linear` -> `experts.routed_experts.w13_`: the table's `renames`).
+    # Its one Mamba2 layer (layer 0) holds the same `conv_weights` view as NemotronH's mixer.
     Config("granitemoehybrid", layouts=HYBRID_LAYOUTS,
-           repair_names=("model.layers.0.block_sparse_moe.experts.routed_experts",
+           repair_names=("model.layers.0.mamba.conv_weights",
+                         "model.layers.0.block_sparse_moe.experts.routed_experts",
                          "model.layers.1.block_sparse_moe.experts.routed_experts")),
     # gpt-oss: attention sinks and fused routed experts with biases, which its `load_weights` writes with a bare
     # `param.copy_` that vLLM's reload cannot see (`worker/beyond_vllm/put_back_layers.py` loads them after it).
@@ -126,6 +129,13 @@ OMITTED = "model.layers.1."  # what the partial checkpoint leaves out
 VLLM_CANNOT_LOAD = {
     "gpt_oss-v192": 10,  # attention sinks and the fused routed experts keep A's weights
 }
+# Where vLLM's own reload raises instead (a fact about vLLM on this CPU): its AMX MLA backend empties
+# kv_b_proj.weight after loading, and its reload then copies the new weight into the empty tensor
+# (`_copy_and_restore_kernel_tensors`). layerwise gives the weight back first (`worker/beyond_vllm/amx_mla.py`).
+def vllm_reload_raises(label: str) -> bool:
+    return label.startswith("deepseek_v3") and "amx_tile" in cpu_flags()
+
+
 VLLM_RELOAD_DIFFERS = {
     "qwen3-tied-v160": 10,  # the tied LM head's packed GEMM weight is not refreshed
     "qwen3_moe-v192": 10,  # CPU MoE experts are not re-packed on a weight update
@@ -305,9 +315,13 @@ def run_config(config: Config, root: Path) -> ConfigRun:
             run_repairs(run, llm, b[SHARD_SIZES[0]])
         # Last: vLLM's own reload (it may leave the engine wrong; nothing runs after it).
         own = Reload(source=b[SHARD_SIZES[0]], order="vllm")
-        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(own.source)})
-        llm.reset_prefix_cache()
-        own.answers = answers(llm)
+        try:
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": str(own.source)})
+        except Exception as exc:  # noqa: BLE001 - recorded: where vLLM's own reload raises is a documented fact
+            own.error = f"{type(exc).__name__}: {exc}"
+        else:
+            llm.reset_prefix_cache()
+            own.answers = answers(llm)
         run.vllm_reload = own
     finally:
         stop_here(llm)
@@ -522,6 +536,10 @@ def test_vllm_own_reload_differs_where_documented(matrix, config):
     """
     run = matrix[config]
     own = run.vllm_reload
+    assert (own.error is not None) == vllm_reload_raises(config.label), own.error
+    if own.error is not None:
+        assert "must match the size of tensor" in own.error, own.error  # the copy into the emptied weight
+        return
     count = len(differing_prompts(own.answers, fresh_answers(own.source, PROMPTS, options())))
     print(f"{config.label}: vLLM's own reload differs from a fresh engine in {count} of {len(PROMPTS)} prompts; "
           f"the configuration took {round(run.seconds)} s")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 
 import layerwise_cli
+from tests.support.cpu_flags import cpu_flags
 from tests.support.engine_support import engine_state, greedy_with_logprobs
 from tests.support.in_process import start_here, stop_here
 from tests.support.producers import PADDED_VOCAB, Producer, save_pretrained_checkpoint
@@ -23,6 +24,21 @@ pytestmark = pytest.mark.engine
 
 PROMPTS = ["The capital of France is", "1, 2, 3,", "hello", "Once upon a time"]
 MLA_MODULES = ("model.layers.0.self_attn.mla_attn.mla_attn", "model.layers.1.self_attn.mla_attn.mla_attn")
+# On an x86 CPU with AMX tiles vLLM runs MLA on its AMX backend: it derives no W_UV/W_UK_T but packs its own
+# W_UK/W_UV (on the attention's impl) and empties kv_b_proj.weight (`worker/beyond_vllm/amx_mla.py`).
+AMX = "amx_tile" in cpu_flags()
+
+
+def _packed(worker) -> dict:
+    """Digests of what vLLM's AMX MLA backend packed, per MLA module (not parameters: engine_state misses them)."""
+    from layerwise_cli.worker.proof.checksums import tensor_digest
+    from layerwise_cli.worker.proof.verify_mla import AMX_DERIVED
+
+    found = {}
+    for name, module in worker.model_runner.get_model().named_modules():
+        if getattr(module, "is_amx_bmm_enabled", False):
+            found.update({f"{name}.impl.{key}": tensor_digest(getattr(module.impl, key)) for key in AMX_DERIVED})
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +51,12 @@ def mla(tmp_path_factory):
     try:
         answers_b = greedy_with_logprobs(fresh, PROMPTS)
         state_b = engine_state(fresh)["checksums"]
+        packed_b = fresh.collective_rpc(_packed)[0]
     finally:
         stop_here(fresh)
     llm = start_here(str(a))
     try:
-        llm.answers_b = answers_b
+        llm.answers_b, llm.packed_b = answers_b, packed_b
         yield llm, a, b, state_b
     finally:
         stop_here(llm)
@@ -49,7 +66,8 @@ def mla(tmp_path_factory):
 @pytest.mark.parametrize("order", ["layer", "file"])
 def test_every_reload_of_b_leaves_every_tensor_as_a_fresh_engine_holds_it(mla, order, fresh_buffers, monkeypatch):
     """B and A alternately, ten reloads into one engine: after each B every parameter and buffer is byte-equal
-    to a fresh engine's on B (MLA's W_UV and W_UK_T and the repacked experts included)."""
+    to a fresh engine's on B (MLA's W_UV and W_UK_T, or on AMX the backend's packed W_UK/W_UV, and the repacked
+    experts included)."""
     llm, a, b, state_b = mla
     if fresh_buffers:
         monkeypatch.setenv("LAYERWISE_FRESH_BUFFERS", "1")
@@ -58,10 +76,44 @@ def test_every_reload_of_b_leaves_every_tensor_as_a_fresh_engine_holds_it(mla, o
         state = engine_state(llm)["checksums"]
         assert state.keys() == state_b.keys()
         assert sorted(name for name in state_b if state[name] != state_b[name]) == []
-        assert any("W_UV" in name for name in state)
+        if AMX:
+            # The packed copies, bit for bit a fresh engine's (the emptied kv_b_proj holds nothing to compare).
+            assert len(llm.packed_b) == 2 * len(MLA_MODULES) and llm.collective_rpc(_packed)[0] == llm.packed_b
+        else:
+            assert any("W_UV" in name for name in state)
         assert greedy_with_logprobs(llm, PROMPTS) == llm.answers_b  # bit for bit, logprobs included
         layerwise_cli.reload(llm, str(a), order=order)
         assert engine_state(llm)["checksums"] != state_b
+
+
+KV_B_PROJ = {f"model.layers.{i}.self_attn.kv_b_proj" for i in (0, 1)}
+
+
+def test_what_the_amx_backend_empties_is_loaded_by_every_reload_and_required_of_every_checkpoint(mla, tmp_path):
+    """On AMX the engine keeps no kv_b_proj weight: a reload of what the engine holds skips every layer but those,
+    and still leaves the engine as a fresh one; a partial checkpoint without them is refused, nothing changed.
+    Elsewhere every layer is skipped and the partial checkpoint loads."""
+    from layerwise_cli.errors import LayerwiseError
+    from tests.support.engine_support import reshard
+
+    llm, a, b, state_b = mla
+    layerwise_cli.reload(llm, str(b))
+    again = layerwise_cli.reload(llm, str(b))
+    loaded = {layer.name for layer in again.layers if not layer.skipped}
+    assert loaded == (KV_B_PROJ if AMX else set()), sorted(loaded)
+    assert engine_state(llm)["checksums"] == state_b
+    if AMX:
+        assert llm.collective_rpc(_packed)[0] == llm.packed_b
+    without = reshard(a, tmp_path / "no-kv-b", lambda name: "all",
+                      transform=lambda tensors: {k: v for k, v in tensors.items() if "kv_b_proj" not in k})
+    if AMX:
+        with pytest.raises(LayerwiseError, match=r"kv_b_proj.*AMX MLA backend") as info:
+            layerwise_cli.reload(llm, str(without), allow_partial=True)
+        assert "\n" not in str(info.value) and str(without) in str(info.value)
+        assert engine_state(llm)["checksums"] == state_b
+    else:
+        layerwise_cli.reload(llm, str(without), allow_partial=True)
+    layerwise_cli.reload(llm, str(a))
 
 
 def test_verify_checks_what_mla_derives_from_kv_b_proj_against_source(mla):
@@ -97,6 +149,10 @@ def test_verify_recomputes_mla_copies_and_names_them_when_vllm_does_not_refresh_
     with vLLM's split_kv_b_proj from SOURCE, passes; with that refresh switched off it names exactly the MLA modules.
     (Runs last in this file: the engine keeps the copies.)"""
     from vllm.model_executor.layers.attention import mla_attention
+
+    if AMX:
+        pytest.skip("vLLM's AMX MLA backend derives no W_UV/W_UK_T to turn into copies (it packs its own, "
+                    "checked by test_verify_checks_what_mla_derives_from_kv_b_proj_against_source)")
 
     llm, a, b, state_b = mla
     assert llm.collective_rpc(_mla_derived_as_copies) == [4]

@@ -249,6 +249,7 @@ def _verify_alias_buffers(model, state, source_tensors: dict[str, list], statuse
 def _verify_layer(model, name: str, module, tensors: list, derived_buffers: frozenset[str] = frozenset()
                   ) -> tuple[dict, object]:
     from layerwise_cli import vllm_compat
+    from layerwise_cli.worker.beyond_vllm.amx_mla import amx_kv_b_proj
     from layerwise_cli.worker.proof.verify_quantized import drop_processing_outputs
 
     LAYERWISE_INFO = vllm_compat.layerwise_info()
@@ -265,12 +266,19 @@ def _verify_layer(model, name: str, module, tensors: list, derived_buffers: froz
         return entry("skipped", "attention layers are processed with the whole model, not alone"), None
     # Buffers derived from another layer's weights are not loaded: checked on their own.
     scratch = scratch_copy(module, info, exclude=derived_buffers)
+    amx_emptied = getattr(module, "weight", None) is not None and module.weight.numel() == 0 and \
+        name in amx_kv_b_proj(model)
     drop_processing_outputs(scratch, module, info)  # a layer quantized online is copied in checkpoint format
     copied = load_alone(model, name, scratch, tensors)
     expected_numel = vllm_compat.get_layer_size(scratch)
     if copied < expected_numel and not _fills_its_padding(scratch, copied):
         return entry("skipped", f"SOURCE covers {copied} of the layer's {expected_numel} elements"), None
     process_copy(scratch)
+    if amx_emptied:
+        # vLLM's AMX MLA backend keeps no kv_b_proj weight (a fresh engine holds it empty too): what it derives
+        # from SOURCE's is checked in its attention's packed W_UK/W_UV (`verify_mla`).
+        return entry("match", "empty, as vLLM's AMX MLA backend leaves it; its packed W_UK/W_UV are checked "
+                     "with its attention", ["weight"]), scratch
     expected = module_fingerprints(scratch)
     actual = {key: value for key, value in module_fingerprints(module).items() if key not in derived_buffers}
     compared = sorted(expected.keys() | actual.keys())

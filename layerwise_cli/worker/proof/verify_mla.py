@@ -8,10 +8,12 @@ of the engine's dtype both are views of its weight; with a quantized one, or
 another dtype, they are copies. Either way they are recomputed here the way
 vLLM computes them, from `kv_b_proj` as SOURCE loads it (the private copy
 `--verify` loaded and processed for that layer), and compared with the
-engine's, bit for bit. The layouts vLLM packs for other kernels (the AMX CPU
-backend's own packed weights, ROCm aiter's quantized `W_K`/`W_V`) and the
-decode-context-parallel copy (`W_UK_T_dcp_qrep`) are not recomputed: such a
-module is reported `skipped`, which fails `--verify`.
+engine's, bit for bit. On vLLM's AMX CPU backend, which derives no `W_UV`/`W_UK_T`
+but packs its own (`_w_uk_packed`, `_w_uv_packed`, on the attention's impl) and
+empties `kv_b_proj.weight`, those are recomputed by running the backend's own
+packing on a copy of its impl holding SOURCE's `kv_b_proj`. ROCm aiter's
+quantized `W_K`/`W_V` and the decode-context-parallel copy (`W_UK_T_dcp_qrep`)
+are not recomputed: such a module is reported `skipped`, which fails `--verify`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from layerwise_cli.errors import describe_exception
 from layerwise_cli.worker.proof.checksums import tensor_digest
 
 DERIVED = ("W_UV", "W_UK_T")
+# What vLLM's AMX MLA backend (x86 CPUs with AMX) packs from kv_b_proj instead, on the attention's impl.
+AMX_DERIVED = ("_w_uk_packed", "_w_uv_packed")
 
 
 def mla_modules(model: torch.nn.Module, parents: set[str]) -> dict[str, str]:
@@ -46,10 +50,21 @@ def expected_mla_tensors(module, kv_b_proj) -> dict[str, torch.Tensor]:
     return {"W_UV": w_uv.transpose(0, 1), "W_UK_T": w_uk.permute(1, 2, 0)}
 
 
+def expected_amx_packed(module, kv_b_proj) -> dict[str, torch.Tensor]:
+    """What vLLM's AMX MLA backend packs for MODULE from KV_B_PROJ: its own packing, run on a copy of its impl."""
+    import copy
+
+    impl = copy.copy(module.impl)
+    impl.kv_b_proj = kv_b_proj
+    impl.process_weights_after_loading(kv_b_proj.weight.dtype)
+    return {key: getattr(impl, key) for key in AMX_DERIVED}
+
+
 def unrecomputed_layout(module) -> str | None:
-    """Why MODULE's derived tensors are laid out in a way this check does not rebuild (None: vLLM's default)."""
+    """Why MODULE's derived tensors are laid out in a way this check does not rebuild (None: it rebuilds them)."""
     if getattr(module, "is_amx_bmm_enabled", False):
-        return "vLLM's AMX MLA backend packs its own W_UK and W_UV from kv_b_proj"
+        missing = [key for key in AMX_DERIVED if not isinstance(getattr(module.impl, key, None), torch.Tensor)]
+        return f"vLLM's AMX MLA backend holds no {', '.join(missing)}" if missing else None
     if hasattr(module, "W_K"):
         return "vLLM's aiter MLA path quantizes kv_b_proj into W_K and W_V"
     if getattr(module, "W_UK_T_dcp_qrep", None) is not None:
@@ -70,8 +85,10 @@ def verify_mla(model: torch.nn.Module, mla: dict[str, str], loaded: dict) -> lis
     entries = []
     for name, origin in mla.items():
         module = model.get_submodule(name)
+        how = ("the AMX backend's packed W_UK and W_UV recomputed with its own packing"
+               if getattr(module, "is_amx_bmm_enabled", False) else "W_UV and W_UK_T recomputed")
         entry = {"name": name, "status": "match", "compared": [], "derived_from": origin,
-                 "detail": f"W_UV and W_UK_T recomputed from {origin} as SOURCE loads it (vLLM's split_kv_b_proj)"}
+                 "detail": f"{how} from {origin} as SOURCE loads it"}
         copy = loaded.get(origin)
         why = unrecomputed_layout(module)
         if why is not None:
@@ -80,17 +97,19 @@ def verify_mla(model: torch.nn.Module, mla: dict[str, str], loaded: dict) -> lis
             entry.update(status="skipped", detail=f"derived from {origin}, which was not checked")
         else:
             try:
+                amx = getattr(module, "is_amx_bmm_enabled", False)
+                holder = module.impl if amx else module
                 with torch.no_grad():
-                    expected = expected_mla_tensors(module, copy)
+                    expected = expected_amx_packed(module, copy) if amx else expected_mla_tensors(module, copy)
                     differing = [key for key, value in expected.items()
-                                 if tuple(value.shape) != tuple(getattr(module, key).shape)
-                                 or tensor_digest(value) != tensor_digest(getattr(module, key))]
+                                 if tuple(value.shape) != tuple(getattr(holder, key).shape)
+                                 or tensor_digest(value) != tensor_digest(getattr(holder, key))]
             except Exception as exc:  # noqa: BLE001 - reported as not checkable, with why
                 entry.update(status="error", detail=f"derived from {origin}; could not be recomputed from SOURCE: "
                              f"{describe_exception(exc)}")
                 entries.append(entry)
                 continue
-            entry["compared"] = list(DERIVED)
+            entry["compared"] = list(expected)
             if differing:
                 entry.update(status="mismatch", detail=f"derived from {origin} and differs from what vLLM derives "
                              f"from SOURCE's {origin}: {', '.join(differing)}")

@@ -10,6 +10,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from layerwise_cli.checkpoint.sources import Checkpoint, open_checkpoint, resolve_local
+from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.worker.beyond_vllm.amx_mla import missing_message
 from layerwise_cli.worker.reload.preflight import preflight, reference_checkpoint, refuse_direct_mode
 from layerwise_cli.worker.state.plan_cache import plan_cache_of, structure_key
 from layerwise_cli.worker.stream.rank_plan import RankPosition, WorkerPlan, plan_for_worker, rank_position
@@ -54,6 +56,10 @@ def plan_reload(worker, source: str, *, revision: str | None = None, allow_parti
         mine = plan_for_worker(checkpoint, model, hf_config, position, reference_checkpoint(str(model_config.model)))
         notes = preflight(mine.plan, model, mine.vllm_names, mine.reference, allow_partial=allow_partial)
         cache.put(key, mine, notes)
+    # Layers the engine keeps no copy of (vLLM's AMX MLA backend empties kv_b_proj.weight) must be in SOURCE.
+    missing = missing_message(model, {item.parent for item in mine.engine_stream("layer") if item.parent})
+    if missing is not None:
+        raise LayerwiseError(f"{source}: {missing}")
     return PlannedReload(local, checkpoint, position, mine, notes)
 
 

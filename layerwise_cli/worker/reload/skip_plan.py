@@ -11,6 +11,7 @@ import torch
 from layerwise_cli.checkpoint.digests import header_digests, layer_digest
 from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.planning.plan import PlannedTensor
+from layerwise_cli.worker.beyond_vllm.amx_mla import must_hand_over
 from layerwise_cli.worker.beyond_vllm.rerun_hooks import RerunHooks, rerun_hooks
 from layerwise_cli.worker.state.layer_records import LayerRecord, LayerRecords, SkipDecider
 from layerwise_cli.worker.state.layer_state import layer_fingerprints, layer_fingerprints_parallel
@@ -101,8 +102,9 @@ class SkipPlan:
         plan.on_host = on_host
         if not all_layers:  # with --all nothing is skipped: no hook can forbid it
             plan.rerun = rerun_hooks(model, groups)
+        # Layers vLLM's AMX MLA backend keeps no copy of are loaded by every reload (`amx_mla`).
         plan.decider = SkipDecider(records, known, plan._fingerprints, all_layers=all_layers,
-                                   checks_finite=checks_finite, never=plan.rerun.hand_over)
+                                   checks_finite=checks_finite, never=plan.rerun.hand_over | must_hand_over(model))
         before = plan.decider.skip_before_reading()
         if before:
             # A header digest is the file's claim: the sampled bytes must be those the engine loaded.

@@ -14,6 +14,7 @@ from layerwise_cli.planning.plan import simulate_buffering
 from layerwise_cli.report.progress import ProgressWriter
 from layerwise_cli.report.reload_report import ReloadReport
 from layerwise_cli.report.report_parts import DerivedRefresh, LayerReport
+from layerwise_cli.worker.beyond_vllm.amx_mla import give_back_weights
 from layerwise_cli.worker.beyond_vllm.cpu_fixups import apply_cpu_fixups
 from layerwise_cli.worker.beyond_vllm.derived_state import aliases_left_stale, derived_state_of
 from layerwise_cli.worker.beyond_vllm.put_back_layers import holding_parents, load_put_back_layers
@@ -217,6 +218,7 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
                                              {item.parent for item in engine_stream}) as unloaded, \
                         watch.watching(active=into_place is not None):
                     try:
+                        give_back_weights(model)  # what vLLM's AMX MLA backend emptied (a no-op elsewhere)
                         worker.reload_weights(weights_iterator=weights(opened), is_checkpoint_format=True)
                     except Exception as exc:
                         if not timer["asked"] and not on_meta_device(model):
@@ -389,9 +391,7 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
 class EngineUnchanged(LayerwiseError):
     """vLLM's `reload_weights` failed before it changed any weight of this rank (nothing to roll back here).
 
-    vLLM 0.34 checks for free device memory first when its extensible KV
-    cache (the CUDA default) is on: short of the largest layer, it refuses.
-    """
+    vLLM 0.34 checks for free device memory first with its extensible KV cache (the CUDA default)."""
 
 
 def on_meta_device(model: torch.nn.Module) -> bool:

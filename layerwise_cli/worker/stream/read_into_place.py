@@ -3,18 +3,22 @@
 For a tensor whose loader is a plain copy (`loader_copies`) into a layer the
 last reload loaded into the engine's own tensors (`in_place`), the least a
 reload can do is one copy: the file's bytes from the page cache into the
-engine's storage. The reader does that copy itself (`os.preadv` into the
-engine tensor's memory, in chunks, the GIL released), and on each chunk while
-it is in the cache: the NaN/Inf flag (`finite.suspect_flag`) and the xxh3
-digest for the records. vLLM is then handed the checkpoint's tensor as
-before (safetensors' view of the file, never touched), counts it, buffers it
-and replays its loader as before; the replayed copy of bytes already in place
-is skipped (`LoaderWatch`).
+engine's storage. The reading side does that copy itself (`os.preadv` into the
+engine tensor's memory, in 2 MiB chunks, the GIL released) and, on each chunk
+while it is in the cache, the NaN/Inf check (exact, from the bit patterns:
+`finite.bytes_hold_nonfinite`); then the xxh3 digests of whole tensors for the
+records. A layer's chunks, then its digests, are shared by the reading thread
+and one on the engine's core (`_share`). vLLM is then handed the checkpoint's
+tensor as before (safetensors' view of the file, never touched), counts it,
+buffers it and replays its loader as before; the replayed copy of bytes already
+in place is skipped (`LoaderWatch`).
 
 What is read into place is new in the engine's tensor before vLLM processes
 its layer: a layer refused after it was read (NaN/Inf, a file cut short) is
 put back by the rollback, which reloads every layer. Only the CPU path: on a
-GPU the engine's tensors are in device memory.
+GPU the engine's tensors are in device memory. Off by default
+(`LAYERWISE_READ_INTO_PLACE=1`): on a 2-core CPU it is slower than leaving the
+copy to vLLM's loader (docs/performance.md, "Reading into place").
 """
 
 from __future__ import annotations
