@@ -187,7 +187,7 @@ class PlaceReader:
                   for reading in readings for target in reading.plan.targets
                   for begin in range(0, _nbytes(target.dst), CHUNK_BYTES)]
         _share(lambda job: self._fill(*job, check=check), chunks, submit, stats)
-        _share(self._hash, [r for r in readings if digest and r.plan.whole], submit, stats)
+        _share(self._hash, [r for r in readings if digest and r.plan.whole], submit, stats, hashing=True)
         found = {}
         for reading in readings:
             item, plan = reading.item, reading.plan
@@ -287,18 +287,17 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _share(work, jobs: list, submit, stats) -> None:
+def _share(work, jobs: list, submit, stats, *, hashing: bool = False) -> None:
     """Run WORK on each of JOBS, taken from one queue by this thread and (with SUBMIT) by another.
 
-    Each WORK returns (read s, check s) or (0, hash s) for STATS. The first failure stops both and is raised
-    once the other thread stopped too (nothing is written into the engine after this returns).
+    Each WORK returns (read s, check s), or with HASHING (0, hash s), for STATS. The first failure stops both and
+    is raised once the other thread stopped too (nothing is written into the engine after this returns).
     """
     if not jobs:
         return
     queue = iter(jobs)
     lock = threading.Lock()
     failed = threading.Event()
-    hashing = work.__name__ == "_hash"
 
     def drain() -> tuple[float, float]:
         spent = [0.0, 0.0]
