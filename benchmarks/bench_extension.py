@@ -24,16 +24,10 @@ BENCH_EXTENSION_CLS = "benchmarks.bench_extension.BenchWorkerExtension"
 LINEAR_FALLBACK_ENV = "LAYERWISE_BENCH_LINEAR_FALLBACK"
 
 
-def _take_linear_fallback() -> None:
-    from vllm import _custom_ops
-    from vllm.model_executor.layers import utils
-
-    _custom_ops._supports_onednn = False
-    utils.check_cpu_sgl_kernel = lambda *args: False
-
-
 if os.environ.get(LINEAR_FALLBACK_ENV):
-    _take_linear_fallback()
+    from tests.support.cpu_kernels import take_linear_fallback
+
+    take_linear_fallback()
 
 
 class BenchWorkerExtension(LayerwiseWorkerExtension):
@@ -286,24 +280,16 @@ def _read(worker, source: str, order: str) -> dict:
 
 
 def _read_into(worker, source: str, order: str) -> dict:
-    import struct
-
     import torch
 
-    from layerwise_cli.checkpoint.sources import shard_file
-    from layerwise_cli.worker.stream.read_into_place import CHUNK_BYTES, _read_fully
+    from layerwise_cli.worker.stream.read_into_place import CHUNK_BYTES, _read_fully, open_shard
 
     folder, _plan, _, stream = _engine_stream(worker, source, order)
     if _device(worker).type != "cpu":
         return {"ok": False, "error": "reading into place is the CPU path"}
     # Allocated and touched before the clock starts, as the engine's tensors are.
     targets = [torch.ones(item.entry.nbytes, dtype=torch.uint8) for item in stream]
-    files: dict[str, tuple[int, int, str]] = {}
-    for item in stream:
-        if item.entry.shard not in files:
-            path = str(shard_file(folder, item.entry.shard, str(folder)))
-            fd = os.open(path, os.O_RDONLY)
-            files[item.entry.shard] = (fd, 8 + struct.unpack("<Q", os.pread(fd, 8, 0))[0], path)
+    files = {shard: open_shard(folder, shard) for shard in dict.fromkeys(item.entry.shard for item in stream)}
     start = time.perf_counter()
     try:
         for item, target in zip(stream, targets):

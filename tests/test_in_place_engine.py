@@ -18,6 +18,7 @@ import os
 
 import pytest
 
+from tests.support.cpu_kernels import take_linear_fallback
 from tests.support.engine_support import differing_prompts, engine_state, greedy_with_logprobs
 from tests.support.in_process import start_here, stop_here
 from tests.support.producers import Producer, save_pretrained_checkpoint
@@ -32,11 +33,7 @@ LINEAR = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 @pytest.fixture
 def linear_weights_kept(monkeypatch):
     """vLLM's CPU GEMM dispatch as on an AVX2 CPU: no oneDNN and no SGL kernel, so `F.linear` on the stored weight."""
-    from vllm import _custom_ops
-    from vllm.model_executor.layers import utils
-
-    monkeypatch.setattr(_custom_ops, "_supports_onednn", False)
-    monkeypatch.setattr(utils, "check_cpu_sgl_kernel", lambda *args: False)
+    take_linear_fallback(monkeypatch.setattr)
 
 
 def options():

@@ -12,10 +12,9 @@ into place and roll back; and the switch turns it off.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
+from tests.support.cpu_kernels import take_linear_fallback
 from tests.support.engine_support import differing_prompts, engine_state, greedy_with_logprobs, reshard
 from tests.support.in_process import start_here, stop_here
 from tests.support.producers import Producer, save_pretrained_checkpoint
@@ -30,11 +29,7 @@ LINEAR = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 def dispatch(request, monkeypatch):
     """vLLM's CPU GEMM dispatch: this CPU's own, or `F.linear` on the stored weight (AVX2, as on a GPU)."""
     if request.param == "linear-fallback":
-        from vllm import _custom_ops
-        from vllm.model_executor.layers import utils
-
-        monkeypatch.setattr(_custom_ops, "_supports_onednn", False)
-        monkeypatch.setattr(utils, "check_cpu_sgl_kernel", lambda *args: False)
+        take_linear_fallback(monkeypatch.setattr)
     return request.param
 
 
@@ -52,22 +47,7 @@ def options():
     return EngineOptions(max_model_len=64)
 
 
-def switched(name: str):
-    """A context manager that sets the diagnostic switch NAME in this process (the in-process engine's too)."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def on():
-        os.environ[name] = "1"
-        try:
-            yield
-        finally:
-            del os.environ[name]
-
-    return on()
-
-
-def test_a_b_a_b_reads_into_place_and_every_b_equals_vllms_fresh_buffers(dispatch, checkpoints):
+def test_a_b_a_b_reads_into_place_and_every_b_equals_vllms_fresh_buffers(dispatch, checkpoints, monkeypatch):
     from layerwise_cli.client.local import reload
     from layerwise_cli.engine_defaults import FRESH_BUFFERS_ENV, READ_INTO_PLACE_ENV
 
@@ -81,11 +61,13 @@ def test_a_b_a_b_reads_into_place_and_every_b_equals_vllms_fresh_buffers(dispatc
     llm = start_here(str(a), options())
     try:
         before = engine_state(llm)
-        with switched(FRESH_BUFFERS_ENV):
+        with monkeypatch.context() as switch:  # the switches are read in this process (the engine's too)
+            switch.setenv(FRESH_BUFFERS_ENV, "1")
             reload(llm, str(b))
         vllms = engine_state(llm)  # what vLLM's own fresh buffers leave: the reference for every tensor
         reports, states, answers = [], [], []
-        with switched(READ_INTO_PLACE_ENV):
+        with monkeypatch.context() as switch:
+            switch.setenv(READ_INTO_PLACE_ENV, "1")
             for source in (a, b, a, b):
                 reports.append(reload(llm, str(source)))
                 states.append(engine_state(llm))

@@ -137,6 +137,22 @@ def test_only_a_tensor_whose_layer_loaded_in_place_and_whose_fact_fits_is_planne
     assert plan_into_place(meta, facts_for(entry, whole), [planned(entry)]) == {}
 
 
+def two_layers(tmp_path, tensors: dict) -> tuple:
+    """`proj.weight` and `bad.weight` (bf16, [rows, 4]) in one shard, each a whole plain copy into its layer's
+    engine tensor, both layers known to load in place: (model, planned items, reader, watch)."""
+    rows = tensors["proj.weight"].shape[0]
+    _, entries = shard(tmp_path, tensors)
+    model = model_of(Layer(rows, 4, device="cpu"))
+    model.bad = Layer(rows, 4, device="cpu")
+    whole = {name: TensorCopies("BF16", (rows, 4), (PlainCopy(name.split(".")[0], "weight", 0, 0, rows * 4),))
+             for name in entries}
+    items = [planned(entries["proj.weight"]), planned(entries["bad.weight"], "bad")]
+    watch = LoaderWatch(model)
+    reader = PlaceReader(tmp_path, plan_into_place(model, LoaderFacts(copies=whole, in_place={"proj", "bad"}), items),
+                         watch)
+    return model, items, reader, watch
+
+
 def test_the_pass_reads_the_bytes_flags_nan_samples_and_hashes_them(tmp_path):
     from layerwise_cli.checkpoint.digests import tensor_digest
     from layerwise_cli.worker.stream.shards import ShardReader, raw_bytes
@@ -145,15 +161,7 @@ def test_the_pass_reads_the_bytes_flags_nan_samples_and_hashes_them(tmp_path):
     tensor = torch.randn(rows, 4).to(torch.bfloat16)
     poisoned = tensor.clone()
     poisoned[-1, -1] = torch.nan  # in the last chunk
-    _, entries = shard(tmp_path, {"proj.weight": tensor, "bad.weight": poisoned})
-    model = model_of(Layer(rows, 4, device="cpu"))
-    model.bad = Layer(rows, 4, device="cpu")
-    facts = LoaderFacts(copies={name: TensorCopies("BF16", (rows, 4), (PlainCopy(name.split(".")[0], "weight", 0, 0,
-                                                                                    rows * 4),))
-                                for name in entries}, in_place={"proj", "bad"})
-    items = [planned(entries["proj.weight"]), planned(entries["bad.weight"], "bad")]
-    watch = LoaderWatch(model)
-    reader = PlaceReader(tmp_path, plan_into_place(model, facts, items), watch)
+    model, items, reader, watch = two_layers(tmp_path, {"proj.weight": tensor, "bad.weight": poisoned})
     mapped = ShardReader(tmp_path)
     try:
         good = reader.read(items[0], mapped.read(items[0]), check=True, digest=True)
@@ -214,14 +222,7 @@ def test_two_threads_share_a_layers_chunks_and_digests_as_one_would(tmp_path):
     rows = 3 * (CHUNK_BYTES // 8) + 5  # four chunks each
     tensors = {f"{name}.weight": torch.randn(rows, 4).to(torch.bfloat16) for name in ("proj", "bad")}
     tensors["bad.weight"][1, 1] = torch.inf  # in the first chunk: the one the other thread takes
-    _, entries = shard(tmp_path, tensors)
-    model = model_of(Layer(rows, 4, device="cpu"))
-    model.bad = Layer(rows, 4, device="cpu")
-    facts = LoaderFacts(copies={name: TensorCopies("BF16", (rows, 4), (PlainCopy(name.split(".")[0], "weight", 0, 0,
-                                                                                    rows * 4),))
-                                for name in entries}, in_place={"proj", "bad"})
-    items = [planned(entries["proj.weight"]), planned(entries["bad.weight"], "bad")]
-    reader = PlaceReader(tmp_path, plan_into_place(model, facts, items), LoaderWatch(model))
+    model, items, reader, _ = two_layers(tmp_path, tensors)
     mapped = ShardReader(tmp_path)
     stats, samples, digests = ReadAheadStats(), {}, {}
     helper = ThreadPoolExecutor(1)

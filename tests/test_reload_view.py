@@ -10,6 +10,15 @@ from layerwise_cli.report.reload_report import ReloadReport, merge_reports
 from layerwise_cli.report.report_parts import LayerReport
 
 
+def rendered(monkeypatch, report: ReloadReport, *, width: int, **options) -> str:
+    """What `render_report` prints for REPORT on a terminal WIDTH columns wide (no colour)."""
+    from layerwise_cli.cli import _reload_view
+
+    out = io.StringIO()
+    monkeypatch.setattr(_reload_view, "stdout", Console(file=out, width=width, no_color=True))
+    _reload_view.render_report(report, **options)
+    return out.getvalue()
+
 def report(rank: int, peak: int, load: float) -> ReloadReport:
     layers = [
         LayerReport("model.embed_tokens", 1, 1000, 0.0, 0.01, 1000),
@@ -46,12 +55,9 @@ def test_json_round_trip_keeps_everything():
 
 
 def test_table_shows_layers_totals_and_flags_a_difference(monkeypatch):
-    from layerwise_cli.cli import _reload_view
 
-    out = io.StringIO()
-    monkeypatch.setattr(_reload_view, "stdout", Console(file=out, width=80, no_color=True))
-    _reload_view.render_report(merge_reports([report(0, 3000, 0.1), report(1, 3500, 0.3)]), title="Reload [x]")
-    text = out.getvalue()
+    text = rendered(monkeypatch, merge_reports([report(0, 3000, 0.1), report(1, 3500, 0.3)]), title="Reload [x]",
+                    width=80)
     assert "layers.0.self_attn.qkv_proj" in text  # names fit an 80-column terminal unbroken
     assert "Reload [x]" in text  # user data is escaped, not read as markup
     assert "(finalize)" in text
@@ -86,12 +92,9 @@ def test_merge_takes_the_prediction_of_the_rank_that_holds_most():
 
 
 def test_table_names_held_layers_and_why_the_peak_is_above_the_largest_layer(monkeypatch):
-    from layerwise_cli.cli import _reload_view
 
-    out = io.StringIO()
-    monkeypatch.setattr(_reload_view, "stdout", Console(file=out, width=120, no_color=True))
-    _reload_view.render_report(merge_reports([held_report(0, 3000, False), held_report(1, 5000, True)]))
-    text = " ".join(out.getvalue().split())
+    text = " ".join(rendered(monkeypatch, merge_reports([held_report(0, 3000, False), held_report(1, 5000, True)]),
+                             width=120).split())
     assert "held to end embed_tokens (vocabulary padded 160 -> 192; rank 1 of 2 fills 64 of its 96 rows)" in text
     assert "above the largest layer: vLLM holds model.embed_tokens to the end" in text
     assert "embed_tokens (finalize)" in text
@@ -101,7 +104,6 @@ def test_in_place_layers_merge_as_every_rank_did_them_and_show_in_the_table(monk
     """A layer counts as loaded in place only where every rank that holds it loaded it so; the table says how many."""
     from dataclasses import replace
 
-    from layerwise_cli.cli import _reload_view
 
     def ranked(rank: int, embedding_in_place: bool) -> ReloadReport:
         base = report(rank, 3000, 0.1)
@@ -115,21 +117,16 @@ def test_in_place_layers_merge_as_every_rank_did_them_and_show_in_the_table(monk
     both = merge_reports([ranked(0, True), ranked(1, True)])
     assert [layer.in_place for layer in both.layers] == [True, False, False]
     assert ReloadReport.from_dict(both.to_dict()) == both
-    out = io.StringIO()
-    monkeypatch.setattr(_reload_view, "stdout", Console(file=out, width=200, no_color=True))
-    _reload_view.render_report(both, title="Reload")
-    assert "1 of 3 layers (1000 B) loaded into the engine's own tensors" in out.getvalue()
-    out = io.StringIO()
-    monkeypatch.setattr(_reload_view, "stdout", Console(file=out, width=200, no_color=True))
-    _reload_view.render_report(report(0, 3000, 0.1), title="Reload")
-    assert "none of 3 layers: vLLM materialized each in fresh tensors" in out.getvalue()
+    assert "1 of 3 layers (1000 B) loaded into the engine's own tensors" in rendered(monkeypatch, both, title="Reload",
+                                                                                   width=200)
+    assert "none of 3 layers: vLLM materialized each in fresh tensors" in rendered(
+        monkeypatch, report(0, 3000, 0.1), title="Reload", width=200)
 
 
 def test_layers_read_into_place_merge_as_every_rank_did_them_and_show_in_the_in_place_line(monkeypatch):
     """A layer counts as read into place only where every rank read it so; the in-place line says how many."""
     from dataclasses import replace
 
-    from layerwise_cli.cli import _reload_view
 
     def ranked(rank: int, read: bool) -> ReloadReport:
         base = report(rank, 3000, 0.1)
@@ -142,11 +139,5 @@ def test_layers_read_into_place_merge_as_every_rank_did_them_and_show_in_the_in_
     both = merge_reports([ranked(0, True), ranked(1, True)])
     assert [layer.read_into_place for layer in both.layers] == [True, False, False]
     assert both.read_into_place_layers == 1 and ReloadReport.from_dict(both.to_dict()) == both
-    out = io.StringIO()
-    monkeypatch.setattr(_reload_view, "stdout", Console(file=out, width=250, no_color=True))
-    _reload_view.render_report(both, title="Reload")
-    assert "1 read from the file straight into them (1000 B)" in out.getvalue()
-    out = io.StringIO()
-    monkeypatch.setattr(_reload_view, "stdout", Console(file=out, width=250, no_color=True))
-    _reload_view.render_report(ranked(0, False), title="Reload")
-    assert "read from the file straight" not in out.getvalue()
+    assert "1 read from the file straight into them (1000 B)" in rendered(monkeypatch, both, title="Reload", width=250)
+    assert "read from the file straight" not in rendered(monkeypatch, ranked(0, False), title="Reload", width=250)

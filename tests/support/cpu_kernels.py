@@ -19,6 +19,19 @@ from pathlib import Path
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 
 
+def take_linear_fallback(set_attribute=setattr) -> None:
+    """Make vLLM's CPU GEMM dispatch compute with `F.linear` on the stored weight, as on an AVX2 CPU (no oneDNN
+    bf16 matmul, no SGL kernel): the dense linear weights then keep their loaded layout, as on a GPU.
+
+    SET_ATTRIBUTE: `monkeypatch.setattr` in a test (undone after it); plain `setattr` in a worker process.
+    """
+    from vllm import _custom_ops
+    from vllm.model_executor.layers import utils
+
+    set_attribute(_custom_ops, "_supports_onednn", False)
+    set_attribute(utils, "check_cpu_sgl_kernel", lambda *args: False)
+
+
 def on_cpu() -> bool:
     from layerwise_cli.client.local import cuda_available
 

@@ -74,12 +74,9 @@ def give_back_weights(model: torch.nn.Module) -> list[str]:
         recorded = info.restore_metadata[0].get("weight") if info is not None and info.restore_metadata else None
         if recorded is None:
             continue  # vLLM recorded nothing to restore: its reload does not touch this layer either
-        current = module.weight
-        device = info.restore_device if info.restore_device is not None else current.device
-        weight = torch.nn.Parameter(torch.empty(recorded.shape, dtype=recorded.dtype, device=device),
-                                    requires_grad=False)
-        for key, value in current.__dict__.items():
-            setattr(weight, key, value)  # the attributes vLLM set on the parameter (its loader, its dims)
-        module.weight = weight
+        # Only storage: the reload takes the loaders and dims from vLLM's record, not from this tensor.
+        device = info.restore_device if info.restore_device is not None else module.weight.device
+        module.weight = torch.nn.Parameter(torch.empty(recorded.shape, dtype=recorded.dtype, device=device),
+                                           requires_grad=False)
         given.append(name)
     return given

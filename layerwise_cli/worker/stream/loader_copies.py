@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from layerwise_cli.errors import LayerwiseError
 
@@ -300,13 +301,7 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] < b[1] and b[0] < a[1]
 
 
-def _dispatch_mode():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    return TorchDispatchMode
-
-
-class _CountWatch(_dispatch_mode()):
+class _CountWatch(TorchDispatchMode):
     """Sees the aten ops of one loader call vLLM counts (on meta tensors: nothing is copied)."""
 
     def __init__(self, watch: LoaderWatch, param) -> None:
@@ -319,7 +314,7 @@ class _CountWatch(_dispatch_mode()):
         return func(*args, **(kwargs or {}))
 
 
-class _ReplaySkip(_dispatch_mode()):
+class _ReplaySkip(TorchDispatchMode):
     """While vLLM processes a layer: a copy of a region the reader already filled, onto itself, is not made."""
 
     def __init__(self, watch: LoaderWatch) -> None:

@@ -155,7 +155,6 @@ class PlaceReader:
         # Set once vLLM asked for the first tensor: nothing is written into the engine before its reload began
         # (a reload vLLM refuses at its start leaves the engine as it was).
         self.engine_started = threading.Event()
-        self._lock = threading.Lock()  # two threads read one layer (`read_layer`)
 
     def wait_for_engine(self, stop: threading.Event) -> bool:
         """Block until vLLM's reload began; False when the stream was stopped first."""
@@ -267,20 +266,24 @@ class PlaceReader:
         return NonFinite(item.entry.name, item.entry.shard, nan, inf) if nan or inf else None
 
     def _open(self, shard: str) -> tuple[int, int, str]:
-        with self._lock:
-            return self._files.get(shard) or self._open_now(shard)
-
-    def _open_now(self, shard: str) -> tuple[int, int, str]:
-        path = str(shard_file(self._folder, shard, str(self._folder)))
-        fd = os.open(path, os.O_RDONLY)
-        (header_len,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-        found = self._files[shard] = (fd, 8 + header_len, path)
+        """SHARD opened once (only the reading thread opens; the other reads through the descriptor)."""
+        found = self._files.get(shard)
+        if found is None:
+            found = self._files[shard] = open_shard(self._folder, shard)
         return found
 
     def close(self) -> None:
         for fd, _, _ in self._files.values():
             os.close(fd)
         self._files.clear()
+
+
+def open_shard(folder: Path, shard: str) -> tuple[int, int, str]:
+    """SHARD of the checkpoint in FOLDER opened for reading: (descriptor, where its data section starts, path)."""
+    path = str(shard_file(folder, shard, str(folder)))
+    fd = os.open(path, os.O_RDONLY)
+    (header_len,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    return fd, 8 + header_len, path
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
