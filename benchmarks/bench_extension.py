@@ -53,16 +53,6 @@ class BenchWorkerExtension(LayerwiseWorkerExtension):
         """
         return _guard(lambda: _read(self, source, order))
 
-    def layerwise_bench_read_into(self, source: str, order: str = "layer") -> dict:
-        """(d-place) the read-into-place limit: every tensor read from its file into a tensor of its shape.
-
-        The tensors are allocated and touched first (untimed), as the engine's
-        own tensors are; then only the reads are timed: `os.preadv` of each
-        tensor's bytes into its tensor, in the chunks reading into place uses,
-        nothing checked, hashed or handed to vLLM. CPU only.
-        """
-        return _guard(lambda: _read_into(self, source, order))
-
     def layerwise_bench_floor(self, source: str, order: str = "layer") -> dict:
         """(e) the engine's floor: vLLM's layerwise reload fed from tensors already in memory.
 
@@ -277,32 +267,6 @@ def _read(worker, source: str, order: str) -> dict:
         loader.finish()
     return {"ok": True, "seconds": time.perf_counter() - start, "bytes": total, "tensors": len(stream),
             "order": order, "device": str(device)}
-
-
-def _read_into(worker, source: str, order: str) -> dict:
-    import torch
-
-    from layerwise_cli.worker.stream.read_into_place import CHUNK_BYTES, _read_fully, open_shard
-
-    folder, _plan, _, stream = _engine_stream(worker, source, order)
-    if _device(worker).type != "cpu":
-        return {"ok": False, "error": "reading into place is the CPU path"}
-    # Allocated and touched before the clock starts, as the engine's tensors are.
-    targets = [torch.ones(item.entry.nbytes, dtype=torch.uint8) for item in stream]
-    files = {shard: open_shard(folder, shard) for shard in dict.fromkeys(item.entry.shard for item in stream)}
-    start = time.perf_counter()
-    try:
-        for item, target in zip(stream, targets):
-            fd, data_start, path = files[item.entry.shard]
-            for begin in range(0, target.numel(), CHUNK_BYTES):
-                chunk = target[begin:begin + CHUNK_BYTES].numpy()
-                _read_fully(fd, chunk, data_start + item.entry.begin + begin, path)
-        seconds = time.perf_counter() - start
-    finally:
-        for fd, _, _ in files.values():
-            os.close(fd)
-    return {"ok": True, "seconds": seconds, "bytes": sum(t.numel() for t in targets), "tensors": len(stream),
-            "order": order, "device": "cpu"}
 
 
 def _floor(worker, source: str, order: str) -> dict:

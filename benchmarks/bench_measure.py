@@ -45,7 +45,6 @@ def measure(llm, variant: str, path: Path, cuda: bool, full: bool = True) -> dic
         order = "file" if variant == "b" else "layer"
         call = ReloadCall(source=source, order=order, readahead=variant != "c-nora",
                           allow_nonfinite=variant == "c-nocheck", in_place=variant != "c-fresh",
-                          read_into_place=variant == "c-place",
                           # Every run reloads the same checkpoint: without all_layers, every run after the first
                           # skips it all.
                           all_layers=full)
@@ -58,8 +57,7 @@ def measure(llm, variant: str, path: Path, cuda: bool, full: bool = True) -> dic
                 "readahead_peak_bytes": report.readahead_peak_bytes, "finalize_s": report.finalize_s,
                 "unexpected": len(report.unexpected), "reloaded_bytes": report.bytes,
                 **skip_figures(report)}
-    method = {"d": "layerwise_bench_read", "d-place": "layerwise_bench_read_into",
-              "e": "layerwise_bench_floor"}[variant]
+    method = {"d": "layerwise_bench_read", "e": "layerwise_bench_floor"}[variant]
     result = rpc(llm, method, source=source, order="layer")
     return {"seconds": result["seconds"], "call_seconds": time.perf_counter() - start}
 
@@ -68,8 +66,7 @@ def skip_figures(report) -> dict:
     """Layers and bytes the reload skipped, and the bytes it read, where the report says (None: it does not)."""
     return {key: getattr(report, key, None) for key in ("skipped_layers", "skipped_bytes", "read_bytes",
                                                          *TIME_SPLIT, "fingerprint_s", "spot_check_bytes",
-                                                         "reader_cpus", "in_place_layers", "in_place_bytes",
-                                                         "read_into_place_layers", "read_into_place_bytes")}
+                                                         "reader_cpus", "in_place_layers", "in_place_bytes")}
 
 
 def stats(samples: list[float]) -> dict:
@@ -147,8 +144,7 @@ def bench_checkpoint(llm, layout: str, path: Path, args, watch: MemoryWatch, cud
         "peak_over_largest": {k: peaks[k] / largest for k in ("a", "b", "c", "predicted_file_order_bytes")
                               if k in peaks},
         "c_reader_cpus": samples["c"][0].get("reader_cpus") if samples.get("c") else None,
-        "c_in_place": ({k: samples["c"][-1].get(k) for k in ("in_place_layers", "in_place_bytes",
-                                                              "read_into_place_layers", "read_into_place_bytes")}
+        "c_in_place": ({k: samples["c"][-1].get(k) for k in ("in_place_layers", "in_place_bytes")}
                        if samples.get("c") else None),
         "vllm_read_order_matches_plan": vllm_peak["order_matches_plan"],
         "vllm_probe_unexpected": len(vllm_peak["unexpected"]),

@@ -16,13 +16,9 @@ extension, and for each checkpoint times, interleaved, `--runs` runs of:
     c-nocheck layerwise, --order layer, --allow-nonfinite (what the NaN/Inf check costs)
     c-fresh layerwise, --order layer, every layer in vLLM's fresh buffers (what loading
            in place saves: `worker/stream/in_place.py`)
-    c-place layerwise, --order layer, reading into place on (`LAYERWISE_READ_INTO_PLACE=1`:
-           plain-copy tensors read from the file straight into the engine's tensors)
     d      the read limit: every tensor read with safetensors into memory the
            worker owns, nothing else, in the worker process (CPU: an anonymous
            copy of each tensor; CUDA: the stream's pinned staging, then the device)
-    d-place the read-into-place limit (CPU): every tensor read from its file with
-           `os.preadv` into a preallocated, touched tensor of its shape, nothing else
     e      the engine's floor: vLLM's layerwise reload fed from tensors already
            in memory, only vLLM's loading and processing timed (CPU:
            safetensors' views with every page already mapped, which vLLM copies
@@ -39,7 +35,7 @@ b and c above reload every layer (skipping off), as a full change must.
 fallback on this CPU (as on an AVX2 CPU), so they load in place as on a GPU.
 
 a, b, c are timed in this process around the call (what a user waits for);
-d, d-place and e inside the worker (the call's round trip is a few ms). The page cache
+d and e inside the worker (the call's round trip is a few ms). The page cache
 is warm for all of them: every shard is read once before the first run, and
 one untimed round of every variant comes first (`--warmup`).
 
@@ -93,7 +89,7 @@ from benchmarks.bench_checkpoints import (
 from benchmarks.bench_delta import DELTA_CASES, DELTA_VARIANTS, bench_delta, write_delta_checkpoints
 from benchmarks.bench_measure import bench_checkpoint, log, measure, rpc
 from benchmarks.bench_memory import DeviceMemory, MemoryWatch
-from benchmarks.bench_report import CPU_ONLY_VARIANTS, VARIANTS, render_table, targets, write_chart
+from benchmarks.bench_report import VARIANTS, render_table, targets, write_chart
 from tests.support.synthetic import normal_weights
 
 
@@ -186,10 +182,6 @@ def main(argv: list[str] | None = None) -> int:
     from layerwise_cli.client.local import EngineOptions, cuda_available, start_engine, stop_engine
 
     cuda = cuda_available()
-    if cuda and any(v in CPU_ONLY_VARIANTS for v in args.variants):
-        # Reading into place is the CPU path: on a GPU the engine's tensors are in device memory.
-        log(f"not on a GPU: {', '.join(v for v in args.variants if v in CPU_ONLY_VARIANTS)} (CPU only)")
-        args.variants = [v for v in args.variants if v not in CPU_ONLY_VARIANTS]
     tokenizer = args.tokenizer
     if tokenizer is None:
         from layerwise_cli.demo import demo_checkpoint
@@ -285,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             "engine": {"start_s": engine_start_s, **{k: v for k, v in info.items() if k != "ok"}},
             "page_cache": "warm for all variants (every shard read once, then --warmup untimed rounds)",
             "timing": "a, b, c, c-*: wall time in the bench process around collective_rpc; "
-                      "d, d-place, e: inside the worker",
+                      "d, e: inside the worker",
             "results": results,
             "delta": None if delta is None else {
                 "base": delta["base"], "changed_layers": delta["changed_layers"],

@@ -7,10 +7,9 @@ from pathlib import Path
 from benchmarks.bench_checkpoints import LAYOUT_NAMES
 from benchmarks.bench_delta import DELTA_NAMES
 
-VARIANTS = ("a", "b", "c", "c-nora", "c-nocheck", "c-fresh", "c-place", "d", "d-place", "e")
-# The variants that call layerwise's reload (the others are vLLM's own, the read limits and the floor).
-LAYERWISE_VARIANTS = ("b", "c", "c-nora", "c-nocheck", "c-fresh", "c-place")
-CPU_ONLY_VARIANTS = ("c-place", "d-place")  # reading into place: the engine's tensors must be in host memory
+VARIANTS = ("a", "b", "c", "c-nora", "c-nocheck", "c-fresh", "d", "e")
+# The variants that call layerwise's reload (the others are vLLM's own, the read limit and the floor).
+LAYERWISE_VARIANTS = ("b", "c", "c-nora", "c-nocheck", "c-fresh")
 VARIANT_NAMES = {
     "a": "vLLM reload_weights(weights_path)",
     "b": "layerwise --order file",
@@ -18,9 +17,7 @@ VARIANT_NAMES = {
     "c-nora": "layerwise --order layer, no read-ahead",
     "c-nocheck": "layerwise --order layer, no NaN/Inf check",
     "c-fresh": "layerwise --order layer, every layer in vLLM's fresh buffers",
-    "c-place": "layerwise --order layer, reading into place on (plain-copy tensors read into the engine's tensors)",
     "d": "read limit (safetensors into memory)",
-    "d-place": "read-into-place limit (every tensor read from its file into a preallocated tensor of its shape)",
     "e": "engine floor (tensors already in memory)",
 }
 
@@ -58,11 +55,6 @@ def ratios_of(t: dict, peaks: dict) -> dict:
         ratios["check_share_of_c"] = (med["c"] - med["c-nocheck"]) / med["c"]
     if "c" in med and "d" in med:
         ratios["c_over_d"] = med["c"] / med["d"]
-    if "c" in med and "c-place" in med:
-        # What reading into place changes: c with it on, over c (vLLM's loaders copy every tensor).
-        ratios["place_over_c"] = med["c-place"] / med["c"]
-    if "c-place" in med and "d-place" in med:
-        ratios["place_over_d_place"] = med["c-place"] / med["d-place"]
     if "c" in med and "c-fresh" in med:
         # What loading in place saves: c over c with vLLM's fresh buffers for every layer.
         ratios["c_over_fresh"] = med["c"] / med["c-fresh"]
@@ -144,7 +136,7 @@ def render_table(data: dict) -> str:
                  f"device {data['engine']['device_name']}, quantization {data['engine']['quantization'] or 'none'}, "
                  f"{min(runs)}-{max(runs)} runs per checkpoint (medians, seconds)")
     head = f"{'checkpoint':<22}" + "".join(f"{v:>{max(9, len(v) + 1)}}" for v in variants) + \
-        f"{'c/a':>7}{'c/max(d,e)':>12}{'nora/c':>8}{'check/c':>9}{'c/fresh':>9}{'c/d':>7}{'place/c':>9}{'place/dplace':>13}"
+        f"{'c/a':>7}{'c/max(d,e)':>12}{'nora/c':>8}{'check/c':>9}{'c/fresh':>9}{'c/d':>7}"
     lines.append(head)
     for r in data["results"]:
         row = f"{LAYOUT_NAMES.get(r['layout'], r['layout']):<22}"
@@ -154,8 +146,7 @@ def render_table(data: dict) -> str:
         row += f"{ratio.get('nora_over_c', float('nan')):>8.2f}"
         row += f"{ratio.get('check_share_of_c', float('nan')):>9.3f}"
         row += f"{ratio.get('c_over_fresh', float('nan')):>9.2f}"
-        row += f"{ratio.get('c_over_d', float('nan')):>7.2f}{ratio.get('place_over_c', float('nan')):>9.2f}"
-        row += f"{ratio.get('place_over_d_place', float('nan')):>13.2f}"
+        row += f"{ratio.get('c_over_d', float('nan')):>7.2f}"
         lines.append(row)
     lines.append("")
     lines.append(f"{'peak buffered':<22}{'largest':>11}{'predicted':>11}{'a':>11}{'b':>11}{'c':>11}"
@@ -214,11 +205,7 @@ def _in_place_note(in_place: dict | None) -> str:
     """`; N layers in place (BYTES)`: what vLLM loaded into the engine's own tensors in c, if it says."""
     if not in_place or in_place.get("in_place_layers") is None:
         return ""
-    note = f"; {in_place['in_place_layers']} layers in place ({human_bytes(in_place['in_place_bytes'] or 0)})"
-    if in_place.get("read_into_place_layers") is not None:
-        note += (f", {in_place['read_into_place_layers']} read into place "
-                 f"({human_bytes(in_place['read_into_place_bytes'] or 0)})")
-    return note
+    return f"; {in_place['in_place_layers']} layers in place ({human_bytes(in_place['in_place_bytes'] or 0)})"
 
 
 def render_delta(data: dict) -> list[str]:

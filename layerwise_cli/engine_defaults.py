@@ -34,19 +34,6 @@ def fresh_buffers_forced() -> bool:
     return _switch_set(FRESH_BUFFERS_ENV)
 
 
-# Switch (off by default): `LAYERWISE_READ_INTO_PLACE=1` reads the plain-copy tensors of layers
-# loaded in place straight from the file into the engine's tensors (`worker/stream/read_into_place.py`)
-# instead of leaving that copy to vLLM's loaders. Off because on a 2-core CPU it moves the copy onto
-# the reading thread, which then holds the engine up (docs/performance.md, "Reading into place").
-# Read in the worker and by the client, which then asks for `read_into_place=True`.
-READ_INTO_PLACE_ENV = "LAYERWISE_READ_INTO_PLACE"
-
-
-def read_into_place_asked() -> bool:
-    """Whether the switch turns reading into place on (in this process)."""
-    return _switch_set(READ_INTO_PLACE_ENV)
-
-
 # On CPU the KV cache takes this fraction of host memory (vLLM's GPU default, 0.9, would take the machine).
 CPU_MEMORY_FRACTION = 0.1
 

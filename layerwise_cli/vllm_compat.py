@@ -35,12 +35,10 @@ from layerwise_cli.vllm_symbols import (
     FINALIZE_MODEL_WEIGHTS,
     GET_LAYER_SIZE,
     GET_LAYER_TENSORS,
-    GET_NUMEL_LOADED,
     GET_SPEC_LAYER_IDX,
     IS_DEFERRED_ATTENTION_LAYER,
     LAYER_REF_SENTINEL,
     LAYERWISE_INFO,
-    LAYERWISE_PROCESS,
     LINEAR_BASE,
     LOGGER_INPLACE,
     LOGGER_KILL_TREE,
@@ -139,16 +137,6 @@ def reload_layerwise_module():
     """vLLM's `reload.layerwise` module, whose global `materialize_layer` its `_layerwise_process` calls."""
     _load(MATERIALIZE_LAYER)
     return _load(PrivateSymbol(MATERIALIZE_LAYER.module, None, "module"))
-
-
-def reload_loader_hooks():
-    """vLLM's `reload.layerwise` module, checked to hold `get_numel_loaded` and `_layerwise_process`.
-
-    `online_process_loader` calls both by their module-level names: `loader_copies` wraps them there.
-    """
-    _load(GET_NUMEL_LOADED)
-    _load(LAYERWISE_PROCESS)
-    return reload_layerwise_module()
 
 
 def finalize_layerwise_processing():

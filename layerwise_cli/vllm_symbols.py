@@ -143,14 +143,6 @@ MATERIALIZE_LAYER = PrivateSymbol(f"{_RELOAD}.layerwise", "materialize_layer", "
                                   parameters=("layer", "info"),
                                   used_by="worker/stream/in_place.py (the name `_layerwise_process` calls, replaced "
                                   "during a layerwise reload)")
-GET_NUMEL_LOADED = PrivateSymbol(f"{_RELOAD}.layerwise", "get_numel_loaded", "function",
-                                 parameters=("weight_loader", "args"),
-                                 used_by="worker/stream/loader_copies.py (the count `online_process_loader` calls "
-                                 "by its module-level name, watched during a layerwise reload)")
-LAYERWISE_PROCESS = PrivateSymbol(f"{_RELOAD}.layerwise", "_layerwise_process", "function",
-                                  parameters=("layer", "info"),
-                                  used_by="worker/stream/loader_copies.py (called by its module-level name; wrapped "
-                                  "to skip copies of bytes already read into place)")
 FINALIZE_LAYERWISE_PROCESSING = PrivateSymbol(f"{_RELOAD}.layerwise", "finalize_layerwise_processing", "function",
                                               parameters=("model", "model_config"),
                                               used_by="worker/reload/completion.py (the name "

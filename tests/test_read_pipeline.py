@@ -166,6 +166,7 @@ def test_the_shared_check_finds_what_the_single_one_finds(where):
 
 
 def test_a_layer_the_engine_waits_for_is_checked_on_two_threads(tmp_path, monkeypatch):
+    import layerwise_cli.worker.stream.layer_reader as layer_module
     import layerwise_cli.worker.stream.read_ahead as stream_module
 
     sd = qwen3_like()
@@ -176,10 +177,10 @@ def test_a_layer_the_engine_waits_for_is_checked_on_two_threads(tmp_path, monkey
     plan = inspect_order(str(folder)).plan
     # As where vLLM bound the engine: the reading thread runs beside it, the helper on the engine's CPUs.
     monkeypatch.setattr(stream_module, "spare_cpus", lambda: set(os.sched_getaffinity(0)))
-    monkeypatch.setattr(stream_module, "_SHARED_CHECK_BYTES", 1)
+    monkeypatch.setattr(layer_module, "_SHARED_CHECK_BYTES", 1)
     checks = []
-    original = stream_module.first_nonfinite_shared
-    monkeypatch.setattr(stream_module, "first_nonfinite_shared",
+    original = layer_module.first_nonfinite_shared
+    monkeypatch.setattr(layer_module, "first_nonfinite_shared",
                         lambda tensors, submit: checks.append(len(tensors)) or original(tensors, submit))
     with pytest.raises(Exception, match=rf"tensor {name} has 3 NaN and 0 Inf values"):
         list(read_in_order(plan.layer_order, folder))

@@ -122,22 +122,3 @@ def test_in_place_layers_merge_as_every_rank_did_them_and_show_in_the_table(monk
     assert "none of 3 layers: vLLM materialized each in fresh tensors" in rendered(
         monkeypatch, report(0, 3000, 0.1), title="Reload", width=200)
 
-
-def test_layers_read_into_place_merge_as_every_rank_did_them_and_show_in_the_in_place_line(monkeypatch):
-    """A layer counts as read into place only where every rank read it so; the in-place line says how many."""
-    from dataclasses import replace
-
-
-    def ranked(rank: int, read: bool) -> ReloadReport:
-        base = report(rank, 3000, 0.1)
-        layers = [replace(base.layers[0], in_place=True, read_into_place=read), *base.layers[1:]]
-        return replace(base, layers=layers, in_place_layers=1, in_place_bytes=1000,
-                       read_into_place_layers=int(read), read_into_place_bytes=1000 * read)
-
-    mixed = merge_reports([ranked(0, True), ranked(1, False)])
-    assert [layer.read_into_place for layer in mixed.layers] == [False, False, False]
-    both = merge_reports([ranked(0, True), ranked(1, True)])
-    assert [layer.read_into_place for layer in both.layers] == [True, False, False]
-    assert both.read_into_place_layers == 1 and ReloadReport.from_dict(both.to_dict()) == both
-    assert "1 read from the file straight into them (1000 B)" in rendered(monkeypatch, both, title="Reload", width=250)
-    assert "read from the file straight" not in rendered(monkeypatch, ranked(0, False), title="Reload", width=250)

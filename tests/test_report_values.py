@@ -58,8 +58,7 @@ def test_json_has_lists_and_round_trips():
     assert data["notes"] == ["a note"] and data["verify"]["mismatched"] == ["model.norm"]
     assert data["layers"][1] == {"name": "model.norm", "tensors": 1, "bytes": 10, "load_s": 0.0, "process_s": 0.0,
                                  "buffered_bytes_at_completion": 10, "completed_during_stream": False,
-                                 "held_to_end": None, "skipped": None, "in_place": False,
-                                 "read_into_place": False}
+                                 "held_to_end": None, "skipped": None, "in_place": False}
     assert ReloadReport.from_dict(data) == report
     assert VerifyResult.from_dict(_verify().to_dict()) == _verify()
 

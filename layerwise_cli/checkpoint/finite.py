@@ -51,37 +51,6 @@ def refusal(found: NonFinite, where: str) -> LayerwiseError:
     return LayerwiseError(f"{found.describe()}; refusing (use --allow-nonfinite to load anyway)", where=where)
 
 
-# Floats by their bit patterns, as unsigned integers of their width: (numpy dtype, magnitude mask, smallest
-# non-finite magnitude). A value is NaN or Inf exactly when (bits & mask) >= that magnitude: an all-ones exponent.
-_WIDE_PATTERNS = {
-    "F64": ("<u8", 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000),
-    "F32": ("<u4", 0x7FFF_FFFF, 0x7F80_0000),
-    "F16": ("<u2", 0x7FFF, 0x7C00),
-    "BF16": ("<u2", 0x7FFF, 0x7F80),
-}
-
-
-def bytes_hold_nonfinite(data, dtype: str) -> bool:
-    """Whether raw little-endian bytes of safetensors DTYPE hold a NaN or an Inf: exact, from the bit patterns.
-
-    One pass with numpy (no torch dispatch, the GIL released): for the reader's chunks, while they are in the
-    cache. False for dtypes that cannot hold NaN or Inf.
-    """
-    import numpy as np
-
-    if dtype in _WIDE_PATTERNS:
-        kind, mask, smallest = _WIDE_PATTERNS[dtype]
-        values = np.frombuffer(data, dtype=kind)
-        return bool(values.size) and int(np.bitwise_and(values, mask).max()) >= smallest
-    if dtype in _BYTE_PATTERNS:
-        mask, value = _BYTE_PATTERNS[dtype]
-        values = np.frombuffer(data, dtype=np.uint8)
-        if mask == 0xFF:
-            return bool(np.any(values == value))
-        return bool(values.size) and int(np.bitwise_and(values, mask).max()) >= value
-    return False
-
-
 def dtype_name(tensor) -> str | None:
     """The safetensors name of a torch tensor's dtype, for the dtypes this module checks; else None."""
     return _torch_names().get(tensor.dtype)
@@ -154,10 +123,10 @@ def count_nonfinite(tensor, dtype: str | None = None) -> tuple[int, int]:
 
 def any_suspect(tensors: Iterable[object]) -> bool:
     """Whether any of the tensors may hold NaN or Inf (`suspect_flag`), with one read-back."""
-    return any_flag(suspect_flag(tensor) for tensor in tensors)
+    return _any_flag(suspect_flag(tensor) for tensor in tensors)
 
 
-def any_flag(flags: Iterable[object]) -> bool:
+def _any_flag(flags: Iterable[object]) -> bool:
     """Whether any of the `suspect_flag` results (None: cannot hold NaN/Inf) is set: one read-back for all."""
     import torch
 
@@ -173,7 +142,7 @@ def first_nonfinite(tensors: Iterable[tuple[str, str, object]]) -> NonFinite | N
     that produced the tensors.
     """
     group = [(name, shard, tensor, suspect_flag(tensor)) for name, shard, tensor in tensors]
-    if not any_flag(flag for *_, flag in group):
+    if not _any_flag(flag for *_, flag in group):
         return None
     for name, shard, tensor, flag in group:
         if flag is not None and bool(flag):

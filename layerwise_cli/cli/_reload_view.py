@@ -138,12 +138,8 @@ def in_place_line(report: ReloadReport) -> str:
         return "none (no layer reloaded)"
     if not report.in_place_layers:
         return f"none of {reloaded} layers: vLLM materialized each in fresh tensors and copied them over"
-    line = (f"{report.in_place_layers} of {reloaded} layers ({human_bytes(report.in_place_bytes)}) loaded into the "
+    return (f"{report.in_place_layers} of {reloaded} layers ({human_bytes(report.in_place_bytes)}) loaded into the "
             "engine's own tensors (their processing keeps the loaded layout); the rest through vLLM's fresh tensors")
-    if report.read_into_place_layers:
-        line += (f"; {report.read_into_place_layers} read from the file straight into them "
-                 f"({human_bytes(report.read_into_place_bytes)})")
-    return line
 
 
 def skipped_line(report: ReloadReport) -> str:

@@ -260,14 +260,12 @@ def reload_workers(llm, source: str, *, order: str = "layer", allow_partial: boo
     Raises:
         LayerwiseError: a worker failed (its one-line error; see `reload`).
     """
-    from layerwise_cli.engine_defaults import fixups_disabled, fresh_buffers_forced, read_into_place_asked
+    from layerwise_cli.engine_defaults import fixups_disabled, fresh_buffers_forced
 
     # The diagnostic switches, set in this process: sent only when set (older extensions lack the arguments).
     switches = {"repairs": False} if fixups_disabled() else {}
     if fresh_buffers_forced():
         switches["in_place"] = False
-    if read_into_place_asked():
-        switches["read_into_place"] = True
     # Paused with its caches cleared, as vLLM asks before a weight update: KV blocks cached under the old weights
     # must not serve prompts under the new ones, and vLLM 0.34's extensible KV cache (the CUDA default) lends the
     # reload its memory only when it holds nothing to keep.

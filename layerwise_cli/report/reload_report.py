@@ -88,10 +88,6 @@ class ReloadReport:
         in_place_layers: layers vLLM loaded into the engine's own tensors instead of fresh ones it copies
             over (their processing keeps the loaded layout: `layers[].in_place`); merged: the most on one rank.
         in_place_bytes: the bytes of engine tensors those layers did not allocate afresh.
-        read_into_place_layers: layers whose plain-copy tensors were read from the file straight into the
-            engine's tensors (`layers[].read_into_place`, `worker/stream/read_into_place.py`); merged: the most
-            on one rank.
-        read_into_place_bytes: the bytes read that way.
         gb_per_s: `bytes` over `wall_s`, in GB/s (a property).
         peak_over_largest: `peak_buffer_bytes` over `largest_layer_bytes` (a property).
         matches_prediction: whether the measured peak equals the predicted one (a property).
@@ -153,8 +149,6 @@ class ReloadReport:
     refreshed: tuple[DerivedRefresh, ...] = ()
     in_place_layers: int = 0
     in_place_bytes: int = 0
-    read_into_place_layers: int = 0
-    read_into_place_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("layers", "unexpected", "notes", "ranks", "stale_header_digests", "refreshed"):
@@ -247,7 +241,6 @@ def merge_reports(reports: list[ReloadReport], *, source: str | None = None,
             # Skipped only where every rank holding it skipped it.
             skipped=base.skipped if all(layer.skipped for layer in per_worker) else None,
             in_place=all(layer.in_place for layer in per_worker),
-            read_into_place=all(layer.read_into_place for layer in per_worker),
         ))
     # Ranks may hold different layers to the end (vocabulary padding falls on the last ranks).
     predicted = max(ordered, key=lambda r: r.predicted_peak_buffer_bytes)
@@ -307,8 +300,6 @@ def merge_reports(reports: list[ReloadReport], *, source: str | None = None,
         refreshed=list({(e.module, e.tensor): e for r in ordered for e in r.refreshed}.values()),
         in_place_layers=max(r.in_place_layers for r in ordered),
         in_place_bytes=max(r.in_place_bytes for r in ordered),
-        read_into_place_layers=max(r.read_into_place_layers for r in ordered),
-        read_into_place_bytes=max(r.read_into_place_bytes for r in ordered),
     )
 
 

@@ -29,8 +29,6 @@ class LayerReport:
     skipped: str | None = None
     # vLLM loaded it into the engine's own tensors, not into fresh ones copied over (`worker/stream/in_place.py`).
     in_place: bool = False
-    # Its plain-copy tensors were read from the file straight into the engine's tensors (`read_into_place`).
-    read_into_place: bool = False
 
     @property
     def seconds(self) -> float:

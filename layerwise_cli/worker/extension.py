@@ -55,7 +55,7 @@ class LayerwiseWorkerExtension:
                          readahead: bool = True, revision: str | None = None,
                          progress_path: str | None = None, allow_nonfinite: bool = False,
                          all_layers: bool = False, repairs: bool = True, in_place: bool = True,
-                         allow_incomplete: bool = False, read_into_place: bool = False) -> dict:
+                         allow_incomplete: bool = False) -> dict:
         """Reload SOURCE in place, in `order`, and return this worker's report.
 
         A parent layer holding NaN or Inf is refused before it is handed over
@@ -65,8 +65,7 @@ class LayerwiseWorkerExtension:
         `repairs=False` leaves what vLLM's reload leaves stale (the diagnostic
         switch `LAYERWISE_NO_CPU_FIXUPS`, set in the caller's environment).
         `in_place=False` has vLLM materialize every layer in fresh buffers (`worker/stream/in_place.py`; the
-        worker's `LAYERWISE_FRESH_BUFFERS=1` does the same). `read_into_place=True` reads plain-copy tensors from the
-        file straight into the engine's tensors (`worker/stream/read_into_place.py`; `LAYERWISE_READ_INTO_PLACE=1`).
+        worker's `LAYERWISE_FRESH_BUFFERS=1` does the same).
         A layer vLLM could not load (it counted no element loaded and put the old tensors back) fails the
         reload, rolled back, unless `allow_incomplete` (then the report notes it).
         """
@@ -82,7 +81,7 @@ class LayerwiseWorkerExtension:
                     revision=revision, progress_path=progress_path, allow_nonfinite=allow_nonfinite,
                     on_engine_touched=lambda: touched.update(engine=True), agree=all_ranks_agree,
                     records=records_of(self), all_layers=all_layers, repairs=repairs, in_place=in_place,
-                    require_complete=not allow_incomplete, read_into_place=read_into_place)
+                    require_complete=not allow_incomplete)
                 failure = None
             except Exception as exc:  # noqa: BLE001 - raised below, after the ranks agreed what to do
                 failure = exc

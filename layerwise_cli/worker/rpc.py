@@ -47,8 +47,6 @@ class ReloadCall:
         all_layers: hand every layer over, also those the engine already holds.
         repairs: False leaves what vLLM's reload leaves stale (`LAYERWISE_NO_CPU_FIXUPS`).
         in_place: False has vLLM materialize every layer in fresh buffers (`LAYERWISE_FRESH_BUFFERS`).
-        read_into_place: True reads plain-copy tensors from the file straight into the engine's tensors
-            (`LAYERWISE_READ_INTO_PLACE`; `worker/stream/read_into_place.py`); off by default.
         allow_incomplete: keep a reload whose completion could not be shown (a layer vLLM could not load, a
             derived buffer left stale, a peak other than the prediction; noted in the report) instead of
             rolling it back (`--allow-unchecked`).
@@ -66,7 +64,6 @@ class ReloadCall:
     repairs: bool = True
     in_place: bool = True
     allow_incomplete: bool = False
-    read_into_place: bool = False
 
     def kwargs(self) -> dict[str, Any]:
         """The keyword arguments: the first five always, the others only when not their default.
@@ -75,8 +72,7 @@ class ReloadCall:
         """
         sent: dict[str, Any] = {"source": self.source, "order": self.order, "allow_partial": self.allow_partial,
                                 "readahead": self.readahead, "revision": self.revision}
-        for name in ("progress_path", "allow_nonfinite", "all_layers", "repairs", "in_place", "allow_incomplete",
-                     "read_into_place"):
+        for name in ("progress_path", "allow_nonfinite", "all_layers", "repairs", "in_place", "allow_incomplete"):
             value = getattr(self, name)
             if value != _DEFAULTS[name]:
                 sent[name] = value

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import torch
 
-from layerwise_cli.engine_defaults import fixups_disabled, read_into_place_asked
+from layerwise_cli.engine_defaults import fixups_disabled
 from layerwise_cli.errors import LayerwiseError, describe_exception
 from layerwise_cli.planning.plan import simulate_buffering
 from layerwise_cli.report.progress import ProgressWriter
@@ -32,12 +32,9 @@ from layerwise_cli.worker.reload.probe import BufferProbe, process_disk_read_byt
 from layerwise_cli.worker.reload.reload_plan import plan_reload
 from layerwise_cli.worker.reload.skip_plan import SkipPlan, quiet_skipped_layers
 from layerwise_cli.worker.state.layer_records import REASON_UNCHANGED, LayerRecords
-from layerwise_cli.worker.state.worker_state import loader_facts_of
 from layerwise_cli.worker.stream.in_place import in_place_materialization
-from layerwise_cli.worker.stream.loader_copies import LoaderWatch
 from layerwise_cli.worker.stream.open_stream import OpenStream
 from layerwise_cli.worker.stream.read_ahead import open_stream
-from layerwise_cli.worker.stream.read_into_place import place_reader
 from layerwise_cli.worker.stream.read_order import pipelined_order
 from layerwise_cli.worker.stream.shards import ShardReader
 from layerwise_cli.worker.stream.stats import ReadAheadStats
@@ -63,7 +60,7 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
                   allow_nonfinite: bool = False, agree: Callable[[bool], bool] | None = None,
                   records: LayerRecords | None = None, all_layers: bool = False,
                   repairs: bool = True, in_place: bool = True, require_complete: bool = True,
-                  restore_partial: bool = False, read_into_place: bool = False) -> ReloadReport:
+                  restore_partial: bool = False) -> ReloadReport:
     """Pre-flight SOURCE against this worker's model, then reload it in `order`, measuring.
 
     Args:
@@ -98,8 +95,6 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
             processing keeps their layout (`in_place`); False (or
             `LAYERWISE_FRESH_BUFFERS` set in the worker) leaves every layer to
             vLLM's fresh buffers.
-        read_into_place: on the CPU, read plain-copy tensors of layers loaded in place straight from the file
-            into the engine's tensors (`read_into_place`; also `LAYERWISE_READ_INTO_PLACE` in the worker).
 
     Returns:
         This worker's report.
@@ -156,14 +151,8 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
                 progress.write({"event": "layer", "name": parent, "skipped": True})
             return skipped
 
-        facts = loader_facts_of(worker)
-        watch = LoaderWatch(model, facts)  # what the loaders showed, and this reload's watch over them
-        into_place = place_reader(model, folder, skip.stream, facts, watch, enabled=in_place and device.type == "cpu"
-                                  and (read_into_place or read_into_place_asked()))
-
         def open_source() -> OpenStream:
             return open_stream(skip.stream, folder, device=device, readahead=readahead, stats=stats,
-                               into_place=into_place,
                                check_finite=not allow_nonfinite, hash_layers=skip.hash_layers,
                                digests=skip.read_digests, skip_layer=skip_after_read if decide_after_read else None,
                                skipped=skip.skipped, samples=skip.read_samples, may_skip=skip.samples_match,
@@ -174,10 +163,7 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
             # everything else of the reload's wall time is vLLM's.
             asked = time.perf_counter()
             timer["asked"] = True  # vLLM began its reload: `initialize_layerwise_reload` put the layers on meta
-            if into_place is not None:
-                into_place.engine_started.set()  # the reader may now write into the engine's tensors
             for item, tensor in opened:
-                watch.handing(item.entry.name, item.entry.dtype, tensor)
                 skip.handing_over(item.parent)
                 if early is not None:
                     early.handing_over(item.parent)
@@ -215,8 +201,7 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
             if opened is not None:
                 with quiet_skipped_layers(skip, model), in_place_materialization(model, in_place) as loaded_in_place, \
                         unloaded_layer_watch(model, lambda: probe.timings.keys(),
-                                             {item.parent for item in engine_stream}) as unloaded, \
-                        watch.watching(active=into_place is not None):
+                                             {item.parent for item in engine_stream}) as unloaded:
                     try:
                         give_back_weights(model)  # what vLLM's AMX MLA backend emptied (a no-op elsewhere)
                         worker.reload_weights(weights_iterator=weights(opened), is_checkpoint_format=True)
@@ -225,8 +210,6 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
                             raise EngineUnchanged(f"vLLM refused the reload before changing any weight: "
                                                   f"{describe_exception(exc)}") from exc
                         raise
-                # Every region read into place in a layer vLLM loaded in place got its copy (else: not shown).
-                watch.check_confirmed(loaded_in_place.names)
                 put_back_unloaded = [name for name in unloaded.modules if name not in unloaded.partial]
                 never_buffered = holding_parents(put_back_unloaded, probe.timings)
                 repairing = repairs and not fixups_disabled()
@@ -271,10 +254,6 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         failed = False
     finally:
         reader.close()
-        if into_place is not None:
-            into_place.close()
-        facts.after_reload(watch, failed=failed, in_place=loaded_in_place, handed=set(probe.timings),
-                           watched=into_place is not None)
         if opened is not None:
             opened.close()  # stops the reading thread, unless the stream ended (it finishes below)
         if failed and stats.hashing_done is not None:
@@ -332,7 +311,6 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
             completed_during_stream=timing.done is not None,
             held_to_end=held_here.get(name),
             in_place=loaded_in_place is not None and name in loaded_in_place.names,
-            read_into_place=into_place is not None and name in into_place.layers,
         ))
     return ReloadReport(
         order=order,
@@ -383,8 +361,6 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         refreshed=[DerivedRefresh(**entry) for entry in refreshed],
         in_place_layers=len(loaded_in_place.names) if loaded_in_place is not None else 0,
         in_place_bytes=loaded_in_place.bytes if loaded_in_place is not None else 0,
-        read_into_place_layers=len(into_place.layers) if into_place is not None else 0,
-        read_into_place_bytes=into_place.bytes if into_place is not None else 0,
     )
 
 

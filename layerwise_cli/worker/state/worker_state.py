@@ -15,10 +15,3 @@ def kept_on(worker, attribute: str, make: Callable[[], T]) -> T:
         value = make()
         setattr(worker, attribute, value)
     return value
-
-
-def loader_facts_of(worker):
-    """The worker's `LoaderFacts` (what its loaders showed: `worker/stream/loader_copies.py`), made on first use."""
-    from layerwise_cli.worker.stream.loader_copies import LoaderFacts
-
-    return kept_on(worker, "_layerwise_loader_facts", LoaderFacts)

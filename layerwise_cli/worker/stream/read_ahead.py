@@ -5,27 +5,17 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Collection, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from layerwise_cli.checkpoint.digests import layer_digest, tensor_digest
-from layerwise_cli.checkpoint.finite import first_nonfinite, first_nonfinite_shared, refusal
-from layerwise_cli.checkpoint.samples import buffer_sample
 from layerwise_cli.planning.plan import PlannedTensor
 from layerwise_cli.worker.stream.cpu_placement import move_to, spare_cpus
-from layerwise_cli.worker.stream.hash_backlog import HashBacklog
+from layerwise_cli.worker.stream.layer_reader import LayerReader
 from layerwise_cli.worker.stream.open_stream import OpenStream
-from layerwise_cli.worker.stream.read_into_place import PlaceReader
-from layerwise_cli.worker.stream.shards import ShardReader, layer_batches, raw_bytes
-from layerwise_cli.worker.stream.staging import copy_in_chunks, handed_over, staging_threads, to_device
 from layerwise_cli.worker.stream.stats import ReadAheadStats
 
-# A layer the engine waits for is checked by two threads when it holds at least this many bytes.
-_SHARED_CHECK_BYTES = 8 << 20
 _DONE = object()
 
 
@@ -55,7 +45,6 @@ def open_stream(
     copy_threads: int | None = None,
     ahead_bytes: int | None = None,
     idle: Callable[[], bool] | None = None,
-    into_place: PlaceReader | None = None,
 ) -> OpenStream:
     """Start reading STREAM; iterating the result yields (planned tensor, tensor) in stream order.
 
@@ -66,14 +55,18 @@ def open_stream(
     With `readahead`, a thread reads the next parent layers while the engine
     loads and processes the current one, at most `ahead_bytes` of layers the
     engine has not started (always at least one layer). On CPU the tensors are
-    safetensors' views of the file mapping (holding them costs mapped page
-    cache, not memory of their own), so the reader may run two of the largest
-    layers ahead (a small layer takes the engine no time). On a CUDA device,
-    tensors are staged in pinned host memory by a few threads and copied to the
-    device asynchronously on a side stream. On the CPU, the reading thread moves
-    beside the cores vLLM bound the worker to (`cpu_placement`), and a layer the
-    engine waits for (the first one always) is checked by two threads: the
-    reader and one on the engine's idle cores.
+    safetensors' views of the file mapping (no copy: holding them costs
+    mapped page cache, not memory of their own), so the reader may run two of
+    the largest layers ahead: a small layer (a norm) takes the engine no time,
+    and a reader only one layer ahead would make it wait for the next. On a CUDA
+    device, tensors are staged in pinned host memory (copied by a few
+    threads) and copied to the device asynchronously on a side stream, so the
+    engine's processing (online quantization) runs on the device.
+
+    On the CPU, the reading thread moves beside the cores vLLM bound the
+    worker to (`cpu_placement`), and a layer the engine waits for (the first
+    one always) is checked by two threads: the reader and one on the engine's
+    idle cores.
 
     Args:
         stream: tensors in the order to hand them over.
@@ -109,8 +102,6 @@ def open_stream(
             hashing backlog: called until it returns False (nothing to do now),
             and again after `OpenStream.wake`, and after the stream until the
             caller waits for the thread (`stats.hashing_done`).
-        into_place: reads the tensors it plans straight into the engine's tensors, checked, sampled and
-            hashed in one pass, once vLLM's reload began (`read_into_place`; CPU only).
 
     Returns:
         An `OpenStream` (iterate it once; close it in any case), yielding each planned tensor with its data.
@@ -120,281 +111,189 @@ def open_stream(
             the point in the stream where its layer would be handed over.
     """
     stats = stats or ReadAheadStats()
-    digests = digests if digests is not None else {}
-    samples = samples if samples is not None else {}
-    skipped = skipped if skipped is not None else set()
-    hash_layers = frozenset(hash_layers)
-    reader = ShardReader(folder)
-    cuda = device is not None and device.type == "cuda"
-    copy_stream = torch.cuda.Stream(device=device) if cuda else None
-    threads = staging_threads() if copy_threads is None else copy_threads
-    pool = ThreadPoolExecutor(threads, thread_name_prefix="layerwise-staging") if cuda and threads > 1 else None
-
-    # Release each shard once its last planned tensor is read, as vLLM's loader
-    # does file by file: a shard's mapped pages leave the process as soon as
-    # the engine has freed its tensors, not at the end of the stream.
-    last_of_shard = {item.entry.shard: item for item in stream}
-
-    def read_host(item: PlannedTensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the tensor on the host, its raw bytes): safetensors' view of the file, plus a pinned copy for CUDA."""
-        start = time.perf_counter()
-        tensor = reader.read(item)
-        stats.read_bytes += item.entry.nbytes
-        if last_of_shard.get(item.entry.shard) is item:
-            reader.release(item.entry.shard)
-        host = tensor
-        if cuda:
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            copy_in_chunks(host, tensor, pool)
-        sampled = time.perf_counter()
-        stats.read_s += sampled - start
-        samples[item.entry.name] = buffer_sample(item.entry.dtype, item.entry.shape, raw_bytes(tensor))
-        stats.sample_s += time.perf_counter() - sampled
-        return host, tensor
-
-    batches = layer_batches(stream)
-    # A layer split into several runs of the stream cannot be dropped: part of it would already be handed over.
-    runs = Counter(batch[0].parent for batch in batches)
-
-    batch_bytes = [sum(item.entry.nbytes for item in batch) for batch in batches]
-    largest_batch = max(batch_bytes, default=0)
-    # The backlog keeps views of at most two of the largest layers' bytes.
-    backlog = HashBacklog(digests, stats, 2 * largest_batch)
-
-    def hash_batch(batch: list[PlannedTensor], raws: list[torch.Tensor]) -> None:
-        """Hash a layer's tensors in full into `digests`."""
-        start = time.perf_counter()
-        for item, raw in zip(batch, raws):
-            digests[item.entry.name] = tensor_digest(item.entry.dtype, item.entry.shape, raw_bytes(raw))
-        stats.hash_s += time.perf_counter() - start
-
-    def dropped(batch: list[PlannedTensor]) -> bool:
-        """After hashing: True when `skip_layer` drops the layer."""
-        parent = batch[0].parent
-        if skip_layer(parent, layer_digest({item.entry.name: digests[item.entry.name] for item in batch})):
-            skipped.add(parent)
-            return True
-        return False
-
-    def mapped(item: PlannedTensor) -> torch.Tensor:
-        tensor = reader.read(item)  # safetensors' view of the file: handed to vLLM, whose copy from it is skipped
-        if last_of_shard.get(item.entry.shard) is item:
-            reader.release(item.entry.shard)
-        return tensor
-
-    def load_batch(batch: list[PlannedTensor], nbytes: int) -> list[tuple] | None:
-        """Read one parent layer (NBYTES: its tensors' bytes); with `check_finite`, refuse it if any holds NaN or Inf.
-
-        None when the layer is hashed and `skip_layer` drops it.
-        """
-        parent = batch[0].parent
-        may_drop = skip_layer is not None and parent is not None and parent in hash_layers and runs[parent] == 1
-        placing = into_place.to_place(batch, may_drop, may_skip) if into_place is not None and not cuda else set()
-        if placing and not into_place.wait_for_engine(stop):
-            return None  # stopped before vLLM began: nothing read, nothing changed
-        # The engine waits for this layer (the first always): its idle core checks part of it. A layer read into
-        # place is always shared: the copy moved from the engine's thread to the reading side.
-        share = helper.submit if helper is not None and (not stats.read_layers or engine_waiting.is_set()) else None
-        placed = into_place.read_layer([item for item in batch if item.entry.name in placing], mapped, stats, samples,
-                                       digests, check=check_finite, digest=parent in hash_layers,
-                                       submit=helper.submit if helper is not None else None) if placing else {}
-        read = [(placed[item.entry.name].mapped,) * 2 if item.entry.name in placed else read_host(item)
-                for item in batch]
-        if parent in hash_layers:
-            # Hashed in full only when the hash can decide a skip now: the layer is whole in this run and its
-            # samples equal its record's. A changed layer (a full change: every one) costs no hash at all, except
-            # the tensors read into place: hashed in that pass, while their bytes are in the cache.
-            if not placing and may_drop and (may_skip is None or may_skip(
-                    parent, {item.entry.name: samples[item.entry.name] for item in batch})):
-                hash_batch(batch, [raw for _, raw in read])
-                if dropped(batch):
-                    return None
-            else:
-                rest = [(item, raw) for item, (_, raw) in zip(batch, read) if item.entry.name not in digests]
-                if rest and readahead:
-                    backlog.add([item for item, _ in rest], [raw for _, raw in rest], nbytes)
-                elif rest:
-                    stats.unhashed_layers += 1
-        loaded = [(item, *to_device(host, device, copy_stream)) for item, (host, _) in zip(batch, read)]
-        if check_finite:
-            start = time.perf_counter()
-            tensors = [(item.entry.name, item.entry.shard, tensor) for item, tensor, _ in loaded
-                       if item.entry.name not in placed]
-            found = None
-            if any(done.nonfinite for done in placed.values()):
-                # Found from the bit patterns as each chunk was read: counted exactly, named.
-                found = next((hit for hit in (into_place.nonfinite(item) for item in batch
-                                              if item.entry.name in placed) if hit is not None), None)
-            if found is not None or not tensors:
-                pass
-            elif cuda:
-                # Reduced on the device, after the copies, on their stream: one read-back per layer.
-                with torch.cuda.stream(copy_stream):
-                    found = first_nonfinite(tensors)
-            elif share is not None and nbytes >= _SHARED_CHECK_BYTES:
-                found = first_nonfinite_shared(tensors, share)
-            else:
-                found = first_nonfinite(tensors)
-            stats.check_s += time.perf_counter() - start
-            if found is not None:
-                raise refusal(found, str(folder / found.shard))
-        stats.read_layers += 1
-        return loaded
-
-    def handover(item: PlannedTensor, tensor, event) -> tuple[PlannedTensor, torch.Tensor]:
-        return item, handed_over(tensor, event, device)
-
+    layers = LayerReader(stream, folder, device=device, readahead=readahead, stats=stats, check_finite=check_finite,
+                         hash_layers=frozenset(hash_layers), digests=digests if digests is not None else {},
+                         skip_layer=skip_layer, skipped=skipped if skipped is not None else set(),
+                         samples=samples if samples is not None else {}, may_skip=may_skip,
+                         copy_threads=copy_threads)
     spare = spare_cpus() if readahead else set()
     # When the reading thread runs beside the engine's cores: one thread on them, which checks half of a layer
-    # the engine waits for. Started here, by the engine's thread, so that it runs where the engine does.
-    shared_check = ((bool(spare) and check_finite) or into_place is not None) and not cuda
-    helper = ThreadPoolExecutor(1, thread_name_prefix="layerwise-check") if shared_check else None
-    if helper is not None:
-        helper.submit(lambda: None).result()
-    engine_waiting = threading.Event()
-    stop = threading.Event()  # set when the stream is closed before its end
-
-    def release() -> None:
-        reader.close()
-        if pool is not None:
-            pool.shutdown(wait=True)
-        if helper is not None:
-            helper.shutdown(wait=True)
-
+    # the engine waits for.
+    layers.start_shared_check(bool(spare) and check_finite)
     if not readahead:
-        def inline() -> Iterator[tuple[PlannedTensor, torch.Tensor]]:
-            try:
-                for batch, nbytes in zip(batches, batch_bytes):
-                    # The whole layer is read (and checked) before its first tensor is handed over.
-                    loaded = load_batch(batch, nbytes)
-                    if loaded is None:
-                        continue
-                    for item, _, _ in loaded:
-                        stats.add(item.entry.nbytes)
-                    for item, tensor, event in loaded:
-                        stats.remove(item.entry.nbytes)
-                        yield handover(item, tensor, event)
-            finally:
-                release()
+        return OpenStream(_inline(layers), layers.release, lambda: None)
+    return ReadAhead(layers, spare, ahead_bytes, idle).opened()
 
-        return OpenStream(inline(), release, lambda: None)
 
-    ready: queue.Queue = queue.Queue()
-    limit = ahead_bytes if ahead_bytes is not None else (0 if cuda else 2 * largest_batch)
-    # Bytes of the layers read that the engine has not started; the reader waits on `room` for it to fall.
-    waiting = [0]
-    room = threading.Condition()
-    finishing = threading.Event()
+def _inline(layers: LayerReader) -> Iterator[tuple[PlannedTensor, torch.Tensor]]:
+    """The stream without a reading thread: each layer read (and checked) when the engine asks for it."""
+    try:
+        for batch, nbytes in layers.batches:
+            # The whole layer is read (and checked) before its first tensor is handed over.
+            loaded = layers.load(batch, nbytes)
+            if loaded is None:
+                continue
+            for item, _, _ in loaded:
+                layers.stats.add(item.entry.nbytes)
+            for item, tensor, event in loaded:
+                layers.stats.remove(item.entry.nbytes)
+                yield layers.handover(item, tensor, event)
+    finally:
+        layers.release()
 
-    def fits(nbytes: int) -> bool:
-        return stop.is_set() or waiting[0] == 0 or waiting[0] + nbytes <= limit
 
-    def other_work() -> bool:
+class ReadAhead:
+    """The reading thread of a stream with read-ahead, and its protocol with the engine's thread.
+
+    The reader reads a layer whenever the bytes of read layers the engine has
+    not started (`waiting`) leave room for it under `limit` (always when none
+    is held), and puts it on `ready`; the engine takes it from there (`consume`)
+    and says so (`_started`), which makes room. While there is no room, the
+    reader does other work: the hashing backlog, then the caller's `idle` work;
+    when it has none it sleeps on `room` until there is room or `wake` says new
+    idle work is there. After the stream it keeps at that work while vLLM
+    finalizes, until the caller waits for it (`stats.hashing_done`). Closing the
+    stream before its end (`abort`) stops it.
+    """
+
+    def __init__(self, layers: LayerReader, spare: set[int], ahead_bytes: int | None,
+                 idle: Callable[[], bool] | None) -> None:
+        self.layers = layers
+        self.spare = spare
+        self.idle = idle
+        self.ready: queue.Queue = queue.Queue()
+        self.limit = ahead_bytes if ahead_bytes is not None else (0 if layers.cuda else 2 * layers.largest_batch)
+        # Bytes of the layers read that the engine has not started; the reader waits on `room` for it to fall.
+        self.waiting = 0
+        self.room = threading.Condition()
+        self.finishing = threading.Event()
+        # Set by `wake` (new idle work), cleared by the reader when it looks for work.
+        self.woken = False
+        self.stop = threading.Event()  # set when the stream is closed before its end
+        self.complete = False  # the engine took the whole stream
+        self.closed = False
+        self.thread = threading.Thread(target=self._produce, name="layerwise-readahead", daemon=True)
+        self.thread.start()
+
+    def opened(self) -> OpenStream:
+        """The stream for the engine's side: `consume`, closed by `abort`, woken by `wake`."""
+        return OpenStream(self.consume(), self.abort, self.wake)
+
+    # ----------------------------------------------------------------------------- the reading thread
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.stop.is_set() or self.waiting == 0 or self.waiting + nbytes <= self.limit
+
+    def _other_work(self) -> bool:
         """One step of the hashing backlog, else of the caller's idle work; False when neither had any."""
-        return backlog.step() or (idle is not None and idle())
+        return self.layers.backlog.step() or (self.idle is not None and self.idle())
 
-    # Set by `wake` (new idle work), cleared by the reader when it looks for work.
-    woken = [False]
-
-    def wake() -> None:
-        with room:
-            woken[0] = True
-            room.notify_all()
-
-    def wait_for_room(nbytes: int) -> None:
+    def _wait_for_room(self, nbytes: int) -> None:
         """Block until a layer of NBYTES may be read, doing other work meanwhile; then count it."""
         while True:
-            with room:
-                if fits(nbytes):
-                    waiting[0] += nbytes
+            with self.room:
+                if self._fits(nbytes):
+                    self.waiting += nbytes
                     return
-                woken[0] = False
-            if other_work():
+                self.woken = False
+            if self._other_work():
                 continue
-            with room:
-                room.wait_for(lambda: fits(nbytes) or woken[0])
+            with self.room:
+                self.room.wait_for(lambda: self._fits(nbytes) or self.woken)
 
-    def started(nbytes: int) -> None:
-        with room:
-            waiting[0] -= nbytes
-            room.notify()
+    def _started(self, nbytes: int) -> None:
+        with self.room:
+            self.waiting -= nbytes
+            self.room.notify()
 
-    def produce() -> None:
+    def _produce(self) -> None:
         try:
-            stats.reader_cpus = move_to(spare)
-            for batch, nbytes in zip(batches, batch_bytes):
-                wait_for_room(nbytes)
-                if stop.is_set():
-                    return
-                loaded = load_batch(batch, nbytes)
-                if loaded is None:
-                    started(nbytes)  # nothing handed over: no room taken
-                    continue
-                for item, _, _ in loaded:
-                    stats.add(item.entry.nbytes)
-                ready.put((nbytes, loaded))
-            ready.put(_DONE)
-            # While vLLM finalizes (`stop` drops the rest): the backlog, and with idle work, whatever the caller
-            # adds until it waits for this thread before recording (the last layers finish after the stream; a
-            # caller that never waits lets it go after a minute).
-            given_up = time.monotonic() + 60
-            while not stop.is_set():
-                with room:
-                    woken[0] = False
-                if other_work():
-                    continue
-                if idle is None or finishing.is_set() or time.monotonic() > given_up:
-                    break
-                with room:
-                    room.wait_for(lambda: woken[0] or finishing.is_set() or stop.is_set(),
-                                  timeout=max(0.0, given_up - time.monotonic()))
+            self.layers.stats.reader_cpus = move_to(self.spare)
+            if self._read_all():
+                self.ready.put(_DONE)
+                self._work_while_finalizing()
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
-            ready.put(exc)
+            self.ready.put(exc)
         finally:
-            backlog.abandon()
+            self.layers.backlog.abandon()
 
-    thread = threading.Thread(target=produce, name="layerwise-readahead", daemon=True)
-    thread.start()
-    state = {"complete": False, "closed": False}
+    def _read_all(self) -> bool:
+        """Read every layer onto `ready`, as room allows; False when the stream was stopped first."""
+        for batch, nbytes in self.layers.batches:
+            self._wait_for_room(nbytes)
+            if self.stop.is_set():
+                return False
+            loaded = self.layers.load(batch, nbytes)
+            if loaded is None:
+                self._started(nbytes)  # nothing handed over: no room taken
+                continue
+            for item, _, _ in loaded:
+                self.layers.stats.add(item.entry.nbytes)
+            self.ready.put((nbytes, loaded))
+        return True
 
-    def abort() -> None:
-        """Stop the reading thread unless the stream ended (then the caller waits for it: `hashing_done`)."""
-        if state["closed"]:
-            return
-        state["closed"] = True
-        if not state["complete"]:
-            stop.set()
-            with room:
-                room.notify_all()
-            thread.join(timeout=60)
-        release()
+    def _work_while_finalizing(self) -> None:
+        # While vLLM finalizes (`stop` drops the rest): the backlog, and with idle work, whatever the caller
+        # adds until it waits for this thread before recording (the last layers finish after the stream; a
+        # caller that never waits lets it go after a minute).
+        given_up = time.monotonic() + 60
+        while not self.stop.is_set():
+            with self.room:
+                self.woken = False
+            if self._other_work():
+                continue
+            if self.idle is None or self.finishing.is_set() or time.monotonic() > given_up:
+                break
+            with self.room:
+                self.room.wait_for(lambda: self.woken or self.finishing.is_set() or self.stop.is_set(),
+                                   timeout=max(0.0, given_up - time.monotonic()))
 
-    def consume() -> Iterator[tuple[PlannedTensor, torch.Tensor]]:
+    # ----------------------------------------------------------------------------- the engine's side
+
+    def wake(self) -> None:
+        """Tell the reading thread that new idle work is there (any thread may call it)."""
+        with self.room:
+            self.woken = True
+            self.room.notify_all()
+
+    def consume(self) -> Iterator[tuple[PlannedTensor, torch.Tensor]]:
+        """Yield the layers the reader put on `ready`, in order; raise what it raised."""
+        layers = self.layers
         try:
             while True:
-                engine_waiting.set()
-                got = ready.get()
-                engine_waiting.clear()
+                layers.engine_waiting.set()
+                got = self.ready.get()
+                layers.engine_waiting.clear()
                 if got is _DONE:
-                    state["complete"] = True
+                    self.complete = True
                     break
                 if isinstance(got, BaseException):
                     raise got
                 nbytes, loaded = got
-                started(nbytes)  # the engine starts this layer: the reader may fetch more
+                self._started(nbytes)  # the engine starts this layer: the reader may fetch more
                 for item, tensor, event in loaded:
-                    stats.remove(item.entry.nbytes)
-                    yield handover(item, tensor, event)
+                    layers.stats.remove(item.entry.nbytes)
+                    yield layers.handover(item, tensor, event)
         finally:
-            if state["complete"]:
+            if self.complete:
                 # The reader finishes its backlog and idle work while vLLM finalizes; the caller waits for it
                 # before recording.
-                def hashing_done() -> None:
-                    finishing.set()
-                    wake()
-                    thread.join(timeout=60)
+                layers.stats.hashing_done = self._hashing_done
+            self.abort()
 
-                stats.hashing_done = hashing_done
-            abort()
+    def _hashing_done(self) -> None:
+        self.finishing.set()
+        self.wake()
+        self.thread.join(timeout=60)
 
-    return OpenStream(consume(), abort, wake)
+    def abort(self) -> None:
+        """Stop the reading thread unless the stream ended (then the caller waits for it: `hashing_done`)."""
+        if self.closed:
+            return
+        self.closed = True
+        if not self.complete:
+            self.stop.set()
+            with self.room:
+                self.room.notify_all()
+            self.thread.join(timeout=60)
+        self.layers.release()
