@@ -59,3 +59,19 @@ def test_an_answer_that_is_no_object_is_a_failure_saying_what_came() -> None:
     answer = rpc.PingAnswer.from_json(["not", "a", "dict"])
     assert not answer.ok
     assert "['not', 'a', 'dict']" in answer.error
+
+
+def test_reload_options_cross_as_they_are_and_leave_out_what_this_version_does_not_know() -> None:
+    options = rpc.ReloadOptions(order="file", allow_unchecked=True, progress_path="/tmp/p")
+    assert rpc.ReloadOptions.from_json(options.to_json()) == options
+    assert rpc.ReloadOptions.from_json({**options.to_json(), "from_a_newer_client": 1}) == options
+    assert "allow_unchecked" not in rpc.ReloadOptions().to_json()
+
+
+def test_the_diagnostic_switches_of_this_process_travel_with_the_options(monkeypatch) -> None:
+    monkeypatch.delenv("LAYERWISE_FRESH_BUFFERS", raising=False)
+    monkeypatch.setenv("LAYERWISE_NO_CPU_FIXUPS", "1")
+    switched = rpc.ReloadOptions(all_layers=True).with_switches()
+    assert switched == rpc.ReloadOptions(all_layers=True, repairs=False)
+    monkeypatch.setenv("LAYERWISE_NO_CPU_FIXUPS", "0")
+    assert rpc.ReloadOptions().with_switches() == rpc.ReloadOptions()
