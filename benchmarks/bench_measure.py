@@ -10,7 +10,7 @@ from pathlib import Path
 from benchmarks.bench_checkpoints import warm_page_cache
 from benchmarks.bench_memory import DeviceMemory, MemoryWatch
 from benchmarks.bench_report import LAYERWISE_VARIANTS, ratios_of
-from layerwise_cli.worker.rpc import ReloadCall
+from layerwise_cli.worker.rpc import ReloadCall, ReloadOptions
 
 # Where a layerwise reload's time went (`ReloadReport`): the reading thread's read, sample, hash and check; the
 # engine's thread in the stream (handover) and in vLLM; the spot check of header-digest skips, before both; the
@@ -43,11 +43,11 @@ def measure(llm, variant: str, path: Path, cuda: bool, full: bool = True) -> dic
         return {"seconds": time.perf_counter() - start}
     if variant in LAYERWISE_VARIANTS:
         order = "file" if variant == "b" else "layer"
-        call = ReloadCall(source=source, order=order, readahead=variant != "c-nora",
-                          allow_nonfinite=variant == "c-nocheck", in_place=variant != "c-fresh",
-                          # Every run reloads the same checkpoint: without all_layers, every run after the first
-                          # skips it all.
-                          all_layers=full)
+        call = ReloadCall(source=source, options=ReloadOptions(
+            order=order, readahead=variant != "c-nora", allow_nonfinite=variant == "c-nocheck",
+            in_place=variant != "c-fresh",
+            # Every run reloads the same checkpoint: without all_layers, every run after the first skips it all.
+            all_layers=full))
         results = llm.collective_rpc(call.method, kwargs=call.kwargs())
         seconds = time.perf_counter() - start
         report = reports_from_results(results)

@@ -3,7 +3,8 @@
 The Python API (imported lazily, so that `import layerwise_cli` stays cheap:
 no torch, vLLM or Hub import until a name is first used):
 
-    from layerwise_cli import EXTENSION_CLS, reload, start_engine, stop_engine, inspect_order, verify_engine, watch
+    from layerwise_cli import EXTENSION_CLS, reload, ReloadOptions, start_engine, stop_engine, verify_engine
+    from layerwise_cli import inspect_order, watch
 
 A trainer writes checkpoints that every loader reads in layer order, with digests, atomically:
 
@@ -15,7 +16,8 @@ Attributes:
     EXTENSION_CLS: the dotted name of layerwise's worker extension class;
         pass `LLM(..., worker_extension_cls=EXTENSION_CLS)` to make an engine
         reloadable (`start_engine` does).
-    reload: stream a checkpoint into a running engine, in layer order.
+    reload, ReloadOptions: stream a checkpoint into a running engine, in layer order; how (the
+        options of `layerwise reload`, as `reload(..., options=ReloadOptions(...))` or keywords).
     start_engine, stop_engine, EngineOptions: start an engine with the
         extension and CPU-friendly defaults; shut it down before exit.
     verify_engine, VerifyResult: check an engine against a checkpoint.
@@ -44,6 +46,7 @@ _LAZY = {
     "start_engine": ("layerwise_cli.client.local", "start_engine"),
     "stop_engine": ("layerwise_cli.client.local", "stop_engine"),
     "EngineOptions": ("layerwise_cli.client.local", "EngineOptions"),
+    "ReloadOptions": ("layerwise_cli.worker.rpc", "ReloadOptions"),
     "ReloadReport": ("layerwise_cli.report.reload_report", "ReloadReport"),
     "inspect_order": ("layerwise_cli.planning.inspect", "inspect_order"),
     "verify_engine": ("layerwise_cli.client.local", "verify_engine"),

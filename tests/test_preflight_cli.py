@@ -178,21 +178,21 @@ def test_unknown_quantization_is_a_usage_error_before_the_engine_starts(demo_mod
 @pytest.mark.parametrize("flag, allowed", [([], False), (["--allow-nonfinite"], True)])
 def test_allow_nonfinite_reaches_the_reload(flag, allowed, demo_models, monkeypatch):
     """In process: the flag is passed to the workers' reload (the engine tests prove what they do with it)."""
-    from layerwise_cli.client import local, session
+    from layerwise_cli.client import local
     from layerwise_cli.errors import LayerwiseError
 
-    calls: list[dict] = []
+    calls: list = []
 
-    def reload_workers(llm, source, **kwargs):
-        calls.append(kwargs)
+    def reload_workers(llm, source, options):
+        calls.append(options)
         raise LayerwiseError("stopped here by the test", where=source)
 
     monkeypatch.setattr(local, "start_engine", lambda model, options=None: object())
     monkeypatch.setattr(local, "stop_engine", lambda llm: None)
-    monkeypatch.setattr(session, "reload_workers", reload_workers)
+    monkeypatch.setattr(local, "reload_workers", reload_workers)
     result = runner.invoke(app, ["reload", "--weights-path", str(demo_models["add"]), "--json", *flag])
     assert result.exit_code == 1 and "stopped here by the test" in result.stderr
-    assert [call["allow_nonfinite"] for call in calls] == [allowed]
+    assert [call.allow_nonfinite for call in calls] == [allowed]
 
 
 def test_allow_nonfinite_reaches_the_servers(monkeypatch):
@@ -205,7 +205,7 @@ def test_allow_nonfinite_reaches_the_servers(monkeypatch):
                         lambda urls, source, options, on_event=None, atomic=None: seen.append(options) or [])
     runner.invoke(app, ["reload", "--weights-path", "W", "--url", "http://127.0.0.1:9", "--allow-nonfinite"])
     runner.invoke(app, ["reload", "--weights-path", "W", "--url", "http://127.0.0.1:9"])
-    assert [options.allow_nonfinite for options in seen] == [True, False]
+    assert [options.reload.allow_nonfinite for options in seen] == [True, False]
 
     sent: list[dict] = []
 

@@ -130,20 +130,21 @@ def test_a_layer_that_could_not_be_checked_fails_verify():
 def test_reload_as_names_the_source_as_given_and_carries_a_failed_verification(tmp_path):
     """The command's reload: the report is built once, under the user's name, with the verification in it."""
     from layerwise_cli.client.session import reload_as
+    from layerwise_cli.worker.rpc import ReloadOptions
 
     progress = tmp_path / "progress.jsonl"
     progress.write_text("")
     verifying: list[str] = []
     llm = _FakeLLM([{"model.embed_tokens": "match", "lm_head": "mismatch"}])
-    report = reload_as(llm, "/cache/snapshots/abc", "org/model", progress_path=str(progress), verify=True,
-                       on_verify=lambda: verifying.append("now"))
+    report = reload_as(llm, "/cache/snapshots/abc", "org/model", ReloadOptions(progress_path=str(progress)),
+                       verify=True, on_verify=lambda: verifying.append("now"))
     assert llm.calls == ["pause_scheduler", "layerwise_reload", "resume_scheduler", "reset_prefix_cache",
                          "layerwise_verify"] and verifying == ["now"]
     assert report.source == "org/model"  # the workers read "/cache/snapshots/abc"
     assert report.verify is not None and not report.verify.ok and report.verify.mismatched == ("lm_head",)
     assert report.verify.wall_s > 0
     assert not progress.exists()
-    quiet = reload_as(_FakeLLM([{"lm_head": "match"}]), "/ckpt/B", "B")
+    quiet = reload_as(_FakeLLM([{"lm_head": "match"}]), "/ckpt/B", "B", ReloadOptions())
     assert quiet.source == "B" and quiet.verify is None
 
 

@@ -243,8 +243,9 @@ def test_watch_passes_allow_unchecked_to_every_target():
         for verify in (False, True):  # without --verify it keeps a reload vLLM could not complete
             options = WatchOptions(verify=verify, allow_unchecked=accept)
             (target,) = server_targets(["http://127.0.0.1:9"], options)
-            assert target.options.verify is verify and target.options.allow_unchecked is accept
-            assert EngineTarget(object(), verify=verify, allow_unchecked=accept).allow_unchecked is accept
+            assert target.options.verify is verify and target.options.reload.allow_unchecked is accept
+            engine = EngineTarget(object(), verify=verify, options=options.reload_options())
+            assert engine.options.allow_unchecked is accept
 
 
 def test_watch_once_without_a_server_exits_1(tmp_path):

@@ -19,7 +19,8 @@ def _extension_methods() -> dict[str, list[str]]:
     """Method name -> its keyword parameters, read from the extension's source (no torch or vLLM import)."""
     tree = ast.parse(EXTENSION.read_text(encoding="utf-8"))
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LayerwiseWorkerExtension")
-    return {f.name: [a.arg for a in f.args.args[1:]] for f in cls.body if isinstance(f, ast.FunctionDef)}
+    return {f.name: [a.arg for a in f.args.args[1:]] + ([f.args.kwarg.arg] if f.args.kwarg else [])
+            for f in cls.body if isinstance(f, ast.FunctionDef)}
 
 
 @pytest.mark.parametrize("call", CALLS, ids=lambda c: c.__name__)
@@ -36,8 +37,8 @@ def test_every_extension_method_has_a_call() -> None:
 def test_a_reload_call_sends_the_defaults_it_always_sent_and_the_rest_only_when_set() -> None:
     assert rpc.ReloadCall(source="/ckpt").kwargs() == {"source": "/ckpt", "order": "layer", "allow_partial": False,
                                                        "readahead": True, "revision": None}
-    sent = rpc.ReloadCall(source="/ckpt", order="file", all_layers=True, repairs=False, in_place=False,
-                          progress_path="/tmp/p").kwargs()
+    sent = rpc.ReloadCall(source="/ckpt", options=rpc.ReloadOptions(order="file", all_layers=True, repairs=False,
+                                                                     in_place=False, progress_path="/tmp/p")).kwargs()
     assert sent == {"source": "/ckpt", "order": "file", "allow_partial": False, "readahead": True, "revision": None,
                     "progress_path": "/tmp/p", "all_layers": True, "repairs": False, "in_place": False}
 
@@ -58,3 +59,19 @@ def test_an_answer_that_is_no_object_is_a_failure_saying_what_came() -> None:
     answer = rpc.PingAnswer.from_json(["not", "a", "dict"])
     assert not answer.ok
     assert "['not', 'a', 'dict']" in answer.error
+
+
+def test_reload_options_cross_as_they_are_and_leave_out_what_this_version_does_not_know() -> None:
+    options = rpc.ReloadOptions(order="file", allow_unchecked=True, progress_path="/tmp/p")
+    assert rpc.ReloadOptions.from_json(options.to_json()) == options
+    assert rpc.ReloadOptions.from_json({**options.to_json(), "from_a_newer_client": 1}) == options
+    assert "allow_unchecked" not in rpc.ReloadOptions().to_json()
+
+
+def test_the_diagnostic_switches_of_this_process_travel_with_the_options(monkeypatch) -> None:
+    monkeypatch.delenv("LAYERWISE_FRESH_BUFFERS", raising=False)
+    monkeypatch.setenv("LAYERWISE_NO_CPU_FIXUPS", "1")
+    switched = rpc.ReloadOptions(all_layers=True).with_switches()
+    assert switched == rpc.ReloadOptions(all_layers=True, repairs=False)
+    monkeypatch.setenv("LAYERWISE_NO_CPU_FIXUPS", "0")
+    assert rpc.ReloadOptions().with_switches() == rpc.ReloadOptions()

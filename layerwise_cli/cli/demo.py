@@ -33,6 +33,7 @@ def demo_command(
     from layerwise_cli.demo import demo_checkpoint, demo_prompt, expected_answer
     from layerwise_cli.errors import UsageError
     from layerwise_cli.report.progress import new_progress_path
+    from layerwise_cli.worker.rpc import ReloadOptions
 
     try:
         asked = [tuple(int(x) for x in pair.split()) for pair in pairs.split(",")]
@@ -53,7 +54,8 @@ def demo_command(
         reports = []
         for name in (second, first):
             report = run_with_progress(
-                lambda path, name=name: reload_as(llm, paths[name], name, order=order, progress_path=path),
+                lambda path, name=name: reload_as(llm, paths[name], name,
+                                                  ReloadOptions(order=order, progress_path=path)),
                 None if as_json else new_progress_path(), f"reload {name}", show=not as_json)
             reports.append(report)
             answers[f"after reloading {name}"] = greedy_answers(llm, prompts)

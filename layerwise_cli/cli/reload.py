@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated, Literal
 
 import typer
@@ -117,6 +118,11 @@ def reload_command(
 
     Example: layerwise reload --weights-path /ckpt/step-200 --url http://127.0.0.1:8000 --verify
     """
+    from layerwise_cli.worker.rpc import ReloadOptions
+
+    # The reload's options, built once: the same object reaches the workers, in process or over HTTP.
+    options = ReloadOptions(order=order, allow_partial=allow_partial, readahead=readahead, revision=revision,
+                            allow_nonfinite=allow_nonfinite, all_layers=all_layers, allow_unchecked=allow_unchecked)
     if url:
         from layerwise_cli.cli.reload_remote import reload_remote
         from layerwise_cli.client.remote import RemoteOptions
@@ -130,13 +136,10 @@ def reload_command(
         if given:
             raise UsageError(f"{', '.join(given)} set the engine this command starts; with --url the servers "
                              "already run with the options they were started with")
-        options = RemoteOptions(order=order, allow_partial=allow_partial, allow_nonfinite=allow_nonfinite,
-                                all_layers=all_layers, readahead=readahead, revision=revision,
-                                pause_mode=pause_mode or "wait", weight_version=weight_version, api_key=api_key,
-                                verify=verify, allow_unchecked=allow_unchecked,
-                                timeout=timeout if timeout is not None else 600.0,
-                                pause_lease_s=pause_lease if pause_lease is not None else 60.0)
-        raise typer.Exit(reload_remote(url, weights_path, options, as_json=as_json, top=top, atomic=atomic))
+        remote = RemoteOptions(reload=options, pause_mode=pause_mode or "wait", weight_version=weight_version,
+                               api_key=api_key, verify=verify, timeout=timeout if timeout is not None else 600.0,
+                               pause_lease_s=pause_lease if pause_lease is not None else 60.0)
+        raise typer.Exit(reload_remote(url, weights_path, remote, as_json=as_json, top=top, atomic=atomic))
     given = [name for name, value in (("--pause-mode", pause_mode), ("--weight-version", weight_version),
                                       ("--timeout", timeout), ("--pause-lease", pause_lease),
                                       ("--atomic/--no-atomic", atomic)) if value is not None]
@@ -156,14 +159,14 @@ def reload_command(
     if refusal:
         raise LayerwiseError(refusal)
     source_dir, base = prepare_sources(weights_path, model, revision, quiet=as_json, allow_partial=allow_partial)
-    options = EngineOptions(dtype=dtype, tensor_parallel_size=tensor_parallel_size,
-                            pipeline_parallel_size=pipeline_parallel_size,
-                            distributed_executor_backend=distributed_executor_backend, max_model_len=max_model_len,
-                            quantization=quantization, enforce_eager=enforce_eager,
-                            memory_fraction=memory_fraction)
+    engine = EngineOptions(dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+                           pipeline_parallel_size=pipeline_parallel_size,
+                           distributed_executor_backend=distributed_executor_backend, max_model_len=max_model_len,
+                           quantization=quantization, enforce_eager=enforce_eager,
+                           memory_fraction=memory_fraction)
     if not as_json:
         stderr.print(f"Starting vLLM on {base} ...")
-    llm = start_engine(base, options)
+    llm = start_engine(base, engine)
 
     def on_verify() -> None:
         if not as_json:
@@ -171,10 +174,8 @@ def reload_command(
 
     try:
         report = run_with_progress(
-            lambda path: reload_as(llm, source_dir, weights_path, order=order, allow_partial=allow_partial,
-                                   readahead=readahead, allow_nonfinite=allow_nonfinite, progress_path=path,
-                                   verify=verify, on_verify=on_verify, all_layers=all_layers,
-                                   allow_unchecked=allow_unchecked),
+            lambda path: reload_as(llm, source_dir, weights_path, replace(options, progress_path=path),
+                                   verify=verify, on_verify=on_verify),
             None if as_json else new_progress_path(), f"reload {weights_path}", show=not as_json)
     finally:
         # Shut the engine down now: left to interpreter exit, multiprocessing

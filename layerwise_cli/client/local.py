@@ -14,10 +14,10 @@ from layerwise_cli.engine_defaults import (
     default_memory_fraction,
     executor_refusal,
 )
-from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.errors import LayerwiseError, UsageError
 from layerwise_cli.report.reload_report import ReloadReport, first_failure, merge_reports
 from layerwise_cli.report.verify_result import VerifyResult, merge_verify, verify_failure
-from layerwise_cli.worker.rpc import ReloadAnswer, ReloadCall, VerifyAnswer, VerifyCall
+from layerwise_cli.worker.rpc import ReloadAnswer, ReloadCall, ReloadOptions, VerifyAnswer, VerifyCall
 
 
 @dataclass
@@ -172,10 +172,8 @@ def call_workers(llm, method: str, **kwargs) -> list[dict]:
         raise
 
 
-def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = False, readahead: bool = True,
-           revision: str | None = None, progress_path: str | None = None, verify: bool = False,
-           allow_nonfinite: bool = False, all_layers: bool = False,
-           allow_unchecked: bool = False) -> ReloadReport:
+def reload(llm, source: str, *, verify: bool = False, options: ReloadOptions | None = None,
+           **option_values) -> ReloadReport:
     """Reload SOURCE into a running `vllm.LLM`, in layer order, and report what it cost.
 
     The engine must have been built with
@@ -188,28 +186,31 @@ def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = Fals
     Args:
         llm: the engine.
         source: a checkpoint directory or file the workers can read, or a Hub repo id.
-        order: `layer` (default) or `file` (vLLM's own read order, for comparison).
-        allow_partial: accept a checkpoint that covers only some parameters.
-        readahead: read the next layer while the engine processes the current one.
-        revision: Hub revision for a repo id.
-        progress_path: a file the first worker appends per-layer progress to.
         verify: after the reload, check on every worker, layer by layer (and
             every module derived from a layer, such as a tied head), that the
             engine holds exactly what vLLM makes of SOURCE (`verify_engine`).
-        allow_nonfinite: load tensors holding NaN or Inf (by default refused,
+        options: how to reload, a `ReloadOptions` (`layerwise_cli.ReloadOptions`); or give its fields as
+            keywords (`order="file", allow_partial=True`), not both. Its fields:
+            `order`: `layer` (default) or `file` (vLLM's own read order, for comparison).
+            `allow_partial`: accept a checkpoint that covers only some parameters.
+            `readahead`: read the next layer while the engine processes the current one.
+            `revision`: Hub revision for a repo id.
+            `progress_path`: a file the first worker appends per-layer progress to.
+            `allow_nonfinite`: load tensors holding NaN or Inf (by default refused,
             naming the file and tensor, and the engine rolled back).
-        all_layers: hand every parent layer to vLLM. By default a layer the
+            `all_layers`: hand every parent layer to vLLM. By default a layer the
             engine already holds is skipped: its source digest (from the
             shard headers, else hashed as read) equals the one each worker
             recorded when layerwise last loaded it, and its state in the
             engine has not changed since (`report.skipped_layers`).
-        allow_unchecked: with `verify`, accept layers (or derived buffers)
+            `allow_unchecked`: with `verify`, accept layers (or derived buffers)
             that could not be checked; by default they fail the verification.
             With or without `verify`, also keep a reload whose completion could
             not be shown: vLLM could not load a layer it was handed (those keep
             their previous weights), a buffer derived at load was left stale, or
             the measured buffer peak is not the prediction. The report notes what
             was accepted; by default such a reload is rolled back.
+        **option_values: `ReloadOptions`' fields as keywords, when `options` is not given.
 
     Returns:
         The merged report of all workers; with `verify`, `report.verify` holds
@@ -224,35 +225,32 @@ def reload(llm, source: str, *, order: str = "layer", allow_partial: bool = Fals
             (refused and rolled back unless `allow_nonfinite`); or vLLM could
             not load a layer it was handed (rolled back, the layers named,
             unless `allow_unchecked`).
+        UsageError: both `options` and option keywords were given.
     """
-    per_worker = reload_workers(llm, source, order=order, allow_partial=allow_partial, readahead=readahead,
-                                revision=revision, progress_path=progress_path, allow_nonfinite=allow_nonfinite,
-                                all_layers=all_layers, allow_incomplete=allow_unchecked)
+    if options is None:
+        options = ReloadOptions(**option_values)
+    elif option_values:
+        raise UsageError("give either options= or option keywords, not both")
+    per_worker = reload_workers(llm, source, options)
     verification = None
     if verify:
-        verification = verify_engine(llm, source, revision, allow_unchecked=allow_unchecked)
+        verification = verify_engine(llm, source, options.revision, allow_unchecked=options.allow_unchecked)
         if not verification.ok:
             raise LayerwiseError(f"{verify_failure(verification)}; the engine holds the reloaded weights, unverified",
                                  where=source)
     return merge_reports(per_worker, verify=verification)
 
 
-def reload_workers(llm, source: str, *, order: str = "layer", allow_partial: bool = False, readahead: bool = True,
-                   revision: str | None = None, progress_path: str | None = None,
-                   allow_nonfinite: bool = False, all_layers: bool = False,
-                   allow_incomplete: bool = False) -> list[ReloadReport]:
+def reload_workers(llm, source: str, options: ReloadOptions) -> list[ReloadReport]:
     """Reload SOURCE on every worker of LLM and reset its prefix cache; the workers' own reports.
 
-    `reload` without verification or merging, for callers that build the
-    final report themselves (`merge_reports`, with the name the user gave
-    the source and the verification).
+    `reload` without verification or merging.
 
     Args:
         llm: the engine (see `reload`).
         source: a checkpoint directory or file the workers can read, or a Hub repo id.
-        order, allow_partial, readahead, revision, progress_path, allow_nonfinite, all_layers: as for `reload`.
-        allow_incomplete: keep a reload in which vLLM could not load a layer it was handed (`reload`'s
-            `allow_unchecked`).
+        options: how to reload (see `reload`); the diagnostic switches set in this process are added
+            (`ReloadOptions.with_switches`).
 
     Returns:
         One report per worker, in rank order.
@@ -260,21 +258,12 @@ def reload_workers(llm, source: str, *, order: str = "layer", allow_partial: boo
     Raises:
         LayerwiseError: a worker failed (its one-line error; see `reload`).
     """
-    from layerwise_cli.engine_defaults import fixups_disabled, fresh_buffers_forced
-
-    # The diagnostic switches, set in this process: sent only when set (older extensions lack the arguments).
-    switches = {"repairs": False} if fixups_disabled() else {}
-    if fresh_buffers_forced():
-        switches["in_place"] = False
     # Paused with its caches cleared, as vLLM asks before a weight update: KV blocks cached under the old weights
     # must not serve prompts under the new ones, and vLLM 0.34's extensible KV cache (the CUDA default) lends the
     # reload its memory only when it holds nothing to keep.
     vllm_compat.pause_engine_core(llm)
     try:
-        results = ask_workers(llm, ReloadCall(source=source, order=order, allow_partial=allow_partial,
-                                              readahead=readahead, revision=revision, progress_path=progress_path,
-                                              allow_nonfinite=allow_nonfinite, all_layers=all_layers,
-                                              allow_incomplete=allow_incomplete, **switches))
+        results = ask_workers(llm, ReloadCall(source=source, options=options.with_switches()))
     finally:
         vllm_compat.resume_engine_core(llm)
     per_worker = worker_reports(results)

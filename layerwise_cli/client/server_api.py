@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from layerwise_cli import ENGINES_RPC_PATH, PAUSE_LEASE_PATH, RENEW_LEASE_PATH, RESUME_LEASE_PATH
@@ -13,7 +13,15 @@ from layerwise_cli.errors import LayerwiseError, one_line
 from layerwise_cli.report.reload_report import ReloadReport, first_failure, merge_reports
 from layerwise_cli.report.verify_result import VerifyResult, merge_verify
 from layerwise_cli.worker import rpc
-from layerwise_cli.worker.rpc import PingAnswer, PingCall, ReloadAnswer, ReloadCall, VerifyAnswer, VerifyCall
+from layerwise_cli.worker.rpc import (
+    PingAnswer,
+    PingCall,
+    ReloadAnswer,
+    ReloadCall,
+    ReloadOptions,
+    VerifyAnswer,
+    VerifyCall,
+)
 
 PAUSE_MODES = ("wait", "keep", "abort", "none")
 
@@ -30,16 +38,11 @@ _SHORT_TIMEOUT_S = 30.0
 
 @dataclass
 class RemoteOptions:
-    """How to reload each server (the `layerwise reload --url` options)."""
+    """How to reach and pause each server, around the reload its workers run as `reload` says (`--url`)."""
 
-    order: str = "layer"
-    allow_partial: bool = False
-    readahead: bool = True
-    revision: str | None = None
-    # Load tensors holding NaN or Inf (refused by default, before the layer is handed over).
-    allow_nonfinite: bool = False
-    # Hand every layer over, also those the engine already holds (skipped by default).
-    all_layers: bool = False
+    # How the servers' workers reload (the same options as in process); `allow_unchecked` also accepts the
+    # layers `verify` could not check.
+    reload: ReloadOptions = field(default_factory=ReloadOptions)
     # wait: let in-flight requests finish, queue new ones; keep: freeze in-flight
     # requests and continue them after the reload; abort: abort in-flight
     # requests; none: do not pause.
@@ -47,9 +50,6 @@ class RemoteOptions:
     weight_version: str | None = None
     api_key: str | None = None
     verify: bool = False
-    # With verify: layers that could not be checked do not fail it (`--allow-unchecked`); with or without it, a
-    # layer vLLM could not load does not fail the reload (noted in the report).
-    allow_unchecked: bool = False
     # Seconds for each request to a server (the reload and the pause included).
     timeout: float = 600.0
     # Seconds a server with layerwise's pause lease stays paused after this client stops renewing it (it dies).
@@ -272,15 +272,9 @@ class ServerClient:
         self._json(response, "POST /update_weight_version")
 
     def layerwise_reload(self, source: str, options: RemoteOptions) -> ReloadReport:
-        from layerwise_cli.engine_defaults import fixups_disabled, fresh_buffers_forced
-
-        # Arguments left at their defaults are not sent: a server running an older extension still takes the call.
-        call = ReloadCall(source=source, order=options.order, allow_partial=options.allow_partial,
-                          readahead=options.readahead, revision=options.revision,
-                          allow_nonfinite=options.allow_nonfinite, all_layers=options.all_layers,
-                          allow_incomplete=options.allow_unchecked,
-                          # the diagnostic switches, set in this process
-                          repairs=not fixups_disabled(), in_place=not fresh_buffers_forced())
+        # Options left at their defaults are not sent: a server running an older extension still takes the call.
+        # The diagnostic switches set in this process travel with it (`ReloadOptions.with_switches`).
+        call = ReloadCall(source=source, options=options.reload.with_switches())
         try:
             # The version travels with the reload: a server with layerwise's endpoint sets it on success.
             engines = self.ask(call, weight_version=options.weight_version)

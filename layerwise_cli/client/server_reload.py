@@ -155,9 +155,9 @@ class ServerReload:
                 if self.options.verify:
                     raise _ServerError(f"--verify needs layerwise's worker extension, and {extension}; nothing was "
                                        "changed (start the server with `layerwise serve`, or drop --verify)")
-                if self.options.revision:
+                if self.options.reload.revision:
                     self.warnings.append("--revision is ignored by vLLM's own reload_weights")
-                if not self.options.allow_nonfinite:
+                if not self.options.reload.allow_nonfinite:
                     self.warnings.append("vLLM's own reload_weights does not check tensors for NaN/Inf")
             else:
                 self.engines = self.client.engines
@@ -182,8 +182,8 @@ class ServerReload:
                 raise _ServerError(f"an all-or-nothing update needs layerwise's worker extension on every server "
                                    f"(to pre-flight it and to reload it back), and {self.fallback_reason}; nothing "
                                    "was changed (start it with `layerwise serve`, or pass --no-atomic)")
-            engines = self.client.ask(PreflightCall(source=self.source, revision=self.options.revision,
-                                                    allow_partial=self.options.allow_partial))
+            engines = self.client.ask(PreflightCall(source=self.source, revision=self.options.reload.revision,
+                                                    allow_partial=self.options.reload.allow_partial))
             answers = [PreflightAnswer.from_json(r) for workers in engines for r in workers]
             failure = next((a for a in answers if not a.ok), None)
             if failure is not None or not answers:
@@ -201,7 +201,7 @@ class ServerReload:
                 self.warnings.append(f"it could not be reloaded back if another server failed: {back_error}")
             else:
                 self.back = backs.pop()
-            if self.back == (self.source, self.options.revision):
+            if self.back == (self.source, self.options.reload.revision):
                 self.warnings.append(f"its weights came from {self.source} itself: had another server failed, it "
                                      "could only have been reloaded back to what that path holds now")
             self._emit(self.url, "preflighted", {"back": self.back[0] if self.back else None})
@@ -237,8 +237,8 @@ class ServerReload:
 
             if options.verify:
                 self.stage = "verify"
-                self.verify = self.client.verify(self.source, options.revision,
-                                                 allow_unchecked=options.allow_unchecked)
+                self.verify = self.client.verify(self.source, options.reload.revision,
+                                                 allow_unchecked=options.reload.allow_unchecked)
                 self._emit(self.url, "verified", {"verify": self.verify})
                 if not self.verify.ok:
                     self.holds = HOLDS_UNVERIFIED
@@ -281,12 +281,13 @@ class ServerReload:
             self._emit(self.url, "going_back", {"source": source, "because": because})
             # Every layer the change touched is re-read; the others are skipped by the records. What it held was
             # accepted when it was loaded: no NaN/Inf refusal now.
-            back = replace(self.options, revision=revision, weight_version=self.version_before, all_layers=False,
-                           allow_partial=True, allow_nonfinite=True)
+            back = replace(self.options, weight_version=self.version_before,
+                           reload=replace(self.options.reload, revision=revision, all_layers=False,
+                                          allow_partial=True, allow_nonfinite=True))
             self.client.layerwise_reload(source, back)
             self.warnings.extend(_reset_prefix_cache(self.client))
             if self.options.verify:
-                checked = self.client.verify(source, revision, allow_unchecked=self.options.allow_unchecked)
+                checked = self.client.verify(source, revision, allow_unchecked=self.options.reload.allow_unchecked)
                 if not checked.ok:
                     raise _ServerError(f"reloaded back to {source}, and then {verify_failure(checked)}",
                                        holds=HOLDS_UNKNOWN)

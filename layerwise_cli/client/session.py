@@ -1,4 +1,4 @@
-"""The command-side steps of an in-process reload: resolve sources, check them, start, reload."""
+"""The command-side steps of an in-process reload: resolve sources, check them, then the public `reload`."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from layerwise_cli.checkpoint.sources import looks_like_repo_id, open_checkpoint
-from layerwise_cli.client.local import reload_workers, verify_engine
+from layerwise_cli.client.local import reload, verify_engine
 from layerwise_cli.errors import LayerwiseError
-from layerwise_cli.report.reload_report import ReloadReport, merge_reports
+from layerwise_cli.report.reload_report import ReloadReport
+from layerwise_cli.worker.rpc import ReloadOptions
 
 
 def download_source(repo_id: str, revision: str | None, quiet: bool) -> Path:
@@ -70,26 +71,23 @@ def prepare_sources(source: str, base: str | None, revision: str | None, quiet: 
     return local, base
 
 
-def reload_as(llm, local_source: str, shown_as: str, *, order: str = "layer", allow_partial: bool = False,
-              readahead: bool = True, allow_nonfinite: bool = False, progress_path: str | None = None,
-              verify: bool = False, on_verify: Callable[[], None] | None = None,
-              all_layers: bool = False, allow_unchecked: bool = False) -> ReloadReport:
-    """Reload LOCAL_SOURCE into the engine and build the report once, under the name the user gave.
+def reload_as(llm, local_source: str, shown_as: str, options: ReloadOptions, *, verify: bool = False,
+              on_verify: Callable[[], None] | None = None) -> ReloadReport:
+    """The public `reload` of LOCAL_SOURCE, then `verify_engine`, reported under the name the user gave.
 
     The command downloads a Hub repo first (with a progress bar) and hands the
     workers the local folder; the report names the source as the user named it.
+    Unlike `reload(..., verify=True)`, a failed verification is returned in the
+    report, not raised: the command shows the differences, then exits 1.
 
     Args:
         llm: the engine (built with layerwise's worker extension).
         local_source: the checkpoint as the workers read it (a local path).
         shown_as: the source as the user named it (a path or Hub repo id), for the report.
-        order, allow_partial, readahead, allow_nonfinite, all_layers: as for `layerwise_cli.reload`.
-        progress_path: a file the first worker appends per-layer progress to; removed afterwards.
+        options: how to reload (`ReloadOptions`); its `progress_path`, if any, is removed afterwards.
         verify: check the engine against LOCAL_SOURCE after the reload; the report
             carries the result, passed or not (the caller decides what a failure means).
         on_verify: called just before the verification starts (for a status line).
-        allow_unchecked: with `verify`, layers that could not be checked do not fail it; with or without it,
-            a layer vLLM could not load does not fail the reload (the report notes it).
 
     Returns:
         The merged report of all workers, with `verify` when asked.
@@ -98,16 +96,13 @@ def reload_as(llm, local_source: str, shown_as: str, *, order: str = "layer", al
         LayerwiseError: the reload failed, or the verification could not run.
     """
     try:
-        per_worker = reload_workers(llm, local_source, order=order, allow_partial=allow_partial,
-                                    readahead=readahead, progress_path=progress_path,
-                                    allow_nonfinite=allow_nonfinite, all_layers=all_layers,
-                                    allow_incomplete=allow_unchecked)
+        report = reload(llm, local_source, options=options)
     finally:
-        if progress_path:
-            Path(progress_path).unlink(missing_ok=True)
+        if options.progress_path:
+            Path(options.progress_path).unlink(missing_ok=True)
     verification = None
     if verify:
         if on_verify is not None:
             on_verify()
-        verification = verify_engine(llm, local_source, None, allow_unchecked=allow_unchecked)
-    return merge_reports(per_worker, source=shown_as, verify=verification)
+        verification = verify_engine(llm, local_source, None, allow_unchecked=options.allow_unchecked)
+    return replace(report, source=shown_as, verify=verification)

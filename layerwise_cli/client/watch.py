@@ -21,9 +21,9 @@ def server_targets(urls: list[str], options: WatchOptions) -> list[Target]:
     """One `ServerTarget` per URL, reloading with OPTIONS' pause mode, API key, --verify and timeout."""
     if options.pause_mode not in PAUSE_MODES:
         raise UsageError(f"unknown pause mode {options.pause_mode!r}: use one of {', '.join(PAUSE_MODES)}")
-    remote = RemoteOptions(pause_mode=options.pause_mode, pause_lease_s=options.pause_lease_s,
-                           api_key=options.api_key, verify=options.verify,
-                           allow_unchecked=options.allow_unchecked, timeout=options.timeout)
+    remote = RemoteOptions(reload=options.reload_options(), pause_mode=options.pause_mode,
+                           pause_lease_s=options.pause_lease_s, api_key=options.api_key, verify=options.verify,
+                           timeout=options.timeout)
     return [ServerTarget(url, remote) for url in urls]
 
 
@@ -55,7 +55,7 @@ def watch(root: str | Path, *, llm=None, urls: list[str] | None = None, options:
         raise UsageError("give either options= or option keywords, not both")
     targets: list[Target] = []
     if llm is not None:
-        targets.append(EngineTarget(llm, verify=options.verify, allow_unchecked=options.allow_unchecked))
+        targets.append(EngineTarget(llm, verify=options.verify, options=options.reload_options()))
     targets.extend(server_targets(list(urls or []), options))
     watcher = Watcher(root, targets, options)
     yield from watcher.run()

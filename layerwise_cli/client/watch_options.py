@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from layerwise_cli.checkpoint.steps import AUTO, DEFAULT_PATTERNS
+from layerwise_cli.worker.rpc import ReloadOptions
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,9 @@ class WatchOptions:
         api_key: the servers' API key.
         verify: verify each server against the step after reloading it.
         allow_unchecked: with `verify`, accept layers it cannot check (they are
-            listed); otherwise such a layer fails the step on that server.
+            listed); otherwise such a layer fails the step on that server. With or
+            without it, keep a reload whose completion could not be shown (noted in
+            the report; `ReloadOptions.allow_unchecked`).
         timeout: seconds allowed for one server's reload.
         atomic: bring the servers to a step all or nothing (`client/fleet.py`): every server that is up is
             pre-flighted before any is paused, and reloaded back if another fails; None: when there is more
@@ -48,3 +51,7 @@ class WatchOptions:
     allow_unchecked: bool = False
     timeout: float = 600.0
     atomic: bool | None = None
+
+    def reload_options(self) -> ReloadOptions:
+        """How every target reloads a step: the defaults, and `allow_unchecked`."""
+        return ReloadOptions(allow_unchecked=self.allow_unchecked)

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 from layerwise_cli.client.server_api import HOLDS_NEW, HOLDS_PREVIOUS, HOLDS_UNKNOWN, RemoteOptions
 from layerwise_cli.errors import one_line
-from layerwise_cli.worker.rpc import ReloadAnswer, ReloadCall
+from layerwise_cli.worker.rpc import ReloadAnswer, ReloadCall, ReloadOptions
 
 
 class TargetDown(Exception):
@@ -108,10 +108,10 @@ class EngineTarget:
     threaded = False  # vllm.LLM is not thread-safe: reload where the caller iterates
     name = "engine"
 
-    def __init__(self, llm, *, verify: bool = False, allow_unchecked: bool = False) -> None:
+    def __init__(self, llm, *, verify: bool = False, options: ReloadOptions | None = None) -> None:
         self.llm = llm
         self.verify = verify
-        self.allow_unchecked = allow_unchecked
+        self.options = options or ReloadOptions()
 
     def weight_version(self) -> str | None:
         return self.llm.get_weight_version()
@@ -123,7 +123,7 @@ class EngineTarget:
 
         start = time.perf_counter()
         try:
-            results = ask_workers(self.llm, ReloadCall(source=path, allow_incomplete=self.allow_unchecked))
+            results = ask_workers(self.llm, ReloadCall(source=path, options=self.options))
         except Exception as exc:  # noqa: BLE001 - one line, like a server's failure
             return Outcome(ok=False, holds=HOLDS_UNKNOWN, error=one_line(str(describe_exception(exc))),
                            failed_in_reload=True)
@@ -138,7 +138,7 @@ class EngineTarget:
         report = reports_from_results(results)
         self.llm.reset_prefix_cache()
         if self.verify:
-            checked = verify_engine(self.llm, path, allow_unchecked=self.allow_unchecked)
+            checked = verify_engine(self.llm, path, allow_unchecked=self.options.allow_unchecked)
             if not checked.ok:
                 return Outcome(ok=False, holds="unverified", error=verify_failure(checked), failed_in_reload=True,
                                version=self.llm.get_weight_version(), report={"report": report.to_dict()})

@@ -11,15 +11,16 @@ from layerwise_cli.worker.beyond_vllm import online_quant  # noqa: F401 - regist
 from layerwise_cli.worker.proof.consensus import PeerFailed, all_ranks_agree
 from layerwise_cli.worker.proof.fingerprints import model_fingerprints
 from layerwise_cli.worker.proof.verify import verify_against_source
+from layerwise_cli.worker.reload.engine_context import engine_config
 from layerwise_cli.worker.reload.reload_plan import loaded_from, mark_loaded_from, plan_reload
 from layerwise_cli.worker.reload.rollback import roll_back
-from layerwise_cli.worker.reload.stream_reload import engine_config
 from layerwise_cli.worker.rpc import (
     ChecksumsAnswer,
     FingerprintsAnswer,
     PingAnswer,
     PreflightAnswer,
     ReloadAnswer,
+    ReloadOptions,
     VerifyAnswer,
 )
 
@@ -51,12 +52,8 @@ class LayerwiseWorkerExtension:
                           position=rank_position(self).to_dict(), engine_id=records.engine_id,
                           recorded_layers=len(records)).to_json()
 
-    def layerwise_reload(self, source: str, order: str = "layer", allow_partial: bool = False,
-                         readahead: bool = True, revision: str | None = None,
-                         progress_path: str | None = None, allow_nonfinite: bool = False,
-                         all_layers: bool = False, repairs: bool = True, in_place: bool = True,
-                         allow_incomplete: bool = False) -> dict:
-        """Reload SOURCE in place, in `order`, and return this worker's report.
+    def layerwise_reload(self, source: str, **options) -> dict:
+        """Reload SOURCE in place and return this worker's report; OPTIONS are a `ReloadOptions`' `to_json()`.
 
         A parent layer holding NaN or Inf is refused before it is handed over
         (and the layers already loaded are rolled back) unless `allow_nonfinite`.
@@ -67,21 +64,20 @@ class LayerwiseWorkerExtension:
         `in_place=False` has vLLM materialize every layer in fresh buffers (`worker/stream/in_place.py`; the
         worker's `LAYERWISE_FRESH_BUFFERS=1` does the same).
         A layer vLLM could not load (it counted no element loaded and put the old tensors back) fails the
-        reload, rolled back, unless `allow_incomplete` (then the report notes it).
+        reload, rolled back, unless `allow_unchecked` (then the report notes it). An option this version does
+        not know (a newer client's) is left out (`ReloadOptions.from_json`).
         """
-        from layerwise_cli.worker.reload.stream_reload import EngineUnchanged, stream_reload
+        from layerwise_cli.worker.reload.handover import EngineUnchanged
+        from layerwise_cli.worker.reload.stream_reload import stream_reload
         from layerwise_cli.worker.state.layer_records import records_of
         from layerwise_cli.worker.stream.rank_plan import rank_position
 
+        asked = ReloadOptions.from_json(options)
         touched = {"engine": False}
         try:
             try:
-                report = stream_reload(
-                    self, source, order=order, allow_partial=allow_partial, readahead=readahead,
-                    revision=revision, progress_path=progress_path, allow_nonfinite=allow_nonfinite,
-                    on_engine_touched=lambda: touched.update(engine=True), agree=all_ranks_agree,
-                    records=records_of(self), all_layers=all_layers, repairs=repairs, in_place=in_place,
-                    require_complete=not allow_incomplete)
+                report = stream_reload(self, source, asked, agree=all_ranks_agree, records=records_of(self),
+                                       on_engine_touched=lambda: touched.update(engine=True))
                 failure = None
             except Exception as exc:  # noqa: BLE001 - raised below, after the ranks agreed what to do
                 failure = exc
@@ -100,7 +96,7 @@ class LayerwiseWorkerExtension:
                                 rolled_back=touched.get("rolled_back", False),
                                 followed_another_rank=isinstance(exc, PeerFailed),
                                 position=rank_position(self).to_dict(), traceback=traceback.format_exc()).to_json()
-        mark_loaded_from(self, source, revision)
+        mark_loaded_from(self, source, asked.revision)
         return ReloadAnswer(ok=True, report=report.to_dict()).to_json()
 
     def layerwise_preflight(self, source: str, revision: str | None = None, allow_partial: bool = False) -> dict:

@@ -11,7 +11,7 @@ here imports torch or vLLM.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 PING = "layerwise_ping"
@@ -33,27 +33,35 @@ class PingCall:
 
 
 @dataclass(frozen=True)
-class ReloadCall:
-    """Reload SOURCE on every worker (`LayerwiseWorkerExtension.layerwise_reload`). Answered by `ReloadAnswer`.
+class ReloadOptions:
+    """How to reload: every option of a reload, the same name from the flag to the worker.
+
+    Built once where a reload is asked for (the `reload` command in process and with `--url`, `watch`, the
+    Python API's `layerwise_cli.reload`), sent to the workers as it is (`ReloadCall`, `to_json`) and read there
+    by the reload's phases (`worker/reload/stream_reload.py`). A new option is a field here, its flag, and the
+    code that uses it.
 
     Attributes:
-        source: a checkpoint directory or file the workers read, or a Hub repo id.
-        order: `layer` or `file` (vLLM's own read order).
-        allow_partial: accept a checkpoint that covers only some parameters.
-        readahead: read the next layer while the engine loads the current one.
-        revision: Hub revision for a repo id.
-        progress_path: a file the first worker appends per-layer progress to.
-        allow_nonfinite: load tensors holding NaN or Inf.
-        all_layers: hand every layer over, also those the engine already holds.
-        repairs: False leaves what vLLM's reload leaves stale (`LAYERWISE_NO_CPU_FIXUPS`).
-        in_place: False has vLLM materialize every layer in fresh buffers (`LAYERWISE_FRESH_BUFFERS`).
-        allow_incomplete: keep a reload whose completion could not be shown (a layer vLLM could not load, a
+        order: `layer` (this tool's plan) or `file` (vLLM's own read order, for comparison).
+        allow_partial: accept a checkpoint that covers only some parameters (`--allow-partial`).
+        readahead: read the next layer while the engine loads the current one (`--readahead/--no-readahead`).
+        revision: Hub revision for a repo id (`--revision`).
+        progress_path: a file the first worker appends one JSON line per completed layer to, for the
+            command's progress bar.
+        allow_nonfinite: load tensors holding NaN or Inf (`--allow-nonfinite`); by default a layer holding
+            any is refused before it is handed over, and the layers already loaded rolled back.
+        all_layers: hand every layer over, also those the engine already holds (`--all`); by default a layer
+            whose source digest and state match this worker's record is skipped.
+        allow_unchecked: keep a reload whose completion could not be shown (a layer vLLM could not load, a
             derived buffer left stale, a peak other than the prediction; noted in the report) instead of
-            rolling it back (`--allow-unchecked`).
+            rolling it back (`--allow-unchecked`; with `--verify` it also accepts layers that could not be
+            checked).
+        repairs: False leaves what vLLM's reload leaves stale (the diagnostic switch `LAYERWISE_NO_CPU_FIXUPS`,
+            `with_switches`).
+        in_place: False has vLLM materialize every layer in fresh buffers (the diagnostic switch
+            `LAYERWISE_FRESH_BUFFERS`, `with_switches`).
     """
 
-    method: ClassVar[str] = RELOAD
-    source: str
     order: str = "layer"
     allow_partial: bool = False
     readahead: bool = True
@@ -61,22 +69,60 @@ class ReloadCall:
     progress_path: str | None = None
     allow_nonfinite: bool = False
     all_layers: bool = False
+    allow_unchecked: bool = False
     repairs: bool = True
     in_place: bool = True
-    allow_incomplete: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """The options as sent: those every extension has always taken, the others only when not their default.
+
+        An extension older than an option still takes a call that leaves it at its default.
+        """
+        sent: dict[str, Any] = {name: getattr(self, name) for name in _ALWAYS_SENT}
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if item.name not in _ALWAYS_SENT and value != item.default:
+                sent[item.name] = value
+        return sent
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ReloadOptions:
+        """The options a client sent; keys this version does not know (a newer client's) are left out."""
+        known = {item.name for item in fields(cls)}
+        return cls(**{name: value for name, value in data.items() if name in known})
+
+    def with_switches(self) -> ReloadOptions:
+        """These options with the diagnostic switches set in this process's environment (`engine_defaults`).
+
+        `LAYERWISE_NO_CPU_FIXUPS` turns `repairs` off and `LAYERWISE_FRESH_BUFFERS` turns `in_place` off, so that
+        a server's workers, whose environment is the server's, do as the switch set here asks.
+        """
+        from layerwise_cli.engine_defaults import fixups_disabled, fresh_buffers_forced
+
+        return replace(self, repairs=self.repairs and not fixups_disabled(),
+                       in_place=self.in_place and not fresh_buffers_forced())
+
+
+# What every version of the extension takes: sent also at their defaults, as they always were.
+_ALWAYS_SENT = ("order", "allow_partial", "readahead", "revision")
+
+
+@dataclass(frozen=True)
+class ReloadCall:
+    """Reload SOURCE on every worker (`LayerwiseWorkerExtension.layerwise_reload`). Answered by `ReloadAnswer`.
+
+    Attributes:
+        source: a checkpoint directory or file the workers read, or a Hub repo id.
+        options: how to reload (`ReloadOptions`), sent as its keyword arguments.
+    """
+
+    method: ClassVar[str] = RELOAD
+    source: str
+    options: ReloadOptions = ReloadOptions()
 
     def kwargs(self) -> dict[str, Any]:
-        """The keyword arguments: the first five always, the others only when not their default.
-
-        An extension older than an argument still takes a call that leaves it at its default.
-        """
-        sent: dict[str, Any] = {"source": self.source, "order": self.order, "allow_partial": self.allow_partial,
-                                "readahead": self.readahead, "revision": self.revision}
-        for name in ("progress_path", "allow_nonfinite", "all_layers", "repairs", "in_place", "allow_incomplete"):
-            value = getattr(self, name)
-            if value != _DEFAULTS[name]:
-                sent[name] = value
-        return sent
+        """The keyword arguments: SOURCE and the options' `to_json()`."""
+        return {"source": self.source, **self.options.to_json()}
 
 
 @dataclass(frozen=True)
@@ -129,8 +175,6 @@ class PreflightCall:
     def kwargs(self) -> dict[str, Any]:
         return {"source": self.source, "revision": self.revision, "allow_partial": self.allow_partial}
 
-
-_DEFAULTS = {f.name: f.default for f in fields(ReloadCall)}
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from layerwise_cli.errors import LayerwiseError, describe_exception
 from layerwise_cli.worker.proof.consensus import PeerFailed
 from layerwise_cli.worker.reload.reload_plan import loaded_from
 from layerwise_cli.worker.reload.stream_reload import stream_reload
+from layerwise_cli.worker.rpc import ReloadOptions
 from layerwise_cli.worker.state.layer_records import records_of
 
 
@@ -25,8 +26,10 @@ def roll_back(worker, touched: dict, failure: BaseException):
     try:
         # A layer vLLM could not load now was not changed by the failed reload either (vLLM put it back).
         # One vLLM processed partly loaded was changed: the model's own loader writes it back, repairs on or off.
-        stream_reload(worker, source, revision=revision, allow_partial=True, allow_nonfinite=True,
-                      records=records, all_layers=True, require_complete=False, restore_partial=True)
+        # Nor is its completion proved (`allow_unchecked`): the weights it had are what it holds.
+        back = ReloadOptions(revision=revision, allow_partial=True, allow_nonfinite=True, all_layers=True,
+                             allow_unchecked=True)
+        stream_reload(worker, source, back, records=records, restore_partial=True)
     except BaseException:
         records.clear()  # the engine's state is unknown: no layer may be skipped until reloaded
         raise

@@ -1,0 +1,190 @@
+"""One reload on one worker: the state its phases share (`ReloadRun`), and the plan phase that builds it.
+
+The phases, in the order `stream_reload` runs them, each reading and filling
+this run: plan (`plan_run`, here), pre-flight and the rank vote
+(`stream_reload.plan_and_vote`), open the stream and hand over
+(`handover.py`), load what vLLM could not and repair (`after_vllm.py`),
+prove (`prove.py`), report (`run_report.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from layerwise_cli.planning.plan import BufferSimulation, Plan, PlannedTensor
+from layerwise_cli.report.progress import ProgressWriter
+from layerwise_cli.worker.beyond_vllm.derived_state import derived_state_of
+from layerwise_cli.worker.proof.early_fingerprints import EarlyFingerprints
+from layerwise_cli.worker.reload.completion import Unloaded
+from layerwise_cli.worker.reload.probe import BufferProbe
+from layerwise_cli.worker.reload.reload_plan import PlannedReload, plan_reload
+from layerwise_cli.worker.reload.skip_plan import SkipPlan
+from layerwise_cli.worker.rpc import ReloadOptions
+from layerwise_cli.worker.state.layer_records import LayerRecords
+from layerwise_cli.worker.stream.in_place import InPlaceLayers
+from layerwise_cli.worker.stream.read_order import pipelined_order
+from layerwise_cli.worker.stream.stats import ReadAheadStats
+
+
+@dataclass
+class Handover:
+    """The engine's thread inside the weights iterator (waiting for the reader, bookkeeping).
+
+    Everything else of the reload's wall time is vLLM's.
+
+    Attributes:
+        seconds: the time the engine spent in the iterator.
+        asked: vLLM began its reload (it asked for the first tensor): `initialize_layerwise_reload` put the
+            layers on meta.
+        stream_done: when the iterator gave its last tensor (None: it never did).
+    """
+
+    seconds: float = 0.0
+    asked: bool = False
+    stream_done: float | None = None
+
+
+@dataclass
+class ReloadRun:
+    """What the phases of one reload on one worker share.
+
+    Built by the plan phase (`plan_run`) before anything of the engine changes;
+    the fields below the line are filled by the later phases, each by one.
+
+    Attributes:
+        worker: the vLLM worker (`self` of the worker extension).
+        source: a directory or file on this machine, or a Hub repo id.
+        options: how to reload (`ReloadOptions`, as the client sent it).
+        records: this worker's records (`layer_records.records_of`), or None: no skip, no record.
+        planned: SOURCE opened, planned for this rank and pre-flighted (`reload_plan.plan_reload`).
+        model: the engine's model.
+        engine_stream: the tensors to hand over in order, each with its parent layer (engine module names).
+        held_here: layer -> why vLLM holds it on this rank until the end of the stream (padded vocabulary,
+            partial fused layers).
+        folder: the folder of SOURCE's shards on this machine.
+        device: where the engine's weights are.
+        derived: the derived state of the engine (tied heads, views), found once per engine.
+        skip: which layers are handed over, which skipped, and what is recorded after (`SkipPlan`).
+        stats: what the reading thread measured.
+        progress: the progress file's writer (rank 0 only).
+        early: on the CPU the reading thread fingerprints each layer vLLM finished, for the records, while
+            the engine loads the next ones (`early_fingerprints`); None elsewhere or without records.
+        probe: vLLM's layer buffers, measured at every handover (`BufferProbe`).
+    """
+
+    worker: object
+    source: str
+    options: ReloadOptions
+    records: LayerRecords | None
+    planned: PlannedReload
+    model: torch.nn.Module
+    engine_stream: list[PlannedTensor]
+    held_here: dict[str, str]
+    folder: Path
+    device: torch.device
+    derived: object
+    skip: SkipPlan
+    stats: ReadAheadStats
+    progress: ProgressWriter
+    early: EarlyFingerprints | None
+    probe: BufferProbe = field(init=False)
+    # ---- filled by the later phases ----
+    # `handover.py`: the engine's time in the iterator; the layers vLLM loaded into the engine's own tensors.
+    handover: Handover = field(default_factory=Handover)
+    loaded_in_place: InPlaceLayers | None = None
+    # `handover.py` and `after_vllm.py`: modules vLLM could not load (it put their tensors back, or processed
+    # them partly loaded); those it put back are left in `modules` once loaded again, if not.
+    unloaded: Unloaded = field(default_factory=Unloaded)
+    # `after_vllm.py`: the parent layers of the modules vLLM put back (it buffered none of their tensors).
+    never_buffered: list[str] = field(default_factory=list)
+    # `after_vllm.py`: the repairs' notes and what they refreshed (`cpu_fixups`).
+    repair_notes: list[str] = field(default_factory=list)
+    refreshed: list[dict] = field(default_factory=list)
+    # `stream_reload`: the clock and the disk counter around the engine's change.
+    start: float = 0.0
+    end: float = 0.0
+    disk_read_before: int | None = None
+    disk_read_after: int | None = None
+    hash_wait_s: float = 0.0
+    # `prove.py`: the buffer peak the plan predicts for what was handed over.
+    predicted: BufferSimulation | None = None
+
+    def __post_init__(self) -> None:
+        self.probe = BufferProbe(self.model, on_layer_done=self.layer_done)
+
+    @property
+    def plan(self) -> Plan:
+        return self.planned.mine.plan
+
+    @property
+    def notes(self) -> list[str]:
+        """The report's notes: pre-flight's first, then each phase's."""
+        return self.planned.notes
+
+    def layer_done(self, name: str, timing) -> None:
+        """vLLM finished layer NAME (`BufferProbe`): one line of progress, and its early fingerprint."""
+        self.progress.write({"event": "layer", "name": name, "tensors": timing.tensors, "bytes": timing.bytes})
+        if self.early is not None:
+            self.early.layer_done(name)
+
+    def skip_after_read(self, parent: str, digest: str) -> bool:
+        """Whether the layer PARENT, read and hashed to DIGEST, is one the engine holds (then it counts as done)."""
+        skipped = self.skip.skip_layer(parent, digest)
+        if skipped:
+            self.progress.write({"event": "layer", "name": parent, "skipped": True})
+        return skipped
+
+    def held_to_end(self) -> dict[str, str]:
+        """What vLLM holds on this rank until the end of the stream (padded vocabulary), unless skipped."""
+        return {name: why for name, why in self.held_here.items() if name not in self.skip.skipped}
+
+    def delivered(self) -> list[PlannedTensor]:
+        """The tensors handed over: the stream without the layers skipped."""
+        return [item for item in self.engine_stream if item.parent not in self.skip.skipped]
+
+
+def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords | None) -> ReloadRun:
+    """The plan phase: SOURCE planned and pre-flighted for this rank, what to skip, the measures set up.
+
+    Changes nothing in the engine.
+
+    Raises:
+        LayerwiseError: SOURCE cannot be read, or cannot be loaded cleanly into this engine.
+    """
+    planned = plan_reload(worker, source, revision=options.revision, allow_partial=options.allow_partial)
+    model = worker.model_runner.get_model()
+    mine, plan, tp_rank = planned.mine, planned.mine.plan, planned.position.tp_rank
+    # The probe and the prediction both speak engine module names. Tensors vLLM's loader skips on
+    # purpose (no parent layer) are not read: vLLM would drop them unread too.
+    engine_stream = [item for item in mine.engine_stream(options.order) if item.parent is not None]
+    draft = getattr(getattr(worker, "vllm_config", None), "speculative_config", None)
+    if draft is not None:
+        planned.notes.append("the engine runs a draft model (speculative decoding): layerwise reloads the target "
+                             "model only, so the draft keeps its weights")
+    engine_name = mine.parent_engine_names()
+    # vLLM holds these on this rank until the end of the stream (padded vocabulary, partial fused layers).
+    held_here = {engine_name.get(name, name): plan.held[name].reason for name in plan.held_on(tp_rank)}
+    if options.order == "layer":
+        # A large first or last layer moved inward: the engine does not wait for it (`read_order`).
+        engine_stream = pipelined_order(engine_stream, held_here)
+    local = planned.local
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    # Found before the first reload changes anything, once per engine (vLLM's record and tensors hold).
+    derived = derived_state_of(worker)
+    skip = SkipPlan.build(model, planned.checkpoint, engine_stream, options.order, records,
+                          all_layers=options.all_layers, checks_finite=not options.allow_nonfinite,
+                          on_host=device.type == "cpu")
+    rank = getattr(worker, "rank", 0) or 0
+    run = ReloadRun(
+        worker=worker, source=source, options=options, records=records, planned=planned, model=model,
+        engine_stream=engine_stream, held_here=held_here, folder=local if local.is_dir() else local.parent,
+        device=device, derived=derived, skip=skip, stats=ReadAheadStats(),
+        progress=ProgressWriter(options.progress_path if rank == 0 else None, len(plan.layers), plan.loaded_bytes),
+        early=EarlyFingerprints(skip.modules, skip.covers) if records is not None and device.type == "cpu" else None)
+    # A skipped layer counts as done for the progress bar, as soon as it is known to be skipped.
+    for name in sorted(skip.skipped):
+        run.progress.write({"event": "layer", "name": name, "skipped": True})
+    return run
