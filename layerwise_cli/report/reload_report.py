@@ -128,7 +128,7 @@ class ReloadReport:
 
 def _section(cls: type, data: dict, **converted: object):
     """The section CLS from the flat keys of DATA that are its fields, with CONVERTED in place of their JSON."""
-    return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data}, **converted)
+    return cls(**{**{f.name: data[f.name] for f in fields(cls) if f.name in data}, **converted})
 
 
 def merge_reports(reports: list[ReloadReport], *, source: str | None = None,
