@@ -9,9 +9,6 @@ from layerwise_cli.report.report_parts import DerivedRefresh, LayerReport, RankS
 from layerwise_cli.report.sections import Findings, Memory, Placement, Timings, UnchangedLayers, Volume
 from layerwise_cli.report.verify_result import VerifyResult
 
-# The report's sections, in the order `to_dict` writes their keys (one flat object, as before sections).
-SECTIONS = ("placement", "volume", "memory", "timings", "unchanged", "findings")
-
 
 @dataclass(frozen=True)
 class ReloadReport:
@@ -124,6 +121,10 @@ class ReloadReport:
                               refreshed=[DerivedRefresh(**entry) for entry in data.get("refreshed", [])]),
             layers=[LayerReport.from_dict(layer) for layer in data.get("layers", [])],
         )
+
+
+# The report's sections (every field but `layers`), in the order `to_dict` writes their keys.
+SECTIONS = tuple(f.name for f in fields(ReloadReport) if f.name != "layers")
 
 
 def _section(cls: type, data: dict, **converted: object):
