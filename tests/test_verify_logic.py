@@ -144,7 +144,7 @@ def test_reload_as_names_the_source_as_given_and_carries_a_failed_verification(t
     assert report.verify.wall_s > 0
     assert not progress.exists()
     quiet = reload_as(_FakeLLM([{"lm_head": "match"}]), "/ckpt/B", "B")
-    assert quiet.source == "B" and quiet.verify is None
+    assert quiet.placement.source == "B" and quiet.verify is None
 
 
 def test_the_engine_is_resumed_when_the_reload_call_itself_fails():
