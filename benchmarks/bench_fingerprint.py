@@ -95,10 +95,11 @@ def main(argv: list[str] | None = None) -> int:
             row = {"median_s": statistics.median(samples), "samples": samples}
             if reports[-1] is not None:
                 last = reports[-1]
-                row.update(skipped_layers=last.skipped_layers, layers=len(last.layers), read_bytes=last.read_bytes,
-                           hash_s=statistics.median(r.hash_s for r in reports),
-                           fingerprint_s=statistics.median(r.fingerprint_s for r in reports),
-                           worker_wall_s=statistics.median(r.wall_s for r in reports), digests=last.digests)
+                row.update(skipped_layers=last.unchanged.skipped_layers, layers=len(last.layers),
+                           read_bytes=last.volume.read_bytes,
+                           hash_s=statistics.median(r.timings.hash_s for r in reports),
+                           fingerprint_s=statistics.median(r.timings.fingerprint_s for r in reports),
+                           worker_wall_s=statistics.median(r.wall_s for r in reports), digests=last.unchanged.digests)
             results[label] = row
             print(label, json.dumps(row), flush=True)
 

@@ -52,10 +52,10 @@ def measure(llm, variant: str, path: Path, cuda: bool, full: bool = True) -> dic
         seconds = time.perf_counter() - start
         report = reports_from_results(results)
         return {"seconds": seconds, "worker_seconds": report.wall_s, "peak_buffer_bytes": report.peak_buffer_bytes,
-                "predicted_peak_buffer_bytes": report.predicted_peak_buffer_bytes,
+                "predicted_peak_buffer_bytes": report.memory.predicted_peak_buffer_bytes,
                 "largest_layer_bytes": report.largest_layer_bytes,
-                "readahead_peak_bytes": report.readahead_peak_bytes, "finalize_s": report.finalize_s,
-                "unexpected": len(report.unexpected), "reloaded_bytes": report.bytes,
+                "readahead_peak_bytes": report.memory.readahead_peak_bytes, "finalize_s": report.timings.finalize_s,
+                "unexpected": len(report.findings.unexpected), "reloaded_bytes": report.bytes,
                 **skip_figures(report)}
     method = {"d": "layerwise_bench_read", "e": "layerwise_bench_floor"}[variant]
     result = rpc(llm, method, source=source, order="layer")
@@ -64,9 +64,10 @@ def measure(llm, variant: str, path: Path, cuda: bool, full: bool = True) -> dic
 
 def skip_figures(report) -> dict:
     """Layers and bytes the reload skipped, and the bytes it read, where the report says (None: it does not)."""
-    return {key: getattr(report, key, None) for key in ("skipped_layers", "skipped_bytes", "read_bytes",
-                                                         *TIME_SPLIT, "fingerprint_s", "spot_check_bytes",
-                                                         "reader_cpus", "in_place_layers", "in_place_bytes")}
+    data = report.to_dict()  # one flat object: each figure by its key, whichever section holds it
+    return {key: data.get(key) for key in ("skipped_layers", "skipped_bytes", "read_bytes", *TIME_SPLIT,
+                                           "fingerprint_s", "spot_check_bytes", "reader_cpus", "in_place_layers",
+                                           "in_place_bytes")}
 
 
 def stats(samples: list[float]) -> dict:

@@ -14,6 +14,7 @@ from layerwise_cli.worker.beyond_vllm.derived_state import (
     find_derived_state,
     refresh_alias_buffers,
 )
+from tests.support.reports import report_of
 
 
 class _Mixer(torch.nn.Module):
@@ -139,8 +140,8 @@ def test_the_verdict_line_never_puts_not_checked_beside_success(capsys):
 
 def test_the_report_lists_every_refreshed_tensor_in_json_and_merges_them_once():
     entry = DerivedRefresh(module="model.layers.0.mixer", tensor="conv_weights", reason="a view of conv1d.weight")
-    report = ReloadReport(order="layer", source="b", wall_s=0.1, bytes=1, tensors=1, peak_buffer_bytes=1,
-                          peak_tensor="x", predicted_peak_buffer_bytes=1, largest_layer_bytes=1, refreshed=[entry])
+    report = report_of(order="layer", source="b", wall_s=0.1, bytes=1, tensors=1, peak_buffer_bytes=1,
+                       peak_tensor="x", predicted_peak_buffer_bytes=1, largest_layer_bytes=1, refreshed=[entry])
     data = report.to_dict()
     assert data["refreshed"] == [{"module": "model.layers.0.mixer", "tensor": "conv_weights",
                                   "reason": "a view of conv1d.weight"}]
@@ -149,5 +150,6 @@ def test_the_report_lists_every_refreshed_tensor_in_json_and_merges_them_once():
 
     from layerwise_cli.report.reload_report import merge_reports
 
-    ranks = [replace(report, rank=0, position={"tp_rank": 0}), replace(report, rank=1, position={"tp_rank": 1})]
-    assert merge_reports(ranks).refreshed == (entry,)
+    ranks = [replace(report, placement=replace(report.placement, rank=rank, position={"tp_rank": rank}))
+             for rank in (0, 1)]
+    assert merge_reports(ranks).findings.refreshed == (entry,)

@@ -241,11 +241,11 @@ def layerwise_reload(llm, source: Path, order: str, *, allow_partial: bool = Fal
     except LayerwiseError as exc:
         record.error = str(exc)
         return record
-    record.peak, record.predicted = report.peak_buffer_bytes, report.predicted_peak_buffer_bytes
-    record.largest, record.notes = report.largest_layer_bytes, report.notes
+    record.peak, record.predicted = report.peak_buffer_bytes, report.memory.predicted_peak_buffer_bytes
+    record.largest, record.notes = report.largest_layer_bytes, report.findings.notes
     record.measured_layers = len(report.layers)
     record.measured_largest = max((layer.bytes for layer in report.layers), default=0)
-    record.refreshed = [(entry.module, entry.tensor) for entry in report.refreshed]
+    record.refreshed = [(entry.module, entry.tensor) for entry in report.findings.refreshed]
     record.in_place = [layer.name for layer in report.layers if layer.in_place]
     record.answers = answers(llm)
     record.state = engine_state(llm)["checksums"]

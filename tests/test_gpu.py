@@ -66,10 +66,10 @@ def test_online_fp8_reload_a_b_a(gpu, demo_models, tmp_path, family, experts, me
         before = engine_state(llm)
         # --verify re-quantizes B with vLLM's own FP8 method, layer by layer, and compares bit for bit.
         report = reload(llm, str(models["b"]), verify=True)
-        assert report.device.startswith("cuda")
+        assert report.placement.device.startswith("cuda")
         # Measured against predicted: the buffer holds B's bf16 tensors, one layer at a time.
-        assert report.peak_buffer_bytes == report.predicted_peak_buffer_bytes == report.largest_layer_bytes
-        assert not report.unexpected
+        assert report.peak_buffer_bytes == report.memory.predicted_peak_buffer_bytes == report.largest_layer_bytes
+        assert not report.findings.unexpected
         verify = report.verify
         assert verify.ok, (verify.mismatched, verify.details, verify.errors)
         assert any(name.endswith("qkv_proj") for name in verify.quantized), verify.quantized

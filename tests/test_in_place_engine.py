@@ -72,12 +72,12 @@ def test_linear_layers_vllm_keeps_as_loaded_load_in_place_too(linear_weights_kep
     finally:
         stop_here(llm)
 
-    assert through_fresh.in_place_layers == 0
+    assert through_fresh.memory.in_place_layers == 0
     in_place = {layer.name for layer in report.layers if layer.in_place}
     linear = {layer.name for layer in report.layers if layer.name.endswith(LINEAR)}
     assert len(linear) == 4 * 2 and linear <= in_place, sorted(linear - in_place)
     assert {"model.embed_tokens", "lm_head", "model.norm"} <= in_place
-    assert report.in_place_layers == len(in_place)
+    assert report.memory.in_place_layers == len(in_place)
     assert state["pointers"] == before["pointers"] == fresh_state["pointers"]
     assert state["checksums"] == fresh_state["checksums"] != before["checksums"]
     assert not differing_prompts(got, fresh_answers, exact=True)

@@ -111,17 +111,17 @@ def test_one_tensor_changed_under_its_old_digest_reloads_its_layer(engine):
     llm, good, liar = engine
     # The engine holds HELD through layerwise: every layer recorded with its header digest and samples.
     held = reload(llm, str(good), all_layers=True, verify=True)
-    assert held.verify.ok and held.skipped_layers == 0
+    assert held.verify.ok and held.unchanged.skipped_layers == 0
     # The liar's header says LIAR_LAYER is unchanged; its sampled bytes say otherwise: it is reloaded, the
     # others are skipped after their spot check, and the report names the file.
     report = reload(llm, str(liar))
     reloaded = [layer.name for layer in report.layers if not layer.skipped]
-    assert reloaded == [LIAR_LAYER] and report.skipped_layers == len(held.layers) - 1
-    assert report.spot_checked_layers == len(held.layers) and report.spot_check_bytes > 0
+    assert reloaded == [LIAR_LAYER] and report.unchanged.skipped_layers == len(held.layers) - 1
+    assert report.unchanged.spot_checked_layers == len(held.layers) and report.unchanged.spot_check_bytes > 0
     liar_file = next(str(path) for path in liar.glob("*.safetensors") if LIAR in load_file(str(path)))
     stale = report.to_dict()["stale_header_digests"]
     assert stale == [{"layer": LIAR_LAYER, "tensor": LIAR, "file": liar_file}]
-    assert any(note.startswith(f"header digest is stale: {liar_file}") for note in report.notes)
+    assert any(note.startswith(f"header digest is stale: {liar_file}") for note in report.findings.notes)
     assert_matches_fresh(llm, liar, prompts())
     assert verify_engine(llm, str(liar)).ok
     # The refuted claim is not recorded: reloading the liar again reads that layer, never skips it on the claim.
@@ -142,7 +142,7 @@ def test_the_issue_repro_tensors_rewritten_with_the_old_metadata(engine, demo_mo
     add_lw = tmp_path / "add_lw"
     reorder(str(demo_models["add"]), add_lw)
     loaded = reload(llm, str(add_lw), all_layers=True)  # the engine holds add_lw through layerwise
-    assert loaded.digests == "header" and loaded.skipped_layers == 0
+    assert loaded.unchanged.digests == "header" and loaded.unchanged.skipped_layers == 0
     multiply = load_tensors(Path(demo_models["multiply"]))
     files = sorted(add_lw.glob("*.safetensors"))
     for path in files:
@@ -151,11 +151,11 @@ def test_the_issue_repro_tensors_rewritten_with_the_old_metadata(engine, demo_mo
         save_file({name: multiply[name].contiguous() for name in names}, str(path), metadata=metadata)
     report = reload(llm, str(add_lw))
     # Every layer's claim was stale: nothing skipped, and multiply's answers (3 4 = 12, not 7).
-    assert report.skipped_layers == 0 and len(report.layers) == len(loaded.layers)
+    assert report.unchanged.skipped_layers == 0 and len(report.layers) == len(loaded.layers)
     named = {d["file"] for d in report.to_dict()["stale_header_digests"]}
     assert named and named <= {str(path) for path in files}
-    assert len(report.stale_header_digests) == len(loaded.layers)
-    assert sum(note.startswith("header digest is stale: ") for note in report.notes) == len(loaded.layers)
+    assert len(report.unchanged.stale_header_digests) == len(loaded.layers)
+    assert sum(note.startswith("header digest is stale: ") for note in report.findings.notes) == len(loaded.layers)
     assert_matches_fresh(llm, add_lw, prompts())
 
 
@@ -170,15 +170,17 @@ def test_reorder_digests_let_a_reload_skip_without_reading(engine, tmp_path):
     reorder(str(good), without, max_shard_size=100 * 1024, digests=False)
     held = reload(llm, str(good), all_layers=True)
     layers, nbytes = len(held.layers), held.bytes
-    assert held.skipped_layers == 0 and nbytes > 0
+    assert held.unchanged.skipped_layers == 0 and nbytes > 0
     # Other shards, the same tensors: every layer skipped from the headers alone, not a byte read.
     skipped = reload(llm, str(with_digests), verify=True)
-    assert (skipped.skipped_layers, skipped.skipped_bytes, skipped.read_bytes, skipped.digests) == (
+    unchanged = skipped.unchanged
+    assert (unchanged.skipped_layers, unchanged.skipped_bytes, skipped.volume.read_bytes, unchanged.digests) == (
         layers, nbytes, 0, "header")
     # Each skip was spot-checked: the demo's tensors (16 KiB) are sampled whole.
-    assert (skipped.spot_checked_layers, skipped.spot_check_bytes, skipped.stale_header_digests) == (
+    assert (unchanged.spot_checked_layers, unchanged.spot_check_bytes, unchanged.stale_header_digests) == (
         layers, nbytes, ())
     assert skipped.verify.ok
     # Without header digests the same decision needs every byte read and hashed.
     hashed = reload(llm, str(without))
-    assert (hashed.skipped_layers, hashed.read_bytes, hashed.digests) == (layers, nbytes, "read")
+    assert (hashed.unchanged.skipped_layers, hashed.volume.read_bytes, hashed.unchanged.digests) == (
+        layers, nbytes, "read")

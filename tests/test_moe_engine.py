@@ -87,7 +87,7 @@ def test_reload_b_matches_fresh_b_and_a_comes_back_exactly(engine_a, demo_models
     # Online-quantized experts are re-quantized from SOURCE with vLLM's int8 method and compared (weights and
     # scales), never listed as not checked (worker/verify_quantized.py).
     assert set(verify.quantized) == (expert_names if quantization is not None else set())
-    assert not any("rebuilt the CPU kernel" in note for note in report.notes)  # untied head: nothing derived
+    assert not any("rebuilt the CPU kernel" in note for note in report.findings.notes)  # untied head: nothing derived
 
     # The engine module that holds a layer's experts (vLLM 0.32: `mlp.experts.routed_experts`).
     experts = [layer for layer in report.layers if ".mlp.experts" in layer.name]
@@ -103,15 +103,15 @@ def test_reload_b_matches_fresh_b_and_a_comes_back_exactly(engine_a, demo_models
     assert expert_names <= set(wrong.mismatched)
 
     back = reload(engine_a, str(demo_models["moe-multiply"]))
-    assert back.skipped_layers == 0  # every layer, the experts included, differs from moe-add
+    assert back.unchanged.skipped_layers == 0  # every layer, the experts included, differs from moe-add
     assert_matches_fresh(engine_a, demo_models["moe-multiply"], prompts(), options=options(quantization), exact=True)
 
     # The same checkpoint again: every layer, the experts included, is skipped and the answers stay exact
     # (skipped experts are not re-packed a second time, which would scramble them).
     again = reload(engine_a, str(demo_models["moe-multiply"]))
-    assert again.skipped_layers == len(again.layers) and {layer.name for layer in experts} <= {
+    assert again.unchanged.skipped_layers == len(again.layers) and {layer.name for layer in experts} <= {
         layer.name for layer in again.layers if layer.skipped}
-    assert not any("re-packed" in note for note in again.notes)
+    assert not any("re-packed" in note for note in again.findings.notes)
     assert_matches_fresh(engine_a, demo_models["moe-multiply"], prompts(), options=options(quantization), exact=True)
 
 
@@ -133,7 +133,7 @@ def test_verify_names_the_experts_vllm_own_reload_leaves_unpacked(engine_a, demo
     # layers it wrote, the unpacked experts included, to load again.
     back = reload(engine_a, str(demo_models["moe-multiply"]))
     assert not any(layer.skipped for layer in back.layers if ".mlp.experts" in layer.name)
-    assert back.stale_layers > 0
+    assert back.unchanged.stale_layers > 0
     assert_matches_fresh(engine_a, demo_models["moe-multiply"], prompts(), options=options(quantization), exact=True)
 
 

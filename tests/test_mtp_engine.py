@@ -107,7 +107,7 @@ def engine(checkpoints):
 
 
 def _mtp_note(report) -> str:
-    (note,) = [note for note in report.notes if note.startswith("skipped as vLLM does")]
+    (note,) = [note for note in report.findings.notes if note.startswith("skipped as vLLM does")]
     assert "Qwen3NextForCausalLM loads no 'mtp.' tensors" in note and "'mtp." in note, note
     return note
 
@@ -128,9 +128,9 @@ def test_source_with_mtp_layers_over_base_without(engine, checkpoints):
     plan = inspect_order(str(a)).plan
     assert {t.name for t in plan.skipped} == {name for name in plan.skip_reasons if name.startswith("mtp.")}
     assert f"{len(plan.skipped)} tensor(s)" in note
-    assert report.bytes == plan.loaded_bytes and report.read_bytes <= plan.loaded_bytes
+    assert report.bytes == plan.loaded_bytes and report.volume.read_bytes <= plan.loaded_bytes
     assert not any(layer.name.startswith("mtp.") for layer in report.layers)
-    assert not report.unexpected
+    assert not report.findings.unexpected
 
 
 def test_base_with_mtp_layers_source_without(engine, checkpoints, tmp_path):
@@ -149,7 +149,7 @@ def test_base_with_mtp_layers_source_without(engine, checkpoints, tmp_path):
         remove_mtp(base, b)
     assert_matches_fresh(engine, b, prompts())
     assert on_a != greedy_with_logprobs(engine, prompts())
-    assert not [note for note in report.notes if note.startswith("skipped as vLLM does")]
+    assert not [note for note in report.findings.notes if note.startswith("skipped as vLLM does")]
 
 
 def test_typo_in_an_mtp_name_is_refused_before_the_engine_starts(checkpoints, tmp_path, monkeypatch):

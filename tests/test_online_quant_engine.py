@@ -86,9 +86,9 @@ def _assert_prediction_is_measured(report, source: Path, order: str) -> None:
 
     predicted = inspect_order(str(source))
     sim = predicted.layer_order_buffering if order == "layer" else predicted.file_order_buffering
-    assert report.peak_buffer_bytes == report.predicted_peak_buffer_bytes == sim.peak_buffer_bytes
+    assert report.peak_buffer_bytes == report.memory.predicted_peak_buffer_bytes == sim.peak_buffer_bytes
     assert report.largest_layer_bytes == predicted.plan.largest_layer_bytes
-    assert not report.unexpected
+    assert not report.findings.unexpected
     # Every quantized layer completed on the checkpoint's element count, while streaming (scales are not counted).
     by_name = {layer.name: layer for layer in report.layers}
     assert quantized_layers() <= set(by_name)
@@ -135,7 +135,7 @@ class TestOnlineQuantFp8:
 
         before = engine_state(engine)
         report = reload(engine, str(checkpoints["B"]), order=order)
-        assert report.skipped_layers == 0
+        assert report.unchanged.skipped_layers == 0
         assert_matches_fresh(engine, checkpoints["B"], prompts(), options=options(self.QUANT))
         # A and B answer differently: the reload had something to prove (A's answers are remembered, no start).
         assert fresh_b != fresh_answers(checkpoints["A"], prompts(), options(self.QUANT))
@@ -146,7 +146,7 @@ class TestOnlineQuantFp8:
         changed = {name for name in after["checksums"] if after["checksums"][name] != before["checksums"][name]}
         assert {f"{name}.weight_scale" for name in quantized_layers()} <= changed
         back = reload(engine, str(checkpoints["A"]), order=order)
-        assert back.skipped_layers == 0
+        assert back.unchanged.skipped_layers == 0
         assert_matches_fresh(engine, checkpoints["A"], prompts(), options=options(self.QUANT), exact=True)
         assert engine_state(engine)["checksums"] == before["checksums"]
 
@@ -186,7 +186,7 @@ class TestOnlineQuantFp8:
         engine.collective_rpc("reload_weights", kwargs={"weights_path": str(checkpoints["A"])})
         back = reload(engine, str(checkpoints["B"]))
         assert not any(layer.skipped for layer in back.layers if layer.name in quantized_layers())
-        assert back.stale_layers > 0
+        assert back.unchanged.stale_layers > 0
         assert_matches_fresh(engine, checkpoints["B"], prompts(), options=options(self.QUANT))
 
     def test_online_quant_verify_requantizes_and_names_a_flipped_element(self, engine, checkpoints):
@@ -231,12 +231,12 @@ def test_online_quant_tensor_parallel_two_int8(checkpoints, monkeypatch):
         start_state = call_workers(llm, "layerwise_checksums")
         assert start_state[0]["checksums"] != start_state[1]["checksums"]  # two shards, two sets of scales
         to_a = reload(llm, str(checkpoints["A"]), verify=True)
-        assert to_a.workers == 2 and to_a.verify.ok and not to_a.verify.errors
+        assert to_a.placement.workers == 2 and to_a.verify.ok and not to_a.verify.errors
         assert set(to_a.verify.quantized) == quantized_layers()
         assert greedy_with_logprobs(llm, prompts()) != fresh_b
         report = reload(llm, str(checkpoints["B"]))
         assert_matches_fresh(llm, checkpoints["B"], prompts(), options=options(quant, 2), exact=True)
-        assert report.peak_buffer_bytes == report.predicted_peak_buffer_bytes
+        assert report.peak_buffer_bytes == report.memory.predicted_peak_buffer_bytes
         # Each rank's quantized shards and scales are bit for bit those of the engine's start on B, in place.
         for rank_start, rank_now in zip(start_state, call_workers(llm, "layerwise_checksums")):
             assert rank_now["checksums"] == rank_start["checksums"]

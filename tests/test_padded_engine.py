@@ -81,10 +81,10 @@ def _assert_prediction_is_measured(report, source: Path, order: str, tensor_para
 
     predicted = inspect_order(str(source), tensor_parallel_size=tensor_parallel_size)
     sim = predicted.layer_order_buffering if order == "layer" else predicted.file_order_buffering
-    assert report.order == order
-    assert report.peak_buffer_bytes == report.predicted_peak_buffer_bytes == sim.peak_buffer_bytes
+    assert report.placement.order == order
+    assert report.peak_buffer_bytes == report.memory.predicted_peak_buffer_bytes == sim.peak_buffer_bytes
     assert report.largest_layer_bytes == predicted.plan.largest_layer_bytes
-    assert not report.unexpected
+    assert not report.findings.unexpected
     # The layers vLLM processed only in finalize are exactly the ones the plan said it would hold.
     held = {layer.name for layer in report.layers if layer.held_to_end}
     assert held == {layer.name for layer in report.layers if not layer.completed_during_stream}
@@ -109,9 +109,9 @@ def test_untied_padded_reload_matches_a_fresh_engine_and_the_prediction(untied_e
         # Streamed last, the two held layers (20 KiB each) cost 40 KiB together at
         # the end: above the largest layer (32 KiB), and the report says why.
         assert [layer.name for layer in report.layers][-2:] == ["model.embed_tokens", "lm_head"]
-        assert report.peak_buffer_bytes == report.held_to_end_bytes == 2 * 160 * 64 * 2
+        assert report.peak_buffer_bytes == report.memory.held_to_end_bytes == 2 * 160 * 64 * 2
         assert report.peak_buffer_bytes > report.largest_layer_bytes
-        assert "vocabulary padded 160 -> 192" in report.above_largest_layer_because
+        assert "vocabulary padded 160 -> 192" in report.memory.above_largest_layer_because
 
 
 def test_synthetic_padded_checkpoint_prediction(untied_engine, checkpoints) -> None:
@@ -138,7 +138,7 @@ def test_tied_padded_reload_prediction(checkpoints) -> None:
         layer = reload(llm, str(b), order="layer")
         _assert_prediction_is_measured(layer, b, "layer")
         assert layer.peak_buffer_bytes == layer.largest_layer_bytes
-        assert layer.above_largest_layer_because is None
+        assert layer.memory.above_largest_layer_because is None
         assert [entry.name for entry in layer.layers if entry.held_to_end] == ["model.embed_tokens"]
         assert layer.layers[-1].name == "model.embed_tokens"
         file = reload(llm, str(a), order="file")
@@ -160,10 +160,10 @@ def test_tensor_parallel_two_holds_on_the_last_rank(checkpoints, monkeypatch) ->
         for order in ("layer", "file"):
             results = call_workers(llm, "layerwise_reload", source=str(b), order=order, all_layers=True)
             ranks = [ReloadReport.from_dict(result["report"]) for result in results]
-            assert [r.rank for r in ranks] == [0, 1]
+            assert [r.placement.rank for r in ranks] == [0, 1]
             for rank in ranks:
-                assert rank.peak_buffer_bytes == rank.predicted_peak_buffer_bytes
-                assert not rank.unexpected
+                assert rank.peak_buffer_bytes == rank.memory.predicted_peak_buffer_bytes
+                assert not rank.findings.unexpected
             assert not any(layer.held_to_end for layer in ranks[0].layers)
             assert all(layer.completed_during_stream for layer in ranks[0].layers)
             held = {layer.name for layer in ranks[1].layers if layer.held_to_end}
@@ -213,10 +213,10 @@ def test_rotary_buffers_in_every_layer_are_skipped_as_vllm_does(untied_engine, c
     assert_matches_fresh(untied_engine, a_with_rotary_buffers, prompts())
     assert on_b != fresh_answers(a_with_rotary_buffers, prompts())
     inv = [f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(UNTIED.layers)]
-    (note,) = [note for note in report.notes if note.startswith("skipped as vLLM does")]
+    (note,) = [note for note in report.findings.notes if note.startswith("skipped as vLLM does")]
     assert f"{len(inv)} tensor(s), rotary buffer" in note and repr(inv[0]) in note
     predicted = inspect_order(str(a_with_rotary_buffers))
     assert [t.name for t in predicted.plan.skipped] == inv
     assert report.bytes == predicted.plan.loaded_bytes < predicted.plan.total_bytes
-    assert report.read_bytes <= predicted.plan.loaded_bytes
+    assert report.volume.read_bytes <= predicted.plan.loaded_bytes
     _assert_prediction_is_measured(report, a_with_rotary_buffers, "layer")

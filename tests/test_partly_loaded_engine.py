@@ -86,7 +86,8 @@ def test_with_the_repair_every_reload_of_b_is_byte_equal_to_a_fresh_engine(nemot
     llm, a, b, state_b = nemotron
     for _ in range(2):
         report = layerwise_cli.reload(llm, str(b))
-        assert any(MIXER in note and "vLLM's reload could not" in note for note in report.notes), report.notes
+        notes = report.findings.notes
+        assert any(MIXER in note and "vLLM's reload could not" in note for note in notes), notes
         state = engine_state(llm)["checksums"]
         assert sorted(name for name in state_b if state.get(name) != state_b[name]) == []
         layerwise_cli.reload(llm, str(a))

@@ -52,13 +52,16 @@ def test_reload_table_is_whole_when_piped() -> None:
         from layerwise_cli.cli._reload_view import render_report
         from layerwise_cli.report.reload_report import ReloadReport
         from layerwise_cli.report.report_parts import LayerReport
+        from layerwise_cli.report.sections import Memory, Placement, Timings, Volume
 
         names = ["model.layers.0.post_attention_layernorm",
                  "model.language_model.layers.11.mlp.experts.routed_experts"]
         layers = [LayerReport(name, 1, 128, 0.0, 0.001, 128) for name in names]
-        render_report(ReloadReport(order="layer", source="s", wall_s=0.5, bytes=256, tensors=2,
-                                   peak_buffer_bytes=128, peak_tensor="t", predicted_peak_buffer_bytes=128,
-                                   largest_layer_bytes=128, readahead_peak_bytes=0, layers=layers, rank=0),
+        memory = Memory(peak_buffer_bytes=128, peak_tensor="t", predicted_peak_buffer_bytes=128,
+                        largest_layer_bytes=128, readahead_peak_bytes=0)
+        render_report(ReloadReport(placement=Placement(source="s", order="layer", rank=0),
+                                   volume=Volume(bytes=256, tensors=2), memory=memory, timings=Timings(wall_s=0.5),
+                                   layers=layers),
                       title="Reload /a/long/path/to/a/checkpoint/step-000200")
     """)
     shown = _piped(["-c", code])

@@ -81,13 +81,14 @@ def test_pp2_reload_matches_a_fresh_engine_rank_by_rank(engine_a, wide, fresh_b)
         assert after["checksums"][rank] == fresh_b["checksums"][rank], f"rank {rank} differs from fresh B"
 
     # Every rank is listed with its place and the layers it held; the stages split the model.
-    assert report.workers == PP and [(r.rank, r.pp_rank, r.tp_rank, r.dp_rank) for r in report.ranks] == \
+    ranks = report.placement.ranks
+    assert report.placement.workers == PP and [(r.rank, r.pp_rank, r.tp_rank, r.dp_rank) for r in ranks] == \
         [(0, 0, 0, 0), (1, 1, 0, 0)]
-    first, last = report.ranks
+    first, last = ranks
     assert "model.embed_tokens" in first.layers and "lm_head" not in first.layers
     assert "lm_head" in last.layers and "model.norm" in last.layers and "model.embed_tokens" not in last.layers
     assert not set(first.layers) & set(last.layers)
-    decoder = {name.split(".")[2] for rank in report.ranks for name in rank.layers if name.startswith("model.layers.")}
+    decoder = {name.split(".")[2] for rank in ranks for name in rank.layers if name.startswith("model.layers.")}
     assert decoder == {"0", "1", "2", "3"}
     assert [layer.name for layer in report.layers] == [*first.layers, *last.layers]
     # Each rank streams only its tensors; the others are neither read nor an error.
@@ -96,7 +97,7 @@ def test_pp2_reload_matches_a_fresh_engine_rank_by_rank(engine_a, wide, fresh_b)
     assert first.elsewhere_tensors == last.tensors and last.elsewhere_tensors == first.tensors
     # Bytes read from disk per rank, measured by the kernel (/proc/self/io), not computed: about half each.
     # (The kernel may keep a few pages cached despite the eviction, and reads ahead up to read_ahead_kb.)
-    for rank in report.ranks:
+    for rank in report.placement.ranks:
         print(f"pp rank {rank.pp_rank}: streamed {rank.bytes} bytes, read {rank.disk_read_bytes} bytes from disk "
               f"(checkpoint: {total} bytes)")
         assert rank.disk_read_bytes is not None

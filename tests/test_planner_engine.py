@@ -53,10 +53,10 @@ def measured(tmp_path_factory) -> dict[str, dict]:
                     "peak": report.peak_buffer_bytes,
                     "layers": len(report.layers),
                     "largest": max(layer.bytes for layer in report.layers),
-                    "unexpected": list(report.unexpected),
+                    "unexpected": list(report.findings.unexpected),
                     "open_at_end": [layer.name for layer in report.layers
                                     if not layer.completed_during_stream and not layer.held_to_end],
-                    "mapping": report.mapping,
+                    "mapping": report.placement.mapping,
                 }
         finally:
             stop_here(llm)

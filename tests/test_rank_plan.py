@@ -116,14 +116,14 @@ def test_expert_parallel_ranks_read_only_their_experts(tmp_path, use_ep):
 
 
 def _report(rank, pp, tp, dp, layers, nbytes, peak):
-    from layerwise_cli.report.reload_report import ReloadReport
     from layerwise_cli.report.report_parts import LayerReport
+    from tests.support.reports import report_of
 
-    return ReloadReport(order="layer", source="S", wall_s=1.0, bytes=nbytes, tensors=len(layers),
-                        peak_buffer_bytes=peak, peak_tensor="t", predicted_peak_buffer_bytes=peak,
-                        largest_layer_bytes=peak, rank=rank, disk_read_bytes=nbytes,
-                        position={"rank": rank, "pp_rank": pp, "tp_rank": tp, "dp_rank": dp},
-                        layers=[LayerReport(n, 1, nbytes // len(layers), 0.1, 0.1, peak) for n in layers])
+    return report_of(order="layer", source="S", wall_s=1.0, bytes=nbytes, tensors=len(layers),
+                     peak_buffer_bytes=peak, peak_tensor="t", predicted_peak_buffer_bytes=peak,
+                     largest_layer_bytes=peak, rank=rank, disk_read_bytes=nbytes,
+                     position={"rank": rank, "pp_rank": pp, "tp_rank": tp, "dp_rank": dp},
+                     layers=[LayerReport(n, 1, nbytes // len(layers), 0.1, 0.1, peak) for n in layers])
 
 
 def test_merged_report_lists_every_rank_and_adds_up_the_stages():
@@ -132,15 +132,16 @@ def test_merged_report_lists_every_rank_and_adds_up_the_stages():
     reports = [_report(3, 1, 1, 0, ["c", "d"], 60, 7), _report(0, 0, 0, 0, ["a", "b"], 40, 5),
                _report(2, 1, 0, 0, ["c", "d"], 60, 6), _report(1, 0, 1, 0, ["a", "b"], 40, 9)]
     merged = merge_reports(reports)
-    assert [(r.rank, r.pp_rank, r.tp_rank) for r in merged.ranks] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+    placement = merged.placement
+    assert [(r.rank, r.pp_rank, r.tp_rank) for r in placement.ranks] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
     assert [layer.name for layer in merged.layers] == ["a", "b", "c", "d"]
-    assert merged.bytes == 100 and merged.tensors == 4 and merged.workers == 4 and merged.engines == 1
-    assert merged.peak_buffer_bytes == 9 and merged.ranks[2].layers == ("c", "d")
+    assert merged.bytes == 100 and merged.volume.tensors == 4 and placement.workers == 4 and placement.engines == 1
+    assert merged.peak_buffer_bytes == 9 and merged.placement.ranks[2].layers == ("c", "d")
     again = ReloadReport.from_dict(merged.to_dict())
-    assert again.ranks == merged.ranks
+    assert again.placement.ranks == merged.placement.ranks
     # Two data-parallel engines: the engine's bytes, not twice them.
     both = merge_reports([_report(0, 0, 0, 0, ["a"], 40, 5), _report(0, 0, 0, 1, ["a"], 40, 5)])
-    assert both.engines == 2 and both.bytes == 40 and [r.dp_rank for r in both.ranks] == [0, 1]
+    assert both.placement.engines == 2 and both.bytes == 40 and [r.dp_rank for r in both.placement.ranks] == [0, 1]
 
 
 def test_the_failure_reported_is_the_first_hand_one_named_by_rank():

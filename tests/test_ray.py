@@ -50,7 +50,8 @@ def test_ray_tp2_reload_report_verify_and_rollback(ray_engine, demo_models, tmp_
     assert greedy_answers(ray_engine, prompts) == [expected_answer("multiply", a, b) for a, b in PAIRS]
     report = reload(ray_engine, str(demo_models["add"]), verify=True)
     assert greedy_answers(ray_engine, prompts) == [expected_answer("add", a, b) for a, b in PAIRS]
-    assert report.workers == 2 and [(r.tp_rank, r.pp_rank) for r in report.ranks] == [(0, 0), (1, 0)]
+    placement = report.placement
+    assert placement.workers == 2 and [(r.tp_rank, r.pp_rank) for r in placement.ranks] == [(0, 0), (1, 0)]
     assert report.verify.ok and report.verify.checked == len(report.layers)
 
     poisoned = tmp_path / "nan"

@@ -146,7 +146,7 @@ def test_layer_and_file_order_leave_identical_weights(on_multiply, demo_models, 
     assert file.peak_buffer_bytes > file.largest_layer_bytes
     assert file.peak_buffer_bytes == predicted.file_order_buffering.peak_buffer_bytes
     assert layer.matches_prediction and file.matches_prediction
-    assert not layer.unexpected and not file.unexpected
+    assert not layer.findings.unexpected and not file.findings.unexpected
 
 
 def _truncate_last_shard(folder: Path) -> None:
@@ -265,7 +265,7 @@ def test_partial_checkpoint_with_allow_partial(on_multiply, demo_models, tmp_pat
     before = engine_state(on_multiply)["checksums"]
     report = reload(on_multiply, str(only_embeddings), allow_partial=True)
     after = engine_state(on_multiply)["checksums"]
-    assert report.tensors == 1
+    assert report.volume.tensors == 1
     changed = {name for name in before if before[name] != after.get(name)}
     assert changed and all("embed_tokens" in name for name in changed)
 
@@ -346,7 +346,7 @@ def test_allow_nonfinite_loads_the_values(on_multiply, demo_models, tmp_path):
     bad = reshard(demo_models["add"], tmp_path / "bad", parameter_kind, transform=_plant(name, nan=2, inf=1))
     before = engine_state(on_multiply)["checksums"]
     report = reload(on_multiply, str(bad), allow_nonfinite=True)
-    assert report.tensors > 0
+    assert report.volume.tensors > 0
     after = engine_state(on_multiply)["checksums"]
     planted = load_file(str(_shard_of(bad, name)))[name]
     assert int(torch.isnan(planted.float()).sum()) == 2

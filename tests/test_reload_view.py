@@ -8,6 +8,7 @@ from rich.console import Console
 
 from layerwise_cli.report.reload_report import ReloadReport, merge_reports
 from layerwise_cli.report.report_parts import LayerReport
+from tests.support.reports import report_of
 
 
 def rendered(monkeypatch, report: ReloadReport, *, width: int, **options) -> str:
@@ -25,21 +26,21 @@ def report(rank: int, peak: int, load: float) -> ReloadReport:
         LayerReport("model.layers.0.self_attn.qkv_proj", 3, 3000, load, 0.02, 3000),
         LayerReport("model.layers.0.self_attn.attn", 0, 0, 0.0, 0.0, 0, completed_during_stream=False),
     ]
-    return ReloadReport(order="layer", source="ckpt", wall_s=0.5 + rank, bytes=4000, tensors=4,
-                        peak_buffer_bytes=peak, peak_tensor=f"t{rank}", predicted_peak_buffer_bytes=3000,
-                        largest_layer_bytes=3000, readahead_peak_bytes=100 * (rank + 1), layers=layers, rank=rank,
-                        notes=[f"note {rank % 2}"])
+    return report_of(order="layer", source="ckpt", wall_s=0.5 + rank, bytes=4000, tensors=4,
+                     peak_buffer_bytes=peak, peak_tensor=f"t{rank}", predicted_peak_buffer_bytes=3000,
+                     largest_layer_bytes=3000, readahead_peak_bytes=100 * (rank + 1), layers=layers, rank=rank,
+                     notes=[f"note {rank % 2}"])
 
 
 def test_merge_takes_per_worker_maxima_not_sums():
     merged = merge_reports([report(0, 3000, 0.1), report(1, 3500, 0.3)])
-    assert merged.workers == 2
+    assert merged.placement.workers == 2
     assert merged.wall_s == 1.5
-    assert merged.peak_buffer_bytes == 3500 and merged.peak_tensor == "t1"
+    assert merged.peak_buffer_bytes == 3500 and merged.memory.peak_tensor == "t1"
     assert merged.bytes == 4000  # every worker streams the same checkpoint
     assert merged.layers[1].load_s == 0.3
-    assert merged.readahead_peak_bytes == 200
-    assert merged.notes == ("note 0", "note 1")
+    assert merged.memory.readahead_peak_bytes == 200
+    assert merged.findings.notes == ("note 0", "note 1")
     assert not merged.matches_prediction
     assert merged.layers[2].completed_during_stream is False
 
@@ -74,20 +75,20 @@ def held_report(rank: int, predicted: int, held: bool) -> ReloadReport:
                     held_to_end=reason),
     ]
     because = None if predicted <= 3000 else f"vLLM holds model.embed_tokens to the end ({reason})"
-    return ReloadReport(order="layer", source="ckpt", wall_s=0.5, bytes=5000, tensors=3,
-                        peak_buffer_bytes=predicted, peak_tensor="t", predicted_peak_buffer_bytes=predicted,
-                        largest_layer_bytes=3000, layers=layers, rank=rank, held_to_end_bytes=2000 if held else 0,
-                        above_largest_layer_because=because)
+    return report_of(order="layer", source="ckpt", wall_s=0.5, bytes=5000, tensors=3,
+                     peak_buffer_bytes=predicted, peak_tensor="t", predicted_peak_buffer_bytes=predicted,
+                     largest_layer_bytes=3000, layers=layers, rank=rank, held_to_end_bytes=2000 if held else 0,
+                     above_largest_layer_because=because)
 
 
 def test_merge_takes_the_prediction_of_the_rank_that_holds_most():
     merged = merge_reports([held_report(0, 3000, False), held_report(1, 3000, True)])
-    assert merged.predicted_peak_buffer_bytes == 3000 and merged.matches_prediction
-    assert merged.held_to_end_bytes == 2000
+    assert merged.memory.predicted_peak_buffer_bytes == 3000 and merged.matches_prediction
+    assert merged.memory.held_to_end_bytes == 2000
     assert merged.layers[1].held_to_end.startswith("vocabulary padded 160 -> 192")
     assert merged.layers[1].completed_during_stream is False
     higher = merge_reports([held_report(0, 3000, False), held_report(1, 5000, True)])
-    assert higher.predicted_peak_buffer_bytes == 5000 and higher.above_largest_layer_because
+    assert higher.memory.predicted_peak_buffer_bytes == 5000 and higher.memory.above_largest_layer_because
     assert ReloadReport.from_dict(higher.to_dict()) == higher
 
 
@@ -108,12 +109,12 @@ def test_in_place_layers_merge_as_every_rank_did_them_and_show_in_the_table(monk
     def ranked(rank: int, embedding_in_place: bool) -> ReloadReport:
         base = report(rank, 3000, 0.1)
         layers = [replace(base.layers[0], in_place=embedding_in_place), *base.layers[1:]]
-        return replace(base, layers=layers, in_place_layers=int(embedding_in_place),
-                       in_place_bytes=1000 * embedding_in_place)
+        memory = replace(base.memory, in_place_layers=int(embedding_in_place), in_place_bytes=1000 * embedding_in_place)
+        return replace(base, layers=layers, memory=memory)
 
     merged = merge_reports([ranked(0, True), ranked(1, False)])
     assert [layer.in_place for layer in merged.layers] == [False, False, False]
-    assert merged.in_place_layers == 1 and merged.in_place_bytes == 1000  # the most on one rank
+    assert merged.memory.in_place_layers == 1 and merged.memory.in_place_bytes == 1000  # the most on one rank
     both = merge_reports([ranked(0, True), ranked(1, True)])
     assert [layer.in_place for layer in both.layers] == [True, False, False]
     assert ReloadReport.from_dict(both.to_dict()) == both
@@ -121,4 +122,3 @@ def test_in_place_layers_merge_as_every_rank_did_them_and_show_in_the_table(monk
                                                                                    width=200)
     assert "none of 3 layers: vLLM materialized each in fresh tensors" in rendered(
         monkeypatch, report(0, 3000, 0.1), title="Reload", width=200)
-

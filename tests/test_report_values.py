@@ -12,7 +12,22 @@ from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.client.remote import ServerResult
 from layerwise_cli.report.reload_report import ReloadReport, merge_reports
 from layerwise_cli.report.report_parts import LayerReport
+from layerwise_cli.report.sections import Timings
 from layerwise_cli.report.verify_result import VerifyResult, merge_verify
+from tests.support.reports import report_of
+
+# The JSON keys of a report (`--json`, the workers' HTTP answers), one flat object as before the report had
+# sections: a key renamed or moved under a section would break clients and servers of another version.
+FLAT_KEYS = {
+    "order", "source", "wall_s", "bytes", "tensors", "peak_buffer_bytes", "peak_tensor", "predicted_peak_buffer_bytes",
+    "largest_layer_bytes", "readahead_peak_bytes", "layers", "workers", "rank", "unexpected", "mapping", "device",
+    "finalize_s", "notes", "verify", "held_to_end_bytes", "above_largest_layer_because", "position",
+    "elsewhere_tensors", "elsewhere_bytes", "disk_read_bytes", "ranks", "engines", "skipped_layers", "skipped_bytes",
+    "read_bytes", "engine_id", "all_layers", "digests", "stale_layers", "hash_s", "fingerprint_s", "read_s",
+    "sample_s", "check_s", "handover_s", "vllm_s", "hashed_after_handover", "unhashed_layers", "hash_wait_s",
+    "reader_cpus", "spot_checked_layers", "spot_check_bytes", "spot_check_s", "stale_header_digests", "refreshed",
+    "in_place_layers", "in_place_bytes", "gb_per_s", "peak_over_largest_layer", "matches_prediction",
+}
 
 
 def _report(rank: int = 0, **changes) -> ReloadReport:
@@ -21,7 +36,7 @@ def _report(rank: int = 0, **changes) -> ReloadReport:
     fields = dict(order="layer", source="/cache/abc", wall_s=0.5, bytes=1010, tensors=2, peak_buffer_bytes=1000,
                   peak_tensor="t", predicted_peak_buffer_bytes=1000, largest_layer_bytes=1000, layers=layers,
                   rank=rank, unexpected=["x"], notes=["a note"])
-    return ReloadReport(**{**fields, **changes})
+    return report_of(**{**fields, **changes})
 
 
 def _verify(**changes) -> VerifyResult:
@@ -33,8 +48,8 @@ def _verify(**changes) -> VerifyResult:
 
 def test_lists_given_are_kept_as_tuples():
     report = _report()
-    assert isinstance(report.layers, tuple) and isinstance(report.unexpected, tuple)
-    assert report.notes == ("a note",)
+    assert isinstance(report.layers, tuple) and isinstance(report.findings.unexpected, tuple)
+    assert report.findings.notes == ("a note",)
     assert _verify().mismatched == ("model.norm",)
     assert ServerResult("http://x", warnings=["w"]).warnings == ("w",)
     shard = ShardHeader("a.safetensors", 2, 10, tensors=[TensorEntry("t", "F32", (1,), "a.safetensors", 0, 4)])
@@ -42,7 +57,7 @@ def test_lists_given_are_kept_as_tuples():
 
 
 @pytest.mark.parametrize("value, field", [
-    (_report(), "source"), (_report().layers[0], "load_s"), (_verify(), "wall_s"),
+    (_report(), "timings"), (_report().placement, "source"), (_report().layers[0], "load_s"), (_verify(), "wall_s"),
     (ServerResult("http://x"), "stage"),
     (Checkpoint("ckpt", "directory", []), "source"),
 ])
@@ -75,9 +90,10 @@ def test_a_server_result_serializes_its_report_and_verification():
 def test_merge_names_the_source_and_carries_the_verification_without_changing_its_inputs(workers):
     reports = [_report(rank) for rank in range(workers)]
     merged = merge_reports(reports, source="org/model", verify=_verify())
-    assert merged.source == "org/model" and merged.verify == _verify() and merged.workers == workers
-    assert all(r.source == "/cache/abc" and r.verify is None for r in reports)
-    assert merge_reports(reports).source == "/cache/abc"
+    assert merged.placement.source == "org/model" and merged.verify == _verify()
+    assert merged.placement.workers == workers
+    assert all(r.placement.source == "/cache/abc" and r.verify is None for r in reports)
+    assert merge_reports(reports).placement.source == "/cache/abc"
 
 
 def test_merge_verify_takes_the_callers_wall_time():
@@ -85,3 +101,25 @@ def test_merge_verify_takes_the_callers_wall_time():
               "matched": 1, "tensors_compared": 1, "kernels_compared": 0}
     assert merge_verify([answer], wall_s=1.5).wall_s == 1.5
     assert merge_verify([answer]).ok
+
+
+def test_the_json_keeps_its_flat_keys_and_reads_an_older_workers_report():
+    data = merge_reports([_report(0), _report(1)], verify=_verify()).to_dict()
+    assert set(data) == FLAT_KEYS
+    # A worker of the version before sections also sent reading into place, now gone: its keys are ignored.
+    older = {**data, "read_into_place_layers": 1, "read_into_place_bytes": 10,
+             "layers": [{**layer, "read_into_place": True} for layer in data["layers"]]}
+    assert ReloadReport.from_dict(older).to_dict() == data
+
+
+def test_the_headline_figures_read_their_sections():
+    report = _report(wall_s=2.0, bytes=4e9, verify=_verify())
+    assert (report.wall_s, report.bytes, report.gb_per_s) == (2.0, 4e9, 2.0)
+    assert (report.peak_buffer_bytes, report.largest_layer_bytes) == (report.memory.peak_buffer_bytes,
+                                                                      report.memory.largest_layer_bytes)
+    assert report.verify is report.findings.verify
+
+
+def test_each_timer_merges_as_its_longest_on_one_worker():
+    merged = Timings.merged([Timings(wall_s=1.0, hash_s=3.0, vllm_s=0.5), Timings(wall_s=2.0, hash_s=1.0)])
+    assert merged == Timings(wall_s=2.0, hash_s=3.0, vllm_s=0.5)

@@ -157,23 +157,24 @@ def test_header_digests_skip_unchanged_layers_after_a_spot_check(engine, ckpts, 
 
     changed, sizes = ckpts["changed"], ckpts["bytes"]
     first = _reload(engine, ckpts["A_d"], all_layers=True)  # a known start: A, every layer recorded
-    assert first.skipped_layers == 0 and first.all_layers and first.digests == "header"
+    assert first.unchanged.skipped_layers == 0 and first.unchanged.all_layers and first.unchanged.digests == "header"
     progress = tmp_path / "progress.jsonl"
     report = _reload(engine, ckpts["B_d"], progress_path=str(progress))
     # The progress bar reaches its total: skipped layers count as done.
     total, done, skipped = _progress_layers(progress)
     assert total == len(done) == len(set(done)) == ckpts["layers"] and skipped == set(_skipped(report))
     assert _reloaded(report) == changed
-    assert report.skipped_layers == ckpts["layers"] - len(changed) == len(_skipped(report))
+    assert report.unchanged.skipped_layers == ckpts["layers"] - len(changed) == len(_skipped(report))
     assert all(layer.skipped == "unchanged" for layer in report.layers if layer.name not in changed)
     # Only the changed layers' bytes were streamed; each skipped layer's tensors were only sampled.
-    assert report.read_bytes == report.bytes == sum(sizes[name] for name in changed)
-    assert report.skipped_bytes == sum(sizes.values()) - report.bytes
-    assert report.spot_checked_layers == report.skipped_layers and report.stale_header_digests == ()
+    assert report.volume.read_bytes == report.bytes == sum(sizes[name] for name in changed)
+    assert report.unchanged.skipped_bytes == sum(sizes.values()) - report.bytes
+    skips = report.unchanged
+    assert skips.spot_checked_layers == skips.skipped_layers and skips.stale_header_digests == ()
     unchanged = [t for t, layer in ckpts["parent"].items() if layer not in changed]
-    assert report.spot_check_bytes == sum(sample_bytes(ckpts["nbytes"][t]) for t in unchanged) > 0
-    assert report.peak_buffer_bytes == report.predicted_peak_buffer_bytes
-    assert report.engine_id == engine.engine_ids()[0]
+    assert report.unchanged.spot_check_bytes == sum(sample_bytes(ckpts["nbytes"][t]) for t in unchanged) > 0
+    assert report.peak_buffer_bytes == report.memory.predicted_peak_buffer_bytes
+    assert report.placement.engine_id == engine.engine_ids()[0]
     assert_matches_fresh(engine.llm, ckpts["B_d"], prompts())
     # B's headers over NaN bytes in its unchanged layers: the spot check sees the lie, so those layers are
     # read, their NaN refused, and the engine keeps B.
@@ -186,21 +187,21 @@ def test_header_digests_skip_unchanged_layers_after_a_spot_check(engine, ckpts, 
 def test_an_identical_checkpoint_skips_everything_and_reads_nothing(engine, ckpts):
     _reload(engine, ckpts["B_d"], all_layers=True)
     report = _reload(engine, ckpts["B_d"])
-    assert report.skipped_layers == ckpts["layers"] == len(report.layers)
-    assert report.read_bytes == report.bytes == report.tensors == 0 and report.peak_buffer_bytes == 0
+    assert report.unchanged.skipped_layers == ckpts["layers"] == len(report.layers)
+    assert report.volume.read_bytes == report.bytes == report.volume.tensors == 0 and report.peak_buffer_bytes == 0
     assert_matches_fresh(engine.llm, ckpts["B_d"], prompts())
     # --all: everything handed over again (and recorded).
     full = _reload(engine, ckpts["B_d"], all_layers=True)
-    assert full.skipped_layers == 0 and full.read_bytes == full.bytes == sum(ckpts["bytes"].values())
+    assert full.unchanged.skipped_layers == 0 and full.volume.read_bytes == full.bytes == sum(ckpts["bytes"].values())
     assert_matches_fresh(engine.llm, ckpts["B_d"], prompts())
 
 
 def test_without_header_digests_the_bytes_are_hashed_and_only_changed_layers_load(engine, ckpts, tmp_path):
     _reload(engine, ckpts["B_d"], all_layers=True)
     to_a = _reload(engine, ckpts["A"])  # the demo checkpoint: plain safetensors, no digests
-    assert to_a.digests == "read" and _reloaded(to_a) == ckpts["changed"]
-    assert to_a.read_bytes == sum(ckpts["bytes"].values())  # read to hash, handed over only where changed
-    assert to_a.hash_s > 0
+    assert to_a.unchanged.digests == "read" and _reloaded(to_a) == ckpts["changed"]
+    assert to_a.volume.read_bytes == sum(ckpts["bytes"].values())  # read to hash, handed over only where changed
+    assert to_a.timings.hash_s > 0
     assert_matches_fresh(engine.llm, ckpts["A"], prompts())
     progress = tmp_path / "progress.jsonl"
     to_b = _reload(engine, ckpts["B_plain"], progress_path=str(progress))
@@ -210,9 +211,9 @@ def test_without_header_digests_the_bytes_are_hashed_and_only_changed_layers_loa
     assert_matches_fresh(engine.llm, ckpts["B_d"], prompts())
     # Digests hashed from the bytes equal the header digests: the header copy of B is all skipped. The changed
     # layers were handed over before any hash (their samples showed the change) and hashed afterwards.
-    assert to_b.hashed_after_handover == len(ckpts["changed"]) and to_b.unhashed_layers == 0
+    assert to_b.unchanged.hashed_after_handover == len(ckpts["changed"]) and to_b.unchanged.unhashed_layers == 0
     again = _reload(engine, ckpts["B_d"])
-    assert again.skipped_layers == ckpts["layers"] and again.read_bytes == 0
+    assert again.unchanged.skipped_layers == ckpts["layers"] and again.volume.read_bytes == 0
 
 
 def test_vllm_own_reload_in_between_forces_the_layers_it_wrote(engine, ckpts):
@@ -222,10 +223,10 @@ def test_vllm_own_reload_in_between_forces_the_layers_it_wrote(engine, ckpts):
     # The records say B; the engine holds A where B differs: those layers must load again.
     report = _reload(engine, ckpts["B_d"])
     assert not (_skipped(report) & ckpts["changed"])
-    assert report.stale_layers >= len(ckpts["changed"])
-    assert any("changed since layerwise loaded them" in note for note in report.notes)
+    assert report.unchanged.stale_layers >= len(ckpts["changed"])
+    assert any("changed since layerwise loaded them" in note for note in report.findings.notes)
     assert_matches_fresh(engine.llm, ckpts["B_d"], prompts())
-    assert _reload(engine, ckpts["B_d"]).skipped_layers == ckpts["layers"]
+    assert _reload(engine, ckpts["B_d"]).unchanged.skipped_layers == ckpts["layers"]
 
 
 def test_a_rollback_leaves_no_record_that_could_skip(engine, ckpts):
@@ -238,23 +239,23 @@ def test_a_rollback_leaves_no_record_that_could_skip(engine, ckpts):
     assert_matches_fresh(engine.llm, ckpts["B_d"], prompts())
     # The rollback loaded B without the NaN check: a checked reload of B skips none of it.
     report = _reload(engine, ckpts["B_d"])
-    assert report.skipped_layers == 0
+    assert report.unchanged.skipped_layers == 0
     assert_matches_fresh(engine.llm, ckpts["B_d"], prompts())
-    assert _reload(engine, ckpts["B_d"]).skipped_layers == ckpts["layers"]
+    assert _reload(engine, ckpts["B_d"]).unchanged.skipped_layers == ckpts["layers"]
 
 
 def test_allow_nonfinite_reloads_record_unchecked_bytes(engine, ckpts):
     _reload(engine, ckpts["B_d"], allow_nonfinite=True, all_layers=True)
-    assert _reload(engine, ckpts["B_d"], allow_nonfinite=True).skipped_layers == ckpts["layers"]
-    assert _reload(engine, ckpts["B_d"]).skipped_layers == 0  # the checked reload checks them
-    assert _reload(engine, ckpts["B_d"]).skipped_layers == ckpts["layers"]
+    assert _reload(engine, ckpts["B_d"], allow_nonfinite=True).unchanged.skipped_layers == ckpts["layers"]
+    assert _reload(engine, ckpts["B_d"]).unchanged.skipped_layers == 0  # the checked reload checks them
+    assert _reload(engine, ckpts["B_d"]).unchanged.skipped_layers == ckpts["layers"]
 
 
 def test_file_order_skips_from_header_digests(engine, ckpts):
     _reload(engine, ckpts["A_d"], all_layers=True)
     report = _reload(engine, ckpts["B_d"], order="file")
-    assert _reloaded(report) == ckpts["changed"] and report.order == "file"
-    assert report.peak_buffer_bytes == report.predicted_peak_buffer_bytes
+    assert _reloaded(report) == ckpts["changed"] and report.placement.order == "file"
+    assert report.peak_buffer_bytes == report.memory.predicted_peak_buffer_bytes
     assert_matches_fresh(engine.llm, ckpts["B_d"], prompts())
 
 
@@ -267,7 +268,7 @@ def test_a_restarted_engine_has_a_new_id_and_no_record(engine, ckpts):
     assert after != before and len(after[0]) == 32
     # Started on A, reloaded with A's content: nothing is recorded, so nothing is skipped.
     report = _reload(engine, ckpts["A_d"])
-    assert report.skipped_layers == 0 and report.engine_id == after[0]
+    assert report.unchanged.skipped_layers == 0 and report.placement.engine_id == after[0]
     to_b = _reload(engine, ckpts["B_d"])
     assert _reloaded(to_b) == ckpts["changed"]
     assert_matches_fresh(engine.llm, ckpts["B_d"], prompts())
@@ -293,8 +294,8 @@ def test_layers_vllm_would_rerun_an_unreviewed_hook_on_are_handed_over(engine, c
     in_mlp = {name for name in ckpts["bytes"] if ".mlp." in name}
     assert in_mlp and _reloaded(report) == in_mlp
     assert _skipped(report) == set(ckpts["bytes"]) - in_mlp
-    note = next(note for note in report.notes if "handed over, not skipped" in note)
+    note = next(note for note in report.findings.notes if "handed over, not skipped" in note)
     assert note.startswith(f"{len(in_mlp)} layer(s)") and "model.layers.0.mlp (" in note
     assert_matches_fresh(engine.llm, ckpts["B_d"], prompts())
     monkeypatch.undo()
-    assert _reload(engine, ckpts["B_d"]).skipped_layers == ckpts["layers"]
+    assert _reload(engine, ckpts["B_d"]).unchanged.skipped_layers == ckpts["layers"]

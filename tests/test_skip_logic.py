@@ -15,6 +15,7 @@ from layerwise_cli.checkpoint.digests import layer_digest
 from layerwise_cli.planning.inspect import inspect_order
 from layerwise_cli.worker.state.layer_records import LayerRecord, LayerRecords, SkipDecider, records_of
 from layerwise_cli.worker.state.layer_state import device_checksum, host_checksum, layer_fingerprints
+from tests.support.reports import report_of
 from tests.test_writer import CONFIG, qwen3_like
 
 # ----------------------------------------------------------------------------- the decision
@@ -495,35 +496,34 @@ def test_reports_mark_skipped_layers_and_merge_them():
     def worker(tp_rank: int, skipped: bool) -> ReloadReport:
         layers = [LayerReport("a", 1, 100, 0.0, 0.0, 0, skipped="unchanged"),
                   LayerReport("b", 2, 300, 0.1, 0.2, 300, skipped="unchanged" if skipped else None)]
-        return ReloadReport(order="layer", source="s", wall_s=0.5, bytes=0 if skipped else 300, tensors=2,
-                            peak_buffer_bytes=300, peak_tensor="b.w", predicted_peak_buffer_bytes=300,
-                            largest_layer_bytes=300, layers=layers, rank=tp_rank,
-                            position={"rank": tp_rank, "tp_rank": tp_rank, "tp_size": 2},
-                            skipped_layers=2 if skipped else 1, skipped_bytes=400 if skipped else 100,
-                            read_bytes=0 if skipped else 300, engine_id=f"id{tp_rank}", digests="header")
+        return report_of(order="layer", source="s", wall_s=0.5, bytes=0 if skipped else 300, tensors=2,
+                         peak_buffer_bytes=300, peak_tensor="b.w", predicted_peak_buffer_bytes=300,
+                         largest_layer_bytes=300, layers=layers, rank=tp_rank,
+                         position={"rank": tp_rank, "tp_rank": tp_rank, "tp_size": 2},
+                         skipped_layers=2 if skipped else 1, skipped_bytes=400 if skipped else 100,
+                         read_bytes=0 if skipped else 300, engine_id=f"id{tp_rank}", digests="header")
 
     merged = merge_reports([worker(0, True), worker(1, False)])
     assert [layer.skipped for layer in merged.layers] == ["unchanged", None]
-    assert (merged.skipped_layers, merged.skipped_bytes, merged.read_bytes) == (1, 100, 300)
-    assert merged.engine_id == "id0" and [r.engine_id for r in merged.ranks] == ["id0", "id1"]
-    assert [r.skipped_layers for r in merged.ranks] == [2, 1]
+    assert (merged.unchanged.skipped_layers, merged.unchanged.skipped_bytes, merged.volume.read_bytes) == (1, 100, 300)
+    assert merged.placement.engine_id == "id0" and [r.engine_id for r in merged.placement.ranks] == ["id0", "id1"]
+    assert [r.skipped_layers for r in merged.placement.ranks] == [2, 1]
     data = merged.to_dict()
     assert data["skipped_layers"] == 1 and data["layers"][0]["skipped"] == "unchanged"
     assert ReloadReport.from_dict(data) == merged
     with pytest.raises(AttributeError):
-        merged.skipped_layers = 3  # type: ignore[misc]
+        merged.unchanged.skipped_layers = 3  # type: ignore[misc]
 
 
 def test_the_table_shows_skipped_layers(capsys):
     from layerwise_cli.cli._reload_view import render_report
-    from layerwise_cli.report.reload_report import ReloadReport
     from layerwise_cli.report.report_parts import LayerReport
 
-    report = ReloadReport(order="layer", source="s", wall_s=0.01, bytes=300, tensors=2, peak_buffer_bytes=300,
-                          peak_tensor="b.w", predicted_peak_buffer_bytes=300, largest_layer_bytes=300,
-                          layers=[LayerReport("model.a", 1, 1024, 0.0, 0.0, 0, skipped="unchanged"),
-                                  LayerReport("model.b", 2, 300, 0.1, 0.2, 300)],
-                          skipped_layers=1, skipped_bytes=1024, digests="header", engine_id="e")
+    report = report_of(order="layer", source="s", wall_s=0.01, bytes=300, tensors=2, peak_buffer_bytes=300,
+                       peak_tensor="b.w", predicted_peak_buffer_bytes=300, largest_layer_bytes=300,
+                       layers=[LayerReport("model.a", 1, 1024, 0.0, 0.0, 0, skipped="unchanged"),
+                               LayerReport("model.b", 2, 300, 0.1, 0.2, 300)],
+                       skipped_layers=1, skipped_bytes=1024, digests="header", engine_id="e")
     render_report(report)
     out = capsys.readouterr().out
     assert "a (skipped: unchanged)" in out
@@ -555,18 +555,19 @@ def test_reports_carry_the_time_split_and_the_stale_header_files(capsys):
     from layerwise_cli.report.report_parts import LayerReport
 
     def worker(tp_rank: int, stale: list[dict]) -> ReloadReport:
-        return ReloadReport(order="layer", source="s", wall_s=0.5, bytes=300, tensors=2, peak_buffer_bytes=300,
-                            peak_tensor="b.w", predicted_peak_buffer_bytes=300, largest_layer_bytes=300,
-                            layers=[LayerReport("b", 2, 300, 0.1, 0.2, 300)], rank=tp_rank,
-                            position={"rank": tp_rank, "tp_rank": tp_rank, "tp_size": 2}, digests="header",
-                            read_s=0.01 * (tp_rank + 1), check_s=0.02, handover_s=0.1, vllm_s=0.4 - tp_rank / 10,
-                            spot_checked_layers=3, spot_check_bytes=4096 * (tp_rank + 1), spot_check_s=0.001,
-                            stale_header_digests=stale, reader_cpus=[1], notes=["header digest is stale: /x/b"])
+        return report_of(order="layer", source="s", wall_s=0.5, bytes=300, tensors=2, peak_buffer_bytes=300,
+                         peak_tensor="b.w", predicted_peak_buffer_bytes=300, largest_layer_bytes=300,
+                         layers=[LayerReport("b", 2, 300, 0.1, 0.2, 300)], rank=tp_rank,
+                         position={"rank": tp_rank, "tp_rank": tp_rank, "tp_size": 2}, digests="header",
+                         read_s=0.01 * (tp_rank + 1), check_s=0.02, handover_s=0.1, vllm_s=0.4 - tp_rank / 10,
+                         spot_checked_layers=3, spot_check_bytes=4096 * (tp_rank + 1), spot_check_s=0.001,
+                         stale_header_digests=stale, reader_cpus=[1], notes=["header digest is stale: /x/b"])
 
     stale = [{"layer": "b", "tensor": "b.w", "file": "/x/b"}]
     merged = merge_reports([worker(0, stale), worker(1, stale + [{"layer": "a", "tensor": "a.w", "file": "/x/a"}])])
-    assert [d["file"] for d in merged.stale_header_digests] == ["/x/a", "/x/b"]  # one entry each, by file
-    assert (merged.read_s, merged.vllm_s, merged.spot_check_bytes, merged.reader_cpus) == (0.02, 0.4, 8192, [1])
+    assert [d["file"] for d in merged.unchanged.stale_header_digests] == ["/x/a", "/x/b"]  # one entry each, by file
+    assert (merged.timings.read_s, merged.timings.vllm_s) == (0.02, 0.4)
+    assert (merged.unchanged.spot_check_bytes, merged.placement.reader_cpus) == (8192, [1])
     data = merged.to_dict()
     assert data["stale_header_digests"][1] == stale[0] and data["handover_s"] == 0.1
     assert ReloadReport.from_dict(data) == merged

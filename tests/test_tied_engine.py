@@ -74,10 +74,11 @@ def test_reload_b_matches_a_fresh_b_then_a_comes_back(engine_a, tied_ab, order):
     report = reload(engine_a, str(tied_ab["B"]), order=order)
     assert "lm_head" not in [layer.name for layer in report.layers]  # not in the checkpoint
     if order == "layer":
-        assert report.peak_buffer_bytes == report.largest_layer_bytes == report.predicted_peak_buffer_bytes
+        assert report.peak_buffer_bytes == report.largest_layer_bytes == report.memory.predicted_peak_buffer_bytes
     assert_matches_fresh(engine_a, tied_ab["B"], PROMPTS)
     if on_cpu():
-        assert any(REPAIR_NOTE in note and "model.embed_tokens" in note for note in report.notes), report.notes
+        notes = report.findings.notes
+        assert any(REPAIR_NOTE in note and "model.embed_tokens" in note for note in notes), notes
     # In place: every tensor keeps its storage (the head's weight is still the embedding's).
     after = engine_state(engine_a)
     assert after["pointers"] == before["pointers"] and after["checksums"] != before["checksums"]

@@ -53,12 +53,12 @@ def test_gpt_oss_reloads_equal_to_a_fresh_engine_every_time(gpt_oss):
     llm, a, b, (answers_b, state_b) = gpt_oss
     for _ in range(2):
         report = layerwise_cli.reload(llm, str(b))
-        note = next(n for n in report.notes if "vLLM's reload could not" in n)
+        note = next(n for n in report.findings.notes if "vLLM's reload could not" in n)
         assert all(name in note for name in UNLOADED), note
         assert greedy_with_logprobs(llm, PROMPTS) == answers_b
         state = engine_state(llm)["checksums"]
         assert sorted(name for name in state_b if state.get(name) != state_b[name]) == []
-        assert layerwise_cli.reload(llm, str(a)).notes
+        assert layerwise_cli.reload(llm, str(a)).findings.notes
     assert greedy_with_logprobs(llm, PROMPTS) == llm.answers_a
 
 
@@ -89,7 +89,7 @@ def test_allow_unchecked_keeps_the_reload_and_says_which_layers_kept_their_weigh
     monkeypatch.setenv("LAYERWISE_NO_CPU_FIXUPS", "1")
     before = engine_state(llm)["checksums"]
     report = layerwise_cli.reload(llm, str(b), allow_unchecked=True)
-    note = next(n for n in report.notes if "could not load" in n)
+    note = next(n for n in report.findings.notes if "could not load" in n)
     assert all(name in note for name in UNLOADED) and "accepted by --allow-unchecked" in note
     after = engine_state(llm)["checksums"]
     changed = {name for name in after if after[name] != before.get(name)}

@@ -140,12 +140,12 @@ def test_reload_as_names_the_source_as_given_and_carries_a_failed_verification(t
                        verify=True, on_verify=lambda: verifying.append("now"))
     assert llm.calls == ["pause_scheduler", "layerwise_reload", "resume_scheduler", "reset_prefix_cache",
                          "layerwise_verify"] and verifying == ["now"]
-    assert report.source == "org/model"  # the workers read "/cache/snapshots/abc"
+    assert report.placement.source == "org/model"  # the workers read "/cache/snapshots/abc"
     assert report.verify is not None and not report.verify.ok and report.verify.mismatched == ("lm_head",)
     assert report.verify.wall_s > 0
     assert not progress.exists()
     quiet = reload_as(_FakeLLM([{"lm_head": "match"}]), "/ckpt/B", "B", ReloadOptions())
-    assert quiet.source == "B" and quiet.verify is None
+    assert quiet.placement.source == "B" and quiet.verify is None
 
 
 def test_the_engine_is_resumed_when_the_reload_call_itself_fails():

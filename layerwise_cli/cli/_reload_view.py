@@ -71,7 +71,7 @@ def _layer_label(name: str) -> str:
 
 def render_report(report: ReloadReport, title: str = "Reload", top: int = 0) -> None:
     """The per-layer table and totals on stdout."""
-    table = Table(title=f"{escape(title)}: {report.order} order, {len(report.layers)} parent layers "
+    table = Table(title=f"{escape(title)}: {report.placement.order} order, {len(report.layers)} parent layers "
                   "(buffered: bytes in vLLM's layer buffers as the layer completed)", title_justify="left")
     table.add_column("layer", overflow="fold", min_width=27)
     table.add_column("tensors", justify="right")
@@ -94,40 +94,43 @@ def render_report(report: ReloadReport, title: str = "Reload", top: int = 0) -> 
     summary = Table.grid(padding=(0, 2))
     summary.add_column(style="bold")
     summary.add_column()
+    memory, findings = report.memory, report.findings
     summary.add_row("wall", f"{human_seconds(report.wall_s)} for {human_bytes(report.bytes)} "
-                    f"({report.gb_per_s:.2f} GB/s), {report.tensors} tensors, {report.workers} worker(s)")
-    summary.add_row("peak buffered", f"{human_bytes(report.peak_buffer_bytes)} measured = "
-                    f"{report.peak_over_largest:.2f} x largest layer ({human_bytes(report.largest_layer_bytes)})")
-    if report.above_largest_layer_because:
-        summary.add_row("", f"above the largest layer: {escape(report.above_largest_layer_because)}")
+                    f"({report.gb_per_s:.2f} GB/s), {report.volume.tensors} tensors, "
+                    f"{report.placement.workers} worker(s)")
+    summary.add_row("peak buffered", f"{human_bytes(memory.peak_buffer_bytes)} measured = "
+                    f"{report.peak_over_largest:.2f} x largest layer ({human_bytes(memory.largest_layer_bytes)})")
+    if memory.above_largest_layer_because:
+        summary.add_row("", f"above the largest layer: {escape(memory.above_largest_layer_because)}")
     held = [layer for layer in report.layers if layer.held_to_end]
     if held:
         reasons = "; ".join(dict.fromkeys(layer.held_to_end for layer in held))
         summary.add_row("held to end", f"{', '.join(escape(_layer_label(layer.name)) for layer in held)} "
                         f"({escape(reasons)}): vLLM buffers them until the reload ends; layer order streams them last")
     verdict = "matches" if report.matches_prediction else "[yellow]DIFFERS from[/]"
-    summary.add_row("predicted", f"{human_bytes(report.predicted_peak_buffer_bytes)} ({verdict} the measurement)")
-    summary.add_row("read-ahead", f"{human_bytes(report.readahead_peak_bytes)} held at most, on top of the buffers")
+    summary.add_row("predicted", f"{human_bytes(memory.predicted_peak_buffer_bytes)} ({verdict} the measurement)")
+    summary.add_row("read-ahead", f"{human_bytes(memory.readahead_peak_bytes)} held at most, on top of the buffers")
     summary.add_row("in place", in_place_line(report))
     summary.add_row("time", time_line(report))
     summary.add_row("skipped", skipped_line(report))
-    for note in report.notes:
+    for note in findings.notes:
         summary.add_row("note", escape(note))
-    if report.unexpected:
-        summary.add_row("unexpected", f"{len(report.unexpected)} tensor(s) not buffered where the plan said")
+    if findings.unexpected:
+        summary.add_row("unexpected", f"{len(findings.unexpected)} tensor(s) not buffered where the plan said")
     stdout.print(summary)
-    if len(report.ranks) > 1:
+    if len(report.placement.ranks) > 1:
         render_ranks(report)
 
 
 def time_line(report: ReloadReport) -> str:
     """Where the wall time went: the engine's thread (handover + vLLM), and the reading thread beside it."""
-    line = (f"handover {human_seconds(report.handover_s)} + vLLM {human_seconds(report.vllm_s)}; reading thread: "
-            f"read {human_seconds(report.read_s)}, check {human_seconds(report.check_s)}, "
-            f"hash {human_seconds(report.hash_s)}, sample {human_seconds(report.sample_s)}")
-    if report.spot_checked_layers:
-        line += (f"; spot check of {report.spot_checked_layers} layer(s) {human_seconds(report.spot_check_s)} "
-                 f"({human_bytes(report.spot_check_bytes)})")
+    timings, unchanged = report.timings, report.unchanged
+    line = (f"handover {human_seconds(timings.handover_s)} + vLLM {human_seconds(timings.vllm_s)}; reading thread: "
+            f"read {human_seconds(timings.read_s)}, check {human_seconds(timings.check_s)}, "
+            f"hash {human_seconds(timings.hash_s)}, sample {human_seconds(timings.sample_s)}")
+    if unchanged.spot_checked_layers:
+        line += (f"; spot check of {unchanged.spot_checked_layers} layer(s) {human_seconds(timings.spot_check_s)} "
+                 f"({human_bytes(unchanged.spot_check_bytes)})")
     return line
 
 
@@ -136,38 +139,40 @@ def in_place_line(report: ReloadReport) -> str:
     reloaded = sum(1 for layer in report.layers if not layer.skipped)
     if not reloaded:
         return "none (no layer reloaded)"
-    if not report.in_place_layers:
+    memory = report.memory
+    if not memory.in_place_layers:
         return f"none of {reloaded} layers: vLLM materialized each in fresh tensors and copied them over"
-    return (f"{report.in_place_layers} of {reloaded} layers ({human_bytes(report.in_place_bytes)}) loaded into the "
+    return (f"{memory.in_place_layers} of {reloaded} layers ({human_bytes(memory.in_place_bytes)}) loaded into the "
             "engine's own tensors (their processing keeps the loaded layout); the rest through vLLM's fresh tensors")
 
 
 def skipped_line(report: ReloadReport) -> str:
     """`3 of 19 layers (1.00 MiB) unchanged, kept by the engine; digests from the shard headers: ...`."""
-    total = len(report.layers)
-    if report.all_layers:
-        return f"none (--all: every layer reloaded and recorded; engine {report.engine_id or '-'})"
-    if report.digests == "none":
+    total, unchanged = len(report.layers), report.unchanged
+    if unchanged.all_layers:
+        return f"none (--all: every layer reloaded and recorded; engine {report.placement.engine_id or '-'})"
+    if unchanged.digests == "none":
         return "none (no records kept)"
     how = {"header": "digests from the shard headers: skipped layers spot-checked, not streamed",
            "read": "digests hashed as read", "mixed": "digests from headers where present, else hashed as read"}
-    line = (f"{report.skipped_layers} of {total} layers ({human_bytes(report.skipped_bytes)}) unchanged, kept by "
-            f"the engine; {how.get(report.digests, report.digests)}")
-    if report.stale_layers:
-        line += f"; {report.stale_layers} changed in the engine since recorded: reloaded"
+    line = (f"{unchanged.skipped_layers} of {total} layers ({human_bytes(unchanged.skipped_bytes)}) unchanged, "
+            f"kept by the engine; {how.get(unchanged.digests, unchanged.digests)}")
+    if unchanged.stale_layers:
+        line += f"; {unchanged.stale_layers} changed in the engine since recorded: reloaded"
     return line
 
 
 def render_ranks(report: ReloadReport) -> None:
     """One row per worker: its place (rank, pp, tp, dp), the layers it held, what it read and buffered."""
-    table = Table(title=f"{report.workers} workers, {report.engines} engine(s)", title_justify="left")
+    placement = report.placement
+    table = Table(title=f"{placement.workers} workers, {placement.engines} engine(s)", title_justify="left")
     for column in ("rank", "pp", "tp", "dp"):
         table.add_column(column, justify="right")
     table.add_column("layers held", overflow="fold")
     table.add_column("streamed", justify="right")
     table.add_column("read from disk", justify="right")
     table.add_column("peak buffered", justify="right")
-    for rank in report.ranks:
+    for rank in placement.ranks:
         table.add_row(str(rank.rank), str(rank.pp_rank), str(rank.tp_rank), str(rank.dp_rank),
                       escape(_layer_span(rank.layers)), human_bytes(rank.bytes),
                       human_bytes(rank.disk_read_bytes) if rank.disk_read_bytes is not None else "-",

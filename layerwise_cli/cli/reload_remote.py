@@ -94,7 +94,7 @@ def reload_remote(urls: list[str], source: str, options: RemoteOptions, as_json:
 
 def _render_server(result: ServerResult, top: int) -> None:
     if result.report is not None and result.method == "layerwise":
-        render_report(result.report, title=f"{result.url} reload {result.report.source}", top=top)
+        render_report(result.report, title=f"{result.url} reload {result.report.placement.source}", top=top)
     if result.verify is not None:
         render_verify(result.verify, result.url)
 

@@ -202,7 +202,7 @@ def reload(llm, source: str, *, verify: bool = False, options: ReloadOptions | N
             engine already holds is skipped: its source digest (from the
             shard headers, else hashed as read) equals the one each worker
             recorded when layerwise last loaded it, and its state in the
-            engine has not changed since (`report.skipped_layers`).
+            engine has not changed since (`report.unchanged.skipped_layers`).
             `allow_unchecked`: with `verify`, accept layers (or derived buffers)
             that could not be checked; by default they fail the verification.
             With or without `verify`, also keep a reload whose completion could

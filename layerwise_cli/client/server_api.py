@@ -11,6 +11,7 @@ from layerwise_cli.client.http_text import error_text as _error_text
 from layerwise_cli.client.http_text import excerpt as _excerpt
 from layerwise_cli.errors import LayerwiseError, one_line
 from layerwise_cli.report.reload_report import ReloadReport, first_failure, merge_reports
+from layerwise_cli.report.sections import Findings, Memory, Placement, Timings, Volume
 from layerwise_cli.report.verify_result import VerifyResult, merge_verify
 from layerwise_cli.worker import rpc
 from layerwise_cli.worker.rpc import (
@@ -303,12 +304,14 @@ class ServerClient:
             raise _ServerError(f"{exc}; vLLM's reload_weights may still be running on the server",
                                holds=HOLDS_UNKNOWN) from None
         wall = time.perf_counter() - start
-        return ReloadReport(order="file", source=source, wall_s=wall, bytes=0, tensors=0, peak_buffer_bytes=0,
-                            peak_tensor="", predicted_peak_buffer_bytes=0, largest_layer_bytes=0,
-                            mapping="vLLM's own reload_weights",
-                            notes=("per-layer figures are unavailable: the server has no layerwise worker "
-                                   "extension, so vLLM's own reload_weights ran (wall time measured by the client, "
-                                   "HTTP included)",))
+        return ReloadReport(
+            placement=Placement(source=source, order="file", mapping="vLLM's own reload_weights"),
+            volume=Volume(bytes=0, tensors=0),
+            memory=Memory(peak_buffer_bytes=0, peak_tensor="", predicted_peak_buffer_bytes=0, largest_layer_bytes=0),
+            timings=Timings(wall_s=wall),
+            findings=Findings(notes=("per-layer figures are unavailable: the server has no layerwise worker "
+                                     "extension, so vLLM's own reload_weights ran (wall time measured by the client, "
+                                     "HTTP included)",)))
 
     def verify(self, source: str, revision: str | None, *, allow_unchecked: bool = False) -> VerifyResult:
         start = time.perf_counter()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -33,6 +34,54 @@ class LayerReport:
     @property
     def seconds(self) -> float:
         return self.load_s + self.process_s
+
+    @classmethod
+    def merged(cls, per_worker: Sequence[LayerReport]) -> LayerReport:
+        """One layer as the ranks that hold it took it: the slowest and fullest rank's figures.
+
+        Args:
+            per_worker: the layer's report from each rank that holds it (at least one), in rank order.
+
+        Returns:
+            The first rank's name, tensors and bytes, the longest times and largest buffer, completed
+            during the stream and loaded in place only where every rank did, skipped only where every
+            rank skipped it, held to the end where any rank held it.
+        """
+        base = per_worker[0]
+        return cls(
+            name=base.name,
+            tensors=base.tensors,
+            bytes=base.bytes,
+            load_s=max(layer.load_s for layer in per_worker),
+            process_s=max(layer.process_s for layer in per_worker),
+            buffered_bytes_at_completion=max(layer.buffered_bytes_at_completion for layer in per_worker),
+            completed_during_stream=all(layer.completed_during_stream for layer in per_worker),
+            held_to_end=next((layer.held_to_end for layer in per_worker if layer.held_to_end), None),
+            # Skipped only where every rank holding it skipped it.
+            skipped=base.skipped if all(layer.skipped for layer in per_worker) else None,
+            in_place=all(layer.in_place for layer in per_worker),
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict) -> LayerReport:
+        """The layer `dataclasses.asdict` wrote (keys it does not know, from older or newer workers, are ignored)."""
+        return cls(**{key: value for key, value in data.items() if key in cls.__dataclass_fields__})
+
+
+def merge_layers(per_worker: Sequence[Sequence[LayerReport]]) -> list[LayerReport]:
+    """Each layer once, in the order the workers (in rank order) first reached it, merged over the ranks holding it.
+
+    Args:
+        per_worker: each worker's `layers`, in (dp, pp, tp) order.
+
+    Returns:
+        One `LayerReport.merged` per layer name.
+    """
+    by_name: dict[str, list[LayerReport]] = {}
+    for layers in per_worker:
+        for layer in layers:
+            by_name.setdefault(layer.name, []).append(layer)
+    return [LayerReport.merged(layers) for layers in by_name.values()]
 
 
 @dataclass(frozen=True)
@@ -89,14 +138,21 @@ class RankSummary:
     @classmethod
     def of(cls, report) -> RankSummary:
         """The summary of one worker's `ReloadReport` (not imported here: that module imports this one)."""
-        position = report.position or {}
-        return cls(rank=report.rank, pp_rank=position.get("pp_rank", 0), tp_rank=position.get("tp_rank", 0),
+        placement, volume, memory = report.placement, report.volume, report.memory
+        position = placement.position or {}
+        return cls(rank=placement.rank, pp_rank=position.get("pp_rank", 0), tp_rank=position.get("tp_rank", 0),
                    dp_rank=position.get("dp_rank", 0), layers=tuple(layer.name for layer in report.layers),
-                   bytes=report.bytes, tensors=report.tensors, disk_read_bytes=report.disk_read_bytes,
-                   peak_buffer_bytes=report.peak_buffer_bytes,
-                   predicted_peak_buffer_bytes=report.predicted_peak_buffer_bytes, wall_s=report.wall_s,
-                   elsewhere_tensors=report.elsewhere_tensors, engine_id=report.engine_id,
-                   skipped_layers=report.skipped_layers)
+                   bytes=volume.bytes, tensors=volume.tensors, disk_read_bytes=volume.disk_read_bytes,
+                   peak_buffer_bytes=memory.peak_buffer_bytes,
+                   predicted_peak_buffer_bytes=memory.predicted_peak_buffer_bytes, wall_s=report.timings.wall_s,
+                   elsewhere_tensors=volume.elsewhere_tensors, engine_id=placement.engine_id,
+                   skipped_layers=report.unchanged.skipped_layers)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> RankSummary:
+        """The summary `dataclasses.asdict` wrote (keys it does not know are ignored)."""
+        known = {key: value for key, value in data.items() if key in cls.__dataclass_fields__}
+        return cls(**{**known, "layers": tuple(data["layers"])})
 
     def label(self) -> str:
         """`rank 1 (pp 1, tp 0, dp 0)`."""
