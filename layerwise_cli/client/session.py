@@ -105,4 +105,5 @@ def reload_as(llm, local_source: str, shown_as: str, options: ReloadOptions, *, 
         if on_verify is not None:
             on_verify()
         verification = verify_engine(llm, local_source, None, allow_unchecked=options.allow_unchecked)
-    return replace(report, source=shown_as, verify=verification)
+    return replace(report, placement=replace(report.placement, source=shown_as),
+                   findings=replace(report.findings, verify=verification))
