@@ -31,13 +31,13 @@ AMX = "amx_tile" in cpu_flags()
 
 def _packed(worker) -> dict:
     """Digests of what vLLM's AMX MLA backend packed, per MLA module (not parameters: engine_state misses them)."""
-    from layerwise_cli.worker.proof.checksums import tensor_digest
+    from layerwise_cli.worker.proof.checksums import tensor_sha256
     from layerwise_cli.worker.proof.verify_mla import AMX_DERIVED
 
     found = {}
     for name, module in worker.model_runner.get_model().named_modules():
         if getattr(module, "is_amx_bmm_enabled", False):
-            found.update({f"{name}.impl.{key}": tensor_digest(getattr(module.impl, key)) for key in AMX_DERIVED})
+            found.update({f"{name}.impl.{key}": tensor_sha256(getattr(module.impl, key)) for key in AMX_DERIVED})
     return found
 
 

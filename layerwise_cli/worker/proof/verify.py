@@ -213,7 +213,7 @@ def _verify_alias_buffers(model, state, source_tensors: dict[str, list], statuse
     engine holds. A buffer whose source is unknown is not checked (`skipped`).
     """
     from layerwise_cli.worker.beyond_vllm.derived_state import expected_alias_value
-    from layerwise_cli.worker.proof.checksums import tensor_digest
+    from layerwise_cli.worker.proof.checksums import tensor_sha256
 
     layers = []
     for alias in state.aliases:
@@ -230,7 +230,7 @@ def _verify_alias_buffers(model, state, source_tensors: dict[str, list], statuse
             try:
                 expected = expected_alias_value(model, alias, source_tensors[alias.source])
                 live = model.get_submodule(alias.module)._buffers[alias.buffer]
-                same = tensor_digest(expected) == tensor_digest(live)
+                same = tensor_sha256(expected) == tensor_sha256(live)
             except Exception as exc:  # noqa: BLE001 - reported as not checkable, with why
                 entry.update(status="error", detail=f"a view of {origin}; could not be recomputed from SOURCE: "
                              f"{describe_exception(exc)}")
