@@ -153,7 +153,7 @@ LAYERWISE_PROCESS = PrivateSymbol(f"{_RELOAD}.layerwise", "_layerwise_process", 
                                   "to skip copies of bytes already read into place)")
 FINALIZE_LAYERWISE_PROCESSING = PrivateSymbol(f"{_RELOAD}.layerwise", "finalize_layerwise_processing", "function",
                                               parameters=("model", "model_config"),
-                                              used_by="worker/reload/completion.py (the name "
+                                              used_by="worker/reload/completion_check.py (the name "
                                               "`finalize_layerwise_reload` calls, wrapped during a layerwise "
                                               "reload to list the layers it puts back unloaded)")
 MLA_ATTENTION = PrivateSymbol("vllm.model_executor.layers.attention.mla_attention", "MLAAttention", "class",
@@ -240,9 +240,9 @@ COPIED_RULES: tuple[CopiedRule, ...] = (
                layerwise_site="planning/plan.py vllm_read_order"),
     CopiedRule("vocabulary padding", "vllm.model_executor.layers.vocab_parallel_embedding",
                ("pad_vocab_size", "DEFAULT_VOCAB_PADDING_SIZE"), constant="DEFAULT_VOCAB_PADDING_SIZE",
-               copied_value=("layerwise_cli.planning.completion", "VOCAB_PADDING"),
-               layerwise_site="planning/completion.py VOCAB_PADDING"),
-    *(CopiedRule("completion rule", f"{_RELOAD}.{name}", layerwise_site="planning/completion.py")
+               copied_value=("layerwise_cli.planning.completion_rule", "VOCAB_PADDING"),
+               layerwise_site="planning/completion_rule.py VOCAB_PADDING"),
+    *(CopiedRule("completion rule", f"{_RELOAD}.{name}", layerwise_site="planning/completion_rule.py")
       for name in ("layerwise", "types", "utils", "meta", "sanitize")),
     # worker/stream/in_place.py hands `_layerwise_process` views of the engine's tensors: it relies on vLLM calling
     # `materialize_layer` by its module-level name, loading into what it materialized and copying that back.

@@ -20,7 +20,7 @@ from layerwise_cli.worker.beyond_vllm.derived_state import aliases_left_stale, d
 from layerwise_cli.worker.beyond_vllm.put_back_layers import holding_parents, load_put_back_layers
 from layerwise_cli.worker.proof.consensus import PeerFailed
 from layerwise_cli.worker.proof.early_fingerprints import EarlyFingerprints
-from layerwise_cli.worker.reload.completion import (
+from layerwise_cli.worker.reload.completion_check import (
     Unloaded,
     peak_message,
     stale_message,
