@@ -155,7 +155,7 @@ def two_layers(tmp_path, tensors: dict) -> tuple:
 
 def test_the_pass_reads_the_bytes_flags_nan_samples_and_hashes_them(tmp_path):
     from layerwise_cli.checkpoint.digests import tensor_digest
-    from layerwise_cli.worker.stream.shards import ShardReader, raw_bytes
+    from layerwise_cli.worker.stream.shard_reader import ShardReader, raw_bytes
 
     rows = (CHUNK_BYTES // 8) + 3
     tensor = torch.randn(rows, 4).to(torch.bfloat16)
@@ -216,7 +216,7 @@ def test_two_threads_share_a_layers_chunks_and_digests_as_one_would(tmp_path):
     from concurrent.futures import ThreadPoolExecutor
 
     from layerwise_cli.checkpoint.digests import tensor_digest
-    from layerwise_cli.worker.stream.shards import ShardReader, raw_bytes
+    from layerwise_cli.worker.stream.shard_reader import ShardReader, raw_bytes
     from layerwise_cli.worker.stream.stats import ReadAheadStats
 
     rows = 3 * (CHUNK_BYTES // 8) + 5  # four chunks each

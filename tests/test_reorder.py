@@ -28,7 +28,7 @@ from layerwise_cli.planning.inspect import inspect_order
 from layerwise_cli.planning.parents import mapping_for_config
 from layerwise_cli.planning.plan import PlannedTensor, build_plan, simulate_buffering
 from layerwise_cli.reorder.rewrite import reorder
-from layerwise_cli.reorder.shards import plan_shards
+from layerwise_cli.reorder.shard_plan import plan_shards
 from tests.support.synthetic import SyntheticModel, shard_groups, write_checkpoint, write_safetensors
 
 REPO = Path(__file__).resolve().parents[1]

@@ -29,7 +29,7 @@ from layerwise_cli.checkpoint.layout import INDEX_NAME
 from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.reorder.result import ReorderProgress
-from layerwise_cli.reorder.shards import PlannedShard
+from layerwise_cli.reorder.shard_plan import PlannedShard
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ def verify_against_source(model, source: str, revision: str | None, model_config
     from layerwise_cli.worker.proof.verify_mla import mla_modules, verify_mla
     from layerwise_cli.worker.proof.verify_quantized import require_recomputed
     from layerwise_cli.worker.stream.rank_plan import plan_for_worker
-    from layerwise_cli.worker.stream.shards import ShardReader, layer_batches
+    from layerwise_cli.worker.stream.shard_reader import ShardReader, layer_batches
 
     local = resolve_local(source, revision)
     checkpoint = replace(open_checkpoint(str(local)), source=source)

@@ -39,7 +39,7 @@ from layerwise_cli.worker.stream.open_stream import OpenStream
 from layerwise_cli.worker.stream.read_ahead import open_stream
 from layerwise_cli.worker.stream.read_into_place import place_reader
 from layerwise_cli.worker.stream.read_order import pipelined_order
-from layerwise_cli.worker.stream.shards import ShardReader
+from layerwise_cli.worker.stream.shard_reader import ShardReader
 from layerwise_cli.worker.stream.stats import ReadAheadStats
 
 ORDERS = ("layer", "file")

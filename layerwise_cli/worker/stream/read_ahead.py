@@ -20,7 +20,7 @@ from layerwise_cli.worker.stream.cpu_placement import move_to, spare_cpus
 from layerwise_cli.worker.stream.hash_backlog import HashBacklog
 from layerwise_cli.worker.stream.open_stream import OpenStream
 from layerwise_cli.worker.stream.read_into_place import PlaceReader
-from layerwise_cli.worker.stream.shards import ShardReader, layer_batches, raw_bytes
+from layerwise_cli.worker.stream.shard_reader import ShardReader, layer_batches, raw_bytes
 from layerwise_cli.worker.stream.staging import copy_in_chunks, handed_over, staging_threads, to_device
 from layerwise_cli.worker.stream.stats import ReadAheadStats
 
