@@ -84,7 +84,7 @@ WORKER_ROOMS = {
     "state": 2,  # what a worker keeps between reloads: records, state digests, spot checks, plan cache
     "beyond_vllm": 3,  # derived state, CPU repairs, rerun hooks, online quantization
     "proof": 4,  # --verify, fingerprints, checksums, consensus across ranks
-    "reload": 5,  # one reload start to end: pre-flight, skip plan, stream into vLLM, probe, rollback
+    "reload": 5,  # one reload start to end: pre-flight, unchanged layers, stream into vLLM, probe, rollback
     "extension": 6,  # the class vLLM mixes into every worker
 }
 WORKER_TOP_ENTRIES = 8

@@ -30,7 +30,7 @@ from layerwise_cli.worker.reload.completion_check import (
 )
 from layerwise_cli.worker.reload.probe import BufferProbe, process_disk_read_bytes
 from layerwise_cli.worker.reload.reload_plan import plan_reload
-from layerwise_cli.worker.reload.skip_plan import SkipPlan, quiet_skipped_layers
+from layerwise_cli.worker.reload.unchanged_layers import UnchangedLayers, quiet_skipped_layers
 from layerwise_cli.worker.state.layer_records import REASON_UNCHANGED, LayerRecords
 from layerwise_cli.worker.state.worker_state import loader_facts_of
 from layerwise_cli.worker.stream.in_place import in_place_materialization
@@ -130,8 +130,8 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
         device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
         # Found before the first reload changes anything, once per engine (vLLM's record and tensors hold).
         derived = derived_state_of(worker)
-        skip = SkipPlan.build(model, checkpoint, engine_stream, order, records, all_layers=all_layers,
-                              checks_finite=not allow_nonfinite, on_host=device.type == "cpu")
+        skip = UnchangedLayers.build(model, checkpoint, engine_stream, order, records, all_layers=all_layers,
+                                     checks_finite=not allow_nonfinite, on_host=device.type == "cpu")
         stats = ReadAheadStats()
         rank = getattr(worker, "rank", 0) or 0
         progress = ProgressWriter(progress_path if rank == 0 else None, len(plan.layers), plan.loaded_bytes)

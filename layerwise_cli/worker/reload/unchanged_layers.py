@@ -1,4 +1,4 @@
-"""One reload's skip side: which layers it hands over, which it skips, and what it records afterwards."""
+"""One reload's unchanged layers: which layers it hands over, which it skips, and what it records afterwards."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from layerwise_cli.worker.stream.cpu_placement import spare_cpus
 
 
 @dataclass
-class SkipPlan:
+class UnchangedLayers:
     """Built before the engine is touched (`build`); filled while streaming; `record` after a successful reload.
 
     Attributes:
@@ -59,7 +59,7 @@ class SkipPlan:
     @classmethod
     def build(cls, model: torch.nn.Module, checkpoint: Checkpoint, engine_stream: list[PlannedTensor], order: str,
               records: LayerRecords | None, *, all_layers: bool = False, checks_finite: bool = True,
-              on_host: bool = False) -> SkipPlan:
+              on_host: bool = False) -> UnchangedLayers:
         """Decide what can be decided before reading: records against header digests and the layers' state.
 
         Args:
@@ -207,7 +207,7 @@ class SkipPlan:
         return list(self.spot.stale) if self.spot is not None else []
 
 
-def quiet_skipped_layers(plan: SkipPlan, model: torch.nn.Module):
+def quiet_skipped_layers(plan: UnchangedLayers, model: torch.nn.Module):
     """While vLLM's reload runs: drop its warnings about the layers skipped on purpose (see `vllm_logs`)."""
     from layerwise_cli.vllm_logs import quiet_skipped_layer_warnings
 
