@@ -110,10 +110,10 @@ CONFIGS = [
                          "model.layers.0.block_sparse_moe.experts.routed_experts",
                          "model.layers.1.block_sparse_moe.experts.routed_experts")),
     # gpt-oss: attention sinks and fused routed experts with biases, which its `load_weights` writes with a bare
-    # `param.copy_` that vLLM's reload cannot see (`worker/beyond_vllm/put_back_layers.py` loads them after it).
+    # `param.copy_` that vLLM's reload cannot see (`worker/repairs/put_back_layers.py` loads them after it).
     Config("gpt_oss", layouts=HYBRID_LAYOUTS),
     # DeepSeek-V3 shape: MLA (W_UV/W_UK_T derived from kv_b_proj after loading), a dense layer, then MoE with a
-    # shared expert; its answers are stable only with the CPU rotary repair (`worker/beyond_vllm/mla_cpu_repair.py`).
+    # shared expert; its answers are stable only with the CPU rotary repair (`worker/repairs/mla_cpu_repair.py`).
     Config("deepseek_v3", layouts=HYBRID_LAYOUTS, repair_names=("model.layers.1.mlp.experts.routed_experts",)),
 ]
 ORDERS = ("layer", "file")
@@ -131,7 +131,7 @@ VLLM_CANNOT_LOAD = {
 }
 # Where vLLM's own reload raises instead (a fact about vLLM on this CPU): its AMX MLA backend empties
 # kv_b_proj.weight after loading, and its reload then copies the new weight into the empty tensor
-# (`_copy_and_restore_kernel_tensors`). layerwise gives the weight back first (`worker/beyond_vllm/amx_mla.py`).
+# (`_copy_and_restore_kernel_tensors`). layerwise gives the weight back first (`worker/repairs/amx_mla.py`).
 def vllm_reload_raises(label: str) -> bool:
     return label.startswith("deepseek_v3") and "amx_tile" in cpu_flags()
 
@@ -338,15 +338,15 @@ def run_repairs(run: ConfigRun, llm, b: Path) -> None:
     import os
 
     from layerwise_cli.client.local import verify_engine
-    from layerwise_cli.engine_defaults import NO_FIXUPS_ENV
+    from layerwise_cli.engine_defaults import NO_REPAIRS_ENV
 
-    os.environ[NO_FIXUPS_ENV] = "1"
+    os.environ[NO_REPAIRS_ENV] = "1"
     try:
         # A buffer vLLM's reload leaves stale fails the reload unless accepted (it is kept, with a note).
         run.repairs_off = layerwise_reload(llm, b, "layer", allow_unchecked=True)
         run.repairs_off_verify = verify_engine(llm, str(b))
     finally:
-        del os.environ[NO_FIXUPS_ENV]
+        del os.environ[NO_REPAIRS_ENV]
     # Every layer: the records would skip them all (their bytes are B's already).
     run.repairs_on = layerwise_reload(llm, b, "layer", all_layers=True)
     run.repairs_on_verify = verify_engine(llm, str(b))

@@ -108,7 +108,7 @@ def start_engine(model: str, options: EngineOptions | None = None):
 
             # Registers layerwise's online quantizations (`layerwise_fp8`, `layerwise_int8`) in this process;
             # the engine's processes import the module too (the worker extension imports it).
-            from layerwise_cli.worker.beyond_vllm import online_quant  # noqa: F401
+            from layerwise_cli.worker.quantization import online_quant  # noqa: F401
 
             llm = LLM(model=model, **options.llm_kwargs())
         except Exception as exc:  # noqa: BLE001 - every start failure becomes one line
@@ -260,10 +260,10 @@ def reload_workers(llm, source: str, *, order: str = "layer", allow_partial: boo
     Raises:
         LayerwiseError: a worker failed (its one-line error; see `reload`).
     """
-    from layerwise_cli.engine_defaults import fixups_disabled, fresh_buffers_forced, read_into_place_asked
+    from layerwise_cli.engine_defaults import fresh_buffers_forced, read_into_place_asked, repairs_disabled
 
     # The diagnostic switches, set in this process: sent only when set (older extensions lack the arguments).
-    switches = {"repairs": False} if fixups_disabled() else {}
+    switches = {"repairs": False} if repairs_disabled() else {}
     if fresh_buffers_forced():
         switches["in_place"] = False
     if read_into_place_asked():

@@ -272,7 +272,7 @@ class ServerClient:
         self._json(response, "POST /update_weight_version")
 
     def layerwise_reload(self, source: str, options: RemoteOptions) -> ReloadReport:
-        from layerwise_cli.engine_defaults import fixups_disabled, fresh_buffers_forced, read_into_place_asked
+        from layerwise_cli.engine_defaults import fresh_buffers_forced, read_into_place_asked, repairs_disabled
 
         # Arguments left at their defaults are not sent: a server running an older extension still takes the call.
         call = ReloadCall(source=source, order=options.order, allow_partial=options.allow_partial,
@@ -280,7 +280,7 @@ class ServerClient:
                           allow_nonfinite=options.allow_nonfinite, all_layers=options.all_layers,
                           allow_incomplete=options.allow_unchecked,
                           # the diagnostic switches, set in this process
-                          repairs=not fixups_disabled(), in_place=not fresh_buffers_forced(),
+                          repairs=not repairs_disabled(), in_place=not fresh_buffers_forced(),
                           read_into_place=read_into_place_asked())
         try:
             # The version travels with the reload: a server with layerwise's endpoint sets it on success.

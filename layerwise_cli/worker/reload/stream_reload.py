@@ -8,16 +8,12 @@ from dataclasses import replace
 
 import torch
 
-from layerwise_cli.engine_defaults import fixups_disabled, read_into_place_asked
+from layerwise_cli.engine_defaults import read_into_place_asked, repairs_disabled
 from layerwise_cli.errors import LayerwiseError, describe_exception
 from layerwise_cli.planning.plan import simulate_buffering
 from layerwise_cli.report.progress import ProgressWriter
 from layerwise_cli.report.reload_report import ReloadReport
 from layerwise_cli.report.report_parts import DerivedRefresh, LayerReport
-from layerwise_cli.worker.beyond_vllm.amx_mla import give_back_weights
-from layerwise_cli.worker.beyond_vllm.cpu_fixups import apply_cpu_fixups
-from layerwise_cli.worker.beyond_vllm.derived_state import aliases_left_stale, derived_state_of
-from layerwise_cli.worker.beyond_vllm.put_back_layers import holding_parents, load_put_back_layers
 from layerwise_cli.worker.proof.consensus import PeerFailed
 from layerwise_cli.worker.proof.early_fingerprints import EarlyFingerprints
 from layerwise_cli.worker.reload.completion_check import (
@@ -31,6 +27,10 @@ from layerwise_cli.worker.reload.completion_check import (
 from layerwise_cli.worker.reload.probe import BufferProbe, process_disk_read_bytes
 from layerwise_cli.worker.reload.reload_plan import plan_reload
 from layerwise_cli.worker.reload.unchanged_layers import UnchangedLayers, quiet_skipped_layers
+from layerwise_cli.worker.repairs.after_reload import apply_repairs
+from layerwise_cli.worker.repairs.amx_mla import give_back_weights
+from layerwise_cli.worker.repairs.derived_state import aliases_left_stale, derived_state_of
+from layerwise_cli.worker.repairs.put_back_layers import holding_parents, load_put_back_layers
 from layerwise_cli.worker.state.layer_records import REASON_UNCHANGED, LayerRecords
 from layerwise_cli.worker.state.worker_state import loader_facts_of
 from layerwise_cli.worker.stream.in_place import in_place_materialization
@@ -88,7 +88,7 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
             handed to vLLM, which keeps it), and every layer handed over is
             recorded afresh once the reload succeeded. None: no skip, no record.
         all_layers: hand every layer over (and record them), whatever the records say.
-        repairs: refresh what vLLM's reload leaves stale (`cpu_fixups`); False is the
+        repairs: refresh what vLLM's reload leaves stale (`repairs.after_reload`); False is the
             diagnostic switch `LAYERWISE_NO_CPU_FIXUPS`.
         require_complete: raise `LayerwiseError` (after vLLM finished; the caller rolls back) when vLLM
             could not load a layer it was handed (`completion.unloaded_layer_watch`); False only notes them.
@@ -229,7 +229,7 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
                 watch.check_confirmed(loaded_in_place.names)
                 put_back_unloaded = [name for name in unloaded.modules if name not in unloaded.partial]
                 never_buffered = holding_parents(put_back_unloaded, probe.timings)
-                repairing = repairs and not fixups_disabled()
+                repairing = repairs and not repairs_disabled()
                 load_again = unloaded.modules if repairing else unloaded.partial if restore_partial else []
                 if load_again:
                     # Their model's own loader now writes them in place: those vLLM put back as they were, and
@@ -257,7 +257,7 @@ def stream_reload(worker, source: str, *, order: str = "layer", allow_partial: b
             torch.cuda.synchronize(device)
         # Each repair is found by its rule and does nothing where it does not apply (on a GPU: nothing).
         with engine_config(worker):
-            repair_notes, refreshed = apply_cpu_fixups(
+            repair_notes, refreshed = apply_repairs(
                 # A layer vLLM put back unloaded holds what it held: repacking it again would corrupt it.
                 model, set(probe.timings) - set(holding_parents(unloaded.modules, probe.timings)),
                 derived=derived, enabled=repairs,

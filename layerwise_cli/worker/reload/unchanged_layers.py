@@ -11,8 +11,8 @@ import torch
 from layerwise_cli.checkpoint.digests import header_digests, layer_digest
 from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.planning.plan import PlannedTensor
-from layerwise_cli.worker.beyond_vllm.amx_mla import must_hand_over
-from layerwise_cli.worker.beyond_vllm.rerun_hooks import RerunHooks, rerun_hooks
+from layerwise_cli.worker.reload.rerun_hooks import RerunHooks, rerun_hooks
+from layerwise_cli.worker.repairs.amx_mla import must_hand_over
 from layerwise_cli.worker.state.layer_records import LayerRecord, LayerRecords, SkipDecider
 from layerwise_cli.worker.state.layer_state import layer_fingerprints, layer_fingerprints_parallel
 from layerwise_cli.worker.state.spot_check import SpotCheck, StaleDigest, spot_check
@@ -73,7 +73,7 @@ class UnchangedLayers:
             checks_finite: this reload refuses NaN/Inf.
             on_host: the model's tensors are in host memory (its fingerprints may then be read by two threads).
         """
-        from layerwise_cli.worker.beyond_vllm.cpu_fixups import derived_modules
+        from layerwise_cli.worker.repairs.after_reload import derived_modules
 
         groups: dict[str, list[str]] = {}
         sizes: dict[str, list[int]] = {}
