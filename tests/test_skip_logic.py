@@ -15,7 +15,7 @@ from layerwise_cli.checkpoint.digests import layer_digest
 from layerwise_cli.planning.inspect import inspect_order
 from layerwise_cli.worker.state.layer_records import LayerRecord, LayerRecords, SkipDecider, records_of
 from layerwise_cli.worker.state.layer_state import device_checksum, host_checksum, layer_fingerprints
-from tests.test_writer import CONFIG, qwen3_like
+from tests.test_writer_logic import CONFIG, qwen3_like
 
 # ----------------------------------------------------------------------------- the decision
 
