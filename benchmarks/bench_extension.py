@@ -216,7 +216,7 @@ class _Loader:
     def __init__(self, folder: Path, device) -> None:
         import torch
 
-        from layerwise_cli.worker.stream.shards import ShardReader
+        from layerwise_cli.worker.stream.shard_reader import ShardReader
         from layerwise_cli.worker.stream.staging import staging_threads
 
         self.prefault = _Prefault()

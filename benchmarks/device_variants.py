@@ -28,7 +28,7 @@ from layerwise_cli.checkpoint.finite import dtype_name
 from layerwise_cli.checkpoint.header import TensorEntry
 from layerwise_cli.planning.plan import PlannedTensor
 from layerwise_cli.worker.stream.read_ahead import read_in_order
-from layerwise_cli.worker.stream.shards import ShardReader
+from layerwise_cli.worker.stream.shard_reader import ShardReader
 from layerwise_cli.worker.stream.staging import copy_in_chunks, staging_threads
 from layerwise_cli.worker.stream.stats import ReadAheadStats
 

@@ -1,7 +1,7 @@
 """Client traffic against a vLLM server: threads in a process of their own posting completions until stopped.
 
 The one traffic generator of the benchmarks and the tests (`benchmarks/load_test.py`,
-`tests/test_load.py`, the pause-mode tests in `tests/test_serve.py`). The clients run in
+`tests/test_traffic_server.py`, the pause-mode tests in `tests/test_serve_server.py`). The clients run in
 another process so that their threads do not starve the caller's (the tool's requests,
 the reloads) of the GIL; `time.monotonic()` is one clock for all processes on Linux, so
 their request times compare with the caller's.

@@ -9,7 +9,7 @@ import os
 # so that `--verify` and the tests can show what the repairs prevent. Never set it
 # otherwise. Read in the worker (its environment) and by the client, which then
 # asks the workers for a reload without repairs (`repairs=False`, also over `--url`).
-NO_FIXUPS_ENV = "LAYERWISE_NO_CPU_FIXUPS"
+NO_REPAIRS_ENV = "LAYERWISE_NO_CPU_FIXUPS"
 
 
 def _switch_set(name: str) -> bool:
@@ -17,9 +17,9 @@ def _switch_set(name: str) -> bool:
     return os.environ.get(name, "") not in {"", "0"}
 
 
-def fixups_disabled() -> bool:
+def repairs_disabled() -> bool:
     """Whether the diagnostic switch turns the repairs after vLLM's reload off (in this process)."""
-    return _switch_set(NO_FIXUPS_ENV)
+    return _switch_set(NO_REPAIRS_ENV)
 
 
 # Diagnostic switch: `LAYERWISE_FRESH_BUFFERS=1` has vLLM materialize every layer in fresh

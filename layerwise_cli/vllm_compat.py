@@ -65,8 +65,8 @@ from layerwise_cli.vllm_symbols import (
 # (`from vllm import LLM`); scripts/check_imports.py reads this tuple.
 PUBLIC_NAMES = ("LLM", "SamplingParams")
 
-# Declarations callers read through this door: worker/beyond_vllm/online_quant.py loads the bases it subclasses,
-# worker/beyond_vllm/rerun_hooks.py the reviewed hooks, scripts/check_vllm_release.py the lists (a test that
+# Declarations callers read through this door: worker/quantization/online_quant.py loads the bases it subclasses,
+# worker/reload/rerun_hooks.py the reviewed hooks, scripts/check_vllm_release.py the lists (a test that
 # patches one of these here patches what they see).
 PRIVATE = vllm_symbols.PRIVATE
 COPIED_RULES = vllm_symbols.COPIED_RULES

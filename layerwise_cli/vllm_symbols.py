@@ -73,7 +73,7 @@ VOCAB_PARALLEL_EMBEDDING = PrivateSymbol("vllm.model_executor.layers.vocab_paral
 UNQUANTIZED_EMBEDDING_METHOD = PrivateSymbol(
     "vllm.model_executor.layers.vocab_parallel_embedding", "UnquantizedEmbeddingMethod", "class",
     members=("process_weights_after_loading",),
-    used_by="worker/beyond_vllm/cpu_fixups.py (the tied LM head's CPU kernel)")
+    used_by="worker/repairs/after_reload.py (the tied LM head's CPU kernel)")
 QUANTIZE_METHOD_BASE = PrivateSymbol("vllm.model_executor.layers.quantization.base_config", "QuantizeMethodBase",
                                      "class", members=("process_weights_after_loading", "apply"),
                                      used_by="worker/proof/verify.py, worker/proof/fingerprints.py")
@@ -83,15 +83,15 @@ LINEAR_BASE = PrivateSymbol("vllm.model_executor.layers.linear", "LinearBase", "
                             used_by="worker/proof/fingerprints.py")
 CPU_LINEAR_HANDLE = PrivateSymbol("vllm.model_executor.layers.utils", "dispatch_cpu_unquantized_gemm", "function",
                                   parameters=("layer",),
-                                  used_by="worker/beyond_vllm/cpu_fixups.py, worker/proof/fingerprints.py, "
+                                  used_by="worker/repairs/after_reload.py, worker/proof/fingerprints.py, "
                                   "worker/proof/verify.py "
                                   "(the `cpu_linear` handle it sets on a layer)")
 CPU_UNQUANTIZED_EXPERTS = PrivateSymbol("vllm.model_executor.layers.fused_moe.experts.cpu_moe",
                                         "CPUUnquantizedExperts", "class", members=("isa", "_use_zentorch"),
-                                        used_by="worker/beyond_vllm/cpu_fixups.py (CPU MoE repack)")
+                                        used_by="worker/repairs/after_reload.py (CPU MoE repack)")
 CPU_PREPACK_MOE_WEIGHT = PrivateSymbol("vllm._custom_ops", "cpu_prepack_moe_weight", "function",
                                        parameters=("weight", "isa"), moved_to=("vllm._cpu_ops",),  # 0.34
-                                       used_by="worker/beyond_vllm/cpu_fixups.py")
+                                       used_by="worker/repairs/after_reload.py")
 PARALLEL_STATE = PrivateSymbol("vllm.distributed.parallel_state", None, "module",
                                used_by="worker/proof/consensus.py, worker/stream/rank_plan.py")
 GET_TP_GROUP = PrivateSymbol("vllm.distributed.parallel_state", "get_tp_group", "function", parameters=(),
@@ -114,27 +114,28 @@ MODEL_REGISTRY_CLASS = PrivateSymbol("vllm.model_executor.models.registry", "_Mo
                                      members=("_try_load_model_cls",), used_by="planning/vllm_mapping.py")
 MIXTURE_OF_EXPERTS = PrivateSymbol("vllm.model_executor.models.interfaces", "MixtureOfExperts", "class",
                                    used_by="planning/vllm_mapping.py")
-# Online quantization (worker/beyond_vllm/online_quant.py subclasses these, so it loads them when it is imported).
+# Online quantization (worker/quantization/online_quant.py subclasses these, so it loads them when it is imported).
 LINEAR_METHOD_BASE = PrivateSymbol("vllm.model_executor.layers.linear", "LinearMethodBase", "class",
                                    members=("create_weights", "apply", "process_weights_after_loading"),
-                                   used_by="worker/beyond_vllm/online_quant.py (base of LayerwiseOnlineLinearMethod)")
+                                   used_by="worker/quantization/online_quant.py (base of LayerwiseOnlineLinearMethod)")
 QUANTIZATION_CONFIG = PrivateSymbol("vllm.model_executor.layers.quantization.base_config", "QuantizationConfig",
                                     "class", members=("get_name", "get_supported_act_dtypes", "get_min_capability",
                                                       "get_config_filenames", "from_config", "get_quant_method"),
-                                    used_by="worker/beyond_vllm/online_quant.py (base of the layerwise_fp8/int8 "
+                                    used_by="worker/quantization/online_quant.py (base of the layerwise_fp8/int8 "
                                     "configs)")
 REGISTER_QUANTIZATION_CONFIG = PrivateSymbol("vllm.model_executor.layers.quantization",
                                              "register_quantization_config", "function",
-                                             parameters=("quantization",), used_by="worker/beyond_vllm/online_quant.py")
+                                             parameters=("quantization",),
+                                             used_by="worker/quantization/online_quant.py")
 INITIALIZE_ONLINE_PROCESSING = PrivateSymbol(f"{_RELOAD}.layerwise", "initialize_online_processing", "function",
                                              parameters=("layer",),
-                                             used_by="worker/beyond_vllm/online_quant.py (create_weights, as "
+                                             used_by="worker/quantization/online_quant.py (create_weights, as "
                                              "vLLM's own)")
 MODEL_WEIGHT_PARAMETER = PrivateSymbol("vllm.model_executor.parameter", "ModelWeightParameter", "class",
-                                       used_by="worker/beyond_vllm/online_quant.py (the weight on meta)")
+                                       used_by="worker/quantization/online_quant.py (the weight on meta)")
 REPLACE_PARAMETER = PrivateSymbol("vllm.model_executor.utils", "replace_parameter", "function",
                                   parameters=("layer", "param_name"),
-                                  used_by="worker/beyond_vllm/online_quant.py (quantized weight and scale)")
+                                  used_by="worker/quantization/online_quant.py (quantized weight and scale)")
 SKIP_TENSORS = PrivateSymbol(f"{_RELOAD}.meta", "SKIP_TENSORS", "attribute",
                              used_by="worker/proof/verify_quantized.py, worker/stream/in_place.py (tensors vLLM's "
                              "restore "
@@ -145,7 +146,7 @@ MATERIALIZE_LAYER = PrivateSymbol(f"{_RELOAD}.layerwise", "materialize_layer", "
                                   "during a layerwise reload)")
 FINALIZE_LAYERWISE_PROCESSING = PrivateSymbol(f"{_RELOAD}.layerwise", "finalize_layerwise_processing", "function",
                                               parameters=("model", "model_config"),
-                                              used_by="worker/reload/completion.py (the name "
+                                              used_by="worker/reload/completion_check.py (the name "
                                               "`finalize_layerwise_reload` calls, wrapped during a layerwise "
                                               "reload to list the layers it puts back unloaded)")
 MLA_ATTENTION = PrivateSymbol("vllm.model_executor.layers.attention.mla_attention", "MLAAttention", "class",
@@ -159,7 +160,7 @@ SPLIT_KV_B_PROJ = PrivateSymbol("vllm.model_executor.layers.attention.mla_attent
                                 used_by="worker/proof/verify_mla.py (vLLM's own split of kv_b_proj into W_UK, W_UV)")
 ROTARY_EMBEDDING = PrivateSymbol("vllm.model_executor.layers.rotary_embedding.base", "RotaryEmbedding", "class",
                                  members=("forward_cpu",),
-                                 used_by="worker/beyond_vllm/mla_cpu_repair.py (wrapped: its CPU kernel takes query "
+                                 used_by="worker/repairs/mla_cpu_repair.py (wrapped: its CPU kernel takes query "
                                  "and key as 2-D, MLA passes 3-D views)")
 AUTO_WEIGHTS_LOADER = PrivateSymbol("vllm.model_executor.models.utils", "AutoWeightsLoader", "class",
                                     members=("REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER",),
@@ -193,7 +194,7 @@ DIRECT_RELOAD_ENABLED = PrivateSymbol(f"{_RELOAD}.direct", "direct_reload_enable
 # vLLM 0.34 ends every reload by rerunning each module's own process_weights_after_loading.
 FINALIZE_MODEL_WEIGHTS = PrivateSymbol("vllm.model_executor.model_loader.weight_utils", "finalize_model_weights",
                                        "function", parameters=("model",), since="0.34.0",
-                                       used_by="worker/beyond_vllm/rerun_hooks.py (layers a skip would leave to "
+                                       used_by="worker/reload/rerun_hooks.py (layers a skip would leave to "
                                        "those hooks)")
 LOGGER_RELOAD = PrivateSymbol(f"{_RELOAD}.layerwise", None, "module", used_by="vllm_logs.py (logger name)")
 LOGGER_INPLACE = PrivateSymbol(f"{_RELOAD}.inplace", None, "module", used_by="vllm_logs.py (logger name)")
@@ -232,9 +233,9 @@ COPIED_RULES: tuple[CopiedRule, ...] = (
                layerwise_site="planning/plan.py vllm_read_order"),
     CopiedRule("vocabulary padding", "vllm.model_executor.layers.vocab_parallel_embedding",
                ("pad_vocab_size", "DEFAULT_VOCAB_PADDING_SIZE"), constant="DEFAULT_VOCAB_PADDING_SIZE",
-               copied_value=("layerwise_cli.planning.completion", "VOCAB_PADDING"),
-               layerwise_site="planning/completion.py VOCAB_PADDING"),
-    *(CopiedRule("completion rule", f"{_RELOAD}.{name}", layerwise_site="planning/completion.py")
+               copied_value=("layerwise_cli.planning.completion_rule", "VOCAB_PADDING"),
+               layerwise_site="planning/completion_rule.py VOCAB_PADDING"),
+    *(CopiedRule("completion rule", f"{_RELOAD}.{name}", layerwise_site="planning/completion_rule.py")
       for name in ("layerwise", "types", "utils", "meta", "sanitize")),
     # worker/stream/in_place.py hands `_layerwise_process` views of the engine's tensors: it relies on vLLM calling
     # `materialize_layer` by its module-level name, loading into what it materialized and copying that back.
@@ -311,7 +312,7 @@ REVIEWED_CHANGES: tuple[ReviewedChange, ...] = (
 class ReviewedHook:
     """A module-level `process_weights_after_loading` read and judged safe to rerun on weights not re-sent.
 
-    `worker/beyond_vllm/rerun_hooks.py` lets a layer be skipped under vLLM 0.34's rerun of
+    `worker/reload/rerun_hooks.py` lets a layer be skipped under vLLM 0.34's rerun of
     every module hook only if each hook in it is one of these (by module and
     qualified name); `scripts/check_vllm_release.py` fails when a release's
     text of one differs from the digest reviewed.

@@ -10,8 +10,8 @@ not from a reader.
   lower layers, so data flows one way (checkpoint -> planning -> worker ->
   client -> cli). Checked only when PACKAGE_DIR is layerwise_cli itself.
 - Rooms of `worker/` (`WORKER_ROOMS`): the same rule one level down (rpc ->
-  stream -> state -> beyond_vllm -> proof -> reload -> extension); every
-  sub-package of `worker/` is a room, and `worker/` has at most
+  stream -> state -> repairs -> quantization -> proof -> reload -> extension);
+  every sub-package of `worker/` is a room, and `worker/` has at most
   `WORKER_TOP_ENTRIES` entries at its top.
 - Typer and Rich are imported only under `cli/` (`UI_LIBRARIES`).
 - vLLM is imported only by `vllm_compat.py`, the one door to its private
@@ -82,12 +82,13 @@ WORKER_ROOMS = {
     "rpc": 0,  # the extension's call surface: method names, arguments, answers (the client imports it too)
     "stream": 1,  # reading a checkpoint for one rank: plan, read order, read-ahead, handover, loading in place
     "state": 2,  # what a worker keeps between reloads: records, state digests, spot checks, plan cache
-    "beyond_vllm": 3,  # derived state, CPU repairs, rerun hooks, online quantization
-    "proof": 4,  # --verify, fingerprints, checksums, consensus across ranks
-    "reload": 5,  # one reload start to end: pre-flight, skip plan, stream into vLLM, probe, rollback
-    "extension": 6,  # the class vLLM mixes into every worker
+    "repairs": 3,  # what vLLM's reload leaves undone or wrong: derived state, CPU kernels, put-back layers, AMX MLA
+    "quantization": 4,  # layerwise's online quantization methods (registered with vLLM)
+    "proof": 5,  # --verify, fingerprints, checksums, consensus across ranks
+    "reload": 6,  # one reload start to end: pre-flight, unchanged layers, stream into vLLM, probe, rollback
+    "extension": 7,  # the class vLLM mixes into every worker
 }
-WORKER_TOP_ENTRIES = 8
+WORKER_TOP_ENTRIES = 9
 
 
 ENTRY_POINTS = {"__main__": 7}  # `python -m layerwise_cli` runs the CLI

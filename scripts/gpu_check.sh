@@ -14,7 +14,7 @@
 #     importable (that needs the network). This package goes in without
 #     dependencies (vllm brings all that the benchmark needs); if that is not
 #     possible offline, PYTHONPATH points at the checkout instead.
-#  1b. The writer from a CUDA state dict (`tests/test_writer.py -m gpu`, no
+#  1b. The writer from a CUDA state dict (`tests/test_writer_logic.py -m gpu`, no
 #     engine, seconds): first, so that it runs whatever the benchmark takes.
 #  2. benchmarks/bench_reload.py on an 8B-sized synthetic checkpoint (Qwen3-8B
 #     shapes: hidden 4096, 36 layers, intermediate 12288, 32/8 heads,
@@ -31,7 +31,7 @@
 #     writer spills), where 8B shapes would not fit /dev/shm.
 #  3. `pytest -m gpu` on the test files that carry the gpu marker, if any: vLLM's online FP8
 #     (`fp8_per_block` dense, `fp8_per_tensor` MoE) A -> B -> A against a fresh FP8 engine, with the
-#     measured peak against the prediction and --verify re-quantizing every FP8 layer (tests/test_gpu.py).
+#     measured peak against the prediction and --verify re-quantizing every FP8 layer (tests/test_gpu_engine.py).
 # Exit status: 1 if a benchmark or the GPU tests failed, else 0.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -77,7 +77,7 @@ print(f"vllm {vllm.__version__}, torch {torch.__version__}, {torch.cuda.get_devi
 EOF
 # 1b. The writer from a CUDA state dict (no engine).
 echo "== save_checkpoint from CUDA tensors" >&2
-timeout --kill-after=10 120 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/test_writer.py >&2 || status=1
+timeout --kill-after=10 120 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/test_writer_logic.py >&2 || status=1
 
 # vLLM 0.32 moved online FP8 from `fp8` to `fp8_per_tensor` / `fp8_per_block`.
 fp8="$("$py" -c "

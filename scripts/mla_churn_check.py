@@ -6,10 +6,10 @@ first its worker allocates tensors filled with junk and frees them, so that
 the engine's next allocations get memory holding junk. It also prints how many
 tokens each forward step of a generate held: in the default layout the engine
 core batches the prompts as they arrive, and without layerwise's rotary repair
-(`--no-fixups`) the generates that differ are those batched otherwise
-(`layerwise_cli/worker/beyond_vllm/mla_cpu_repair.py`), not those that met junk.
+(`--no-repairs`) the generates that differ are those batched otherwise
+(`layerwise_cli/worker/repairs/mla_cpu_repair.py`), not those that met junk.
 
-    .venv/bin/python scripts/mla_churn_check.py [--generates 10] [--junk nan|big|none] [--no-fixups]
+    .venv/bin/python scripts/mla_churn_check.py [--generates 10] [--junk nan|big|none] [--no-repairs]
         [--default-layout] [--dump answers.json]
 """
 
@@ -76,14 +76,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--generates", type=int, default=10)
     parser.add_argument("--junk", choices=[*JUNK, "none"], default="nan")
-    parser.add_argument("--no-fixups", action="store_true", help="set LAYERWISE_NO_CPU_FIXUPS=1 at engine start")
+    parser.add_argument("--no-repairs", action="store_true", help="set LAYERWISE_NO_CPU_FIXUPS=1 at engine start")
     parser.add_argument("--arch", default="deepseek_v3")
     parser.add_argument("--checkpoint", help="an existing checkpoint (default: build one)")
     parser.add_argument("--default-layout", action="store_true",
                         help="start the engine the default way (engine core and worker in processes of their own)")
     parser.add_argument("--dump", help="write the answers (tokens and logprobs) to this JSON file")
     args = parser.parse_args()
-    if args.no_fixups:
+    if args.no_repairs:
         os.environ["LAYERWISE_NO_CPU_FIXUPS"] = "1"
     from tests.support.in_process import start_here, stop_here
     from tests.support.producers import PADDED_VOCAB, Producer, save_pretrained_checkpoint

@@ -15,12 +15,13 @@ from tests.support.synthetic import SyntheticModel, write_checkpoint
 # all). Under xdist the files start heaviest first (and the rest in collection order), so that no long file is
 # left to run alone at the end. Order only: no test depends on it.
 HEAVY_FILES = {
-    "test_serve.py": 251, "test_equivalence_engine.py": 242, "test_watch.py": 183, "test_data_parallel.py": 144,
-    "test_engine_start_failure.py": 134, "test_repairs_server.py": 133, "test_planner_engine.py": 124,
-    "test_reorder.py": 107, "test_pipeline_parallel.py": 106, "test_padded_engine.py": 97,
-    "test_online_quant_engine.py": 74, "test_bench_quick.py": 70, "test_reload_cli.py": 70, "test_demo_models.py": 61,
-    "test_load.py": 56, "test_demo_cli.py": 49, "test_in_process_engine.py": 49, "test_arch_table.py": 46,
-    "test_tensor_parallel.py": 45, "test_moe_engine.py": 39,
+    "test_serve_server.py": 251, "test_equivalence_engine.py": 242, "test_watch_server.py": 183,
+    "test_data_parallel_server.py": 144, "test_start_failure_server.py": 134, "test_repairs_server.py": 133,
+    "test_planner_engine.py": 124, "test_reorder_engine.py": 107, "test_pipeline_parallel_engine.py": 106,
+    "test_padded_engine.py": 97, "test_online_quant_engine.py": 74, "test_bench_quick.py": 70, "test_reload_cli.py": 70,
+    "test_demo_models_logic.py": 61, "test_traffic_server.py": 56, "test_demo_cli.py": 49,
+    "test_in_process_engine.py": 49, "test_arch_table.py": 46, "test_tensor_parallel_engine.py": 45,
+    "test_moe_engine.py": 39,
 }
 
 

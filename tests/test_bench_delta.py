@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from benchmarks.bench_delta import CHANGED_FRACTION, changed_layers, write_delta_checkpoints
 from layerwise_cli.cli.app import app
 from tests.support.synthetic import SyntheticModel, normal_weights
-from tests.test_reorder_digests import _independent_digests
+from tests.test_reorder_digests_cli import _independent_digests
 
 runner = CliRunner()
 

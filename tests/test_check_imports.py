@@ -72,13 +72,13 @@ def test_private_vllm_outside_vllm_compat_is_found(tmp_path: Path) -> None:
                           "def info():\n    from vllm.model_executor.model_loader.reload.layerwise import X\n",
         "client/local.py": "def start():\n    from vllm import LLM, SamplingParams\n",
         "worker/verify.py": "def f():\n    from vllm.model_executor.model_loader.reload.meta import CopyCounter\n",
-        "worker/cpu_fixups.py": "def g():\n    from vllm import _custom_ops as ops\n",
+        "worker/after_reload.py": "def g():\n    from vllm import _custom_ops as ops\n",
         "worker/probe.py": "import vllm.distributed.parallel_state\n",
     })
     done = _check(str(package))
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [
-        "layerwise_cli.worker.cpu_fixups imports vllm._custom_ops (private vLLM: import it in vllm_compat.py)",
+        "layerwise_cli.worker.after_reload imports vllm._custom_ops (private vLLM: import it in vllm_compat.py)",
         "layerwise_cli.worker.probe imports vllm.distributed.parallel_state (private vLLM: import it in "
         "vllm_compat.py)",
         "layerwise_cli.worker.verify imports vllm.model_executor.model_loader.reload.meta (private vLLM: import it "
@@ -104,5 +104,5 @@ def test_a_worker_folder_that_is_no_room_and_a_crowded_worker_top_are_found(tmp_
     assert done.returncode == 1
     assert done.stderr.strip().splitlines() == [
         "worker/misc is not a room of WORKER_ROOMS",
-        "worker/ has 10 entries at its top (at most 8)",
+        "worker/ has 10 entries at its top (at most 9)",
     ]

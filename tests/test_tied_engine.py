@@ -4,7 +4,7 @@ Checkpoints come from `transformers`' own `save_pretrained` (tests/producers.py)
 a Qwen3 with `tie_word_embeddings: true` writes no `lm_head` tensor. On CPU,
 vLLM packs the head's GEMM weight when it processes the head; a reload does
 not process it again (it is not in the checkpoint), so the head kept serving
-the old weights until layerwise rebuilt it (`engine/cpu_fixups.py`).
+the old weights until layerwise rebuilt it (`worker/repairs/after_reload.py`).
 
 Engines start one at a time: a fresh B, then A. `--verify` with the repair off and on runs in the
 equivalence matrix (in process, padded vocabulary: `test_verify_names_what_the_repairs_fix_and_passes_with_them`)

@@ -4,8 +4,8 @@ gpt-oss's `load_weights` writes its attention sinks and fused routed experts
 with a bare `param.copy_`, which vLLM's layerwise reload cannot see: vLLM
 logs `Failed to load weights`, puts the old tensors back, and its reload
 returns as if it had succeeded. layerwise lists those layers by vLLM's own
-count (`worker/reload/completion.py`) and hands their tensors to the model's
-own loader once vLLM has put them back (`worker/beyond_vllm/put_back_layers.py`).
+count (`worker/reload/completion_check.py`) and hands their tensors to the model's
+own loader once vLLM has put them back (`worker/repairs/put_back_layers.py`).
 With the repairs off (`LAYERWISE_NO_CPU_FIXUPS=1`) the reload fails, rolled
 back and naming them; `allow_unchecked` keeps it, with a note.
 """

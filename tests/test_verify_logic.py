@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layerwise_cli.worker.beyond_vllm.cpu_fixups import derived_modules, fixups_disabled
+from layerwise_cli.worker.repairs.after_reload import derived_modules, repairs_disabled
 
 
 class _Tied(torch.nn.Module):
@@ -39,11 +39,11 @@ def test_nothing_is_derived_without_shared_storage():
 
 def test_the_diagnostic_switch(monkeypatch):
     monkeypatch.delenv("LAYERWISE_NO_CPU_FIXUPS", raising=False)
-    assert not fixups_disabled()
+    assert not repairs_disabled()
     monkeypatch.setenv("LAYERWISE_NO_CPU_FIXUPS", "0")
-    assert not fixups_disabled()
+    assert not repairs_disabled()
     monkeypatch.setenv("LAYERWISE_NO_CPU_FIXUPS", "1")
-    assert fixups_disabled()
+    assert repairs_disabled()
 
 
 def _worker_verify(statuses: dict[str, str], derived_from: dict[str, str] | None = None) -> dict:

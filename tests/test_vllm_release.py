@@ -92,7 +92,7 @@ def test_a_renamed_symbol_and_a_changed_rule_fail_naming_them(wheels: dict[str, 
         "missing" in direct_mode
     assert "finalize_model_weights is not defined in vllm.model_executor.model_loader.weight_utils" in rerun_hooks
     assert "vocabulary padding" in padding_rule and "changed: DEFAULT_VOCAB_PADDING_SIZE" in padding_rule
-    assert "release 128, layerwise (completion.VOCAB_PADDING) 64" in padding_value
+    assert "release 128, layerwise (completion_rule.VOCAB_PADDING) 64" in padding_value
     assert "completion rule" in completion_rule and "removed: get_layer_size; added: get_layer_numel" in completion_rule
     assert "architecture" in table and "no committed table for vLLM 9.9.9" in table
 

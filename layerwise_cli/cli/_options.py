@@ -85,7 +85,7 @@ def check_quantization(method: str | None) -> None:
 
     QUANTIZATION_METHODS = vllm_compat.quantization_methods()
 
-    from layerwise_cli.worker.beyond_vllm import online_quant  # noqa: F401 - registers layerwise_fp8 / layerwise_int8
+    from layerwise_cli.worker.quantization import online_quant  # noqa: F401 - registers layerwise_fp8 / layerwise_int8
 
     if method not in QUANTIZATION_METHODS:
         from layerwise_cli.errors import UsageError

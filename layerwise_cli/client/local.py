@@ -108,7 +108,7 @@ def start_engine(model: str, options: EngineOptions | None = None):
 
             # Registers layerwise's online quantizations (`layerwise_fp8`, `layerwise_int8`) in this process;
             # the engine's processes import the module too (the worker extension imports it).
-            from layerwise_cli.worker.beyond_vllm import online_quant  # noqa: F401
+            from layerwise_cli.worker.quantization import online_quant  # noqa: F401
 
             llm = LLM(model=model, **options.llm_kwargs())
         except Exception as exc:  # noqa: BLE001 - every start failure becomes one line

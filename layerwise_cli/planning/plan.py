@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from layerwise_cli.checkpoint.header import TensorEntry
 from layerwise_cli.checkpoint.sources import Checkpoint, natural_key
-from layerwise_cli.planning.completion import HeldLayer, held_layers
+from layerwise_cli.planning.completion_rule import HeldLayer, held_layers
 from layerwise_cli.planning.parents import LayerMapping
 
 
@@ -61,7 +61,7 @@ class Plan:
     layers: list[ParentLayerStats]  # in model order
     # Tensors vLLM's loader skips on purpose (`skip_rules`): never read, never buffered.
     skipped: list[TensorEntry]
-    # Parent layers vLLM holds until the end of the stream (see `completion`).
+    # Parent layers vLLM holds until the end of the stream (see `completion_rule`).
     held: dict[str, HeldLayer] = field(default_factory=dict)
     tensor_parallel_size: int = 1
     # Skipped tensor -> why vLLM skips it.

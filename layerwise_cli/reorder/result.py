@@ -7,7 +7,7 @@ from pathlib import Path
 
 from layerwise_cli.checkpoint.finite import NonFinite
 from layerwise_cli.planning.inspect import OrderReport
-from layerwise_cli.reorder.shards import PlannedShard
+from layerwise_cli.reorder.shard_plan import PlannedShard
 
 
 @dataclass

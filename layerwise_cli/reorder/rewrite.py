@@ -1,6 +1,6 @@
 """Rewrite a checkpoint so that vLLM's own loader reads it in layer order: the core of `layerwise reorder`.
 
-The steps live in modules of their own: `shards` (the shard-boundary rule),
+The steps live in modules of their own: `shard_plan` (the shard-boundary rule),
 `write` (headers and tensor bytes), `side_files` (config, tokenizer),
 `commit` (checks, then the rename into place) and `signals` (SIGINT/SIGTERM).
 """
@@ -23,7 +23,7 @@ from layerwise_cli.planning.parents import mapping_for_config
 from layerwise_cli.planning.plan import build_plan
 from layerwise_cli.reorder.commit import check_destination, check_written, commit, fsync_dir
 from layerwise_cli.reorder.result import ReorderProgress, ReorderResult
-from layerwise_cli.reorder.shards import DEFAULT_MAX_SHARD_SIZE, plan_shards
+from layerwise_cli.reorder.shard_plan import DEFAULT_MAX_SHARD_SIZE, plan_shards
 from layerwise_cli.reorder.side_files import copy_other_files
 from layerwise_cli.reorder.signals import ReorderInterrupted, signals_raise
 from layerwise_cli.reorder.write import write_index, write_shards

@@ -29,7 +29,7 @@ from layerwise_cli.checkpoint.layout import INDEX_NAME
 from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.reorder.result import ReorderProgress
-from layerwise_cli.reorder.shards import PlannedShard
+from layerwise_cli.reorder.shard_plan import PlannedShard
 
 
 @dataclass(frozen=True)
@@ -106,16 +106,32 @@ def write_shards(
     non-finite tensor is refused unless `allow_nonfinite`, and then appended
     to `nonfinite`.
     """
-    hashing = digests or verify
-    # Where each tensor goes: DST shard, absolute file offset.
-    target: dict[str, tuple[PlannedShard, int]] = {}
-    remaining: dict[str, int] = {}
-    headers: dict[str, bytes] = {}
-    by_name = {shard.name: shard for shard in shards}
-    bytes_written = 0
+    created = _create_shards(shards, metadata, out, digests)
+    copy = _ShardCopy(checkpoint, shards, created, metadata, out, tmp, verify=verify, digests=digests,
+                      progress=progress, allow_nonfinite=allow_nonfinite, nonfinite=nonfinite)
+    copy.report("write", "")
+    for src_shard in _fetch_order(checkpoint, shards):
+        if src_shard.tensors:
+            copy.source_shard(src_shard)
+    return CopyResult(copy.hashes if copy.hashing else {}, created.header_bytes + copy.total, copy.source_checked)
+
+
+@dataclass
+class _CreatedShards:
+    """The DST shards as created: where each tensor goes, what each still waits for, the headers written."""
+
+    target: dict[str, tuple[PlannedShard, int]]  # tensor name -> its DST shard, absolute file offset
+    remaining: dict[str, int]  # DST shard name -> tensors not yet copied into it
+    headers: dict[str, bytes]  # DST shard name -> the header written (placeholders for digests)
+    header_bytes: int  # all headers together
+
+
+def _create_shards(shards: list[PlannedShard], metadata: dict[str, str], out: Path, digests: bool) -> _CreatedShards:
+    """Create every DST shard: its header written (with placeholder digests with DIGESTS), its data's space reserved."""
+    created = _CreatedShards({}, {}, {}, 0)
     for shard in shards:
         header, offsets = shard_header(shard, _shard_metadata(shard, metadata, {} if digests else None))
-        headers[shard.name] = header
+        created.headers[shard.name] = header
         path = out / shard.name
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -123,91 +139,127 @@ def write_shards(
             _reserve(fd, len(header) + shard.nbytes)
         finally:
             os.close(fd)
-        bytes_written += len(header)
+        created.header_bytes += len(header)
         for entry in shard.tensors:
-            target[entry.name] = (shard, len(header) + offsets[entry.name][0])
-        remaining[shard.name] = len(shard.tensors)
+            created.target[entry.name] = (shard, len(header) + offsets[entry.name][0])
+        created.remaining[shard.name] = len(shard.tensors)
+    return created
 
-    total = sum(s.nbytes for s in shards)
-    done_bytes = 0
-    done_shards = 0
-    hashes: dict[str, str] = {}
-    source_checked = 0
-    buf = bytearray(CHUNK_BYTES)
-    # Fetch source shards in the order the plan needs them: the one holding the earliest destination tensor first.
+
+def _fetch_order(checkpoint: Checkpoint, shards: list[PlannedShard]) -> list[ShardHeader]:
+    """SRC shards in the order the plan needs them: the one holding the earliest destination tensor first."""
     rank = {entry.name: i for i, entry in enumerate(t for s in shards for t in s.tensors)}
-    ordered = sorted(checkpoint.shards, key=lambda s: min((rank[t.name] for t in s.tensors), default=len(rank)))
-    fetcher = HubFetcher(checkpoint.source, checkpoint.revision, tmp / "fetch") if checkpoint.kind == "hub" else None
+    return sorted(checkpoint.shards, key=lambda s: min((rank[t.name] for t in s.tensors), default=len(rank)))
 
-    def report(phase: str, file: str) -> None:
-        if progress is not None:
-            progress(ReorderProgress(phase, done_bytes, total, done_shards, len(shards), file))
 
-    report("write", "")
-    for src_shard in ordered:
-        if not src_shard.tensors:
-            continue
-        if fetcher is not None:
-            report("fetch", src_shard.name)
-            path, delete = fetcher.shard(src_shard.name)
-            local = _local_header(path, src_shard, checkpoint)
+@dataclass(frozen=True)
+class _Source:
+    """One SRC shard being copied: its name, the file read, how errors name it, the digests its header claims."""
+
+    name: str
+    path: Path
+    named: str
+    claimed: dict[str, str] | None
+
+
+class _ShardCopy:
+    """The copy of SRC tensors into the created DST shards: bytes, digests, NaN/Inf scans and progress so far."""
+
+    def __init__(self, checkpoint: Checkpoint, shards: list[PlannedShard], created: _CreatedShards,
+                 metadata: dict[str, str], out: Path, tmp: Path, *, verify: bool, digests: bool,
+                 progress: Callable[[ReorderProgress], None] | None, allow_nonfinite: bool,
+                 nonfinite: list[NonFinite] | None) -> None:
+        self.checkpoint, self.created, self.metadata, self.out = checkpoint, created, metadata, out
+        self.verify, self.digests, self.hashing = verify, digests, digests or verify
+        self.progress, self.allow_nonfinite, self.nonfinite = progress, allow_nonfinite, nonfinite
+        self.by_name = {shard.name: shard for shard in shards}
+        self.shard_count = len(shards)
+        self.total = sum(s.nbytes for s in shards)
+        self.done_bytes = 0
+        self.done_shards = 0
+        self.hashes: dict[str, str] = {}
+        self.source_checked = 0
+        self.buf = bytearray(CHUNK_BYTES)
+        self.fetcher = (HubFetcher(checkpoint.source, checkpoint.revision, tmp / "fetch")
+                        if checkpoint.kind == "hub" else None)
+
+    def report(self, phase: str, file: str) -> None:
+        if self.progress is not None:
+            self.progress(ReorderProgress(phase, self.done_bytes, self.total, self.done_shards, self.shard_count,
+                                          file))
+
+    def source_shard(self, src_shard: ShardHeader) -> None:
+        """Copy every tensor of one SRC shard (fetched first from the Hub) into its DST shards."""
+        if self.fetcher is not None:
+            self.report("fetch", src_shard.name)
+            path, delete = self.fetcher.shard(src_shard.name)
+            local = _local_header(path, src_shard, self.checkpoint)
         else:
-            path, delete, local = checkpoint.shard_path(src_shard), False, src_shard
+            path, delete, local = self.checkpoint.shard_path(src_shard), False, src_shard
         # What the source's writer says each tensor's bytes hash to (None: it says nothing).
         # Errors name the shard as the user knows it: its file, or its place in the Hub repo.
-        named = f"{checkpoint.source}/{src_shard.name}" if fetcher is not None else str(path)
-        claimed = header_digests(local, where=named) if hashing else None
+        named = f"{self.checkpoint.source}/{src_shard.name}" if self.fetcher is not None else str(path)
+        source = _Source(src_shard.name, path, named, header_digests(local, where=named) if self.hashing else None)
         src_fd = os.open(path, os.O_RDONLY)
         try:
             by_dst: dict[str, list[TensorEntry]] = {}
             for entry in sorted(local.tensors, key=lambda t: t.begin):
-                by_dst.setdefault(target[entry.name][0].name, []).append(entry)
+                by_dst.setdefault(self.created.target[entry.name][0].name, []).append(entry)
             for dst_name, entries in by_dst.items():
-                dst_fd = os.open(out / dst_name, os.O_WRONLY)
-                try:
-                    for entry in entries:
-                        hasher = TensorHasher(entry.dtype, entry.shape) if hashing else None
-                        scan = ByteScan(entry.dtype) if verify else None
-                        src_at = local.data_start + entry.begin
-                        dst_at = target[entry.name][1]
-                        copied = 0
-                        for view in read_chunks(src_fd, src_at, entry.nbytes, buf, tensor=entry.name, where=str(path)):
-                            if hasher is not None:
-                                hasher.update(view)
-                            if scan is not None:
-                                scan.update(view)
-                            write_chunk(dst_fd, view, dst_at + copied)
-                            copied += len(view)
-                            done_bytes += len(view)
-                            report("write", dst_name)
-                        if hasher is not None:
-                            hashes[entry.name] = hasher.hexdigest()
-                            if claimed is not None:
-                                _check_claim(entry.name, src_shard.name, claimed[entry.name], hashes[entry.name],
-                                             named)
-                                source_checked += 1
-                        if scan is not None and scan.found:
-                            found = NonFinite(entry.name, src_shard.name, scan.nan, scan.inf)
-                            if not allow_nonfinite:
-                                raise LayerwiseError(
-                                    f"--verify: {found.describe()}; refusing, nothing was put in place "
-                                    "(use --allow-nonfinite to write it anyway)", where=str(path))
-                            if nonfinite is not None:
-                                nonfinite.append(found)
-                        remaining[dst_name] -= 1
-                    if remaining[dst_name] == 0:
-                        if digests:
-                            _patch_header(dst_fd, by_name[dst_name], hashes, headers[dst_name], metadata, out)
-                        os.fsync(dst_fd)
-                        done_shards += 1
-                        report("write", dst_name)
-                finally:
-                    os.close(dst_fd)
+                self._into(dst_name, entries, src_fd, local, source)
         finally:
             os.close(src_fd)
             if delete:
                 path.unlink(missing_ok=True)
-    return CopyResult(hashes if hashing else {}, bytes_written + total, source_checked)
+
+    def _into(self, dst_name: str, entries: list[TensorEntry], src_fd: int, local: ShardHeader,
+              source: _Source) -> None:
+        """Copy ENTRIES of one SRC shard into the DST shard DST_NAME; the last of its tensors completes it."""
+        dst_fd = os.open(self.out / dst_name, os.O_WRONLY)
+        try:
+            for entry in entries:
+                self._tensor(entry, src_fd, local.data_start + entry.begin, dst_fd, dst_name, source)
+                self.created.remaining[dst_name] -= 1
+            if self.created.remaining[dst_name] == 0:
+                if self.digests:
+                    _patch_header(dst_fd, self.by_name[dst_name], self.hashes, self.created.headers[dst_name],
+                                  self.metadata, self.out)
+                os.fsync(dst_fd)
+                self.done_shards += 1
+                self.report("write", dst_name)
+        finally:
+            os.close(dst_fd)
+
+    def _tensor(self, entry: TensorEntry, src_fd: int, src_at: int, dst_fd: int, dst_name: str,
+                source: _Source) -> None:
+        """Copy one tensor's bytes, hashing them and scanning them for NaN/Inf as they pass."""
+        hasher = TensorHasher(entry.dtype, entry.shape) if self.hashing else None
+        scan = ByteScan(entry.dtype) if self.verify else None
+        dst_at = self.created.target[entry.name][1]
+        copied = 0
+        for view in read_chunks(src_fd, src_at, entry.nbytes, self.buf, tensor=entry.name, where=str(source.path)):
+            if hasher is not None:
+                hasher.update(view)
+            if scan is not None:
+                scan.update(view)
+            write_chunk(dst_fd, view, dst_at + copied)
+            copied += len(view)
+            self.done_bytes += len(view)
+            self.report("write", dst_name)
+        if hasher is not None:
+            self.hashes[entry.name] = hasher.hexdigest()
+            if source.claimed is not None:
+                _check_claim(entry.name, source.name, source.claimed[entry.name], self.hashes[entry.name],
+                             source.named)
+                self.source_checked += 1
+        if scan is not None and scan.found:
+            found = NonFinite(entry.name, source.name, scan.nan, scan.inf)
+            if not self.allow_nonfinite:
+                raise LayerwiseError(
+                    f"--verify: {found.describe()}; refusing, nothing was put in place "
+                    "(use --allow-nonfinite to write it anyway)", where=str(source.path))
+            if self.nonfinite is not None:
+                self.nonfinite.append(found)
 
 
 def _shard_metadata(shard: PlannedShard, metadata: dict[str, str], digests: dict[str, str] | None) -> dict[str, str]:

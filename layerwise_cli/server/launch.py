@@ -48,7 +48,7 @@ def launch_vllm_server(args: list[str]) -> None:
     import runpy
 
     from layerwise_cli.engine_output import capture_engine_output, start_failure
-    from layerwise_cli.worker.beyond_vllm import online_quant  # noqa: F401 - registers `layerwise_fp8`/`layerwise_int8` here
+    from layerwise_cli.worker.quantization import online_quant  # noqa: F401 - registers `layerwise_fp8`/`layerwise_int8` here
 
     _guard_every_endpoint()
     attach_engines_rpc()

@@ -2,5 +2,6 @@
 
 Rooms, in import order (a room imports only itself and the rooms before it;
 `scripts/check_imports.py` enforces it): `rpc` (the call surface the client
-shares), `stream`, `state`, `beyond_vllm`, `proof`, `reload`, `extension`.
+shares), `stream`, `state`, `repairs`, `quantization`, `proof`, `reload`,
+`extension`.
 """

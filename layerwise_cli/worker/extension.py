@@ -7,10 +7,10 @@ import traceback
 from layerwise_cli import EXTENSION_CLS  # noqa: F401 - re-exported for the engine side
 from layerwise_cli.errors import describe_exception
 from layerwise_cli.vllm_logs import silence_rotary_reload_warning
-from layerwise_cli.worker.beyond_vllm import online_quant  # noqa: F401 - registers layerwise's online quantizations here
 from layerwise_cli.worker.proof.consensus import PeerFailed, all_ranks_agree
 from layerwise_cli.worker.proof.fingerprints import model_fingerprints
 from layerwise_cli.worker.proof.verify import verify_against_source
+from layerwise_cli.worker.quantization import online_quant  # noqa: F401 - registers layerwise's online quantizations here
 from layerwise_cli.worker.reload.engine_context import engine_config
 from layerwise_cli.worker.reload.reload_plan import loaded_from, mark_loaded_from, plan_reload
 from layerwise_cli.worker.reload.rollback import roll_back
@@ -158,7 +158,7 @@ class LayerwiseWorkerExtension:
         """
         try:
             with engine_config(self):
-                from layerwise_cli.worker.beyond_vllm.derived_state import derived_state_of
+                from layerwise_cli.worker.repairs.derived_state import derived_state_of
 
                 result = verify_against_source(self.model_runner.get_model(), source, revision,
                                                self.model_runner.model_config, derived_state_of(self))

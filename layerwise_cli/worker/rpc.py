@@ -97,9 +97,9 @@ class ReloadOptions:
         `LAYERWISE_NO_CPU_FIXUPS` turns `repairs` off and `LAYERWISE_FRESH_BUFFERS` turns `in_place` off, so that
         a server's workers, whose environment is the server's, do as the switch set here asks.
         """
-        from layerwise_cli.engine_defaults import fixups_disabled, fresh_buffers_forced
+        from layerwise_cli.engine_defaults import fresh_buffers_forced, repairs_disabled
 
-        return replace(self, repairs=self.repairs and not fixups_disabled(),
+        return replace(self, repairs=self.repairs and not repairs_disabled(),
                        in_place=self.in_place and not fresh_buffers_forced())
 
 

@@ -18,7 +18,7 @@ from layerwise_cli.errors import LayerwiseError, describe_exception
 from layerwise_cli.planning.parents import mapping_for_config
 from layerwise_cli.planning.plan import build_plan
 from layerwise_cli.reorder.commit import fsync_dir
-from layerwise_cli.reorder.shards import DEFAULT_MAX_SHARD_SIZE, plan_shards
+from layerwise_cli.reorder.shard_plan import DEFAULT_MAX_SHARD_SIZE, plan_shards
 from layerwise_cli.reorder.write import shard_header
 from layerwise_cli.writer.spill import Spilled, SpillFile, copy_range, write_all
 

@@ -1,6 +1,6 @@
 """Run `save_checkpoint` on a state dict larger than a memory limit, in this process, and print what it cost.
 
-Run as `python -m tests.support.bounded_writer DST MODE` by `tests/test_writer_memory.py`: MODE `stream`
+Run as `python -m tests.support.bounded_writer DST MODE` by `tests/test_writer_memory_logic.py`: MODE `stream`
 hands the writer a generator that makes one tensor at a time; MODE `hold` first makes every tensor (what a
 writer that keeps the whole state dict would hold), as a control that the limit and the measurement bite.
 

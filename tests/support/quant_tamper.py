@@ -16,7 +16,7 @@ class QuantTamperExtension(LayerwiseWorkerExtension):
 
     def layerwise_test_quantized(self) -> dict:
         """Module -> {tensor: dtype} for every linear layer quantized by layerwise's online methods."""
-        from layerwise_cli.worker.beyond_vllm.online_quant import quantized_by
+        from layerwise_cli.worker.quantization.online_quant import quantized_by
 
         model = self.model_runner.get_model()
         return {name: {key: str(tensor.dtype) for key, tensor in module._parameters.items() if tensor is not None}

@@ -7,7 +7,7 @@ import hashlib
 import torch
 
 
-def tensor_digest(tensor: torch.Tensor) -> str:
+def tensor_sha256(tensor: torch.Tensor) -> str:
     """SHA-256 of a tensor's bytes (on the host), with its dtype and shape."""
     data = tensor.detach().cpu().contiguous()
     digest = hashlib.sha256(f"{data.dtype}{tuple(data.shape)}".encode())
@@ -46,10 +46,10 @@ def model_checksums(model: torch.nn.Module) -> dict[str, str]:
         for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):
             if tensor is None or tensor.device.type == "meta" or tensor.numel() == 0:
                 continue
-            out[prefix + name] = tensor_digest(tensor)
+            out[prefix + name] = tensor_sha256(tensor)
         packed = getattr(module, "cpu_linear", None)
         for index, cell in enumerate(getattr(packed, "__closure__", None) or ()):
             value = cell.cell_contents
             if isinstance(value, torch.Tensor) and value.numel():
-                out[f"{prefix}cpu_linear.{index}"] = tensor_digest(value)
+                out[f"{prefix}cpu_linear.{index}"] = tensor_sha256(value)
     return dict(sorted(out.items()))

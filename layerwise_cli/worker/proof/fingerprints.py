@@ -81,13 +81,13 @@ def _kernel_readback_digest(module) -> str:
 
 def module_fingerprints(module, prefix: str = "") -> dict[str, str]:
     """Digests of one module's own tensors that keep storage, and `<prefix>#kernel` for hidden weights."""
-    from layerwise_cli.worker.proof.checksums import tensor_digest
+    from layerwise_cli.worker.proof.checksums import tensor_sha256
 
     out: dict[str, str] = {}
     for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):
         if tensor is None or tensor.device.type == "meta" or tensor.numel() == 0:
             continue
-        out[prefix + name] = tensor_digest(tensor)
+        out[prefix + name] = tensor_sha256(tensor)
     if _reads_back(module):
         out[prefix + "#kernel"] = _kernel_readback_digest(module)
     return out

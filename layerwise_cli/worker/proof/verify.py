@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from layerwise_cli.errors import LayerwiseError, describe_exception
-from layerwise_cli.worker.beyond_vllm.scratch import load_alone, process_copy, scratch_copy
 from layerwise_cli.worker.proof.fingerprints import module_fingerprints
+from layerwise_cli.worker.repairs.scratch import load_alone, process_copy, scratch_copy
 
 
 def verify_against_source(model, source: str, revision: str | None, model_config, derived=None) -> dict:
@@ -44,12 +44,12 @@ def verify_against_source(model, source: str, revision: str | None, model_config
     import torch
 
     from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
-    from layerwise_cli.worker.beyond_vllm.cpu_fixups import derived_modules
-    from layerwise_cli.worker.beyond_vllm.derived_state import find_derived_state
     from layerwise_cli.worker.proof.verify_mla import mla_modules, verify_mla
     from layerwise_cli.worker.proof.verify_quantized import require_recomputed
+    from layerwise_cli.worker.repairs.after_reload import derived_modules
+    from layerwise_cli.worker.repairs.derived_state import find_derived_state
     from layerwise_cli.worker.stream.rank_plan import plan_for_worker
-    from layerwise_cli.worker.stream.shards import ShardReader, layer_batches
+    from layerwise_cli.worker.stream.shard_reader import ShardReader, layer_batches
 
     local = resolve_local(source, revision)
     checkpoint = replace(open_checkpoint(str(local)), source=source)
@@ -118,7 +118,7 @@ def _verify_derived(model, derived: dict[str, str], loaded: dict) -> list[dict]:
     """Check the modules SOURCE does not name but whose weights are derived from a layer it does.
 
     A tied LM head is not in SOURCE: it shares `embed_tokens.weight`. Each
-    such module (see `cpu_fixups.derived_modules`) gets a private copy whose
+    such module (see `after_reload.derived_modules`) gets a private copy whose
     shared tensors are the verified layer's copy loaded from SOURCE (its other
     tensors are the live ones), is processed as vLLM processes it at start
     (on CPU: its own packed kernel), and is compared with the live module,
@@ -212,8 +212,8 @@ def _verify_alias_buffers(model, state, source_tensors: dict[str, list], statuse
     loads it, unprocessed (`expected_alias_value`), which is what a fresh
     engine holds. A buffer whose source is unknown is not checked (`skipped`).
     """
-    from layerwise_cli.worker.beyond_vllm.derived_state import expected_alias_value
-    from layerwise_cli.worker.proof.checksums import tensor_digest
+    from layerwise_cli.worker.proof.checksums import tensor_sha256
+    from layerwise_cli.worker.repairs.derived_state import expected_alias_value
 
     layers = []
     for alias in state.aliases:
@@ -230,7 +230,7 @@ def _verify_alias_buffers(model, state, source_tensors: dict[str, list], statuse
             try:
                 expected = expected_alias_value(model, alias, source_tensors[alias.source])
                 live = model.get_submodule(alias.module)._buffers[alias.buffer]
-                same = tensor_digest(expected) == tensor_digest(live)
+                same = tensor_sha256(expected) == tensor_sha256(live)
             except Exception as exc:  # noqa: BLE001 - reported as not checkable, with why
                 entry.update(status="error", detail=f"a view of {origin}; could not be recomputed from SOURCE: "
                              f"{describe_exception(exc)}")
@@ -249,8 +249,8 @@ def _verify_alias_buffers(model, state, source_tensors: dict[str, list], statuse
 def _verify_layer(model, name: str, module, tensors: list, derived_buffers: frozenset[str] = frozenset()
                   ) -> tuple[dict, object]:
     from layerwise_cli import vllm_compat
-    from layerwise_cli.worker.beyond_vllm.amx_mla import amx_kv_b_proj
     from layerwise_cli.worker.proof.verify_quantized import drop_processing_outputs
+    from layerwise_cli.worker.repairs.amx_mla import amx_kv_b_proj
 
     LAYERWISE_INFO = vllm_compat.layerwise_info()
 

@@ -22,7 +22,7 @@ import torch
 
 from layerwise_cli import vllm_compat
 from layerwise_cli.errors import describe_exception
-from layerwise_cli.worker.proof.checksums import tensor_digest
+from layerwise_cli.worker.proof.checksums import tensor_sha256
 
 DERIVED = ("W_UV", "W_UK_T")
 # What vLLM's AMX MLA backend (x86 CPUs with AMX) packs from kv_b_proj instead, on the attention's impl.
@@ -103,7 +103,7 @@ def verify_mla(model: torch.nn.Module, mla: dict[str, str], loaded: dict) -> lis
                     expected = expected_amx_packed(module, copy) if amx else expected_mla_tensors(module, copy)
                     differing = [key for key, value in expected.items()
                                  if tuple(value.shape) != tuple(getattr(holder, key).shape)
-                                 or tensor_digest(value) != tensor_digest(getattr(holder, key))]
+                                 or tensor_sha256(value) != tensor_sha256(getattr(holder, key))]
             except Exception as exc:  # noqa: BLE001 - reported as not checkable, with why
                 entry.update(status="error", detail=f"derived from {origin}; could not be recomputed from SOURCE: "
                              f"{describe_exception(exc)}")

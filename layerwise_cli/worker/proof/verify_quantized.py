@@ -16,7 +16,7 @@ def online_method(module: torch.nn.Module) -> str | None:
     method = getattr(module, "quant_method", None)
     if method is None or not getattr(method, "uses_meta_device", False):
         return None
-    from layerwise_cli.worker.beyond_vllm.online_quant import quantized_by
+    from layerwise_cli.worker.quantization.online_quant import quantized_by
 
     return quantized_by(module) or type(method).__name__
 

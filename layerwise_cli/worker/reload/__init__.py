@@ -1,1 +1,1 @@
-"""One reload inside a worker, start to end: pre-flight, skip plan, the stream into vLLM, probe, rollback."""
+"""One reload inside a worker, start to end: pre-flight, unchanged layers, the stream into vLLM, probe, rollback."""

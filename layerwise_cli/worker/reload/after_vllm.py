@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from layerwise_cli.engine_defaults import fixups_disabled
-from layerwise_cli.worker.beyond_vllm.cpu_fixups import apply_cpu_fixups
-from layerwise_cli.worker.beyond_vllm.derived_state import aliases_left_stale
-from layerwise_cli.worker.beyond_vllm.put_back_layers import holding_parents, load_put_back_layers
+from layerwise_cli.engine_defaults import repairs_disabled
 from layerwise_cli.worker.reload.engine_context import engine_config
 from layerwise_cli.worker.reload.prove import prove_fresh, prove_loaded
 from layerwise_cli.worker.reload.reload_run import ReloadRun
-from layerwise_cli.worker.stream.shards import ShardReader
+from layerwise_cli.worker.repairs.after_reload import apply_repairs
+from layerwise_cli.worker.repairs.derived_state import aliases_left_stale
+from layerwise_cli.worker.repairs.put_back_layers import holding_parents, load_put_back_layers
+from layerwise_cli.worker.stream.shard_reader import ShardReader
 
 
 def load_what_vllm_could_not(run: ReloadRun, reader: ShardReader, *, restore_partial: bool = False) -> None:
@@ -28,7 +28,7 @@ def load_what_vllm_could_not(run: ReloadRun, reader: ShardReader, *, restore_par
     unloaded, timings = run.unloaded, run.probe.timings
     put_back_unloaded = [name for name in unloaded.modules if name not in unloaded.partial]
     run.never_buffered = holding_parents(put_back_unloaded, timings)
-    repairing = run.options.repairs and not fixups_disabled()
+    repairing = run.options.repairs and not repairs_disabled()
     load_again = unloaded.modules if repairing else unloaded.partial if restore_partial else []
     if load_again:
         # Their model's own loader now writes them in place: those vLLM put back as they were, and
@@ -45,7 +45,7 @@ def load_what_vllm_could_not(run: ReloadRun, reader: ShardReader, *, restore_par
 
 
 def repair(run: ReloadRun, reader: ShardReader) -> None:
-    """Refresh what vLLM's reload leaves stale (`cpu_fixups`); a derived buffer left stale fails unless accepted.
+    """Refresh what vLLM's reload leaves stale (`after_reload`); a derived buffer left stale fails unless accepted.
 
     Each repair is found by its rule and does nothing where it does not apply (on a GPU: nothing).
     """
@@ -53,7 +53,7 @@ def repair(run: ReloadRun, reader: ShardReader) -> None:
         torch.cuda.synchronize(run.device)
     timings, model = run.probe.timings, run.model
     with engine_config(run.worker):
-        run.repair_notes, run.refreshed = apply_cpu_fixups(
+        run.repair_notes, run.refreshed = apply_repairs(
             # A layer vLLM put back unloaded holds what it held: repacking it again would corrupt it.
             model, set(timings) - set(holding_parents(run.unloaded.modules, timings)),
             derived=run.derived, enabled=run.options.repairs,

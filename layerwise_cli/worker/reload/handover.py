@@ -1,7 +1,7 @@
 """The reload's middle phases: open the stream of SOURCE's tensors, and hand it to vLLM's `reload_weights`.
 
 vLLM's reload runs under three watches: the layers skipped kept quiet
-(`skip_plan.quiet_skipped_layers`), the layers that qualify loaded into the
+(`unchanged_layers.quiet_skipped_layers`), the layers that qualify loaded into the
 engine's own tensors (`in_place`), and the modules vLLM could not load listed
 before its finalize puts them back (`completion.unloaded_layer_watch`).
 """
@@ -14,10 +14,10 @@ from collections.abc import Iterator
 import torch
 
 from layerwise_cli.errors import LayerwiseError, describe_exception
-from layerwise_cli.worker.beyond_vllm.amx_mla import give_back_weights
-from layerwise_cli.worker.reload.completion import unloaded_layer_watch
+from layerwise_cli.worker.reload.completion_check import unloaded_layer_watch
 from layerwise_cli.worker.reload.reload_run import ReloadRun
-from layerwise_cli.worker.reload.skip_plan import quiet_skipped_layers
+from layerwise_cli.worker.reload.unchanged_layers import quiet_skipped_layers
+from layerwise_cli.worker.repairs.amx_mla import give_back_weights
 from layerwise_cli.worker.stream.in_place import in_place_materialization
 from layerwise_cli.worker.stream.open_stream import OpenStream
 from layerwise_cli.worker.stream.read_ahead import open_stream

@@ -14,7 +14,12 @@ from dataclasses import replace
 
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.planning.plan import simulate_buffering
-from layerwise_cli.worker.reload.completion import peak_message, stale_message, unloaded_description, unloaded_message
+from layerwise_cli.worker.reload.completion_check import (
+    peak_message,
+    stale_message,
+    unloaded_description,
+    unloaded_message,
+)
 from layerwise_cli.worker.reload.reload_run import ReloadRun
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from layerwise_cli.checkpoint.sources import Checkpoint, open_checkpoint, resolve_local
 from layerwise_cli.errors import LayerwiseError
-from layerwise_cli.worker.beyond_vllm.amx_mla import missing_message
 from layerwise_cli.worker.reload.preflight import preflight, reference_checkpoint, refuse_direct_mode
+from layerwise_cli.worker.repairs.amx_mla import missing_message
 from layerwise_cli.worker.state.plan_cache import plan_cache_of, structure_key
 from layerwise_cli.worker.stream.rank_plan import RankPosition, WorkerPlan, plan_for_worker, rank_position
 

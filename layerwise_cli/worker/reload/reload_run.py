@@ -16,12 +16,12 @@ import torch
 
 from layerwise_cli.planning.plan import BufferSimulation, Plan, PlannedTensor
 from layerwise_cli.report.progress import ProgressWriter
-from layerwise_cli.worker.beyond_vllm.derived_state import derived_state_of
 from layerwise_cli.worker.proof.early_fingerprints import EarlyFingerprints
-from layerwise_cli.worker.reload.completion import Unloaded
+from layerwise_cli.worker.reload.completion_check import Unloaded
 from layerwise_cli.worker.reload.probe import BufferProbe
 from layerwise_cli.worker.reload.reload_plan import PlannedReload, plan_reload
-from layerwise_cli.worker.reload.skip_plan import SkipPlan
+from layerwise_cli.worker.reload.unchanged_layers import UnchangedLayerPlan
+from layerwise_cli.worker.repairs.derived_state import derived_state_of
 from layerwise_cli.worker.rpc import ReloadOptions
 from layerwise_cli.worker.state.layer_records import LayerRecords
 from layerwise_cli.worker.stream.in_place import InPlaceLayers
@@ -67,7 +67,7 @@ class ReloadRun:
         folder: the folder of SOURCE's shards on this machine.
         device: where the engine's weights are.
         derived: the derived state of the engine (tied heads, views), found once per engine.
-        skip: which layers are handed over, which skipped, and what is recorded after (`SkipPlan`).
+        skip: which layers are handed over, which skipped, and what is recorded after (`UnchangedLayerPlan`).
         stats: what the reading thread measured.
         progress: the progress file's writer (rank 0 only).
         early: on the CPU the reading thread fingerprints each layer vLLM finished, for the records, while
@@ -86,7 +86,7 @@ class ReloadRun:
     folder: Path
     device: torch.device
     derived: object
-    skip: SkipPlan
+    skip: UnchangedLayerPlan
     stats: ReadAheadStats
     progress: ProgressWriter
     early: EarlyFingerprints | None
@@ -100,7 +100,7 @@ class ReloadRun:
     unloaded: Unloaded = field(default_factory=Unloaded)
     # `after_vllm.py`: the parent layers of the modules vLLM put back (it buffered none of their tensors).
     never_buffered: list[str] = field(default_factory=list)
-    # `after_vllm.py`: the repairs' notes and what they refreshed (`cpu_fixups`).
+    # `after_vllm.py`: the repairs' notes and what they refreshed (`after_reload`).
     repair_notes: list[str] = field(default_factory=list)
     refreshed: list[dict] = field(default_factory=list)
     # `stream_reload`: the clock and the disk counter around the engine's change.
@@ -174,7 +174,7 @@ def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords 
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     # Found before the first reload changes anything, once per engine (vLLM's record and tensors hold).
     derived = derived_state_of(worker)
-    skip = SkipPlan.build(model, planned.checkpoint, engine_stream, options.order, records,
+    skip = UnchangedLayerPlan.build(model, planned.checkpoint, engine_stream, options.order, records,
                           all_layers=options.all_layers, checks_finite=not options.allow_nonfinite,
                           on_host=device.type == "cpu")
     rank = getattr(worker, "rank", 0) or 0

@@ -33,7 +33,7 @@ from layerwise_cli.worker.reload.reload_run import ReloadRun, plan_run
 from layerwise_cli.worker.reload.run_report import build_report
 from layerwise_cli.worker.rpc import ReloadOptions
 from layerwise_cli.worker.state.layer_records import LayerRecords
-from layerwise_cli.worker.stream.shards import ShardReader
+from layerwise_cli.worker.stream.shard_reader import ShardReader
 
 ORDERS = ("layer", "file")
 
@@ -123,7 +123,7 @@ def plan_and_vote(worker, source: str, options: ReloadOptions, records: LayerRec
 
 
 def record(run: ReloadRun) -> None:
-    """Stop the clock once the engine holds SOURCE, then record the layers handed over (`SkipPlan.record`)."""
+    """Stop the clock once the engine holds SOURCE, then record the layers handed over (`UnchangedLayerPlan.record`)."""
     run.notes.extend(run.repair_notes)
     if run.device.type == "cuda" and run.refreshed:
         torch.cuda.synchronize(run.device)

@@ -10,7 +10,7 @@ import torch
 from layerwise_cli.checkpoint.chunks import CHUNK_BYTES
 from layerwise_cli.checkpoint.digests import TensorHasher
 from layerwise_cli.planning.plan import PlannedTensor
-from layerwise_cli.worker.stream.shards import raw_bytes
+from layerwise_cli.worker.stream.shard_reader import raw_bytes
 from layerwise_cli.worker.stream.stats import ReadAheadStats
 
 

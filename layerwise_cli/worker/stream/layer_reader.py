@@ -16,7 +16,7 @@ from layerwise_cli.checkpoint.finite import first_nonfinite, first_nonfinite_sha
 from layerwise_cli.checkpoint.samples import buffer_sample
 from layerwise_cli.planning.plan import PlannedTensor
 from layerwise_cli.worker.stream.hash_backlog import HashBacklog
-from layerwise_cli.worker.stream.shards import ShardReader, layer_batches, raw_bytes
+from layerwise_cli.worker.stream.shard_reader import ShardReader, layer_batches, raw_bytes
 from layerwise_cli.worker.stream.staging import copy_in_chunks, handed_over, staging_threads, to_device
 from layerwise_cli.worker.stream.stats import ReadAheadStats
 

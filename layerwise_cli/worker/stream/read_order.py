@@ -25,7 +25,7 @@ import statistics
 from collections.abc import Collection
 
 from layerwise_cli.planning.plan import PlannedTensor
-from layerwise_cli.worker.stream.shards import layer_batches
+from layerwise_cli.worker.stream.shard_reader import layer_batches
 
 # A first or last layer this many times the median layer is moved inward ...
 _LARGE = 4

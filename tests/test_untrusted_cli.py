@@ -193,7 +193,7 @@ def test_shard_file_refuses_names_that_leave_the_folder(tmp_path, name):
 def test_the_reader_in_the_engine_uses_the_same_rule(tmp_path):
     from layerwise_cli.checkpoint.header import TensorEntry
     from layerwise_cli.planning.plan import PlannedTensor
-    from layerwise_cli.worker.stream.shards import ShardReader
+    from layerwise_cli.worker.stream.shard_reader import ShardReader
 
     write_safetensors(tmp_path / "outside.safetensors", [("x", "F32", (2,))])
     folder = tmp_path / "ckpt"

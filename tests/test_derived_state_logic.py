@@ -9,7 +9,7 @@ import torch
 from layerwise_cli.report.reload_report import ReloadReport
 from layerwise_cli.report.report_parts import DerivedRefresh
 from layerwise_cli.report.verify_result import merge_verify, verify_failure
-from layerwise_cli.worker.beyond_vllm.derived_state import (
+from layerwise_cli.worker.repairs.derived_state import (
     expected_alias_value,
     find_derived_state,
     refresh_alias_buffers,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 # The diagnostic switch (`LAYERWISE_NO_CPU_FIXUPS=1`) lives where the client reads it too.
-from layerwise_cli.engine_defaults import NO_FIXUPS_ENV, fixups_disabled
+from layerwise_cli.engine_defaults import NO_REPAIRS_ENV, repairs_disabled
 
 
-def apply_cpu_fixups(model: torch.nn.Module, reloaded: set[str], *, derived=None, tensors_of=None,
+def apply_repairs(model: torch.nn.Module, reloaded: set[str], *, derived=None, tensors_of=None,
                      enabled: bool = True) -> tuple[list[str], list[dict]]:
     """Repair what vLLM's reload leaves stale; one note per kind of repair, one entry per tensor refreshed.
 
@@ -29,8 +29,8 @@ def apply_cpu_fixups(model: torch.nn.Module, reloaded: set[str], *, derived=None
     Returns:
         (notes for the reload report, `{"module", "tensor", "reason"}` per tensor refreshed).
     """
-    if fixups_disabled() or not enabled:
-        return [f"CPU repairs are off ({NO_FIXUPS_ENV} is set): derived kernels, alias buffers and MoE experts "
+    if repairs_disabled() or not enabled:
+        return [f"CPU repairs are off ({NO_REPAIRS_ENV} is set): derived kernels, alias buffers and MoE experts "
                 "are left as vLLM's reload leaves them"], []
     notes: list[str] = []
     refreshed: list[dict] = []
@@ -54,7 +54,7 @@ def apply_cpu_fixups(model: torch.nn.Module, reloaded: set[str], *, derived=None
         notes.append(f"{name} shares its weight with a reloaded module but could not be rebuilt ({why}); "
                      "--verify checks it")
     if derived is not None and tensors_of is not None:
-        from layerwise_cli.worker.beyond_vllm.derived_state import refresh_alias_buffers
+        from layerwise_cli.worker.repairs.derived_state import refresh_alias_buffers
 
         aliases = refresh_alias_buffers(model, derived, tensors_of)
         if aliases:

@@ -44,14 +44,14 @@ import logging
 import torch
 
 from layerwise_cli import vllm_compat, vllm_symbols
-from layerwise_cli.engine_defaults import fixups_disabled
+from layerwise_cli.engine_defaults import repairs_disabled
 
 logger = logging.getLogger(__name__)
 
 _MARK = "_layerwise_2d_rope_repair"  # set on the wrapper: applied once per process
 
 
-def apply() -> bool:
+def apply_rope_repair() -> bool:
     """Wrap vLLM's `RotaryEmbedding.forward_cpu` (idempotent); False, with a log line, where vLLM's code differs."""
     try:
         rope_class = vllm_compat.load(vllm_symbols.ROTARY_EMBEDDING)
@@ -79,7 +79,7 @@ def _two_dimensional(forward_cpu):
 
     @functools.wraps(forward_cpu)
     def forward_cpu_2d(self, positions, query, key=None):
-        if (query.dim() == 2 and (key is None or key.dim() == 2)) or fixups_disabled():
+        if (query.dim() == 2 and (key is None or key.dim() == 2)) or repairs_disabled():
             return forward_cpu(self, positions, query, key)
         # Always a copy, then written back: no aliasing to reason about, and traceable by torch.compile (vLLM
         # compiles the model with fullgraph=True, compilation/wrapper.py; a data-pointer test breaks the graph).

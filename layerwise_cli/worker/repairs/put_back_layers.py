@@ -5,7 +5,7 @@ it copies. A model whose `load_weights` writes a parameter with a bare
 `param.copy_` (gpt-oss: attention sinks, the fused routed experts and their
 biases) writes into the meta tensor the reload left in its place: nothing is
 counted, vLLM's finalize logs `Failed to load weights` and puts the module's
-old tensors back (`worker/reload/completion.py` lists them). Once it has, the
+old tensors back (`worker/reload/completion_check.py` lists them). Once it has, the
 engine's own tensors are in place again, so the model's own `load_weights`,
 given that layer's tensors again, writes them where they belong; what vLLM's
 processing would do to them on the CPU (the MoE experts' packing) the CPU

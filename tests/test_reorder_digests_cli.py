@@ -22,7 +22,7 @@ from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.reorder.rewrite import reorder
 from layerwise_cli.writer.save import save_checkpoint
 from tests.test_digests_cli import _corrupt_header_digest
-from tests.test_writer import CONFIG, qwen3_like, shuffled
+from tests.test_writer_logic import CONFIG, qwen3_like, shuffled
 
 runner = CliRunner()
 

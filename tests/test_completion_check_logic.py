@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 types = pytest.importorskip("vllm.model_executor.model_loader.reload.types")
 
-from layerwise_cli.worker.reload.completion import never_loaded_parameters, unloaded_modules  # noqa: E402
+from layerwise_cli.worker.reload.completion_check import never_loaded_parameters, unloaded_modules  # noqa: E402
 
 
 def _linear_with_bias() -> torch.nn.Module:

@@ -1,8 +1,7 @@
-"""Reports and checkpoints are values: built once, frozen, sequences as tuples, JSON as before."""
+"""Reports and checkpoints are values: built once, sequences as tuples, JSON as before."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -54,16 +53,6 @@ def test_lists_given_are_kept_as_tuples():
     assert ServerResult("http://x", warnings=["w"]).warnings == ("w",)
     shard = ShardHeader("a.safetensors", 2, 10, tensors=[TensorEntry("t", "F32", (1,), "a.safetensors", 0, 4)])
     assert Checkpoint("ckpt", "directory", [shard]).shards == (shard,)
-
-
-@pytest.mark.parametrize("value, field", [
-    (_report(), "timings"), (_report().placement, "source"), (_report().layers[0], "load_s"), (_verify(), "wall_s"),
-    (ServerResult("http://x"), "stage"),
-    (Checkpoint("ckpt", "directory", []), "source"),
-])
-def test_a_built_value_cannot_be_patched(value, field):
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        setattr(value, field, getattr(value, field))
 
 
 def test_json_has_lists_and_round_trips():

@@ -28,7 +28,7 @@ from layerwise_cli.planning.inspect import inspect_order
 from layerwise_cli.planning.parents import mapping_for_config
 from layerwise_cli.planning.plan import PlannedTensor, build_plan, simulate_buffering
 from layerwise_cli.reorder.rewrite import reorder
-from layerwise_cli.reorder.shards import plan_shards
+from layerwise_cli.reorder.shard_plan import plan_shards
 from tests.support.synthetic import SyntheticModel, shard_groups, write_checkpoint, write_safetensors
 
 REPO = Path(__file__).resolve().parents[1]
@@ -208,7 +208,8 @@ def test_index_metadata_and_other_files_are_kept(tmp_path: Path) -> None:
     (src / ".git" / "HEAD").write_text("ref")
     dst = tmp_path / "dst"
 
-    result = reorder(str(src), dst, max_shard_size=64 * 1024, digests=False)  # digests: tests/test_reorder_digests.py
+    # digests: tests/test_reorder_digests_cli.py
+    result = reorder(str(src), dst, max_shard_size=64 * 1024, digests=False)
 
     for name, text in {**extras, "config.json": (src / "config.json").read_text()}.items():
         assert (dst / name).read_text() == text

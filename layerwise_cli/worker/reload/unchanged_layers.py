@@ -1,4 +1,4 @@
-"""One reload's skip side: which layers it hands over, which it skips, and what it records afterwards."""
+"""One reload's unchanged layers: which layers it hands over, which it skips, and what it records afterwards."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from layerwise_cli.checkpoint.digests import header_digests, layer_digest
 from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.planning.plan import PlannedTensor
-from layerwise_cli.worker.beyond_vllm.amx_mla import must_hand_over
-from layerwise_cli.worker.beyond_vllm.rerun_hooks import RerunHooks, rerun_hooks
+from layerwise_cli.worker.reload.rerun_hooks import RerunHooks, rerun_hooks
+from layerwise_cli.worker.repairs.amx_mla import must_hand_over
 from layerwise_cli.worker.state.layer_records import LayerRecord, LayerRecords, SkipDecider
 from layerwise_cli.worker.state.layer_state import layer_fingerprints, layer_fingerprints_parallel
 from layerwise_cli.worker.state.spot_check import SpotCheck, StaleDigest, spot_check
@@ -20,7 +20,7 @@ from layerwise_cli.worker.stream.cpu_placement import spare_cpus
 
 
 @dataclass
-class SkipPlan:
+class UnchangedLayerPlan:
     """Built before the engine is touched (`build`); filled while streaming; `record` after a successful reload.
 
     Attributes:
@@ -59,7 +59,7 @@ class SkipPlan:
     @classmethod
     def build(cls, model: torch.nn.Module, checkpoint: Checkpoint, engine_stream: list[PlannedTensor], order: str,
               records: LayerRecords | None, *, all_layers: bool = False, checks_finite: bool = True,
-              on_host: bool = False) -> SkipPlan:
+              on_host: bool = False) -> UnchangedLayerPlan:
         """Decide what can be decided before reading: records against header digests and the layers' state.
 
         Args:
@@ -73,7 +73,7 @@ class SkipPlan:
             checks_finite: this reload refuses NaN/Inf.
             on_host: the model's tensors are in host memory (its fingerprints may then be read by two threads).
         """
-        from layerwise_cli.worker.beyond_vllm.cpu_fixups import derived_modules
+        from layerwise_cli.worker.repairs.after_reload import derived_modules
 
         groups: dict[str, list[str]] = {}
         sizes: dict[str, list[int]] = {}
@@ -207,7 +207,7 @@ class SkipPlan:
         return list(self.spot.stale) if self.spot is not None else []
 
 
-def quiet_skipped_layers(plan: SkipPlan, model: torch.nn.Module):
+def quiet_skipped_layers(plan: UnchangedLayerPlan, model: torch.nn.Module):
     """While vLLM's reload runs: drop its warnings about the layers skipped on purpose (see `vllm_logs`)."""
     from layerwise_cli.vllm_logs import quiet_skipped_layer_warnings
 

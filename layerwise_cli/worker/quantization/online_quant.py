@@ -27,7 +27,7 @@ weights are those of a fresh TP=2 engine, not of a TP=1 engine.
 Importing this module registers both methods with vLLM; layerwise imports it
 in the user's process (`start_engine`), in every worker (the worker
 extension) and through vLLM's `vllm.general_plugins` entry point
-(`layerwise_cli.worker.beyond_vllm.online_quant:register`).
+(`layerwise_cli.worker.quantization.online_quant:register`).
 """
 
 from __future__ import annotations
@@ -183,9 +183,9 @@ def register() -> None:
     for name, config in _CONFIGS.items():
         register_quantization_config(name)(config)
     # Not quantization: this entry point is layerwise's one hook in every vLLM process before a model is built.
-    from layerwise_cli.worker.beyond_vllm import mla_cpu_repair
+    from layerwise_cli.worker.repairs import mla_cpu_repair
 
-    mla_cpu_repair.apply()
+    mla_cpu_repair.apply_rope_repair()
 
 
 def is_layerwise_method(quantization: str | None) -> bool:
