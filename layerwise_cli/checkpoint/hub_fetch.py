@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
+from layerwise_cli.checkpoint.header import ShardHeader, TensorEntry
 from layerwise_cli.checkpoint.hub_blob import PartialBlob, add_interval, covers
 from layerwise_cli.checkpoint.hub_http import FetchPolicy, stream_range
 from layerwise_cli.checkpoint.hub_pin import HubPin, hub_error, repo_cache_folder
@@ -182,6 +183,13 @@ class RangeFetcher:
                 raise LayerwiseError(f"bytes {offset}-{offset + length} did not arrive within {timeout:g} s",
                                      where=self._where(filename))
 
+    def check(self) -> None:
+        """Raise the fetch's failure, if any (call before committing what was read: a file whose sha256 failed
+        after its bytes were read fails here)."""
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+
     def readinto(self, filename: str, offset: int, buffer: memoryview | bytearray) -> int:
         """Wait for `len(buffer)` bytes of `filename` at `offset`, then read them into `buffer`."""
         import os
@@ -230,8 +238,9 @@ class RangeFetcher:
     def _settle_arrived(self) -> None:
         # What a previous run (or huggingface_hub) left: parts already on disk are never fetched again.
         for i, part in enumerate(self.parts):
-            if covers(self.blobs[part.filename].received, part.start, part.end):
-                self._arrived[i] = part.size
+            for a, b in self.blobs[part.filename].received:
+                if a <= part.start < b:
+                    self._arrived[i] = min(b, part.end) - part.start
         for blob in self.blobs.values():
             blob.finish(self.pin.commit)
 
@@ -273,13 +282,18 @@ class RangeFetcher:
                 self._cond.notify_all()
 
         url = hf_hub_url(self.pin.repo_id, part.filename, revision=self.pin.commit)
-        stream_range(url, part.start, part.end, write, headers=self._headers, policy=self.policy,
+        stream_range(url, part.start + self._arrived[i], part.end, write, headers=self._headers, policy=self.policy,
                      where=self._where(part.filename))
         blob.mark(part.start, part.end)
         blob.finish(self.pin.commit)
 
     def _where(self, filename: str) -> str:
         return f"{self.pin}/{filename}"
+
+
+def tensor_range(shard: ShardHeader, tensor: TensorEntry) -> ByteRange:
+    """The bytes of `tensor` in its shard's file (header offsets are relative to the data section)."""
+    return ByteRange(shard.name, shard.data_start + tensor.begin, shard.data_start + tensor.end)
 
 
 def whole_files(sizes: dict[str, int]) -> list[ByteRange]:
