@@ -225,8 +225,9 @@ class RangeFetcher:
         from huggingface_hub import get_hf_file_metadata, hf_hub_url
 
         try:
+            # With huggingface_hub's retries on 429/5xx: a fetch is worth waiting for (a 404 is not retried).
             meta = get_hf_file_metadata(hf_hub_url(self.pin.repo_id, filename, revision=self.pin.commit),
-                                        token=self.token)
+                                        token=self.token, retry_on_errors=True)
         except Exception as exc:
             raise hub_error(exc, self.pin.repo_id, self.pin.commit) from exc
         if meta.commit_hash and meta.commit_hash != self.pin.commit:
