@@ -274,6 +274,28 @@ def test_parallel_connections_beat_a_per_connection_throttle(hub: HubServer, fol
     assert times[4] < 0.6 * times[1], times
 
 
+def test_the_reader_waits_for_bytes_still_on_the_way(hub: HubServer, folders: dict[str, Path]) -> None:
+    name, size = next(iter(shards(folders["a"]).items()))
+    hub.throttle_bps = 2 * size  # half a second per connection for the whole file
+    local = (folders["a"] / name).read_bytes()
+    with fetcher(pin_commit("org/m"), whole_files({name: size}), cache_of(hub), keep=False, connections=2) as f:
+        step = 10_000
+        assert f.bytes_fetched < size  # reading starts while most of the file is still on the way
+        got = b"".join(f.read(name, offset, min(step, size - offset)) for offset in range(0, size, step))
+    assert got == local
+
+
+def test_a_pinned_commit_is_downloaded_whole_after_its_branch_moved(hub: HubServer, folders: dict[str, Path]) -> None:
+    pin = pin_commit("org/m")
+    hub.move_ref("org/m", "main", folders["b"])
+    folder = resolve_local("org/m", pin.commit)
+    assert folder.name == pin.commit
+    for name in shards(folders["a"]):
+        assert (folder / name).read_bytes() == (folders["a"] / name).read_bytes()
+    assert open_checkpoint("org/m", pin.commit).shards == open_checkpoint(str(folders["a"])).shards
+    assert not any("/resolve/main/" in r.path or "/revision/main" in r.path for r in hub.requests[1:])
+
+
 _KILLED_FETCH = """
 import sys
 from pathlib import Path
