@@ -136,3 +136,12 @@ def test_bounded_disk_keeps_nothing(tmp_path: Path) -> None:
     assert os.pread(blob.fd, 10, 0) == data[:10]
     blob.close()
     assert not private.exists() and not (tmp_path / "blobs").exists()
+
+
+
+def test_a_cache_that_cannot_hold_the_lock_gets_a_private_file(tmp_path: Path) -> None:
+    repo = tmp_path / "models--org--m"
+    (tmp_path / ".locks").write_text("a file where the lock folder goes")  # fails as a read-only cache does
+    blob = _blob(repo, b"abc")
+    assert not blob.kept and repo not in blob.path.parents
+    blob.close()

@@ -136,9 +136,14 @@ class PartialBlob:
     # Set-up.
 
     def _lock(self) -> bool:
+        """Take this blob's lock in the cache; False when another process holds it or the cache is read-only."""
         locks = self.repo_folder.parent / ".locks" / self.repo_folder.name
-        locks.mkdir(parents=True, exist_ok=True)
-        fd = os.open(locks / f"{self.etag}.layerwise.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            locks.mkdir(parents=True, exist_ok=True)
+            (self.repo_folder / "blobs").mkdir(parents=True, exist_ok=True)
+            fd = os.open(locks / f"{self.etag}.layerwise.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
