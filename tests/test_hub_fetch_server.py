@@ -260,6 +260,22 @@ def test_bounded_disk_fetches_the_asked_ranges_and_keeps_nothing(hub: HubServer,
     assert not (repo_cache_folder("org/m", cache_of(hub)) / "blobs").exists()
 
 
+def test_bounded_disk_gives_back_what_the_reader_released(hub: HubServer, folders: dict[str, Path]) -> None:
+    name, size = next(iter(shards(folders["a"]).items()))
+    window, step = 64 << 10, 16 << 10
+    most = 0
+    with fetcher(pin_commit("org/m"), whole_files({name: size}), cache_of(hub), keep=False, window_bytes=window,
+                 part_bytes=step, connections=2) as f:
+        for offset in range(0, size, step):
+            f.read(name, offset, min(step, size - offset))
+            f.release(name, offset, min(step, size - offset))
+            most = max(most, os.stat(f.path(name)).st_blocks * 512)
+        with pytest.raises(LayerwiseError, match=r"bytes 0-8 were released \(bounded disk\)$"):
+            f.wait(name, 0, 8)
+        assert os.stat(f.path(name)).st_blocks * 512 <= 8192  # a block at an unaligned end may stay
+    assert most <= window + 2 * step < size  # the disk in use stayed near the window, never the whole file
+
+
 def test_parallel_connections_beat_a_per_connection_throttle(hub: HubServer, folders: dict[str, Path]) -> None:
     name, size = next(iter(shards(folders["a"]).items()))
     hub.throttle_bps = 4 * size  # one connection: 0.25 s for the file

@@ -88,6 +88,16 @@ class PartialBlob:
             written = os.pwrite(self.fd, view, offset)
             view, offset = view[written:], offset + written
 
+    def release(self, start: int, end: int) -> bool:
+        """Give the disk under `[start, end)` of a private file back (punch a hole); False where it cannot.
+
+        Only a private (bounded-disk) file: bytes kept in the Hub cache stay. Best effort: a file system
+        without hole punching keeps the bytes until `close`.
+        """
+        if self.kept or end <= start:
+            return False
+        return punch_hole(self.fd, start, end - start)
+
     def mark(self, start: int, end: int) -> None:
         """Record `[start, end)` as arrived: flushed to disk first, so a killed process never records a hole."""
         with self._mutex:
@@ -178,6 +188,18 @@ class PartialBlob:
         self.received = []
         self.path.unlink(missing_ok=True)
         self._record_path().unlink(missing_ok=True)
+
+
+def punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Linux `fallocate(PUNCH_HOLE | KEEP_SIZE)`: free the blocks under the range, keep the file's size."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        punch_hole_keep_size = 0x02 | 0x01
+        return libc.fallocate(fd, punch_hole_keep_size, ctypes.c_longlong(offset), ctypes.c_longlong(length)) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def file_digest(fd: int, etag_length: int) -> str:

@@ -8,7 +8,8 @@ How the reload path uses it (the seam; not wired yet):
    skipped ones), starts a `RangeFetcher` on the pin and those ranges when the engine starts (or in pre-flight),
    and before reading a tensor's bytes calls `fetcher.readinto(filename, offset, buffer)` (or `wait`, then
    reads `fetcher.path(filename)` through a descriptor it already holds): the reader never touches a byte that
-   has not arrived. `close()` ends it; a failure (stall, sha256 mismatch, vanished commit) is raised from the
+   has not arrived. In bounded-disk mode (`keep=False`) it calls `fetcher.release(...)` once vLLM has taken
+   the tensor. `fetcher.check()` before the reload commits, `close()` at the end; a failure (stall, sha256 mismatch, vanished commit) is raised from the
    next `wait`/`readinto` as a one-line `LayerwiseError`, for the reload to roll back on.
 """
 
@@ -116,6 +117,7 @@ class RangeFetcher:
         self._stop = False
         self._threads: list[threading.Thread] = []
         self.blobs: dict[str, PartialBlob] = {}
+        self._released: dict[str, list[tuple[int, int]]] = {}
         self.bytes_fetched = 0
 
     # Life.
@@ -172,6 +174,9 @@ class RangeFetcher:
         """
         needed = self._parts_for(filename, offset, offset + length)
         with self._cond:
+            if any(a < offset + length and offset < b for a, b in self._released.get(filename, [])):
+                raise LayerwiseError(f"bytes {offset}-{offset + length} were released (bounded disk)",
+                                     where=self._where(filename))
             self._reading = max(self._reading, needed[0] if needed else 0)
             self._cond.notify_all()
             arrived = self._cond.wait_for(lambda: self._error is not None or all(
@@ -182,6 +187,17 @@ class RangeFetcher:
             if not arrived:
                 raise LayerwiseError(f"bytes {offset}-{offset + length} did not arrive within {timeout:g} s",
                                      where=self._where(filename))
+
+    def release(self, filename: str, offset: int, length: int) -> None:
+        """The reader is done with these bytes: in bounded-disk mode their disk is given back at once.
+
+        With `keep=False`, a reader that releases what it handed over keeps the disk in use near the window
+        ahead; a later `wait` on released bytes fails. Kept files are left as they are.
+        """
+        blob = self.blobs[filename]
+        if blob.release(offset, offset + length):
+            with self._cond:
+                self._released[filename] = add_interval(self._released.get(filename, []), offset, offset + length)
 
     def check(self) -> None:
         """Raise the fetch's failure, if any (call before committing what was read: a file whose sha256 failed
