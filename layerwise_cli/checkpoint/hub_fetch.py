@@ -5,12 +5,15 @@ How the reload path uses it (the seam; not wired yet):
 1. The client resolves the user's revision once (`hub_pin.pin_commit`) and passes `pin.commit` as the revision
    to every server, rank, pre-flight, `--verify` and rollback; a worker records `str(pin)` as what it holds.
 2. A worker's stream, given its plan's byte ranges of the tensors it will hand over (in hand-over order; not the
-   skipped ones), starts a `RangeFetcher` on the pin and those ranges when the engine starts (or in pre-flight),
-   and before reading a tensor's bytes calls `fetcher.readinto(filename, offset, buffer)` (or `wait`, then
-   reads `fetcher.path(filename)` through a descriptor it already holds): the reader never touches a byte that
-   has not arrived. In bounded-disk mode (`keep=False`) it calls `fetcher.release(...)` once vLLM has taken
-   the tensor. `fetcher.check()` before the reload commits, `close()` at the end; a failure (stall, sha256 mismatch, vanished commit) is raised from the
-   next `wait`/`readinto` as a one-line `LayerwiseError`, for the reload to roll back on.
+   skipped ones; `tensor_range` makes one from a shard header's entry), starts a `RangeFetcher` on the pin and
+   those ranges when the engine starts (or in pre-flight), and before it reads a tensor's bytes calls
+   `fetcher.readinto(filename, offset, buffer)` (or `fetcher.wait(...)`, then `os.preadv` on
+   `fetcher.blobs[filename].fd`: the descriptor stays valid when the finished file is moved and linked): the
+   reader never touches a byte that has not arrived. In bounded-disk mode (`keep=False`) it calls
+   `fetcher.release(...)` once vLLM has taken the tensor.
+3. Before the reload commits, `fetcher.check()` raises any failure (stall, sha256 mismatch, vanished commit; the
+   next `wait`/`readinto` raises it too) as a one-line `LayerwiseError`, for the reload to roll back on;
+   `close()` at the end, also on failure.
 """
 
 from __future__ import annotations
