@@ -203,8 +203,16 @@ class RangeFetcher:
                 self._released[filename] = add_interval(self._released.get(filename, []), offset, offset + length)
 
     def check(self) -> None:
-        """Raise the fetch's failure, if any (call before committing what was read: a file whose sha256 failed
-        after its bytes were read fails here)."""
+        """The reader is done: let the fetch end (parts never waited on are fetched), then raise its failure.
+
+        Call it before committing what was read: the sha256 of a file is checked after its last bytes arrive,
+        so a mismatch found after the reader had every byte is raised here.
+        """
+        with self._cond:
+            self._reading = len(self.parts)
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join()
         with self._cond:
             if self._error is not None:
                 raise self._error
