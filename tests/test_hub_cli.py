@@ -104,7 +104,7 @@ def local_json(folder: Path) -> dict:
 
 
 def without_source(data: dict) -> dict:
-    return {k: v for k, v in data.items() if k not in {"source", "kind", "revision"}}
+    return {k: v for k, v in data.items() if k not in {"source", "kind", "revision", "commit"}}
 
 
 def one_error_line(proc: subprocess.CompletedProcess[str]) -> str:
@@ -128,6 +128,8 @@ def test_hub_repo_matches_local_and_sends_no_tensor_data(hub_env: HubServer, rep
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert (data["source"], data["kind"], data["revision"]) == ("org/model", "hub", None)
+    assert data["commit"] == hub_env.resolve("org/model", "main").commit  # the commit every request named
+    assert local_json(repos["dense"])["commit"] is None
     assert without_source(data) == without_source(local_json(repos["dense"]))
     # The server's own count: the shards' 8-byte prefixes and headers, nothing else.
     sent = hub_env.sent_for(".safetensors")
@@ -144,9 +146,13 @@ def test_revision_branch_and_commit(hub_env: HubServer, repos: dict[str, Path]) 
     data = json.loads(proc.stdout)
     assert data["revision"] == "v2" and data["mapping"]["architecture"] == "Qwen3MoeForCausalLM"
     assert without_source(data) == without_source(local_json(repos["moe"]))
-    # Every request after config.json is pinned to the commit config.json resolved to.
+    # One request names v2 (the pin); every later one names the commit it resolved to.
     commit = hub_env.resolve("org/model", "v2").commit
-    assert all(f"/resolve/{commit}/" in r.path for r in hub_env.requests if not r.path.endswith("config.json"))
+    assert data["commit"] == commit
+    resolves = [r.path for r in hub_env.requests if "/resolve/" in r.path]
+    assert "/resolve/v2/" in resolves[0] and all(f"/resolve/{commit}/" in path for path in resolves[1:])
+    table = layerwise("inspect-order", "org/model", "--revision", "v2", "--top", "1", env={"COLUMNS": "200"})
+    assert f"org/model @ v2 (commit {commit})" in table.stdout
     by_commit = layerwise("inspect-order", "org/model", "--revision", commit, "--json", "--top", "0")
     assert by_commit.returncode == 0, by_commit.stderr
     assert without_source(json.loads(by_commit.stdout)) == without_source(data)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from layerwise_cli.checkpoint.header import ShardHeader, header_length, parse_header
+from layerwise_cli.checkpoint.hub_http import FetchPolicy, stream_range
+from layerwise_cli.checkpoint.hub_pin import HubPin, commit_vanished, hub_error, offline
 from layerwise_cli.checkpoint.layout import (
     INDEX_NAME,
     SINGLE_FILE,
@@ -22,6 +24,9 @@ from layerwise_cli.checkpoint.layout import (
     shard_file,
 )
 from layerwise_cli.errors import LayerwiseError, describe_exception
+
+__all__ = ["CHECKPOINT_PATTERNS", "HubFetcher", "HubHeaders", "cached_snapshot", "download_checkpoint", "offline",
+           "read_hub_headers"]
 
 # The files of a repo that layerwise downloads (every `snapshot_download` here uses this one list): the
 # weights, their index and config (`*.json`), and the tokenizer, because a downloaded source is also what an
@@ -41,17 +46,11 @@ class HubHeaders:
     header_bytes_read: int
 
 
-def offline() -> bool:
-    """True when HF_HUB_OFFLINE=1: Hub sources are read from the local cache only."""
-    from huggingface_hub import constants
-
-    return constants.is_offline_mode()
-
-
 def download_checkpoint(repo_id: str, revision: str | None = None, *, local_files_only: bool = False) -> Path:
     """Download a repo's `CHECKPOINT_PATTERNS` files through the Hub cache; return the snapshot folder.
 
-    Raises huggingface_hub's own errors: callers decide what a failure means.
+    Given a commit (`HubPin.commit`) as `revision`, no request names a branch. Raises huggingface_hub's own
+    errors: callers decide what a failure means (`hub_pin.hub_error` names a vanished commit).
     """
     from huggingface_hub import snapshot_download
 
@@ -59,55 +58,34 @@ def download_checkpoint(repo_id: str, revision: str | None = None, *, local_file
                                   allow_patterns=CHECKPOINT_PATTERNS))
 
 
-def read_hub_headers(repo_id: str, revision: str | None, where: str) -> HubHeaders:
-    """Read a Hub repo's config, index and shard headers by HTTP range requests, never its tensor data.
+def read_hub_headers(pin: HubPin, where: str) -> HubHeaders:
+    """Read a Hub repo's config, index and shard headers at a pinned commit by HTTP range requests.
+
+    Never its tensor data, and every request names `pin.commit` (`pin_commit` resolved the revision).
 
     Args:
-        repo_id: `org/name`.
-        revision: a branch, tag or commit; None for the default branch.
+        pin: the repo and commit.
         where: the source as the user named it, for messages.
 
     Returns:
         The headers, shards in natural sort order.
     """
-    from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
+    from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import RemoteEntryNotFoundError
 
-    # One HEAD of config.json first, without huggingface_hub's download retries
-    # (about 25 s of backoff when the Hub is unreachable): it fails fast, and
-    # tells a missing repo from a missing revision.
-    try:
-        commit = get_hf_file_metadata(hf_hub_url(repo_id, "config.json", revision=revision)).commit_hash or revision
-        has_config = True
-    except RemoteEntryNotFoundError as exc:
-        commit = exc.response.headers.get("X-Repo-Commit") or revision
-        has_config = False  # a repo without config.json: plan with the generic mapping
-    except Exception as exc:
-        raise describe_exception(exc, where=where) from exc
-
-    def download(filename: str, at: str | None) -> Path:
+    def download(filename: str) -> Path:
         try:
-            return Path(hf_hub_download(repo_id, filename, revision=at))
+            return Path(hf_hub_download(pin.repo_id, filename, revision=pin.commit))
         except RemoteEntryNotFoundError:
             raise
         except Exception as exc:
-            raise describe_exception(exc, where=where) from exc
+            raise _pinned_error(exc, pin, where) from exc
 
-    def pinned(path: Path) -> str | None:
-        # The cache keeps files under snapshots/<commit>/: pin every later request to it.
-        return path.parent.name if re.fullmatch(r"[0-9a-f]{40}", path.parent.name) else commit
-
-    # The first JSON file is fetched by the user's revision, so that the cache
-    # records which commit that revision is (HF_HUB_OFFLINE=1 runs need it).
     config, index, index_where = None, None, f"{where}/{INDEX_NAME}"
-    index_at = revision
-    if has_config:
-        config_path = download("config.json", revision)
-        config = read_json(config_path)
-        commit = index_at = pinned(config_path)
+    with contextlib.suppress(RemoteEntryNotFoundError):  # a repo without config.json: the generic mapping
+        config = read_json(download("config.json"))
     try:
-        index_path = download(INDEX_NAME, index_at)
-        index, commit = read_json(index_path), pinned(index_path)
+        index = read_json(download(INDEX_NAME))
         names = sorted(set(index_weight_map(index, index_where).values()), key=natural_key)
         if not names:
             raise LayerwiseError("index names no shard files", where=index_where)
@@ -116,7 +94,7 @@ def read_hub_headers(repo_id: str, revision: str | None, where: str) -> HubHeade
     except RemoteEntryNotFoundError:
         names = [SINGLE_FILE]
     shards, read = [], 0
-    for shard, n in _read_remote_headers(repo_id, commit, names, where, None if index is None else index_where):
+    for shard, n in _read_remote_headers(pin, names, where, None if index is None else index_where):
         shards.append(shard)
         read += n
     check_unique_tensors(shards, where)
@@ -125,8 +103,13 @@ def read_hub_headers(repo_id: str, revision: str | None, where: str) -> HubHeade
     return HubHeaders(shards, config, index, read)
 
 
+def _pinned_error(exc: BaseException, pin: HubPin, where: str) -> LayerwiseError:
+    # A vanished commit names the commit; anything else keeps the source as the user named it.
+    return hub_error(exc, pin.repo_id, pin.commit) if commit_vanished(exc) else describe_exception(exc, where=where)
+
+
 def _read_remote_headers(
-    repo_id: str, revision: str | None, names: list[str], where: str, index_where: str | None
+    pin: HubPin, names: list[str], where: str, index_where: str | None
 ) -> list[tuple[ShardHeader, int]]:
     from huggingface_hub import hf_hub_url
     from huggingface_hub.errors import RemoteEntryNotFoundError
@@ -135,7 +118,7 @@ def _read_remote_headers(
     headers = build_hf_headers()
 
     def read(name: str) -> tuple[ShardHeader, int]:
-        url = hf_hub_url(repo_id, name, revision=revision)
+        url = hf_hub_url(pin.repo_id, name, revision=pin.commit)
         return _read_remote_header(url, headers, name, f"{where}/{name}")
 
     with ThreadPoolExecutor(max_workers=max(1, min(_HUB_THREADS, len(names)))) as pool:
@@ -151,7 +134,7 @@ def _read_remote_headers(
         except LayerwiseError:
             raise
         except Exception as exc:
-            raise describe_exception(exc, where=f"{where}/{name}") from exc
+            raise _pinned_error(exc, pin, f"{where}/{name}") from exc
     return results
 
 
@@ -165,39 +148,21 @@ def _read_remote_header(url: str, headers: dict[str, str], name: str, where: str
     return parse_header(name, raw, file_size=file_size, where=where), 8 + header_len
 
 
+# Header reads happen in pre-flight, before anything is paused: a few quick retries, not the fetcher's patience.
+_HEADER_POLICY = FetchPolicy(stall_s=0, retries=2, backoff_s=0.5)
+
+
 def _get_range(url: str, headers: dict[str, str], start: int, length: int, where: str) -> tuple[bytes, int | None]:
-    """GET bytes [start, start + length) of a Hub file; also return the file's size from Content-Range."""
+    """Bytes `[start, start + length)` of a Hub file (fewer at its end), and the file's size from Content-Range."""
+    from dataclasses import replace
+
     from huggingface_hub import constants
-    from huggingface_hub.utils import get_session, hf_raise_for_status
 
-    request_headers = {**headers, "Range": f"bytes={start}-{start + length - 1}"}
-    with get_session().stream(
-        "GET", url, headers=request_headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT, follow_redirects=True
-    ) as response:
-        if response.status_code == 416:  # the file is shorter than `start`
-            return b"", _content_range_size(response.headers.get("Content-Range"))
-        if response.status_code >= 400:
-            response.read()  # hf_raise_for_status reads the error body
-            hf_raise_for_status(response)
-        if response.status_code != 206:
-            # A server that ignores Range would send the whole shard: stop here.
-            raise LayerwiseError(
-                f"the server ignored the byte range request (HTTP {response.status_code}); "
-                "not downloading the whole file",
-                where=where,
-            )
-        body = bytearray()
-        for chunk in response.iter_bytes():
-            body += chunk
-            if len(body) >= length:
-                break
-        return bytes(body[:length]), _content_range_size(response.headers.get("Content-Range"))
-
-
-def _content_range_size(value: str | None) -> int | None:
-    # "bytes 0-7/12345" or "bytes */12345": the part after "/" is the file size.
-    total = (value or "").rpartition("/")[2].strip()
-    return int(total) if total.isdigit() else None
+    body = bytearray()
+    policy = replace(_HEADER_POLICY, stall_s=float(constants.HF_HUB_DOWNLOAD_TIMEOUT))
+    size = stream_range(url, start, start + length, lambda _offset, chunk: body.extend(chunk), headers=headers,
+                        policy=policy, where=where)
+    return bytes(body), size
 
 
 def cached_snapshot(repo_id: str, revision: str | None, where: str) -> Path:

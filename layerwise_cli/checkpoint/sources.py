@@ -11,6 +11,7 @@ from pathlib import Path
 
 from layerwise_cli.checkpoint.header import ShardHeader, TensorEntry, read_shard_header
 from layerwise_cli.checkpoint.hub import cached_snapshot, offline, read_hub_headers
+from layerwise_cli.checkpoint.hub_pin import HubPin, hub_error, pin_commit
 from layerwise_cli.checkpoint.layout import (
     INDEX_NAME,
     check_index,
@@ -41,6 +42,8 @@ class Checkpoint:
     revision: str | None = None
     header_bytes_read: int = 0
     index: dict | None = field(default=None, repr=False)
+    # The commit a Hub source was read at (`revision` resolved once, `hub_pin.pin_commit`); None for local files.
+    commit: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shards", tuple(self.shards))
@@ -66,7 +69,11 @@ def looks_like_repo_id(source: str) -> bool:
 
 
 def resolve_local(source: str, revision: str | None = None) -> Path:
-    """A local directory (or file) for SOURCE; Hub repo ids are downloaded (weights and config)."""
+    """A local directory (or file) for SOURCE; Hub repo ids are downloaded (weights and config).
+
+    Pass a pinned commit (`Checkpoint.commit`, `HubPin.commit`) as `revision` so that no request names a
+    branch; a commit the Hub no longer has fails with one line naming repo and commit.
+    """
     path = Path(source)
     if path.exists():
         return path
@@ -76,7 +83,7 @@ def resolve_local(source: str, revision: str | None = None) -> Path:
         try:
             return download_checkpoint(source, revision)
         except Exception as exc:
-            raise describe_exception(exc, where=source) from exc
+            raise hub_error(exc, source, revision) from exc
     raise LayerwiseError("no such file or directory, and not a Hub repo id (org/name)", where=source)
 
 
@@ -199,10 +206,23 @@ def _read_local_config(folder: Path) -> dict | None:
 
 
 def _open_hub(repo_id: str, revision: str | None) -> Checkpoint:
-    """Read a Hub repo's shard headers: by HTTP range requests, or from the local cache when offline."""
+    """Read a Hub repo's shard headers at one commit: by HTTP range requests, or from the local cache offline.
+
+    The revision is resolved to its commit once (`pin_commit`), first; every later request names the commit,
+    and the checkpoint records it (`Checkpoint.commit`) for the callers to pass on.
+    """
     where = f"{repo_id}@{revision}" if revision else repo_id
+    pin = pin_commit(repo_id, revision)
     if offline():
-        folder = cached_snapshot(repo_id, revision, where)
-        return replace(_open_directory(folder), source=repo_id, kind="hub", revision=revision)
-    found = read_hub_headers(repo_id, revision, where)
-    return Checkpoint(repo_id, "hub", found.shards, found.config, None, revision, found.header_bytes_read, found.index)
+        folder = cached_snapshot(repo_id, pin.commit, where)
+        return replace(_open_directory(folder), source=repo_id, kind="hub", revision=revision, commit=pin.commit)
+    found = read_hub_headers(pin, where)
+    return Checkpoint(repo_id, "hub", found.shards, found.config, None, revision, found.header_bytes_read, found.index,
+                      pin.commit)
+
+
+def pinned_source(checkpoint: Checkpoint) -> HubPin | None:
+    """The pin a Hub checkpoint was read at (None for local sources): `str(...)` is what a worker records."""
+    if checkpoint.kind != "hub" or checkpoint.commit is None:
+        return None
+    return HubPin(checkpoint.source, checkpoint.commit, checkpoint.revision)

@@ -102,7 +102,9 @@ def render(data: dict, top: int) -> None:
     summary = Table.grid(padding=(0, 2))
     summary.add_column(style="bold")
     summary.add_column()
-    summary.add_row("source", escape(data["source"]) + (f" @ {escape(data['revision'])}" if data["revision"] else ""))
+    commit = data.get("commit")
+    summary.add_row("source", escape(data["source"]) + (f" @ {escape(data['revision'])}" if data["revision"] else "")
+                    + (f" (commit {commit})" if commit else ""))
     summary.add_row("mapping", escape(data["mapping"]["description"]))
     if data["mapping"].get("guess"):
         summary.add_row("guess", escape(data["mapping"]["guess"]["text"]))

@@ -55,6 +55,7 @@ class OrderReport:
         return {
             "source": plan.checkpoint.source,
             "revision": plan.checkpoint.revision,
+            "commit": plan.checkpoint.commit,
             "kind": plan.checkpoint.kind,
             "mapping": {
                 "kind": plan.mapping.kind,

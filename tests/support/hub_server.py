@@ -6,17 +6,22 @@ import functools
 import hashlib
 import json
 import re
+import socket
 import threading
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Self
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 # Files the Hub stores with Git LFS (it answers with the LFS object's sha256 as ETag).
 _LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
+# Body bytes per write: small enough that a throttle paces smoothly and a drop lands mid-body.
+_WRITE_BYTES = 16 << 10
 
 
 @dataclass
@@ -31,6 +36,27 @@ class _Request:
     path: str
     range: str | None
     status: int
+    origin: str = "hub"  # "hub", or "cdn" for the storage origin
+    authorization: bool = False  # whether the request carried an Authorization header
+    sent: int = 0  # body bytes sent
+
+
+@dataclass
+class Fault:
+    """What the server does to the next `times` GETs of a file's bytes (where the bytes are served).
+
+    `kind`: "status" answers `status` (with `Retry-After` when set) instead of the bytes; "drop" sends
+    `after_bytes` of the body and closes the connection; "stall" sends `after_bytes`, then nothing for
+    `stall_s` seconds before closing; "corrupt" sends the bytes with the first one flipped.
+    """
+
+    filename: str
+    kind: str
+    times: int = 1
+    status: int = 503
+    retry_after: int | None = None
+    after_bytes: int = 0
+    stall_s: float = 30.0
 
 
 @dataclass
@@ -46,6 +72,14 @@ class HubServer:
     `EntryNotFound`). It counts the body bytes it sends, per path, so that a
     test can prove what was (not) downloaded.
 
+    For the faults a fetch must survive: `throttle_bps` paces each connection;
+    `cdn=True` serves LFS bytes from a second origin (its own port) behind a
+    302 with expiring URLs, and records whether each request carried an
+    `Authorization` header; `faults` answer 429/5xx, drop a connection
+    mid-body, or stall; `move_ref` pushes a new commit to a branch (from
+    `on_request`, in the middle of an operation) and `forget_commit` removes
+    one (a force-push).
+
     Use `add_repo` for each repo and revision, then `start()` (or `with`).
     `endpoint` is the value for `HF_ENDPOINT`.
     """
@@ -59,33 +93,61 @@ class HubServer:
     redirect_lfs: bool = False
     # Repo ids whose files are served whole whatever the Range header says (a bad mirror).
     ignore_ranges: set[str] = field(default_factory=set)
+    # A second origin on its own port acting as the storage CDN: /resolve/ of LFS files answers a 302 to it
+    # (cross-origin, so a client must not send the token there), with URLs that expire after `cdn_ttl_s`.
+    cdn: bool = False
+    cdn_ttl_s: float = 3600.0
+    # Each connection's body writes are paced to this many bytes per second (a CDN's per-connection limit).
+    throttle_bps: int | None = None
+    faults: list[Fault] = field(default_factory=list)
+    # Called with each request once it is answered (a test moves a ref from here, mid-operation).
+    on_request: Callable[[_Request], None] | None = None
     bytes_sent: Counter = field(default_factory=Counter)  # URL path -> body bytes sent
     requests: list[_Request] = field(default_factory=list)
+    # repo id -> every commit ever served (a moved ref leaves its old commit reachable by id, as on the Hub).
+    commits: dict[str, dict[str, _Revision]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _server: ThreadingHTTPServer | None = field(default=None, repr=False)
     _thread: threading.Thread | None = field(default=None, repr=False)
+    _cdn_server: ThreadingHTTPServer | None = field(default=None, repr=False)
 
     def add_repo(self, repo_id: str, folder: str | Path, revision: str = "main") -> str:
         """Serve `folder` as `repo_id` at branch `revision`; return the revision's commit hash."""
         commit = hashlib.sha1(f"{repo_id}@{revision}".encode()).hexdigest()
-        self.repos.setdefault(repo_id, {})[revision] = _Revision(commit, Path(folder))
-        return commit
+        return self._point(repo_id, revision, _Revision(commit, Path(folder)))
+
+    def move_ref(self, repo_id: str, revision: str, folder: str | Path) -> str:
+        """Point branch `revision` at a new commit serving `folder` (a push); the old commit stays reachable."""
+        with self._lock:
+            n = len(self.commits.get(repo_id, {}))
+        commit = hashlib.sha1(f"{repo_id}@{revision}#{n}".encode()).hexdigest()
+        return self._point(repo_id, revision, _Revision(commit, Path(folder)))
+
+    def forget_commit(self, repo_id: str, commit: str) -> None:
+        """The commit is gone (a force-push, a squash): requests naming it answer RevisionNotFound."""
+        with self._lock:
+            self.commits.get(repo_id, {}).pop(commit, None)
+
+    def _point(self, repo_id: str, revision: str, target: _Revision) -> str:
+        with self._lock:
+            self.repos.setdefault(repo_id, {})[revision] = target
+            self.commits.setdefault(repo_id, {})[target.commit] = target
+        return target.commit
 
     def start(self) -> Self:
-        server = ThreadingHTTPServer(("127.0.0.1", 0), _make_handler(self))
-        server.daemon_threads = True
-        self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, name="hub-server", daemon=True)
-        self._thread.start()
+        self._server, self._thread = _serve(_make_handler(self, storage_only=False), "hub-server")
+        if self.cdn:
+            self._cdn_server, _ = _serve(_make_handler(self, storage_only=True), "hub-cdn")
         return self
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            assert self._thread is not None
+        for server in (self._cdn_server, self._server):
+            if server is not None:
+                server.shutdown()
+                server.server_close()
+        if self._thread is not None:
             self._thread.join(timeout=5)
-            self._server = None
+        self._server = self._cdn_server = self._thread = None
 
     def __enter__(self) -> Self:
         self.start()
@@ -103,10 +165,20 @@ class HubServer:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def cdn_endpoint(self) -> str:
+        assert self._cdn_server is not None, "HubServer(cdn=True), started"
+        return f"http://127.0.0.1:{self._cdn_server.server_address[1]}"
+
     def sent_for(self, suffix: str) -> int:
         """Body bytes sent for paths ending with `suffix` (e.g. `.safetensors`)."""
         with self._lock:
             return sum(n for path, n in self.bytes_sent.items() if path.endswith(suffix))
+
+    def sent_for_file(self, filename: str) -> int:
+        """Body bytes of `filename` sent from either origin (its `/resolve/` and `/cdn/` paths)."""
+        with self._lock:
+            return sum(n for path, n in self.bytes_sent.items() if path.endswith("/" + filename))
 
     def reset_counts(self) -> None:
         with self._lock:
@@ -116,15 +188,35 @@ class HubServer:
     # Lookups used by the handler.
 
     def resolve(self, repo_id: str, revision: str) -> _Revision | None:
-        revisions = self.repos.get(repo_id, {})
-        if revision in revisions:
-            return revisions[revision]
-        return next((r for r in revisions.values() if r.commit == revision), None)
-
-    def _record(self, method: str, path: str, range_: str | None, status: int, body_bytes: int) -> None:
         with self._lock:
-            self.requests.append(_Request(method, path, range_, status))
-            self.bytes_sent[path] += body_bytes
+            revisions = self.repos.get(repo_id, {})
+            if revision in revisions:
+                return revisions[revision]
+            return self.commits.get(repo_id, {}).get(revision)
+
+    def take_fault(self, filename: str) -> Fault | None:
+        """The first fault still armed for `filename`, used once."""
+        with self._lock:
+            for fault in self.faults:
+                if fault.filename == filename and fault.times > 0:
+                    fault.times -= 1
+                    return fault
+        return None
+
+    def _record(self, request: _Request) -> None:
+        with self._lock:
+            self.requests.append(request)
+            self.bytes_sent[request.path] += request.sent
+        if self.on_request is not None:
+            self.on_request(request)
+
+
+def _serve(handler: type[BaseHTTPRequestHandler], name: str) -> tuple[ThreadingHTTPServer, threading.Thread]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, name=name, daemon=True)
+    thread.start()
+    return server, thread
 
 
 def _files(folder: Path) -> list[Path]:
@@ -144,7 +236,7 @@ def _etag_of(path: str, _mtime_ns: int, _size: int) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()  # git's blob id
 
 
-def _make_handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
+def _make_handler(hub: HubServer, *, storage_only: bool) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive, as huggingface_hub's client expects
         # Headers and body go out in two writes: without TCP_NODELAY, Nagle's
@@ -166,6 +258,8 @@ def _make_handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
         def _route(self, head: bool) -> None:
             raw_path = urlsplit(self.path).path
             parts = raw_path.split("/")[1:]
+            if storage_only and not (len(parts) >= 5 and parts[0] == "cdn"):
+                return self._error(404, None, "Not Found", head)
             if len(parts) >= 4 and parts[0] == "api" and parts[1] == "models":
                 repo_id = f"{unquote(parts[2])}/{unquote(parts[3])}"
                 rest = parts[4:]
@@ -179,8 +273,11 @@ def _make_handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
                 repo_id = f"{unquote(parts[0])}/{unquote(parts[1])}"
                 filename = unquote("/".join(parts[4:]))
                 return self._resolve(repo_id, unquote(parts[3]), filename, head)
-            if len(parts) >= 5 and parts[0] == "cdn":  # /cdn/{org}/{name}/{commit}/{file}
+            if len(parts) >= 5 and parts[0] == "cdn":  # /cdn/{org}/{name}/{commit}/{file}[?expires=T]
                 repo_id = f"{unquote(parts[1])}/{unquote(parts[2])}"
+                expires = parse_qs(urlsplit(self.path).query).get("expires", [""])[0]
+                if expires and float(expires) < time.time():
+                    return self._error(403, None, "Request has expired", head)
                 return self._resolve(repo_id, parts[3], unquote("/".join(parts[4:])), head, storage=True)
             self._error(404, None, "Not Found", head)
 
@@ -235,9 +332,15 @@ def _make_handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
                        "Content-Type": "application/octet-stream"}
             if path.name.endswith(_LFS_SUFFIXES):
                 headers |= {"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(size)}
-                if hub.redirect_lfs and not storage:
+                if (hub.redirect_lfs or hub.cdn) and not storage:
                     location = f"/cdn/{quote(repo_id)}/{found.commit}/{quote(filename)}"
+                    if hub.cdn:
+                        location = f"{hub.cdn_endpoint}{location}?expires={time.time() + hub.cdn_ttl_s:.3f}"
                     return self._send(302, {**headers, "Location": location}, b"", content_length=0, head=head)
+            fault = None if head else hub.take_fault(filename)
+            if fault is not None and fault.kind == "status":
+                extra = {"Retry-After": str(fault.retry_after)} if fault.retry_after is not None else {}
+                return self._error(fault.status, None, f"fault injected: HTTP {fault.status}", head, extra=extra)
             start, end, status = 0, size - 1, 200
             range_header = self.headers.get("Range")
             if range_header and not head and repo_id not in hub.ignore_ranges:
@@ -260,7 +363,7 @@ def _make_handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
                 with open(path, "rb") as f:
                     f.seek(start)
                     body = f.read(length)
-            self._send(status, headers, body, content_length=length, head=head)
+            self._send(status, headers, body, content_length=length, head=head, fault=fault)
 
         def _json(self, doc: object, head: bool, commit: str | None = None) -> None:
             body = json.dumps(doc).encode()
@@ -280,19 +383,47 @@ def _make_handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
             self._send(status, headers, body, content_length=len(body), head=head)
 
         def _send(self, status: int, headers: dict[str, str], body: bytes, *, content_length: int,
-                  head: bool) -> None:
+                  head: bool, fault: Fault | None = None) -> None:
             self.send_response(status)
             for key, value in headers.items():
                 self.send_header(key, value)
             self.send_header("Content-Length", str(content_length))
             self.end_headers()
             sent = 0
+            if fault is not None and fault.kind == "corrupt" and body:
+                body, fault = bytes([body[0] ^ 0xFF]) + body[1:], None
             if not head and body:
-                try:
-                    self.wfile.write(body)
-                    sent = len(body)
-                except (BrokenPipeError, ConnectionResetError):
-                    self.close_connection = True
-            hub._record(self.command, urlsplit(self.path).path, self.headers.get("Range"), status, sent)
+                cut = len(body) if fault is None else min(fault.after_bytes, len(body))
+                sent = self._write_paced(body[:cut])
+                if fault is not None:
+                    if fault.kind == "stall":
+                        time.sleep(fault.stall_s)
+                    self._drop()
+            request = _Request(self.command, urlsplit(self.path).path, self.headers.get("Range"), status,
+                               "cdn" if storage_only else "hub", "authorization" in self.headers, sent)
+            hub._record(request)
+
+        def _write_paced(self, body: bytes) -> int:
+            """Write `body` in small pieces, no faster than the throttle; return the bytes written."""
+            sent, began = 0, time.monotonic()
+            try:
+                for offset in range(0, len(body), _WRITE_BYTES):
+                    piece = body[offset:offset + _WRITE_BYTES]
+                    self.wfile.write(piece)
+                    sent += len(piece)
+                    if hub.throttle_bps:
+                        time.sleep(max(0.0, began + sent / hub.throttle_bps - time.monotonic()))
+            except (BrokenPipeError, ConnectionResetError):
+                self.close_connection = True
+            return sent
+
+        def _drop(self) -> None:
+            # Mid-body: the client sees a body shorter than its Content-Length.
+            self.close_connection = True
+            try:
+                self.wfile.flush()
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     return Handler
