@@ -84,6 +84,28 @@ def _renames(node: ast.AST, guards: tuple | None) -> list[tuple]:
     return found
 
 
+def _weight_helpers(tree: ast.Module) -> set[str]:
+    """Methods whose stream of weights a `load_weights` of TREE hands on (`loader.load_weights(self._preprocess(
+    weights))`: ERNIE-4.5-MoE).
+
+    Such a generator renames names before the loader sees them, as a rename in `load_weights` itself does. A
+    method that loads the weights itself (gpt-oss's `self._load_weights_quark(weights, ...)`, one path of
+    several) is not one: its renames hold on its path only.
+    """
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == "load_weights":
+            for outer in ast.walk(node):
+                if not isinstance(outer, ast.Call):
+                    continue
+                for call in outer.args:
+                    if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                            and isinstance(call.func.value, ast.Name) and call.func.value.id == "self"
+                            and any(isinstance(a, ast.Name) and a.id == "weights" for a in call.args)):
+                        found.add(call.func.attr)
+    return found - {"load_weights"}
+
+
 @dataclass
 class LoaderFacts:
     stacked: list[tuple[str, str]] = field(default_factory=list)
@@ -131,6 +153,7 @@ def _module_facts(mod: ModuleSource) -> LoaderFacts:
     facts.vocab_parallel |= any(name in text for name in _VOCAB_NAMES)
     facts.tied |= "tie_word_embeddings" in text
     facts.spec_layers |= "get_spec_layer_idx_from_weight_name" in text
+    helpers = _weight_helpers(mod.tree)
     for node in ast.walk(mod.tree):
         if isinstance(node, ast.Assign) and any(
                 isinstance(t, ast.Name) and "mapping" in t.id and "expert" not in t.id for t in node.targets):
@@ -152,7 +175,11 @@ def _module_facts(mod: ModuleSource) -> LoaderFacts:
                         target.update(e.value for e in kw.value.elts if isinstance(e, ast.Constant))
             elif fname == "extend" and node.args:
                 facts.stacked.extend(_str_tuples(node.args[0]))
-        elif isinstance(node, ast.FunctionDef) and node.name == "load_weights":
+        elif isinstance(node, ast.FunctionDef) and node.name in helpers:
+            for rename in _renames(node, ()):
+                if rename not in facts.renames:
+                    facts.renames.append(rename)
+        if isinstance(node, ast.FunctionDef) and node.name == "load_weights":
             for rename in _renames(node, ()):
                 if rename not in facts.renames:
                     facts.renames.append(rename)

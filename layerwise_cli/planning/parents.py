@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 
+from layerwise_cli.planning.completion import DIRECT_LOAD_TENSORS
 from layerwise_cli.planning.skip_rules import SkipRules, is_output_head, skip_rules_for
 
 # The fusions vLLM applies in almost every decoder model: the guess for an
@@ -83,9 +85,47 @@ class LayerMapping:
             "vllm": f"{arch}: read from the installed vLLM's model class",
             "guess": f"{arch}: not in layerwise's table (vLLM {self.vllm_version}): a guess, one parent layer "
                      "per module with the fusions vLLM applies almost everywhere (q/k/v -> qkv_proj, "
-                     "gate/up -> gate_up_proj, a layer's experts)",
+                     "gate/up -> gate_up_proj, a layer's experts), as its Transformers backend forms them for an "
+                     "architecture outside its registry",
             "generic": f"{arch}: generic fallback, grouped by outermost layer index (fusions unknown)",
         }[self.kind]
+
+    def loaded_directly(self, tensor_name: str) -> bool:
+        """Whether vLLM's loader writes TENSOR_NAME straight into the engine's tensor, never buffering it.
+
+        vLLM's reload wraps no loader of the tensors named in its `SKIP_LOAD_TENSORS` (`DIRECT_LOAD_TENSORS`:
+        an MoE gate's `e_score_correction_bias`), and its Transformers backend gives `lm_head` a new bias and
+        loads it with the plain loader on every load (`TransformersForCausalLM.load_weights`).
+        """
+        name = self.renamed(tensor_name)
+        return (name.rpartition(".")[2] in DIRECT_LOAD_TENSORS
+                or (self.backend == "transformers" and name.endswith("lm_head.bias")))
+
+    def uncounted_reason(self, tensor_name: str) -> str | None:
+        """Why vLLM's count of TENSOR_NAME's parent layer never completes, when this tensor is why (else None).
+
+        The Transformers backend's `lm_head.bias` is loaded outside the count, while the count still expects
+        its elements: vLLM holds `lm_head` to the end of the stream, padded vocabulary or not.
+        """
+        if self.backend == "transformers" and self.renamed(tensor_name).endswith("lm_head.bias"):
+            return "its bias is loaded outside vLLM's count (vLLM's Transformers backend registers it anew)"
+        return None
+
+    def for_tensors(self, tensor_names: Iterable[str]) -> LayerMapping:
+        """This mapping for a checkpoint of TENSOR_NAMES: on the Transformers backend, only the fusions it can form.
+
+        vLLM's Transformers backend fuses at engine start what its fusers find in the model's forward (q/k/v
+        projections, a GLU's gate and up), so a model without a gate (Arcee's and Jais2's `up_proj` alone: a
+        non-gated MLP) keeps its modules. A fusion is kept when the checkpoint holds each of its parts.
+        """
+        if self.backend != "transformers" or not self.packed:
+            return self
+        leaves = {name.rpartition(".")[0].rpartition(".")[2] for name in tensor_names}
+        parts: dict[str, set[str]] = {}
+        for part, fused in self.packed.items():
+            parts.setdefault(fused, set()).add(part)
+        kept = {part: fused for part, fused in self.packed.items() if parts[fused] <= leaves}
+        return self if kept == self.packed else replace(self, packed=kept)
 
     def renamed_candidates(self, tensor_name: str) -> list[str]:
         """TENSOR_NAME under each rename of the loader whose test was not read, where OLD occurs in it."""
@@ -208,8 +248,10 @@ def mapping_for_config(config: dict | None, prefer: str = "auto", *, model_cls: 
             raise LayerwiseError(f"--mapping {prefer} needs config.json's architectures; the checkpoint has none")
         raise LayerwiseError(f"architecture {arch!r} is not in layerwise's table (try --mapping auto)")
     if arch is not None and prefer == "auto":
+        # vLLM runs an architecture outside its registry on its Transformers backend (when `transformers` has it):
+        # that backend's fusions, and its rules for what a checkpoint lacks (`for_tensors`) and `lm_head.bias`.
         return LayerMapping("guess", arch, dict(_USUAL_FUSIONS), True, tied, skips(model_cls),
-                            vllm_version=arch_table.table_version())
+                            vllm_version=arch_table.table_version(), backend="transformers")
     return LayerMapping("generic", arch, {}, True, tied, skips(model_cls))
 
 
