@@ -80,9 +80,11 @@ OVERRIDES: dict[str, dict] = {
     # vLLM's MoE: "apply_router_weight_on_input is only implemented for topk=1" (Llama 4 routes to one expert).
     "Llama4ForCausalLM": dict(num_experts_per_tok=1),
     # Gemma 4's parts beyond its default: the MoE block beside the MLP (its experts count default is None, which
-    # the generic shrinking leaves) and the last two layers reading the KV cache of earlier ones.
+    # the generic shrinking leaves) and the last two layers reading the KV cache of the earlier layer of their
+    # attention type (so each type needs a layer before the shared ones: vLLM "'full_attention' is not in list").
     "Gemma4ForCausalLM": dict(enable_moe_block=True, num_experts=EXPERTS, top_k_experts=EXPERTS_PER_TOKEN,
-                              moe_intermediate_size=EXPERT_INTERMEDIATE, num_kv_shared_layers=2),
+                              moe_intermediate_size=EXPERT_INTERMEDIATE, num_kv_shared_layers=2, num_hidden_layers=4,
+                              layer_types=["sliding_attention", "full_attention"] * 2),
     # Attention runs on 2 x hidden: "attention_hidden_size must be divisible by num_attention_heads (got 256 and 2)"
     # with head_dim 64 (4 heads of 64); 4 Mamba heads of 64 as in the other hybrids.
     "Zamba2ForCausalLM": dict(num_attention_heads=4, num_key_value_heads=4, n_mamba_heads=4),

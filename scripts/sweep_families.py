@@ -124,7 +124,7 @@ def run_one(worker: Worker, arch: str, record: dict, timeout: float) -> bool:
     return False
 
 
-FALLBACK = "transformers (fallback)"  # the backend of an architecture outside vLLM's registry
+FALLBACK = sweep_docs.FALLBACK
 
 
 def sweep_table() -> dict[str, dict]:
@@ -162,6 +162,8 @@ def sweep(architectures: list[str], table: dict, results: dict, path: Path, work
 
     if not architectures:
         return
+    for record in results["architectures"].values():  # each row keeps the date it was swept on
+        record.setdefault("date", results.get("date"))
     results.update(versions())
     worker, started_workers = None, 0
     try:
@@ -178,6 +180,7 @@ def sweep(architectures: list[str], table: dict, results: dict, path: Path, work
                     worker.stop()
                     worker = None
             record["wall_s"] = round(time.monotonic() - began, 1)
+            record["date"] = results["date"]
             results["architectures"][arch] = record
             save_results(results, path)
             layerwise, vllm = (sweep_docs.outcome_of(record, method)[0] for method in sweep_docs.METHODS)
