@@ -151,3 +151,17 @@ def test_experts_beside_a_router_resolve_to_the_experts_module() -> None:
     modules = dict(model.named_modules())
     assert holder_of_parameters(modules, "experts") == "experts.routed_experts"
     assert holder_of_parameters(modules, "experts.gate") == "experts.gate"
+
+
+def test_a_router_registered_twice_is_found_under_the_checkpoints_name() -> None:
+    from layerwise_cli.worker.stream.rank_plan import _aliases
+
+    model = torch.nn.Module()
+    model.mlp = torch.nn.Module()
+    model.mlp.experts = torch.nn.Module()
+    gate = torch.nn.Linear(1, 1)
+    model.mlp.experts.gate = gate  # vLLM's experts runner holds the router (Transformers backend, Mellum) ...
+    model.mlp.gate = gate  # ... which stays where the checkpoint has it too
+    modules = dict(model.named_modules())
+    assert "mlp.gate" not in modules
+    assert _aliases(model, modules) == {"mlp.gate": "mlp.experts.gate"}

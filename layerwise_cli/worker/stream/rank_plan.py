@@ -132,6 +132,7 @@ class _Ownership:
         self._mapping = mapping
         self._mapper = getattr(model, "hf_to_vllm_mapper", None)
         self._modules = modules
+        self._aliases = _aliases(model, modules)
         self._missing = tuple(name for name, module in modules.items() if _is_missing_layer(module))
         self._resolved: dict[str, str] = {}
         self.engine_names: dict[str, str] = {}
@@ -170,6 +171,7 @@ class _Ownership:
         return local, elsewhere
 
     def _resolve(self, parent: str) -> str:
+        parent = self._aliases.get(parent, parent)
         if parent not in self._resolved:
             self._resolved[parent] = holder_of_parameters(self._modules, parent) if self._modules else parent
         return self._resolved[parent]
@@ -192,6 +194,19 @@ class _Ownership:
             return local_id(int(match.group(1))) == -1
         except Exception:  # noqa: BLE001 - cannot tell: read it, vLLM's loader decides
             return False
+
+
+def _aliases(model: torch.nn.Module, modules: dict[str, torch.nn.Module]) -> dict[str, str]:
+    """Second names of modules registered twice -> the name `named_modules()` gives them (the engine's name).
+
+    vLLM's Transformers backend registers an MoE block's router both where the checkpoint has it (`mlp.gate`)
+    and inside its experts runner (`mlp.experts.gate`); `named_modules()` lists it once, under the name met first.
+    """
+    if not hasattr(model, "named_modules"):
+        return {}
+    first = {id(module): name for name, module in modules.items()}
+    return {name: first[id(module)] for name, module in model.named_modules(remove_duplicate=False)
+            if name not in modules and id(module) in first}
 
 
 def holds_parameters(module: torch.nn.Module | None) -> bool:
