@@ -106,6 +106,9 @@ def entry_for(src: VllmSource, architecture: str, module: str, class_name: str, 
         "wrapped": wrapped,
         "notes": notes,
     }
+    if facts.kv_shared:
+        # `kv_shared_from` in the planner: vLLM's mapper of the K/V a KV-shared layer drops (see loader_facts).
+        entry["kv_shared_layers"] = True
     renames = list(facts.renames) + [r for r in inner_mapper_renames(src, ref, mapper) if r not in facts.renames]
     # One name replaced two ways under the same tests is a split into two tensors (TeleChat2's `key_value`), no
     # rename: the planner cannot follow it.

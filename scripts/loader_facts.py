@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass, field
 
 from scripts.vllm_source import ClassRef, ModuleSource, VllmSource
@@ -124,6 +125,9 @@ class LoaderFacts:
     # each with the tests of every `if` it sits in, when each is `name.endswith(S)` / `S in name` (or `or`s of
     # them): (old, new, ((suffixes, substrings), ...)), all of which must hold; None when one was not read.
     renames: list[tuple] = field(default_factory=list)
+    # The model builds its mapper from its config and drops the K/V of its KV-shared layers with it (Gemma 4's
+    # `self.hf_to_vllm_mapper = _gemma4_layer_weights_mapper(config)`).
+    kv_shared: bool = False
 
 
 def loader_facts(modules: list[ModuleSource]) -> LoaderFacts:
@@ -135,7 +139,7 @@ def loader_facts(modules: list[ModuleSource]) -> LoaderFacts:
         for name in ("expert_names", "skip_substr", "unexpected_prefix", "unexpected_suffix", "towers",
                      "language_model"):
             getattr(facts, name).update(getattr(one, name))
-        for name in ("moe", "vocab_parallel", "tied", "auto_loader", "spec_layers"):
+        for name in ("moe", "vocab_parallel", "tied", "auto_loader", "spec_layers", "kv_shared"):
             setattr(facts, name, getattr(facts, name) or getattr(one, name))
         facts.renames.extend(pair for pair in one.renames if pair not in facts.renames)
     return facts
@@ -153,6 +157,8 @@ def _module_facts(mod: ModuleSource) -> LoaderFacts:
     facts.vocab_parallel |= any(name in text for name in _VOCAB_NAMES)
     facts.tied |= "tie_word_embeddings" in text
     facts.spec_layers |= "get_spec_layer_idx_from_weight_name" in text
+    facts.kv_shared |= "num_kv_shared_layers" in text and bool(
+        re.search(r"self\.hf_to_vllm_mapper = \w+\(config\)", text))
     helpers = _weight_helpers(mod.tree)
     for node in ast.walk(mod.tree):
         if isinstance(node, ast.Assign) and any(

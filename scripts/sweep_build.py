@@ -79,6 +79,10 @@ OVERRIDES: dict[str, dict] = {
     "NemotronHForCausalLM": dict(layers_block_type=["linear_attention", "full_attention", "mlp"], num_hidden_layers=3),
     # vLLM's MoE: "apply_router_weight_on_input is only implemented for topk=1" (Llama 4 routes to one expert).
     "Llama4ForCausalLM": dict(num_experts_per_tok=1),
+    # dots1's expert counts default to None, which the generic shrinking leaves ("empty() takes 1 positional
+    # argument but 3 were given"): 4 experts top-2 with a shared one, after one dense layer.
+    "Dots1ForCausalLM": dict(n_routed_experts=EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN, n_shared_experts=1,
+                             first_k_dense_replace=1),
     # Gemma 4's parts beyond its default: the MoE block beside the MLP (its experts count default is None, which
     # the generic shrinking leaves) and the last two layers reading the KV cache of the earlier layer of their
     # attention type (so each type needs a layer before the shared ones: vLLM "'full_attention' is not in list").

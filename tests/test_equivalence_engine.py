@@ -514,7 +514,12 @@ def test_loading_in_place_leaves_the_engine_as_vllms_fresh_buffers_do(matrix, co
     assert_matches_fresh(in_place.answers, in_place.source, PROMPTS, options=options())
 
 
-REPAIRED = [pytest.param(config, id=config.label) for config in CONFIGS if config.repair_names]
+# `--verify` cannot yet load the router of vLLM's Transformers-backend MoE runner alone (`mlp.experts.gate`,
+# registered under two names; measured 2026-12-04: "Attempted to load weight (torch.Size([4, 128])) into parameter
+# (torch.Size([0]))"), so it reports it skipped. Strict: once it checks the router, the mark must go.
+VERIFY_GAPS = {"dots1-v192": "--verify cannot load the Transformers backend's MoE router alone (mlp.experts.gate)"}
+REPAIRED = [pytest.param(config, id=config.label, marks=[pytest.mark.xfail(strict=True, reason=VERIFY_GAPS[
+    config.label])] if config.label in VERIFY_GAPS else []) for config in CONFIGS if config.repair_names]
 
 
 @pytest.mark.parametrize("config", REPAIRED)

@@ -16,6 +16,8 @@ _USUAL_FUSIONS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_pro
 
 _EXPERT_RE = re.compile(r"^(?P<head>.*\.experts)\.\d+\.")
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
+# What Gemma 4's loader drops in a KV-shared layer (`_gemma4_layer_weights_mapper`'s `orig_to_new_substr`).
+_KV_SHARED_DROPS = re.compile(r"\.self_attn\.(?:k_proj|v_proj|k_norm)\.")
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,10 @@ class LayerMapping:
     # (suffixes, substrings) pair of which one must match; None when a test was not read: then a worker tries
     # the rename only for a tensor whose module its engine lacks (`renamed_candidates`).
     renames: tuple[tuple[str, str, tuple | None], ...] = ()
+    # The first KV-shared decoder layer (Gemma 4's `num_kv_shared_layers`), where the model's loader builds its
+    # mapper from the config (`_gemma4_layer_weights_mapper`): from there on a layer's attention has `q_proj`
+    # alone (not fused) and the loader drops the checkpoint's `k_proj`, `v_proj` and `k_norm`. None: no such rule.
+    kv_shared_from: int | None = None
 
     def __post_init__(self) -> None:
         if self.skips is None:
@@ -67,7 +73,16 @@ class LayerMapping:
     def skip_reason(self, tensor_name: str) -> str | None:
         """Why vLLM's loader skips a checkpoint tensor on purpose (see `skip_rules`), or None if it loads it."""
         assert self.skips is not None
+        if self._kv_shared(tensor_name) and _KV_SHARED_DROPS.search(tensor_name):
+            return (f"{self.architecture}'s loader drops the K/V projections of its KV-shared layers (from layer "
+                    f"{self.kv_shared_from}: they read an earlier layer's KV cache)")
         return self.skips.reason(tensor_name)
+
+    def _kv_shared(self, name: str) -> bool:
+        if self.kv_shared_from is None:
+            return False
+        match = _LAYER_RE.search(name)
+        return match is not None and int(match.group(1)) >= self.kv_shared_from
 
     @property
     def description(self) -> str:
@@ -162,7 +177,7 @@ class LayerMapping:
             if match:
                 module = match.group("head")
         head, _, leaf = module.rpartition(".")
-        if leaf in self.packed:
+        if leaf in self.packed and not (self._kv_shared(module + ".") and leaf == "q_proj"):
             module = f"{head}.{self.packed[leaf]}" if head else self.packed[leaf]
         tower = next((prefix for prefix in self.towers if tensor_name.startswith(prefix)), None)
         if self.kind == "generic":
@@ -229,7 +244,7 @@ def mapping_for_config(config: dict | None, prefer: str = "auto", *, model_cls: 
     installed = arch_table.installed_vllm_version() if prefer == "auto" and entry is not None else None
     stale = installed is not None and arch_table.table_for(installed) is None
     if entry is not None and (prefer == "table" or (prefer == "auto" and not stale)):
-        return mapping_from_entry(arch, entry, tied, skips(model_cls, entry))
+        return mapping_from_entry(arch, entry, tied, skips(model_cls, entry), config)
     if prefer in {"auto", "vllm"} and arch:
         from layerwise_cli.planning.vllm_mapping import fusions_from_vllm, model_class_if_installed
 
@@ -240,7 +255,7 @@ def mapping_for_config(config: dict | None, prefer: str = "auto", *, model_cls: 
                                 skips(model_cls or model_class_if_installed(arch), entry),
                                 renames=table_renames(entry))
         if entry is not None:  # vLLM could not import the class: the table still knows it
-            return mapping_from_entry(arch, entry, tied, skips(model_cls, entry))
+            return mapping_from_entry(arch, entry, tied, skips(model_cls, entry), config)
     if prefer in {"table", "vllm"}:
         from layerwise_cli.errors import LayerwiseError
 
@@ -255,7 +270,8 @@ def mapping_for_config(config: dict | None, prefer: str = "auto", *, model_cls: 
     return LayerMapping("generic", arch, {}, True, tied, skips(model_cls))
 
 
-def mapping_from_entry(architecture: str, entry: dict, tied: bool, skips: SkipRules) -> LayerMapping:
+def mapping_from_entry(architecture: str, entry: dict, tied: bool, skips: SkipRules,
+                       config: dict | None = None) -> LayerMapping:
     """The mapping one entry of the architecture table describes (see `arch_table`), with its skip rules."""
     wrapped = entry.get("wrapped") or {}
     from layerwise_cli.planning import arch_table
@@ -264,8 +280,19 @@ def mapping_from_entry(architecture: str, entry: dict, tied: bool, skips: SkipRu
         "table", architecture, dict(entry.get("packed") or {}), bool(entry.get("experts")),
         skips.tied_head, skips, tuple(wrapped.get("tower_prefixes") or ()),
         entry.get("class"), entry.get("backend", "vllm"), arch_table.table_version(),
-        table_renames(entry),
+        table_renames(entry), kv_shared_from(entry, config),
     )
+
+
+def kv_shared_from(entry: dict, config: dict | None) -> int | None:
+    """The first KV-shared layer where ENTRY's loader drops their K/V (`kv_shared_layers`), from CONFIG; or None."""
+    if not entry.get("kv_shared_layers") or not isinstance(config, dict):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    shared, layers = text.get("num_kv_shared_layers"), text.get("num_hidden_layers")
+    if not isinstance(shared, int) or not isinstance(layers, int) or shared <= 0:
+        return None
+    return layers - shared
 
 
 def table_renames(entry: dict | None) -> tuple[tuple[str, str, tuple | None], ...]:
