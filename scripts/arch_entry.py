@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ast
 
-from scripts.loader_facts import leaf, loader_facts, related_modules
+from scripts.loader_facts import held_modules, leaf, loader_facts, related_modules
 from scripts.vllm_source import ClassRef, Mapper, Unknown, VllmSource
 
 # vLLM's Transformers backend fuses at engine start what its fusers find by
@@ -106,6 +106,10 @@ def entry_for(src: VllmSource, architecture: str, module: str, class_name: str, 
         "wrapped": wrapped,
         "notes": notes,
     }
+    held = held_modules(modules)
+    if held:
+        # Modules vLLM's reload completes only at the end of the stream (see `loader_facts.held_modules`).
+        entry["held_modules"] = sorted(held)
     if facts.kv_shared:
         # `kv_shared_from` in the planner: vLLM's mapper of the K/V a KV-shared layer drops (see loader_facts).
         entry["kv_shared_layers"] = True

@@ -223,3 +223,37 @@ def related_modules(src: VllmSource, ref: ClassRef) -> list[ModuleSource]:
                 if other is not None and source.startswith("vllm.model") and attr in other.classes:
                     mods.setdefault(other.name, other)
     return [mods[name] for name in sorted(mods)]
+
+
+def _counts_a_derived_buffer(cls: ast.ClassDef) -> bool:
+    """Whether CLS's `__init__` makes parameters and registers a non-persistent buffer beside them."""
+    for init in (n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"):
+        calls = [n for n in ast.walk(init) if isinstance(n, ast.Call)]
+        derived = any(isinstance(c.func, ast.Attribute) and c.func.attr == "register_buffer" and any(
+            k.arg == "persistent" and isinstance(k.value, ast.Constant) and k.value.value is False
+            for k in c.keywords) for c in calls)
+        parameters = any((isinstance(c.func, ast.Attribute) and c.func.attr == "Parameter")
+                         or (isinstance(c.func, ast.Name) and c.func.id == "Parameter") for c in calls)
+        if derived and parameters:
+            return True
+    return False
+
+
+def held_modules(modules: list[ModuleSource]) -> set[str]:
+    """Attribute names (`self.router = Gemma4Router(...)`) of modules vLLM's reload holds to the end of a stream.
+
+    Such a module owns parameters and a non-persistent buffer (derived, never in a checkpoint: Gemma 4's
+    router and its `root_size`). vLLM's reload counts every tensor of a module towards its completion
+    (`get_layer_size`), the buffer included, so the checkpoint never completes it: vLLM processes it at the end.
+    """
+    classes = {cls.name for mod in modules for cls in ast.walk(mod.tree)
+               if isinstance(cls, ast.ClassDef) and _counts_a_derived_buffer(cls)}
+    found = set()
+    for mod in modules:
+        for node in ast.walk(mod.tree):
+            if (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Attribute)
+                    and isinstance(node.targets[0].value, ast.Name) and node.targets[0].value.id == "self"
+                    and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name)
+                    and node.value.func.id in classes):
+                found.add(node.targets[0].attr)
+    return found

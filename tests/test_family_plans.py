@@ -165,3 +165,24 @@ def test_a_router_registered_twice_is_found_under_the_checkpoints_name() -> None
     modules = dict(model.named_modules())
     assert "mlp.gate" not in modules
     assert _aliases(model, modules) == {"mlp.gate": "mlp.experts.gate"}
+
+
+def test_gemma4s_kv_shared_layers_and_router_are_planned_as_its_loader_and_vllms_count_do(tmp_path) -> None:
+    config = {"num_hidden_layers": 4, "num_kv_shared_layers": 2}
+    mapping = mapping_for_config({"architectures": ["Gemma4ForCausalLM"], **config})
+    assert mapping.kv_shared_from == 2
+    # Layers 2 and 3 read an earlier layer's KV cache: `q_proj` alone, their K/V dropped by the loader.
+    assert mapping.parent_of("model.layers.1.self_attn.q_proj.weight").name == "model.layers.1.self_attn.qkv_proj"
+    assert mapping.parent_of("model.layers.2.self_attn.q_proj.weight").name == "model.layers.2.self_attn.q_proj"
+    for name in ("k_proj.weight", "v_proj.weight", "k_norm.weight"):
+        assert mapping.parent_of(f"model.layers.3.self_attn.{name}") is None
+        assert "KV-shared" in mapping.skip_reason(f"model.layers.3.self_attn.{name}")
+    assert mapping.parent_of("model.layers.3.self_attn.q_norm.weight") is not None
+    # The router owns `scale` and `per_expert_scale` and a derived `root_size` vLLM counts: held to the end.
+    tensors = {"model.embed_tokens.weight": (192, 8), "model.layers.0.router.scale": (8,),
+               "model.layers.0.router.per_expert_scale": (4,), "model.layers.0.router.proj.weight": (4, 8),
+               "model.layers.0.layer_scalar": (1,)}
+    plan = build_plan(_checkpoint(tmp_path, "Gemma4ForCausalLM", tensors, vocab_size=192, **config), mapping)
+    assert set(plan.held) == {"model.layers.0.router"}
+    assert "derived buffer" in plan.held["model.layers.0.router"].reason
+    assert "model.layers.0" in {layer.name for layer in plan.layers}  # `layer_scalar`: a parent of its own

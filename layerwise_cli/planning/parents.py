@@ -64,6 +64,10 @@ class LayerMapping:
     # mapper from the config (`_gemma4_layer_weights_mapper`): from there on a layer's attention has `q_proj`
     # alone (not fused) and the loader drops the checkpoint's `k_proj`, `v_proj` and `k_norm`. None: no such rule.
     kv_shared_from: int | None = None
+    # Leaf names of modules vLLM completes only at the end of the stream: they own parameters and a derived
+    # (non-persistent) buffer its reload counts but no checkpoint fills (Gemma 4's `router`; the table's
+    # `held_modules`).
+    held_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.skips is None:
@@ -117,13 +121,17 @@ class LayerMapping:
                 or (self.backend == "transformers" and name.endswith("lm_head.bias")))
 
     def uncounted_reason(self, tensor_name: str) -> str | None:
-        """Why vLLM's count of TENSOR_NAME's parent layer never completes, when this tensor is why (else None).
+        """Why vLLM's count of TENSOR_NAME's parent layer never completes, when the tensor or its layer says why.
 
         The Transformers backend's `lm_head.bias` is loaded outside the count, while the count still expects
-        its elements: vLLM holds `lm_head` to the end of the stream, padded vocabulary or not.
+        its elements: vLLM holds `lm_head` to the end of the stream, padded vocabulary or not. A module of
+        `held_modules` counts a derived buffer no checkpoint fills.
         """
         if self.backend == "transformers" and self.renamed(tensor_name).endswith("lm_head.bias"):
             return "its bias is loaded outside vLLM's count (vLLM's Transformers backend registers it anew)"
+        parent = self.parent_of(tensor_name)
+        if parent is not None and parent.name.rpartition(".")[2] in self.held_modules:
+            return "vLLM counts a derived buffer of it that no checkpoint fills"
         return None
 
     def for_tensors(self, tensor_names: Iterable[str]) -> LayerMapping:
@@ -280,7 +288,7 @@ def mapping_from_entry(architecture: str, entry: dict, tied: bool, skips: SkipRu
         "table", architecture, dict(entry.get("packed") or {}), bool(entry.get("experts")),
         skips.tied_head, skips, tuple(wrapped.get("tower_prefixes") or ()),
         entry.get("class"), entry.get("backend", "vllm"), arch_table.table_version(),
-        table_renames(entry), kv_shared_from(entry, config),
+        table_renames(entry), kv_shared_from(entry, config), tuple(entry.get("held_modules") or ()),
     )
 
 
