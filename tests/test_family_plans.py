@@ -151,6 +151,15 @@ def test_experts_beside_a_router_resolve_to_the_experts_module() -> None:
     modules = dict(model.named_modules())
     assert holder_of_parameters(modules, "experts") == "experts.routed_experts"
     assert holder_of_parameters(modules, "experts.gate") == "experts.gate"
+    # A decoder layer owning `layer_scalar` is its own holder, not the one experts module under it (Gemma 4).
+    layer = torch.nn.Module()
+    layer.register_buffer("layer_scalar", torch.ones(1))
+    layer.experts = runner
+    layer.self_attn = torch.nn.Linear(1, 1)
+    modules = dict(layer.named_modules())
+    assert holder_of_parameters(modules, "") == ""
+    del layer.layer_scalar
+    assert holder_of_parameters(dict(layer.named_modules()), "") == ""  # several holders, no experts parent
 
 
 def test_a_router_registered_twice_is_found_under_the_checkpoints_name() -> None:

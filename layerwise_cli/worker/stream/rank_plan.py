@@ -254,10 +254,10 @@ def holder_of_parameters(modules: dict[str, torch.nn.Module], name: str) -> str:
     `mlp.experts.routed_experts`); then that child is the layer vLLM buffers.
     """
     module = modules.get(name)
-    if module is None or holds_parameters(module):
+    if module is None or takes_checkpoint_tensors(module):
         return name
     holders = [child for child, sub in modules.items() if child.startswith(name + ".") and holds_parameters(sub)]
-    if len(holders) > 1:
+    if len(holders) > 1 and name.rpartition(".")[2] == "experts":
         # vLLM's Transformers backend puts the router beside the experts (`mlp.experts.gate`,
         # `mlp.experts.routed_experts`): the experts' tensors go to the module that maps experts to its slots.
         holders = [child for child in holders if callable(getattr(modules[child], "get_expert_mapping", None))]
