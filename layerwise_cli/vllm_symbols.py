@@ -237,6 +237,9 @@ COPIED_RULES: tuple[CopiedRule, ...] = (
                layerwise_site="planning/completion_rule.py VOCAB_PADDING"),
     *(CopiedRule("completion rule", f"{_RELOAD}.{name}", layerwise_site="planning/completion_rule.py")
       for name in ("layerwise", "types", "utils", "meta", "sanitize")),
+    CopiedRule("direct loads", f"{_RELOAD}.meta", ("SKIP_LOAD_TENSORS",), constant="SKIP_LOAD_TENSORS",
+               copied_value=("layerwise_cli.planning.completion_rule", "DIRECT_LOAD_TENSORS"),
+               layerwise_site="planning/completion.py DIRECT_LOAD_TENSORS"),
     # worker/stream/in_place.py hands `_layerwise_process` views of the engine's tensors: it relies on vLLM calling
     # `materialize_layer` by its module-level name, loading into what it materialized and copying that back.
     CopiedRule("in-place materialization", f"{_RELOAD}.layerwise",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ast
 
-from scripts.loader_facts import leaf, loader_facts, related_modules
+from scripts.loader_facts import held_modules, leaf, loader_facts, related_modules
 from scripts.vllm_source import ClassRef, Mapper, Unknown, VllmSource
 
 # vLLM's Transformers backend fuses at engine start what its fusers find by
@@ -106,12 +106,66 @@ def entry_for(src: VllmSource, architecture: str, module: str, class_name: str, 
         "wrapped": wrapped,
         "notes": notes,
     }
-    if facts.renames:
+    held = held_modules(modules)
+    if held:
+        # Modules vLLM's reload completes only at the end of the stream (see `loader_facts.held_modules`).
+        entry["held_modules"] = sorted(held)
+    if facts.kv_shared:
+        # `kv_shared_from` in the planner: vLLM's mapper of the K/V a KV-shared layer drops (see loader_facts).
+        entry["kv_shared_layers"] = True
+    renames = list(facts.renames) + [r for r in inner_mapper_renames(src, ref, mapper) if r not in facts.renames]
+    # One name replaced two ways under the same tests is a split into two tensors (TeleChat2's `key_value`), no
+    # rename: the planner cannot follow it.
+    splits = {(old, repr(guards)) for old, new, guards in renames
+              if any(o == old and repr(g) == repr(guards) and n != new for o, n, g in renames)}
+    renames = [r for r in renames if (r[0], repr(r[2])) not in splits]
+    if renames:
         # In the order the loader's source has them. `when`: the tests of the `if`s around it, all of which must
         # hold (each: the name ends with one of `suffix` or holds one of `substr`); a rename with a test that
         # was not read (`when` null) applies only to a name whose module the engine lacks (the worker tries it).
         entry["renames"] = [{"old": old, "new": new, "when": None if guards is None else [
             {"suffix": list(suffixes), "substr": list(substrings)} for suffixes, substrings in guards]}
-            for old, new, guards in facts.renames]
+            for old, new, guards in renames]
     return entry
 
+
+
+def inner_models(src: VllmSource, ref: ClassRef) -> list[ClassRef]:
+    """The classes REF's `__init__` (or a base's) builds as `self.NAME = Class(...)`: the inner model and the rest."""
+    found: dict[str, ClassRef] = {}
+    for cls in src.mro(ref):
+        for node in cls.node.body:
+            if not (isinstance(node, ast.FunctionDef) and node.name == "__init__"):
+                continue
+            for sub in ast.walk(node):
+                if (isinstance(sub, ast.Assign) and isinstance(sub.targets[0], ast.Attribute)
+                        and isinstance(sub.targets[0].value, ast.Name) and sub.targets[0].value.id == "self"
+                        and isinstance(sub.value, ast.Call) and isinstance(sub.value.func, ast.Name)):
+                    try:
+                        inner = src.lookup(cls.module, sub.value.func.id)
+                    except Unknown:
+                        continue
+                    if isinstance(inner, ClassRef):
+                        found.setdefault(inner.qualname, inner)
+    return list(found.values())
+
+
+def inner_mapper_renames(src: VllmSource, ref: ClassRef, outer: dict) -> list[tuple]:
+    """The suffix and substring renames of an inner model's own `hf_to_vllm_mapper` (Granite MoE's `GraniteMoeModel`).
+
+    Its `load_weights` applies them to the names below its prefix; a suffix or a substring is the same rename on
+    the checkpoint's full name, so each is a rename guarded by its own suffix or substring (`when`).
+    """
+    found = []
+    for inner in inner_models(src, ref):
+        try:
+            value = src.class_attr(inner, "hf_to_vllm_mapper")
+        except (KeyError, Unknown):
+            continue
+        if not isinstance(value, Mapper) or value.fields == outer:
+            continue
+        for kind, guard in (("suffix", lambda old: ((old,), ())), ("substr", lambda old: ((), (old,)))):
+            for old, new in (value.fields.get(kind) or {}).items():
+                if isinstance(new, str) and old != new:
+                    found.append((old, new, (guard(old),)))
+    return found

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass, field
 
 from scripts.vllm_source import ClassRef, ModuleSource, VllmSource
@@ -84,6 +85,28 @@ def _renames(node: ast.AST, guards: tuple | None) -> list[tuple]:
     return found
 
 
+def _weight_helpers(tree: ast.Module) -> set[str]:
+    """Methods whose stream of weights a `load_weights` of TREE hands on (`loader.load_weights(self._preprocess(
+    weights))`: ERNIE-4.5-MoE).
+
+    Such a generator renames names before the loader sees them, as a rename in `load_weights` itself does. A
+    method that loads the weights itself (gpt-oss's `self._load_weights_quark(weights, ...)`, one path of
+    several) is not one: its renames hold on its path only.
+    """
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == "load_weights":
+            for outer in ast.walk(node):
+                if not isinstance(outer, ast.Call):
+                    continue
+                for call in outer.args:
+                    if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                            and isinstance(call.func.value, ast.Name) and call.func.value.id == "self"
+                            and any(isinstance(a, ast.Name) and a.id == "weights" for a in call.args)):
+                        found.add(call.func.attr)
+    return found - {"load_weights"}
+
+
 @dataclass
 class LoaderFacts:
     stacked: list[tuple[str, str]] = field(default_factory=list)
@@ -102,6 +125,9 @@ class LoaderFacts:
     # each with the tests of every `if` it sits in, when each is `name.endswith(S)` / `S in name` (or `or`s of
     # them): (old, new, ((suffixes, substrings), ...)), all of which must hold; None when one was not read.
     renames: list[tuple] = field(default_factory=list)
+    # The model builds its mapper from its config and drops the K/V of its KV-shared layers with it (Gemma 4's
+    # `self.hf_to_vllm_mapper = _gemma4_layer_weights_mapper(config)`).
+    kv_shared: bool = False
 
 
 def loader_facts(modules: list[ModuleSource]) -> LoaderFacts:
@@ -113,7 +139,7 @@ def loader_facts(modules: list[ModuleSource]) -> LoaderFacts:
         for name in ("expert_names", "skip_substr", "unexpected_prefix", "unexpected_suffix", "towers",
                      "language_model"):
             getattr(facts, name).update(getattr(one, name))
-        for name in ("moe", "vocab_parallel", "tied", "auto_loader", "spec_layers"):
+        for name in ("moe", "vocab_parallel", "tied", "auto_loader", "spec_layers", "kv_shared"):
             setattr(facts, name, getattr(facts, name) or getattr(one, name))
         facts.renames.extend(pair for pair in one.renames if pair not in facts.renames)
     return facts
@@ -131,6 +157,9 @@ def _module_facts(mod: ModuleSource) -> LoaderFacts:
     facts.vocab_parallel |= any(name in text for name in _VOCAB_NAMES)
     facts.tied |= "tie_word_embeddings" in text
     facts.spec_layers |= "get_spec_layer_idx_from_weight_name" in text
+    facts.kv_shared |= "num_kv_shared_layers" in text and bool(
+        re.search(r"self\.hf_to_vllm_mapper = \w+\(config\)", text))
+    helpers = _weight_helpers(mod.tree)
     for node in ast.walk(mod.tree):
         if isinstance(node, ast.Assign) and any(
                 isinstance(t, ast.Name) and "mapping" in t.id and "expert" not in t.id for t in node.targets):
@@ -152,7 +181,11 @@ def _module_facts(mod: ModuleSource) -> LoaderFacts:
                         target.update(e.value for e in kw.value.elts if isinstance(e, ast.Constant))
             elif fname == "extend" and node.args:
                 facts.stacked.extend(_str_tuples(node.args[0]))
-        elif isinstance(node, ast.FunctionDef) and node.name == "load_weights":
+        elif isinstance(node, ast.FunctionDef) and node.name in helpers:
+            for rename in _renames(node, ()):
+                if rename not in facts.renames:
+                    facts.renames.append(rename)
+        if isinstance(node, ast.FunctionDef) and node.name == "load_weights":
             for rename in _renames(node, ()):
                 if rename not in facts.renames:
                     facts.renames.append(rename)
@@ -190,3 +223,37 @@ def related_modules(src: VllmSource, ref: ClassRef) -> list[ModuleSource]:
                 if other is not None and source.startswith("vllm.model") and attr in other.classes:
                     mods.setdefault(other.name, other)
     return [mods[name] for name in sorted(mods)]
+
+
+def _counts_a_derived_buffer(cls: ast.ClassDef) -> bool:
+    """Whether CLS's `__init__` makes parameters and registers a non-persistent buffer beside them."""
+    for init in (n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"):
+        calls = [n for n in ast.walk(init) if isinstance(n, ast.Call)]
+        derived = any(isinstance(c.func, ast.Attribute) and c.func.attr == "register_buffer" and any(
+            k.arg == "persistent" and isinstance(k.value, ast.Constant) and k.value.value is False
+            for k in c.keywords) for c in calls)
+        parameters = any((isinstance(c.func, ast.Attribute) and c.func.attr == "Parameter")
+                         or (isinstance(c.func, ast.Name) and c.func.id == "Parameter") for c in calls)
+        if derived and parameters:
+            return True
+    return False
+
+
+def held_modules(modules: list[ModuleSource]) -> set[str]:
+    """Attribute names (`self.router = Gemma4Router(...)`) of modules vLLM's reload holds to the end of a stream.
+
+    Such a module owns parameters and a non-persistent buffer (derived, never in a checkpoint: Gemma 4's
+    router and its `root_size`). vLLM's reload counts every tensor of a module towards its completion
+    (`get_layer_size`), the buffer included, so the checkpoint never completes it: vLLM processes it at the end.
+    """
+    classes = {cls.name for mod in modules for cls in ast.walk(mod.tree)
+               if isinstance(cls, ast.ClassDef) and _counts_a_derived_buffer(cls)}
+    found = set()
+    for mod in modules:
+        for node in ast.walk(mod.tree):
+            if (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Attribute)
+                    and isinstance(node.targets[0].value, ast.Name) and node.targets[0].value.id == "self"
+                    and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name)
+                    and node.value.func.id in classes):
+                found.add(node.targets[0].attr)
+    return found

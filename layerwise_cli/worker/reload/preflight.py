@@ -11,6 +11,7 @@ from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.planning.plan import Plan
 from layerwise_cli.planning.reference import check_against_reference
 from layerwise_cli.planning.skip_rules import skip_summary
+from layerwise_cli.worker.stream.rank_plan import takes_checkpoint_tensors
 
 
 def reference_checkpoint(model_path: str) -> Checkpoint | None:
@@ -59,10 +60,11 @@ def preflight(plan: Plan, model: torch.nn.Module, vllm_names: dict[str, str],
         if item.parent is None:
             continue
         module = modules.get(vllm_names[item.entry.name])
-        if module is None or not any(True for _ in module.parameters(recurse=False)):
+        if not takes_checkpoint_tensors(module):
             raise LayerwiseError(
                 f"tensor {item.entry.name!r} maps to {vllm_names[item.entry.name]!r}, which is not a "
-                "parameterised module of the engine's model (unknown tensor or other architecture)",
+                "module of the engine's model with parameters or persistent buffers of its own (unknown tensor "
+                "or other architecture)",
                 where=source,
             )
     if reference is None:

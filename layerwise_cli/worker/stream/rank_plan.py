@@ -86,7 +86,7 @@ class WorkerPlan:
     def engine_stream(self, order: str = "layer") -> list[PlannedTensor]:
         """This rank's tensors in `order` (`layer` or `file`), each with the engine module that buffers it."""
         stream = self.plan.layer_order if order == "layer" else self.plan.file_order
-        return [PlannedTensor(item.entry, self.vllm_names.get(item.entry.name)) for item in stream]
+        return [replace(item, parent=self.vllm_names.get(item.entry.name)) for item in stream]
 
     def parent_engine_names(self) -> dict[str, str]:
         """Each of the plan's parent layers (checkpoint names) -> the engine module that buffers it."""
@@ -112,7 +112,7 @@ def plan_for_worker(checkpoint: Checkpoint, model: torch.nn.Module, hf_config: d
     config = checkpoint.config or hf_config
     # The engine's own model class: its loader's skip rules are the ones that apply here.
     model_cls = type(model) if type(model).__module__.startswith("vllm.") else None
-    mapping = mapping_for_config(config, "auto", model_cls=model_cls)
+    mapping = mapping_for_config(config, "auto", model_cls=model_cls).for_tensors(t.name for t in checkpoint.tensors)
     modules = dict(model.named_modules()) if hasattr(model, "named_modules") else {}
     owner = _Ownership(model, modules, mapping)
     local, elsewhere = owner.split(checkpoint)
@@ -132,6 +132,7 @@ class _Ownership:
         self._mapping = mapping
         self._mapper = getattr(model, "hf_to_vllm_mapper", None)
         self._modules = modules
+        self._aliases = _aliases(model, modules)
         self._missing = tuple(name for name, module in modules.items() if _is_missing_layer(module))
         self._resolved: dict[str, str] = {}
         self.engine_names: dict[str, str] = {}
@@ -156,11 +157,11 @@ class _Ownership:
                 local.add(entry.name)
                 continue
             module_name = self._resolve(parent.name)
-            if self._modules and not holds_parameters(self._modules.get(module_name)):
+            if self._modules and not takes_checkpoint_tensors(self._modules.get(module_name)):
                 # Not a module of this engine: the model's loader may rename it itself (Granite-4's fused experts).
                 module_name = next((renamed for renamed in map(self._resolve_name,
                                                                self._mapping.renamed_candidates(name))
-                                    if renamed is not None and holds_parameters(self._modules.get(renamed))),
+                                    if renamed is not None and takes_checkpoint_tensors(self._modules.get(renamed))),
                                    module_name)
             if self._on_other_rank(module_name, name):
                 elsewhere.append(entry)
@@ -170,6 +171,7 @@ class _Ownership:
         return local, elsewhere
 
     def _resolve(self, parent: str) -> str:
+        parent = self._aliases.get(parent, parent)
         if parent not in self._resolved:
             self._resolved[parent] = holder_of_parameters(self._modules, parent) if self._modules else parent
         return self._resolved[parent]
@@ -194,9 +196,38 @@ class _Ownership:
             return False
 
 
+def _aliases(model: torch.nn.Module, modules: dict[str, torch.nn.Module]) -> dict[str, str]:
+    """Second names of modules registered twice -> the name `named_modules()` gives them (the engine's name).
+
+    vLLM's Transformers backend registers an MoE block's router both where the checkpoint has it (`mlp.gate`)
+    and inside its experts runner (`mlp.experts.gate`); `named_modules()` lists it once, under the name met first.
+    """
+    if not hasattr(model, "named_modules"):
+        return {}
+    first = {id(module): name for name, module in modules.items()}
+    return {name: first[id(module)] for name, module in model.named_modules(remove_duplicate=False)
+            if name not in modules and id(module) in first}
+
+
 def holds_parameters(module: torch.nn.Module | None) -> bool:
     """Whether MODULE has parameters of its own (not only in its sub-modules)."""
     return module is not None and any(True for _ in module.parameters(recurse=False))
+
+
+def takes_checkpoint_tensors(module: torch.nn.Module | None) -> bool:
+    """Whether MODULE loads checkpoint tensors of its own: a parameter, or a persistent buffer.
+
+    vLLM's loader (`AutoWeightsLoader`) loads a module's persistent buffers as it loads its parameters, and its
+    reload counts both towards the module's completion (`get_layer_size`): a container module that owns one
+    (Gemma 4's decoder layer and its `layer_scalar`) is a parent layer of its own. Buffers vLLM derives
+    (non-persistent: a rotary cache) take nothing from a checkpoint.
+    """
+    if module is None:
+        return False
+    if holds_parameters(module):
+        return True
+    derived = getattr(module, "_non_persistent_buffers_set", set())
+    return any(name not in derived for name, _ in module.named_buffers(recurse=False))
 
 
 def _is_missing_layer(module: torch.nn.Module) -> bool:
@@ -223,7 +254,11 @@ def holder_of_parameters(modules: dict[str, torch.nn.Module], name: str) -> str:
     `mlp.experts.routed_experts`); then that child is the layer vLLM buffers.
     """
     module = modules.get(name)
-    if module is None or holds_parameters(module):
+    if module is None or takes_checkpoint_tensors(module):
         return name
     holders = [child for child, sub in modules.items() if child.startswith(name + ".") and holds_parameters(sub)]
+    if len(holders) > 1 and name.rpartition(".")[2] == "experts":
+        # vLLM's Transformers backend puts the router beside the experts (`mlp.experts.gate`,
+        # `mlp.experts.routed_experts`): the experts' tensors go to the module that maps experts to its slots.
+        holders = [child for child in holders if callable(getattr(modules[child], "get_expert_mapping", None))]
     return holders[0] if len(holders) == 1 else name
