@@ -4,8 +4,10 @@ Two `layerwise serve` servers on the demo's dense *multiply*, each with its own 
 nodes), read a loopback Hub (`tests/support/hub_server.py`) whose `main` is moved in the middle of each
 operation, once the client has pinned it. Each server must end on the commit `main` named when the command
 started, the JSON must name it, and a later failed reload must put each server back on exactly that commit,
-not on what `main` names by then. A commit that vanished after the client pinned it fails pre-flight in one
-line naming repo and commit, and leaves both servers as they were.
+not on what `main` names by then: by its own rollback (NaN on both nodes), and by the fleet reloading back a
+server that had loaded the new commit while the other node refused it (a corrupted copy in that node's cache).
+A commit that vanished after the client pinned it fails pre-flight in one line naming repo and commit, and
+leaves both servers as they were.
 """
 
 from __future__ import annotations
@@ -54,11 +56,17 @@ def fleet(demo_models, hub, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def folders(demo_models, tmp_path_factory) -> dict:
-    """The commits' contents: *add* (the step), *multiply* (what the servers hold), *add* with NaN in its last layer."""
+    """The commits' contents: *add* (the step), *multiply* (what the servers start on), both in two shards, and
+    each of those with NaN in its last layer."""
     root = tmp_path_factory.mktemp("hub-commits")
-    nan = reshard(demo_models["add"], root / "nan", lambda name: "a" if ".layers.0." in name else "b",
-                  transform=nan_in_final_norm)
-    return {"add": demo_models["add"], "multiply": demo_models["multiply"], "nan": nan}
+
+    def two_shards(model: str, name: str, transform=None):
+        return reshard(demo_models[model], root / name, lambda t: "a" if ".layers.0." in t else "b",
+                       transform=transform)
+
+    return {"add": demo_models["add"], "multiply": demo_models["multiply"],
+            "nan": two_shards("add", "nan", nan_in_final_norm), "multiply2": two_shards("multiply", "multiply2"),
+            "multiply2-nan": two_shards("multiply", "multiply2-nan", nan_in_final_norm)}
 
 
 def nan_in_final_norm(tensors: dict) -> dict:
@@ -115,3 +123,29 @@ def test_a_commit_that_vanished_after_the_pin_fails_pre_flight_in_one_line(fleet
     assert errors and all(f"{REPO}@{gone}" in e and "no longer on the Hub" in e for e in errors), errors
     assert all("\n" not in r["error"] for r in report["servers"])
     assert [(server.answers(PAIRS), weight_version(server.url)) for server in fleet] == before
+
+
+def test_a_node_that_fails_the_update_and_one_that_goes_back_both_end_on_the_commit_they_held(fleet, hub, folders):
+    """The second node's Hub cache holds the new commit with NaN in its last layer (a corrupted copy on that node
+    alone): that server refuses it mid-stream and rolls back, the first, which loaded it, is reloaded back by
+    the fleet (`PreflightAnswer.loaded_revision`). `main` moved in the middle: both go back to the commit they
+    held, by their answers and their tag, not to what `main` names.
+    """
+    import shutil
+
+    held = hub.move_ref(REPO, "main", folders["add"])
+    code, report, stderr = reload_json(fleet, hub, "--weight-version", "v-held")
+    assert code == 0 and report["commit"] == held, stderr[-3000:]
+    new = hub.move_ref(REPO, "main", folders["multiply2"])
+    snapshot = fleet[1].cwd / "hf" / "hub" / "models--org--step" / "snapshots" / new
+    shutil.copytree(folders["multiply2-nan"], snapshot)
+    once_named(hub, new, lambda: hub.move_ref(REPO, "main", folders["multiply"]))
+    code, report, stderr = reload_json(fleet, hub, "--weight-version", "v-new")
+    assert code == 1 and report["commit"] == new, stderr[-3000:]
+    first, second = report["servers"]
+    assert "NaN" in second["error"] and second["rolled_back"], second
+    assert f"rolled back to the weights of {REPO}@{held}" in second["error"], second["error"]
+    assert first["report"]["commit"] == new and first["reloaded_back"] and first["holds"] == "previous", first
+    for server in fleet:
+        assert server.answers(PAIRS) == expected("add"), server.url
+        assert weight_version(server.url) == "v-held" and not server.is_paused()
