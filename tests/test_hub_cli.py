@@ -187,6 +187,15 @@ def test_hub_errors_are_one_line(hub_env: HubServer, args: list[str], expected: 
     assert one_error_line(layerwise("inspect-order", *args)).startswith(expected)
 
 
+def test_a_vanished_commit_is_one_line_naming_repo_and_commit(hub_env: HubServer, repos: dict[str, Path]) -> None:
+    """A commit force-pushed away: `reload` says so in one line naming repo and commit, before any engine starts."""
+    gone = hub_env.move_ref("org/forced", "main", repos["dense"])
+    hub_env.forget_commit("org/forced", gone)
+    line = one_error_line(layerwise("reload", "--weights-path", "org/forced", "--revision", gone,
+                                    "--model", str(repos["dense"])))
+    assert f"org/forced@{gone}" in line and "no longer on the Hub" in line, line
+
+
 def test_storage_redirects_are_followed(repos: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     # The Hub answers /resolve/ of a weight file with a 302 to its storage; the
     # range requests must follow it and still fetch only the headers.

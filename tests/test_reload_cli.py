@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.hub_server import HubServer
+from tests.support.hub_server import HubServer, once_named
 
 LAYERWISE = [sys.executable, "-m", "layerwise_cli"]
 
@@ -134,3 +134,25 @@ def test_reload_from_the_hub_end_to_end(demo_models, tmp_path):
     # --verify in process: every layer of the downloaded source matches, bit for bit.
     verify = report["verify"]
     assert verify["ok"] and verify["checked"] == verify["matched"] == len(names) and not verify["mismatched"]
+
+
+def test_a_hub_reload_reads_the_commit_main_named_at_its_start(demo_models, tmp_path):
+    """`main` moved once the reload pinned it changes nothing: the engine ends on the start commit, named.
+
+    The command resolves `main` before the engine starts; as it first reads that commit, `main` moves to the
+    engine's own weights (*multiply*). `--verify` proves layer by layer that the engine holds the start commit
+    (*add*, which differs from *multiply* in every layer), and no request after the pin named the branch.
+    """
+    with HubServer() as hub:
+        start = hub.add_repo("debug/step", demo_models["add"])
+        once_named(hub, start, lambda: hub.move_ref("debug/step", "main", demo_models["multiply"]))
+        proc = run("reload", "--weights-path", "debug/step", "--model", str(demo_models["multiply"]), "--json",
+                   "--verify", env={"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf")})
+        moved_to = hub.resolve("debug/step", "main").commit
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert moved_to != start and report["commit"] == start and report["source"] == "debug/step"
+    verify = report["verify"]
+    assert verify["ok"] and verify["checked"] == verify["matched"] == len(report["layers"]) > 0
+    named_main = [r.path for r in hub.requests if "/main" in r.path]
+    assert len(named_main) == 1 and named_main[0].endswith("/resolve/main/config.json"), named_main

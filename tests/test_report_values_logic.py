@@ -18,7 +18,8 @@ from tests.support.reports import report_of
 # The JSON keys of a report (`--json`, the workers' HTTP answers), one flat object as before the report had
 # sections: a key renamed or moved under a section would break clients and servers of another version.
 FLAT_KEYS = {
-    "order", "source", "wall_s", "bytes", "tensors", "peak_buffer_bytes", "peak_tensor", "predicted_peak_buffer_bytes",
+    "order", "source", "commit", "wall_s", "bytes", "tensors", "peak_buffer_bytes", "peak_tensor",
+    "predicted_peak_buffer_bytes",
     "largest_layer_bytes", "readahead_peak_bytes", "layers", "workers", "rank", "unexpected", "mapping", "device",
     "finalize_s", "notes", "verify", "held_to_end_bytes", "above_largest_layer_because", "position",
     "elsewhere_tensors", "elsewhere_bytes", "disk_read_bytes", "ranks", "engines", "skipped_layers", "skipped_bytes",

@@ -221,6 +221,19 @@ def _open_hub(repo_id: str, revision: str | None) -> Checkpoint:
                       pin.commit)
 
 
+def pin_source(source: str, revision: str | None) -> HubPin | None:
+    """One operation's commit: a Hub repo id's revision resolved once, at the start (`pin_commit`).
+
+    Every later step of the operation (every rank and server, pre-flight, the reload, `--verify`, the
+    rollback) is handed `pin.commit` as its revision, so that a ref moved meanwhile changes nothing. None for
+    a local path, which has no commit.
+
+    Raises:
+        LayerwiseError: one line naming the repo and revision (or commit): not found, vanished, unreachable.
+    """
+    return pin_commit(source, revision) if looks_like_repo_id(source) else None
+
+
 def pinned_source(checkpoint: Checkpoint) -> HubPin | None:
     """The pin a Hub checkpoint was read at (None for local sources): `str(...)` is what a worker records."""
     if checkpoint.kind != "hub" or checkpoint.commit is None:

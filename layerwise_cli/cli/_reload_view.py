@@ -15,6 +15,7 @@ from rich.table import Table
 from layerwise_cli.cli._output import stderr, stdout
 from layerwise_cli.report.progress import read_events
 from layerwise_cli.report.reload_report import ReloadReport
+from layerwise_cli.report.sections import Placement
 from layerwise_cli.report.verify_result import VerifyResult
 from layerwise_cli.units import human_bytes, human_seconds
 
@@ -67,6 +68,11 @@ def _size(path: str) -> int:
 def _layer_label(name: str) -> str:
     # Every decoder module starts with `model.`; the rest is what tells layers apart.
     return name.removeprefix("model.")
+
+
+def source_label(placement: Placement) -> str:
+    """The source as the header names it: `org/model@<commit>` for a Hub source (the commit it was read at)."""
+    return f"{placement.source}@{placement.commit}" if placement.commit else placement.source
 
 
 def render_report(report: ReloadReport, title: str = "Reload", top: int = 0) -> None:

@@ -24,7 +24,7 @@ from layerwise_cli.cli._options import (
     check_quantization,
 )
 from layerwise_cli.cli._output import handle_errors, print_json, stderr
-from layerwise_cli.cli._reload_view import render_report, render_verify, run_with_progress
+from layerwise_cli.cli._reload_view import render_report, render_verify, run_with_progress, source_label
 from layerwise_cli.errors import LayerwiseError, UsageError
 
 # In-process engine options: with --url the servers' engines already run with their own.
@@ -158,7 +158,13 @@ def reload_command(
     refusal = executor_refusal(distributed_executor_backend, cuda_available())
     if refusal:
         raise LayerwiseError(refusal)
-    source_dir, base = prepare_sources(weights_path, model, revision, quiet=as_json, allow_partial=allow_partial)
+    from layerwise_cli.client.pinning import pin_reload
+
+    # One commit per operation: a Hub repo id's revision is resolved here, once, before the engine starts; the
+    # download, the pre-flight, the reload, --verify and any rollback read that commit.
+    options, pin = pin_reload(weights_path, options)
+    source_dir, base = prepare_sources(weights_path, model, options.revision, quiet=as_json,
+                                       allow_partial=allow_partial)
     engine = EngineOptions(dtype=dtype, tensor_parallel_size=tensor_parallel_size,
                            pipeline_parallel_size=pipeline_parallel_size,
                            distributed_executor_backend=distributed_executor_backend, max_model_len=max_model_len,
@@ -175,7 +181,7 @@ def reload_command(
     try:
         report = run_with_progress(
             lambda path: reload_as(llm, source_dir, weights_path, replace(options, progress_path=path),
-                                   verify=verify, on_verify=on_verify),
+                                   verify=verify, on_verify=on_verify, commit=pin.commit if pin else None),
             None if as_json else new_progress_path(), f"reload {weights_path}", show=not as_json)
     finally:
         # Shut the engine down now: left to interpreter exit, multiprocessing
@@ -184,7 +190,7 @@ def reload_command(
     if as_json:
         print_json(report.to_dict())
     else:
-        render_report(report, title=f"Reload {weights_path}", top=top)
+        render_report(report, title=f"Reload {source_label(report.placement)}", top=top)
         if report.verify is not None:
             render_verify(report.verify, "engine")
     if report.verify is not None and not report.verify.ok:

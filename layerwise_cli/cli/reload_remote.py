@@ -8,7 +8,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from layerwise_cli.cli._output import print_json, report_error, stderr, stdout
-from layerwise_cli.cli._reload_view import render_report, render_verify
+from layerwise_cli.cli._reload_view import render_report, render_verify, source_label
 from layerwise_cli.client.fleet import all_or_nothing
 from layerwise_cli.client.remote import ServerResult, holdings, reload_servers
 from layerwise_cli.client.server_api import HOLDS_NEW, RemoteOptions
@@ -63,14 +63,22 @@ def reload_remote(urls: list[str], source: str, options: RemoteOptions, as_json:
             elif event == "resumed":
                 stderr.print(f"{where}: generation resumed after {human_seconds(data['paused_s'])} paused")
 
+    from dataclasses import replace
+
+    from layerwise_cli.client.pinning import pin_reload
+
+    # One commit per operation: a Hub repo id's revision is resolved here, once, before any server is
+    # pre-flighted; every server, the verification and a fleet going back read that commit.
+    reload_options, pin = pin_reload(source, options.reload)
+    options = replace(options, reload=reload_options)
     atomic = all_or_nothing(atomic, len(urls))
     if not as_json:
         rule = ", all or nothing" if atomic and len(urls) > 1 else ""
-        stderr.print(f"Reloading {escape(source)} into {len(urls)} server(s){rule} ...")
+        stderr.print(f"Reloading {escape(str(pin or source))} into {len(urls)} server(s){rule} ...")
     results = reload_servers(urls, source, options, on_event=on_event, atomic=atomic)
     ok = all(result.ok for result in results)
     if as_json:
-        print_json({"ok": ok, "source": source, "atomic": atomic,
+        print_json({"ok": ok, "source": source, "commit": pin.commit if pin else None, "atomic": atomic,
                     "servers": [result.to_dict() for result in results],
                     "holdings": holdings(results, source)})
     else:
@@ -94,7 +102,7 @@ def reload_remote(urls: list[str], source: str, options: RemoteOptions, as_json:
 
 def _render_server(result: ServerResult, top: int) -> None:
     if result.report is not None and result.method == "layerwise":
-        render_report(result.report, title=f"{result.url} reload {result.report.placement.source}", top=top)
+        render_report(result.report, title=f"{result.url} reload {source_label(result.report.placement)}", top=top)
     if result.verify is not None:
         render_verify(result.verify, result.url)
 

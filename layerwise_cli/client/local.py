@@ -194,7 +194,8 @@ def reload(llm, source: str, *, verify: bool = False, options: ReloadOptions | N
             `order`: `layer` (default) or `file` (vLLM's own read order, for comparison).
             `allow_partial`: accept a checkpoint that covers only some parameters.
             `readahead`: read the next layer while the engine processes the current one.
-            `revision`: Hub revision for a repo id.
+            `revision`: Hub revision for a repo id: resolved to its commit once, first, and every worker, the
+            verification and any rollback read that commit (`report.placement.commit` names it).
             `progress_path`: a file the first worker appends per-layer progress to.
             `allow_nonfinite`: load tensors holding NaN or Inf (by default refused,
             naming the file and tensor, and the engine rolled back).
@@ -231,6 +232,10 @@ def reload(llm, source: str, *, verify: bool = False, options: ReloadOptions | N
         options = ReloadOptions(**option_values)
     elif option_values:
         raise UsageError("give either options= or option keywords, not both")
+    from layerwise_cli.client.pinning import pin_reload
+
+    # A Hub repo id is read at one commit, resolved here, by every worker, the verification and any rollback.
+    options, _pin = pin_reload(source, options)
     per_worker = reload_workers(llm, source, options)
     verification = None
     if verify:

@@ -34,7 +34,8 @@ def reload_servers(urls: list[str], source: str, options: RemoteOptions | None =
 
     Args:
         urls: server base URLs, e.g. `http://127.0.0.1:8000`.
-        source: a checkpoint path as the servers see it, or a Hub repo id.
+        source: a checkpoint path as the servers see it, or a Hub repo id (its revision is resolved to a
+            commit first, and every server, pre-flight, verification and reload-back reads that commit).
         options: how to reload (pause mode, version tag, API key, verify, timeout).
         on_event: called as `on_event(url, event, data)` from the server's
             thread at every step (`checked`, `paused`, `reloaded`, `verified`,
@@ -53,7 +54,14 @@ def reload_servers(urls: list[str], source: str, options: RemoteOptions | None =
         from layerwise_cli.errors import UsageError
 
         raise UsageError("the same server URL is given twice")
+    from dataclasses import replace
+
     from layerwise_cli.client.fleet import all_or_nothing, reload_fleet
+    from layerwise_cli.client.pinning import pin_reload
+
+    # One commit per operation: every server reads the commit a Hub repo id's revision names now (no request
+    # when the caller pinned it already).
+    options = replace(options, reload=pin_reload(source, options.reload)[0])
 
     if all_or_nothing(atomic, len(urls)):
         return reload_fleet(urls, source, options, on_event)

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 
+from layerwise_cli.checkpoint.hub_pin import is_commit
 from layerwise_cli.client.pause_keeper import LeaseKeeper, step_done
 from layerwise_cli.client.server_api import (
     HOLDS_MIXED,
@@ -156,7 +157,9 @@ class ServerReload:
                     raise _ServerError(f"--verify needs layerwise's worker extension, and {extension}; nothing was "
                                        "changed (start the server with `layerwise serve`, or drop --verify)")
                 if self.options.reload.revision:
-                    self.warnings.append("--revision is ignored by vLLM's own reload_weights")
+                    self.warnings.append("vLLM's own reload_weights reads the Hub repo at whatever its default "
+                                         "branch names then, not at the commit this reload pinned (--revision "
+                                         "is ignored)")
                 if not self.options.reload.allow_nonfinite:
                     self.warnings.append("vLLM's own reload_weights does not check tensors for NaN/Inf")
             else:
@@ -201,7 +204,8 @@ class ServerReload:
                 self.warnings.append(f"it could not be reloaded back if another server failed: {back_error}")
             else:
                 self.back = backs.pop()
-            if self.back == (self.source, self.options.reload.revision):
+            # A Hub source held at a commit goes back to that commit; a local path only to what it holds now.
+            if self.back == (self.source, self.options.reload.revision) and not is_commit(self.back[1]):
                 self.warnings.append(f"its weights came from {self.source} itself: had another server failed, it "
                                      "could only have been reloaded back to what that path holds now")
             self._emit(self.url, "preflighted", {"back": self.back[0] if self.back else None})

@@ -17,21 +17,23 @@ from layerwise_cli.worker.rpc import ReloadOptions
 def download_source(repo_id: str, revision: str | None, quiet: bool) -> Path:
     """Download a Hub repo's checkpoint files (`CHECKPOINT_PATTERNS`), with huggingface_hub's progress bar."""
     from layerwise_cli.checkpoint.hub import download_checkpoint
-    from layerwise_cli.errors import describe_exception
-
     if quiet:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from layerwise_cli.checkpoint.hub_pin import hub_error
+
     try:
         return download_checkpoint(repo_id, revision)
     except Exception as exc:
-        raise describe_exception(exc, where=repo_id) from exc
+        # Given a pinned commit the Hub no longer has, the line names the repo and the commit.
+        raise hub_error(exc, repo_id, revision) from exc
 
 
 def prepare_sources(source: str, base: str | None, revision: str | None, quiet: bool = False, *,
                     allow_partial: bool = False) -> tuple[str, str]:
     """Pre-flight from the headers alone, before any engine starts.
 
-    SOURCE's headers are validated (a Hub repo is downloaded first); with a
+    SOURCE's headers are validated (a Hub repo is downloaded first, at REVISION: pass the commit the
+    operation pinned, `pin_reload`, so that a branch moved meanwhile changes nothing); with a
     BASE, its headers too, its architecture must match, and every SOURCE
     tensor must be one BASE has, with the same shape and a compatible dtype,
     and (unless `allow_partial`) every BASE tensor that feeds a parent layer
@@ -72,7 +74,7 @@ def prepare_sources(source: str, base: str | None, revision: str | None, quiet: 
 
 
 def reload_as(llm, local_source: str, shown_as: str, options: ReloadOptions, *, verify: bool = False,
-              on_verify: Callable[[], None] | None = None) -> ReloadReport:
+              on_verify: Callable[[], None] | None = None, commit: str | None = None) -> ReloadReport:
     """The public `reload` of LOCAL_SOURCE, then `verify_engine`, reported under the name the user gave.
 
     The command downloads a Hub repo first (with a progress bar) and hands the
@@ -88,6 +90,7 @@ def reload_as(llm, local_source: str, shown_as: str, options: ReloadOptions, *, 
         verify: check the engine against LOCAL_SOURCE after the reload; the report
             carries the result, passed or not (the caller decides what a failure means).
         on_verify: called just before the verification starts (for a status line).
+        commit: the Hub commit LOCAL_SOURCE was downloaded at (None: a local path), for the report.
 
     Returns:
         The merged report of all workers, with `verify` when asked.
@@ -105,5 +108,5 @@ def reload_as(llm, local_source: str, shown_as: str, options: ReloadOptions, *, 
         if on_verify is not None:
             on_verify()
         verification = verify_engine(llm, local_source, None, allow_unchecked=options.allow_unchecked)
-    return replace(report, placement=replace(report.placement, source=shown_as),
+    return replace(report, placement=replace(report.placement, source=shown_as, commit=commit),
                    findings=replace(report.findings, verify=verification))

@@ -29,6 +29,7 @@ class Placement:
 
     Attributes:
         source: the checkpoint, as the user named it.
+        commit: the Hub commit the source was read at, one for the whole operation (None: a local path).
         order: `layer` or `file`, the order the tensors were handed over in.
         mapping: how tensors were mapped to parent layers (`LayerMapping.description`).
         device: where the engine holds its weights (`cpu`, `cuda:0`).
@@ -45,6 +46,7 @@ class Placement:
     source: str
     order: str
     mapping: str = ""
+    commit: str | None = None
     device: str = "cpu"
     rank: int | None = None
     position: dict = field(default_factory=dict)
@@ -61,7 +63,8 @@ class Placement:
     def merged(cls, parts: Sequence[Placement], ranks: Sequence[RankSummary], source: str | None) -> Placement:
         """The first worker's placement, with every worker counted and listed (SOURCE, if given, renames it)."""
         first = parts[0]
-        return cls(source=first.source if source is None else source, order=first.order, mapping=first.mapping,
+        return cls(source=first.source if source is None else source, commit=first.commit, order=first.order,
+                   mapping=first.mapping,
                    device=first.device, engine_id=first.engine_id, reader_cpus=first.reader_cpus,
                    workers=len(parts), engines=len({rank.dp_rank for rank in ranks}), ranks=tuple(ranks))
 

@@ -96,7 +96,8 @@ class LayerwiseWorkerExtension:
                                 rolled_back=touched.get("rolled_back", False),
                                 followed_another_rank=isinstance(exc, PeerFailed),
                                 position=rank_position(self).to_dict(), traceback=traceback.format_exc()).to_json()
-        mark_loaded_from(self, source, asked.revision)
+        # A Hub source is recorded at the commit it was read at (`plan_reload`), never at a branch.
+        mark_loaded_from(self, source, report.placement.commit or asked.revision)
         return ReloadAnswer(ok=True, report=report.to_dict()).to_json()
 
     def layerwise_preflight(self, source: str, revision: str | None = None, allow_partial: bool = False) -> dict:

@@ -211,6 +211,24 @@ class HubServer:
             self.on_request(request)
 
 
+def once_named(hub: HubServer, text: str, then: Callable[[], object]) -> None:
+    """Call THEN once, after the first request whose path names TEXT (a commit: the operation pinned it).
+
+    Sets `hub.on_request`: `once_named(hub, commit, lambda: hub.move_ref(repo, "main", other))` moves a branch
+    in the middle of an operation, just after its first read of the commit the branch named at its start.
+    """
+    lock, done = threading.Lock(), []
+
+    def on_request(request: _Request) -> None:
+        with lock:
+            if done or text not in request.path:
+                return
+            done.append(request.path)
+        then()
+
+    hub.on_request = on_request
+
+
 def _serve(handler: type[BaseHTTPRequestHandler], name: str) -> tuple[ThreadingHTTPServer, threading.Thread]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from layerwise_cli.checkpoint.sources import Checkpoint, open_checkpoint, resolve_local
+from layerwise_cli.checkpoint.hub_pin import is_commit
+from layerwise_cli.checkpoint.sources import Checkpoint, looks_like_repo_id, open_checkpoint, pin_source, resolve_local
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.worker.reload.preflight import preflight, reference_checkpoint, refuse_direct_mode
 from layerwise_cli.worker.repairs.amx_mla import missing_message
@@ -28,6 +29,8 @@ class PlannedReload:
     position: RankPosition
     mine: WorkerPlan
     notes: list[str]
+    # The Hub commit SOURCE was read at (None for a local path): what this worker then holds.
+    commit: str | None = None
 
 
 def plan_reload(worker, source: str, *, revision: str | None = None, allow_partial: bool = False) -> PlannedReload:
@@ -42,7 +45,8 @@ def plan_reload(worker, source: str, *, revision: str | None = None, allow_parti
     refuse_direct_mode()
     model = worker.model_runner.get_model()
     model_config = worker.model_runner.model_config
-    local = resolve_local(source, revision)
+    commit = hub_commit(source, revision)
+    local = resolve_local(source, commit or revision)
     checkpoint = replace(open_checkpoint(str(local)), source=source)
     hf_config = model_config.hf_config.to_dict() if hasattr(model_config.hf_config, "to_dict") else None
     position = rank_position(worker)
@@ -60,11 +64,29 @@ def plan_reload(worker, source: str, *, revision: str | None = None, allow_parti
     missing = missing_message(model, {item.parent for item in mine.engine_stream("layer") if item.parent})
     if missing is not None:
         raise LayerwiseError(f"{source}: {missing}")
-    return PlannedReload(local, checkpoint, position, mine, notes)
+    return PlannedReload(local, checkpoint, position, mine, notes, commit)
+
+
+def hub_commit(source: str, revision: str | None) -> str | None:
+    """The commit to read a Hub SOURCE at: REVISION, which the client pinned (`pin_source`); None for a local path.
+
+    A caller that sent a branch or tag (an older client, a direct RPC) has it resolved here, once for this
+    rank, so that what the worker records as held is a commit all the same.
+    """
+    if not looks_like_repo_id(source):
+        return None
+    if is_commit(revision):
+        return revision
+    pin = pin_source(source, revision)
+    return None if pin is None else pin.commit
 
 
 def loaded_from(worker) -> tuple[str, str | None]:
-    """(source, revision) of the weights this worker holds: its last completed reload, else the engine's model."""
+    """(source, revision) of the weights this worker holds: its last completed reload, else the engine's model.
+
+    For a Hub source the revision is the commit it was read at (`mark_loaded_from`), never a branch: a rollback
+    or a fleet going back reloads exactly those weights, wherever the branch has moved since.
+    """
     previous = getattr(worker, _LOADED_FROM, None)
     if previous is not None:
         return previous
@@ -73,5 +95,6 @@ def loaded_from(worker) -> tuple[str, str | None]:
 
 
 def mark_loaded_from(worker, source: str, revision: str | None) -> None:
-    """Record that WORKER now holds SOURCE (at REVISION): what a rollback, or a fleet going back, reloads."""
+    """Record that WORKER now holds SOURCE (at REVISION, a commit for a Hub source): what a rollback, or a fleet
+    going back, reloads."""
     setattr(worker, _LOADED_FROM, (source, revision))

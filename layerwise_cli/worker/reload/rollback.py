@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from layerwise_cli import vllm_compat
+from layerwise_cli.checkpoint.hub_pin import is_commit
+from layerwise_cli.checkpoint.sources import looks_like_repo_id
 from layerwise_cli.errors import LayerwiseError, describe_exception
 from layerwise_cli.worker.proof.consensus import PeerFailed
 from layerwise_cli.worker.reload.reload_plan import loaded_from
@@ -35,7 +37,9 @@ def roll_back(worker, touched: dict, failure: BaseException):
         raise
     touched["rolled_back"] = True
     cls = PeerFailed if isinstance(failure, PeerFailed) else LayerwiseError
-    raise cls(f"{error}; the engine was rolled back to the weights of {source}") from None
+    # A Hub source is named at the commit it was read at, which is what was loaded back.
+    held = f"{source}@{revision}" if is_commit(revision) and looks_like_repo_id(source) else source
+    raise cls(f"{error}; the engine was rolled back to the weights of {held}") from None
 
 
 def discard_partial_reload(model: torch.nn.Module) -> None:

@@ -45,7 +45,8 @@ def build_report(run: ReloadRun) -> ReloadReport:
     before, after = run.disk_read_before, run.disk_read_after
     spot = skip.spot
     return ReloadReport(
-        placement=Placement(source=run.source, order=run.options.order, mapping=plan.mapping.description,
+        placement=Placement(source=run.source, commit=run.planned.commit, order=run.options.order,
+                            mapping=plan.mapping.description,
                             device=str(run.device), rank=getattr(run.worker, "rank", None),
                             position=run.planned.position.to_dict(),
                             engine_id=run.records.engine_id if run.records is not None else None,
