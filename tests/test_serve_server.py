@@ -208,11 +208,17 @@ def test_reload_add_into_multiply_through_the_cli(on_multiply, demo_models):
 
 
 @pytest.mark.server
-def test_reload_a_hub_repo_id_the_server_downloads(on_multiply, hub):
-    done = run_cli("reload", "--weights-path", "debug/add", "--url", on_multiply.url, "--json", env=_with_key())
+def test_reload_a_hub_repo_id_the_server_downloads(on_multiply, hub, tmp_path):
+    # The client pins `main` to its commit (one request for config.json's metadata) and sends the commit; the
+    # server's worker downloads the weights at that commit into its own cache.
+    client_env = {**_with_key(), "HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "client-hf-home"),
+                  "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    done = run_cli("reload", "--weights-path", "debug/add", "--url", on_multiply.url, "--json", env=client_env)
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["servers"][0]["report"]["source"] == "debug/add"
-    assert hub.sent_for(".safetensors") > 0  # the server's worker downloaded it, not this process
+    report = json.loads(done.stdout)["servers"][0]["report"]
+    assert report["source"] == "debug/add" and report["commit"] == hub.resolve("debug/add", "main").commit
+    assert hub.sent_for(".safetensors") > 0  # the server's worker downloaded it
+    assert not (tmp_path / "client-hf-home").exists() or not list((tmp_path / "client-hf-home").rglob("*.safetensors"))
     assert on_multiply.answers(PAIRS) == expected("add")
 
 

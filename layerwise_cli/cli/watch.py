@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import typer
+from rich.console import Group
 from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from layerwise_cli.cli._output import handle_errors, report_error, stderr
 from layerwise_cli.errors import LayerwiseError, UsageError
@@ -139,12 +141,14 @@ def _open_log(path: Path | None):
         raise describe_exception(exc, where=str(path)) from exc
 
 
-def _status(watcher) -> Table:
+def _status(watcher) -> Group:
     from layerwise_cli.units import human_bytes, human_seconds
 
     state = watcher.state
-    table = Table(title=f"watch {escape(str(watcher.root))}: newest step {escape(state.newest_seen or '-')}, "
-                  f"complete {escape(state.target or '-')}", title_justify="left")
+    # The heading is a line of its own, wrapped at the terminal's width: a table's title wraps at the table's,
+    # which a long watched path would cut in the middle of "newest step ...".
+    heading = Text(f"watch {watcher.root}: newest step {state.newest_seen or '-'}, complete {state.target or '-'}")
+    table = Table()
     table.add_column("server", overflow="fold")
     table.add_column("state")
     table.add_column("holds")
@@ -162,4 +166,4 @@ def _status(watcher) -> Table:
         table.add_row(escape(name), what, escape(str(server["version"] or "-")),
                       human_seconds(server["wall_s"]) if server["wall_s"] is not None else "-",
                       human_bytes(server["peak_bytes"]) if server["peak_bytes"] is not None else "-")
-    return table
+    return Group(heading, table)
