@@ -19,7 +19,7 @@ import torch
 
 from layerwise_cli.checkpoint.header import TensorEntry
 from layerwise_cli.planning.completion_rule import DIRECT_LOAD_TENSORS
-from layerwise_cli.planning.parents import mapping_for_config
+from layerwise_cli.planning.parents import mapping_for_config, merged_parts
 from layerwise_cli.planning.plan import PlannedTensor, build_plan, simulate_buffering
 from layerwise_cli.worker.stream.rank_plan import holder_of_parameters, takes_checkpoint_tensors
 from tests.support.synthetic import write_safetensors
@@ -121,6 +121,47 @@ def test_the_transformers_backends_head_bias_is_loaded_directly_and_holds_the_he
         # Held to the end: the head's weight (and the padded embedding's), the bias only while it is handed over.
         weights = (2 if vocab == 160 else 1) * vocab * 8 * 2
         assert plan.simulate("layer").peak_buffer_bytes == weights
+
+
+def test_the_transformers_backend_loads_a_tied_heads_bias() -> None:
+    # CTRL: the head is tied to the embeddings, and vLLM's Transformers backend takes `lm_head.bias` before
+    # its tied-head skip (`TransformersForCausalLM.load_weights`): the weight is skipped, the bias loaded.
+    config = {"architectures": ["CTRLLMHeadModel"], "tie_word_embeddings": True}
+    mapping = mapping_for_config(config)
+    assert mapping.backend == "transformers"
+    assert mapping.skip_reason("lm_head.weight") is not None
+    assert mapping.skip_reason("lm_head.bias") is None
+    assert mapping.parent_of("lm_head.bias").name == "lm_head"
+    # On vLLM's own model classes a tied head is skipped whole, bias included (GPT-2 has none to skip).
+    assert mapping_for_config({"architectures": ["LlamaForCausalLM"], "tie_word_embeddings": True}).skip_reason(
+        "lm_head.bias") is not None
+
+
+def test_the_transformers_backend_plans_only_the_fusions_the_engine_formed() -> None:
+    # BioGPT: the checkpoint has q/k/v, but the backend's fusers do not recognise its attention: no qkv_proj.
+    mapping = mapping_for_config({"architectures": ["BioGptForCausalLM"]})
+    assert mapping.backend == "transformers" and mapping.packed.get("q_proj") == "qkv_proj"
+    # BioGPT: the backend's fusers leave q_proj (scaled in the forward) and merge k_proj and v_proj.
+    merged = "merged_proj_6_k_proj_6_v_proj"
+    engine = ["biogpt.layers.0.self_attn.q_proj", f"biogpt.layers.0.self_attn.{merged}", "biogpt.layers.0.fc1"]
+    kept = mapping.for_engine(engine)
+    assert "q_proj" not in kept.packed
+    assert kept.parent_of("biogpt.layers.0.self_attn.q_proj.weight").name == "biogpt.layers.0.self_attn.q_proj"
+    for part in ("k_proj", "v_proj"):
+        assert kept.parent_of(f"biogpt.layers.0.self_attn.{part}.bias").name == \
+            f"biogpt.layers.0.self_attn.{merged}"
+    # An engine that formed qkv_proj keeps the fusion; vLLM's own classes are left as they are.
+    assert mapping.for_engine([engine[0], "biogpt.layers.0.self_attn.qkv_proj"]).packed["k_proj"] == "qkv_proj"
+    llama = mapping_for_config({"architectures": ["LlamaForCausalLM"]})
+    assert llama.for_engine(engine) is llama
+
+
+@pytest.mark.parametrize(("leaf", "parts"), [("merged_proj_6_k_proj_6_v_proj", ("k_proj", "v_proj")),
+                                             ("merged_proj_3_a_b_1_c", ("a_b", "c")),
+                                             ("merged_proj_1_a_3_b_c", ("a", "b_c")),
+                                             ("qkv_proj", ()), ("merged_proj_9_k", ()), ("merged_proj_x_k", ())])
+def test_the_transformers_backends_merged_names_are_read_back(leaf: str, parts: tuple[str, ...]) -> None:
+    assert merged_parts(leaf) == parts
 
 
 def test_a_container_modules_persistent_buffer_makes_it_a_parent() -> None:

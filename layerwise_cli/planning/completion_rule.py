@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from layerwise_cli.checkpoint.header import TensorEntry
@@ -166,7 +166,8 @@ def partial_fused_hold(name: str, tensor_names: Iterable[str], packed: Mapping[s
 
 def held_layers(groups: Mapping[str, list[TensorEntry]], order_keys: Mapping[str, tuple[int, int]],
                 packed: Mapping[str, str], config: Mapping | None, *, generic: bool,
-                tensor_parallel_size: int = 1, uncounted: Mapping[str, str] | None = None) -> dict[str, HeldLayer]:
+                tensor_parallel_size: int = 1, uncounted: Mapping[str, str] | None = None,
+                vocabulary_layers: Collection[str] | None = None) -> dict[str, HeldLayer]:
     """Every parent layer vLLM will hold to the end of the stream, with the reason.
 
     Args:
@@ -179,6 +180,8 @@ def held_layers(groups: Mapping[str, list[TensorEntry]], order_keys: Mapping[str
         tensor_parallel_size: the engine's tensor-parallel ranks.
         uncounted: parent layer -> why vLLM's count of it never completes (a tensor its model loads outside
             the count, which the count still expects: the Transformers backend's `lm_head.bias`).
+        vocabulary_layers: the parent layers the engine built vocabulary-parallel; None: every embedding and
+            output head with a matrix.
 
     Returns:
         Parent layer -> its hold, in the order of `groups`.
@@ -190,7 +193,8 @@ def held_layers(groups: Mapping[str, list[TensorEntry]], order_keys: Mapping[str
         hold = None
         rows = {entry.shape[0] for entry in entries if entry.shape}
         matrix = any(len(entry.shape) == 2 for entry in entries)  # not a norm that sorts with the embeddings
-        if is_vocabulary_layer(order_keys[name]) and matrix and len(rows) == 1:
+        vocabulary = vocabulary_layers is None or name in vocabulary_layers
+        if is_vocabulary_layer(order_keys[name]) and vocabulary and matrix and len(rows) == 1:
             # vLLM sizes the layer from config.json's vocab_size and asserts the
             # checkpoint's rows equal it, so the rows are the vocabulary.
             hold = vocab_hold(name, rows.pop(), tensor_parallel_size)

@@ -77,6 +77,9 @@ class LayerMapping:
     def skip_reason(self, tensor_name: str) -> str | None:
         """Why vLLM's loader skips a checkpoint tensor on purpose (see `skip_rules`), or None if it loads it."""
         assert self.skips is not None
+        if self.backend == "transformers" and tensor_name.endswith("lm_head.bias"):
+            # That backend's `load_weights` takes a head's bias before its tied-head skip: tied or not, it loads it.
+            return None
         if self._kv_shared(tensor_name) and _KV_SHARED_DROPS.search(tensor_name):
             return (f"{self.architecture}'s loader drops the K/V projections of its KV-shared layers (from layer "
                     f"{self.kv_shared_from}: they read an earlier layer's KV cache)")
@@ -150,6 +153,22 @@ class LayerMapping:
         kept = {part: fused for part, fused in self.packed.items() if parts[fused] <= leaves}
         return self if kept == self.packed else replace(self, packed=kept)
 
+    def for_engine(self, module_names: Iterable[str]) -> LayerMapping:
+        """This mapping for an engine of MODULE_NAMES: on the Transformers backend, only the fusions it formed.
+
+        That backend's fusers fuse only the modules they recognise in the model's forward, and name what they
+        merge themselves: BioGPT keeps its `q_proj` and gets `merged_proj_6_k_proj_6_v_proj` for `k_proj` and
+        `v_proj` (`MergedColumnParallelFuser.merged_name`). A fusion whose fused module the engine lacks is
+        dropped, and each merged module the engine has is planned as one parent of the parts its name lists.
+        """
+        if self.backend != "transformers":
+            return self
+        leaves = {name.rpartition(".")[2] for name in module_names}
+        kept = {part: fused for part, fused in self.packed.items() if fused in leaves}
+        for leaf in sorted(leaves):
+            kept.update({part: leaf for part in merged_parts(leaf)})
+        return self if kept == self.packed else replace(self, packed=kept)
+
     def renamed_candidates(self, tensor_name: str) -> list[str]:
         """TENSOR_NAME under each rename of the loader whose test was not read, where OLD occurs in it."""
         return [tensor_name.replace(old, new) for old, new, when in self.renames if when is None and old in tensor_name]
@@ -199,6 +218,27 @@ class LayerMapping:
             match = _LAYER_RE.search(module + ".")
             return ParentLayer(module, (4, int(match.group(1)) if match else -1))
         return ParentLayer(module, _order_key(module))
+
+
+def merged_parts(leaf: str) -> tuple[str, ...]:
+    """The modules vLLM's Transformers backend merged into LEAF (`merged_proj_6_k_proj_6_v_proj`); () if none.
+
+    The name is `merged_proj_` and, per part, its length and its name (`MergedColumnParallelFuser.merged_name`).
+    """
+    prefix = "merged_proj_"
+    if not leaf.startswith(prefix):
+        return ()
+    rest, parts = leaf[len(prefix):], []
+    while rest:
+        length, sep, rest = rest.partition("_")
+        if not length.isdigit() or not sep or len(rest) < int(length):
+            return ()
+        parts.append(rest[:int(length)])
+        rest = rest[int(length):]
+        if rest and not rest.startswith("_"):
+            return ()
+        rest = rest[1:]
+    return tuple(parts)
 
 
 def _order_key(module: str) -> tuple[int, int]:

@@ -138,7 +138,8 @@ def vllm_read_order(checkpoint: Checkpoint) -> list[TensorEntry]:
     return [t for shard in checkpoint.shards for t in sorted(shard.tensors, key=lambda t: t.name)]
 
 
-def build_plan(checkpoint: Checkpoint, mapping: LayerMapping, tensor_parallel_size: int = 1) -> Plan:
+def build_plan(checkpoint: Checkpoint, mapping: LayerMapping, tensor_parallel_size: int = 1, *,
+               vocabulary_layers: Collection[str] | None = None) -> Plan:
     """Assign each tensor to its parent layer and order the layers.
 
     Layer order keeps every parent layer's tensors together, layers in model
@@ -157,6 +158,9 @@ def build_plan(checkpoint: Checkpoint, mapping: LayerMapping, tensor_parallel_si
         mapping: how tensor names map to parent layers.
         tensor_parallel_size: the engine's tensor-parallel ranks (vocabulary
             padding falls on some ranks only).
+        vocabulary_layers: the parent layers the engine built vocabulary-parallel (padded); None: every
+            embedding and output head, as vLLM's own model classes build them (a positional embedding on the
+            Transformers backend is a plain one).
 
     Returns:
         The plan, with per-layer statistics in model order.
@@ -189,7 +193,7 @@ def build_plan(checkpoint: Checkpoint, mapping: LayerMapping, tensor_parallel_si
     to_end = held_layers({name: [i.entry for i in groups[name]] for name in layer_names},
                          {name: keys[name][0] for name in layer_names}, mapping.packed, checkpoint.config,
                          generic=mapping.kind == "generic", tensor_parallel_size=tensor_parallel_size,
-                         uncounted=uncounted)
+                         uncounted=uncounted, vocabulary_layers=vocabulary_layers)
     streamed = [name for name in layer_names if name not in to_end] + [name for name in layer_names if name in to_end]
     layer_order = [item for name in streamed for item in groups[name]]
     waiting = _held_while_waiting([t for t in planned if t.parent is not None], set(to_end))

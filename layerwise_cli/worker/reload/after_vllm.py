@@ -36,6 +36,7 @@ def load_what_vllm_could_not(run: ReloadRun, reader: ShardReader, *, restore_par
         put_back = holding_parents(load_again, timings)
         with engine_config(run.worker):
             handed = load_put_back_layers(run.model, put_back, run.engine_stream, reader.read)
+        run.loaded_by_model = list(load_again)
         run.notes.append(f"loaded {len(put_back)} layer(s) vLLM's reload could not ({', '.join(load_again)}: "
                          f"their model writes them outside what the reload sees) with the model's own "
                          f"loader after the reload ({handed} tensor(s))")
@@ -56,7 +57,7 @@ def repair(run: ReloadRun, reader: ShardReader) -> None:
         run.repair_notes, run.refreshed = apply_repairs(
             # A layer vLLM put back unloaded holds what it held: repacking it again would corrupt it.
             model, set(timings) - set(holding_parents(run.unloaded.modules, timings)),
-            derived=run.derived, enabled=run.options.repairs,
+            derived=run.derived, enabled=run.options.repairs, loaded_outside=set(run.loaded_by_model),
             tensors_of=lambda parent: [(item.entry.name, reader.read(item)) for item in run.engine_stream
                                        if item.parent == parent])
     prove_fresh(run, aliases_left_stale(model, run.derived, set(timings), run.refreshed))

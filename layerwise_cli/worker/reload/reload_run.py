@@ -98,6 +98,8 @@ class ReloadRun:
     # `handover.py` and `after_vllm.py`: modules vLLM could not load (it put their tensors back, or processed
     # them partly loaded); those it put back are left in `modules` once loaded again, if not.
     unloaded: Unloaded = field(default_factory=Unloaded)
+    # `after_vllm.py`: the modules loaded after vLLM's reload by the model's own loader (processed by none).
+    loaded_by_model: list[str] = field(default_factory=list)
     # `after_vllm.py`: the parent layers of the modules vLLM put back (it buffered none of their tensors).
     never_buffered: list[str] = field(default_factory=list)
     # `after_vllm.py`: the repairs' notes and what they refreshed (`after_reload`).

@@ -9,7 +9,7 @@ from layerwise_cli.engine_defaults import NO_REPAIRS_ENV, repairs_disabled
 
 
 def apply_repairs(model: torch.nn.Module, reloaded: set[str], *, derived=None, tensors_of=None,
-                     enabled: bool = True) -> tuple[list[str], list[dict]]:
+                  enabled: bool = True, loaded_outside: set[str] = frozenset()) -> tuple[list[str], list[dict]]:
     """Repair what vLLM's reload leaves stale; one note per kind of repair, one entry per tensor refreshed.
 
     Every repair is found by a rule, never by architecture, and is a no-op
@@ -25,6 +25,8 @@ def apply_repairs(model: torch.nn.Module, reloaded: set[str], *, derived=None, t
             to recompute alias buffers from.
         enabled: False (or `LAYERWISE_NO_CPU_FIXUPS` set in the worker) leaves the engine as vLLM's
             reload leaves it: the diagnostic switch.
+        loaded_outside: modules loaded after vLLM's reload with the model's own loader, which processes nothing
+            (`put_back_layers`): their CPU kernels are rebuilt too.
 
     Returns:
         (notes for the reload report, `{"module", "tensor", "reason"}` per tensor refreshed).
@@ -41,7 +43,16 @@ def apply_repairs(model: torch.nn.Module, reloaded: set[str], *, derived=None, t
         reason = "CPU MoE experts are prepacked only when the kernel is built; vLLM skips it on a weight update"
         refreshed += [{"module": name, "tensor": param, "reason": reason}
                       for name in repacked for param in ("w13_weight", "w2_weight")]
-    rebuilt, left = rebuild_derived_kernels(model, reloaded)
+    reprocessed, left_outside = rebuild_kernels(model, {name: "" for name in sorted(loaded_outside)})
+    if reprocessed:
+        notes.append(f"rebuilt the CPU kernel of {', '.join(sorted(reprocessed))}: loaded after vLLM's reload by "
+                     "the model's own loader, which does not re-process a module")
+        refreshed += [{"module": name, "tensor": "cpu_linear",
+                       "reason": "its packed CPU kernel is built when a module is processed, and the model's own "
+                                 "loader, which loaded it after vLLM's reload, processes nothing"}
+                      for name in sorted(reprocessed)]
+    rebuilt, left = rebuild_derived_kernels(model, reloaded, done=set(reprocessed))
+    left.update(left_outside)
     if rebuilt:
         notes.append(f"rebuilt the CPU kernel of {', '.join(sorted(rebuilt))}: it shares its weight with "
                      f"{', '.join(sorted(set(rebuilt.values())))}, which this reload refilled, and vLLM does not "
@@ -110,7 +121,8 @@ def derived_modules(model: torch.nn.Module, sources: set[str]) -> dict[str, str]
     return derived
 
 
-def rebuild_derived_kernels(model: torch.nn.Module, reloaded: set[str]) -> tuple[dict[str, str], dict[str, str]]:
+def rebuild_derived_kernels(model: torch.nn.Module, reloaded: set[str],
+                            done: set[str] = frozenset()) -> tuple[dict[str, str], dict[str, str]]:
     """Redo the CPU processing of modules whose weight a reload refilled through another module.
 
     On CPU, `UnquantizedEmbeddingMethod.process_weights_after_loading` (which
@@ -134,13 +146,27 @@ def rebuild_derived_kernels(model: torch.nn.Module, reloaded: set[str]) -> tuple
     Args:
         model: the engine's model.
         reloaded: names of the modules this reload processed.
+        done: modules whose kernel was rebuilt already (`loaded_outside`).
 
     Returns:
         (rebuilt: module -> the reloaded module it shares with,
          left: module -> why it could not be rebuilt).
     """
+    return rebuild_kernels(model, {name: origin for name, origin in derived_modules(model, reloaded).items()
+                                   if name not in done})
+
+
+def rebuild_kernels(model: torch.nn.Module, modules: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """Process each of MODULES (name -> what it is rebuilt for) again with vLLM's own embedding method, on CPU.
+
+    Only modules holding CPU kernel state (`cpu_linear`) are processed; the method only rebuilds that handle
+    from the module's current weight, and their parameters stay where they are.
+
+    Returns:
+        (rebuilt: name -> what it was rebuilt for, left: name -> why it could not be rebuilt).
+    """
     rebuilt, left = {}, {}
-    for name, origin in derived_modules(model, reloaded).items():
+    for name, origin in modules.items():
         module = model.get_submodule(name)
         if getattr(module, "cpu_linear", None) is None:
             continue

@@ -112,11 +112,13 @@ def plan_for_worker(checkpoint: Checkpoint, model: torch.nn.Module, hf_config: d
     config = checkpoint.config or hf_config
     # The engine's own model class: its loader's skip rules are the ones that apply here.
     model_cls = type(model) if type(model).__module__.startswith("vllm.") else None
-    mapping = mapping_for_config(config, "auto", model_cls=model_cls).for_tensors(t.name for t in checkpoint.tensors)
     modules = dict(model.named_modules()) if hasattr(model, "named_modules") else {}
+    mapping = mapping_for_config(config, "auto", model_cls=model_cls).for_tensors(
+        t.name for t in checkpoint.tensors).for_engine(modules)
     owner = _Ownership(model, modules, mapping)
     local, elsewhere = owner.split(checkpoint)
-    plan = build_plan(_cut(checkpoint, local), mapping, position.tp_size)
+    plan = build_plan(_cut(checkpoint, local), mapping, position.tp_size,
+                      vocabulary_layers=owner.vocabulary_parents() if modules else None)
     vllm_names = {name: module for name, module in owner.engine_names.items() if name in local}
     cut_reference = None
     if reference is not None:
@@ -169,6 +171,15 @@ class _Ownership:
             self.engine_names[entry.name] = module_name
             local.add(entry.name)
         return local, elsewhere
+
+    def vocabulary_parents(self) -> set[str]:
+        """The parent layers (checkpoint names) whose engine module is vocabulary-parallel: vLLM pads those.
+
+        A vocabulary-parallel module (`VocabParallelEmbedding`, `ParallelLMHead`) knows its padded size.
+        """
+        return {parent.name for tensor, module in self.engine_names.items()
+                if hasattr(self._modules.get(module), "num_embeddings_padded")
+                and (parent := self._mapping.parent_of(tensor)) is not None}
 
     def _resolve(self, parent: str) -> str:
         parent = self._aliases.get(parent, parent)
