@@ -1,19 +1,20 @@
 """A Hub commit streamed into a real engine by byte range: each byte once, unchanged layers never, the cache after.
 
-One engine in this process, started on A (a Qwen3-shaped checkpoint of 4 decoder layers, about 30 MB, written
-by `save_checkpoint` with header digests, the demo's tokenizer), reloads `org/step` from the loopback Hub
-(`tests/support/hub_server.py`, LFS bytes from a second origin) with the Python API. Each reload is proven
-against an engine started fresh on the same checkpoint (every tensor, and answers), and the Hub server counts
-what it sent:
+One engine in this process, started on the Hub repo id `org/step` itself while `main` named A (a Qwen3-shaped
+checkpoint of 4 decoder layers, about 30 MB, written by `save_checkpoint` with header digests, the demo's
+tokenizer), reloads `org/step` from the loopback Hub (`tests/support/hub_server.py`, LFS bytes from a second
+origin) with the Python API as `main` moves. Each reload is proven against an engine started fresh on the same
+checkpoint (every tensor, and answers), and the Hub server counts what it sent:
 
+- NaN (A with NaN in its last layer): refused, and rolled back to the commit the engine started on, which
+  `main` no longer names (the engine was started at that commit, not at the branch);
 - B (every layer new): every weight byte is sent once, at most 1.05 x the checkpoint, and the shards land in
   the Hub cache, verified and linked, where an offline `snapshot_download` finds them;
 - C (B with one of the four decoder layers changed): the layers the header digests skip are never fetched
   (only the spot check's sample windows), at most 0.30 x the checkpoint;
-- D with `bounded_disk`: nothing of it is kept in the Hub cache;
-- E whose bytes arrive corrupted: the reload fails naming the file, and the engine keeps what it held.
+- A again, every byte arriving corrupted: the reload fails naming the file, and the engine keeps C;
+- D with `bounded_disk`: nothing of it is kept in the Hub cache.
 """
-
 from __future__ import annotations
 
 import shutil
@@ -60,7 +61,7 @@ def write(folder: Path, tensors: dict, tokenizer: Path) -> Path:
 
     from layerwise_cli.writer.save import save_checkpoint
 
-    save_checkpoint(tensors.items(), folder, max_shard_size=8 << 20, marker=None)
+    save_checkpoint(tensors.items(), folder, max_shard_size=8 << 20, marker=None, allow_nonfinite=True)
     for path in tokenizer.iterdir():
         if path.name.startswith(("tokenizer", "special_tokens", "generation_config")):
             shutil.copy2(path, folder / path.name)
@@ -79,38 +80,42 @@ def ckpts(demo_models, tmp_path_factory) -> dict[str, Path]:
     return {"A": write(root / "A", tensors_of({}, 1), tokenizer),
             "B": write(root / "B", tensors_of({}, 2), tokenizer),
             "C": write(root / "C", tensors_of({0: 3}, 2), tokenizer),  # B with decoder layer 0 changed
-            "D": write(root / "D", tensors_of({}, 4), tokenizer)}
+            "D": write(root / "D", tensors_of({}, 4), tokenizer),
+            "NaN": write(root / "NaN", with_nan(tensors_of({}, 1)), tokenizer)}  # A with NaN in the final norm
+
+
+def with_nan(tensors: dict) -> dict:
+    tensors["model.norm.weight"][0] = float("nan")
+    return tensors
 
 
 @pytest.fixture(scope="module")
-def hub(ckpts):
+def hub(ckpts, tmp_path_factory):
+    """The loopback Hub, `main` on A, and huggingface_hub in this process (the engine's too) pointed at it."""
+    from huggingface_hub import constants
+
     server = HubServer(cdn=True)
-    server.add_repo(REPO, ckpts["A"])
-    with server:
+    server.start_commit = server.add_repo(REPO, ckpts["A"])
+    with server, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(constants, "ENDPOINT", server.endpoint)
+        patch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", server.endpoint + "/{repo_id}/resolve/{revision}/"
+                      "{filename}")
+        patch.setattr(constants, "HF_HUB_CACHE", str(tmp_path_factory.mktemp("hub-cache")))
+        patch.setattr(constants, "HF_HUB_OFFLINE", False)
         yield server
 
 
 @pytest.fixture
-def on_hub(hub: HubServer, monkeypatch: pytest.MonkeyPatch, tmp_path_factory) -> HubServer:
-    """huggingface_hub in this process (the engine's worker included) pointed at the loopback Hub and one cache."""
-    from huggingface_hub import constants
-
-    monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint)
-    template = hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}"
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(CACHE.setdefault("dir", tmp_path_factory.mktemp("hub-cache"))))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+def on_hub(hub: HubServer, monkeypatch: pytest.MonkeyPatch) -> HubServer:
     monkeypatch.delenv("HF_TOKEN", raising=False)
     hub.reset_counts()
     return hub
 
 
-CACHE: dict[str, Path] = {}
-
-
 @pytest.fixture(scope="module")
-def engine(ckpts):
-    llm = start_here(str(ckpts["A"]))
+def engine(hub):
+    """An engine started on the Hub repo id itself: at the commit `main` named then (A)."""
+    llm = start_here(REPO)
     yield llm
     stop_here(llm)
 
@@ -134,6 +139,15 @@ def reload_main(llm, hub: HubServer, folder: Path, **options) -> tuple[object, s
     commit = hub.move_ref(REPO, "main", folder)
     hub.reset_counts()
     return layerwise_cli.reload(llm, REPO, **options), commit
+
+
+def test_a_failed_reload_goes_back_to_the_commit_the_engine_started_on(engine, on_hub, ckpts) -> None:
+    from layerwise_cli.errors import LayerwiseError
+
+    # The engine started on `org/step` when `main` named A; `main` now names a step with NaN in its last layer.
+    with pytest.raises(LayerwiseError, match=f"rolled back to the weights of {REPO}@{on_hub.start_commit}"):
+        reload_main(engine, on_hub, ckpts["NaN"])
+    assert_is_fresh(engine, ckpts["A"])
 
 
 def test_a_new_commit_is_fetched_once_and_lands_in_the_hub_cache(engine, on_hub, ckpts) -> None:
@@ -161,6 +175,21 @@ def test_layers_the_header_digests_skip_are_never_fetched(engine, on_hub, ckpts)
     assert_is_fresh(engine, ckpts["C"])
 
 
+def test_bytes_that_arrive_corrupted_fail_the_reload_and_the_engine_keeps_its_weights(engine, on_hub, ckpts) -> None:
+    from layerwise_cli.errors import LayerwiseError
+
+    before = checksums(engine)
+    shard = sorted(ckpts["A"].glob("*.safetensors"))[-1].name
+    on_hub.faults.append(Fault(shard, "corrupt", times=100))
+    try:
+        with pytest.raises(LayerwiseError, match=shard):
+            reload_main(engine, on_hub, ckpts["A"])
+    finally:
+        on_hub.faults.clear()
+    assert checksums(engine) == before
+    assert_is_fresh(engine, ckpts["C"])
+
+
 def test_bounded_disk_keeps_nothing_in_the_hub_cache(engine, on_hub, ckpts) -> None:
     from layerwise_cli.checkpoint.hub_pin import repo_cache_folder
 
@@ -175,18 +204,3 @@ def test_bounded_disk_keeps_nothing_in_the_hub_cache(engine, on_hub, ckpts) -> N
     for shard in ckpts["D"].glob("*.safetensors"):
         etag = hashlib.sha256(shard.read_bytes()).hexdigest()
         assert list((folder / "blobs").glob(f"{etag}*")) == [], f"{shard.name} was kept in the Hub cache"
-
-
-def test_bytes_that_arrive_corrupted_fail_the_reload_and_the_engine_keeps_its_weights(engine, on_hub, ckpts) -> None:
-    from layerwise_cli.errors import LayerwiseError
-
-    before = checksums(engine)
-    shard = sorted(ckpts["A"].glob("*.safetensors"))[-1].name
-    on_hub.faults.append(Fault(shard, "corrupt", times=100))
-    try:
-        with pytest.raises(LayerwiseError, match=shard):
-            reload_main(engine, on_hub, ckpts["A"])
-    finally:
-        on_hub.faults.clear()
-    assert checksums(engine) == before
-    assert_is_fresh(engine, ckpts["D"])
