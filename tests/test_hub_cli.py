@@ -316,3 +316,21 @@ def test_library_errors_map_to_one_line() -> None:
         assert str(describe_exception(exc, "org/a")) == "org/a: cannot connect: [Errno 111] Connection refused"
     offline = describe_exception(LocalEntryNotFoundError("Cannot find the requested files"), "org/a")
     assert "not in the local Hub cache" in str(offline)
+
+
+def test_a_server_started_on_a_repo_id_is_started_at_the_commit(hub_env: HubServer, repos: dict[str, Path]) -> None:
+    """`serve org/model` hands vLLM the commit its revision names now, for the weights and the tokenizer."""
+    main = hub_env.resolve("org/model", "main").commit
+    v2 = hub_env.resolve("org/model", "v2").commit
+    for args, commit in (([], main), (["--revision", "v2"], v2), (["--revision=v2", "--max-num-seqs", "4"], v2)):
+        proc = layerwise("serve", "org/model", "--dry-run", *args)
+        assert proc.returncode == 0, proc.stderr
+        shown = proc.stdout.split()
+        assert shown[shown.index("--revision") + 1] == commit, proc.stdout
+        assert shown[shown.index("--tokenizer-revision") + 1] == commit
+        assert shown.count("--revision") == 1 and "v2" not in shown
+    # A commit given is used as it is; a local path has no revision to pin.
+    proc = layerwise("serve", "org/model", "--dry-run", "--revision", v2)
+    assert proc.stdout.split().count(v2) == 1 and "--tokenizer-revision" not in proc.stdout
+    proc = layerwise("serve", str(repos["dense"]), "--dry-run")
+    assert "--revision" not in proc.stdout

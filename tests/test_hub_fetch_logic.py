@@ -145,3 +145,17 @@ def test_a_cache_that_cannot_hold_the_lock_gets_a_private_file(tmp_path: Path) -
     blob = _blob(repo, b"abc")
     assert not blob.kept and repo not in blob.path.parents
     blob.close()
+
+
+def test_a_reader_going_back_within_a_file_finds_the_parts_it_asked_for(tmp_path) -> None:
+    from layerwise_cli.checkpoint.hub_fetch import RangeFetcher
+    from layerwise_cli.checkpoint.hub_pin import HubPin
+
+    # Layer order reads a shard's tensors out of offset order (a large layer moved inward, names sorted).
+    ranges = [ByteRange("a", 300, 400), ByteRange("a", 0, 50), ByteRange("b", 0, 10), ByteRange("a", 100, 200)]
+    fetcher = RangeFetcher(HubPin("org/m", "0" * 40), ranges, part_bytes=1 << 20, cache_dir=tmp_path)
+    for wanted in ranges:
+        found = [fetcher.parts[i] for i in fetcher._parts_for(wanted.filename, wanted.start, wanted.end)]
+        assert found == [wanted]
+    with pytest.raises(LayerwiseError, match="not in the fetch plan"):
+        fetcher._parts_for("a", 50, 100)

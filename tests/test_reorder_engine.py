@@ -693,6 +693,26 @@ def test_hub_source_fetches_shards_one_at_a_time(tmp_path: Path) -> None:
     assert data["source"] == "org/trainer" and data["revision"] == "v1" and data["verified"] is True
 
 
+def test_a_hub_reorder_reads_the_commit_its_branch_named_at_the_start(tmp_path: Path) -> None:
+    """`main` pushed once the reorder pinned it changes nothing: every shard and side file is the start commit's."""
+    from tests.support.hub_server import HubServer, once_named
+
+    served, other = tmp_path / "served", tmp_path / "other"
+    write_checkpoint(served, SyntheticModel(layers=4), "trainer_export", 3)
+    write_checkpoint(other, SyntheticModel(layers=4, hidden=128), "trainer_export", 3)
+    reorder(str(served), tmp_path / "local")
+    with HubServer() as hub:
+        start = hub.add_repo("org/moving", served)
+        once_named(hub, start, lambda: hub.move_ref("org/moving", "main", other))
+        env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_DISABLE_XET": "1"}
+        done = subprocess.run([sys.executable, "-m", "layerwise_cli", "reorder", "org/moving",
+                               str(tmp_path / "from-hub"), "--json"], capture_output=True, text=True, cwd=REPO,
+                              env=env, check=False)
+        assert hub.resolve("org/moving", "main").commit != start
+    assert done.returncode == 0, done.stderr
+    assert _digest_tree(tmp_path / "from-hub") == _digest_tree(tmp_path / "local")
+
+
 # --- the real engine ------------------------------------------------------------------------------------------
 
 

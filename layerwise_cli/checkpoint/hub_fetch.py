@@ -113,6 +113,9 @@ class RangeFetcher:
         self._by_file: dict[str, list[int]] = {}
         for i, part in enumerate(self.parts):
             self._by_file.setdefault(part.filename, []).append(i)
+        for indices in self._by_file.values():
+            # By offset, for `_parts_for`'s search: the reader's order may go back and forth within a file.
+            indices.sort(key=lambda i: self.parts[i].start)
         self._arrived = [0] * len(self.parts)  # bytes from each part's start that are on disk
         self._cond = threading.Condition()
         self._next = self._reading = 0

@@ -75,6 +75,10 @@ AllowNonfiniteOpt = Annotated[
     typer.Option("--allow-nonfinite", help="Accept tensors holding NaN or Inf (refused by default, naming the file "
                  "and tensor)."),
 ]
+BoundedDiskOpt = Annotated[
+    bool, typer.Option("--bounded-disk", help="For a Hub repo: fetch only the tensors the reload hands over, into "
+                       "files deleted afterwards; nothing is kept in the Hub cache (for a node without room for it).")
+]
 
 
 def check_quantization(method: str | None) -> None:

@@ -9,6 +9,7 @@ import typer
 
 from layerwise_cli.cli._options import (
     AllowNonfiniteOpt,
+    BoundedDiskOpt,
     DataParallelOpt,
     DtypeOpt,
     EnforceEagerOpt,
@@ -54,6 +55,7 @@ def reload_command(
     readahead: Annotated[bool, typer.Option("--readahead/--no-readahead", help="Read the next layer while the "
                                             "engine processes the current one.")] = True,
     revision: RevisionOpt = None,
+    bounded_disk: BoundedDiskOpt = False,
     dtype: DtypeOpt = "auto",
     tensor_parallel_size: TensorParallelOpt = 1,
     pipeline_parallel_size: PipelineParallelOpt = 1,
@@ -122,7 +124,8 @@ def reload_command(
 
     # The reload's options, built once: the same object reaches the workers, in process or over HTTP.
     options = ReloadOptions(order=order, allow_partial=allow_partial, readahead=readahead, revision=revision,
-                            allow_nonfinite=allow_nonfinite, all_layers=all_layers, allow_unchecked=allow_unchecked)
+                            allow_nonfinite=allow_nonfinite, all_layers=all_layers, allow_unchecked=allow_unchecked,
+                            bounded_disk=bounded_disk)
     if url:
         from layerwise_cli.cli.reload_remote import reload_remote
         from layerwise_cli.client.remote import RemoteOptions
@@ -170,9 +173,29 @@ def reload_command(
                            distributed_executor_backend=distributed_executor_backend, max_model_len=max_model_len,
                            quantization=quantization, enforce_eager=enforce_eager,
                            memory_fraction=memory_fraction)
+    prefetch = None
+    if pin is not None and source_dir == weights_path and not options.bounded_disk:
+        from layerwise_cli.checkpoint.sources import open_checkpoint
+        from layerwise_cli.client.hub_prefetch import Prefetch
+
+        # The Hub commit's shards arrive while the engine starts; the workers then read them from the cache.
+        prefetch = Prefetch(pin, open_checkpoint(weights_path, pin.commit)).start()
+        if not as_json:
+            stderr.print(f"Fetching {pin} ({prefetch.total_bytes / 1e9:.2f} GB) while the engine starts ...")
     if not as_json:
         stderr.print(f"Starting vLLM on {base} ...")
-    llm = start_engine(base, engine)
+    try:
+        llm = start_engine(base, engine)
+    except BaseException:
+        if prefetch is not None:
+            prefetch.cancel()
+        raise
+    if prefetch is not None:
+        try:
+            prefetch.finish()
+        except BaseException:
+            stop_engine(llm)
+            raise
 
     def on_verify() -> None:
         if not as_json:

@@ -21,6 +21,7 @@ from layerwise_cli.cli._options import (
     TensorParallelOpt,
 )
 from layerwise_cli.cli._output import handle_errors, stderr
+from layerwise_cli.client.pinning import pin_engine_args
 from layerwise_cli.engine_defaults import cuda_available
 from layerwise_cli.server.command_line import server_command_line
 
@@ -66,7 +67,7 @@ def serve_command(
                       data_parallel_size=data_parallel_size,
                       distributed_executor_backend=distributed_executor_backend, max_model_len=max_model_len,
                       quantization=quantization, enforce_eager=enforce_eager, memory_fraction=memory_fraction,
-                      extra=list(ctx.args), on_gpu=cuda_available())
+                      extra=pin_engine_args(model, list(ctx.args)), on_gpu=cuda_available())
     for warning in command.warnings:
         stderr.print(f"[yellow]Warning:[/] {escape(warning)}")
     if dry_run:

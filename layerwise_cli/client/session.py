@@ -32,8 +32,9 @@ def prepare_sources(source: str, base: str | None, revision: str | None, quiet: 
                     allow_partial: bool = False) -> tuple[str, str]:
     """Pre-flight from the headers alone, before any engine starts.
 
-    SOURCE's headers are validated (a Hub repo is downloaded first, at REVISION: pass the commit the
-    operation pinned, `pin_reload`, so that a branch moved meanwhile changes nothing); with a
+    SOURCE's headers are validated (a Hub repo's read by range requests at REVISION: pass the commit the
+    operation pinned, `pin_reload`, so that a branch moved meanwhile changes nothing; it is downloaded first
+    only when the engine starts on it, no BASE given); with a
     BASE, its headers too, its architecture must match, and every SOURCE
     tensor must be one BASE has, with the same shape and a compatible dtype,
     and (unless `allow_partial`) every BASE tensor that feeds a parent layer
@@ -42,10 +43,14 @@ def prepare_sources(source: str, base: str | None, revision: str | None, quiet: 
     feeds, tensor-parallel shapes) is checked again inside the workers.
 
     Returns:
-        The local path of SOURCE and the model to start the engine on.
+        SOURCE as the workers read it (a local path, or the Hub repo id when it is not downloaded: fetch it
+        while the engine starts, `hub_prefetch`) and the model to start the engine on.
     """
-    local = str(download_source(source, revision, quiet)) if looks_like_repo_id(source) else source
-    checkpoint = open_checkpoint(local)
+    if looks_like_repo_id(source) and base is not None and base != source:
+        local, checkpoint = source, open_checkpoint(source, revision)
+    else:
+        local = str(download_source(source, revision, quiet)) if looks_like_repo_id(source) else source
+        checkpoint = open_checkpoint(local)
     base = base or local
     if base != local:
         base_local = base
@@ -107,6 +112,7 @@ def reload_as(llm, local_source: str, shown_as: str, options: ReloadOptions, *, 
     if verify:
         if on_verify is not None:
             on_verify()
-        verification = verify_engine(llm, local_source, None, allow_unchecked=options.allow_unchecked)
+        revision = options.revision if local_source == shown_as else None  # a Hub repo read at its pinned commit
+        verification = verify_engine(llm, local_source, revision, allow_unchecked=options.allow_unchecked)
     return replace(report, placement=replace(report.placement, source=shown_as, commit=commit),
                    findings=replace(report.findings, verify=verification))

@@ -42,7 +42,7 @@ def other_files(folder: Path, whole_folder: bool) -> tuple[list[Path], list[str]
 def copy_other_files(checkpoint: Checkpoint, out: Path, tmp: Path) -> tuple[list[str], list[str]]:
     """Copy SRC's non-weight files into `out`; return those copied and those skipped (with why)."""
     if checkpoint.kind == "hub":
-        folder = HubFetcher(checkpoint.source, checkpoint.revision, tmp / "fetch").other_files()
+        folder = HubFetcher(checkpoint.source, checkpoint.commit or checkpoint.revision, tmp / "fetch").other_files()
         keep, skipped = other_files(folder, whole_folder=True)[0], []
     else:
         folder = checkpoint.local_dir

@@ -180,7 +180,7 @@ class _ShardCopy:
         self.hashes: dict[str, str] = {}
         self.source_checked = 0
         self.buf = bytearray(CHUNK_BYTES)
-        self.fetcher = (HubFetcher(checkpoint.source, checkpoint.revision, tmp / "fetch")
+        self.fetcher = (HubFetcher(checkpoint.source, checkpoint.commit or checkpoint.revision, tmp / "fetch")
                         if checkpoint.kind == "hub" else None)
 
     def report(self, phase: str, file: str) -> None:

@@ -88,6 +88,8 @@ class Volume:
         elsewhere_tensors: tensors of the source that other ranks hold (another pipeline stage, other
             experts), not read by this worker.
         elsewhere_bytes: their bytes.
+        fetched_bytes: bytes this worker fetched from the Hub for the reload (merged: every worker's added up;
+            None: the source was on this machine).
     """
 
     bytes: int
@@ -96,13 +98,16 @@ class Volume:
     disk_read_bytes: int | None = None
     elsewhere_tensors: int = 0
     elsewhere_bytes: int = 0
+    fetched_bytes: int | None = None
 
     @classmethod
     def merged(cls, parts: Sequence[Volume], stages: Sequence[Volume]) -> Volume:
         """STAGES (one engine's, one per pipeline stage) added up; the most any of PARTS read."""
         unmeasured = any(part.read_bytes is None for part in parts)
+        fetched = [part.fetched_bytes for part in parts if part.fetched_bytes is not None]
         return cls(bytes=sum(stage.bytes for stage in stages), tensors=sum(stage.tensors for stage in stages),
-                   read_bytes=None if unmeasured else max(part.read_bytes for part in parts))
+                   read_bytes=None if unmeasured else max(part.read_bytes for part in parts),
+                   fetched_bytes=sum(fetched) if fetched else None)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from layerwise_cli.worker.proof.fingerprints import model_fingerprints
 from layerwise_cli.worker.proof.verify import verify_against_source
 from layerwise_cli.worker.quantization import online_quant  # noqa: F401 - registers layerwise's online quantizations here
 from layerwise_cli.worker.reload.engine_context import engine_config
-from layerwise_cli.worker.reload.reload_plan import loaded_from, mark_loaded_from, plan_reload
+from layerwise_cli.worker.reload.reload_plan import loaded_from, mark_loaded_from
 from layerwise_cli.worker.reload.rollback import roll_back
 from layerwise_cli.worker.rpc import (
     ChecksumsAnswer,
@@ -105,11 +105,25 @@ class LayerwiseWorkerExtension:
 
         Also says where the weights this worker holds came from (`loaded_from`) and whether their headers can
         still be read here: what a fleet reloads to go back when another server fails.
+
+        A Hub commit not yet on this machine is fetched here, before any server pauses: the tensors the reload
+        will hand over (the layers its header digests skip are not), kept in the Hub cache, where the reload
+        finds them (`hub_stream`).
         """
         from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
+        from layerwise_cli.worker.reload.reload_run import plan_run
+        from layerwise_cli.worker.state.layer_records import records_of
 
         try:
-            planned = plan_reload(self, source, revision=revision, allow_partial=allow_partial)
+            run = plan_run(self, source, ReloadOptions(revision=revision, allow_partial=allow_partial),
+                           records_of(self))
+            try:
+                if run.hub is not None:
+                    run.hub.check()
+            finally:
+                if run.hub is not None:
+                    run.hub.close()
+            planned = run.planned
             back, back_revision = loaded_from(self)
             try:
                 open_checkpoint(str(resolve_local(back, back_revision)))

@@ -60,6 +60,8 @@ class ReloadOptions:
             `with_switches`).
         in_place: False has vLLM materialize every layer in fresh buffers (the diagnostic switch
             `LAYERWISE_FRESH_BUFFERS`, `with_switches`).
+        bounded_disk: a Hub source's tensors are fetched into private files deleted after the reload, and only
+            those the reload hands over: nothing is kept in the Hub cache (`--bounded-disk`).
     """
 
     order: str = "layer"
@@ -72,6 +74,7 @@ class ReloadOptions:
     allow_unchecked: bool = False
     repairs: bool = True
     in_place: bool = True
+    bounded_disk: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """The options as sent: those every extension has always taken, the others only when not their default.

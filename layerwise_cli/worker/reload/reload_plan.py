@@ -32,12 +32,23 @@ class PlannedReload:
     # The Hub commit SOURCE was read at (None for a local path): what this worker then holds.
     commit: str | None = None
 
+    @property
+    def streamed(self) -> bool:
+        """True when SOURCE is a Hub commit not yet on this machine: its tensors are fetched as they are read."""
+        return self.checkpoint.kind == "hub" and self.checkpoint.local_dir is None
 
-def plan_reload(worker, source: str, *, revision: str | None = None, allow_partial: bool = False) -> PlannedReload:
+
+def plan_reload(worker, source: str, *, revision: str | None = None, allow_partial: bool = False,
+                stream: bool = False) -> PlannedReload:
     """Open SOURCE, plan this rank's share of it and pre-flight it against the engine; change nothing.
 
     The same structure as last time (a trainer's next step) reuses last time's
     plan and pre-flight (`plan_cache`).
+
+    A Hub SOURCE is read at one commit (`hub_commit`). With STREAM, only its headers are read here (by range
+    requests; nothing else is downloaded) unless the commit's shards are all in the Hub cache already: the
+    reload then fetches exactly the tensors it hands over (`hub_stream`). Without, the commit's files are
+    downloaded first.
 
     Raises:
         LayerwiseError: SOURCE cannot be read, or cannot be loaded cleanly into this engine.
@@ -46,8 +57,12 @@ def plan_reload(worker, source: str, *, revision: str | None = None, allow_parti
     model = worker.model_runner.get_model()
     model_config = worker.model_runner.model_config
     commit = hub_commit(source, revision)
-    local = resolve_local(source, commit or revision)
-    checkpoint = replace(open_checkpoint(str(local)), source=source)
+    if commit is not None and stream:
+        checkpoint = hub_checkpoint(source, commit)
+        local = checkpoint.local_dir or snapshot_folder(source, commit)
+    else:
+        local = resolve_local(source, commit or revision)
+        checkpoint = replace(open_checkpoint(str(local)), source=source)
     hf_config = model_config.hf_config.to_dict() if hasattr(model_config.hf_config, "to_dict") else None
     position = rank_position(worker)
     # Only the tensors this rank holds: its pipeline stage, its experts.
@@ -65,6 +80,26 @@ def plan_reload(worker, source: str, *, revision: str | None = None, allow_parti
     if missing is not None:
         raise LayerwiseError(f"{source}: {missing}")
     return PlannedReload(local, checkpoint, position, mine, notes, commit)
+
+
+def hub_checkpoint(repo_id: str, commit: str) -> Checkpoint:
+    """The headers of REPO_ID at COMMIT, read by range requests; its shards' folder set when all are cached.
+
+    Offline, `open_checkpoint` reads the cache itself (and fails on a shard missing there).
+    """
+    checkpoint = replace(open_checkpoint(repo_id, commit), source=repo_id)
+    if checkpoint.local_dir is None:
+        folder = snapshot_folder(repo_id, commit)
+        if all((folder / shard.name).is_file() for shard in checkpoint.shards):
+            checkpoint = replace(checkpoint, local_dir=folder)
+    return checkpoint
+
+
+def snapshot_folder(repo_id: str, commit: str) -> Path:
+    """Where the Hub cache keeps REPO_ID's files at COMMIT (`snapshots/<commit>/`), whether or not they are there."""
+    from layerwise_cli.checkpoint.hub_pin import repo_cache_folder
+
+    return repo_cache_folder(repo_id) / "snapshots" / commit
 
 
 def hub_commit(source: str, revision: str | None) -> str | None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from layerwise_cli.checkpoint.hub_pin import HubPin
 from layerwise_cli.planning.plan import BufferSimulation, Plan, PlannedTensor
 from layerwise_cli.report.progress import ProgressWriter
 from layerwise_cli.worker.proof.early_fingerprints import EarlyFingerprints
@@ -24,6 +25,7 @@ from layerwise_cli.worker.reload.unchanged_layers import UnchangedLayerPlan
 from layerwise_cli.worker.repairs.derived_state import derived_state_of
 from layerwise_cli.worker.rpc import ReloadOptions
 from layerwise_cli.worker.state.layer_records import LayerRecords
+from layerwise_cli.worker.stream.hub_stream import HubStream, SampledWindows
 from layerwise_cli.worker.stream.in_place import InPlaceLayers
 from layerwise_cli.worker.stream.read_order import pipelined_order
 from layerwise_cli.worker.stream.stats import ReadAheadStats
@@ -73,6 +75,7 @@ class ReloadRun:
         early: on the CPU the reading thread fingerprints each layer vLLM finished, for the records, while
             the engine loads the next ones (`early_fingerprints`); None elsewhere or without records.
         probe: vLLM's layer buffers, measured at every handover (`BufferProbe`).
+        hub: for a Hub commit not on this machine, the fetch of the tensors handed over (`hub_stream`).
     """
 
     worker: object
@@ -90,6 +93,8 @@ class ReloadRun:
     stats: ReadAheadStats
     progress: ProgressWriter
     early: EarlyFingerprints | None
+    # A Hub source not on this machine: its tensors fetched by byte range as the stream reads them (None: local).
+    hub: HubStream | None = None
     probe: BufferProbe = field(init=False)
     # ---- filled by the later phases ----
     # `handover.py`: the engine's time in the iterator; the layers vLLM loaded into the engine's own tensors.
@@ -156,7 +161,8 @@ def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords 
     Raises:
         LayerwiseError: SOURCE cannot be read, or cannot be loaded cleanly into this engine.
     """
-    planned = plan_reload(worker, source, revision=options.revision, allow_partial=options.allow_partial)
+    planned = plan_reload(worker, source, revision=options.revision, allow_partial=options.allow_partial,
+                          stream=True)
     model = worker.model_runner.get_model()
     mine, plan, tp_rank = planned.mine, planned.mine.plan, planned.position.tp_rank
     # The probe and the prediction both speak engine module names. Tensors vLLM's loader skips on
@@ -177,8 +183,9 @@ def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords 
     # Found before the first reload changes anything, once per engine (vLLM's record and tensors hold).
     derived = derived_state_of(worker)
     skip = UnchangedLayerPlan.build(model, planned.checkpoint, engine_stream, options.order, records,
-                          all_layers=options.all_layers, checks_finite=not options.allow_nonfinite,
-                          on_host=device.type == "cpu")
+                                    all_layers=options.all_layers, checks_finite=not options.allow_nonfinite,
+                                    on_host=device.type == "cpu",
+                                    fetch_windows=sample_fetch(planned, options) if planned.streamed else None)
     rank = getattr(worker, "rank", 0) or 0
     run = ReloadRun(
         worker=worker, source=source, options=options, records=records, planned=planned, model=model,
@@ -186,7 +193,31 @@ def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords 
         device=device, derived=derived, skip=skip, stats=ReadAheadStats(),
         progress=ProgressWriter(options.progress_path if rank == 0 else None, len(plan.layers), plan.loaded_bytes),
         early=EarlyFingerprints(skip.modules, skip.covers) if records is not None and device.type == "cpu" else None)
+    if planned.streamed:
+        # Fetching starts now, in hand-over order, a window ahead: during the vote and vLLM's preparation.
+        run.hub = start_fetch(planned, skip.stream, options)
     # A skipped layer counts as done for the progress bar, as soon as it is known to be skipped.
     for name in sorted(skip.skipped):
         run.progress.write({"event": "layer", "name": name, "skipped": True})
     return run
+
+
+def start_fetch(planned: PlannedReload, stream: list[PlannedTensor], options: ReloadOptions) -> HubStream:
+    """Start fetching the tensors of STREAM this rank hands over from the pinned commit (`hub_stream`).
+
+    Kept in the Hub cache unless `bounded_disk`; then also the shards' headers and the tensors vLLM skips, so
+    that a shard fetched whole is verified and linked.
+    """
+    checkpoint = planned.checkpoint
+    handed = [item.entry for item in stream if item.parent is not None]
+    wanted = {entry.name for entry in handed}
+    extra = [item.entry for item in planned.mine.plan.file_order
+             if item.parent is None and item.entry.name not in wanted]
+    return HubStream(HubPin(checkpoint.source, planned.commit, checkpoint.revision), checkpoint, handed,
+                     keep=not options.bounded_disk, extra=extra).start()
+
+
+def sample_fetch(planned: PlannedReload, options: ReloadOptions):
+    """What fetches the spot check's sample windows from the pinned commit (`spot_check`'s `fetch_windows`)."""
+    pin = HubPin(planned.checkpoint.source, planned.commit, planned.checkpoint.revision)
+    return lambda windows: SampledWindows(pin, planned.checkpoint, windows, keep=not options.bounded_disk)

@@ -55,7 +55,8 @@ def build_report(run: ReloadRun) -> ReloadReport:
             bytes=sum(item.entry.nbytes for item in delivered if item.parent is not None), tensors=len(delivered),
             read_bytes=stats.read_bytes,
             disk_read_bytes=after - before if before is not None and after is not None else None,
-            elsewhere_tensors=mine.elsewhere_tensors, elsewhere_bytes=mine.elsewhere_bytes),
+            elsewhere_tensors=mine.elsewhere_tensors, elsewhere_bytes=mine.elsewhere_bytes,
+            fetched_bytes=run.hub.bytes_fetched if run.hub is not None else None),
         memory=Memory(
             peak_buffer_bytes=probe.peak,
             peak_tensor=probe.peak_tensor,

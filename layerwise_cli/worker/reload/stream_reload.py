@@ -68,37 +68,44 @@ def stream_reload(worker, source: str, options: ReloadOptions | None = None, *,
             complete (the caller rolls back); `PeerFailed` when another rank's pre-flight failed.
     """
     run = plan_and_vote(worker, source, options or ReloadOptions(), records, agree)
-    if on_engine_touched is not None:
-        on_engine_touched()
-    run.start = time.perf_counter()
-    run.disk_read_before = process_disk_read_bytes()
-    # The reading thread starts now: the first layers are read while vLLM prepares its reload.
-    opened = open_source(run)
-    # SOURCE's tensors again, for the layers loaded after vLLM's reload and for the repairs.
-    reader = ShardReader(run.folder)
-    failed = True
     try:
+        if on_engine_touched is not None:
+            on_engine_touched()
+        run.start = time.perf_counter()
+        run.disk_read_before = process_disk_read_bytes()
+        # The reading thread starts now: the first layers are read while vLLM prepares its reload.
+        opened = open_source(run)
+        # SOURCE's tensors again, for the layers loaded after vLLM's reload and for the repairs.
+        reader = ShardReader(run.folder, run.hub)
+        failed = True
         try:
-            if opened is not None:
-                hand_over(run, opened)
-                load_what_vllm_could_not(run, reader, restore_partial=restore_partial)
-            else:
-                # Every layer skipped from the headers: vLLM would only move every layer to meta and back.
-                run.probe.finish()
+            try:
+                if opened is not None:
+                    hand_over(run, opened)
+                    load_what_vllm_could_not(run, reader, restore_partial=restore_partial)
+                else:
+                    # Every layer skipped from the headers: vLLM would only move every layer to meta and back.
+                    run.probe.finish()
+            finally:
+                run.progress.write({"event": "end"})
+                run.progress.close()
+            repair(run, reader)
+            if run.hub is not None:
+                # A shard whose last bytes arrived after the reader had them is checked against its sha256 here.
+                run.hub.check()
+            failed = False
         finally:
-            run.progress.write({"event": "end"})
-            run.progress.close()
-        repair(run, reader)
-        failed = False
+            reader.close()
+            if opened is not None:
+                opened.close()  # stops the reading thread, unless the stream ended (it finishes below)
+            if failed and run.stats.hashing_done is not None:
+                run.stats.hashing_done()
+        record(run)
+        prove_peak(run)
+        return build_report(run)
     finally:
-        reader.close()
-        if opened is not None:
-            opened.close()  # stops the reading thread, unless the stream ended (it finishes below)
-        if failed and run.stats.hashing_done is not None:
-            run.stats.hashing_done()
-    record(run)
-    prove_peak(run)
-    return build_report(run)
+        if run.hub is not None:
+            run.hub.close()
 
 
 def plan_and_vote(worker, source: str, options: ReloadOptions, records: LayerRecords | None,
@@ -118,6 +125,8 @@ def plan_and_vote(worker, source: str, options: ReloadOptions, records: LayerRec
             agree(False)  # tell the other ranks: none of them may start
         raise
     if agree is not None and not agree(True):
+        if run.hub is not None:
+            run.hub.close()
         raise PeerFailed("pre-flight failed on another rank of this engine; nothing was changed")
     return run
 

@@ -59,7 +59,7 @@ class UnchangedLayerPlan:
     @classmethod
     def build(cls, model: torch.nn.Module, checkpoint: Checkpoint, engine_stream: list[PlannedTensor], order: str,
               records: LayerRecords | None, *, all_layers: bool = False, checks_finite: bool = True,
-              on_host: bool = False) -> UnchangedLayerPlan:
+              on_host: bool = False, fetch_windows=None) -> UnchangedLayerPlan:
         """Decide what can be decided before reading: records against header digests and the layers' state.
 
         Args:
@@ -72,6 +72,8 @@ class UnchangedLayerPlan:
             all_layers: skip nothing, record everything handed over.
             checks_finite: this reload refuses NaN/Inf.
             on_host: the model's tensors are in host memory (its fingerprints may then be read by two threads).
+            fetch_windows: for a source streamed from the Hub, what fetches the spot check's sample windows
+                (`spot_check`); None: the local shards are read.
         """
         from layerwise_cli.worker.repairs.after_reload import derived_modules
 
@@ -112,7 +114,7 @@ class UnchangedLayerPlan:
             for item in engine_stream:
                 if item.parent in before:
                     entries.setdefault(item.parent, []).append(item.entry)
-            plan.spot = spot_check(before, entries, records, checkpoint)
+            plan.spot = spot_check(before, entries, records, checkpoint, fetch_windows)
             # The others are streamed like layers without header digests: a stale one (its samples differ) is
             # loaded and its refuted claim never recorded; one whose record lacked samples is hashed only if it
             # could still be skipped.

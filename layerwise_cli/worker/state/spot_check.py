@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from layerwise_cli.checkpoint.header import TensorEntry
-from layerwise_cli.checkpoint.samples import file_sample, sample_bytes
+from layerwise_cli.checkpoint.samples import sample_bytes, sample_digest, sample_spans
 from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.worker.state.layer_records import LayerRecords
 
@@ -54,14 +56,19 @@ class SpotCheck:
 
 
 def spot_check(layers: Iterable[str], entries: Mapping[str, list[TensorEntry]], records: LayerRecords,
-               checkpoint: Checkpoint) -> SpotCheck:
+               checkpoint: Checkpoint,
+               fetch_windows: Callable[[list[tuple[str, int, int]]], ContextManager[Windows]] | None = None
+               ) -> SpotCheck:
     """Sample every tensor of LAYERS in the source's files and compare with the samples their records keep.
 
     Args:
         layers: the layers the header digests would skip.
         entries: layer -> its tensors as this rank streams them.
         records: the worker's records (each keeps its tensors' samples from load time).
-        checkpoint: the source (local: its shards are read).
+        checkpoint: the source.
+        fetch_windows: for a source not on this machine (a Hub commit streamed): given every sample window
+            as (shard, offset, length), fetches them and gives a reader of them (`hub_stream.SampledWindows`).
+            None: the local shards are read.
 
     Returns:
         Which layers may be skipped, and which headers lied.
@@ -69,30 +76,63 @@ def spot_check(layers: Iterable[str], entries: Mapping[str, list[TensorEntry]], 
     start = time.perf_counter()
     result = SpotCheck()
     shards = {shard.name: shard for shard in checkpoint.shards}
-    handles: dict[str, int] = {}
-    try:
-        for layer in sorted(layers):
+    sampled: list[tuple[str, list[TensorEntry]]] = []
+    for layer in sorted(layers):
+        record = records.get(layer)
+        tensors = entries.get(layer, [])
+        if record is None or any(entry.name not in record.samples for entry in tensors):
+            result.unsampled.add(layer)
+        else:
+            sampled.append((layer, tensors))
+    windows = [(entry.shard, shards[entry.shard].data_start + entry.begin + offset, length)
+               for _, tensors in sampled for entry in tensors for offset, length in sample_spans(entry.nbytes)]
+    with (fetch_windows(windows) if fetch_windows is not None and windows else LocalShards(checkpoint)) as source:
+        for layer, tensors in sampled:
             record = records.get(layer)
-            tensors = entries.get(layer, [])
-            if record is None or any(entry.name not in record.samples for entry in tensors):
-                result.unsampled.add(layer)
-                continue
             stale = None
             for entry in tensors:
-                fd = handles.get(entry.shard)
-                if fd is None:
-                    fd = handles[entry.shard] = os.open(checkpoint.shard_path(entry.shard), os.O_RDONLY)
                 at = shards[entry.shard].data_start + entry.begin
                 result.bytes_read += sample_bytes(entry.nbytes)
-                if file_sample(fd, at, entry.dtype, entry.shape, entry.nbytes) != record.samples[entry.name]:
-                    stale = StaleDigest(layer, entry.name, str(checkpoint.shard_path(entry.shard)))
+                found = sample_digest(entry.dtype, entry.shape, entry.nbytes,
+                                      lambda offset, n, shard=entry.shard, at=at: source.read(shard, at + offset, n))
+                if found != record.samples[entry.name]:
+                    stale = StaleDigest(layer, entry.name, source.where(entry.shard))
                     break
             if stale is None:
                 result.confirmed.add(layer)
             else:
                 result.stale.append(stale)
-    finally:
-        for fd in handles.values():
-            os.close(fd)
     result.seconds = time.perf_counter() - start
     return result
+
+
+class Windows(Protocol):
+    """Reads bytes of a source's shards (`read`) and names a shard in messages (`where`)."""
+
+    def read(self, shard: str, offset: int, length: int) -> bytes: ...
+
+    def where(self, shard: str) -> str: ...
+
+
+class LocalShards:
+    """The shards of a checkpoint on this machine, each opened once, read with `pread`."""
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self.checkpoint = checkpoint
+        self.handles: dict[str, int] = {}
+
+    def __enter__(self) -> LocalShards:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for fd in self.handles.values():
+            os.close(fd)
+
+    def read(self, shard: str, offset: int, length: int) -> bytes:
+        fd = self.handles.get(shard)
+        if fd is None:
+            fd = self.handles[shard] = os.open(self.checkpoint.shard_path(shard), os.O_RDONLY)
+        return os.pread(fd, length, offset)
+
+    def where(self, shard: str) -> str:
+        return str(self.checkpoint.shard_path(shard))

@@ -12,6 +12,7 @@ import torch
 
 from layerwise_cli.planning.plan import PlannedTensor
 from layerwise_cli.worker.stream.cpu_placement import move_to, spare_cpus
+from layerwise_cli.worker.stream.hub_stream import HubStream
 from layerwise_cli.worker.stream.layer_reader import LayerReader
 from layerwise_cli.worker.stream.open_stream import OpenStream
 from layerwise_cli.worker.stream.stats import ReadAheadStats
@@ -45,6 +46,7 @@ def open_stream(
     copy_threads: int | None = None,
     ahead_bytes: int | None = None,
     idle: Callable[[], bool] | None = None,
+    hub: HubStream | None = None,
 ) -> OpenStream:
     """Start reading STREAM; iterating the result yields (planned tensor, tensor) in stream order.
 
@@ -102,6 +104,8 @@ def open_stream(
             hashing backlog: called until it returns False (nothing to do now),
             and again after `OpenStream.wake`, and after the stream until the
             caller waits for the thread (`stats.hashing_done`).
+        hub: the source is a pinned Hub commit, read as its bytes arrive (`hub_stream`; FOLDER then only
+            names it).
 
     Returns:
         An `OpenStream` (iterate it once; close it in any case), yielding each planned tensor with its data.
@@ -115,7 +119,7 @@ def open_stream(
                          hash_layers=frozenset(hash_layers), digests=digests if digests is not None else {},
                          skip_layer=skip_layer, skipped=skipped if skipped is not None else set(),
                          samples=samples if samples is not None else {}, may_skip=may_skip,
-                         copy_threads=copy_threads)
+                         copy_threads=copy_threads, hub=hub)
     spare = spare_cpus() if readahead else set()
     # When the reading thread runs beside the engine's cores: one thread on them, which checks half of a layer
     # the engine waits for.

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from layerwise_cli.checkpoint.sources import shard_file
 from layerwise_cli.planning.plan import PlannedTensor
+
+if TYPE_CHECKING:
+    from layerwise_cli.worker.stream.hub_stream import HubStream
 
 
 def layer_batches(stream: list[PlannedTensor]) -> list[list[PlannedTensor]]:
@@ -22,15 +26,25 @@ def layer_batches(stream: list[PlannedTensor]) -> list[list[PlannedTensor]]:
 
 
 class ShardReader:
-    """Reads single tensors from a checkpoint's shards, keeping each shard open."""
+    """Reads single tensors from a checkpoint's shards, keeping each shard open.
 
-    def __init__(self, folder: Path) -> None:
+    Given a `HubStream`, the shards are a pinned Hub commit's, read as their bytes arrive (`hub_stream`).
+    """
+
+    def __init__(self, folder: Path, hub: HubStream | None = None) -> None:
         self._folder = folder
+        self._hub = hub
         self._handles: dict[str, object] = {}
+
+    def where(self, shard: str) -> str:
+        """How messages name SHARD: its path, or `org/model@<commit>/<shard>` for a Hub source."""
+        return self._hub.where(shard) if self._hub is not None else str(self._folder / shard)
 
     def read(self, item: PlannedTensor) -> torch.Tensor:
         from safetensors import safe_open
 
+        if self._hub is not None:
+            return self._hub.read(item.entry)
         shard = item.entry.shard
         handle = self._handles.get(shard)
         if handle is None:
