@@ -122,3 +122,18 @@ def test_in_place_layers_merge_as_every_rank_did_them_and_show_in_the_table(monk
                                                                                    width=200)
     assert "none of 3 layers: vLLM materialized each in fresh tensors" in rendered(
         monkeypatch, report(0, 3000, 0.1), title="Reload", width=200)
+
+
+def test_a_hub_reload_says_what_it_fetched_and_a_local_one_says_nothing(monkeypatch):
+    commit = "3f2a" + "0" * 36
+    memory = dict(peak_buffer_bytes=4000, peak_tensor="t", predicted_peak_buffer_bytes=4000, largest_layer_bytes=4000)
+    fetched = report_of(order="layer", source="org/step", commit=commit, wall_s=0.5, bytes=4000, tensors=4,
+                        fetched_bytes=5 << 20, layers=[LayerReport("model.embed_tokens", 1, 4000, 0.0, 0.01, 4000)],
+                        **memory)
+    text = rendered(monkeypatch, merge_reports([fetched]), width=200, title="Reload")
+    line = next(line for line in text.splitlines() if line.startswith("fetched"))
+    assert "5.00 MiB" in line and f"org/step@{commit}" in line
+    local = report_of(order="layer", source="ckpt", wall_s=0.5, bytes=4000, tensors=4,
+                      layers=[LayerReport("model.embed_tokens", 1, 4000, 0.0, 0.01, 4000)], **memory)
+    assert not any(line.startswith("fetched") for line in rendered(monkeypatch, local, width=200,
+                                                                    title="Reload").splitlines())

@@ -119,6 +119,9 @@ def render_report(report: ReloadReport, title: str = "Reload", top: int = 0) -> 
     summary.add_row("in place", in_place_line(report))
     summary.add_row("time", time_line(report))
     summary.add_row("skipped", skipped_line(report))
+    if report.volume.fetched_bytes is not None:
+        summary.add_row("fetched", f"{human_bytes(report.volume.fetched_bytes)} from "
+                        f"{escape(source_label(report.placement))} by range (only the tensors handed over)")
     for note in findings.notes:
         summary.add_row("note", escape(note))
     if findings.unexpected:
