@@ -22,7 +22,9 @@ class Prefetch:
         sizes = {shard.name: shard.file_size or shard.data_start + max((t.end for t in shard.tensors), default=0)
                  for shard in checkpoint.shards}
         self.total_bytes = sum(sizes.values())
-        self.fetcher = RangeFetcher(pin, whole_files(sizes))
+        # No reader to stay ahead of: the whole commit is the window. As many connections as huggingface_hub's
+        # own `snapshot_download` opens (8), since a CDN limits each connection's speed.
+        self.fetcher = RangeFetcher(pin, whole_files(sizes), connections=8, window_bytes=max(1, self.total_bytes))
 
     def start(self) -> Prefetch:
         """Start the connections (raises one line naming repo and commit when a file is not there)."""
