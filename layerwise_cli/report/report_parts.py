@@ -114,6 +114,7 @@ class RankSummary:
         elsewhere_tensors: tensors of the source that other ranks hold (not read here).
         engine_id: the id of the worker process's records (new in every engine process).
         skipped_layers: parent layers it skipped, unchanged since layerwise loaded them.
+        node_rank: the node it ran on (0 unless the engine spans several nodes).
     """
 
     rank: int | None
@@ -134,6 +135,7 @@ class RankSummary:
     elsewhere_tensors: int = 0
     engine_id: str | None = None
     skipped_layers: int = 0
+    node_rank: int = 0
 
     @classmethod
     def of(cls, report) -> RankSummary:
@@ -146,7 +148,7 @@ class RankSummary:
                    peak_buffer_bytes=memory.peak_buffer_bytes,
                    predicted_peak_buffer_bytes=memory.predicted_peak_buffer_bytes, wall_s=report.timings.wall_s,
                    elsewhere_tensors=volume.elsewhere_tensors, engine_id=placement.engine_id,
-                   skipped_layers=report.unchanged.skipped_layers)
+                   skipped_layers=report.unchanged.skipped_layers, node_rank=position.get("node_rank", 0))
 
     @classmethod
     def from_dict(cls, data: dict) -> RankSummary:
