@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from layerwise_cli.report.jsonable import jsonable
-from layerwise_cli.report.report_parts import DerivedRefresh, LayerReport, RankSummary, merge_layers
+from layerwise_cli.report.report_parts import DerivedRefresh, LayerReport, RankSummary, merge_layers, rank_label
 from layerwise_cli.report.sections import Findings, Memory, Placement, Timings, UnchangedLayers, Volume
 from layerwise_cli.report.verify_result import VerifyResult
 
@@ -215,8 +215,5 @@ def first_failure(results: list) -> str | None:
     position = failure.get("position") or {}
     several = len(results) > 1 or position.get("dp_size", 1) > 1
     if several and position:
-        node = f"node {position['node_rank']}, " if position.get("nnodes", 1) > 1 else ""
-        where = (f"rank {position.get('rank')} ({node}pp {position.get('pp_rank', 0)}, "
-                 f"tp {position.get('tp_rank', 0)}, dp {position.get('dp_rank', 0)})")
-        return f"{where}: {error}"
+        return f"{rank_label(position)}: {error}"
     return error

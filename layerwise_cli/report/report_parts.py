@@ -99,6 +99,14 @@ class DerivedRefresh:
     reason: str
 
 
+def rank_label(position: dict) -> str:
+    """Where a worker sits, from its position's JSON: `rank 1 (pp 1, tp 0, dp 0)`; with its node first when the
+    engine spans several nodes: `rank 1 (node 1, pp 0, tp 1, dp 0)`."""
+    node = f"node {position['node_rank']}, " if position.get("nnodes", 1) > 1 else ""
+    return (f"rank {position.get('rank')} ({node}pp {position.get('pp_rank', 0)}, tp {position.get('tp_rank', 0)}, "
+            f"dp {position.get('dp_rank', 0)})")
+
+
 @dataclass(frozen=True)
 class RankSummary:
     """One worker of a merged report: where it sits and what it read and buffered.

@@ -107,6 +107,7 @@ class LayerwiseWorkerExtension:
         still be read here: what a fleet reloads to go back when another server fails.
         """
         from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
+        from layerwise_cli.worker.stream.rank_plan import rank_position
 
         try:
             planned = plan_reload(self, source, revision=revision, allow_partial=allow_partial)
@@ -119,7 +120,8 @@ class LayerwiseWorkerExtension:
             return PreflightAnswer(ok=True, rank=getattr(self, "rank", None), notes=list(planned.notes),
                                    loaded_from=back, loaded_revision=back_revision, back_error=back_error).to_json()
         except Exception as exc:  # noqa: BLE001 - an exception here would take the engine down
-            return PreflightAnswer(ok=False, error=str(describe_exception(exc))).to_json()
+            return PreflightAnswer(ok=False, error=str(describe_exception(exc)),
+                                   position=rank_position(self).to_dict()).to_json()
 
     def layerwise_checksums(self) -> dict:
         """SHA-256 of every engine tensor that keeps storage, and their storage pointers."""
