@@ -193,7 +193,7 @@ SERVE_SUBCOMMAND = PrivateSymbol("vllm.entrypoints.cli.serve", "ServeSubcommand"
                                  members=("name", "cmd", "validate", "subparser_init"),
                                  used_by="server/headless.py (runs a headless node as `vllm serve --headless`)")
 ARGUMENT_PARSER = PrivateSymbol("vllm.utils.argparse_utils", "FlexibleArgumentParser", "class",
-                                members=("add_subparsers", "parse_args"),
+                                members=("parse_args",),
                                 used_by="server/headless.py (the parser `vllm serve` parses with)")
 CLI_ENV_SETUP = PrivateSymbol("vllm.entrypoints.serve.utils.api_utils", "cli_env_setup", "function", parameters=(),
                               used_by="server/headless.py (the environment vLLM's CLI sets: spawned workers)")
