@@ -75,6 +75,7 @@ PUBLIC_NAMES = ("LLM", "SamplingParams")
 # patches one of these here patches what they see).
 PRIVATE = vllm_symbols.PRIVATE
 COPIED_RULES = vllm_symbols.COPIED_RULES
+COMMAND_FLAGS = vllm_symbols.COMMAND_FLAGS
 REVIEWED_CHANGES = vllm_symbols.REVIEWED_CHANGES
 IDEMPOTENT_HOOKS = vllm_symbols.IDEMPOTENT_HOOKS
 ReviewedChange = vllm_symbols.ReviewedChange

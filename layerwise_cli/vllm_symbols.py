@@ -221,6 +221,32 @@ PRIVATE: tuple[PrivateSymbol, ...] = tuple(value for value in dict(globals()).va
 
 
 @dataclass(frozen=True)
+class CommandFlag:
+    """A flag of vLLM's serve command line that `layerwise serve` passes, and where vLLM declares it.
+
+    Attributes:
+        flag: the option as layerwise passes it (`--nnodes`).
+        modules: the modules that may declare it (`add_argument("--nnodes", ...)`), first to last.
+        used_by: where layerwise passes it.
+    """
+
+    flag: str
+    modules: tuple[str, ...]
+    used_by: str = ""
+
+
+_NODE_FLAGS_USED_BY = "server/nodes.py NodePlacement.argv (layerwise serve --nnodes ...)"
+# The command line is vLLM's public API, but these flags are young (multi-node without Ray): the release check
+# looks for each where vLLM declares it, so that a rename shows before users run a node.
+COMMAND_FLAGS: tuple[CommandFlag, ...] = (
+    *(CommandFlag(flag, ("vllm.engine.arg_utils",), _NODE_FLAGS_USED_BY)
+      for flag in ("--nnodes", "--node-rank", "--master-addr", "--master-port")),
+    CommandFlag("--headless", ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args"),
+                _NODE_FLAGS_USED_BY),
+)
+
+
+@dataclass(frozen=True)
 class CopiedRule:
     """A rule layerwise's planner copies from vLLM: the vLLM code it follows, compared release against release.
 
