@@ -164,3 +164,11 @@ def test_option_value_reads_what_argparse_reads(args, value):
     from layerwise_cli.server.headless import option_value
 
     assert option_value(args, "--master-addr", "127.0.0.1") == value
+
+
+def test_the_model_leads_a_headless_nodes_vllm_serve_arguments():
+    from layerwise_cli.server.headless import model_first
+
+    assert model_first(["--model", "m", "--headless", "-tp", "2"]) == ["m", "--headless", "-tp", "2"]
+    assert model_first(["--headless", "--model", "./a b"]) == ["./a b", "--headless"]
+    assert model_first(["--headless"]) == ["--headless"]
