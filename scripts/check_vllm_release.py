@@ -12,14 +12,17 @@
    engine tests run on; a definition that differs passes only with a review of
    exactly its text (`vllm_compat.REVIEWED_CHANGES`); a constant is compared
    with layerwise's copy of it.
-3. Hooks: in a release that reruns module hooks after a reload (0.34's
+3. Command flags: every `vllm_compat.COMMAND_FLAGS` entry (the flags
+   `layerwise serve --nnodes ...` passes) is declared with `add_argument` in
+   one of its modules.
+4. Hooks: in a release that reruns module hooks after a reload (0.34's
    `finalize_model_weights`), each hook reviewed as safe to rerun on a layer
    not re-sent (`vllm_compat.IDEMPOTENT_HOOKS`) must have the reviewed text.
-4. The architecture table: `scripts/gen_arch_table.py` regenerates the table
+5. The architecture table: `scripts/gen_arch_table.py` regenerates the table
    from the release's source, and it must equal the committed table of that
    version (`layerwise_cli/planning/architectures-release.json`), entry by
    entry: a new release fails until its table is generated and committed.
-5. `layerwise[gpu]` resolves (`pip install --dry-run --ignore-installed
+6. `layerwise[gpu]` resolves (`pip install --dry-run --ignore-installed
    --report`, for the wheel's platform and Python 3.12: layerwise's own
    dependencies plus the `gpu` extra, read from pyproject.toml), and the release
    is inside the extra's range. A release whose own pins do not resolve from
@@ -58,6 +61,7 @@ if str(HERE) not in sys.path:  # run as a script it is there already; a test loa
 from release_checks import (  # noqa: E402 - after the checkout and this folder are on the path
     Row,
     check_architectures,
+    check_flag,
     check_hooks,
     check_rule,
     check_symbol,
@@ -215,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [check_symbol(release, symbol, version) for symbol in vllm_compat.PRIVATE]
         for rule in vllm_compat.COPIED_RULES:
             rows += check_rule(release, installed, rule)
+        rows += [check_flag(release, flag) for flag in vllm_compat.COMMAND_FLAGS]
         rows += check_hooks(release)
         rows += check_architectures(release, version, work)
         checked = time.perf_counter()

@@ -23,7 +23,7 @@ from release_source import (
 # The lists are read through vllm_compat, as the worker reads them (a test patches them there); the checkout is on
 # sys.path: scripts/check_vllm_release.py put it there.
 from layerwise_cli import vllm_compat
-from layerwise_cli.vllm_symbols import CopiedRule, PrivateSymbol
+from layerwise_cli.vllm_symbols import CommandFlag, CopiedRule, PrivateSymbol
 
 HERE = Path(__file__).resolve().parent
 
@@ -107,6 +107,21 @@ def _older(version: str, than: str) -> bool:
         return Version(version) < Version(than)
     except InvalidVersion:
         return False
+
+
+def check_flag(source: Source, flag: CommandFlag) -> Row:
+    """FLAG declared (`add_argument(..., "FLAG", ...)`) in one of its modules of SOURCE."""
+    for module in flag.modules:
+        tree = source.tree(module)
+        if tree is None:
+            continue
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "add_argument"
+                    and any(isinstance(a, ast.Constant) and a.value == flag.flag for a in node.args)):
+                return Row("flag", flag.flag, True, f"declared in {module}")
+    return Row("flag", flag.flag, False, f"{flag.flag} is not declared in {' or '.join(flag.modules)}; "
+               f"layerwise passes it: {flag.used_by}")
 
 
 def check_rule(release: Source, installed: Source, rule: CopiedRule) -> list[Row]:

@@ -55,6 +55,7 @@ def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "vllm/model_executor/layers/vocab_parallel_embedding.py": ("DEFAULT_VOCAB_PADDING_SIZE = 64",
                                                                        "DEFAULT_VOCAB_PADDING_SIZE = 128"),
             "vllm/entrypoints/serve/middleware/authenticate.py": ("def verify_token(", "def check_token("),
+            "vllm/engine/arg_utils.py": ('add_argument("--nnodes"', 'add_argument("--num-nodes"'),
         }),
         # A symbol moved to the module a later release keeps it in (0.34's `vllm._cpu_ops`).
         "moved": _wheel(folder / "vllm-0.32.0-cp38-abi3-manylinux_2_28_x86_64-moved.whl", {
@@ -76,14 +77,16 @@ def test_the_installed_vllm_passes_its_own_check(wheels: dict[str, Path]) -> Non
     assert done.returncode == 0, done.stdout + done.stderr
     assert not _differences(done.stdout)
     assert "get_layer_size" in done.stdout and "AuthenticationMiddleware" in done.stdout
+    assert "--headless" in done.stdout and "--master-port" in done.stdout
 
 
 def test_a_renamed_symbol_and_a_changed_rule_fail_naming_them(wheels: dict[str, Path]) -> None:
     done = _check(wheels["doctored"])
     assert done.returncode == 1, done.stdout + done.stderr
     differences = _differences(done.stdout)
-    assert len(differences) == 8, differences
-    renamed, verify_token, direct_mode, rerun_hooks, padding_rule, padding_value, completion_rule, table = differences
+    assert len(differences) == 9, differences
+    (renamed, verify_token, direct_mode, rerun_hooks, padding_rule, padding_value, completion_rule, nnodes,
+     table) = differences
     assert "reload.utils.get_layer_size" in renamed and "get_layer_size is not defined" in renamed
     assert "AuthenticationMiddleware" in verify_token and "has no verify_token" in verify_token
     # 9.9.9 is newer than 0.34.0, the first release with the direct mode and the rerun of module hooks, so their
@@ -94,6 +97,7 @@ def test_a_renamed_symbol_and_a_changed_rule_fail_naming_them(wheels: dict[str, 
     assert "vocabulary padding" in padding_rule and "changed: DEFAULT_VOCAB_PADDING_SIZE" in padding_rule
     assert "release 128, layerwise (completion_rule.VOCAB_PADDING) 64" in padding_value
     assert "completion rule" in completion_rule and "removed: get_layer_size; added: get_layer_numel" in completion_rule
+    assert "--nnodes is not declared in vllm.engine.arg_utils" in nnodes and "layerwise serve --nnodes" in nnodes
     assert "architecture" in table and "no committed table for vLLM 9.9.9" in table
 
 

@@ -172,17 +172,20 @@ def skipped_line(report: ReloadReport) -> str:
 
 
 def render_ranks(report: ReloadReport) -> None:
-    """One row per worker: its place (rank, pp, tp, dp), the layers it held, what it read and buffered."""
+    """One row per worker: its place (rank, node when several, pp, tp, dp), the layers it held, what it read and
+    buffered."""
     placement = report.placement
     table = Table(title=f"{placement.workers} workers, {placement.engines} engine(s)", title_justify="left")
-    for column in ("rank", "pp", "tp", "dp"):
+    nodes = any(rank.node_rank for rank in placement.ranks)
+    for column in ("rank", *(("node",) if nodes else ()), "pp", "tp", "dp"):
         table.add_column(column, justify="right")
     table.add_column("layers held", overflow="fold")
     table.add_column("streamed", justify="right")
     table.add_column("read from disk", justify="right")
     table.add_column("peak buffered", justify="right")
     for rank in placement.ranks:
-        table.add_row(str(rank.rank), str(rank.pp_rank), str(rank.tp_rank), str(rank.dp_rank),
+        node = (str(rank.node_rank),) if nodes else ()
+        table.add_row(str(rank.rank), *node, str(rank.pp_rank), str(rank.tp_rank), str(rank.dp_rank),
                       escape(_layer_span(rank.layers)), human_bytes(rank.bytes),
                       human_bytes(rank.disk_read_bytes) if rank.disk_read_bytes is not None else "-",
                       human_bytes(rank.peak_buffer_bytes))

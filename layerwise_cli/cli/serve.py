@@ -24,6 +24,7 @@ from layerwise_cli.cli._output import handle_errors, stderr
 from layerwise_cli.client.pinning import pin_engine_args
 from layerwise_cli.engine_defaults import cuda_available
 from layerwise_cli.server.command_line import server_command_line
+from layerwise_cli.server.nodes import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, NodePlacement
 
 
 @handle_errors
@@ -50,6 +51,16 @@ def serve_command(
     quantization: QuantizationOpt = None,
     enforce_eager: EnforceEagerOpt = None,
     memory_fraction: MemoryFractionOpt = None,
+    nnodes: Annotated[int, typer.Option("--nnodes", "-n", min=1, help="Nodes that run the engine's workers "
+                                        "together (one engine across nodes, no Ray).")] = 1,
+    node_rank: Annotated[int, typer.Option("--node-rank", "-r", min=0, help="This node's rank: 0 runs the API "
+                                           "server, 1 and up need --headless.")] = 0,
+    master_addr: Annotated[str, typer.Option("--master-addr", help="Node 0's address, reachable from every "
+                                             "node.")] = DEFAULT_MASTER_ADDR,
+    master_port: Annotated[int, typer.Option("--master-port", min=1, max=65535, help="A free port on node 0 for "
+                                             "the nodes' rendezvous; the same on every node.")] = DEFAULT_MASTER_PORT,
+    headless: Annotated[bool, typer.Option("--headless", help="Run this node's workers only, no API server "
+                                           "(every node but node 0); exits when node 0 is gone.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the server command and exit.")] = False,
 ) -> None:
     """Serve MODEL with vLLM's OpenAI server, ready for `layerwise reload --url`.
@@ -60,21 +71,31 @@ def serve_command(
     to vLLM. This process becomes the server (exec): signals, exit code and
     PID are vLLM's own.
 
+    One engine across nodes: run the same command on every node with
+    `--nnodes N --node-rank R --master-addr NODE0 --master-port P`, adding
+    `--headless` on every node but node 0; reload through node 0's URL.
+
     Example: layerwise serve ./step-100 --port 8000 --max-model-len 4096 --max-num-seqs 64
     """
+    node = NodePlacement(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
+                         headless=headless)
     command = server_command_line(model, host=host, port=port, allow_remote=allow_remote, api_key=api_key, dtype=dtype,
                       tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
                       data_parallel_size=data_parallel_size,
                       distributed_executor_backend=distributed_executor_backend, max_model_len=max_model_len,
                       quantization=quantization, enforce_eager=enforce_eager, memory_fraction=memory_fraction,
-                      extra=pin_engine_args(model, list(ctx.args)), on_gpu=cuda_available())
+                      extra=pin_engine_args(model, list(ctx.args)), on_gpu=cuda_available(), node=node)
     for warning in command.warnings:
         stderr.print(f"[yellow]Warning:[/] {escape(warning)}")
     if dry_run:
         sys.stdout.write(command.shown() + "\n")
         return
-    stderr.print(f"Serving {escape(model)} on http://{host}:{port} (reload it with: layerwise reload --weights-path "
-                 f"NEW --url http://{host}:{port})")
+    if headless:
+        stderr.print(f"Node {node_rank} of {nnodes}: running {escape(model)}'s workers for the engine led by "
+                     f"{escape(node.leader)} (headless: reload through node 0's URL)")
+    else:
+        stderr.print(f"Serving {escape(model)} on http://{host}:{port} (reload it with: layerwise reload "
+                     f"--weights-path NEW --url http://{host}:{port})")
     sys.stdout.flush()
     sys.stderr.flush()
     env = {**os.environ, **command.env}

@@ -23,6 +23,7 @@ from layerwise_cli.client.server_api import (
 from layerwise_cli.errors import one_line
 from layerwise_cli.report.jsonable import jsonable
 from layerwise_cli.report.reload_report import ReloadReport
+from layerwise_cli.report.report_parts import rank_label
 from layerwise_cli.report.verify_result import VerifyResult, verify_failure
 from layerwise_cli.worker.rpc import PreflightAnswer, PreflightCall
 
@@ -191,6 +192,8 @@ class ServerReload:
             failure = next((a for a in answers if not a.ok), None)
             if failure is not None or not answers:
                 error = failure.error if failure is not None else "no worker answered"
+                if failure is not None and failure.position and len(answers) > 1:
+                    error = f"{rank_label(failure.position)}: {error}"
                 raise _ServerError(f"pre-flight failed: {error}; nothing was changed")
             backs = {(a.loaded_from, a.loaded_revision) for a in answers}
             back_error = next((a.back_error for a in answers if a.back_error), None)

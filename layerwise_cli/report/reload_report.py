@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from layerwise_cli.report.jsonable import jsonable
-from layerwise_cli.report.report_parts import DerivedRefresh, LayerReport, RankSummary, merge_layers
+from layerwise_cli.report.report_parts import DerivedRefresh, LayerReport, RankSummary, merge_layers, rank_label
 from layerwise_cli.report.sections import Findings, Memory, Placement, Timings, UnchangedLayers, Volume
 from layerwise_cli.report.verify_result import VerifyResult
 
@@ -199,7 +199,8 @@ def _rank_key(report: ReloadReport) -> tuple[int, int, int, int]:
 def first_failure(results: list) -> str | None:
     """The error of the worker that failed first-hand (not one that only followed another rank), or None.
 
-    Named by its place when the engine has several ranks: `rank 1 (pp 1, tp 0, dp 0): ...`.
+    Named by its place when the engine has several ranks: `rank 1 (pp 1, tp 0, dp 0): ...`, with its node
+    first when the engine spans several (`rank 1 (node 1, pp 0, tp 1, dp 0): ...`).
     """
     failures = [r for r in results if not (isinstance(r, dict) and r.get("ok"))]
     if not failures and results:
@@ -214,7 +215,5 @@ def first_failure(results: list) -> str | None:
     position = failure.get("position") or {}
     several = len(results) > 1 or position.get("dp_size", 1) > 1
     if several and position:
-        where = (f"rank {position.get('rank')} (pp {position.get('pp_rank', 0)}, tp {position.get('tp_rank', 0)}, "
-                 f"dp {position.get('dp_rank', 0)})")
-        return f"{where}: {error}"
+        return f"{rank_label(position)}: {error}"
     return error

@@ -99,6 +99,14 @@ class DerivedRefresh:
     reason: str
 
 
+def rank_label(position: dict) -> str:
+    """Where a worker sits, from its position's JSON: `rank 1 (pp 1, tp 0, dp 0)`; with its node first when the
+    engine spans several nodes: `rank 1 (node 1, pp 0, tp 1, dp 0)`."""
+    node = f"node {position['node_rank']}, " if position.get("nnodes", 1) > 1 else ""
+    return (f"rank {position.get('rank')} ({node}pp {position.get('pp_rank', 0)}, tp {position.get('tp_rank', 0)}, "
+            f"dp {position.get('dp_rank', 0)})")
+
+
 @dataclass(frozen=True)
 class RankSummary:
     """One worker of a merged report: where it sits and what it read and buffered.
@@ -114,6 +122,7 @@ class RankSummary:
         elsewhere_tensors: tensors of the source that other ranks hold (not read here).
         engine_id: the id of the worker process's records (new in every engine process).
         skipped_layers: parent layers it skipped, unchanged since layerwise loaded them.
+        node_rank: the node it ran on (0 unless the engine spans several nodes).
     """
 
     rank: int | None
@@ -134,6 +143,7 @@ class RankSummary:
     elsewhere_tensors: int = 0
     engine_id: str | None = None
     skipped_layers: int = 0
+    node_rank: int = 0
 
     @classmethod
     def of(cls, report) -> RankSummary:
@@ -146,7 +156,7 @@ class RankSummary:
                    peak_buffer_bytes=memory.peak_buffer_bytes,
                    predicted_peak_buffer_bytes=memory.predicted_peak_buffer_bytes, wall_s=report.timings.wall_s,
                    elsewhere_tensors=volume.elsewhere_tensors, engine_id=placement.engine_id,
-                   skipped_layers=report.unchanged.skipped_layers)
+                   skipped_layers=report.unchanged.skipped_layers, node_rank=position.get("node_rank", 0))
 
     @classmethod
     def from_dict(cls, data: dict) -> RankSummary:

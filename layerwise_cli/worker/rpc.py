@@ -277,6 +277,7 @@ class PreflightAnswer(_Answer):
             reload, or the engine's model.
         back_error: why `loaded_from` could not be read again here (deleted, truncated), or None: a fleet
             still updates such a server, with a warning, and says so if it cannot reload it back.
+        position: on failure, where the worker that refused sits (empty from an older worker).
     """
 
     rank: int | None = None
@@ -284,5 +285,8 @@ class PreflightAnswer(_Answer):
     loaded_from: str | None = None
     loaded_revision: str | None = None
     back_error: str | None = None
+    # On failure: where the refusing worker sits (`RankPosition.to_dict`: rank, tp/pp/dp, its node when several).
+    position: dict = field(default_factory=dict)
 
     ok_fields: ClassVar[tuple[str, ...]] = ("rank", "notes", "loaded_from", "loaded_revision", "back_error")
+    failure_fields: ClassVar[tuple[str, ...]] = ("error", "position")

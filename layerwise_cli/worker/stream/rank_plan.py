@@ -34,10 +34,15 @@ class RankPosition:
     pp_size: int = 1
     dp_rank: int = 0
     dp_size: int = 1
+    # The node this worker runs on, of an engine spread over `nnodes` nodes (`layerwise serve --nnodes`).
+    node_rank: int = 0
+    nnodes: int = 1
 
     def to_dict(self) -> dict:
+        """The position as JSON; the node only for an engine spread over several."""
+        spread = {"node_rank": self.node_rank, "nnodes": self.nnodes} if self.nnodes > 1 else {}
         return {"rank": self.rank, "tp_rank": self.tp_rank, "tp_size": self.tp_size, "pp_rank": self.pp_rank,
-                "pp_size": self.pp_size, "dp_rank": self.dp_rank, "dp_size": self.dp_size}
+                "pp_size": self.pp_size, "dp_rank": self.dp_rank, "dp_size": self.dp_size, **spread}
 
 
 def rank_position(worker=None) -> RankPosition:
@@ -65,11 +70,14 @@ def rank_position(worker=None) -> RankPosition:
         index = getattr(parallel, "data_parallel_index", None)
         dp_rank = int(index if index is not None else parallel.data_parallel_rank or 0)
         dp_size = max(int(parallel.data_parallel_size or 1), dp_rank + 1)
+        node_rank, nnodes = int(getattr(parallel, "node_rank", 0) or 0), int(getattr(parallel, "nnodes", 1) or 1)
     else:
         dp_rank, dp_size = group(ps.get_dp_group)
+        node_rank, nnodes = 0, 1
     rank = getattr(worker, "rank", None)
     return RankPosition(rank=int(rank) if rank is not None else 0, tp_rank=tp_rank, tp_size=tp_size,
-                        pp_rank=pp_rank, pp_size=pp_size, dp_rank=dp_rank, dp_size=dp_size)
+                        pp_rank=pp_rank, pp_size=pp_size, dp_rank=dp_rank, dp_size=dp_size, node_rank=node_rank,
+                        nnodes=nnodes)
 
 
 @dataclass(frozen=True)
