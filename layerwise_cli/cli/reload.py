@@ -152,7 +152,7 @@ def reload_command(
         raise UsageError("--data-parallel-size: vLLM runs one engine per process in this mode (it refuses "
                          "LLM(data_parallel_size>1)); serve with `layerwise serve MODEL -dp N` and reload it with "
                          "--url, which reaches every engine")
-    from layerwise_cli.client.local import EngineOptions, start_engine, stop_engine
+    from layerwise_cli.client.local import EngineOptions, stop_engine
     from layerwise_cli.client.session import prepare_sources, reload_as
     from layerwise_cli.engine_defaults import cuda_available, executor_refusal
     from layerwise_cli.report.progress import new_progress_path
@@ -173,29 +173,9 @@ def reload_command(
                            distributed_executor_backend=distributed_executor_backend, max_model_len=max_model_len,
                            quantization=quantization, enforce_eager=enforce_eager,
                            memory_fraction=memory_fraction)
-    prefetch = None
-    if pin is not None and source_dir == weights_path and not options.bounded_disk:
-        from layerwise_cli.checkpoint.sources import open_checkpoint
-        from layerwise_cli.client.hub_prefetch import Prefetch
-
-        # The Hub commit's shards arrive while the engine starts; the workers then read them from the cache.
-        prefetch = Prefetch(pin, open_checkpoint(weights_path, pin.commit)).start()
-        if not as_json:
-            stderr.print(f"Fetching {pin} ({prefetch.total_bytes / 1e9:.2f} GB) while the engine starts ...")
-    if not as_json:
-        stderr.print(f"Starting vLLM on {base} ...")
-    try:
-        llm = start_engine(base, engine)
-    except BaseException:
-        if prefetch is not None:
-            prefetch.cancel()
-        raise
-    if prefetch is not None:
-        try:
-            prefetch.finish()
-        except BaseException:
-            stop_engine(llm)
-            raise
+    # A Hub commit not downloaded (`prepare_sources` left it remote) arrives while the engine starts.
+    fetch = pin if pin is not None and source_dir == weights_path and not options.bounded_disk else None
+    llm = start_engine_fetching(base, engine, fetch, quiet=as_json)
 
     def on_verify() -> None:
         if not as_json:
@@ -221,3 +201,35 @@ def reload_command(
 
         raise LayerwiseError(f"{verify_failure(report.verify)}; the engine held the reloaded weights, unverified",
                              where=weights_path)
+
+
+def start_engine_fetching(base: str, engine, pin, *, quiet: bool):
+    """Start the engine on BASE; with PIN, fetch that Hub commit's shards into the cache meanwhile (`hub_prefetch`).
+
+    The workers then find the commit in the cache and read it from there. A failed fetch stops the engine.
+    """
+    from layerwise_cli.client.local import start_engine, stop_engine
+
+    prefetch = None
+    if pin is not None:
+        from layerwise_cli.checkpoint.sources import open_checkpoint
+        from layerwise_cli.client.hub_prefetch import Prefetch
+
+        prefetch = Prefetch(pin, open_checkpoint(pin.repo_id, pin.commit)).start()
+        if not quiet:
+            stderr.print(f"Fetching {pin} ({prefetch.total_bytes / 1e9:.2f} GB) while the engine starts ...")
+    if not quiet:
+        stderr.print(f"Starting vLLM on {base} ...")
+    try:
+        llm = start_engine(base, engine)
+    except BaseException:
+        if prefetch is not None:
+            prefetch.cancel()
+        raise
+    if prefetch is not None:
+        try:
+            prefetch.finish()
+        except BaseException:
+            stop_engine(llm)
+            raise
+    return llm
