@@ -34,6 +34,16 @@ class StepDir:
     path: Path
     number: int
 
+    @property
+    def source(self) -> str:
+        """What a target reloads: the step directory's path."""
+        return str(self.path)
+
+    @property
+    def revision(self) -> None:
+        """A folder step has no commit (a Hub step's `revision` is its commit)."""
+        return None
+
 
 @dataclass(frozen=True)
 class Completeness:

@@ -1,4 +1,8 @@
-"""The watch loop: poll the root, pick the newest complete step, bring every target to it, report events."""
+"""The watch loop: poll the root, pick the newest complete step, bring every target to it, report events.
+
+The root is a local directory of step directories (`checkpoint/steps.py`), or a Hub repo whose ref's commits
+are the steps (`watch_hub.py`).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +13,11 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from layerwise_cli.checkpoint.sources import looks_like_repo_id
 from layerwise_cli.checkpoint.steps import (
     AUTO,
     COMPLETE,
+    DEFAULT_PATTERNS,
     SETTLING,
     CompletenessTracker,
     StepDir,
@@ -23,6 +29,7 @@ from layerwise_cli.client import watch_events as ev
 from layerwise_cli.client.fleet import all_or_nothing
 from layerwise_cli.client.server_api import HOLDS_PREVIOUS
 from layerwise_cli.client.watch_events import WatchEvent
+from layerwise_cli.client.watch_hub import HubRef, HubStep, HubSteps, short
 from layerwise_cli.client.watch_options import WatchOptions
 from layerwise_cli.client.watch_state import ServerState, WatchState
 from layerwise_cli.client.watch_targets import Outcome, Target, TargetDown, reload_together
@@ -30,8 +37,10 @@ from layerwise_cli.errors import UsageError, one_line
 
 # Backoff for a server that does not answer: 0.5 s, 1 s, 2 s, ... up to this.
 _BACKOFF_MAX_S = 10.0
-# With --once, a server that failed this many times in a row is given up.
+# With --once, a server that failed this many times in a row is given up (and a Hub ref polled in vain).
 _ONCE_TRIES = 3
+# A step: a directory under a local root, or a commit of a watched Hub ref.
+Step = StepDir | HubStep
 
 
 class Watcher:
@@ -43,8 +52,11 @@ class Watcher:
 
     def __init__(self, root: str | Path, targets: list[Target], options: WatchOptions | None = None, *,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
-        self.root = Path(root)
         self.options = options or WatchOptions()
+        # A root that is no local path but looks like `org/name` is a Hub repo: its ref's commits are the steps.
+        self.hub = HubRef(str(root), self.options.revision) if looks_like_repo_id(str(root)) else None
+        self.root = Path(root)
+        self.interval = self.options.poll_interval(self.hub is not None)
         if not targets:
             raise UsageError("nothing to watch for: give at least one --url (or an engine)")
         names = [t.name for t in targets]
@@ -52,21 +64,24 @@ class Watcher:
             raise UsageError("the same server URL is given twice")
         if self.options.keep is not None and self.options.keep < 1:
             raise UsageError(f"--keep must be at least 1, not {self.options.keep}")
-        if self.options.interval <= 0 or self.options.settle < 0:
+        if self.interval <= 0 or self.options.settle < 0:
             raise UsageError("--interval must be positive and --settle not negative")
+        _refuse_folder_options(self.hub, self.options)
+        self._hub_steps = None if self.hub is None else HubSteps(self.hub, interval=self.interval, clock=clock,
+                                                                  backoff_max_s=_BACKOFF_MAX_S)
         self._servers = {t.name: ServerState(t) for t in targets}
         self._clock = clock
         self._wall = wall
         self._tracker = CompletenessTracker(self.options.marker, self.options.settle, clock)
         self._stopping = False
         self._results: queue.Queue = queue.Queue()
-        self._known: dict[str, StepDir] = {}
+        self._known: dict[str, StepDir] = {}  # a local root's steps, by name
         self._skipped: set[str] = set()
         self._broken: dict[str, str] = {}
         self._deleted_by_us: set[str] = set()
-        self._target: StepDir | None = None
+        self._target: Step | None = None
         # The target before the current one: servers fall back to it when the current one is broken.
-        self._fallback: StepDir | None = None
+        self._fallback: Step | None = None
         self._floor = -1
         self._pending: list[WatchEvent] = []
         self._settling = False
@@ -84,7 +99,8 @@ class Watcher:
 
     def run(self) -> Iterator[WatchEvent]:
         """Watch until `stop()` (or, with `once`, until every server holds the newest complete step)."""
-        list_steps(self.root, self.options.patterns)  # a missing root fails now, with its name
+        if self.hub is None:
+            list_steps(self.root, self.options.patterns)  # a missing root fails now, with its name
         threaded = [s for s in self._servers.values() if s.target.threaded]
         pool = ThreadPoolExecutor(max_workers=max(1, len(threaded)), thread_name_prefix="layerwise-watch")
         try:
@@ -95,7 +111,7 @@ class Watcher:
                 yield from self._drain()
                 if self.options.once and self._once_finished():
                     break
-                yield from self._wait(poll_at + self.options.interval)
+                yield from self._wait(poll_at + self.interval)
         except BaseException:
             self._finish(pool)  # closed early, interrupted or failed: no more yields, but no paused server
             raise
@@ -139,6 +155,9 @@ class Watcher:
 
     def _poll(self) -> None:
         self._repoll = False
+        if self._hub_steps is not None:
+            self._poll_hub(self._hub_steps)
+            return
         steps = list_steps(self.root, self.options.patterns)
         names = {s.name for s in steps}
         for name in list(self._known):
@@ -175,7 +194,25 @@ class Watcher:
         if newest is not None:
             self._set_target(newest, steps)
 
-    def _set_target(self, step: StepDir, steps: list[StepDir]) -> None:
+    def _poll_hub(self, hub_steps: HubSteps) -> None:
+        """One request: the commit the watched ref names; a new one is the next step (a failed poll, an event)."""
+        polled = hub_steps.poll()
+        if polled is None:
+            return  # a failed poll's backoff runs
+        if polled.down:
+            self._emit(ev.SOURCE_DOWN, message=polled.failed)
+        if polled.back:
+            self._emit(ev.SOURCE_BACK, message=f"{hub_steps.ref.where} answers again")
+        step = polled.new
+        if step is None:
+            return
+        self._emit(ev.STEP_SEEN, step=step.name)
+        self.state.newest_seen = step.name
+        if step.name in self._broken:
+            return  # the ref went back to a commit that failed: reported then, never tried again
+        self._set_target(step, [])
+
+    def _set_target(self, step: Step, steps: list[StepDir]) -> None:
         floor = self._floor
         self._fallback = self._target
         self._target = step
@@ -212,7 +249,7 @@ class Watcher:
                 self._start(pool, server, "reload", target)
             elif now >= server.next_probe:
                 # Once per interval: a server restarted on its base weights is found by its weight version.
-                server.next_probe = now + self.options.interval
+                server.next_probe = now + self.interval
                 self._start(pool, server, "probe", None)
         # Together: once no server is busy (a probe may find one down) and none is waiting out a backoff.
         if waiting and target is not None and not any(s.busy for s in self._servers.values()) \
@@ -222,12 +259,12 @@ class Watcher:
     def _together(self) -> bool:
         return all_or_nothing(self.options.atomic, sum(1 for s in self._servers.values() if s.target.threaded))
 
-    def _start(self, pool: ThreadPoolExecutor, server: ServerState, job: str, step: StepDir | None) -> None:
+    def _start(self, pool: ThreadPoolExecutor, server: ServerState, job: str, step: Step | None) -> None:
         if job == "reload":
             assert step is not None
             server.busy = step.name
             self._emit(ev.RELOAD_STARTED, step=step.name, server=server.target.name)
-            run = lambda: server.target.reload(str(step.path), step.name)  # noqa: E731
+            run = lambda: server.target.reload(step.source, step.name, step.revision)  # noqa: E731
         else:
             server.busy = "probe"
             run = server.target.weight_version
@@ -237,7 +274,7 @@ class Watcher:
         future = pool.submit(_call, run)
         future.add_done_callback(lambda f: self._results.put((server.target.name, job, step, f.result())))
 
-    def _start_together(self, pool: ThreadPoolExecutor, servers: list[ServerState], step: StepDir) -> None:
+    def _start_together(self, pool: ThreadPoolExecutor, servers: list[ServerState], step: Step) -> None:
         """One all-or-nothing reload of SERVERS to STEP (`reload_together`); each server's outcome comes back alone."""
         for server in servers:
             server.busy = step.name
@@ -250,9 +287,10 @@ class Watcher:
             for name in names:
                 self._results.put((name, "reload", step, (True, value[name]) if ok else (False, value)))
 
-        pool.submit(_call, lambda: reload_together(targets, str(step.path), step.name)).add_done_callback(done)
+        pool.submit(_call, lambda: reload_together(targets, step.source, step.name, step.revision)).add_done_callback(
+            done)
 
-    def _handle(self, name: str, job: str, step: StepDir | None, result: tuple[bool, object]) -> None:
+    def _handle(self, name: str, job: str, step: Step | None, result: tuple[bool, object]) -> None:
         server = self._servers[name]
         server.busy = None
         ok, value = result
@@ -291,7 +329,7 @@ class Watcher:
         server.failures += 1
         server.next_try = self._clock() + min(_BACKOFF_MAX_S, 0.5 * 2 ** (server.failures - 1))
 
-    def _reloaded(self, server: ServerState, step: StepDir, outcome: Outcome) -> None:
+    def _reloaded(self, server: ServerState, step: Step, outcome: Outcome) -> None:
         name = server.target.name
         if outcome.ok:
             server.version = server.last_version = step.name
@@ -304,10 +342,11 @@ class Watcher:
         server.error = outcome.error
         server.dirty = outcome.holds != HOLDS_PREVIOUS
         server.version = outcome.version if outcome.holds == HOLDS_PREVIOUS else None
-        deleted = not step.path.exists()
+        # Not the step's fault when it is gone (deleted, vanished from the Hub), or the Hub did not say.
+        excuse, vanished = self._excuse(step) if step.name not in self._broken else (None, False)
         message = outcome.error or "failed"
-        if deleted:
-            message = f"{message}; the step was deleted while it was loading"
+        if excuse is not None:
+            message = f"{message}; {excuse}"
         elif not outcome.reached:
             message = f"{message}; the server did not answer"
         self._emit(ev.RELOAD_FAILED, step=step.name, server=name, version=server.version, message=message,
@@ -318,10 +357,27 @@ class Watcher:
         # Whatever failed, this server waits before its next try: never a tight loop of failing reloads.
         server.failures += 1
         server.next_try = self._clock() + min(_BACKOFF_MAX_S, 0.5 * 2 ** (server.failures - 1))
-        if deleted or not outcome.failed_in_reload or step.name in self._broken:
+        if vanished:
+            self._give_up(step, message, f"vanished: {excuse}")
+            return
+        if excuse is not None or not outcome.failed_in_reload or step.name in self._broken:
             return  # not the step's fault (gone, or the server refused before loading), or already reported
+        self._give_up(step, message, f"broken: {message}")
+
+    def _excuse(self, step: Step) -> tuple[str | None, bool]:
+        """Why a failed reload of STEP is not the step's fault (None: it may be), and whether the step is gone
+        for good from where it came (a Hub commit that vanished: never tried again)."""
+        if self.hub is None:
+            return (None, False) if step.path.exists() else ("the step was deleted while it was loading", False)
+        vanished = self.hub.vanished(step.name)
+        if vanished is None:
+            return "the Hub did not answer whether the commit is still there", False
+        return (self.hub.vanished_message(step.name), True) if vanished else (None, False)
+
+    def _give_up(self, step: Step, message: str, why: str) -> None:
+        """STEP is never tried again (reported once): servers go back to the target before it."""
         self._broken[step.name] = message
-        self._emit(ev.STEP_SKIPPED, step=step.name, message=f"broken: {message}")
+        self._emit(ev.STEP_SKIPPED, step=step.name, message=why)
         if self._target is not None and self._target.name == step.name:
             # Back to the step before it; the next poll still takes any valid step newer than that.
             fallback = self._fallback
@@ -343,6 +399,8 @@ class Watcher:
         if given_up:
             self.failure = "; ".join(f"{s.target.name}: {s.error or 'failed'}" for s in given_up)
             return True
+        if self._hub_steps is not None:
+            return self._hub_finished(self._hub_steps, target is None and all(s.seen or s.failures for s in servers))
         if target is None and not self._settling and all(s.seen or s.failures for s in servers):
             broken = f"; broken: {', '.join(self._broken)}" if self._broken else ""
             self.failure = (f"{self.root}: no complete step (looked for {', '.join(self.options.patterns)}"
@@ -350,6 +408,22 @@ class Watcher:
                             f"{broken})")
             return True
         return False
+
+    def _hub_finished(self, hub_steps: HubSteps, stuck: bool) -> bool:
+        """--once on a Hub root with no commit to load (STUCK): give up after 3 failed polls, or on a commit that
+        failed; else poll again."""
+        if not stuck:
+            return False
+        if hub_steps.failures:
+            if hub_steps.failures < _ONCE_TRIES:
+                return False
+            self.failure = f"{hub_steps.failures} polls in a row failed: {hub_steps.error}"
+            return True
+        if hub_steps.commit is None:
+            return False
+        skipped = ", ".join(f"{short(name)} ({why})" for name, why in self._broken.items())
+        self.failure = f"{hub_steps.ref.where}: no commit to load (skipped: {skipped or 'none'})"
+        return True
 
     # --- --keep ------------------------------------------------------------------------------
 
@@ -381,6 +455,22 @@ class Watcher:
             name: {"up": s.up, "version": s.version, "busy": s.busy if s.busy != "probe" else None,
                    "wall_s": s.wall_s, "peak_bytes": s.peak_bytes, "error": s.error}
             for name, s in self._servers.items()}
+
+
+def _refuse_folder_options(hub: HubRef | None, options: WatchOptions) -> None:
+    """A local root's options given for a Hub root, or --revision for a local root: one UsageError line.
+
+    `settle` is ignored for a Hub root (a commit is complete as pushed): harmless, so not refused.
+    """
+    if hub is None:
+        if options.revision is not None:
+            raise UsageError("--revision applies to a Hub repo id (org/name), not to a local directory")
+        return
+    given = [name for name, used in (("--keep", options.keep is not None), ("--marker", options.marker != AUTO),
+                                     ("--pattern", tuple(options.patterns) != DEFAULT_PATTERNS)) if used]
+    if given:
+        raise UsageError(f"{', '.join(given)} applies to a local directory of steps, not to the Hub repo "
+                         f"{hub.repo_id}: each commit of its ref is a complete step, and no commit is deleted")
 
 
 def _call(run: Callable[[], object]) -> tuple[bool, object]:
