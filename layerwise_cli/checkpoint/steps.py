@@ -44,6 +44,11 @@ class StepDir:
         """A folder step has no commit (a Hub step's `revision` is its commit)."""
         return None
 
+    def excuse(self) -> tuple[str | None, bool]:
+        """Why a failed reload of this step is not its fault (None: it may be; here: it was deleted meanwhile),
+        and whether it is gone for good (False: a deleted step vanishes from the listing by itself)."""
+        return (None, False) if self.path.exists() else ("the step was deleted while it was loading", False)
+
 
 @dataclass(frozen=True)
 class Completeness:

@@ -155,7 +155,7 @@ def _open_log(path: Path | None):
 
 
 def _status(watcher) -> Group:
-    from layerwise_cli.client.watch_hub import short
+    from layerwise_cli.client.watch_events import short
     from layerwise_cli.units import human_bytes, human_seconds
 
     state = watcher.state

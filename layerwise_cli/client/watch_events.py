@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from layerwise_cli.checkpoint.hub_pin import is_commit
+
 STEP_SEEN = "step_seen"  # a new step directory appeared under the root
 STEP_COMPLETE = "step_complete"  # the newest complete step changed: servers are brought to it
 STEP_SKIPPED = "step_skipped"  # a step will never be loaded: passed over by a newer one, or broken
@@ -19,6 +21,15 @@ SOURCE_DOWN = "source_down"  # a poll of a watched Hub ref failed (the Hub down,
 SOURCE_BACK = "source_back"  # a poll of the watched Hub ref succeeded again
 EVENT_KINDS = (STEP_SEEN, STEP_COMPLETE, STEP_SKIPPED, STEP_DELETED, SERVER_SEEN, SERVER_DOWN, SERVER_BACK,
                RELOAD_STARTED, RELOAD_DONE, RELOAD_FAILED, SOURCE_DOWN, SOURCE_BACK)
+
+
+# Commits are named by their first characters in one-line output (lines, the live table); in full elsewhere.
+SHORT = 12
+
+
+def short(name: str | None) -> str | None:
+    """A step name for one line: a commit's first `SHORT` characters; a folder step's name as it is."""
+    return name[:SHORT] if name is not None and is_commit(name) else name
 
 
 @dataclass(frozen=True)
@@ -71,8 +82,6 @@ class WatchEvent:
 
     def line(self) -> str:
         """The event as one human line (no markup; a commit by its first characters)."""
-        from layerwise_cli.client.watch_hub import short
-
         where = " ".join(part for part in (self.server, short(self.step)) if part)
         parts = [self.kind.replace("_", " "), where]
         if self.version is not None and self.kind in (SERVER_SEEN, SERVER_BACK):

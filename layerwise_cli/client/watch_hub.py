@@ -11,11 +11,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from layerwise_cli.checkpoint.hub_pin import VANISHED, commit_vanished, is_commit, pin_commit
-from layerwise_cli.errors import LayerwiseError
-
-# Commits are named by their first characters in one-line output (lines, the live table); in full elsewhere.
-SHORT = 12
+from layerwise_cli.checkpoint.hub_pin import VANISHED, commit_vanished, pin_commit
+from layerwise_cli.checkpoint.steps import AUTO, DEFAULT_PATTERNS
+from layerwise_cli.client import watch_events as ev
+from layerwise_cli.client.watch_events import short
+from layerwise_cli.client.watch_options import WatchOptions
+from layerwise_cli.errors import LayerwiseError, UsageError
 
 
 @dataclass(frozen=True)
@@ -27,12 +28,18 @@ class HubStep:
         number: the order in which the watch saw it (the ref's 1st, 2nd, ... commit), never the Hub's.
         source: the repo id every target reloads.
         revision: the commit, handed to every target as the revision to read.
+        ref: the watched ref it came from (asked whether the commit vanished).
     """
 
     name: str
     number: int
     source: str
     revision: str
+    ref: HubRef
+
+    def excuse(self) -> tuple[str | None, bool]:
+        """Why a failed reload of this commit is not its fault, and whether it vanished (`HubRef.excuse`)."""
+        return self.ref.excuse(self.name)
 
 
 class PollFailed(Exception):
@@ -89,9 +96,16 @@ class HubRef:
             return True if commit_vanished(exc) else None
         return False
 
-    def vanished_message(self, commit: str) -> str:
-        """One line naming repo and commit: it is no longer on the Hub (as `hub_pin.hub_error` words it)."""
-        return f"{self.repo_id}@{commit}: {VANISHED}"
+    def excuse(self, commit: str) -> tuple[str | None, bool]:
+        """Why a failed reload of COMMIT is not the commit's fault (None: it may be), and whether it vanished.
+
+        One request (`vanished`). Vanished: one line naming repo and commit, and True (never try it again).
+        The Hub not answering: the commit is not blamed, and is tried again.
+        """
+        vanished = self.vanished(commit)
+        if vanished is None:
+            return "the Hub did not answer whether the commit is still there", False
+        return (f"{self.repo_id}@{commit}: {VANISHED}", True) if vanished else (None, False)
 
 
 @dataclass(frozen=True)
@@ -109,6 +123,17 @@ class Polled:
     failed: str | None = None
     down: bool = False
     back: bool = False
+
+    def events(self, ref: HubRef) -> list[tuple[str, dict]]:
+        """The watch events this poll of REF makes, as (kind, fields): source_down, source_back, step_seen."""
+        events = []
+        if self.down:
+            events.append((ev.SOURCE_DOWN, {"message": self.failed}))
+        if self.back:
+            events.append((ev.SOURCE_BACK, {"message": f"{ref.where} answers again"}))
+        if self.new is not None:
+            events.append((ev.STEP_SEEN, {"step": self.new.name}))
+        return events
 
 
 class HubSteps:
@@ -156,9 +181,33 @@ class HubSteps:
             return Polled(back=back)
         self.commit = commit
         self._number += 1
-        return Polled(new=HubStep(commit, self._number, self.ref.repo_id, commit), back=back)
+        return Polled(new=HubStep(commit, self._number, self.ref.repo_id, commit, self.ref), back=back)
+
+    def once_failure(self, skipped: dict[str, str], *, tries: int) -> str | None:
+        """With `--once` and no commit to load: why to give up, or None to poll again.
+
+        Gives up after TRIES failed polls in a row, or when the ref names a commit that failed or vanished
+        (SKIPPED: commit -> why).
+        """
+        if self.failures:
+            return f"{self.failures} polls in a row failed: {self.error}" if self.failures >= tries else None
+        if self.commit is None:
+            return None
+        names = ", ".join(f"{short(name)} ({why})" for name, why in skipped.items())
+        return f"{self.ref.where}: no commit to load (skipped: {names or 'none'})"
 
 
-def short(name: str | None) -> str | None:
-    """A step name for one line: a commit's first `SHORT` characters; a folder step's name as it is."""
-    return name[:SHORT] if name is not None and is_commit(name) else name
+def refuse_folder_options(hub: HubRef | None, options: WatchOptions) -> None:
+    """A local root's options given for a Hub root, or `revision` for a local root: one UsageError line.
+
+    `settle` is ignored for a Hub root (a commit is complete as pushed): harmless, so not refused.
+    """
+    if hub is None:
+        if options.revision is not None:
+            raise UsageError("--revision applies to a Hub repo id (org/name), not to a local directory")
+        return
+    given = [name for name, used in (("--keep", options.keep is not None), ("--marker", options.marker != AUTO),
+                                     ("--pattern", tuple(options.patterns) != DEFAULT_PATTERNS)) if used]
+    if given:
+        raise UsageError(f"{', '.join(given)} applies to a local directory of steps, not to the Hub repo "
+                         f"{hub.repo_id}: each commit of its ref is a complete step, and no commit is deleted")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -181,3 +182,18 @@ class EngineTarget:
         self.llm.update_weight_version(version)
         return Outcome(ok=True, holds=HOLDS_NEW, version=version, wall_s=time.perf_counter() - start,
                        peak_bytes=report.peak_buffer_bytes, report={"report": report.to_dict()})
+
+
+def call_caught(run: Callable[[], object]) -> tuple[bool, object]:
+    """RUN's result as (True, value), or what it raised as (False, exception): the loop makes it an event."""
+    try:
+        return True, run()
+    except Exception as exc:  # noqa: BLE001 - the loop turns it into an event
+        return False, exc
+
+
+def error_line(error: object) -> str:
+    """An exception (or message) as one line, as `LayerwiseError` words a library's error."""
+    from layerwise_cli.errors import describe_exception
+
+    return one_line(str(describe_exception(error) if isinstance(error, BaseException) else error))

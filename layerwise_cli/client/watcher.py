@@ -7,40 +7,29 @@ are the steps (`watch_hub.py`).
 from __future__ import annotations
 
 import queue
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from layerwise_cli.checkpoint.sources import looks_like_repo_id
-from layerwise_cli.checkpoint.steps import (
-    AUTO,
-    COMPLETE,
-    DEFAULT_PATTERNS,
-    SETTLING,
-    CompletenessTracker,
-    StepDir,
-    deletion_refusal,
-    list_steps,
-    steps_to_delete,
-)
+from layerwise_cli.checkpoint.steps import AUTO, COMPLETE, SETTLING, CompletenessTracker, StepDir, list_steps
 from layerwise_cli.client import watch_events as ev
 from layerwise_cli.client.fleet import all_or_nothing
 from layerwise_cli.client.server_api import HOLDS_PREVIOUS
 from layerwise_cli.client.watch_events import WatchEvent
-from layerwise_cli.client.watch_hub import HubRef, HubStep, HubSteps, short
+from layerwise_cli.client.watch_hub import HubRef, HubStep, HubSteps, refuse_folder_options
+from layerwise_cli.client.watch_keep import delete_old_steps
 from layerwise_cli.client.watch_options import WatchOptions
 from layerwise_cli.client.watch_state import ServerState, WatchState
-from layerwise_cli.client.watch_targets import Outcome, Target, TargetDown, reload_together
-from layerwise_cli.errors import UsageError, one_line
+from layerwise_cli.client.watch_targets import Outcome, Target, TargetDown, call_caught, error_line, reload_together
+from layerwise_cli.errors import UsageError
 
 # Backoff for a server that does not answer: 0.5 s, 1 s, 2 s, ... up to this.
 _BACKOFF_MAX_S = 10.0
 # With --once, a server that failed this many times in a row is given up (and a Hub ref polled in vain).
 _ONCE_TRIES = 3
-# A step: a directory under a local root, or a commit of a watched Hub ref.
-Step = StepDir | HubStep
+Step = StepDir | HubStep  # a directory under a local root, or a commit of a watched Hub ref
 
 
 class Watcher:
@@ -66,7 +55,7 @@ class Watcher:
             raise UsageError(f"--keep must be at least 1, not {self.options.keep}")
         if self.interval <= 0 or self.options.settle < 0:
             raise UsageError("--interval must be positive and --settle not negative")
-        _refuse_folder_options(self.hub, self.options)
+        refuse_folder_options(self.hub, self.options)
         self._hub_steps = None if self.hub is None else HubSteps(self.hub, interval=self.interval, clock=clock,
                                                                   backoff_max_s=_BACKOFF_MAX_S)
         self._servers = {t.name: ServerState(t) for t in targets}
@@ -195,22 +184,14 @@ class Watcher:
             self._set_target(newest, steps)
 
     def _poll_hub(self, hub_steps: HubSteps) -> None:
-        """One request: the commit the watched ref names; a new one is the next step (a failed poll, an event)."""
+        """One request (none while a failed poll's backoff runs): a new commit of the ref is the next step."""
         polled = hub_steps.poll()
-        if polled is None:
-            return  # a failed poll's backoff runs
-        if polled.down:
-            self._emit(ev.SOURCE_DOWN, message=polled.failed)
-        if polled.back:
-            self._emit(ev.SOURCE_BACK, message=f"{hub_steps.ref.where} answers again")
-        step = polled.new
-        if step is None:
-            return
-        self._emit(ev.STEP_SEEN, step=step.name)
-        self.state.newest_seen = step.name
-        if step.name in self._broken:
-            return  # the ref went back to a commit that failed: reported then, never tried again
-        self._set_target(step, [])
+        for kind, fields in polled.events(hub_steps.ref) if polled is not None else ():
+            self._emit(kind, **fields)
+        if polled is not None and polled.new is not None:
+            self.state.newest_seen = polled.new.name
+            if polled.new.name not in self._broken:  # a commit that failed is never tried again
+                self._set_target(polled.new, [])
 
     def _set_target(self, step: Step, steps: list[StepDir]) -> None:
         floor = self._floor
@@ -269,9 +250,9 @@ class Watcher:
             server.busy = "probe"
             run = server.target.weight_version
         if not server.target.threaded:
-            self._handle(server.target.name, job, step, _call(run))
+            self._handle(server.target.name, job, step, call_caught(run))
             return
-        future = pool.submit(_call, run)
+        future = pool.submit(call_caught, run)
         future.add_done_callback(lambda f: self._results.put((server.target.name, job, step, f.result())))
 
     def _start_together(self, pool: ThreadPoolExecutor, servers: list[ServerState], step: Step) -> None:
@@ -287,8 +268,8 @@ class Watcher:
             for name in names:
                 self._results.put((name, "reload", step, (True, value[name]) if ok else (False, value)))
 
-        pool.submit(_call, lambda: reload_together(targets, step.source, step.name, step.revision)).add_done_callback(
-            done)
+        run = lambda: reload_together(targets, step.source, step.name, step.revision)  # noqa: E731
+        pool.submit(call_caught, run).add_done_callback(done)
 
     def _handle(self, name: str, job: str, step: Step | None, result: tuple[bool, object]) -> None:
         server = self._servers[name]
@@ -307,7 +288,10 @@ class Watcher:
             self._reloaded(server, step, outcome)
         self._refresh_state()
         if not self._stopping:
-            self._maybe_clean()
+            for kind, fields in delete_old_steps(self.root, self.options, self._target, list(self._servers.values())):
+                if kind == ev.STEP_DELETED:
+                    self._deleted_by_us.add(fields["step"])
+                self._emit(kind, **fields)
 
     def _up(self, server: ServerState, version) -> None:
         if server.up is False:
@@ -320,7 +304,7 @@ class Watcher:
         server.next_try = 0.0
 
     def _down(self, server: ServerState, error) -> None:
-        message = str(error) if isinstance(error, TargetDown) else _line(error)
+        message = str(error) if isinstance(error, TargetDown) else error_line(error)
         if server.up is not False:
             self._emit(ev.SERVER_DOWN, server=server.target.name, message=message)
         server.up = False
@@ -343,7 +327,7 @@ class Watcher:
         server.dirty = outcome.holds != HOLDS_PREVIOUS
         server.version = outcome.version if outcome.holds == HOLDS_PREVIOUS else None
         # Not the step's fault when it is gone (deleted, vanished from the Hub), or the Hub did not say.
-        excuse, vanished = self._excuse(step) if step.name not in self._broken else (None, False)
+        excuse, vanished = step.excuse() if step.name not in self._broken else (None, False)
         message = outcome.error or "failed"
         if excuse is not None:
             message = f"{message}; {excuse}"
@@ -363,16 +347,6 @@ class Watcher:
         if excuse is not None or not outcome.failed_in_reload or step.name in self._broken:
             return  # not the step's fault (gone, or the server refused before loading), or already reported
         self._give_up(step, message, f"broken: {message}")
-
-    def _excuse(self, step: Step) -> tuple[str | None, bool]:
-        """Why a failed reload of STEP is not the step's fault (None: it may be), and whether the step is gone
-        for good from where it came (a Hub commit that vanished: never tried again)."""
-        if self.hub is None:
-            return (None, False) if step.path.exists() else ("the step was deleted while it was loading", False)
-        vanished = self.hub.vanished(step.name)
-        if vanished is None:
-            return "the Hub did not answer whether the commit is still there", False
-        return (self.hub.vanished_message(step.name), True) if vanished else (None, False)
 
     def _give_up(self, step: Step, message: str, why: str) -> None:
         """STEP is never tried again (reported once): servers go back to the target before it."""
@@ -400,7 +374,10 @@ class Watcher:
             self.failure = "; ".join(f"{s.target.name}: {s.error or 'failed'}" for s in given_up)
             return True
         if self._hub_steps is not None:
-            return self._hub_finished(self._hub_steps, target is None and all(s.seen or s.failures for s in servers))
+            if target is None and all(s.seen or s.failures for s in servers):
+                self.failure = self._hub_steps.once_failure(self._broken, tries=_ONCE_TRIES)
+                return self.failure is not None
+            return False
         if target is None and not self._settling and all(s.seen or s.failures for s in servers):
             broken = f"; broken: {', '.join(self._broken)}" if self._broken else ""
             self.failure = (f"{self.root}: no complete step (looked for {', '.join(self.options.patterns)}"
@@ -409,78 +386,6 @@ class Watcher:
             return True
         return False
 
-    def _hub_finished(self, hub_steps: HubSteps, stuck: bool) -> bool:
-        """--once on a Hub root with no commit to load (STUCK): give up after 3 failed polls, or on a commit that
-        failed; else poll again."""
-        if not stuck:
-            return False
-        if hub_steps.failures:
-            if hub_steps.failures < _ONCE_TRIES:
-                return False
-            self.failure = f"{hub_steps.failures} polls in a row failed: {hub_steps.error}"
-            return True
-        if hub_steps.commit is None:
-            return False
-        skipped = ", ".join(f"{short(name)} ({why})" for name, why in self._broken.items())
-        self.failure = f"{hub_steps.ref.where}: no commit to load (skipped: {skipped or 'none'})"
-        return True
-
-    # --- --keep ------------------------------------------------------------------------------
-
-    def _maybe_clean(self) -> None:
-        keep, target = self.options.keep, self._target
-        if keep is None or target is None:
-            return
-        servers = list(self._servers.values())
-        if any(s.busy and s.busy != "probe" for s in servers):
-            return
-        if not all(s.version == target.name and not s.dirty for s in servers if s.up):
-            return
-        protected = {s.last_version for s in servers if s.last_version} | {s.version for s in servers if s.version}
-        steps = list_steps(self.root, self.options.patterns)
-        for step in steps_to_delete(steps, keep, target, protected):
-            if deletion_refusal(step, self.options.marker) is not None:
-                continue  # not a step this watch would load: left alone, and nothing happened to report
-            try:
-                shutil.rmtree(step.path)
-            except OSError as exc:
-                self._emit(ev.STEP_SKIPPED, step=step.name,
-                           message=f"--keep {keep} could not delete it ({exc.strerror or exc})")
-                continue
-            self._deleted_by_us.add(step.name)
-            self._emit(ev.STEP_DELETED, step=step.name, by="watch", message=f"--keep {keep}")
-
     def _refresh_state(self) -> None:
-        self.state.servers = {
-            name: {"up": s.up, "version": s.version, "busy": s.busy if s.busy != "probe" else None,
-                   "wall_s": s.wall_s, "peak_bytes": s.peak_bytes, "error": s.error}
-            for name, s in self._servers.items()}
+        self.state.show(self._servers)
 
-
-def _refuse_folder_options(hub: HubRef | None, options: WatchOptions) -> None:
-    """A local root's options given for a Hub root, or --revision for a local root: one UsageError line.
-
-    `settle` is ignored for a Hub root (a commit is complete as pushed): harmless, so not refused.
-    """
-    if hub is None:
-        if options.revision is not None:
-            raise UsageError("--revision applies to a Hub repo id (org/name), not to a local directory")
-        return
-    given = [name for name, used in (("--keep", options.keep is not None), ("--marker", options.marker != AUTO),
-                                     ("--pattern", tuple(options.patterns) != DEFAULT_PATTERNS)) if used]
-    if given:
-        raise UsageError(f"{', '.join(given)} applies to a local directory of steps, not to the Hub repo "
-                         f"{hub.repo_id}: each commit of its ref is a complete step, and no commit is deleted")
-
-
-def _call(run: Callable[[], object]) -> tuple[bool, object]:
-    try:
-        return True, run()
-    except Exception as exc:  # noqa: BLE001 - the loop turns it into an event
-        return False, exc
-
-
-def _line(error: object) -> str:
-    from layerwise_cli.errors import describe_exception
-
-    return one_line(str(describe_exception(error) if isinstance(error, BaseException) else error))
