@@ -183,3 +183,18 @@ def test_local_root_options_are_refused_for_a_hub_root_and_revision_for_a_local_
     with pytest.raises(UsageError, match="--revision applies to a Hub repo id"):
         Watcher(tmp_path, [target], WatchOptions(revision="main"))
     assert Watcher(REPO, [target]).interval == 10.0 and Watcher(tmp_path, [target]).interval == 1.0
+
+
+def test_live_status_names_the_ref_and_commits_by_their_first_characters(hub, tmp_path):
+    from rich.console import Console
+
+    from layerwise_cli.cli.watch import _status
+
+    first = hub.add_repo(REPO, folder(tmp_path, "c1"))
+    run = watcher([HubTarget("http://a:1", hub)], once=True)
+    list(run.run())
+    console = Console(record=True, width=200)
+    console.print(_status(run))
+    text = console.export_text()
+    assert f"watch {REPO}: newest commit {first[:12]}, target {first[:12]}" in text
+    assert "current" in text and first not in text

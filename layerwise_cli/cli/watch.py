@@ -163,7 +163,7 @@ def _status(watcher) -> Group:
     # which a long watched path would cut in the middle of "newest step ...".
     if watcher.hub is not None:
         heading = Text(f"watch {watcher.hub.where}: newest commit {short(state.newest_seen) or '-'}, "
-                       f"loading {short(state.target) or '-'}")
+                       f"target {short(state.target) or '-'}")
     else:
         heading = Text(f"watch {watcher.root}: newest step {state.newest_seen or '-'}, complete {state.target or '-'}")
     table = Table()
