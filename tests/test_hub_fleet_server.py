@@ -9,8 +9,8 @@ server that had loaded the new commit while the other node refused it (a corrupt
 A commit that vanished after the client pinned it fails pre-flight in one line naming repo and commit, and
 leaves both servers as they were.
 
-`watch org/step` on the same two servers (one module: one pair of server starts): `--once` brings both to the
-commit `main` names; a running watch brings both to each commit pushed to `main`, and skips, with an event, a
+`watch org/step` on the same two servers (one module: one pair of server starts): `--once --no-atomic` brings
+each to the commit `main` names; a running watch brings both to each commit pushed to `main`, and skips, with an event, a
 commit force-pushed away while the servers fetch it.
 """
 
@@ -162,7 +162,8 @@ def test_watch_brings_both_servers_to_each_commit_of_main_and_skips_one_that_van
     env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": os.environ["HF_HOME"]}
     hub.on_request = None
     first = hub.move_ref(REPO, "main", folders["multiply"])
-    done = run_cli("watch", REPO, *urls, "--once", "--json", "--interval", "0.2", env=env)
+    # Each server on its own (--no-atomic): each is pre-flighted (the commit fetched) before its own pause.
+    done = run_cli("watch", REPO, *urls, "--once", "--no-atomic", "--json", "--interval", "0.2", env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     events = [json.loads(line) for line in done.stdout.splitlines()]
     assert {e["server"] for e in events if e["event"] == "reload_done" and e["step"] == first} == \
