@@ -10,8 +10,8 @@ A commit that vanished after the client pinned it fails pre-flight in one line n
 leaves both servers as they were.
 
 `watch org/step` on the same two servers (one module: one pair of server starts): `--once --no-atomic` brings
-each to the commit `main` names; a running watch brings both to each commit pushed to `main`, and skips, with an event, a
-commit force-pushed away while the servers fetch it.
+each to the commit `main` names; a running watch brings both to each commit pushed to `main`, and skips, with
+an event, a commit force-pushed away while the servers fetch it.
 """
 
 from __future__ import annotations
