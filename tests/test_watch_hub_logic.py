@@ -168,7 +168,7 @@ def test_an_unknown_repo_or_ref_fails_on_the_first_poll(hub, tmp_path):
     hub.add_repo(REPO, folder(tmp_path, "c1"))
     with pytest.raises(LayerwiseError, match=r"^org/none: .*not a local directory"):
         list(Watcher("org/none", [HubTarget("a", hub)], WatchOptions(interval=0.01, once=True)).run())
-    with pytest.raises(LayerwiseError, match=r"^org/run@nope: "):
+    with pytest.raises(LayerwiseError, match=r"^org/run@nope: revision not found on the Hub$"):
         list(watcher([HubTarget("a", hub)], once=True, revision="nope").run())
 
 
@@ -198,3 +198,18 @@ def test_live_status_names_the_ref_and_commits_by_their_first_characters(hub, tm
     text = console.export_text()
     assert f"watch {REPO}: newest commit {first[:12]}, target {first[:12]}" in text
     assert "current" in text and first not in text
+
+
+def test_the_command_refuses_local_root_options_and_names_a_repo_the_hub_does_not_know(hub, tmp_path):
+    from typer.testing import CliRunner
+
+    from layerwise_cli.cli.app import app
+
+    hub.add_repo(REPO, folder(tmp_path, "c1"))
+    runner = CliRunner()
+    keep = runner.invoke(app, ["watch", REPO, "--url", "http://127.0.0.1:9", "--keep", "2"])
+    assert keep.exit_code == 2 and f"--keep applies to a local directory of steps, not to the Hub repo {REPO}" \
+        in keep.output, keep.output
+    unknown = runner.invoke(app, ["watch", "org/none", "--url", "http://127.0.0.1:9", "--once"])
+    assert unknown.exit_code == 1 and "org/none" in unknown.output and "not a local directory" in unknown.output
+    assert len(unknown.output.strip().splitlines()) == 1, unknown.output

@@ -38,7 +38,7 @@ def watch_command(
         "(default 10; one request each).", show_default=False)] = None,
     revision: Annotated[str | None, typer.Option(
         "--revision", metavar="REF", help="With a Hub repo id: the branch or tag whose commits are the steps. "
-        "Default: the default branch.", show_default=False)] = None,
+        "Default: main.", show_default=False)] = None,
     settle: Annotated[float, typer.Option("--settle", min=0.0, help="With --marker auto: seconds a step must stay "
                                           "unchanged to count as complete.")] = 2.0,
     keep: Annotated[int | None, typer.Option(
@@ -87,7 +87,7 @@ def watch_command(
     and exits 0.
 
     ROOT may be a Hub repo id (org/name): each new commit of --revision
-    (default: the default branch) is a step, named by its commit and loaded
+    (default: main) is a step, named by its commit and loaded
     at that commit (never the branch); the servers fetch it while they still
     serve. --marker, --pattern and --keep apply to a local root only.
 

@@ -75,10 +75,14 @@ class HubRef:
             PollFailed: one line naming the repo and ref; `lasting` when the Hub says the repo or ref does not
                 exist (else it did not answer, or answered a 5xx).
         """
+        from huggingface_hub.errors import RepositoryNotFoundError
+
         try:
             return pin_commit(self.repo_id, self.revision).commit
         except LayerwiseError as exc:
-            raise PollFailed(str(exc), lasting=commit_vanished(exc.__cause__)) from None
+            # A typo'd local path looks like a repo id too: say that it was looked for here first.
+            here = " (and it is not a local directory)" if isinstance(exc.__cause__, RepositoryNotFoundError) else ""
+            raise PollFailed(f"{exc}{here}", lasting=commit_vanished(exc.__cause__)) from None
 
     def vanished(self, commit: str) -> bool | None:
         """Whether COMMIT is gone from the Hub (force-pushed away, repo deleted): one request.
@@ -169,7 +173,7 @@ class HubSteps:
             commit = self.ref.commit()
         except PollFailed as exc:
             if exc.lasting and self.commit is None:
-                raise LayerwiseError(f"{exc} (and it is not a local directory)") from None
+                raise LayerwiseError(str(exc)) from None
             self.failures += 1
             self.error = str(exc)
             wait = min(self.backoff_max_s, 0.5 * 2 ** (self.failures - 1))
