@@ -109,15 +109,19 @@ def _step_options(options: RemoteOptions, version: str, revision: str | None) ->
 def _fetch_first(url: str, source: str, options: RemoteOptions):
     """One server's reload of a Hub commit with its pre-flight first, as a fleet's: the fetch before the pause.
 
-    A server without layerwise's worker extension (no pre-flight) is reloaded by vLLM's own `reload_weights`,
-    as `reload_server` does.
+    A server without layerwise's worker extension is left as it is: vLLM's own `reload_weights` would read
+    whatever the branch names by then, not the commit, which the server's weight version would then name.
     """
     from layerwise_cli.client.server_reload import ServerReload
 
     run = ServerReload(url, source, options)
     try:
-        if run.check() and (run.method != "layerwise" or run.preflight()):
-            run.change()
+        if run.check():
+            if run.method != "layerwise":
+                run.refuse(f"loading a pinned Hub commit needs layerwise's worker extension, and "
+                           f"{run.fallback_reason} (start it with `layerwise serve`)")
+            elif run.preflight():
+                run.change()
     finally:
         result = run.finish()
     return result
