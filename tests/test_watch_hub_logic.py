@@ -185,6 +185,14 @@ def test_local_root_options_are_refused_for_a_hub_root_and_revision_for_a_local_
     assert Watcher(REPO, [target]).interval == 10.0 and Watcher(tmp_path, [target]).interval == 1.0
 
 
+def test_a_hub_root_is_refused_offline(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(UsageError, match=f"^watching the Hub repo {REPO} needs the Hub, and HF_HUB_OFFLINE=1 is set$"):
+        Watcher(REPO, [HubTarget("a", HubServer())])
+
+
 def test_live_status_names_the_ref_and_commits_by_their_first_characters(hub, tmp_path):
     from rich.console import Console
 

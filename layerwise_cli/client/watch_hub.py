@@ -146,10 +146,17 @@ class HubSteps:
     A failed poll (the Hub down, a 5xx, a timeout) is retried after 0.5 s, doubling to `backoff_max_s`, and
     never sooner than `interval`. A repo or ref the Hub does not know on the very first poll is bad input:
     `poll` raises; later (the repo deleted while watched) it is a failed poll like any other.
+
+    Raises:
+        UsageError: HF_HUB_OFFLINE=1 (no poll could ever see a new commit).
     """
 
     def __init__(self, ref: HubRef, *, interval: float, clock: Callable[[], float] = time.monotonic,
                  backoff_max_s: float = 10.0) -> None:
+        from layerwise_cli.checkpoint.hub_pin import offline
+
+        if offline():
+            raise UsageError(f"watching the Hub repo {ref.repo_id} needs the Hub, and HF_HUB_OFFLINE=1 is set")
         self.ref = ref
         self.interval = interval
         self.backoff_max_s = backoff_max_s
