@@ -29,4 +29,5 @@ PIP_NO_CACHE_DIR=1 "$venv/bin/python" -m pip install --quiet \
 "$venv/bin/python" -c "import huggingface_hub as h; assert h.__version__ == '$floor', h.__version__" 
 # layerwise from this checkout, not installed: the venv holds only what it depends on.
 PYTHONPATH="$root" "$venv/bin/python" -m pytest -q -p no:cacheprovider \
-    tests/test_hub_cli.py tests/test_hub_fetch_logic.py tests/test_hub_fetch_server.py tests/test_reorder_engine.py::test_hub_source_fetches_shards_one_at_a_time "$@"
+    tests/test_hub_cli.py tests/test_hub_fetch_logic.py tests/test_hub_fetch_server.py tests/test_watch_hub_logic.py \
+    tests/test_reorder_engine.py::test_hub_source_fetches_shards_one_at_a_time "$@"

@@ -8,18 +8,24 @@ not on what `main` names by then: by its own rollback (NaN on both nodes), and b
 server that had loaded the new commit while the other node refused it (a corrupted copy in that node's cache).
 A commit that vanished after the client pinned it fails pre-flight in one line naming repo and commit, and
 leaves both servers as they were.
+
+`watch org/step` on the same two servers (one module: one pair of server starts): `--once --no-atomic` brings
+each to the commit `main` names; a running watch brings both to each commit pushed to `main`, and skips, with
+an event, a commit force-pushed away while the servers fetch it.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 
 from tests.support.engine_support import reshard
 from tests.support.hub_server import HubServer, once_named
 from tests.support.server_support import RunningServer, own_core, run_cli
-from tests.support.watch_support import start_servers, weight_version
+from tests.support.watch_support import WatchProcess, start_servers, weight_version
 
 pytestmark = pytest.mark.server
 
@@ -149,3 +155,48 @@ def test_a_node_that_fails_the_update_and_one_that_goes_back_both_end_on_the_com
     for server in fleet:
         assert server.answers(PAIRS) == expected("add"), server.url
         assert weight_version(server.url) == "v-held" and not server.is_paused()
+
+
+def test_watch_brings_both_servers_to_each_commit_of_main_and_skips_one_that_vanished(fleet, hub, folders):
+    urls = [arg for server in fleet for arg in ("--url", server.url)]
+    env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": os.environ["HF_HOME"]}
+    hub.on_request = None
+    first = hub.move_ref(REPO, "main", folders["multiply"])
+    # Each server on its own (--no-atomic): each is pre-flighted (the commit fetched) before its own pause.
+    done = run_cli("watch", REPO, *urls, "--once", "--no-atomic", "--json", "--interval", "0.2", env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = [json.loads(line) for line in done.stdout.splitlines()]
+    assert {e["server"] for e in events if e["event"] == "reload_done" and e["step"] == first} == \
+        {server.url for server in fleet}, events
+    for server in fleet:
+        assert weight_version(server.url) == first and server.answers(PAIRS) == expected("multiply"), server.url
+
+    watch = WatchProcess(REPO, *urls, "--interval", "0.2", env=env)
+    try:
+        watch.wait_for("step_complete", step=first)
+        pushed = hub.move_ref(REPO, "main", folders["add"])
+        for server in fleet:
+            event = watch.wait_for("reload_done", timeout=300, server=server.url, step=pushed)
+            assert event["version"] == pushed
+        for server in fleet:
+            assert weight_version(server.url) == pushed and server.answers(PAIRS) == expected("add"), server.url
+
+        # Force-pushed away as the first server's pre-flight reads it: skipped with an event, and the commit
+        # pushed in its place is loaded.
+        gone = hub.move_ref(REPO, "main", folders["multiply2"])
+        after: list[str] = []
+        once_named(hub, gone, lambda: (hub.forget_commit(REPO, gone),
+                                       after.append(hub.move_ref(REPO, "main", folders["multiply"]))))
+        skipped = watch.wait_for("step_skipped", timeout=300, step=gone)
+        assert skipped["message"].startswith(f"vanished: {REPO}@{gone}: this commit is no longer on the Hub")
+        for server in fleet:
+            watch.wait_for("reload_done", timeout=300, server=server.url, step=after[0])
+        assert not watch.of("reload_done", step=gone) and watch.of("reload_failed", step=gone)
+        assert not watch.of("reload_started", step=first)  # both held what main named when it started
+        for server in fleet:
+            assert weight_version(server.url) == after[0] and server.answers(PAIRS) == expected("multiply")
+            assert not server.is_paused()
+    finally:
+        code = watch.finish(signal.SIGTERM)
+        hub.on_request = None
+    assert code == 0, watch.stderr[-3000:]

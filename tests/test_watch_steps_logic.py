@@ -130,7 +130,8 @@ class FakeTarget:
             raise TargetDown("connection refused")
         return self.version
 
-    def reload(self, path: str, version: str) -> Outcome:
+    def reload(self, path: str, version: str, revision: str | None = None) -> Outcome:
+        assert revision is None  # a folder step has no commit
         self.reloads.append(version)
         if self.on_reload is not None:
             self.on_reload(Path(path))
@@ -319,13 +320,13 @@ def test_several_servers_are_brought_to_a_step_together_and_a_dead_one_is_left_o
     a, b = ThreadedTarget("a"), ThreadedTarget("b")
     calls: list[tuple[list[str], str]] = []
 
-    def reload_together(targets, path, version):
+    def reload_together(targets, path, version, revision):
         calls.append(([t.name for t in targets], version))
         if len(calls) == 1:  # b dies during the first update: a is reloaded back, b is down
             b.down = 1
             return {"a": Outcome(ok=False, holds="previous", error="b failed; reloaded back", version=None),
                     "b": Outcome(ok=False, holds="unknown", error="cannot connect", reached=False)}
-        return {t.name: t.reload(path, version) for t in targets}
+        return {t.name: t.reload(path, version, revision) for t in targets}
 
     monkeypatch.setattr(watcher_module, "reload_together", reload_together)
     watcher, events = run_once(tmp_path, [a, b])

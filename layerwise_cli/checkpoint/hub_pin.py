@@ -11,6 +11,8 @@ from pathlib import Path
 from layerwise_cli.errors import LayerwiseError, describe_exception
 
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+# What a pinned commit the Hub no longer has is said to be (after `org/name@<commit>: `).
+VANISHED = "this commit is no longer on the Hub (force-pushed away, or the repo was deleted)"
 
 
 def is_commit(revision: str | None) -> bool:
@@ -106,8 +108,7 @@ def hub_error(exc: BaseException, repo_id: str, revision: str | None) -> Layerwi
     """
     where = f"{repo_id}@{revision}" if revision else repo_id
     if is_commit(revision) and commit_vanished(exc):
-        return LayerwiseError("this commit is no longer on the Hub (force-pushed away, or the repo was deleted)",
-                              where=where)
+        return LayerwiseError(VANISHED, where=where)
     return describe_exception(exc, where=where)
 
 

@@ -34,6 +34,21 @@ class StepDir:
     path: Path
     number: int
 
+    @property
+    def source(self) -> str:
+        """What a target reloads: the step directory's path."""
+        return str(self.path)
+
+    @property
+    def revision(self) -> None:
+        """A folder step has no commit (a Hub step's `revision` is its commit)."""
+        return None
+
+    def excuse(self) -> tuple[str | None, bool]:
+        """Why a failed reload of this step is not its fault (None: it may be; here: it was deleted meanwhile),
+        and whether it is gone for good (False: a deleted step vanishes from the listing by itself)."""
+        return (None, False) if self.path.exists() else ("the step was deleted while it was loading", False)
+
 
 @dataclass(frozen=True)
 class Completeness:

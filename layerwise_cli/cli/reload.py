@@ -143,15 +143,8 @@ def reload_command(
                                api_key=api_key, verify=verify, timeout=timeout if timeout is not None else 600.0,
                                pause_lease_s=pause_lease if pause_lease is not None else 60.0)
         raise typer.Exit(reload_remote(url, weights_path, remote, as_json=as_json, top=top, atomic=atomic))
-    given = [name for name, value in (("--pause-mode", pause_mode), ("--weight-version", weight_version),
-                                      ("--timeout", timeout), ("--pause-lease", pause_lease),
-                                      ("--atomic/--no-atomic", atomic)) if value is not None]
-    if given:
-        raise UsageError(f"{', '.join(given)} only apply with --url (reloading running servers)")
-    if data_parallel_size > 1:
-        raise UsageError("--data-parallel-size: vLLM runs one engine per process in this mode (it refuses "
-                         "LLM(data_parallel_size>1)); serve with `layerwise serve MODEL -dp N` and reload it with "
-                         "--url, which reaches every engine")
+    refuse_server_options({"--pause-mode": pause_mode, "--weight-version": weight_version, "--timeout": timeout,
+                           "--pause-lease": pause_lease, "--atomic/--no-atomic": atomic}, data_parallel_size)
     from layerwise_cli.client.local import EngineOptions, stop_engine
     from layerwise_cli.client.session import prepare_sources, reload_as
     from layerwise_cli.engine_defaults import cuda_available, executor_refusal
@@ -201,6 +194,22 @@ def reload_command(
 
         raise LayerwiseError(f"{verify_failure(report.verify)}; the engine held the reloaded weights, unverified",
                              where=weights_path)
+
+
+def refuse_server_options(given: dict[str, object], data_parallel_size: int) -> None:
+    """Refuse, in process, what applies only to running servers: GIVEN (flag -> value, None: not given), and
+    data parallelism (vLLM runs one engine per process in this mode).
+
+    Raises:
+        UsageError: naming the flags.
+    """
+    flags = [flag for flag, value in given.items() if value is not None]
+    if flags:
+        raise UsageError(f"{', '.join(flags)} only apply with --url (reloading running servers)")
+    if data_parallel_size > 1:
+        raise UsageError("--data-parallel-size: vLLM runs one engine per process in this mode (it refuses "
+                         "LLM(data_parallel_size>1)); serve with `layerwise serve MODEL -dp N` and reload it with "
+                         "--url, which reaches every engine")
 
 
 def start_engine_fetching(base: str, engine, pin, *, quiet: bool):

@@ -1,4 +1,4 @@
-"""`layerwise watch`: keep servers on the newest complete step of a training run."""
+"""`layerwise watch`: keep servers on the newest complete step of a training run (a folder, or a Hub repo's ref)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from layerwise_cli.errors import LayerwiseError, UsageError
 
 @handle_errors
 def watch_command(
-    root: Annotated[Path, typer.Argument(help="The directory the trainer writes one directory per step into.",
+    root: Annotated[Path, typer.Argument(help="The directory the trainer writes one directory per step into, or a "
+                                         "Hub repo id (org/name): each new commit of --revision is a step.",
                                          show_default=False)],
     url: Annotated[list[str], typer.Option("--url", help="A server to keep on the newest step (repeatable).",
                                            show_default=False)],
@@ -32,8 +33,12 @@ def watch_command(
         "--marker", metavar="NAME|auto", help="A step is complete once the file NAME (e.g. STABLE) is in it; "
         "auto: once its index and every shard it lists are complete and nothing changed for --settle seconds.")]
     = "auto",
-    interval: Annotated[float, typer.Option("--interval", min=0.05, help="Seconds between two listings of ROOT.")]
-    = 1.0,
+    interval: Annotated[float | None, typer.Option(
+        "--interval", min=0.05, help="Seconds between two listings of ROOT (default 1), or polls of a Hub repo's ref "
+        "(default 10; one request each).", show_default=False)] = None,
+    revision: Annotated[str | None, typer.Option(
+        "--revision", metavar="REF", help="With a Hub repo id: the branch or tag whose commits are the steps. "
+        "Default: main.", show_default=False)] = None,
     settle: Annotated[float, typer.Option("--settle", min=0.0, help="With --marker auto: seconds a step must stay "
                                           "unchanged to count as complete.")] = 2.0,
     keep: Annotated[int | None, typer.Option(
@@ -81,6 +86,11 @@ def watch_command(
     Ctrl-C or SIGTERM lets a running reload finish (no server is left paused)
     and exits 0.
 
+    ROOT may be a Hub repo id (org/name): each new commit of --revision
+    (default: main) is a step, named by its commit and loaded
+    at that commit (never the branch); the servers fetch it while they still
+    serve. --marker, --pattern and --keep apply to a local root only.
+
     Example: layerwise watch /runs/exp1/weights --url http://127.0.0.1:8000 --url http://127.0.0.1:8001 --keep 3
     """
     from layerwise_cli.client.watch import Watcher, WatchOptions, server_targets
@@ -88,8 +98,10 @@ def watch_command(
     options = WatchOptions(patterns=tuple(pattern) if pattern else WatchOptions().patterns, marker=marker,
                            interval=interval, settle=settle, keep=keep, once=once, pause_mode=pause_mode,
                            pause_lease_s=pause_lease, api_key=api_key, verify=verify,
-                           allow_unchecked=allow_unchecked, timeout=timeout, atomic=atomic)
-    if not root.is_dir():
+                           allow_unchecked=allow_unchecked, timeout=timeout, atomic=atomic, revision=revision)
+    from layerwise_cli.checkpoint.sources import looks_like_repo_id
+
+    if not root.is_dir() and not looks_like_repo_id(str(root)):
         raise LayerwiseError("no such directory (the root the trainer writes steps into)", where=str(root))
     if marker != "auto" and ("/" in marker or marker in ("", ".", "..")):
         raise UsageError(f"--marker must be a file name or auto, not {marker!r}")
@@ -114,7 +126,8 @@ def watch_command(
                 sys.stdout.flush()
             elif live is not None:
                 live.update(_status(watcher))
-                if event.kind in ("reload_failed", "step_skipped", "server_down", "server_back", "step_deleted"):
+                if event.kind in ("reload_failed", "step_skipped", "server_down", "server_back", "step_deleted",
+                                  "source_down", "source_back"):
                     live.console.print(escape(event.line()))
             else:
                 stderr.print(escape(event.line()), soft_wrap=True)
@@ -142,12 +155,17 @@ def _open_log(path: Path | None):
 
 
 def _status(watcher) -> Group:
+    from layerwise_cli.client.watch_events import short
     from layerwise_cli.units import human_bytes, human_seconds
 
     state = watcher.state
     # The heading is a line of its own, wrapped at the terminal's width: a table's title wraps at the table's,
     # which a long watched path would cut in the middle of "newest step ...".
-    heading = Text(f"watch {watcher.root}: newest step {state.newest_seen or '-'}, complete {state.target or '-'}")
+    if watcher.hub is not None:
+        heading = Text(f"watch {watcher.hub.where}: newest commit {short(state.newest_seen) or '-'}, "
+                       f"target {short(state.target) or '-'}")
+    else:
+        heading = Text(f"watch {watcher.root}: newest step {state.newest_seen or '-'}, complete {state.target or '-'}")
     table = Table()
     table.add_column("server", overflow="fold")
     table.add_column("state")
@@ -158,12 +176,12 @@ def _status(watcher) -> Group:
         if server["up"] is False:
             what = "[red]down[/]"
         elif server["busy"]:
-            what = f"loading {escape(server['busy'])}"
+            what = f"loading {escape(short(server['busy']))}"
         elif server["version"] == state.target:
             what = "[green]current[/]"
         else:
             what = "behind"
-        table.add_row(escape(name), what, escape(str(server["version"] or "-")),
+        table.add_row(escape(name), what, escape(str(short(server["version"]) or "-")),
                       human_seconds(server["wall_s"]) if server["wall_s"] is not None else "-",
                       human_bytes(server["peak_bytes"]) if server["peak_bytes"] is not None else "-")
     return Group(heading, table)

@@ -29,14 +29,16 @@ def server_targets(urls: list[str], options: WatchOptions) -> list[Target]:
 
 def watch(root: str | Path, *, llm=None, urls: list[str] | None = None, options: WatchOptions | None = None,
           **option_values) -> Iterator[WatchEvent]:
-    """Keep an in-process engine (`llm=`) and/or servers (`urls=`) on the newest complete step under ROOT.
+    """Keep an in-process engine (`llm=`) and/or servers (`urls=`) on the newest complete step of ROOT.
 
     A generator: each item is a `WatchEvent`. Reloads of `llm` run in the
     iterating thread (vLLM's `LLM` is not thread-safe), between polls; stop by
     leaving the loop (`break`), which waits for server reloads in flight.
 
     Args:
-        root: the directory the trainer writes one step directory into per step.
+        root: the directory the trainer writes one step directory into per step, or a Hub repo id
+            (`org/name`): each new commit of `revision=` (default: the default branch) is a step, named by
+            its commit and reloaded at that commit.
         llm: a `vllm.LLM` built with `worker_extension_cls=layerwise_cli.EXTENSION_CLS`.
         urls: server base URLs (`layerwise serve` servers).
         options: a `WatchOptions`; or give its fields as keywords (`marker="STABLE", once=True`).
@@ -47,6 +49,8 @@ def watch(root: str | Path, *, llm=None, urls: list[str] | None = None, options:
 
     Example:
         for event in layerwise_cli.watch("/runs/exp1/weights", llm=llm, marker="STABLE"):
+            print(event.line())
+        for event in layerwise_cli.watch("org/model", urls=[url_a, url_b], revision="main"):
             print(event.line())
     """
     if options is None:

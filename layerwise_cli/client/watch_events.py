@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from layerwise_cli.checkpoint.hub_pin import is_commit
+
 STEP_SEEN = "step_seen"  # a new step directory appeared under the root
 STEP_COMPLETE = "step_complete"  # the newest complete step changed: servers are brought to it
 STEP_SKIPPED = "step_skipped"  # a step will never be loaded: passed over by a newer one, or broken
@@ -15,8 +17,19 @@ SERVER_BACK = "server_back"  # a server answers again
 RELOAD_STARTED = "reload_started"
 RELOAD_DONE = "reload_done"
 RELOAD_FAILED = "reload_failed"
+SOURCE_DOWN = "source_down"  # a poll of a watched Hub ref failed (the Hub down, a 5xx); polled again with backoff
+SOURCE_BACK = "source_back"  # a poll of the watched Hub ref succeeded again
 EVENT_KINDS = (STEP_SEEN, STEP_COMPLETE, STEP_SKIPPED, STEP_DELETED, SERVER_SEEN, SERVER_DOWN, SERVER_BACK,
-               RELOAD_STARTED, RELOAD_DONE, RELOAD_FAILED)
+               RELOAD_STARTED, RELOAD_DONE, RELOAD_FAILED, SOURCE_DOWN, SOURCE_BACK)
+
+
+# Commits are named by their first characters in one-line output (lines, the live table); in full elsewhere.
+SHORT = 12
+
+
+def short(name: str | None) -> str | None:
+    """A step name for one line: a commit's first `SHORT` characters; a folder step's name as it is."""
+    return name[:SHORT] if name is not None and is_commit(name) else name
 
 
 @dataclass(frozen=True)
@@ -26,7 +39,7 @@ class WatchEvent:
     Attributes:
         kind: one of `EVENT_KINDS` (step_seen, step_complete, reload_started, ...).
         time: wall-clock time, Unix seconds.
-        step: a step directory's name.
+        step: a step directory's name, or a Hub step's commit (in full; `line` shortens it).
         server: a server URL, or `engine` for an in-process engine.
         message: a one-line explanation (why a step was skipped, a reload failed, ...).
         version: the weight version the server holds after the event
@@ -68,11 +81,11 @@ class WatchEvent:
         return data
 
     def line(self) -> str:
-        """The event as one human line (no markup)."""
-        where = " ".join(part for part in (self.server, self.step) if part)
+        """The event as one human line (no markup; a commit by its first characters)."""
+        where = " ".join(part for part in (self.server, short(self.step)) if part)
         parts = [self.kind.replace("_", " "), where]
         if self.version is not None and self.kind in (SERVER_SEEN, SERVER_BACK):
-            parts.append(f"holds {self.version}")
+            parts.append(f"holds {short(self.version)}")
         if self.wall_s is not None:
             parts.append(f"in {self.wall_s:.2f} s")
         if self.peak_bytes is not None:

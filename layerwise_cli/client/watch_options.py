@@ -7,19 +7,27 @@ from dataclasses import dataclass
 from layerwise_cli.checkpoint.steps import AUTO, DEFAULT_PATTERNS
 from layerwise_cli.worker.rpc import ReloadOptions
 
+# Seconds between two polls by default: a listing of a local root is cheap; each poll of a Hub repo is a request.
+LOCAL_INTERVAL_S = 1.0
+HUB_INTERVAL_S = 10.0
+
 
 @dataclass(frozen=True)
 class WatchOptions:
     """How `watch` finds steps and reloads them (the `layerwise watch` options).
 
     Attributes:
-        patterns: glob patterns of step directory names under the root.
+        patterns: glob patterns of step directory names under the root (a local root only).
         marker: a file whose presence marks a step complete, or `auto` (every
             shard complete and nothing changed for `settle` seconds).
-        interval: seconds between polls of the root.
-        settle: seconds a step must stay unchanged before `auto` calls it complete.
+        interval: seconds between polls of the root; None: 1 s for a local root, 10 s for a Hub repo (each
+            poll of a Hub repo is one request).
+        settle: seconds a step must stay unchanged before `auto` calls it complete (a local root only; a
+            Hub root ignores it: a commit is complete as pushed).
         keep: delete steps older than the newest `keep` once every server holds
-            the newest; None never deletes.
+            the newest; None never deletes (a local root only).
+        revision: for a Hub repo root, the branch or tag whose commits are the steps; None: the default
+            branch. Refused for a local root.
         once: bring every server to the newest complete step, then stop.
         pause_mode: how servers pause during a reload (`wait`, `keep`, `abort`, `none`).
         pause_lease_s: seconds a server with layerwise's pause lease stays paused once this process stops
@@ -39,7 +47,7 @@ class WatchOptions:
     patterns: tuple[str, ...] = DEFAULT_PATTERNS
     # A file whose presence marks a step complete, or "auto" (files complete and unchanged for `settle` s).
     marker: str = AUTO
-    interval: float = 1.0
+    interval: float | None = None
     settle: float = 2.0
     # Delete steps older than the newest N once every server holds the newest; None: never delete.
     keep: int | None = None
@@ -51,6 +59,13 @@ class WatchOptions:
     allow_unchecked: bool = False
     timeout: float = 600.0
     atomic: bool | None = None
+    revision: str | None = None
+
+    def poll_interval(self, hub: bool) -> float:
+        """Seconds between two polls: `interval`, or its default for a local root or a Hub repo (HUB)."""
+        if self.interval is not None:
+            return self.interval
+        return HUB_INTERVAL_S if hub else LOCAL_INTERVAL_S
 
     def reload_options(self) -> ReloadOptions:
         """How every target reloads a step: the defaults, and `allow_unchecked`."""

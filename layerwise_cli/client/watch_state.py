@@ -34,3 +34,10 @@ class WatchState:
     newest_seen: str | None = None
     target: str | None = None
     servers: dict[str, dict] = field(default_factory=dict)
+
+    def show(self, servers: dict[str, ServerState]) -> None:
+        """Copy what the live view shows of each of SERVERS (name -> its state) into `servers`."""
+        self.servers = {
+            name: {"up": s.up, "version": s.version, "busy": s.busy if s.busy != "probe" else None,
+                   "wall_s": s.wall_s, "peak_bytes": s.peak_bytes, "error": s.error}
+            for name, s in servers.items()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -34,7 +35,7 @@ class Outcome:
 
 
 class Target(Protocol):
-    """Something that holds weights and can reload a step directory."""
+    """Something that holds weights and can reload a step (a directory, or a Hub repo's commit)."""
 
     name: str
     # Reloads and probes may run in a thread of their own (servers); an in-process engine runs them inline.
@@ -43,8 +44,11 @@ class Target(Protocol):
     def weight_version(self) -> str | None:
         """The weight version it holds now. Raises TargetDown when it does not answer."""
 
-    def reload(self, path: str, version: str) -> Outcome:
-        """Load the checkpoint at PATH and name it VERSION; never raises for a failed reload."""
+    def reload(self, source: str, version: str, revision: str | None = None) -> Outcome:
+        """Load SOURCE (a step's path, or a Hub repo id read at the commit REVISION) and name it VERSION.
+
+        Never raises for a failed reload.
+        """
 
 
 class ServerTarget:
@@ -70,23 +74,57 @@ class ServerTarget:
         finally:
             client.close()
 
-    def reload(self, path: str, version: str) -> Outcome:
-        from dataclasses import replace
-
+    def reload(self, source: str, version: str, revision: str | None = None) -> Outcome:
+        """Reload SOURCE into this server alone; a Hub commit (REVISION) is pre-flighted first (`_fetch_first`)."""
         from layerwise_cli.client.remote import reload_server
 
-        return outcome_of(reload_server(self.url, path, replace(self.options, weight_version=version)))
+        options = _step_options(self.options, version, revision)
+        if revision is not None:
+            return outcome_of(_fetch_first(self.url, source, options))
+        return outcome_of(reload_server(self.url, source, options))
 
 
-def reload_together(targets: list[ServerTarget], path: str, version: str) -> dict[str, Outcome]:
-    """Reload PATH into every server of TARGETS all or nothing (`client/fleet.py`); target name -> its outcome."""
-    from dataclasses import replace
+def reload_together(targets: list[ServerTarget], source: str, version: str,
+                    revision: str | None = None) -> dict[str, Outcome]:
+    """Reload SOURCE (at REVISION) into every server of TARGETS all or nothing (`client/fleet.py`).
 
+    Returns:
+        Each target's name -> its outcome.
+    """
     from layerwise_cli.client.fleet import reload_fleet
 
-    options = replace(targets[0].options, weight_version=version)
-    results = reload_fleet([target.url for target in targets], path, options)
+    options = _step_options(targets[0].options, version, revision)
+    results = reload_fleet([target.url for target in targets], source, options)
     return {target.name: outcome_of(result) for target, result in zip(targets, results)}
+
+
+def _step_options(options: RemoteOptions, version: str, revision: str | None) -> RemoteOptions:
+    """OPTIONS for one step: its weight version, and the commit a Hub step is read at (None: a folder step)."""
+    from dataclasses import replace
+
+    reload = replace(options.reload, revision=revision) if revision is not None else options.reload
+    return replace(options, weight_version=version, reload=reload)
+
+
+def _fetch_first(url: str, source: str, options: RemoteOptions):
+    """One server's reload of a Hub commit with its pre-flight first, as a fleet's: the fetch before the pause.
+
+    A server without layerwise's worker extension is left as it is: vLLM's own `reload_weights` would read
+    whatever the branch names by then, not the commit, which the server's weight version would then name.
+    """
+    from layerwise_cli.client.server_reload import ServerReload
+
+    run = ServerReload(url, source, options)
+    try:
+        if run.check():
+            if run.method != "layerwise":
+                run.refuse(f"loading a pinned Hub commit needs layerwise's worker extension, and "
+                           f"{run.fallback_reason} (start it with `layerwise serve`)")
+            elif run.preflight():
+                run.change()
+    finally:
+        result = run.finish()
+    return result
 
 
 def outcome_of(result) -> Outcome:
@@ -116,14 +154,17 @@ class EngineTarget:
     def weight_version(self) -> str | None:
         return self.llm.get_weight_version()
 
-    def reload(self, path: str, version: str) -> Outcome:
+    def reload(self, source: str, version: str, revision: str | None = None) -> Outcome:
+        from dataclasses import replace
+
         from layerwise_cli.client.local import ask_workers, reports_from_results, verify_engine
         from layerwise_cli.errors import describe_exception
         from layerwise_cli.report.verify_result import verify_failure
 
         start = time.perf_counter()
+        options = replace(self.options, revision=revision) if revision is not None else self.options
         try:
-            results = ask_workers(self.llm, ReloadCall(source=path, options=self.options))
+            results = ask_workers(self.llm, ReloadCall(source=source, options=options))
         except Exception as exc:  # noqa: BLE001 - one line, like a server's failure
             return Outcome(ok=False, holds=HOLDS_UNKNOWN, error=one_line(str(describe_exception(exc))),
                            failed_in_reload=True)
@@ -138,10 +179,25 @@ class EngineTarget:
         report = reports_from_results(results)
         self.llm.reset_prefix_cache()
         if self.verify:
-            checked = verify_engine(self.llm, path, allow_unchecked=self.options.allow_unchecked)
+            checked = verify_engine(self.llm, source, options.revision, allow_unchecked=options.allow_unchecked)
             if not checked.ok:
                 return Outcome(ok=False, holds="unverified", error=verify_failure(checked), failed_in_reload=True,
                                version=self.llm.get_weight_version(), report={"report": report.to_dict()})
         self.llm.update_weight_version(version)
         return Outcome(ok=True, holds=HOLDS_NEW, version=version, wall_s=time.perf_counter() - start,
                        peak_bytes=report.peak_buffer_bytes, report={"report": report.to_dict()})
+
+
+def call_caught(run: Callable[[], object]) -> tuple[bool, object]:
+    """RUN's result as (True, value), or what it raised as (False, exception): the loop makes it an event."""
+    try:
+        return True, run()
+    except Exception as exc:  # noqa: BLE001 - the loop turns it into an event
+        return False, exc
+
+
+def error_line(error: object) -> str:
+    """An exception (or message) as one line, as `LayerwiseError` words a library's error."""
+    from layerwise_cli.errors import describe_exception
+
+    return one_line(str(describe_exception(error) if isinstance(error, BaseException) else error))

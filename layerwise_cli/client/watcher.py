@@ -1,37 +1,35 @@
-"""The watch loop: poll the root, pick the newest complete step, bring every target to it, report events."""
+"""The watch loop: poll the root, pick the newest complete step, bring every target to it, report events.
+
+The root is a local directory of step directories (`checkpoint/steps.py`), or a Hub repo whose ref's commits
+are the steps (`watch_hub.py`).
+"""
 
 from __future__ import annotations
 
 import queue
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from layerwise_cli.checkpoint.steps import (
-    AUTO,
-    COMPLETE,
-    SETTLING,
-    CompletenessTracker,
-    StepDir,
-    deletion_refusal,
-    list_steps,
-    steps_to_delete,
-)
+from layerwise_cli.checkpoint.sources import looks_like_repo_id
+from layerwise_cli.checkpoint.steps import AUTO, COMPLETE, SETTLING, CompletenessTracker, StepDir, list_steps
 from layerwise_cli.client import watch_events as ev
 from layerwise_cli.client.fleet import all_or_nothing
 from layerwise_cli.client.server_api import HOLDS_PREVIOUS
 from layerwise_cli.client.watch_events import WatchEvent
+from layerwise_cli.client.watch_hub import HubRef, HubStep, HubSteps, refuse_folder_options
+from layerwise_cli.client.watch_keep import delete_old_steps
 from layerwise_cli.client.watch_options import WatchOptions
 from layerwise_cli.client.watch_state import ServerState, WatchState
-from layerwise_cli.client.watch_targets import Outcome, Target, TargetDown, reload_together
-from layerwise_cli.errors import UsageError, one_line
+from layerwise_cli.client.watch_targets import Outcome, Target, TargetDown, call_caught, error_line, reload_together
+from layerwise_cli.errors import UsageError
 
 # Backoff for a server that does not answer: 0.5 s, 1 s, 2 s, ... up to this.
 _BACKOFF_MAX_S = 10.0
-# With --once, a server that failed this many times in a row is given up.
+# With --once, a server that failed this many times in a row is given up (and a Hub ref polled in vain).
 _ONCE_TRIES = 3
+Step = StepDir | HubStep  # a directory under a local root, or a commit of a watched Hub ref
 
 
 class Watcher:
@@ -43,8 +41,11 @@ class Watcher:
 
     def __init__(self, root: str | Path, targets: list[Target], options: WatchOptions | None = None, *,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
-        self.root = Path(root)
         self.options = options or WatchOptions()
+        # A root that is no local path but looks like `org/name` is a Hub repo: its ref's commits are the steps.
+        self.hub = HubRef(str(root), self.options.revision) if looks_like_repo_id(str(root)) else None
+        self.root = Path(root)
+        self.interval = self.options.poll_interval(self.hub is not None)
         if not targets:
             raise UsageError("nothing to watch for: give at least one --url (or an engine)")
         names = [t.name for t in targets]
@@ -52,21 +53,24 @@ class Watcher:
             raise UsageError("the same server URL is given twice")
         if self.options.keep is not None and self.options.keep < 1:
             raise UsageError(f"--keep must be at least 1, not {self.options.keep}")
-        if self.options.interval <= 0 or self.options.settle < 0:
+        if self.interval <= 0 or self.options.settle < 0:
             raise UsageError("--interval must be positive and --settle not negative")
+        refuse_folder_options(self.hub, self.options)
+        self._hub_steps = None if self.hub is None else HubSteps(self.hub, interval=self.interval, clock=clock,
+                                                                  backoff_max_s=_BACKOFF_MAX_S)
         self._servers = {t.name: ServerState(t) for t in targets}
         self._clock = clock
         self._wall = wall
         self._tracker = CompletenessTracker(self.options.marker, self.options.settle, clock)
         self._stopping = False
         self._results: queue.Queue = queue.Queue()
-        self._known: dict[str, StepDir] = {}
+        self._known: dict[str, StepDir] = {}  # a local root's steps, by name
         self._skipped: set[str] = set()
         self._broken: dict[str, str] = {}
         self._deleted_by_us: set[str] = set()
-        self._target: StepDir | None = None
+        self._target: Step | None = None
         # The target before the current one: servers fall back to it when the current one is broken.
-        self._fallback: StepDir | None = None
+        self._fallback: Step | None = None
         self._floor = -1
         self._pending: list[WatchEvent] = []
         self._settling = False
@@ -84,7 +88,8 @@ class Watcher:
 
     def run(self) -> Iterator[WatchEvent]:
         """Watch until `stop()` (or, with `once`, until every server holds the newest complete step)."""
-        list_steps(self.root, self.options.patterns)  # a missing root fails now, with its name
+        if self.hub is None:
+            list_steps(self.root, self.options.patterns)  # a missing root fails now, with its name
         threaded = [s for s in self._servers.values() if s.target.threaded]
         pool = ThreadPoolExecutor(max_workers=max(1, len(threaded)), thread_name_prefix="layerwise-watch")
         try:
@@ -95,7 +100,7 @@ class Watcher:
                 yield from self._drain()
                 if self.options.once and self._once_finished():
                     break
-                yield from self._wait(poll_at + self.options.interval)
+                yield from self._wait(poll_at + self.interval)
         except BaseException:
             self._finish(pool)  # closed early, interrupted or failed: no more yields, but no paused server
             raise
@@ -139,6 +144,9 @@ class Watcher:
 
     def _poll(self) -> None:
         self._repoll = False
+        if self._hub_steps is not None:
+            self._poll_hub(self._hub_steps)
+            return
         steps = list_steps(self.root, self.options.patterns)
         names = {s.name for s in steps}
         for name in list(self._known):
@@ -175,7 +183,17 @@ class Watcher:
         if newest is not None:
             self._set_target(newest, steps)
 
-    def _set_target(self, step: StepDir, steps: list[StepDir]) -> None:
+    def _poll_hub(self, hub_steps: HubSteps) -> None:
+        """One request (none while a failed poll's backoff runs): a new commit of the ref is the next step."""
+        polled = hub_steps.poll()
+        for kind, fields in polled.events(hub_steps.ref) if polled is not None else ():
+            self._emit(kind, **fields)
+        if polled is not None and polled.new is not None:
+            self.state.newest_seen = polled.new.name
+            if polled.new.name not in self._broken:  # a commit that failed is never tried again
+                self._set_target(polled.new, [])
+
+    def _set_target(self, step: Step, steps: list[StepDir]) -> None:
         floor = self._floor
         self._fallback = self._target
         self._target = step
@@ -212,7 +230,7 @@ class Watcher:
                 self._start(pool, server, "reload", target)
             elif now >= server.next_probe:
                 # Once per interval: a server restarted on its base weights is found by its weight version.
-                server.next_probe = now + self.options.interval
+                server.next_probe = now + self.interval
                 self._start(pool, server, "probe", None)
         # Together: once no server is busy (a probe may find one down) and none is waiting out a backoff.
         if waiting and target is not None and not any(s.busy for s in self._servers.values()) \
@@ -222,22 +240,22 @@ class Watcher:
     def _together(self) -> bool:
         return all_or_nothing(self.options.atomic, sum(1 for s in self._servers.values() if s.target.threaded))
 
-    def _start(self, pool: ThreadPoolExecutor, server: ServerState, job: str, step: StepDir | None) -> None:
+    def _start(self, pool: ThreadPoolExecutor, server: ServerState, job: str, step: Step | None) -> None:
         if job == "reload":
             assert step is not None
             server.busy = step.name
             self._emit(ev.RELOAD_STARTED, step=step.name, server=server.target.name)
-            run = lambda: server.target.reload(str(step.path), step.name)  # noqa: E731
+            run = lambda: server.target.reload(step.source, step.name, step.revision)  # noqa: E731
         else:
             server.busy = "probe"
             run = server.target.weight_version
         if not server.target.threaded:
-            self._handle(server.target.name, job, step, _call(run))
+            self._handle(server.target.name, job, step, call_caught(run))
             return
-        future = pool.submit(_call, run)
+        future = pool.submit(call_caught, run)
         future.add_done_callback(lambda f: self._results.put((server.target.name, job, step, f.result())))
 
-    def _start_together(self, pool: ThreadPoolExecutor, servers: list[ServerState], step: StepDir) -> None:
+    def _start_together(self, pool: ThreadPoolExecutor, servers: list[ServerState], step: Step) -> None:
         """One all-or-nothing reload of SERVERS to STEP (`reload_together`); each server's outcome comes back alone."""
         for server in servers:
             server.busy = step.name
@@ -250,9 +268,10 @@ class Watcher:
             for name in names:
                 self._results.put((name, "reload", step, (True, value[name]) if ok else (False, value)))
 
-        pool.submit(_call, lambda: reload_together(targets, str(step.path), step.name)).add_done_callback(done)
+        run = lambda: reload_together(targets, step.source, step.name, step.revision)  # noqa: E731
+        pool.submit(call_caught, run).add_done_callback(done)
 
-    def _handle(self, name: str, job: str, step: StepDir | None, result: tuple[bool, object]) -> None:
+    def _handle(self, name: str, job: str, step: Step | None, result: tuple[bool, object]) -> None:
         server = self._servers[name]
         server.busy = None
         ok, value = result
@@ -269,7 +288,10 @@ class Watcher:
             self._reloaded(server, step, outcome)
         self._refresh_state()
         if not self._stopping:
-            self._maybe_clean()
+            for kind, fields in delete_old_steps(self.root, self.options, self._target, list(self._servers.values())):
+                if kind == ev.STEP_DELETED:
+                    self._deleted_by_us.add(fields["step"])
+                self._emit(kind, **fields)
 
     def _up(self, server: ServerState, version) -> None:
         if server.up is False:
@@ -282,7 +304,7 @@ class Watcher:
         server.next_try = 0.0
 
     def _down(self, server: ServerState, error) -> None:
-        message = str(error) if isinstance(error, TargetDown) else _line(error)
+        message = str(error) if isinstance(error, TargetDown) else error_line(error)
         if server.up is not False:
             self._emit(ev.SERVER_DOWN, server=server.target.name, message=message)
         server.up = False
@@ -291,7 +313,7 @@ class Watcher:
         server.failures += 1
         server.next_try = self._clock() + min(_BACKOFF_MAX_S, 0.5 * 2 ** (server.failures - 1))
 
-    def _reloaded(self, server: ServerState, step: StepDir, outcome: Outcome) -> None:
+    def _reloaded(self, server: ServerState, step: Step, outcome: Outcome) -> None:
         name = server.target.name
         if outcome.ok:
             server.version = server.last_version = step.name
@@ -304,10 +326,11 @@ class Watcher:
         server.error = outcome.error
         server.dirty = outcome.holds != HOLDS_PREVIOUS
         server.version = outcome.version if outcome.holds == HOLDS_PREVIOUS else None
-        deleted = not step.path.exists()
+        # Not the step's fault when it is gone (deleted, vanished from the Hub), or the Hub did not say.
+        excuse, vanished = step.excuse() if step.name not in self._broken else (None, False)
         message = outcome.error or "failed"
-        if deleted:
-            message = f"{message}; the step was deleted while it was loading"
+        if excuse is not None:
+            message = f"{message}; {excuse}"
         elif not outcome.reached:
             message = f"{message}; the server did not answer"
         self._emit(ev.RELOAD_FAILED, step=step.name, server=name, version=server.version, message=message,
@@ -318,10 +341,17 @@ class Watcher:
         # Whatever failed, this server waits before its next try: never a tight loop of failing reloads.
         server.failures += 1
         server.next_try = self._clock() + min(_BACKOFF_MAX_S, 0.5 * 2 ** (server.failures - 1))
-        if deleted or not outcome.failed_in_reload or step.name in self._broken:
+        if vanished:
+            self._give_up(step, message, f"vanished: {excuse}")
+            return
+        if excuse is not None or not outcome.failed_in_reload or step.name in self._broken:
             return  # not the step's fault (gone, or the server refused before loading), or already reported
+        self._give_up(step, message, f"broken: {message}")
+
+    def _give_up(self, step: Step, message: str, why: str) -> None:
+        """STEP is never tried again (reported once): servers go back to the target before it."""
         self._broken[step.name] = message
-        self._emit(ev.STEP_SKIPPED, step=step.name, message=f"broken: {message}")
+        self._emit(ev.STEP_SKIPPED, step=step.name, message=why)
         if self._target is not None and self._target.name == step.name:
             # Back to the step before it; the next poll still takes any valid step newer than that.
             fallback = self._fallback
@@ -343,6 +373,11 @@ class Watcher:
         if given_up:
             self.failure = "; ".join(f"{s.target.name}: {s.error or 'failed'}" for s in given_up)
             return True
+        if self._hub_steps is not None:
+            if target is None and all(s.seen or s.failures for s in servers):
+                self.failure = self._hub_steps.once_failure(self._broken, tries=_ONCE_TRIES)
+                return self.failure is not None
+            return False
         if target is None and not self._settling and all(s.seen or s.failures for s in servers):
             broken = f"; broken: {', '.join(self._broken)}" if self._broken else ""
             self.failure = (f"{self.root}: no complete step (looked for {', '.join(self.options.patterns)}"
@@ -351,46 +386,6 @@ class Watcher:
             return True
         return False
 
-    # --- --keep ------------------------------------------------------------------------------
-
-    def _maybe_clean(self) -> None:
-        keep, target = self.options.keep, self._target
-        if keep is None or target is None:
-            return
-        servers = list(self._servers.values())
-        if any(s.busy and s.busy != "probe" for s in servers):
-            return
-        if not all(s.version == target.name and not s.dirty for s in servers if s.up):
-            return
-        protected = {s.last_version for s in servers if s.last_version} | {s.version for s in servers if s.version}
-        steps = list_steps(self.root, self.options.patterns)
-        for step in steps_to_delete(steps, keep, target, protected):
-            if deletion_refusal(step, self.options.marker) is not None:
-                continue  # not a step this watch would load: left alone, and nothing happened to report
-            try:
-                shutil.rmtree(step.path)
-            except OSError as exc:
-                self._emit(ev.STEP_SKIPPED, step=step.name,
-                           message=f"--keep {keep} could not delete it ({exc.strerror or exc})")
-                continue
-            self._deleted_by_us.add(step.name)
-            self._emit(ev.STEP_DELETED, step=step.name, by="watch", message=f"--keep {keep}")
-
     def _refresh_state(self) -> None:
-        self.state.servers = {
-            name: {"up": s.up, "version": s.version, "busy": s.busy if s.busy != "probe" else None,
-                   "wall_s": s.wall_s, "peak_bytes": s.peak_bytes, "error": s.error}
-            for name, s in self._servers.items()}
+        self.state.show(self._servers)
 
-
-def _call(run: Callable[[], object]) -> tuple[bool, object]:
-    try:
-        return True, run()
-    except Exception as exc:  # noqa: BLE001 - the loop turns it into an event
-        return False, exc
-
-
-def _line(error: object) -> str:
-    from layerwise_cli.errors import describe_exception
-
-    return one_line(str(describe_exception(error) if isinstance(error, BaseException) else error))

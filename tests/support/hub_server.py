@@ -88,6 +88,8 @@ class HubServer:
     # repo id -> HTTP status to answer for its weight files (a Hub having a bad day
     # with its storage backend; small files still come through).
     failing: dict[str, int] = field(default_factory=dict)
+    # Every request answers this HTTP status (the whole Hub down behind its load balancer); None: serve.
+    outage: int | None = None
     # As the Hub does: answer /resolve/ of LFS files with a 302 to a storage
     # URL (here /cdn/... on the same server) that serves the bytes.
     redirect_lfs: bool = False
@@ -107,6 +109,7 @@ class HubServer:
     # repo id -> every commit ever served (a moved ref leaves its old commit reachable by id, as on the Hub).
     commits: dict[str, dict[str, _Revision]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _pushes: int = field(default=0, repr=False)
     _server: ThreadingHTTPServer | None = field(default=None, repr=False)
     _thread: threading.Thread | None = field(default=None, repr=False)
     _cdn_server: ThreadingHTTPServer | None = field(default=None, repr=False)
@@ -119,7 +122,9 @@ class HubServer:
     def move_ref(self, repo_id: str, revision: str, folder: str | Path) -> str:
         """Point branch `revision` at a new commit serving `folder` (a push); the old commit stays reachable."""
         with self._lock:
-            n = len(self.commits.get(repo_id, {}))
+            # Never reused: a push after `forget_commit` gets a commit of its own.
+            self._pushes += 1
+            n = self._pushes
         commit = hashlib.sha1(f"{repo_id}@{revision}#{n}".encode()).hexdigest()
         return self._point(repo_id, revision, _Revision(commit, Path(folder)))
 
@@ -274,6 +279,8 @@ def _make_handler(hub: HubServer, *, storage_only: bool) -> type[BaseHTTPRequest
         # hold an escaped "/" (refs%2Fpr%2F1).
 
         def _route(self, head: bool) -> None:
+            if hub.outage is not None:
+                return self._error(hub.outage, None, f"outage: HTTP {hub.outage}", head)
             raw_path = urlsplit(self.path).path
             parts = raw_path.split("/")[1:]
             if storage_only and not (len(parts) >= 5 and parts[0] == "cdn"):

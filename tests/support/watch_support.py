@@ -195,9 +195,10 @@ class Clients:
 class WatchProcess:
     """`layerwise watch ... --json` as a real subprocess; its events read as they come."""
 
-    def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen([LAYERWISE, "watch", *args, "--json"], cwd=ROOT, env=ENV, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        """Start `layerwise watch ARGS --json`, with ENV's variables added to the test's (e.g. `HF_ENDPOINT`)."""
+        self.proc = subprocess.Popen([LAYERWISE, "watch", *args, "--json"], cwd=ROOT, env={**ENV, **(env or {})},
+                                     text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.events: list[dict] = []
         self.stderr = ""
         self._reader = threading.Thread(target=self._read, daemon=True)
