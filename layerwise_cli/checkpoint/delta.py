@@ -199,6 +199,21 @@ class Delta:
         for name in self.patches:
             self.positions(name)
 
+    def refuse_nonfinite(self) -> None:
+        """Refuse the delta if a new value it stores (sparse or whole) is NaN or Inf: the reload's check, early.
+
+        Raises:
+            LayerwiseError: naming the file, the tensor and the counts.
+        """
+        from layerwise_cli.checkpoint.finite import ByteScan
+
+        for name, patch in sorted(self.patches.items()):
+            scan = ByteScan(patch.dtype)
+            scan.update(self.raw(name + (WHOLE_SUFFIX if patch.kind == WHOLE else VALUES_SUFFIX)))
+            if scan.nan or scan.inf:
+                raise LayerwiseError(f"tensor {name}: the delta's new values hold {scan.nan} NaN and {scan.inf} Inf; "
+                                     "refusing to load it (--allow-nonfinite loads it anyway)", where=self.where)
+
     def _bad(self, name: str, what: str):
         raise LayerwiseError(f"tensor {name}: {what} (corrupt delta)", where=self.where)
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from layerwise_cli.checkpoint.delta_source import open_step
 from layerwise_cli.checkpoint.hub_pin import is_commit
-from layerwise_cli.checkpoint.sources import Checkpoint, looks_like_repo_id, open_checkpoint, pin_source, resolve_local
+from layerwise_cli.checkpoint.sources import Checkpoint, looks_like_repo_id, pin_source, resolve_local
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.worker.reload.preflight import preflight, reference_checkpoint, refuse_direct_mode
 from layerwise_cli.worker.repairs.amx_mla import missing_message
@@ -47,7 +48,7 @@ def plan_reload(worker, source: str, *, revision: str | None = None, allow_parti
     model_config = worker.model_runner.model_config
     commit = hub_commit(source, revision)
     local = resolve_local(source, commit or revision)
-    checkpoint = replace(open_checkpoint(str(local)), source=source)
+    checkpoint = replace(open_step(str(local)), source=source)
     hf_config = model_config.hf_config.to_dict() if hasattr(model_config.hf_config, "to_dict") else None
     position = rank_position(worker)
     # Only the tensors this rank holds: its pipeline stage, its experts.

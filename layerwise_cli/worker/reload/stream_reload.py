@@ -67,7 +67,7 @@ def stream_reload(worker, source: str, options: ReloadOptions | None = None, *,
         LayerwiseError: pre-flight failed (nothing changed), or the reload failed or could not be shown
             complete (the caller rolls back); `PeerFailed` when another rank's pre-flight failed.
     """
-    run = plan_and_vote(worker, source, options or ReloadOptions(), records, agree)
+    run = plan_and_vote(worker, source, options or ReloadOptions(), records, agree, check_base=not restore_partial)
     if on_engine_touched is not None:
         on_engine_touched()
     run.start = time.perf_counter()
@@ -75,7 +75,7 @@ def stream_reload(worker, source: str, options: ReloadOptions | None = None, *,
     # The reading thread starts now: the first layers are read while vLLM prepares its reload.
     opened = open_source(run)
     # SOURCE's tensors again, for the layers loaded after vLLM's reload and for the repairs.
-    reader = ShardReader(run.folder)
+    reader = ShardReader(run.folder, run.planned.checkpoint.delta)
     failed = True
     try:
         try:
@@ -102,8 +102,10 @@ def stream_reload(worker, source: str, options: ReloadOptions | None = None, *,
 
 
 def plan_and_vote(worker, source: str, options: ReloadOptions, records: LayerRecords | None,
-                  agree: Callable[[bool], bool] | None) -> ReloadRun:
+                  agree: Callable[[bool], bool] | None, *, check_base: bool = True) -> ReloadRun:
     """The plan phase, then the vote: this rank's plan once every rank of the engine passed its pre-flight.
+
+    CHECK_BASE: a delta's base is checked against the engine (`plan_run`); off for a rollback.
 
     Raises:
         LayerwiseError: this rank's pre-flight failed (it voted no).
@@ -112,7 +114,7 @@ def plan_and_vote(worker, source: str, options: ReloadOptions, records: LayerRec
     if options.order not in ORDERS:
         raise LayerwiseError(f"unknown order {options.order!r}: use layer or file")
     try:
-        run = plan_run(worker, source, options, records)
+        run = plan_run(worker, source, options, records, check_base=check_base)
     except Exception:
         if agree is not None:
             agree(False)  # tell the other ranks: none of them may start

@@ -38,7 +38,7 @@ class LayerReader:
                  readahead: bool, stats: ReadAheadStats, check_finite: bool, hash_layers: frozenset[str],
                  digests: dict[str, str], skip_layer: Callable[[str, str], bool] | None, skipped: set[str],
                  samples: dict[str, str], may_skip: Callable[[str, dict[str, str]], bool] | None,
-                 copy_threads: int | None) -> None:
+                 copy_threads: int | None, delta=None) -> None:
         self.folder = folder
         self.device = device
         self.readahead = readahead
@@ -50,7 +50,7 @@ class LayerReader:
         self.skipped = skipped
         self.samples = samples
         self.may_skip = may_skip
-        self.reader = ShardReader(folder)
+        self.reader = ShardReader(folder, delta)
         self.cuda = device is not None and device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device=device) if self.cuda else None
         threads = staging_threads() if copy_threads is None else copy_threads

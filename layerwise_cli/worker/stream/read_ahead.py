@@ -45,6 +45,7 @@ def open_stream(
     copy_threads: int | None = None,
     ahead_bytes: int | None = None,
     idle: Callable[[], bool] | None = None,
+    delta=None,
 ) -> OpenStream:
     """Start reading STREAM; iterating the result yields (planned tensor, tensor) in stream order.
 
@@ -102,6 +103,8 @@ def open_stream(
             hashing backlog: called until it returns False (nothing to do now),
             and again after `OpenStream.wake`, and after the stream until the
             caller waits for the thread (`stats.hashing_done`).
+        delta: a sparse delta FOLDER's base is read through (`Checkpoint.delta`): each tensor is the step's,
+            rebuilt and proved by its digests (`ShardReader`). None: the tensors are FOLDER's.
 
     Returns:
         An `OpenStream` (iterate it once; close it in any case), yielding each planned tensor with its data.
@@ -115,7 +118,7 @@ def open_stream(
                          hash_layers=frozenset(hash_layers), digests=digests if digests is not None else {},
                          skip_layer=skip_layer, skipped=skipped if skipped is not None else set(),
                          samples=samples if samples is not None else {}, may_skip=may_skip,
-                         copy_threads=copy_threads)
+                         copy_threads=copy_threads, delta=delta)
     spare = spare_cpus() if readahead else set()
     # When the reading thread runs beside the engine's cores: one thread on them, which checks half of a layer
     # the engine waits for.

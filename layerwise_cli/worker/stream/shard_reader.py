@@ -22,11 +22,16 @@ def layer_batches(stream: list[PlannedTensor]) -> list[list[PlannedTensor]]:
 
 
 class ShardReader:
-    """Reads single tensors from a checkpoint's shards, keeping each shard open."""
+    """Reads single tensors from a checkpoint's shards, keeping each shard open.
 
-    def __init__(self, folder: Path) -> None:
+    With a DELTA (`Checkpoint.delta`), FOLDER holds the delta's base and every tensor read is the step's,
+    rebuilt from the base's and proved by its digests (`delta_source.rebuilt_tensor`).
+    """
+
+    def __init__(self, folder: Path, delta=None) -> None:
         self._folder = folder
         self._handles: dict[str, object] = {}
+        self._delta = delta
 
     def read(self, item: PlannedTensor) -> torch.Tensor:
         from safetensors import safe_open
@@ -36,7 +41,12 @@ class ShardReader:
         if handle is None:
             path = shard_file(self._folder, shard, str(self._folder))
             handle = self._handles[shard] = safe_open(str(path), framework="pt", device="cpu")
-        return handle.get_tensor(item.entry.name)
+        tensor = handle.get_tensor(item.entry.name)
+        if self._delta is None:
+            return tensor
+        from layerwise_cli.checkpoint.delta_source import rebuilt_tensor
+
+        return rebuilt_tensor(self._delta, item.entry, tensor, str(self._folder / shard))
 
     def release(self, shard: str) -> None:
         """Drop a shard's handle; its file mapping goes once the tensors read from it are freed too."""

@@ -1,0 +1,245 @@
+"""Sparse deltas on a real engine: A + delta(A->B) equals an engine started fresh on B, and back; refusals.
+
+One engine for the module, started on *multiply* (A). B is A after an RL-like
+step: 1% of the values of every tensor one unit in the last place off, and
+every fourth parent layer taken from *add* (so that the answers change too).
+Each reload is proven against an engine started fresh on the full step: every
+tensor's checksum and the answers.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from tests.support.engine_support import (
+    assert_matches_fresh,
+    copy_non_weights,
+    engine_state,
+    fresh_state,
+    load_tensors,
+)
+from tests.support.in_process import start_here, stop_here
+
+pytestmark = pytest.mark.engine
+
+PROMPTS_PAIRS = [(3, 4), (2, 5), (9, 9), (7, 8), (1, 6), (4, 4), (8, 2), (6, 3), (5, 7), (0, 9)]
+
+
+def prompts() -> list[str]:
+    from layerwise_cli.demo import demo_prompt
+
+    return [demo_prompt(a, b) for a, b in PROMPTS_PAIRS]
+
+
+def _rl_step(tensor, fraction: float, seed: int):
+    """TENSOR with FRACTION of its values moved one unit in the last place (their bit pattern + 1): still finite."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(tensor.shape, generator=gen) < fraction
+    bits = {2: torch.int16, 4: torch.int32}[tensor.element_size()]
+    bumped = (tensor.contiguous().view(bits) + 1).view(tensor.dtype)
+    return torch.where(mask & bumped.isfinite(), bumped, tensor)
+
+
+def _save(tensors: dict, folder: Path, like: Path, **kwargs):
+    from layerwise_cli.writer.save import save_checkpoint
+
+    saved = save_checkpoint(tensors.items(), folder, max_shard_size=60_000, marker=None, **kwargs)
+    copy_non_weights(like, folder)
+    return saved
+
+
+@pytest.fixture(scope="module")
+def steps(demo_models, tmp_path_factory) -> dict:
+    from layerwise_cli.planning.inspect import inspect_order
+    from layerwise_cli.writer.write_delta import write_delta
+
+    root = tmp_path_factory.mktemp("delta")
+    a_dir, add_dir = demo_models["multiply"], demo_models["add"]
+    plan = inspect_order(str(a_dir)).plan
+    changed = {layer.name for layer in plan.layers[2::4]}
+    parent = {item.entry.name: item.parent for item in plan.layer_order}
+    a, add = load_tensors(a_dir), load_tensors(add_dir)
+    b = {name: add[name] if parent.get(name) in changed else _rl_step(t, 0.01, i)
+         for i, (name, t) in enumerate(sorted(a.items()))}
+    _save(a, root / "step_1", a_dir)
+    _save(b, root / "b_full", a_dir)
+    ab = _save(b, root / "step_2", a_dir, base=root / "step_1")
+    assert ab.delta is not None, ab.fallback
+    ba = write_delta(root / "b_full", root / "step_1", root / "step_3", marker=None)
+    assert ba.delta is not None, ba.fallback
+    nan = dict(a)
+    nan["lm_head.weight"] = a["lm_head.weight"].clone()
+    nan["lm_head.weight"][0, 0] = float("nan")
+    with_nan = _save(nan, root / "nan_delta", a_dir, base=root / "step_1", allow_nonfinite=True)
+    assert with_nan.delta is not None
+    return {"A": root / "step_1", "B": root / "b_full", "AB": root / "step_2", "BA": root / "step_3",
+            "NaN": root / "nan_delta", "root": root, "ab": ab}
+
+
+@pytest.fixture(scope="module")
+def llm(steps):
+    from layerwise_cli.client.local import EngineOptions
+
+    engine = start_here(str(steps["A"]), EngineOptions(max_model_len=64))
+    yield engine
+    stop_here(engine)
+
+
+def _reload(llm, source: Path, **kwargs):
+    from layerwise_cli.client.local import reload
+
+    return reload(llm, str(source), **kwargs)
+
+
+def _handed_over(report) -> set[str]:
+    return {layer.name for layer in report.layers if not layer.skipped}
+
+
+def _patched_layers(report, delta_dir: Path) -> set[str]:
+    """The engine layers holding a tensor the delta patches (the demo model's names: checkpoint = engine)."""
+    from layerwise_cli.checkpoint.delta import read_delta
+
+    patched = read_delta(delta_dir).patches
+    names = {layer.name for layer in report.layers}
+    found = set()
+    for tensor in patched:
+        module = tensor.rsplit(".", 1)[0]
+        for fused, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj"))):
+            for part in parts:
+                module = module.replace(f".{part}", f".{fused}") if module.endswith(part) else module
+        assert module in names, module
+        found.add(module)
+    return found
+
+
+def _assert_holds(llm, checkpoint: Path) -> None:
+    """Every tensor of the engine byte-equal to an engine started fresh on CHECKPOINT, and its answers."""
+    assert engine_state(llm)["checksums"] == fresh_state(checkpoint, prompts())
+    assert_matches_fresh(llm, checkpoint, prompts())
+
+
+def test_an_engine_without_records_is_refused_and_keeps_its_weights(llm, steps):
+    from layerwise_cli.errors import LayerwiseError
+
+    with pytest.raises(LayerwiseError) as info:
+        _reload(llm, steps["AB"])
+    message = str(info.value)
+    assert "needs the engine to hold its base" in message and "no layerwise record" in message
+    assert "\n" not in message and "rolled back" not in message
+    _assert_holds(llm, steps["A"])
+
+
+def test_deltas_both_ways_equal_fresh_engines_a_b_a_b(llm, steps):
+    _reload(llm, steps["A"], all_layers=True)  # the engine's records now say A
+    to_b = _reload(llm, steps["AB"])
+    _assert_holds(llm, steps["B"])
+    # The layers the delta patches are rebuilt and handed over; a layer it leaves as the base had it (a small
+    # norm none of whose values moved) is skipped from the step's digests, after its spot check.
+    assert _handed_over(to_b) == _patched_layers(to_b, steps["AB"]) != set()
+    assert to_b.unchanged.spot_checked_layers == to_b.unchanged.skipped_layers
+    to_a = _reload(llm, steps["BA"])
+    assert _handed_over(to_a) == _patched_layers(to_a, steps["BA"])
+    _assert_holds(llm, steps["A"])
+    _reload(llm, steps["AB"])
+    _assert_holds(llm, steps["B"])
+    # The records say the full step B: its full checkpoint is skipped whole, from its header digests.
+    again = _reload(llm, steps["B"])
+    assert again.unchanged.skipped_layers == len(again.layers) and again.volume.read_bytes == 0
+
+
+def test_the_wrong_base_is_refused_at_preflight(llm, steps):
+    from layerwise_cli.errors import LayerwiseError
+
+    _reload(llm, steps["B"], all_layers=True)
+    with pytest.raises(LayerwiseError) as info:
+        _reload(llm, steps["AB"])  # needs A; the engine holds B
+    message = str(info.value)
+    assert f"needs the engine to hold its base {steps['A']}" in message and "holds other weights" in message
+    assert "rolled back" not in message
+    _assert_holds(llm, steps["B"])
+
+
+def _corrupt_copy(steps, name: str, edit) -> Path:
+    out = steps["root"] / name
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(steps["AB"], out)
+    path = out / "delta.safetensors"
+    blob = path.read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header, data = json.loads(blob[8:8 + n]), bytearray(blob[8 + n:])
+    edit(header, data)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(data))
+    return out
+
+
+def test_a_corrupt_delta_is_refused_and_the_engine_keeps_its_weights(llm, steps):
+    from layerwise_cli.errors import LayerwiseError
+
+    _reload(llm, steps["A"], all_layers=True)
+
+    def out_of_range(header, data):
+        meta = json.loads(header["__metadata__"]["layerwise.delta"])
+        name = next(n for n, spec in meta["tensors"].items() if spec["kind"] == "index")
+        end = header[name + "::positions"]["data_offsets"][1]
+        data[end - 4:end] = struct.pack("<i", 2**31 - 1)
+
+    bad = _corrupt_copy(steps, "out_of_range", out_of_range)
+    with pytest.raises(LayerwiseError) as info:
+        _reload(llm, bad)
+    assert "2147483647 is out of range" in str(info.value) and str(bad) in str(info.value)
+    assert "rolled back" not in str(info.value)
+    truncated = steps["root"] / "truncated"
+    shutil.copytree(steps["AB"], truncated)
+    path = truncated / "delta.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(LayerwiseError, match="truncated"):
+        _reload(llm, truncated)
+    _assert_holds(llm, steps["A"])
+
+
+def test_nan_in_the_new_values_is_refused(llm, steps):
+    from layerwise_cli.errors import LayerwiseError
+
+    _reload(llm, steps["A"], all_layers=True)
+    with pytest.raises(LayerwiseError) as info:
+        _reload(llm, steps["NaN"])
+    assert "lm_head.weight" in str(info.value) and "1 NaN" in str(info.value)
+    assert "rolled back" not in str(info.value)
+    _assert_holds(llm, steps["A"])
+
+
+def test_a_base_changed_on_disk_is_caught_by_its_digests(llm, steps):
+    from layerwise_cli.errors import LayerwiseError
+
+    _reload(llm, steps["A"], all_layers=True)
+    moved = steps["root"] / "moved"
+    shutil.copytree(steps["root"], moved, ignore=shutil.ignore_patterns("moved"))
+    base = moved / "step_1"
+    shard = sorted(base.glob("*.safetensors"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[-2] ^= 0x01  # its bytes change, its header digest does not
+    shard.write_bytes(bytes(data))
+    # The delta names step_1 by its absolute path, which still exists: point it at the damaged copy.
+    delta = moved / "step_2"
+    shutil.rmtree(steps["root"] / "moved" / "b_full")
+
+    def rebase(header, blob):
+        meta = json.loads(header["__metadata__"]["layerwise.delta"])
+        meta["base"]["location"] = str(base)
+        header["__metadata__"]["layerwise.delta"] = json.dumps(meta)
+
+    rebased = _corrupt_copy({"root": moved, "AB": delta}, "rebased", rebase)
+    with pytest.raises(LayerwiseError) as info:
+        _reload(llm, rebased)
+    assert "is not the delta's base" in str(info.value) or "not what layer" in str(info.value)
+    _assert_holds(llm, steps["A"])
