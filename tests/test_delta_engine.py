@@ -147,7 +147,9 @@ def test_deltas_both_ways_equal_fresh_engines_a_b_a_b(llm, steps):
     to_a = _reload(llm, steps["BA"])
     assert _handed_over(to_a) == _patched_layers(to_a, steps["BA"])
     _assert_holds(llm, steps["A"])
-    _reload(llm, steps["AB"])
+    # --verify proves the engine against the full step the delta rebuilds.
+    verified = _reload(llm, steps["AB"], verify=True)
+    assert verified.verify is not None and verified.verify.ok, verified.verify
     _assert_holds(llm, steps["B"])
     # The records say the full step B: its full checkpoint is skipped whole, from its header digests.
     again = _reload(llm, steps["B"])
@@ -243,3 +245,28 @@ def test_a_base_changed_on_disk_is_caught_by_its_digests(llm, steps):
         _reload(llm, rebased)
     assert "is not the delta's base" in str(info.value) or "not what layer" in str(info.value)
     _assert_holds(llm, steps["A"])
+
+
+def test_a_value_that_does_not_rebuild_the_step_rolls_back_to_the_exact_step_held(llm, steps):
+    """A delta whose stored value was altered: caught by the step's digest mid-stream, rolled back.
+
+    The engine held B through a delta (what it holds is that delta): the rollback rebuilds B from A plus the
+    patch, whatever the engine holds by then, proved by the same digests.
+    """
+    from layerwise_cli.errors import LayerwiseError
+
+    _reload(llm, steps["A"], all_layers=True)
+    _reload(llm, steps["AB"])
+
+    def alter_a_value(header, data):
+        meta = json.loads(header["__metadata__"]["layerwise.delta"])
+        name = sorted(n for n, spec in meta["tensors"].items() if spec["kind"] == "index")[-1]
+        begin = header[name + "::values"]["data_offsets"][0]
+        data[begin] ^= 0x01  # the lowest mantissa bit of the first new value: still finite
+
+    bad = _corrupt_copy({"root": steps["root"], "AB": steps["BA"]}, "altered", alter_a_value)
+    with pytest.raises(LayerwiseError) as info:
+        _reload(llm, bad)
+    message = str(info.value)
+    assert "do not hash to the step's digest" in message and "rolled back" in message
+    _assert_holds(llm, steps["B"])
