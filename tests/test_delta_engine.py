@@ -1,8 +1,7 @@
 """Sparse deltas on a real engine: A + delta(A->B) equals an engine started fresh on B, and back; refusals.
 
-One engine for the module, started on *multiply* (A). B is A after an RL-like
-step: 1% of the values of every tensor one unit in the last place off, and
-every fourth parent layer taken from *add* (so that the answers change too).
+One engine for the module, started on *multiply* (A); B is an RL-like step
+from it (`tests/support/deltas.py`).
 Each reload is proven against an engine started fresh on the full step: every
 tensor's checksum and the answers.
 """
@@ -16,13 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.engine_support import (
-    assert_matches_fresh,
-    copy_non_weights,
-    engine_state,
-    fresh_state,
-    load_tensors,
-)
+from tests.support.deltas import save_step, write_steps
+from tests.support.engine_support import assert_matches_fresh, engine_state, fresh_state
 from tests.support.in_process import start_here, stop_here
 
 pytestmark = pytest.mark.engine
@@ -36,51 +30,17 @@ def prompts() -> list[str]:
     return [demo_prompt(a, b) for a, b in PROMPTS_PAIRS]
 
 
-def _rl_step(tensor, fraction: float, seed: int):
-    """TENSOR with FRACTION of its values moved one unit in the last place (their bit pattern + 1): still finite."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    mask = torch.rand(tensor.shape, generator=gen) < fraction
-    bits = {2: torch.int16, 4: torch.int32}[tensor.element_size()]
-    bumped = (tensor.contiguous().view(bits) + 1).view(tensor.dtype)
-    return torch.where(mask & bumped.isfinite(), bumped, tensor)
-
-
-def _save(tensors: dict, folder: Path, like: Path, **kwargs):
-    from layerwise_cli.writer.save import save_checkpoint
-
-    saved = save_checkpoint(tensors.items(), folder, max_shard_size=60_000, marker=None, **kwargs)
-    copy_non_weights(like, folder)
-    return saved
-
-
 @pytest.fixture(scope="module")
 def steps(demo_models, tmp_path_factory) -> dict:
-    from layerwise_cli.planning.inspect import inspect_order
-    from layerwise_cli.writer.write_delta import write_delta
-
     root = tmp_path_factory.mktemp("delta")
-    a_dir, add_dir = demo_models["multiply"], demo_models["add"]
-    plan = inspect_order(str(a_dir)).plan
-    changed = {layer.name for layer in plan.layers[2::4]}
-    parent = {item.entry.name: item.parent for item in plan.layer_order}
-    a, add = load_tensors(a_dir), load_tensors(add_dir)
-    b = {name: add[name] if parent.get(name) in changed else _rl_step(t, 0.01, i)
-         for i, (name, t) in enumerate(sorted(a.items()))}
-    _save(a, root / "step_1", a_dir)
-    _save(b, root / "b_full", a_dir)
-    ab = _save(b, root / "step_2", a_dir, base=root / "step_1")
-    assert ab.delta is not None, ab.fallback
-    ba = write_delta(root / "b_full", root / "step_1", root / "step_3", marker=None)
-    assert ba.delta is not None, ba.fallback
+    steps = write_steps(root, demo_models)
+    a = steps.pop("tensors")
     nan = dict(a)
     nan["lm_head.weight"] = a["lm_head.weight"].clone()
     nan["lm_head.weight"][0, 0] = float("nan")
-    with_nan = _save(nan, root / "nan_delta", a_dir, base=root / "step_1", allow_nonfinite=True)
+    with_nan = save_step(nan, root / "nan_delta", demo_models["multiply"], base=steps["A"], allow_nonfinite=True)
     assert with_nan.delta is not None
-    return {"A": root / "step_1", "B": root / "b_full", "AB": root / "step_2", "BA": root / "step_3",
-            "NaN": root / "nan_delta", "root": root, "ab": ab}
+    return {**steps, "NaN": root / "nan_delta", "root": root}
 
 
 @pytest.fixture(scope="module")
