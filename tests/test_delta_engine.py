@@ -230,3 +230,4 @@ def test_a_value_that_does_not_rebuild_the_step_rolls_back_to_the_exact_step_hel
     message = str(info.value)
     assert "do not hash to the step's digest" in message and "rolled back" in message
     _assert_holds(llm, steps["B"])
+
