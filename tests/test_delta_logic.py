@@ -287,3 +287,41 @@ def test_delta_command(tmp_path, steps):
     data = json.loads(full.stdout)
     assert data["kind"] == "full" and "does not exist" in data["fallback"]
     assert (tmp_path / "f" / "model.safetensors.index.json").exists()
+
+
+def test_inspect_order_describes_a_delta(steps, tmp_path):
+    base_dir, delta_dir, new = steps
+    runner = CliRunner()
+    shown = runner.invoke(app, ["inspect-order", str(delta_dir), "--json"])
+    assert shown.exit_code == 0, shown.output
+    data = json.loads(shown.stdout)
+    view = data["delta"]
+    delta = read_delta(delta_dir)
+    assert view["base"] == str(base_dir.absolute()) and view["file_bytes"] == (delta_dir / DELTA_FILE).stat().st_size
+    assert view["changed_values"] == delta.changed_values
+    assert view["values"] == sum(t.numel() for t in new.values())
+    changed = {row["name"] for row in view["layers"] if row["patched_tensors"]}
+    layer_bytes = {row["name"]: row["bytes"] for row in view["layers"]}
+    assert view["reload_reads"] == delta.header.nbytes + sum(layer_bytes[name] for name in changed)
+    # The step is described in its base's layout, with the step's digests.
+    assert data["header_digests"]["tensors"] == dict(delta.step_digests)
+    assert data["total_bytes"] == sum(t.numel() * t.element_size() for t in new.values())
+    table = runner.invoke(app, ["inspect-order", str(delta_dir)])
+    assert table.exit_code == 0 and "a reload reads" in table.stdout and "Changed values per parent layer" in table.stdout
+    full = json.loads(runner.invoke(app, ["inspect-order", str(base_dir), "--json"]).stdout)
+    assert full["delta"] is None
+
+
+def test_inspect_order_scan_checks_a_delta_s_positions(steps):
+    _, delta_dir, _ = steps
+
+    def out_of_range(header, data):
+        _, entry = index_entry(header)
+        end = entry["data_offsets"][1]
+        data[end - 4:end] = struct.pack("<i", 10**9)
+
+    corrupt(delta_dir, out_of_range)
+    runner = CliRunner()
+    assert runner.invoke(app, ["inspect-order", str(delta_dir)]).exit_code == 0  # headers only
+    scanned = runner.invoke(app, ["inspect-order", str(delta_dir), "--scan"])
+    assert scanned.exit_code == 1 and "out of range" in scanned.stderr

@@ -94,7 +94,7 @@ class TensorPatch:
     def numel(self) -> int:
         return prod(self.shape)
 
-    def keys(self) -> tuple[str, ...]:
+    def entry_keys(self) -> tuple[str, ...]:
         """The names of this patch's entries in the file."""
         if self.kind == WHOLE:
             return (self.name + WHOLE_SUFFIX,)
