@@ -307,7 +307,8 @@ def test_inspect_order_describes_a_delta(steps, tmp_path):
     assert data["header_digests"]["tensors"] == dict(delta.step_digests)
     assert data["total_bytes"] == sum(t.numel() * t.element_size() for t in new.values())
     table = runner.invoke(app, ["inspect-order", str(delta_dir)])
-    assert table.exit_code == 0 and "a reload reads" in table.stdout and "Changed values per parent layer" in table.stdout
+    assert table.exit_code == 0 and "a reload reads" in table.stdout
+    assert "Changed values per parent layer" in table.stdout
     full = json.loads(runner.invoke(app, ["inspect-order", str(base_dir), "--json"]).stdout)
     assert full["delta"] is None
 
