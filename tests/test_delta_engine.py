@@ -125,6 +125,10 @@ def test_the_wrong_base_is_refused_at_preflight(llm, steps):
     message = str(info.value)
     assert f"needs the engine to hold its base {steps['A']}" in message and "holds other weights" in message
     assert "rolled back" not in message
+    # A fleet pre-flights every server first (`layerwise_preflight`): the same refusal, before any pause.
+    answer = llm.collective_rpc("layerwise_preflight", args=(str(steps["AB"]),))[0]
+    assert not answer["ok"] and "holds other weights" in answer["error"]
+    assert llm.collective_rpc("layerwise_preflight", args=(str(steps["BA"]),))[0]["ok"]
     _assert_holds(llm, steps["B"])
 
 

@@ -11,6 +11,7 @@ from layerwise_cli.worker.proof.consensus import PeerFailed, all_ranks_agree
 from layerwise_cli.worker.proof.fingerprints import model_fingerprints
 from layerwise_cli.worker.proof.verify import verify_against_source
 from layerwise_cli.worker.quantization import online_quant  # noqa: F401 - registers layerwise's online quantizations here
+from layerwise_cli.worker.reload.delta_base import preflight_delta_base
 from layerwise_cli.worker.reload.engine_context import engine_config
 from layerwise_cli.worker.reload.reload_plan import loaded_from, mark_loaded_from, plan_reload
 from layerwise_cli.worker.reload.rollback import roll_back
@@ -110,6 +111,7 @@ class LayerwiseWorkerExtension:
 
         try:
             planned = plan_reload(self, source, revision=revision, allow_partial=allow_partial)
+            preflight_delta_base(self, planned)  # a delta: the engine must hold its base
             back, back_revision = loaded_from(self)
             try:
                 open_checkpoint(str(resolve_local(back, back_revision)))

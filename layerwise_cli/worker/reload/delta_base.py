@@ -9,6 +9,7 @@ from layerwise_cli.checkpoint.digests import layer_digest
 from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.planning.plan import PlannedTensor
+from layerwise_cli.worker.reload.reload_plan import PlannedReload, loaded_from
 from layerwise_cli.worker.state.layer_records import LayerRecords, SkipDecider
 from layerwise_cli.worker.state.spot_check import spot_check
 
@@ -64,3 +65,30 @@ def _what_it_holds(records: LayerRecords, name: str, base_digest: str) -> str:
     if record.digest != base_digest:
         return f"holds other weights (layer digest {record.digest[:12]}, the base's {base_digest[:12]})"
     return "was changed since layerwise loaded it (its state differs from its record)"
+
+
+def preflight_delta_base(worker, planned: PlannedReload) -> None:
+    """The checks a reload of a delta makes before it touches the engine, for the `layerwise_preflight` RPC.
+
+    A fleet pre-flights every server before it pauses any (`client/fleet.py`): a server that does not hold
+    the delta's base is refused there, with the same line as the reload's. Does nothing for a full checkpoint.
+
+    Raises:
+        LayerwiseError: a corrupt delta (`Delta.validate`), or the engine does not hold its base.
+    """
+    from layerwise_cli.worker.repairs.after_reload import derived_modules
+    from layerwise_cli.worker.state.layer_records import records_of
+    from layerwise_cli.worker.state.layer_state import layer_fingerprints
+
+    if planned.checkpoint.delta is None:
+        return
+    planned.checkpoint.delta.validate()
+    model = worker.model_runner.get_model()
+    stream = [item for item in planned.mine.engine_stream("layer") if item.parent is not None]
+    parents = {item.parent for item in stream}
+    derived = derived_modules(model, parents)
+    covers = {name: [name] + sorted(d for d, origin in derived.items() if origin == name) for name in parents}
+    modules = dict(model.named_modules())
+    held, _ = loaded_from(worker)
+    check_delta_base(planned.checkpoint, stream, records_of(worker),
+                     lambda names: layer_fingerprints(modules, {name: covers[name] for name in names}), held)
