@@ -40,7 +40,21 @@ def steps(demo_models, tmp_path_factory) -> dict:
     nan["lm_head.weight"][0, 0] = float("nan")
     with_nan = save_step(nan, root / "nan_delta", demo_models["multiply"], base=steps["A"], allow_nonfinite=True)
     assert with_nan.delta is not None
-    return {**steps, "NaN": root / "nan_delta", "root": root}
+    # A back to A against delta(A->B): a chain, rebuilt from A through both patches.
+    chained = save_step(a, root / "chained", demo_models["multiply"], base=steps["AB"])
+    assert chained.delta is not None, chained.fallback
+    # C: B with only its mlp tensors moved again, against delta(A->B): a chain whose other layers the engine
+    # holding B keeps (they changed in the first link only).
+    from safetensors.torch import load_file
+
+    from tests.support.deltas import rl_step
+
+    b = {}
+    for shard in sorted(steps["B"].glob("*.safetensors")):
+        b.update(load_file(shard))
+    c = {name: rl_step(t, 0.05, 99) if ".mlp." in name else t for name, t in b.items()}
+    assert save_step(c, root / "c_chained", demo_models["multiply"], base=steps["AB"]).delta is not None
+    return {**steps, "NaN": root / "nan_delta", "chained": root / "chained", "C": root / "c_chained", "root": root}
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +128,15 @@ def test_deltas_both_ways_equal_fresh_engines_a_b_a_b(llm, steps):
     # The records say the full step B: its full checkpoint is skipped whole, from its header digests.
     again = _reload(llm, steps["B"])
     assert again.unchanged.skipped_layers == len(again.layers) and again.volume.read_bytes == 0
+    # Deltas whose base is a delta: the engine holds their base (B). C: the layers only the first link changed
+    # are skipped, their spot check sampling the bytes the chain rebuilds (not A's files, which differ).
+    to_c = _reload(llm, steps["C"], verify=True)
+    assert to_c.verify.ok and to_c.unchanged.skipped_layers > 0 and to_c.unchanged.stale_header_digests == ()
+    assert all(".mlp." in name for name in _handed_over(to_c))
+    _reload(llm, steps["B"], all_layers=True)
+    # A, rebuilt from A's files through both links.
+    _reload(llm, steps["chained"], verify=True)
+    _assert_holds(llm, steps["A"])
 
 
 def test_the_wrong_base_is_refused_at_preflight(llm, steps):

@@ -175,10 +175,42 @@ def test_a_base_whose_header_digest_lies_is_not_proved(tmp_path):
     assert saved.delta is None and "cannot be proved" in saved.fallback
 
 
-def test_a_delta_is_never_a_base(steps, tmp_path):
+def test_a_delta_against_a_delta_rebuilds_through_the_chain(steps, tmp_path):
+    from layerwise_cli.checkpoint.delta_source import open_step
+    from layerwise_cli.writer.delta_writer import ShardBytes
+
+    base_dir, delta_dir, new = steps
+    third = {name: changed_copy(t, 0.02, 11) for name, t in new.items()}
+    saved = save_checkpoint(third.items(), tmp_path / "step_3", base=delta_dir)
+    assert saved.delta is not None and saved.delta.base == str(delta_dir.absolute())
+    step = open_step(str(tmp_path / "step_3"))
+    assert [link.path.parent for link in step.delta.links] == [delta_dir, tmp_path / "step_3"]
+    assert step.local_dir == base_dir  # read from the full step at the chain's start
+    reader = ShardBytes(step)
+    for entry in step.tensors:
+        assert np.array_equal(np.asarray(reader.of(entry)), raw(third[entry.name])), entry.name
+    # From full checkpoints, against the delta: the same delta file.
+    save_checkpoint(third.items(), tmp_path / "full_3")
+    again = write_delta(delta_dir, tmp_path / "full_3", tmp_path / "cli_3")
+    assert (tmp_path / "cli_3" / DELTA_FILE).read_bytes() == (tmp_path / "step_3" / DELTA_FILE).read_bytes()
+    assert again.delta is not None
+
+
+def test_a_chain_that_loops_is_refused(steps, tmp_path):
+    from layerwise_cli.checkpoint.delta_source import open_step
+
     _, delta_dir, new = steps
-    saved = save_checkpoint(new.items(), tmp_path / "step_3", base=delta_dir)
-    assert saved.delta is None and "is a delta itself" in saved.fallback
+    save_checkpoint({n: changed_copy(t, 0.02, 11) for n, t in new.items()}.items(), tmp_path / "step_3",
+                    base=delta_dir)
+
+    def point_at_step_3(header, data):
+        meta = json.loads(header["__metadata__"]["layerwise.delta"])
+        meta["base"]["location"] = str(tmp_path / "step_3")
+        header["__metadata__"]["layerwise.delta"] = json.dumps(meta)
+
+    corrupt(delta_dir, point_at_step_3)
+    with pytest.raises(LayerwiseError, match="a loop"):
+        open_step(str(tmp_path / "step_3"))
 
 
 def corrupt(delta_dir: Path, edit) -> Path:

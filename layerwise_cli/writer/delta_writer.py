@@ -7,11 +7,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from layerwise_cli.checkpoint.delta import DELTA_FILE, WHOLE_FRACTION, TensorPatch, delta_file, file_mapping
+from layerwise_cli.checkpoint.delta import DELTA_FILE, WHOLE_FRACTION, TensorPatch, file_mapping
 from layerwise_cli.checkpoint.delta_encode import EncodedPatch, can_patch, delta_metadata, encode_patch
+from layerwise_cli.checkpoint.delta_source import open_step, rebuilt_bytes
 from layerwise_cli.checkpoint.digests import checkpoint_digests, tensor_digest
 from layerwise_cli.checkpoint.header import TensorEntry, encode_header
-from layerwise_cli.checkpoint.sources import Checkpoint, open_checkpoint
+from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.writer.spill import Spilled, SpillFile, copy_range, write_all
 
@@ -60,18 +61,16 @@ class NoDelta(Exception):
 
 
 def open_base(base: str | os.PathLike[str]) -> Checkpoint:
-    """The base step's headers, refusing what cannot serve as a delta's base.
+    """The base step's headers (a delta's: the step it rebuilds, `delta_source.open_step`).
 
     Raises:
-        NoDelta: the base is a delta itself, not on this machine, or unreadable.
+        NoDelta: the base is not on this machine, or cannot be read (a delta whose chain is broken included).
     """
     path = Path(base)
     if not path.exists():
         raise NoDelta(f"the base {base} does not exist on this machine")
-    if delta_file(path) is not None:
-        raise NoDelta(f"the base {base} is a delta itself (deltas apply to a full step)")
     try:
-        return open_checkpoint(str(path))
+        return open_step(str(path))
     except LayerwiseError as exc:
         raise NoDelta(f"the base cannot be read: {exc}") from None
 
@@ -85,12 +84,15 @@ class ShardBytes:
         self._maps: dict[str, object] = {}
 
     def of(self, entry: TensorEntry):
-        """ENTRY's raw bytes, as a read-only view of its shard file's mapping."""
+        """ENTRY's raw bytes, as a read-only view of its shard file's mapping; a delta's rebuilt and proved."""
+        path = self._checkpoint.shard_path(entry.shard)
         mapped = self._maps.get(entry.shard)
         if mapped is None:
-            mapped = self._maps[entry.shard] = file_mapping(self._checkpoint.shard_path(entry.shard))
+            mapped = self._maps[entry.shard] = file_mapping(path)
         start = self._shards[entry.shard].data_start
-        return mapped[start + entry.begin:start + entry.end]
+        raw = mapped[start + entry.begin:start + entry.end]
+        chain = self._checkpoint.delta
+        return raw if chain is None else rebuilt_bytes(chain, entry, raw, str(path))
 
 
 def plan_delta(base: Checkpoint, new: Iterable[NewTensor], spill_fd: int, *,
@@ -132,7 +134,10 @@ def plan_delta(base: Checkpoint, new: Iterable[NewTensor], spill_fd: int, *,
                           f"{entry.dtype}{list(entry.shape)}")
         if not can_patch(tensor.dtype):
             raise NoDelta(f"tensor {tensor.name} has dtype {tensor.dtype}, which a delta cannot patch")
-        old = reader.of(entry)
+        try:
+            old = reader.of(entry)  # a delta base's rebuilt and proved by its digests
+        except LayerwiseError as exc:
+            raise NoDelta(f"the base cannot be proved: {exc}") from None
         digest = tensor_digest(entry.dtype, entry.shape, old)
         if tensor.name in claimed and claimed[tensor.name] != digest:
             raise NoDelta(f"the base cannot be proved: tensor {tensor.name}'s bytes do not hash to its header "

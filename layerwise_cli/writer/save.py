@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from layerwise_cli.checkpoint.delta import DELTA_FILE
+from layerwise_cli.checkpoint.delta_source import open_step
 from layerwise_cli.checkpoint.digests import digests_metadata
 from layerwise_cli.checkpoint.header import ShardHeader, TensorEntry
-from layerwise_cli.checkpoint.sources import INDEX_NAME, Checkpoint, open_checkpoint
+from layerwise_cli.checkpoint.sources import INDEX_NAME, Checkpoint
 from layerwise_cli.errors import LayerwiseError, describe_exception
 from layerwise_cli.planning.parents import mapping_for_config
 from layerwise_cli.planning.plan import build_plan
@@ -313,7 +314,7 @@ def _check_written(out: Path, layer_mapping, where: str):
     """Re-read the written headers and re-plan them: vLLM's read order must buffer no more than layer order."""
     from layerwise_cli.planning.inspect import OrderReport
 
-    plan = build_plan(open_checkpoint(str(out)), layer_mapping)
+    plan = build_plan(open_step(str(out)), layer_mapping)  # a delta base: the step it rebuilds
     report = OrderReport(plan, plan.simulate("file"), plan.simulate("layer"))
     file_peak = report.file_order_buffering.peak_buffer_bytes
     layer_peak = report.layer_order_buffering.peak_buffer_bytes

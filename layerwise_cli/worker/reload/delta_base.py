@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 
-from layerwise_cli.checkpoint.delta import Delta
+from layerwise_cli.checkpoint.delta_source import DeltaChain
 from layerwise_cli.checkpoint.digests import layer_digest
 from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.errors import LayerwiseError
@@ -34,7 +35,7 @@ def check_delta_base(checkpoint: Checkpoint, engine_stream: list[PlannedTensor],
         LayerwiseError: one line naming the delta, its base, the first layer that does not hold it and what
             the engine holds.
     """
-    delta: Delta = checkpoint.delta
+    delta: DeltaChain = checkpoint.delta
     needs = f"needs the engine to hold its base {delta.base_location}"
     if records is None:
         raise LayerwiseError(f"{needs}, and this reload keeps no records to prove it", where=checkpoint.source)
@@ -50,8 +51,11 @@ def check_delta_base(checkpoint: Checkpoint, engine_stream: list[PlannedTensor],
         if name not in proved:
             raise LayerwiseError(f"{needs}, but layer {name} {_what_it_holds(records, name, base[name])}; the engine "
                                  f"holds {held}", where=checkpoint.source)
+    # The base's bytes: its files, or (a chain) rebuilt through every link but this delta's.
+    links = delta.links[:-1]
+    base_step = replace(checkpoint, delta=DeltaChain(links) if links else None)
     spot = spot_check(proved, {name: [item.entry for item in items] for name, items in groups.items()}, records,
-                      checkpoint)
+                      base_step)
     for name in sorted(proved - spot.confirmed):
         raise LayerwiseError(f"{needs}, but the base's files are not what layer {name} was loaded from (sampled bytes "
                              f"differ); the engine holds {held}", where=checkpoint.source)

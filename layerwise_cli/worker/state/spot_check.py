@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from layerwise_cli.checkpoint.header import TensorEntry
-from layerwise_cli.checkpoint.samples import file_sample, sample_bytes
+from layerwise_cli.checkpoint.samples import buffer_sample, file_sample, sample_bytes
 from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.worker.state.layer_records import LayerRecords
 
@@ -83,8 +83,14 @@ def spot_check(layers: Iterable[str], entries: Mapping[str, list[TensorEntry]], 
                 if fd is None:
                     fd = handles[entry.shard] = os.open(checkpoint.shard_path(entry.shard), os.O_RDONLY)
                 at = shards[entry.shard].data_start + entry.begin
-                result.bytes_read += sample_bytes(entry.nbytes)
-                if file_sample(fd, at, entry.dtype, entry.shape, entry.nbytes) != record.samples[entry.name]:
+                if _patched(checkpoint, entry.name):
+                    # A delta's step differs from the files here: its bytes are rebuilt (read whole) to sample.
+                    result.bytes_read += entry.nbytes
+                    sample = _rebuilt_sample(checkpoint, entry, at)
+                else:
+                    result.bytes_read += sample_bytes(entry.nbytes)
+                    sample = file_sample(fd, at, entry.dtype, entry.shape, entry.nbytes)
+                if sample != record.samples[entry.name]:
                     stale = StaleDigest(layer, entry.name, str(checkpoint.shard_path(entry.shard)))
                     break
             if stale is None:
@@ -96,3 +102,19 @@ def spot_check(layers: Iterable[str], entries: Mapping[str, list[TensorEntry]], 
             os.close(fd)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _patched(checkpoint: Checkpoint, name: str) -> bool:
+    """Whether a delta CHECKPOINT rebuilds (`Checkpoint.delta`) changes tensor NAME in any of its links."""
+    chain = checkpoint.delta
+    return chain is not None and any(name in link.patches for link in chain.links)
+
+
+def _rebuilt_sample(checkpoint: Checkpoint, entry: TensorEntry, at: int) -> str:
+    """The sample digest of ENTRY as the delta rebuilds it from the bytes at AT of its shard (proved on the way)."""
+    from layerwise_cli.checkpoint.delta import file_mapping
+    from layerwise_cli.checkpoint.delta_source import rebuilt_bytes
+
+    path = checkpoint.shard_path(entry.shard)
+    raw = file_mapping(path)[at:at + entry.nbytes]
+    return buffer_sample(entry.dtype, entry.shape, rebuilt_bytes(checkpoint.delta, entry, raw, str(path)))
