@@ -358,3 +358,24 @@ def test_inspect_order_scan_checks_a_delta_s_positions(steps):
     assert runner.invoke(app, ["inspect-order", str(delta_dir)]).exit_code == 0  # headers only
     scanned = runner.invoke(app, ["inspect-order", str(delta_dir), "--scan"])
     assert scanned.exit_code == 1 and "out of range" in scanned.stderr
+
+
+def test_watch_keep_never_deletes_the_base_of_a_delta_that_stays(tmp_path):
+    from layerwise_cli.checkpoint.steps import list_steps, steps_to_delete
+
+    base = model(torch.bfloat16)
+    run = tmp_path / "run"
+    save_checkpoint(base.items(), run / "step_1")
+    save_checkpoint(base.items(), run / "step_2")
+    previous = base
+    for number in (3, 4, 5):  # step_3 against step_2, step_4 against step_3 (a chain), step_5 in full
+        step = {n: changed_copy(t, 0.01, number) for n, t in previous.items()}
+        saved = save_checkpoint(step.items(), run / f"step_{number}", base=run / f"step_{number - 1}"
+                                if number < 5 else None)
+        assert (saved.delta is not None) == (number < 5)
+        previous = step
+    steps = list_steps(run)
+    held = steps[-1]
+    # Keeping the newest 2 (step_4, step_5): step_4 needs step_3, which needs step_2; step_1 alone goes.
+    assert [s.name for s in steps_to_delete(steps, 2, held, set())] == ["step_1"]
+    assert [s.name for s in steps_to_delete(steps, 1, held, set())] == ["step_1", "step_2", "step_3", "step_4"]
