@@ -60,6 +60,9 @@ class ReloadOptions:
             `with_switches`).
         in_place: False has vLLM materialize every layer in fresh buffers (the diagnostic switch
             `LAYERWISE_FRESH_BUFFERS`, `with_switches`).
+        delta_base_check: a sparse delta (docs/deltas.md) loads only into an engine that holds its base; False
+            rebuilds it whatever the engine holds, each tensor proved by the delta's digests as it is read: what a
+            rollback and a fleet going back to a step held through a delta do (no flag).
     """
 
     order: str = "layer"
@@ -72,6 +75,7 @@ class ReloadOptions:
     allow_unchecked: bool = False
     repairs: bool = True
     in_place: bool = True
+    delta_base_check: bool = True
 
     def to_json(self) -> dict[str, Any]:
         """The options as sent: those every extension has always taken, the others only when not their default.

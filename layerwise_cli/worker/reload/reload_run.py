@@ -147,13 +147,12 @@ class ReloadRun:
         return [item for item in self.engine_stream if item.parent not in self.skip.skipped]
 
 
-def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords | None, *,
-             check_base: bool = True) -> ReloadRun:
+def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords | None) -> ReloadRun:
     """The plan phase: SOURCE planned and pre-flighted for this rank, what to skip, the measures set up.
 
     Changes nothing in the engine. A sparse delta (`Checkpoint.delta`) is refused unless the engine holds its
-    base (`delta_base.check_delta_base`), when CHECK_BASE (a rollback rebuilds the step whatever the engine
-    holds: every tensor is proved by the delta's digests as it is read).
+    base (`delta_base.check_delta_base`), unless `options.delta_base_check` is off (a rollback, a fleet going
+    back: the step is rebuilt whatever the engine holds, every tensor proved by the delta's digests as read).
 
     Raises:
         LayerwiseError: SOURCE cannot be read, or cannot be loaded cleanly into this engine.
@@ -186,7 +185,7 @@ def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords 
         delta.validate()
         if not options.allow_nonfinite:
             delta.refuse_nonfinite()
-    if delta is not None and check_base:
+    if delta is not None and options.delta_base_check:
         held, _ = loaded_from(worker)
         check_delta_base(planned.checkpoint, engine_stream, records, skip._fingerprints, held)
     rank = getattr(worker, "rank", 0) or 0

@@ -67,7 +67,7 @@ def stream_reload(worker, source: str, options: ReloadOptions | None = None, *,
         LayerwiseError: pre-flight failed (nothing changed), or the reload failed or could not be shown
             complete (the caller rolls back); `PeerFailed` when another rank's pre-flight failed.
     """
-    run = plan_and_vote(worker, source, options or ReloadOptions(), records, agree, check_base=not restore_partial)
+    run = plan_and_vote(worker, source, options or ReloadOptions(), records, agree)
     if on_engine_touched is not None:
         on_engine_touched()
     run.start = time.perf_counter()
@@ -102,10 +102,8 @@ def stream_reload(worker, source: str, options: ReloadOptions | None = None, *,
 
 
 def plan_and_vote(worker, source: str, options: ReloadOptions, records: LayerRecords | None,
-                  agree: Callable[[bool], bool] | None, *, check_base: bool = True) -> ReloadRun:
+                  agree: Callable[[bool], bool] | None) -> ReloadRun:
     """The plan phase, then the vote: this rank's plan once every rank of the engine passed its pre-flight.
-
-    CHECK_BASE: a delta's base is checked against the engine (`plan_run`); off for a rollback.
 
     Raises:
         LayerwiseError: this rank's pre-flight failed (it voted no).
@@ -114,7 +112,7 @@ def plan_and_vote(worker, source: str, options: ReloadOptions, records: LayerRec
     if options.order not in ORDERS:
         raise LayerwiseError(f"unknown order {options.order!r}: use layer or file")
     try:
-        run = plan_run(worker, source, options, records, check_base=check_base)
+        run = plan_run(worker, source, options, records)
     except Exception:
         if agree is not None:
             agree(False)  # tell the other ranks: none of them may start
