@@ -379,3 +379,13 @@ def test_watch_keep_never_deletes_the_base_of_a_delta_that_stays(tmp_path):
     # Keeping the newest 2 (step_4, step_5): step_4 needs step_3, which needs step_2; step_1 alone goes.
     assert [s.name for s in steps_to_delete(steps, 2, held, set())] == ["step_1"]
     assert [s.name for s in steps_to_delete(steps, 1, held, set())] == ["step_1", "step_2", "step_3", "step_4"]
+
+
+def test_the_rl_step_benchmark_measures_more_change_at_higher_learning_rates():
+    from benchmarks.bench_rl_steps import measure
+
+    rows = [measure(lr, 1 << 16, warmup=5) for lr in (1e-6, 1e-5, 1e-3)]
+    fractions = [row["changed_fraction"] for row in rows]
+    assert 0 < fractions[0] < fractions[1] < fractions[2]
+    assert rows[0]["delta_over_full"] < rows[1]["delta_over_full"] <= 1.0
+    assert rows[2]["layout"] == "whole"  # at 1e-3 nearly every value moves
