@@ -27,7 +27,6 @@ from layerwise_cli.writer.save import (
     SavedCheckpoint,
     _check_destination,
     _check_marker,
-    _check_written,
     _commit,
     _write_marker,
 )
@@ -78,8 +77,7 @@ def write_delta(base: str | os.PathLike[str], new: str | os.PathLike[str], direc
         tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}{_TMP_MARK}", dir=dst.parent))
         delta, fallback = _delta_or_none(base, checkpoint, tmp, whole_fraction)
         _copy_files(checkpoint.local_dir, tmp, weights=delta is None)
-        mapping = mapping_for_config(checkpoint.config, "auto")
-        written = _check_written(checkpoint.local_dir, mapping, where)
+        written = _figures(checkpoint)
         fsync_dir(tmp)
         replaced = _commit(tmp, dst, overwrite)
         tmp = None
@@ -96,6 +94,15 @@ def write_delta(base: str | os.PathLike[str], new: str | os.PathLike[str], direc
         largest_layer_bytes=plan.largest_layer_bytes,
         peak_buffer_bytes=written.file_order_buffering.peak_buffer_bytes, marker=marker_path, replaced=replaced,
         seconds=time.perf_counter() - started, delta=delta, fallback=fallback)
+
+
+def _figures(checkpoint: Checkpoint):
+    """NEW's plan and what vLLM's read order buffers reading it (its layout is NEW's own, whoever wrote it)."""
+    from layerwise_cli.planning.inspect import OrderReport
+    from layerwise_cli.planning.plan import build_plan
+
+    plan = build_plan(checkpoint, mapping_for_config(checkpoint.config, "auto"))
+    return OrderReport(plan, plan.simulate("file"), plan.simulate("layer"))
 
 
 def _delta_or_none(base, checkpoint: Checkpoint, tmp: Path, whole_fraction: float):

@@ -20,9 +20,12 @@ def rl_step(tensor, fraction: float, seed: int):
 
 def save_step(tensors: dict, folder: Path, like: Path, **kwargs):
     """`save_checkpoint` of TENSORS into FOLDER (small shards), with LIKE's config and tokenizer files."""
+    import json
+
     from layerwise_cli.writer.save import save_checkpoint
 
-    saved = save_checkpoint(tensors.items(), folder, max_shard_size=60_000, marker=None, **kwargs)
+    config = json.loads((like / "config.json").read_text())
+    saved = save_checkpoint(tensors.items(), folder, config=config, max_shard_size=60_000, marker=None, **kwargs)
     copy_non_weights(like, folder)
     return saved
 
