@@ -63,7 +63,7 @@ def _commands() -> list[str]:
 
 
 def test_every_command_is_help_checked() -> None:
-    assert _commands() == ["inspect-order", "reload", "serve", "reorder", "demo", "watch"]
+    assert _commands() == ["inspect-order", "reload", "serve", "reorder", "demo", "watch", "delta"]
 
 
 @pytest.mark.parametrize("args", [["--help"], *([name, "--help"] for name in _commands())],

@@ -44,6 +44,9 @@ class Checkpoint:
     index: dict | None = field(default=None, repr=False)
     # The commit a Hub source was read at (`revision` resolved once, `hub_pin.pin_commit`); None for local files.
     commit: str | None = None
+    # A sparse delta this checkpoint is rebuilt through (`checkpoint.delta_source`): then `source` is the delta,
+    # the shards and `local_dir` are its base's, and every tensor is read through `delta_source.rebuilt_tensor`.
+    delta: object | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shards", tuple(self.shards))

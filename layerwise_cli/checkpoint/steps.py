@@ -233,11 +233,34 @@ def steps_to_delete(steps: list[StepDir], keep: int, held: StepDir, protected: I
     """The steps `--keep N` removes once every server holds HELD.
 
     Only steps older than HELD and outside the newest KEEP steps go, never one
-    named in PROTECTED (held or being loaded by a server). STEPS come from
-    `list_steps`, so nothing that does not match the pattern is ever touched.
+    named in PROTECTED (held or being loaded by a server), nor the base of a
+    sparse delta step that stays (a delta is rebuilt from its base's files, and
+    a base that is a delta from its own). STEPS come from `list_steps`, so
+    nothing that does not match the pattern is ever touched.
     """
     if keep < 1:
         raise LayerwiseError(f"--keep must be at least 1, not {keep}")
     protected = set(protected) | {held.name}
     newest = {s.name for s in sorted(steps, key=lambda s: s.number)[-keep:]}
-    return [s for s in steps if s.number < held.number and s.name not in newest and s.name not in protected]
+    gone = [s for s in steps if s.number < held.number and s.name not in newest and s.name not in protected]
+    staying = [s for s in steps if s not in gone]
+    needed = delta_bases([s.path for s in staying])
+    return [s for s in gone if s.path.absolute() not in needed]
+
+
+def delta_bases(paths: Iterable[Path]) -> set[Path]:
+    """The base directories (absolute) the sparse deltas among PATHS are rebuilt from, their chains followed."""
+    from layerwise_cli.checkpoint.delta import delta_file, read_delta
+    from layerwise_cli.checkpoint.delta_source import MAX_CHAIN, base_directory
+
+    needed: set[Path] = set()
+    for path in paths:
+        for _ in range(MAX_CHAIN):
+            try:
+                if delta_file(path) is None:
+                    break
+                path = base_directory(read_delta(path)).absolute()
+            except LayerwiseError:
+                break  # a broken delta: what it would need is unknown, and kept or not, it cannot load
+            needed.add(path)
+    return needed

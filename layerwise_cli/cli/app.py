@@ -9,6 +9,7 @@ try:
     import typer
 
     from layerwise_cli.cli._output import OneLineErrors
+    from layerwise_cli.cli.delta import delta_command
     from layerwise_cli.cli.demo import demo_command
     from layerwise_cli.cli.inspect_order import inspect_order_command
     from layerwise_cli.cli.reload import reload_command
@@ -47,6 +48,7 @@ app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown
 app.command("reorder")(reorder_command)
 app.command("demo")(demo_command)
 app.command("watch")(watch_command)
+app.command("delta")(delta_command)
 
 
 def main() -> None:

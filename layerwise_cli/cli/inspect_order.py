@@ -47,6 +47,13 @@ def inspect_order_command(
     Example: layerwise inspect-order ./checkpoint --scan
 
     Example: layerwise inspect-order ./checkpoint --plot order.png
+
+    A sparse delta (`layerwise delta`, docs/deltas.md) is described as the step
+    it rebuilds (its base's layout), followed by its base, the changed fraction
+    per layer and what a reload into an engine holding the base reads; --scan
+    then checks the delta's positions and new values.
+
+    Example: layerwise inspect-order run/step_120_delta
     """
     limit = None
     if max_buffer is not None:
@@ -58,13 +65,20 @@ def inspect_order_command(
 
     report = inspect_order(source, revision, mapping, tensor_parallel_size)
     data = report.to_dict(top=top)
-    scanned = _scan(report.plan.checkpoint, quiet=as_json) if scan else None
+    delta = report.plan.checkpoint.delta
+    if scan and delta is not None:
+        # A delta's own bytes: every position and every new value, as a reload's pre-flight reads them.
+        delta.validate()
+        delta.refuse_nonfinite()
+    scanned = _scan(report.plan.checkpoint, quiet=as_json) if scan and delta is None else None
     if scanned is not None:
         data["scan"] = scanned.to_dict()
     if as_json:
         print_json(data)
     else:
         render(data, top)
+        if data["delta"] is not None:
+            render_delta(data["delta"], top)
         if scanned is not None:
             render_scan(scanned)
     if plot is not None:
@@ -166,6 +180,36 @@ def render(data: dict, top: int) -> None:
         stderr.print(f"[yellow]File order buffers {fo['peak_over_largest_layer']:.2f}x the largest layer; "
                      "`layerwise reload` streams in layer order, `layerwise reorder` rewrites the file.[/]")
 
+
+
+def render_delta(delta: dict, top: int) -> None:
+    """Print what a delta changes and what a reload of it reads, from the JSON data alone (`DeltaView.to_dict`)."""
+    summary = Table.grid(padding=(0, 2))
+    summary.add_column(style="bold")
+    summary.add_column()
+    summary.add_row("delta", f"{escape(delta['file'])}: {human_bytes(delta['file_bytes'])} for a "
+                    f"{human_bytes(delta['full_bytes'])} step ({delta['file_bytes'] / delta['full_bytes']:.3f} x)")
+    summary.add_row("base", escape(delta["base"]))
+    summary.add_row("changed", f"{delta['changed_values']} of {delta['values']} values "
+                    f"({delta['changed_fraction']:.2%}), in {delta['changed_layers']} of {len(delta['layers'])} "
+                    "parent layers")
+    summary.add_row("a reload reads", f"{human_bytes(delta['reload_reads'])}: the delta, and the base's bytes of "
+                    "the layers it changes (the others are skipped)")
+    stdout.print(summary)
+    rows = sorted(delta["layers"], key=lambda row: (-row["changed_fraction"], row["name"]))
+    if top:
+        rows = rows[:top]
+    table = Table(title=f"Changed values per parent layer, most first{f' (top {top})' if top else ''}",
+                  title_justify="left")
+    table.add_column("layer", overflow="fold")
+    table.add_column("changed", justify="right")
+    table.add_column("tensors patched", justify="right")
+    table.add_column("delta bytes", justify="right")
+    table.add_column("layer bytes", justify="right")
+    for row in rows:
+        table.add_row(escape(row["name"]), f"{row['changed_fraction']:.2%}", str(row["patched_tensors"]),
+                      human_bytes(row["delta_bytes"]), human_bytes(row["bytes"]))
+    stdout.print(table)
 
 def _scan(checkpoint, quiet: bool):
     """Read every tensor and count NaN/Inf, with a progress bar on stderr unless quiet."""

@@ -290,7 +290,7 @@ class ServerReload:
             # accepted when it was loaded: no NaN/Inf refusal now.
             back = replace(self.options, weight_version=self.version_before,
                            reload=replace(self.options.reload, revision=revision, all_layers=False,
-                                          allow_partial=True, allow_nonfinite=True))
+                                          allow_partial=True, allow_nonfinite=True, delta_base_check=False))
             self.client.layerwise_reload(source, back)
             self.warnings.extend(_reset_prefix_cache(self.client))
             if self.options.verify:

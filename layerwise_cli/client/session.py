@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from layerwise_cli.checkpoint.delta_source import open_step
 from layerwise_cli.checkpoint.sources import looks_like_repo_id, open_checkpoint
 from layerwise_cli.client.local import reload, verify_engine
 from layerwise_cli.errors import LayerwiseError
@@ -50,7 +51,11 @@ def prepare_sources(source: str, base: str | None, revision: str | None, quiet: 
         local, checkpoint = source, open_checkpoint(source, revision)
     else:
         local = str(download_source(source, revision, quiet)) if looks_like_repo_id(source) else source
-        checkpoint = open_checkpoint(local)
+        checkpoint = open_step(local)
+    if checkpoint.delta is not None:
+        raise LayerwiseError("is a sparse delta: it loads only into an engine that holds its base "
+                             f"{checkpoint.delta.base_location} (a running server: reload --url, watch, or the "
+                             "Python API), never into an engine started for this command", where=source)
     base = base or local
     if base != local:
         base_local = base

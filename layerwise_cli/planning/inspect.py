@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from layerwise_cli.checkpoint.delta_source import open_step
 from layerwise_cli.checkpoint.digests import FORMAT, METADATA_KEY, header_digests, layer_digest
-from layerwise_cli.checkpoint.sources import open_checkpoint
+from layerwise_cli.planning.delta_view import DeltaView, describe_delta
 from layerwise_cli.planning.parents import mapping_for_config
 from layerwise_cli.planning.plan import BufferSimulation, Plan, build_plan
 
@@ -25,6 +26,8 @@ class OrderReport:
     # For a guessed mapping: the layer-order peak if vLLM fused nothing, and if
     # it fused whole decoder layers (the truth lies between them).
     guess_range: tuple[int, int] | None = None
+    # For a sparse delta (opened as the step it rebuilds, in its base's layout): what it changes, per layer.
+    delta: DeltaView | None = None
 
     def layer_digests(self) -> dict[str, str]:
         """Parent layer -> digest, for the layers whose every tensor has a header digest."""
@@ -83,6 +86,7 @@ class OrderReport:
                            "above_largest_layer_because": plan.excess_reason(self.file_order_buffering)},
             "layer_order": {**_simulation_dict(self.layer_order_buffering, largest),
                             "above_largest_layer_because": self.layer_order_excess_reason()},
+            "delta": self.delta.to_dict() if self.delta is not None else None,
             "header_digests": {
                 "key": METADATA_KEY,
                 "format": FORMAT,
@@ -154,7 +158,7 @@ def inspect_order(source: str, revision: str | None = None, mapping: str = "auto
         LayerwiseError: the source is missing, a header is invalid, or the
             mapping asked for cannot be used.
     """
-    checkpoint = open_checkpoint(source, revision)
+    checkpoint = open_step(source, revision)
     chosen = mapping_for_config(checkpoint.config, mapping)
     plan = build_plan(checkpoint, chosen, tensor_parallel_size)
     guess_range = None
@@ -170,7 +174,7 @@ def inspect_order(source: str, revision: str | None = None, mapping: str = "auto
             digest_shards += 1
             tensor_digests.update(found)
     return OrderReport(plan, plan.simulate("file"), plan.simulate("layer"), tensor_digests, digest_shards,
-                       guess_range)
+                       guess_range, describe_delta(plan))
 
 
 def _shard_where(checkpoint, name: str) -> str:

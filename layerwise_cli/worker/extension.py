@@ -108,7 +108,8 @@ class LayerwiseWorkerExtension:
 
         A Hub commit not yet on this machine is fetched here, before any server pauses: the tensors the reload
         will hand over (the layers its header digests skip are not), kept in the Hub cache, where the reload
-        finds them (`hub_stream`).
+        finds them (`hub_stream`). A sparse delta is read and checked here as the reload checks it: its
+        positions, its new values, and that the engine holds its base (`reload_run.plan_run`).
         """
         from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
         from layerwise_cli.worker.reload.reload_run import plan_run

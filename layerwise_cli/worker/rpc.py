@@ -62,6 +62,9 @@ class ReloadOptions:
             `LAYERWISE_FRESH_BUFFERS`, `with_switches`).
         bounded_disk: a Hub source's tensors are fetched into private files deleted after the reload, and only
             those the reload hands over: nothing is kept in the Hub cache (`--bounded-disk`).
+        delta_base_check: a sparse delta (docs/deltas.md) loads only into an engine that holds its base; False
+            rebuilds it whatever the engine holds, each tensor proved by the delta's digests as it is read: what a
+            rollback and a fleet going back to a step held through a delta do (no flag).
     """
 
     order: str = "layer"
@@ -75,6 +78,7 @@ class ReloadOptions:
     repairs: bool = True
     in_place: bool = True
     bounded_disk: bool = False
+    delta_base_check: bool = True
 
     def to_json(self) -> dict[str, Any]:
         """The options as sent: those every extension has always taken, the others only when not their default.

@@ -11,15 +11,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from layerwise_cli.checkpoint.delta import DELTA_FILE
+from layerwise_cli.checkpoint.delta_source import open_step
 from layerwise_cli.checkpoint.digests import digests_metadata
 from layerwise_cli.checkpoint.header import ShardHeader, TensorEntry
-from layerwise_cli.checkpoint.sources import INDEX_NAME, Checkpoint, open_checkpoint
+from layerwise_cli.checkpoint.sources import INDEX_NAME, Checkpoint
 from layerwise_cli.errors import LayerwiseError, describe_exception
 from layerwise_cli.planning.parents import mapping_for_config
 from layerwise_cli.planning.plan import build_plan
 from layerwise_cli.reorder.commit import fsync_dir
 from layerwise_cli.reorder.shard_plan import DEFAULT_MAX_SHARD_SIZE, plan_shards
 from layerwise_cli.reorder.write import shard_header
+from layerwise_cli.writer.delta_writer import DeltaSummary, write_delta_from_spill
 from layerwise_cli.writer.spill import Spilled, SpillFile, copy_range, write_all
 
 _TMP_MARK = ".layerwise-tmp-"
@@ -44,6 +47,10 @@ class SavedCheckpoint:
         marker: the completion marker written last, or None.
         replaced: an existing directory was replaced (overwrite=True).
         seconds: wall time of the whole save, marker included.
+        delta: what the delta holds, when a delta was written against a base (`save_checkpoint(base=...)`,
+            `write_delta`); None for a full checkpoint. Then `shards` is `("delta.safetensors",)`,
+            `total_bytes` the delta's tensor bytes, and the layer figures those of the full step.
+        fallback: why a full checkpoint was written although a base was given (None otherwise).
     """
 
     directory: Path
@@ -55,6 +62,8 @@ class SavedCheckpoint:
     marker: Path | None
     replaced: bool
     seconds: float
+    delta: DeltaSummary | None = None
+    fallback: str | None = None
 
 
 def save_checkpoint(
@@ -67,6 +76,8 @@ def save_checkpoint(
     overwrite: bool = False,
     allow_nonfinite: bool = False,
     mapping: str = "auto",
+    base: str | os.PathLike[str] | None = None,
+    whole_fraction: float | None = None,
 ) -> SavedCheckpoint:
     """Write tensors as a safetensors checkpoint in layer order, with digests, atomically, marker last.
 
@@ -118,6 +129,14 @@ def save_checkpoint(
         allow_nonfinite: write tensors holding NaN or Inf (refused by default,
             as `layerwise reload` refuses them).
         mapping: how tensors map to parent layers (see `mapping_for_config`).
+        base: the previous step's directory (a full checkpoint on this machine): write a sparse delta
+            against it (`delta.safetensors`, see `layerwise_cli.checkpoint.delta` and docs/deltas.md) instead
+            of the full step, when the base is proved (each base tensor's bytes hash to its header digest,
+            or, without digests, the digest is computed from them), holds the same tensors with the same
+            shapes and dtypes, and the delta is smaller than the full step; otherwise the full step is
+            written and `fallback` says why. The delta's metadata holds the full step's digests.
+        whole_fraction: with BASE, a tensor with more than this fraction of its values changed is stored
+            whole (None: `checkpoint.delta.WHOLE_FRACTION`, one half).
 
     Returns:
         What was written and what vLLM's loader will buffer reading it.
@@ -146,20 +165,26 @@ def save_checkpoint(
         except OSError as exc:
             raise LayerwiseError(f"cannot write beside the destination: {exc.strerror or exc}", where=where) from None
         spill = SpillFile(tmp / _SPILL, where)
+        delta = fallback = None
         try:
             spilled = _spill_all(named_tensors, spill, where, allow_nonfinite)
-            shards = _write_shards(spilled, config_dict, layer_mapping, max_shard_size, spill, tmp)
+            if base is not None:
+                delta, fallback = write_delta_from_spill(base, spilled, spill, tmp, whole_fraction)
+            if delta is None:
+                shards = _write_shards(spilled, config_dict, layer_mapping, max_shard_size, spill, tmp)
         finally:
             spill.close()
             os.unlink(spill.path)
-        _write_json(tmp / INDEX_NAME, {
-            "metadata": {"total_size": sum(s.nbytes for s in spilled)},
-            "weight_map": {entry.name: shard.name for shard in shards for entry in sorted(shard.tensors,
-                                                                                          key=lambda t: t.name)},
-        })
+        if delta is None:
+            _write_json(tmp / INDEX_NAME, {
+                "metadata": {"total_size": sum(s.nbytes for s in spilled)},
+                "weight_map": {entry.name: shard.name for shard in shards
+                               for entry in sorted(shard.tensors, key=lambda t: t.name)},
+            })
         if config_dict is not None:
             _write_json(tmp / "config.json", config_dict)
-        written = _check_written(tmp, layer_mapping, where)
+        # A delta rebuilds the base's layout: its figures are the base's plan's.
+        written = _check_written(Path(delta.base) if delta is not None else tmp, layer_mapping, where)
         fsync_dir(tmp)
         replaced = _commit(tmp, dst, overwrite)
         tmp = None
@@ -171,10 +196,11 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
     plan = written.plan
     return SavedCheckpoint(
-        directory=dst, shards=tuple(s.name for s in shards), tensors=len(spilled),
-        total_bytes=plan.total_bytes, largest_layer_bytes=plan.largest_layer_bytes,
+        directory=dst, shards=(DELTA_FILE,) if delta is not None else tuple(s.name for s in shards),
+        tensors=len(spilled), total_bytes=delta.delta_bytes if delta is not None else plan.total_bytes,
+        largest_layer_bytes=plan.largest_layer_bytes,
         peak_buffer_bytes=written.file_order_buffering.peak_buffer_bytes, marker=marker_path, replaced=replaced,
-        seconds=time.perf_counter() - started,
+        seconds=time.perf_counter() - started, delta=delta, fallback=fallback,
     )
 
 
@@ -288,7 +314,7 @@ def _check_written(out: Path, layer_mapping, where: str):
     """Re-read the written headers and re-plan them: vLLM's read order must buffer no more than layer order."""
     from layerwise_cli.planning.inspect import OrderReport
 
-    plan = build_plan(open_checkpoint(str(out)), layer_mapping)
+    plan = build_plan(open_step(str(out)), layer_mapping)  # a delta base: the step it rebuilds
     report = OrderReport(plan, plan.simulate("file"), plan.simulate("layer"))
     file_peak = report.file_order_buffering.peak_buffer_bytes
     layer_peak = report.layer_order_buffering.peak_buffer_bytes

@@ -43,7 +43,8 @@ def verify_against_source(model, source: str, revision: str | None, model_config
 
     import torch
 
-    from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
+    from layerwise_cli.checkpoint.delta_source import open_step
+    from layerwise_cli.checkpoint.sources import resolve_local
     from layerwise_cli.worker.proof.verify_mla import mla_modules, verify_mla
     from layerwise_cli.worker.proof.verify_quantized import require_recomputed
     from layerwise_cli.worker.repairs.after_reload import derived_modules
@@ -52,13 +53,14 @@ def verify_against_source(model, source: str, revision: str | None, model_config
     from layerwise_cli.worker.stream.shard_reader import ShardReader, layer_batches
 
     local = resolve_local(source, revision)
-    checkpoint = replace(open_checkpoint(str(local)), source=source)
+    checkpoint = replace(open_step(str(local)), source=source)
     hf_config = model_config.hf_config.to_dict() if hasattr(model_config.hf_config, "to_dict") else None
     # Only the layers this rank holds (its pipeline stage, its experts): other ranks check theirs.
     stream = plan_for_worker(checkpoint, model, hf_config).engine_stream("layer")
-    folder = local if local.is_dir() else local.parent
+    # A delta is read from its base's files, through its patch.
+    folder = checkpoint.local_dir if checkpoint.delta is not None else local if local.is_dir() else local.parent
     modules = dict(model.named_modules())
-    reader = ShardReader(folder)
+    reader = ShardReader(folder, checkpoint.delta)
     layers: list[dict] = []
     # Modules SOURCE does not name whose weights are another layer's (a tied head), and the
     # private copies of those layers loaded from SOURCE, kept only for them.

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from layerwise_cli.checkpoint.delta_source import open_step
 from layerwise_cli.checkpoint.hub_pin import is_commit
 from layerwise_cli.checkpoint.sources import Checkpoint, looks_like_repo_id, open_checkpoint, pin_source, resolve_local
 from layerwise_cli.errors import LayerwiseError
@@ -62,7 +63,7 @@ def plan_reload(worker, source: str, *, revision: str | None = None, allow_parti
         local = checkpoint.local_dir or snapshot_folder(source, commit)
     else:
         local = resolve_local(source, commit or revision)
-        checkpoint = replace(open_checkpoint(str(local)), source=source)
+        checkpoint = replace(open_step(str(local)), source=source)
     hf_config = model_config.hf_config.to_dict() if hasattr(model_config.hf_config, "to_dict") else None
     position = rank_position(worker)
     # Only the tensors this rank holds: its pipeline stage, its experts.

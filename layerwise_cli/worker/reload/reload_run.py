@@ -19,8 +19,9 @@ from layerwise_cli.planning.plan import BufferSimulation, Plan, PlannedTensor
 from layerwise_cli.report.progress import ProgressWriter
 from layerwise_cli.worker.proof.early_fingerprints import EarlyFingerprints
 from layerwise_cli.worker.reload.completion_check import Unloaded
+from layerwise_cli.worker.reload.delta_base import check_delta_base
 from layerwise_cli.worker.reload.probe import BufferProbe
-from layerwise_cli.worker.reload.reload_plan import PlannedReload, plan_reload
+from layerwise_cli.worker.reload.reload_plan import PlannedReload, loaded_from, plan_reload
 from layerwise_cli.worker.reload.unchanged_layers import UnchangedLayerPlan
 from layerwise_cli.worker.repairs.derived_state import derived_state_of
 from layerwise_cli.worker.rpc import ReloadOptions
@@ -156,7 +157,9 @@ class ReloadRun:
 def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords | None) -> ReloadRun:
     """The plan phase: SOURCE planned and pre-flighted for this rank, what to skip, the measures set up.
 
-    Changes nothing in the engine.
+    Changes nothing in the engine. A sparse delta (`Checkpoint.delta`) is refused unless the engine holds its
+    base (`delta_base.check_delta_base`), unless `options.delta_base_check` is off (a rollback, a fleet going
+    back: the step is rebuilt whatever the engine holds, every tensor proved by the delta's digests as read).
 
     Raises:
         LayerwiseError: SOURCE cannot be read, or cannot be loaded cleanly into this engine.
@@ -178,7 +181,6 @@ def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords 
     if options.order == "layer":
         # A large first or last layer moved inward: the engine does not wait for it (`read_order`).
         engine_stream = pipelined_order(engine_stream, held_here)
-    local = planned.local
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     # Found before the first reload changes anything, once per engine (vLLM's record and tensors hold).
     derived = derived_state_of(worker)
@@ -186,10 +188,19 @@ def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords 
                                     all_layers=options.all_layers, checks_finite=not options.allow_nonfinite,
                                     on_host=device.type == "cpu",
                                     fetch_windows=sample_fetch(planned, options) if planned.streamed else None)
+    delta = planned.checkpoint.delta
+    if delta is not None:
+        # Read before anything changes: every position (a corrupt delta is refused here), every new value.
+        delta.validate()
+        if not options.allow_nonfinite:
+            delta.refuse_nonfinite()
+    if delta is not None and options.delta_base_check:
+        held, _ = loaded_from(worker)
+        check_delta_base(planned.checkpoint, engine_stream, records, skip._fingerprints, held)
     rank = getattr(worker, "rank", 0) or 0
     run = ReloadRun(
         worker=worker, source=source, options=options, records=records, planned=planned, model=model,
-        engine_stream=engine_stream, held_here=held_here, folder=local if local.is_dir() else local.parent,
+        engine_stream=engine_stream, held_here=held_here, folder=_folder(planned),
         device=device, derived=derived, skip=skip, stats=ReadAheadStats(),
         progress=ProgressWriter(options.progress_path if rank == 0 else None, len(plan.layers), plan.loaded_bytes),
         early=EarlyFingerprints(skip.modules, skip.covers) if records is not None and device.type == "cpu" else None)
@@ -221,3 +232,10 @@ def sample_fetch(planned: PlannedReload, options: ReloadOptions):
     """What fetches the spot check's sample windows from the pinned commit (`spot_check`'s `fetch_windows`)."""
     pin = HubPin(planned.checkpoint.source, planned.commit, planned.checkpoint.revision)
     return lambda windows: SampledWindows(pin, planned.checkpoint, windows, keep=not options.bounded_disk)
+
+
+def _folder(planned: PlannedReload) -> Path:
+    """Where SOURCE's shards are read: its folder, or a delta's base's (`Checkpoint.delta`)."""
+    if planned.checkpoint.delta is not None:
+        return planned.checkpoint.local_dir
+    return planned.local if planned.local.is_dir() else planned.local.parent

@@ -29,8 +29,9 @@ def roll_back(worker, touched: dict, failure: BaseException):
         # A layer vLLM could not load now was not changed by the failed reload either (vLLM put it back).
         # One vLLM processed partly loaded was changed: the model's own loader writes it back, repairs on or off.
         # Nor is its completion proved (`allow_unchecked`): the weights it had are what it holds.
+        # A step held through a delta is rebuilt from its base whatever the engine holds now.
         back = ReloadOptions(revision=revision, allow_partial=True, allow_nonfinite=True, all_layers=True,
-                             allow_unchecked=True)
+                             allow_unchecked=True, delta_base_check=False)
         stream_reload(worker, source, back, records=records, restore_partial=True)
     except BaseException:
         records.clear()  # the engine's state is unknown: no layer may be skipped until reloaded

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from layerwise_cli.checkpoint.header import TensorEntry
-from layerwise_cli.checkpoint.samples import sample_bytes, sample_digest, sample_spans
+from layerwise_cli.checkpoint.samples import buffer_sample, sample_bytes, sample_digest, sample_spans
 from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.worker.state.layer_records import LayerRecords
 
@@ -92,9 +92,13 @@ def spot_check(layers: Iterable[str], entries: Mapping[str, list[TensorEntry]], 
             stale = None
             for entry in tensors:
                 at = shards[entry.shard].data_start + entry.begin
-                result.bytes_read += sample_bytes(entry.nbytes)
-                found = sample_digest(entry.dtype, entry.shape, entry.nbytes,
-                                      lambda offset, n, shard=entry.shard, at=at: source.read(shard, at + offset, n))
+                if _patched(checkpoint, entry.name):
+                    # A delta's step differs from the files here: its bytes are rebuilt (read whole) to sample.
+                    result.bytes_read += entry.nbytes
+                    found = _rebuilt_sample(checkpoint, entry, at)
+                else:
+                    result.bytes_read += sample_bytes(entry.nbytes)
+                    found = _file_sample(source, entry, at)
                 if found != record.samples[entry.name]:
                     stale = StaleDigest(layer, entry.name, source.where(entry.shard))
                     break
@@ -136,3 +140,25 @@ class LocalShards:
 
     def where(self, shard: str) -> str:
         return str(self.checkpoint.shard_path(shard))
+
+
+def _file_sample(source: Windows, entry: TensorEntry, at: int) -> str:
+    """The sample digest of ENTRY, whose data starts at offset AT of its shard, read from SOURCE."""
+    return sample_digest(entry.dtype, entry.shape, entry.nbytes,
+                         lambda offset, n: source.read(entry.shard, at + offset, n))
+
+
+def _patched(checkpoint: Checkpoint, name: str) -> bool:
+    """Whether a delta CHECKPOINT rebuilds (`Checkpoint.delta`) changes tensor NAME in any of its links."""
+    chain = checkpoint.delta
+    return chain is not None and any(name in link.patches for link in chain.links)
+
+
+def _rebuilt_sample(checkpoint: Checkpoint, entry: TensorEntry, at: int) -> str:
+    """The sample digest of ENTRY as the delta rebuilds it from the bytes at AT of its shard (proved on the way)."""
+    from layerwise_cli.checkpoint.delta import file_mapping
+    from layerwise_cli.checkpoint.delta_source import rebuilt_bytes
+
+    path = checkpoint.shard_path(entry.shard)
+    raw = file_mapping(path)[at:at + entry.nbytes]
+    return buffer_sample(entry.dtype, entry.shape, rebuilt_bytes(checkpoint.delta, entry, raw, str(path)))

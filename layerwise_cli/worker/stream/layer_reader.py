@@ -39,7 +39,7 @@ class LayerReader:
                  readahead: bool, stats: ReadAheadStats, check_finite: bool, hash_layers: frozenset[str],
                  digests: dict[str, str], skip_layer: Callable[[str, str], bool] | None, skipped: set[str],
                  samples: dict[str, str], may_skip: Callable[[str, dict[str, str]], bool] | None,
-                 copy_threads: int | None, hub: HubStream | None = None) -> None:
+                 copy_threads: int | None, hub: HubStream | None = None, delta=None) -> None:
         self.folder = folder
         self.device = device
         self.readahead = readahead
@@ -51,7 +51,7 @@ class LayerReader:
         self.skipped = skipped
         self.samples = samples
         self.may_skip = may_skip
-        self.reader = ShardReader(folder, hub)
+        self.reader = ShardReader(folder, hub, delta)
         self.cuda = device is not None and device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device=device) if self.cuda else None
         threads = staging_threads() if copy_threads is None else copy_threads

@@ -47,6 +47,7 @@ def open_stream(
     ahead_bytes: int | None = None,
     idle: Callable[[], bool] | None = None,
     hub: HubStream | None = None,
+    delta=None,
 ) -> OpenStream:
     """Start reading STREAM; iterating the result yields (planned tensor, tensor) in stream order.
 
@@ -106,6 +107,8 @@ def open_stream(
             caller waits for the thread (`stats.hashing_done`).
         hub: the source is a pinned Hub commit, read as its bytes arrive (`hub_stream`; FOLDER then only
             names it).
+        delta: a sparse delta FOLDER's base is read through (`Checkpoint.delta`): each tensor is the step's,
+            rebuilt and proved by its digests (`ShardReader`). None: the tensors are FOLDER's.
 
     Returns:
         An `OpenStream` (iterate it once; close it in any case), yielding each planned tensor with its data.
@@ -119,7 +122,7 @@ def open_stream(
                          hash_layers=frozenset(hash_layers), digests=digests if digests is not None else {},
                          skip_layer=skip_layer, skipped=skipped if skipped is not None else set(),
                          samples=samples if samples is not None else {}, may_skip=may_skip,
-                         copy_threads=copy_threads, hub=hub)
+                         copy_threads=copy_threads, hub=hub, delta=delta)
     spare = spare_cpus() if readahead else set()
     # When the reading thread runs beside the engine's cores: one thread on them, which checks half of a layer
     # the engine waits for.

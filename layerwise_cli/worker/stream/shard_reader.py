@@ -29,12 +29,15 @@ class ShardReader:
     """Reads single tensors from a checkpoint's shards, keeping each shard open.
 
     Given a `HubStream`, the shards are a pinned Hub commit's, read as their bytes arrive (`hub_stream`).
+    With a DELTA (`Checkpoint.delta`), FOLDER holds the delta's base and every tensor read is the step's,
+    rebuilt from the base's and proved by its digests (`delta_source.rebuilt_tensor`).
     """
 
-    def __init__(self, folder: Path, hub: HubStream | None = None) -> None:
+    def __init__(self, folder: Path, hub: HubStream | None = None, delta=None) -> None:
         self._folder = folder
         self._hub = hub
         self._handles: dict[str, object] = {}
+        self._delta = delta
 
     def where(self, shard: str) -> str:
         """How messages name SHARD: its path, or `org/model@<commit>/<shard>` for a Hub source."""
@@ -50,7 +53,12 @@ class ShardReader:
         if handle is None:
             path = shard_file(self._folder, shard, str(self._folder))
             handle = self._handles[shard] = safe_open(str(path), framework="pt", device="cpu")
-        return handle.get_tensor(item.entry.name)
+        tensor = handle.get_tensor(item.entry.name)
+        if self._delta is None:
+            return tensor
+        from layerwise_cli.checkpoint.delta_source import rebuilt_tensor
+
+        return rebuilt_tensor(self._delta, item.entry, tensor, str(self._folder / shard))
 
     def release(self, shard: str) -> None:
         """Drop a shard's handle; its file mapping goes once the tensors read from it are freed too."""

@@ -1,0 +1,260 @@
+"""Sparse deltas on a real engine: A + delta(A->B) equals an engine started fresh on B, and back; refusals.
+
+One engine for the module, started on *multiply* (A); B is an RL-like step
+from it (`tests/support/deltas.py`).
+Each reload is proven against an engine started fresh on the full step: every
+tensor's checksum and the answers.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+
+from tests.support.deltas import save_step, write_steps
+from tests.support.engine_support import assert_matches_fresh, engine_state, fresh_state
+from tests.support.in_process import start_here, stop_here
+
+pytestmark = pytest.mark.engine
+
+PROMPTS_PAIRS = [(3, 4), (2, 5), (9, 9), (7, 8), (1, 6), (4, 4), (8, 2), (6, 3), (5, 7), (0, 9)]
+
+
+def prompts() -> list[str]:
+    from layerwise_cli.demo import demo_prompt
+
+    return [demo_prompt(a, b) for a, b in PROMPTS_PAIRS]
+
+
+@pytest.fixture(scope="module")
+def steps(demo_models, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("delta")
+    steps = write_steps(root, demo_models)
+    a = steps.pop("tensors")
+    nan = dict(a)
+    nan["lm_head.weight"] = a["lm_head.weight"].clone()
+    nan["lm_head.weight"][0, 0] = float("nan")
+    with_nan = save_step(nan, root / "nan_delta", demo_models["multiply"], base=steps["A"], allow_nonfinite=True)
+    assert with_nan.delta is not None
+    # A back to A against delta(A->B): a chain, rebuilt from A through both patches.
+    chained = save_step(a, root / "chained", demo_models["multiply"], base=steps["AB"])
+    assert chained.delta is not None, chained.fallback
+    # C: B with only its mlp tensors moved again, against delta(A->B): a chain whose other layers the engine
+    # holding B keeps (they changed in the first link only).
+    from safetensors.torch import load_file
+
+    from tests.support.deltas import rl_step
+
+    b = {}
+    for shard in sorted(steps["B"].glob("*.safetensors")):
+        b.update(load_file(shard))
+    c = {name: rl_step(t, 0.05, 99) if ".mlp." in name else t for name, t in b.items()}
+    assert save_step(c, root / "c_chained", demo_models["multiply"], base=steps["AB"]).delta is not None
+    return {**steps, "NaN": root / "nan_delta", "chained": root / "chained", "C": root / "c_chained", "root": root}
+
+
+@pytest.fixture(scope="module")
+def llm(steps):
+    from layerwise_cli.client.local import EngineOptions
+
+    engine = start_here(str(steps["A"]), EngineOptions(max_model_len=64))
+    yield engine
+    stop_here(engine)
+
+
+def _reload(llm, source: Path, **kwargs):
+    from layerwise_cli.client.local import reload
+
+    return reload(llm, str(source), **kwargs)
+
+
+def _handed_over(report) -> set[str]:
+    return {layer.name for layer in report.layers if not layer.skipped}
+
+
+def _patched_layers(report, delta_dir: Path) -> set[str]:
+    """The engine layers holding a tensor the delta patches (the demo model's names: checkpoint = engine)."""
+    from layerwise_cli.checkpoint.delta import read_delta
+
+    patched = read_delta(delta_dir).patches
+    names = {layer.name for layer in report.layers}
+    found = set()
+    for tensor in patched:
+        module = tensor.rsplit(".", 1)[0]
+        for fused, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj"))):
+            for part in parts:
+                module = module.replace(f".{part}", f".{fused}") if module.endswith(part) else module
+        assert module in names, module
+        found.add(module)
+    return found
+
+
+def _assert_holds(llm, checkpoint: Path) -> None:
+    """Every tensor of the engine byte-equal to an engine started fresh on CHECKPOINT, and its answers."""
+    assert engine_state(llm)["checksums"] == fresh_state(checkpoint, prompts())
+    assert_matches_fresh(llm, checkpoint, prompts())
+
+
+def test_an_engine_without_records_is_refused_and_keeps_its_weights(llm, steps):
+    from layerwise_cli.errors import LayerwiseError
+
+    with pytest.raises(LayerwiseError) as info:
+        _reload(llm, steps["AB"])
+    message = str(info.value)
+    assert "needs the engine to hold its base" in message and "no layerwise record" in message
+    assert "\n" not in message and "rolled back" not in message
+    _assert_holds(llm, steps["A"])
+
+
+def test_deltas_both_ways_equal_fresh_engines_a_b_a_b(llm, steps):
+    _reload(llm, steps["A"], all_layers=True)  # the engine's records now say A
+    to_b = _reload(llm, steps["AB"])
+    _assert_holds(llm, steps["B"])
+    # The layers the delta patches are rebuilt and handed over; a layer it leaves as the base had it (a small
+    # norm none of whose values moved) is skipped from the step's digests, after its spot check.
+    assert _handed_over(to_b) == _patched_layers(to_b, steps["AB"]) != set()
+    assert to_b.unchanged.spot_checked_layers == to_b.unchanged.skipped_layers
+    to_a = _reload(llm, steps["BA"])
+    assert _handed_over(to_a) == _patched_layers(to_a, steps["BA"])
+    _assert_holds(llm, steps["A"])
+    # --verify proves the engine against the full step the delta rebuilds.
+    verified = _reload(llm, steps["AB"], verify=True)
+    assert verified.verify is not None and verified.verify.ok, verified.verify
+    _assert_holds(llm, steps["B"])
+    # The records say the full step B: its full checkpoint is skipped whole, from its header digests.
+    again = _reload(llm, steps["B"])
+    assert again.unchanged.skipped_layers == len(again.layers) and again.volume.read_bytes == 0
+    # Deltas whose base is a delta: the engine holds their base (B). C: the layers only the first link changed
+    # are skipped, their spot check sampling the bytes the chain rebuilds (not A's files, which differ).
+    to_c = _reload(llm, steps["C"], verify=True)
+    assert to_c.verify.ok and to_c.unchanged.skipped_layers > 0 and to_c.unchanged.stale_header_digests == ()
+    assert all(".mlp." in name for name in _handed_over(to_c))
+    _reload(llm, steps["B"], all_layers=True)
+    # A, rebuilt from A's files through both links.
+    _reload(llm, steps["chained"], verify=True)
+    _assert_holds(llm, steps["A"])
+
+
+def test_the_wrong_base_is_refused_at_preflight(llm, steps):
+    from layerwise_cli.errors import LayerwiseError
+
+    _reload(llm, steps["B"], all_layers=True)
+    with pytest.raises(LayerwiseError) as info:
+        _reload(llm, steps["AB"])  # needs A; the engine holds B
+    message = str(info.value)
+    assert f"needs the engine to hold its base {steps['A']}" in message and "holds other weights" in message
+    assert "rolled back" not in message
+    # A fleet pre-flights every server first (`layerwise_preflight`): the same refusal, before any pause.
+    answer = llm.collective_rpc("layerwise_preflight", args=(str(steps["AB"]),))[0]
+    assert not answer["ok"] and "holds other weights" in answer["error"]
+    assert llm.collective_rpc("layerwise_preflight", args=(str(steps["BA"]),))[0]["ok"]
+    _assert_holds(llm, steps["B"])
+
+
+def _corrupt_copy(steps, name: str, edit) -> Path:
+    out = steps["root"] / name
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(steps["AB"], out)
+    path = out / "delta.safetensors"
+    blob = path.read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header, data = json.loads(blob[8:8 + n]), bytearray(blob[8 + n:])
+    edit(header, data)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(data))
+    return out
+
+
+def test_a_corrupt_delta_is_refused_and_the_engine_keeps_its_weights(llm, steps):
+    from layerwise_cli.errors import LayerwiseError
+
+    _reload(llm, steps["A"], all_layers=True)
+
+    def out_of_range(header, data):
+        meta = json.loads(header["__metadata__"]["layerwise.delta"])
+        name = next(n for n, spec in meta["tensors"].items() if spec["kind"] == "index")
+        end = header[name + "::positions"]["data_offsets"][1]
+        data[end - 4:end] = struct.pack("<i", 2**31 - 1)
+
+    bad = _corrupt_copy(steps, "out_of_range", out_of_range)
+    with pytest.raises(LayerwiseError) as info:
+        _reload(llm, bad)
+    assert "2147483647 is out of range" in str(info.value) and str(bad) in str(info.value)
+    assert "rolled back" not in str(info.value)
+    truncated = steps["root"] / "truncated"
+    shutil.copytree(steps["AB"], truncated)
+    path = truncated / "delta.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(LayerwiseError, match="truncated"):
+        _reload(llm, truncated)
+    _assert_holds(llm, steps["A"])
+
+
+def test_nan_in_the_new_values_is_refused(llm, steps):
+    from layerwise_cli.errors import LayerwiseError
+
+    _reload(llm, steps["A"], all_layers=True)
+    with pytest.raises(LayerwiseError) as info:
+        _reload(llm, steps["NaN"])
+    assert "lm_head.weight" in str(info.value) and "1 NaN" in str(info.value)
+    assert "rolled back" not in str(info.value)
+    _assert_holds(llm, steps["A"])
+
+
+def test_a_base_changed_on_disk_is_caught_by_its_digests(llm, steps):
+    from layerwise_cli.errors import LayerwiseError
+
+    _reload(llm, steps["A"], all_layers=True)
+    moved = steps["root"] / "moved"
+    shutil.copytree(steps["root"], moved, ignore=shutil.ignore_patterns("moved"))
+    base = moved / "step_1"
+    shard = sorted(base.glob("*.safetensors"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[-2] ^= 0x01  # its bytes change, its header digest does not
+    shard.write_bytes(bytes(data))
+    # The delta names step_1 by its absolute path, which still exists: point it at the damaged copy.
+    delta = moved / "step_2"
+    shutil.rmtree(steps["root"] / "moved" / "b_full")
+
+    def rebase(header, blob):
+        meta = json.loads(header["__metadata__"]["layerwise.delta"])
+        meta["base"]["location"] = str(base)
+        header["__metadata__"]["layerwise.delta"] = json.dumps(meta)
+
+    rebased = _corrupt_copy({"root": moved, "AB": delta}, "rebased", rebase)
+    with pytest.raises(LayerwiseError) as info:
+        _reload(llm, rebased)
+    assert "is not the delta's base" in str(info.value) or "not what layer" in str(info.value)
+    _assert_holds(llm, steps["A"])
+
+
+def test_a_value_that_does_not_rebuild_the_step_rolls_back_to_the_exact_step_held(llm, steps):
+    """A delta whose stored value was altered: caught by the step's digest mid-stream, rolled back.
+
+    The engine held B through a delta (what it holds is that delta): the rollback rebuilds B from A plus the
+    patch, whatever the engine holds by then, proved by the same digests.
+    """
+    from layerwise_cli.errors import LayerwiseError
+
+    _reload(llm, steps["A"], all_layers=True)
+    _reload(llm, steps["AB"])
+
+    def alter_a_value(header, data):
+        meta = json.loads(header["__metadata__"]["layerwise.delta"])
+        name = sorted(n for n, spec in meta["tensors"].items() if spec["kind"] == "index")[-1]
+        begin = header[name + "::values"]["data_offsets"][0]
+        data[begin] ^= 0x01  # the lowest mantissa bit of the first new value: still finite
+
+    bad = _corrupt_copy({"root": steps["root"], "AB": steps["BA"]}, "altered", alter_a_value)
+    with pytest.raises(LayerwiseError) as info:
+        _reload(llm, bad)
+    message = str(info.value)
+    assert "do not hash to the step's digest" in message and "rolled back" in message
+    _assert_holds(llm, steps["B"])
+

@@ -1,0 +1,391 @@
+"""Sparse delta checkpoints: the format, its validation, and the two producers (save_checkpoint(base=), write_delta)."""
+
+from __future__ import annotations
+
+import json
+import struct
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from layerwise_cli import save_checkpoint
+from layerwise_cli.checkpoint.delta import (
+    BITMAP,
+    DELTA_FILE,
+    INDEX,
+    WHOLE,
+    delta_file,
+    read_delta,
+)
+from layerwise_cli.checkpoint.delta_encode import encode_patch
+from layerwise_cli.checkpoint.digests import checkpoint_digests, tensor_digest
+from layerwise_cli.checkpoint.sources import open_checkpoint
+from layerwise_cli.cli.app import app
+from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.writer.write_delta import write_delta
+
+DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}
+
+
+def raw(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def changed_copy(tensor: torch.Tensor, fraction: float, seed: int) -> torch.Tensor:
+    """TENSOR with about FRACTION of its values moved to a neighbouring representable value."""
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(tensor.shape, generator=gen) < fraction
+    bumped = torch.nextafter(tensor.float(), torch.full_like(tensor.float(), 10.0)).to(tensor.dtype)
+    bumped = torch.where(bumped == tensor, tensor + 1, bumped)
+    return torch.where(mask, bumped, tensor)
+
+
+def tensors_of(directory: Path) -> dict[str, np.ndarray]:
+    checkpoint = open_checkpoint(str(directory))
+    out = {}
+    for shard in checkpoint.shards:
+        data = (directory / shard.name).read_bytes()
+        for t in shard.tensors:
+            out[t.name] = np.frombuffer(data, dtype=np.uint8)[shard.data_start + t.begin:shard.data_start + t.end]
+    return out
+
+
+def rebuilt(delta_dir: Path, base_dir: Path) -> dict[str, np.ndarray]:
+    """Every tensor of the step, from the base's bytes and the delta (as a reload rebuilds them)."""
+    delta = read_delta(delta_dir)
+    return {name: np.asarray(delta.apply(name, data)) for name, data in tensors_of(base_dir).items()}
+
+
+def model(dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "model.embed_tokens.weight": torch.randn(64, 32, generator=gen).to(dtype),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(32, 48, generator=gen).to(dtype),
+        "model.layers.0.input_layernorm.weight": torch.randn(32, generator=gen).to(dtype),
+        "model.layers.1.mlp.down_proj.weight": torch.randn(32, 48, generator=gen).to(dtype),
+    }
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(dtype=st.sampled_from(sorted(DTYPES)), fraction=st.sampled_from([0.0, 0.005, 0.03, 0.1, 0.4, 0.9]),
+       seed=st.integers(0, 2**16), rows=st.integers(1, 40), cols=st.integers(1, 70))
+def test_base_plus_delta_is_the_new_step_bit_for_bit(dtype, fraction, seed, rows, cols):
+    torch_dtype = DTYPES[dtype]
+    gen = torch.Generator().manual_seed(seed)
+    base = {"a.weight": torch.randn(rows, cols, generator=gen).to(torch_dtype),
+            "b.weight": torch.randn(cols, generator=gen).to(torch_dtype),
+            "c.weight": (torch.randn(rows * cols + 5, generator=gen) * 1e3).to(torch_dtype)}
+    new = {name: changed_copy(t, fraction, seed + i) for i, (name, t) in enumerate(base.items())}
+    new["b.weight"] = base["b.weight"].clone()  # one tensor unchanged
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        save_checkpoint(base.items(), root / "step_1")
+        saved = save_checkpoint(new.items(), root / "step_2", base=root / "step_1", marker=None)
+        if saved.delta is None:
+            # Full step written instead: only when a delta would not be smaller.
+            assert "not be smaller" in saved.fallback
+            got = tensors_of(root / "step_2")
+        else:
+            got = rebuilt(root / "step_2", root / "step_1")
+            delta = read_delta(root / "step_2")
+            assert set(delta.patches) <= {"a.weight", "c.weight"}
+            for name, t in new.items():
+                assert delta.step_digests[name] == tensor_digest(dtype, tuple(t.shape), raw(t))
+                assert delta.base_digests[name] == tensor_digest(dtype, tuple(t.shape), raw(base[name]))
+        for name, t in new.items():
+            assert np.array_equal(got[name], raw(t)), name
+
+
+def test_each_tensor_takes_the_smallest_layout():
+    base = torch.randn(4096).to(torch.bfloat16)
+    kinds = {}
+    for fraction in (0.01, 0.1, 0.8):
+        new = changed_copy(base, fraction, 1)
+        encoded = encode_patch("w", "BF16", (4096,), raw(base), raw(new))
+        kinds[fraction] = encoded.patch.kind
+        changed = int((raw(new).view(np.uint16) != raw(base).view(np.uint16)).sum())
+        assert encoded.patch.changed == (4096 if encoded.patch.kind == WHOLE else changed)
+    assert kinds == {0.01: INDEX, 0.1: BITMAP, 0.8: WHOLE}
+    assert encode_patch("w", "BF16", (4096,), raw(base), raw(base.clone())) is None
+
+
+def test_a_sign_flip_of_zero_is_a_change():
+    base = torch.zeros(100, dtype=torch.float32)
+    new = base.clone()
+    new[3] = -0.0
+    encoded = encode_patch("w", "F32", (100,), raw(base), raw(new))
+    assert encoded is not None and encoded.patch.changed == 1
+
+
+@pytest.fixture
+def steps(tmp_path):
+    """A base step and a delta against it (1% of each tensor changed: index positions)."""
+    base = model(torch.bfloat16)
+    new = {name: changed_copy(t, 0.01 if t.numel() > 100 else 0.2, 7) for name, t in base.items()}
+    save_checkpoint(base.items(), tmp_path / "step_1")
+    saved = save_checkpoint(new.items(), tmp_path / "step_2", base=tmp_path / "step_1")
+    assert saved.delta is not None, saved.fallback
+    return tmp_path / "step_1", tmp_path / "step_2", new
+
+
+def test_save_with_a_base_writes_a_small_delta_with_both_steps_digests(steps):
+    base_dir, delta_dir, new = steps
+    assert sorted(p.name for p in delta_dir.iterdir()) == ["STABLE", DELTA_FILE]
+    assert delta_file(delta_dir) == delta_dir / DELTA_FILE
+    assert delta_file(base_dir) is None
+    delta = read_delta(delta_dir)
+    assert delta.base_location == str(base_dir.absolute())
+    assert delta.base_digests == checkpoint_digests(open_checkpoint(str(base_dir)).shards)
+    assert set(delta.step_digests) == set(new)
+    full = sum(t.numel() * t.element_size() for t in new.values())
+    assert (delta_dir / DELTA_FILE).stat().st_size < 0.5 * full
+    delta.validate()
+
+
+def test_save_falls_back_to_a_full_step_when_the_base_cannot_serve(tmp_path):
+    base = model(torch.bfloat16)
+    save_checkpoint(base.items(), tmp_path / "step_1")
+    reshaped = {**base, "model.layers.0.input_layernorm.weight": torch.ones(33, dtype=torch.bfloat16)}
+    cases = {
+        "missing": (base, tmp_path / "nowhere", "does not exist"),
+        "reshaped": (reshaped, tmp_path / "step_1", "the base's"),
+        "all changed": ({n: t + 1 for n, t in base.items()}, tmp_path / "step_1", "not be smaller"),
+    }
+    for i, (tensors, against, why) in enumerate(cases.values()):
+        saved = save_checkpoint(tensors.items(), tmp_path / f"out_{i}", base=against)
+        assert saved.delta is None and why in saved.fallback
+        assert not (tmp_path / f"out_{i}" / DELTA_FILE).exists()
+        assert checkpoint_digests(open_checkpoint(str(tmp_path / f"out_{i}")).shards) is not None
+
+
+def test_a_base_whose_header_digest_lies_is_not_proved(tmp_path):
+    base = model(torch.float32)
+    save_checkpoint(base.items(), tmp_path / "step_1")
+    shard = next((tmp_path / "step_1").glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01  # the last tensor's bytes change, its header digest does not
+    shard.write_bytes(bytes(data))
+    saved = save_checkpoint(model(torch.float32).items(), tmp_path / "step_2", base=tmp_path / "step_1")
+    assert saved.delta is None and "cannot be proved" in saved.fallback
+
+
+def test_a_delta_against_a_delta_rebuilds_through_the_chain(steps, tmp_path):
+    from layerwise_cli.checkpoint.delta_source import open_step
+    from layerwise_cli.writer.delta_writer import ShardBytes
+
+    base_dir, delta_dir, new = steps
+    third = {name: changed_copy(t, 0.02, 11) for name, t in new.items()}
+    saved = save_checkpoint(third.items(), tmp_path / "step_3", base=delta_dir)
+    assert saved.delta is not None and saved.delta.base == str(delta_dir.absolute())
+    step = open_step(str(tmp_path / "step_3"))
+    assert [link.path.parent for link in step.delta.links] == [delta_dir, tmp_path / "step_3"]
+    assert step.local_dir == base_dir  # read from the full step at the chain's start
+    reader = ShardBytes(step)
+    for entry in step.tensors:
+        assert np.array_equal(np.asarray(reader.of(entry)), raw(third[entry.name])), entry.name
+    # From full checkpoints, against the delta: the same delta file.
+    save_checkpoint(third.items(), tmp_path / "full_3")
+    again = write_delta(delta_dir, tmp_path / "full_3", tmp_path / "cli_3")
+    assert (tmp_path / "cli_3" / DELTA_FILE).read_bytes() == (tmp_path / "step_3" / DELTA_FILE).read_bytes()
+    assert again.delta is not None
+
+
+def test_a_chain_that_loops_is_refused(steps, tmp_path):
+    from layerwise_cli.checkpoint.delta_source import open_step
+
+    _, delta_dir, new = steps
+    save_checkpoint({n: changed_copy(t, 0.02, 11) for n, t in new.items()}.items(), tmp_path / "step_3",
+                    base=delta_dir)
+
+    def point_at_step_3(header, data):
+        meta = json.loads(header["__metadata__"]["layerwise.delta"])
+        meta["base"]["location"] = str(tmp_path / "step_3")
+        header["__metadata__"]["layerwise.delta"] = json.dumps(meta)
+
+    corrupt(delta_dir, point_at_step_3)
+    with pytest.raises(LayerwiseError, match="a loop"):
+        open_step(str(tmp_path / "step_3"))
+
+
+def corrupt(delta_dir: Path, edit) -> Path:
+    """Apply EDIT(header dict, data bytearray) to the delta file and write it back."""
+    path = delta_dir / DELTA_FILE
+    blob = path.read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8:8 + n])
+    data = bytearray(blob[8 + n:])
+    edit(header, data)
+    raw_header = json.dumps(header).encode()
+    raw_header += b" " * (-len(raw_header) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw_header)) + raw_header + bytes(data))
+    return path
+
+
+def index_entry(header: dict) -> tuple[str, dict]:
+    meta = json.loads(header["__metadata__"]["layerwise.delta"])
+    name = next(n for n, spec in meta["tensors"].items() if spec["kind"] == INDEX)
+    return name, header[name + "::positions"]
+
+
+def test_a_position_out_of_range_is_refused_naming_file_and_tensor(steps):
+    _, delta_dir, _ = steps
+
+    def out_of_range(header, data):
+        _, entry = index_entry(header)
+        end = entry["data_offsets"][1]
+        data[end - 4:end] = struct.pack("<i", 10**9)
+
+    path = corrupt(delta_dir, out_of_range)
+    delta = read_delta(delta_dir)
+    name, _ = index_entry(json.loads(path.read_bytes()[8:8 + struct.unpack("<Q", path.read_bytes()[:8])[0]]))
+    with pytest.raises(LayerwiseError) as err:
+        delta.validate()
+    message = str(err.value)
+    assert str(path) in message and name in message and "1000000000 is out of range" in message
+    assert "\n" not in message
+
+
+def test_positions_out_of_order_are_refused(steps):
+    _, delta_dir, _ = steps
+
+    def swap(header, data):
+        _, entry = index_entry(header)
+        begin = entry["data_offsets"][0]
+        data[begin:begin + 8] = data[begin + 4:begin + 8] + data[begin:begin + 4]
+
+    corrupt(delta_dir, swap)
+    with pytest.raises(LayerwiseError, match="not strictly increasing"):
+        read_delta(delta_dir).validate()
+
+
+def test_a_truncated_delta_is_refused_naming_the_file(steps):
+    _, delta_dir, _ = steps
+    path = delta_dir / DELTA_FILE
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(LayerwiseError) as err:
+        read_delta(delta_dir)
+    assert str(path) in str(err.value) and "truncated" in str(err.value)
+
+
+def test_metadata_that_does_not_match_the_entries_is_refused(steps):
+    _, delta_dir, _ = steps
+
+    def drop_values(header, data):
+        name, _ = index_entry(header)
+        entry = header.pop(name + "::values")
+        begin, end = entry["data_offsets"]
+        # keep the data section tiled: the bytes go, and every later entry moves down
+        del data[begin:end]
+        for key, value in header.items():
+            if key != "__metadata__" and value["data_offsets"][0] >= end:
+                value["data_offsets"] = [o - (end - begin) for o in value["data_offsets"]]
+
+    corrupt(delta_dir, drop_values)
+    with pytest.raises(LayerwiseError, match=r"::values is missing"):
+        read_delta(delta_dir)
+
+
+def test_write_delta_from_two_full_steps_equals_save_with_a_base(tmp_path, steps):
+    base_dir, delta_dir, new = steps
+    save_checkpoint(new.items(), tmp_path / "full_2")
+    result = write_delta(base_dir, tmp_path / "full_2", tmp_path / "cli_2")
+    assert result.delta is not None
+    assert (tmp_path / "cli_2" / DELTA_FILE).read_bytes() == (delta_dir / DELTA_FILE).read_bytes()
+    for name, data in rebuilt(tmp_path / "cli_2", base_dir).items():
+        assert np.array_equal(data, raw(new[name]))
+
+
+def test_delta_command(tmp_path, steps):
+    base_dir, _, new = steps
+    save_checkpoint(new.items(), tmp_path / "full_2", config={"architectures": ["Qwen3ForCausalLM"]})
+    runner = CliRunner()
+    result = runner.invoke(app, ["delta", str(base_dir), str(tmp_path / "full_2"), str(tmp_path / "d"), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["kind"] == "delta" and data["bytes"] < data["full_bytes"] and data["patched_tensors"] == 4
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["STABLE", "config.json", DELTA_FILE]
+    again = runner.invoke(app, ["delta", str(base_dir), str(tmp_path / "full_2"), str(tmp_path / "d")])
+    assert again.exit_code == 1 and "exists and is not empty" in again.stderr
+    shown = runner.invoke(app, ["delta", str(base_dir), str(tmp_path / "full_2"), str(tmp_path / "d"), "--force"])
+    assert shown.exit_code == 0 and "changed" in shown.stdout
+    full = runner.invoke(app, ["delta", str(tmp_path / "nowhere"), str(tmp_path / "full_2"), str(tmp_path / "f"),
+                               "--json"])
+    data = json.loads(full.stdout)
+    assert data["kind"] == "full" and "does not exist" in data["fallback"]
+    assert (tmp_path / "f" / "model.safetensors.index.json").exists()
+
+
+def test_inspect_order_describes_a_delta(steps, tmp_path):
+    base_dir, delta_dir, new = steps
+    runner = CliRunner()
+    shown = runner.invoke(app, ["inspect-order", str(delta_dir), "--json"])
+    assert shown.exit_code == 0, shown.output
+    data = json.loads(shown.stdout)
+    view = data["delta"]
+    delta = read_delta(delta_dir)
+    assert view["base"] == str(base_dir.absolute()) and view["file_bytes"] == (delta_dir / DELTA_FILE).stat().st_size
+    assert view["changed_values"] == delta.changed_values
+    assert view["values"] == sum(t.numel() for t in new.values())
+    changed = {row["name"] for row in view["layers"] if row["patched_tensors"]}
+    layer_bytes = {row["name"]: row["bytes"] for row in view["layers"]}
+    assert view["reload_reads"] == delta.header.nbytes + sum(layer_bytes[name] for name in changed)
+    # The step is described in its base's layout, with the step's digests.
+    assert data["header_digests"]["tensors"] == dict(delta.step_digests)
+    assert data["total_bytes"] == sum(t.numel() * t.element_size() for t in new.values())
+    table = runner.invoke(app, ["inspect-order", str(delta_dir)])
+    assert table.exit_code == 0 and "a reload reads" in table.stdout
+    assert "Changed values per parent layer" in table.stdout
+    full = json.loads(runner.invoke(app, ["inspect-order", str(base_dir), "--json"]).stdout)
+    assert full["delta"] is None
+
+
+def test_inspect_order_scan_checks_a_delta_s_positions(steps):
+    _, delta_dir, _ = steps
+
+    def out_of_range(header, data):
+        _, entry = index_entry(header)
+        end = entry["data_offsets"][1]
+        data[end - 4:end] = struct.pack("<i", 10**9)
+
+    corrupt(delta_dir, out_of_range)
+    runner = CliRunner()
+    assert runner.invoke(app, ["inspect-order", str(delta_dir)]).exit_code == 0  # headers only
+    scanned = runner.invoke(app, ["inspect-order", str(delta_dir), "--scan"])
+    assert scanned.exit_code == 1 and "out of range" in scanned.stderr
+
+
+def test_watch_keep_never_deletes_the_base_of_a_delta_that_stays(tmp_path):
+    from layerwise_cli.checkpoint.steps import list_steps, steps_to_delete
+
+    base = model(torch.bfloat16)
+    run = tmp_path / "run"
+    save_checkpoint(base.items(), run / "step_1")
+    save_checkpoint(base.items(), run / "step_2")
+    previous = base
+    for number in (3, 4, 5):  # step_3 against step_2, step_4 against step_3 (a chain), step_5 in full
+        step = {n: changed_copy(t, 0.01, number) for n, t in previous.items()}
+        saved = save_checkpoint(step.items(), run / f"step_{number}", base=run / f"step_{number - 1}"
+                                if number < 5 else None)
+        assert (saved.delta is not None) == (number < 5)
+        previous = step
+    steps = list_steps(run)
+    held = steps[-1]
+    # Keeping the newest 2 (step_4, step_5): step_4 needs step_3, which needs step_2; step_1 alone goes.
+    assert [s.name for s in steps_to_delete(steps, 2, held, set())] == ["step_1"]
+    assert [s.name for s in steps_to_delete(steps, 1, held, set())] == ["step_1", "step_2", "step_3", "step_4"]
+
+
+def test_the_rl_step_benchmark_measures_more_change_at_higher_learning_rates():
+    from benchmarks.bench_rl_steps import measure
+
+    rows = [measure(lr, 1 << 16, warmup=5) for lr in (1e-6, 1e-5, 1e-3)]
+    fractions = [row["changed_fraction"] for row in rows]
+    assert 0 < fractions[0] < fractions[1] < fractions[2]
+    assert rows[0]["delta_over_full"] < rows[1]["delta_over_full"] <= 1.0
+    assert rows[2]["layout"] == "whole"  # at 1e-3 nearly every value moves
