@@ -60,7 +60,7 @@ def verify_against_source(model, source: str, revision: str | None, model_config
     # A delta is read from its base's files, through its patch.
     folder = checkpoint.local_dir if checkpoint.delta is not None else local if local.is_dir() else local.parent
     modules = dict(model.named_modules())
-    reader = ShardReader(folder, checkpoint.delta)
+    reader = ShardReader(folder, delta=checkpoint.delta)
     layers: list[dict] = []
     # Modules SOURCE does not name whose weights are another layer's (a tied head), and the
     # private copies of those layers loaded from SOURCE, kept only for them.

@@ -76,7 +76,7 @@ def stream_reload(worker, source: str, options: ReloadOptions | None = None, *,
         # The reading thread starts now: the first layers are read while vLLM prepares its reload.
         opened = open_source(run)
         # SOURCE's tensors again, for the layers loaded after vLLM's reload and for the repairs.
-        reader = ShardReader(run.folder, run.hub, run.planned.checkpoint.delta)
+        reader = ShardReader(run.folder, hub=run.hub, delta=run.planned.checkpoint.delta)
         failed = True
         try:
             try:

@@ -51,7 +51,7 @@ class LayerReader:
         self.skipped = skipped
         self.samples = samples
         self.may_skip = may_skip
-        self.reader = ShardReader(folder, hub, delta)
+        self.reader = ShardReader(folder, hub=hub, delta=delta)
         self.cuda = device is not None and device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device=device) if self.cuda else None
         threads = staging_threads() if copy_threads is None else copy_threads

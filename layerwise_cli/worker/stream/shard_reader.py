@@ -33,7 +33,7 @@ class ShardReader:
     rebuilt from the base's and proved by its digests (`delta_source.rebuilt_tensor`).
     """
 
-    def __init__(self, folder: Path, hub: HubStream | None = None, delta=None) -> None:
+    def __init__(self, folder: Path, *, hub: HubStream | None = None, delta=None) -> None:
         self._folder = folder
         self._hub = hub
         self._handles: dict[str, object] = {}
