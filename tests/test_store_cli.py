@@ -75,3 +75,22 @@ def test_store_failures_are_one_line_naming_the_object(store_env, sharded, monke
     lines = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
     assert len(lines) == 1 and lines[0].startswith(f"Error: {message}"), result.stderr
     assert SECRET_KEY not in result.output and "wrong-secret" not in result.output
+
+
+def test_inspect_order_reads_an_https_folder_with_a_private_certificate_authority(sharded, monkeypatch) -> None:
+    from tests.support.https_server import HttpsFolder
+
+    _url, folder = sharded
+    with HttpsFolder(folder) as server:
+        monkeypatch.setenv("SSL_CERT_FILE", str(server.ca_file))
+        remote = inspect(server.url + "/")
+        assert remote.exit_code == 0, remote.output
+        got, want = json.loads(remote.stdout), json.loads(inspect(str(folder)).stdout)
+        assert got["tensors"] == want["tensors"] and got["layers"] == want["layers"]
+        # Headers only: far less than the weights were sent.
+        weights = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+        assert 0 < sum(n for name, n in server.sent.items() if name.endswith(".safetensors")) < weights / 20
+        # Not trusted without the authority: one line naming the object.
+        monkeypatch.delenv("SSL_CERT_FILE")
+        refused = inspect(server.url + "/")
+        assert refused.exit_code == 1 and refused.stderr.count("Error:") == 1, refused.output

@@ -234,13 +234,15 @@ def _open_hub(repo_id: str, revision: str | None) -> Checkpoint:
 
 def _open_store(url: str, revision: str | None) -> Checkpoint:
     """Read a URL source's headers by range, each object pinned to its ETag (or to REVISION, a pin read before)."""
+    from layerwise_cli.checkpoint.hub_http import FetchPolicy
     from layerwise_cli.checkpoint.store import StoreSource
     from layerwise_cli.checkpoint.store_headers import PIN_PREFIX, read_store_headers
 
     if revision and not revision.startswith(PIN_PREFIX):
         raise LayerwiseError("--revision applies to Hub repo ids only (a URL source is pinned to its objects' "
                              "ETags)", where=display_url(url))
-    found = read_store_headers(StoreSource(url), revision)
+    # Headers are read in pre-flight, before anything is paused: a few quick retries, not a fetch's patience.
+    found = read_store_headers(StoreSource(url, policy=FetchPolicy(stall_s=30.0, retries=2, backoff_s=0.5)), revision)
     return Checkpoint(url, "store", found.shards, found.config, None, found.pin, found.header_bytes_read,
                       found.index, pinned=found.pinned)
 

@@ -72,7 +72,7 @@ class StoreSource:
         self.url, self.policy = url, policy or FetchPolicy()
         self.shown = display_url(url)
         self.pinned = dict(pinned or {})
-        self.store = open_store(url, self.policy)
+        self.store = open_store(url.rstrip("/"), self.policy)
 
     # RangeSource.
 

@@ -104,7 +104,7 @@ class SeaweedS3:
                 return
             except Exception:  # noqa: BLE001 - not up yet (refused, bucket not made yet)
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"weed's S3 gateway did not answer in {timeout:g} s: {self.log_tail()}")
+                    raise RuntimeError(f"weed's S3 gateway: no answer in {timeout:g} s: {self.log_tail()}") from None
                 time.sleep(0.5)
 
     def log_tail(self, n: int = 2000) -> str:
