@@ -94,3 +94,26 @@ def test_inspect_order_reads_an_https_folder_with_a_private_certificate_authorit
         monkeypatch.delenv("SSL_CERT_FILE")
         refused = inspect(server.url + "/")
         assert refused.exit_code == 1 and refused.stderr.count("Error:") == 1, refused.output
+
+
+def test_a_dropped_connection_resumes_and_every_byte_arrives_once(store_env, sharded, monkeypatch) -> None:
+    from layerwise_cli.checkpoint.hub_fetch import RangeFetcher, whole_files
+    from layerwise_cli.checkpoint.store import StoreSource
+    from tests.support.drop_proxy import DropProxy
+
+    url, folder = sharded
+    shard = sorted(folder.glob("*.safetensors"))[-1]
+    proxy = DropProxy(store_env.port, cut_after=shard.stat().st_size // 3, drops=2)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+        # One connection, one part: each drop cuts the body of the one request in flight.
+        with RangeFetcher(StoreSource(url), whole_files({shard.name: shard.stat().st_size}), connections=1,
+                          part_bytes=shard.stat().st_size, keep=False) as fetcher:
+            fetcher.check()
+            got = fetcher.read(shard.name, 0, shard.stat().st_size)
+            fetched = fetcher.bytes_fetched
+    finally:
+        proxy.close()
+    assert proxy.dropped >= 1
+    assert got == shard.read_bytes()
+    assert fetched == shard.stat().st_size  # resumed at the last byte received: none fetched twice

@@ -3,7 +3,7 @@
 One engine in this process, started on a local step A (the Qwen3-shaped checkpoint of `test_hub_stream_engine`),
 reloads with the Python API:
 
-- B from `s3://ckpts/run/B`: equal to an engine started fresh on B (every tensor, and answers);
+- B from `s3://ckpts/run/B`, with `verify`: equal to an engine started fresh on B (every tensor, and answers);
 - A from S3 while the trainer overwrites a shard of it in the middle of the fetch: refused, naming the object,
   and the engine keeps B;
 - a missing key, a missing bucket, wrong credentials: one line each, no credential in it, the engine keeps B;
@@ -68,7 +68,9 @@ def assert_is_fresh(llm, checkpoint: Path) -> None:
 def test_a_step_in_s3_streams_into_the_engine_equal_to_a_fresh_one(engine, s3, ckpts) -> None:
     import layerwise_cli
 
-    report = layerwise_cli.reload(engine, f"s3://{BUCKET}/run/B")
+    # With verify: every layer of the engine is compared with B, read by range from the store at its pin.
+    report = layerwise_cli.reload(engine, f"s3://{BUCKET}/run/B", verify=True)
+    assert report.verify is not None and report.verify.ok and report.verify.checked > 0
     weights = sum(p.stat().st_size for p in ckpts["B"].glob("*.safetensors"))
     assert report.volume.fetched_bytes is not None and report.volume.bytes <= report.volume.fetched_bytes <= weights
     assert_is_fresh(engine, ckpts["B"])
