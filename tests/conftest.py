@@ -30,6 +30,8 @@ HEAVY_FILES = {
     "test_moe_engine.py": 39,
     # Measured alone on 2026-12-04 (two servers started twice): 260 s.
     "test_hub_fleet_server.py": 260,
+    # Measured alone on 2026-12-05: an engine and two fresh ones (S3 and HTTPS); one server.
+    "test_store_engine.py": 200, "test_store_server.py": 40,
 }
 
 

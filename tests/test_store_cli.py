@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from layerwise_cli.cli.app import app
 from tests.support.seaweed import BUCKET, SECRET_KEY, SeaweedS3, weed_binary
+from tests.support.server_support import free_port
 from tests.support.synthetic import SyntheticModel, write_checkpoint
 
 DENSE = SyntheticModel(layers=3, hidden=128, intermediate=256, vocab=256)
@@ -65,6 +66,8 @@ def test_inspect_order_reads_an_s3_prefix_like_the_local_folder(store_env, shard
     ("missing bucket", "s3://no-such-bucket/run/step_1", {}, "s3://no-such-bucket/run/step_1: no such bucket"),
     ("wrong credentials", f"s3://{BUCKET}/run/step_1", {"AWS_SECRET_ACCESS_KEY": "wrong-secret"},
      f"s3://{BUCKET}/run/step_1/config.json: access denied"),
+    ("unreachable store", f"s3://{BUCKET}/run/step_1", {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"},
+     f"s3://{BUCKET}/run/step_1/config.json: cannot reach the store"),
 ])
 def test_store_failures_are_one_line_naming_the_object(store_env, sharded, monkeypatch, case, url, env,
                                                        message) -> None:

@@ -260,6 +260,10 @@ def store_error(exc: BaseException, where: str, identity: str | None = None) -> 
         return LayerwiseError("access denied: check the store's credentials (AWS_ACCESS_KEY_ID and "
                               "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_*)",
                               where=where)
+    if "error sending request" in str(exc):
+        # reqwest's words for a connection refused, reset or not resolved (obstore retried it already).
+        return LayerwiseError("cannot reach the store (connection refused, reset or host not found): check "
+                              "the URL, AWS_ENDPOINT_URL and the network", where=where)
     return LayerwiseError(_first_line(exc), where=where)
 
 
