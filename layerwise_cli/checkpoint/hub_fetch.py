@@ -1,4 +1,8 @@
-"""Stream the byte ranges a reload hands over from a pinned Hub commit, in order, a bounded window ahead.
+"""Stream the byte ranges a reload hands over from a pinned source, in order, a bounded window ahead.
+
+The source is a Hub commit (`range_source.HubSource`, made from a `HubPin`) or an object store's or HTTPS
+server's files pinned to their ETags (`store.StoreSource`): the window, the order, the merging of ranges and the
+resume are written once, here; a source only reads a file's identity and size, and a range of it.
 
 How the reload path uses it (the seam; not wired yet):
 
@@ -28,8 +32,9 @@ from typing import Self
 
 from layerwise_cli.checkpoint.header import ShardHeader, TensorEntry
 from layerwise_cli.checkpoint.hub_blob import PartialBlob, add_interval, covers
-from layerwise_cli.checkpoint.hub_http import FetchPolicy, stream_range
-from layerwise_cli.checkpoint.hub_pin import HubPin, hub_error, repo_cache_folder
+from layerwise_cli.checkpoint.hub_http import FetchPolicy
+from layerwise_cli.checkpoint.hub_pin import HubPin
+from layerwise_cli.checkpoint.range_source import HubSource, RangeSource
 from layerwise_cli.errors import LayerwiseError
 
 MiB = 1 << 20
@@ -83,29 +88,30 @@ def _uncovered(intervals: list[tuple[int, int]], start: int, end: int) -> list[t
 
 
 class RangeFetcher:
-    """Fetch `ranges` of a pinned commit over several connections, a bounded window ahead of the reader.
+    """Fetch `ranges` of a pinned source over several connections, a bounded window ahead of the reader.
 
     Args:
-        pin: the repo and commit; no request names a branch.
+        pin: the source: a Hub repo and commit (no request names a branch; read through `HubSource`), or any
+            `RangeSource` (an object store's files pinned to their ETags, `store.StoreSource`).
         ranges: what the reader will read, in the order it reads it (a whole file: `ByteRange(f, 0, size)`;
             `whole_files(...)` lists them).
         connections: parallel connections (a CDN limits each connection's speed).
         window_bytes: how far ahead of the part the reader waits on fetching may go.
         part_bytes: the largest single request.
         keep: keep what arrives in the Hub cache (and link complete, verified files); False: bounded disk,
-            only the asked ranges, in a private file deleted on `close`.
-        cache_dir: the Hub cache (None: huggingface_hub's `HF_HUB_CACHE`).
-        token: as huggingface_hub takes it; sent only to the Hub's origin.
-        policy: stall bound, retries and backoff.
+            only the asked ranges, in a private file deleted on `close`. An object store keeps nothing yet.
+        cache_dir: the Hub cache (None: huggingface_hub's `HF_HUB_CACHE`); a Hub pin only.
+        token: as huggingface_hub takes it; sent only to the Hub's origin; a Hub pin only.
+        policy: stall bound, retries and backoff; a Hub pin only (a `RangeSource` carries its own).
     """
 
-    def __init__(self, pin: HubPin, ranges: Iterable[ByteRange], *, connections: int = 4,
+    def __init__(self, pin: HubPin | RangeSource, ranges: Iterable[ByteRange], *, connections: int = 4,
                  window_bytes: int = 256 * MiB, part_bytes: int = 16 * MiB, keep: bool = True,
                  cache_dir: str | Path | None = None, token: str | bool | None = None,
                  policy: FetchPolicy | None = None) -> None:
-        self.pin, self.connections, self.window_bytes, self.keep = pin, connections, window_bytes, keep
-        self.policy, self.token = policy or FetchPolicy(), token
-        self.repo_folder = repo_cache_folder(pin.repo_id, cache_dir)
+        self.connections, self.window_bytes, self.keep = connections, window_bytes, keep
+        self.source: RangeSource = HubSource(pin, cache_dir=cache_dir, token=token, policy=policy) \
+            if isinstance(pin, HubPin) else pin
         self.parts = plan_parts(ranges, part_bytes)
         self._ends = [0]
         for part in self.parts:
@@ -123,27 +129,26 @@ class RangeFetcher:
         self._stop = False
         self._threads: list[threading.Thread] = []
         self.blobs: dict[str, PartialBlob] = {}
+        # Each file's identity as `start` read it (a sha256, an ETag): every request of the fetch names it.
+        self.identities: dict[str, str] = {}
         self._released: dict[str, list[tuple[int, int]]] = {}
         self.bytes_fetched = 0
 
     # Life.
 
     def start(self) -> Self:
-        """Read each file's metadata (size, sha256) at the pinned commit, open its blob, start the connections.
+        """Read each file's identity (sha256, ETag) and size as pinned, open its blob, start the connections.
 
         Raises:
-            LayerwiseError: a file or the commit is not on the Hub (one line naming repo and commit).
+            LayerwiseError: a file or the commit is not there (one line naming the source and the file).
         """
-        from huggingface_hub.utils import build_hf_headers
-
-        self._headers = build_hf_headers(token=self.token)
         names = list(self._by_file)
         with ThreadPoolExecutor(max_workers=max(1, min(8, len(names)))) as pool:
-            metas = list(pool.map(self._metadata, names))
+            metas = list(pool.map(self.source.metadata, names))
         try:
-            for name, (etag, size) in zip(names, metas):
-                self.blobs[name] = PartialBlob(self.repo_folder, name, etag, size, keep=self.keep,
-                                               where=self._where(name))
+            for name, (identity, size) in zip(names, metas):
+                self.identities[name] = identity
+                self.blobs[name] = self.source.open_blob(name, identity, size, keep=self.keep)
             self._settle_arrived()
         except BaseException:
             self.close()
@@ -251,21 +256,6 @@ class RangeFetcher:
 
     # The connections' side.
 
-    def _metadata(self, filename: str) -> tuple[str, int]:
-        from huggingface_hub import get_hf_file_metadata, hf_hub_url
-
-        try:
-            # With huggingface_hub's retries on 429/5xx: a fetch is worth waiting for (a 404 is not retried).
-            meta = get_hf_file_metadata(hf_hub_url(self.pin.repo_id, filename, revision=self.pin.commit),
-                                        token=self.token, retry_on_errors=True)
-        except Exception as exc:
-            raise hub_error(exc, self.pin.repo_id, self.pin.commit) from exc
-        if meta.commit_hash and meta.commit_hash != self.pin.commit:
-            raise LayerwiseError(f"the Hub answered for commit {meta.commit_hash}", where=self._where(filename))
-        if not meta.etag or meta.size is None:
-            raise LayerwiseError("the Hub gave no sha256 (ETag) or size for the file", where=self._where(filename))
-        return meta.etag, meta.size
-
     def _settle_arrived(self) -> None:
         # What a previous run (or huggingface_hub) left: parts already on disk are never fetched again.
         for i, part in enumerate(self.parts):
@@ -273,7 +263,7 @@ class RangeFetcher:
                 if a <= part.start < b:
                     self._arrived[i] = min(b, part.end) - part.start
         for blob in self.blobs.values():
-            blob.finish(self.pin.commit)
+            self.source.finish(blob)
 
     def _run(self) -> None:
         while True:
@@ -298,8 +288,6 @@ class RangeFetcher:
         return i <= self._reading or self._ends[i + 1] - self._ends[self._reading] <= self.window_bytes
 
     def _fetch(self, i: int) -> None:
-        from huggingface_hub import hf_hub_url
-
         part = self.parts[i]
         blob = self.blobs[part.filename]
 
@@ -312,14 +300,12 @@ class RangeFetcher:
                 self.bytes_fetched += len(chunk)
                 self._cond.notify_all()
 
-        url = hf_hub_url(self.pin.repo_id, part.filename, revision=self.pin.commit)
-        stream_range(url, part.start + self._arrived[i], part.end, write, headers=self._headers, policy=self.policy,
-                     where=self._where(part.filename))
+        self.source.fetch(part.filename, self.identities[part.filename], part.start + self._arrived[i], part.end, write)
         blob.mark(part.start, part.end)
-        blob.finish(self.pin.commit)
+        self.source.finish(blob)
 
     def _where(self, filename: str) -> str:
-        return f"{self.pin}/{filename}"
+        return self.source.where(filename)
 
 
 def tensor_range(shard: ShardHeader, tensor: TensorEntry) -> ByteRange:

@@ -1,4 +1,4 @@
-"""Resolve a SOURCE (file, directory or Hub repo id) into a checkpoint's headers; local files and folders here."""
+"""Resolve a SOURCE (file, directory, Hub repo id, store URL) into a checkpoint's headers; local ones here."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from layerwise_cli.checkpoint.layout import (
     read_json,
     shard_file,
 )
+from layerwise_cli.checkpoint.store import display_url, is_store_url
 from layerwise_cli.errors import LayerwiseError, describe_exception
 
 _REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
@@ -34,10 +35,10 @@ class Checkpoint:
     """
 
     source: str
-    kind: str  # "file", "directory" or "hub"
+    kind: str  # "file", "directory", "hub" or "store" (a URL: `s3://bucket/prefix`, `https://host/path`)
     shards: tuple[ShardHeader, ...]
     config: dict | None = None
-    # Local directory holding the shards (None for a Hub source read remotely).
+    # Local directory holding the shards (None for a Hub or store source read remotely).
     local_dir: Path | None = None
     revision: str | None = None
     header_bytes_read: int = 0
@@ -47,6 +48,9 @@ class Checkpoint:
     # A sparse delta this checkpoint is rebuilt through (`checkpoint.delta_source`): then `source` is the delta,
     # the shards and `local_dir` are its base's, and every tensor is read through `delta_source.rebuilt_tensor`.
     delta: object | None = field(default=None, repr=False, compare=False)
+    # A store source's objects as first read: filename -> (ETag or Last-Modified, size); `revision` is their
+    # digest (`store_headers.store_pin`). None for other kinds.
+    pinned: dict[str, tuple[str, int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shards", tuple(self.shards))
@@ -80,6 +84,9 @@ def resolve_local(source: str, revision: str | None = None) -> Path:
     path = Path(source)
     if path.exists():
         return path
+    if is_store_url(source):
+        # Callers stream a URL source (`reload_plan`); nothing downloads one whole.
+        raise LayerwiseError("a URL source is read by byte range, not downloaded", where=display_url(source))
     if looks_like_repo_id(source):
         from layerwise_cli.checkpoint.hub import download_checkpoint
 
@@ -95,8 +102,10 @@ def open_checkpoint(source: str, revision: str | None = None) -> Checkpoint:
 
     Args:
         source: a `.safetensors` file, a directory of them (with or without
-            `model.safetensors.index.json`), or a Hub repo id `org/name`.
-        revision: a Hub branch, tag or commit (Hub sources only).
+            `model.safetensors.index.json`), a Hub repo id `org/name`, or a URL of such a directory
+            (`s3://bucket/prefix`, `gs://`, `az://`, `https://host/path`; read by range through obstore).
+        revision: a Hub branch, tag or commit (Hub sources only); for a URL, the pin an earlier step read
+            (`etags:...`), refused if the objects changed since.
 
     Returns:
         The checkpoint, shards in natural sort order.
@@ -104,6 +113,8 @@ def open_checkpoint(source: str, revision: str | None = None) -> Checkpoint:
     Raises:
         LayerwiseError: the source is missing or any header is invalid.
     """
+    if is_store_url(source):
+        return _open_store(source, revision)
     path = Path(source)
     kind = _local_kind(source)
     if kind == "file":
@@ -222,6 +233,21 @@ def _open_hub(repo_id: str, revision: str | None) -> Checkpoint:
     found = read_hub_headers(pin, where)
     return Checkpoint(repo_id, "hub", found.shards, found.config, None, revision, found.header_bytes_read, found.index,
                       pin.commit)
+
+
+def _open_store(url: str, revision: str | None) -> Checkpoint:
+    """Read a URL source's headers by range, each object pinned to its ETag (or to REVISION, a pin read before)."""
+    from layerwise_cli.checkpoint.hub_http import FetchPolicy
+    from layerwise_cli.checkpoint.store import StoreSource
+    from layerwise_cli.checkpoint.store_headers import PIN_PREFIX, read_store_headers
+
+    if revision and not revision.startswith(PIN_PREFIX):
+        raise LayerwiseError("--revision applies to Hub repo ids only (a URL source is pinned to its objects' "
+                             "ETags)", where=display_url(url))
+    # Headers are read in pre-flight, before anything is paused: a few quick retries, not a fetch's patience.
+    found = read_store_headers(StoreSource(url, policy=FetchPolicy(stall_s=30.0, retries=2, backoff_s=0.5)), revision)
+    return Checkpoint(url, "store", found.shards, found.config, None, found.pin, found.header_bytes_read,
+                      found.index, pinned=found.pinned)
 
 
 def pin_source(source: str, revision: str | None) -> HubPin | None:

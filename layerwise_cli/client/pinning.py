@@ -5,12 +5,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 from layerwise_cli.checkpoint.hub_pin import HubPin, is_commit
-from layerwise_cli.checkpoint.sources import looks_like_repo_id, pin_source
+from layerwise_cli.checkpoint.sources import looks_like_repo_id, open_checkpoint, pin_source
+from layerwise_cli.checkpoint.store import is_store_url
 from layerwise_cli.worker.rpc import ReloadOptions
 
 
 def pin_reload(source: str, options: ReloadOptions) -> tuple[ReloadOptions, HubPin | None]:
     """OPTIONS with a Hub SOURCE's revision replaced by its commit, and the pin; a local path as it is.
+
+    A URL SOURCE (`s3://...`) gets its objects' pin (`store_headers.store_pin`) as revision, and no `HubPin`.
 
     Called where an operation starts (the `reload` command before its engine starts or before any server is
     pre-flighted, `reload_servers`, the Python API's `reload`): every later step (each rank, each server's
@@ -21,6 +24,10 @@ def pin_reload(source: str, options: ReloadOptions) -> tuple[ReloadOptions, HubP
     Raises:
         LayerwiseError: one line naming the repo and revision (or commit): not found, vanished, unreachable.
     """
+    if is_store_url(source):
+        # A URL source: every object pinned to the ETag read now (`etags:...`); a later step that finds another
+        # refuses, naming the source.
+        return replace(options, revision=open_checkpoint(source, options.revision).revision), None
     if not looks_like_repo_id(source):
         return options, None
     if is_commit(options.revision):

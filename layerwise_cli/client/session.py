@@ -9,6 +9,7 @@ from pathlib import Path
 
 from layerwise_cli.checkpoint.delta_source import open_step
 from layerwise_cli.checkpoint.sources import looks_like_repo_id, open_checkpoint
+from layerwise_cli.checkpoint.store import display_url, is_store_url
 from layerwise_cli.client.local import reload, verify_engine
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.report.reload_report import ReloadReport
@@ -47,7 +48,12 @@ def prepare_sources(source: str, base: str | None, revision: str | None, quiet: 
         SOURCE as the workers read it (a local path, or the Hub repo id when it is not downloaded: fetch it
         while the engine starts, `hub_prefetch`) and the model to start the engine on.
     """
-    if looks_like_repo_id(source) and base is not None and base != source:
+    if is_store_url(source):
+        if base is None:
+            raise LayerwiseError("a URL source needs --model: the engine starts on a local or Hub model, then the "
+                                 "reload streams the URL", where=display_url(source))
+        local, checkpoint = source, open_checkpoint(source, revision)
+    elif looks_like_repo_id(source) and base is not None and base != source:
         local, checkpoint = source, open_checkpoint(source, revision)
     else:
         local = str(download_source(source, revision, quiet)) if looks_like_repo_id(source) else source

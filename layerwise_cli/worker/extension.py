@@ -112,6 +112,7 @@ class LayerwiseWorkerExtension:
         positions, its new values, and that the engine holds its base (`reload_run.plan_run`).
         """
         from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
+        from layerwise_cli.checkpoint.store import is_store_url
         from layerwise_cli.worker.reload.reload_run import plan_run
         from layerwise_cli.worker.state.layer_records import records_of
         from layerwise_cli.worker.stream.rank_plan import rank_position
@@ -128,7 +129,10 @@ class LayerwiseWorkerExtension:
             planned = run.planned
             back, back_revision = loaded_from(self)
             try:
-                open_checkpoint(str(resolve_local(back, back_revision)))
+                if is_store_url(back):
+                    open_checkpoint(back, back_revision)  # by range, at its pin: never downloaded
+                else:
+                    open_checkpoint(str(resolve_local(back, back_revision)))
                 back_error = None
             except Exception as exc:  # noqa: BLE001 - reported: the fleet decides
                 back_error = str(describe_exception(exc, where=back))

