@@ -128,6 +128,9 @@ CONFIGS = [
     # ... Granite MoE Shared, its fused experts renamed by its inner model's `hf_to_vllm_mapper`; ...
     Config("granitemoeshared", layouts=NEW_FAMILY_LAYOUTS,
            repair_names=tuple(f"model.layers.{i}.block_sparse_moe.experts.routed_experts" for i in range(2))),
+    # ... Granite MoE SWA, the same renames, its layers alternating sliding-window and full attention; ...
+    Config("granitemoe_swa", layouts=NEW_FAMILY_LAYOUTS,
+           repair_names=tuple(f"model.layers.{i}.block_sparse_moe.experts.routed_experts" for i in range(2))),
     # ... and dots1, outside vLLM's registry: vLLM serves it on its Transformers backend (router beside experts).
     Config("dots1", layouts=NEW_FAMILY_LAYOUTS, repair_names=("model.layers.1.mlp.experts.routed_experts",)),
 ]
@@ -162,6 +165,7 @@ VLLM_RELOAD_DIFFERS = {
     "gemma4-v192": 10,  # CPU MoE experts are not re-packed on a weight update
     "ernie4_5_moe-v192": 10,  # CPU MoE experts are not re-packed on a weight update
     "granitemoeshared-v192": 10,  # CPU MoE experts are not re-packed on a weight update
+    "granitemoe_swa-v192": 10,  # CPU MoE experts are not re-packed on a weight update
     "dots1-v192": 10,  # CPU MoE experts are not re-packed on a weight update
 }
 

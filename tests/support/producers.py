@@ -37,6 +37,7 @@ ARCHITECTURES = {
     "gemma4": "Gemma4ForCausalLM",  # a decoder layer's own `layer_scalar`, per-layer inputs, shared KV, MoE block
     "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",  # `moe_statics` renamed to the gate, loaded directly; MoE + shared
     "granitemoeshared": "GraniteMoeSharedForCausalLM",  # fused experts renamed by the inner model's mapper
+    "granitemoe_swa": "GraniteMoeSWAForCausalLM",  # the same renames, sliding-window and full attention layers
     "dots1": "Dots1ForCausalLM",  # outside vLLM's registry: served by its Transformers backend (MoE)
 }
 
@@ -166,6 +167,12 @@ def _config(producer: Producer):
     if producer.arch == "granitemoeshared":
         return transformers.GraniteMoeSharedConfig(
             **no_head_dim, rms_norm_eps=1e-6, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64,
+            embedding_multiplier=2.0, logits_scaling=2.0, residual_multiplier=0.5, attention_multiplier=0.125,
+            **small)
+    if producer.arch == "granitemoe_swa":
+        return transformers.GraniteMoeSWAConfig(
+            **no_head_dim, rms_norm_eps=1e-6, num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"] * (small["num_hidden_layers"] // 2),
             embedding_multiplier=2.0, logits_scaling=2.0, residual_multiplier=0.5, attention_multiplier=0.125,
             **small)
     if producer.arch == "dots1":
