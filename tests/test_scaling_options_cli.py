@@ -16,6 +16,7 @@ def _error_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("Error")]
 
 
+@pytest.mark.usefixtures("local_some_model")
 def test_serve_passes_the_parallel_sizes_to_vllm_and_binds_a_core_per_worker(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: 4)
@@ -28,6 +29,7 @@ def test_serve_passes_the_parallel_sizes_to_vllm_and_binds_a_core_per_worker(mon
     assert "VLLM_CPU_OMP_THREADS_BIND='0|1|2|3'" in line
 
 
+@pytest.mark.usefixtures("local_some_model")
 def test_vllm_spellings_of_the_parallel_sizes_are_governed_by_serve():
     from layerwise_cli.server.command_line import governed_option
 

@@ -43,6 +43,7 @@ def test_serve_refuses_a_non_loopback_host_without_the_flag():
     assert "python" not in result.stdout  # nothing would have started
 
 
+@pytest.mark.usefixtures("local_some_model")
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.0.5"])
 def test_serve_binds_loopback_without_warning(host):
     result = _serve("some/model", "--host", host, "--dry-run")
@@ -50,6 +51,7 @@ def test_serve_binds_loopback_without_warning(host):
     assert "Warning" not in result.output
 
 
+@pytest.mark.usefixtures("local_some_model")
 def test_serve_warns_with_allow_remote_and_suggests_an_api_key():
     result = _serve("some/model", "--host", "0.0.0.0", "--allow-remote", "--dry-run")
     assert result.exit_code == 0, result.output
@@ -60,6 +62,7 @@ def test_serve_warns_with_allow_remote_and_suggests_an_api_key():
     assert "s3cret" not in with_key.output  # the key travels in the environment, never on the command line
 
 
+@pytest.mark.usefixtures("local_some_model")
 def test_serve_command_line():
     from layerwise_cli import EXTENSION_CLS
 

@@ -98,6 +98,7 @@ def test_serve_refuses_governed_pass_through_options(extra):
     assert result.stdout == ""  # no command line: nothing would have started
 
 
+@pytest.mark.usefixtures("local_some_model")
 @pytest.mark.parametrize("extra", [["--", "--max-num-seqs", "4"], ["--", "--model-impl", "vllm"],
                                    ["--max-num-seqs", "4"], ["--", "--hf-overrides", "{}"]])
 def test_serve_passes_other_options_through(extra):

@@ -62,7 +62,7 @@ from math import prod
 from pathlib import Path
 
 from layerwise_cli.checkpoint.header import DTYPE_SIZES, ShardHeader, TensorEntry, read_shard_header
-from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.errors import LayerwiseError, describe_exception
 
 DELTA_FILE = "delta.safetensors"
 METADATA_KEY = "layerwise.delta"
@@ -240,9 +240,12 @@ def delta_file(path: str | os.PathLike[str]) -> Path | None:
     Reads one header at most.
     """
     path = Path(path)
-    candidate = path / DELTA_FILE if path.is_dir() else path
-    if not candidate.is_file() or not candidate.name.endswith(".safetensors"):
-        return None
+    try:
+        candidate = path / DELTA_FILE if path.is_dir() else path
+        if not candidate.is_file() or not candidate.name.endswith(".safetensors"):
+            return None
+    except OSError as exc:  # a name too long, a loop of symlinks: one line naming the path
+        raise describe_exception(exc, where=str(path)) from exc
     try:
         header, _ = read_shard_header(candidate)
     except LayerwiseError:

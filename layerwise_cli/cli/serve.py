@@ -79,12 +79,19 @@ def serve_command(
     """
     node = NodePlacement(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
                          headless=headless)
-    command = server_command_line(model, host=host, port=port, allow_remote=allow_remote, api_key=api_key, dtype=dtype,
-                      tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-                      data_parallel_size=data_parallel_size,
-                      distributed_executor_backend=distributed_executor_backend, max_model_len=max_model_len,
-                      quantization=quantization, enforce_eager=enforce_eager, memory_fraction=memory_fraction,
-                      extra=pin_engine_args(model, list(ctx.args)), on_gpu=cuda_available(), node=node)
+
+    def command_line(extra: list[str]):
+        return server_command_line(
+            model, host=host, port=port, allow_remote=allow_remote, api_key=api_key, dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+            data_parallel_size=data_parallel_size, distributed_executor_backend=distributed_executor_backend,
+            max_model_len=max_model_len, quantization=quantization, enforce_eager=enforce_eager,
+            memory_fraction=memory_fraction, extra=extra, on_gpu=cuda_available(), node=node)
+
+    # A command line layerwise refuses is refused before the Hub is asked anything; then a repo id's revision
+    # is resolved to the commit vLLM is handed.
+    command_line(list(ctx.args))
+    command = command_line(pin_engine_args(model, list(ctx.args)))
     for warning in command.warnings:
         stderr.print(f"[yellow]Warning:[/] {escape(warning)}")
     if dry_run:
