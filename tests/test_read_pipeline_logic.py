@@ -219,6 +219,34 @@ def test_early_fingerprints_equal_late_ones_unless_something_touched_the_layer()
     assert early.valid([])["b"] != layer_fingerprints(modules, {"b": ["b"]})["b"]
 
 
+class _Mixer(torch.nn.Module):
+    """A Mamba mixer's shape: tensors of its own, and submodules that are parent layers of their own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.A = torch.nn.Parameter(torch.ones(4))
+        self.conv1d = torch.nn.Linear(4, 4)
+
+
+def test_a_layer_around_one_handed_over_after_it_is_fingerprinted_again():
+    mixer = torch.nn.Module()
+    mixer.mixer = _Mixer()
+    modules = dict(mixer.named_modules())
+    early = EarlyFingerprints(modules, {"mixer": ["mixer"], "mixer.conv1d": ["mixer.conv1d"]})
+    early.layer_done("mixer")  # its own tensor A came first, in layer order
+    while early.step():
+        pass
+    assert set(early.valid([])) == {"mixer"}
+    # Then conv1d, a layer inside it, is handed over: the mixer's fingerprint covers conv1d's old weights.
+    early.handing_over("mixer.conv1d")
+    with torch.no_grad():
+        mixer.mixer.conv1d.weight.add_(1)
+    early.layer_done("mixer.conv1d")
+    while early.step():
+        pass
+    assert set(early.valid([])) == {"mixer.conv1d"}
+
+
 # ----------------------------------------------------------------------------- the plan cache
 
 def test_the_plan_cache_keys_on_structure_not_on_metadata(tmp_path):

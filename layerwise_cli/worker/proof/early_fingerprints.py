@@ -14,7 +14,10 @@ vouch for are fingerprinted:
 - a layer that covers other modules (a tied head that shares its weight):
   those are written by the repairs after the stream;
 - a layer a repair refreshed, or one within or around a refreshed module;
-- a layer handed another tensor after it was done (never in layer order);
+- a layer handed another tensor after it was done (never in layer order), or
+  one around a layer handed a tensor after it was done: a layer's fingerprint
+  covers its submodules, and a submodule may be a layer of its own, finished
+  later (a Mamba mixer's own tensors come before its `conv1d` and projections);
 - a layer finished after the reading thread stopped (the last ones).
 
 Only on the CPU: on a GPU the checksums run on the device, where the reading
@@ -55,18 +58,30 @@ class EarlyFingerprints:
         self.wake: Callable[[], None] = lambda: None
 
     def layer_done(self, name: str) -> None:
-        """The engine thread: vLLM finished NAME (the probe saw its buffer emptied)."""
+        """The engine thread: vLLM finished NAME (the probe saw its buffer emptied).
+
+        A layer around NAME done before it covers what was just processed: its fingerprint is worthless.
+        """
+        self._reopen(_enclosing(name)[1:])
         if self._covers.get(name) == [name]:
             self._done.add(name)
             self._todo.append(name)
             self.wake()
 
     def handing_over(self, parent: str | None) -> None:
-        """The engine thread, before each tensor: a tensor for a done layer makes its fingerprint worthless."""
-        if parent in self._done:
+        """The engine thread, before each tensor: a tensor for a done layer, or for a layer inside one, makes the
+        done layer's fingerprint worthless (it covers its submodules)."""
+        if parent is not None:
+            self._reopen(_enclosing(parent))
+
+    def _reopen(self, names: Iterable[str]) -> None:
+        """Drop the fingerprints of the done layers among NAMES, and of any taken of them later."""
+        stale = [name for name in names if name in self._done]
+        if stale:
             with self._lock:
-                self._reopened.add(parent)
-                self._taken.pop(parent, None)
+                self._reopened.update(stale)
+                for name in stale:
+                    self._taken.pop(name, None)
 
     def step(self) -> bool:
         """The reading thread: fingerprint the next done layer; False when none is waiting."""
@@ -88,6 +103,12 @@ class EarlyFingerprints:
         with self._lock:
             return {name: fingerprint for name, fingerprint in self._taken.items()
                     if not any(_related(name, module) for module in touched)}
+
+
+def _enclosing(name: str) -> list[str]:
+    """NAME and every module name around it (`a.b.c`: `a.b.c`, `a.b`, `a`)."""
+    parts = name.split(".")
+    return [".".join(parts[:end]) for end in range(len(parts), 0, -1)]
 
 
 def _related(layer: str, module: str) -> bool:

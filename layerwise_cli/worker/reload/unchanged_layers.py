@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -173,10 +173,27 @@ class UnchangedLayerPlan:
                 digests[name] = digest  # None: recorded by its samples alone
         ready = fingerprints or {}
         now = {name: ready[name] for name in digests if name in ready}
-        now.update(self._fingerprints(sorted(name for name in digests if name not in ready)))
+        around = self._skipped_around_handed()
+        now.update(self._fingerprints(sorted({name for name in digests if name not in ready} | set(around))))
         for name, digest in digests.items():
             samples = {t: self.read_samples[t] for t in self.groups.get(name, [])}
             self.records.set(name, LayerRecord(digest, now[name], checked, samples))
+        for name, record in around.items():
+            self.records.set(name, replace(record, fingerprint=now[name]))
+
+    def _skipped_around_handed(self) -> dict[str, LayerRecord]:
+        """The records of skipped layers that enclose a layer handed over (a Mamba mixer whose own tensors are
+        unchanged, around its `conv1d` and projections, layers of their own).
+
+        A layer's fingerprint covers its submodules: this reload changed such a layer's state by loading the
+        layers inside it, not its own tensors, so its record keeps its digest and takes its state now.
+        """
+        found = {}
+        for name in self.skipped - self.handed:
+            record = self.records.get(name) if self.records is not None else None
+            if record is not None and any(inner.startswith(name + ".") for inner in self.handed):
+                found[name] = record
+        return found
 
     def skipped_classes(self, model: torch.nn.Module) -> Counter:
         """Class names of the modules skipped so far (vLLM warns once per layer it got nothing for)."""
