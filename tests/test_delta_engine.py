@@ -54,7 +54,9 @@ def steps(demo_models, tmp_path_factory) -> dict:
         b.update(load_file(shard))
     c = {name: rl_step(t, 0.05, 99) if ".mlp." in name else t for name, t in b.items()}
     assert save_step(c, root / "c_chained", demo_models["multiply"], base=steps["AB"]).delta is not None
-    return {**steps, "NaN": root / "nan_delta", "chained": root / "chained", "C": root / "c_chained", "root": root}
+    save_step(c, root / "c_full", demo_models["multiply"])
+    return {**steps, "NaN": root / "nan_delta", "chained": root / "chained", "C": root / "c_chained",
+            "C full": root / "c_full", "root": root}
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +139,22 @@ def test_deltas_both_ways_equal_fresh_engines_a_b_a_b(llm, steps):
     # A, rebuilt from A's files through both links.
     _reload(llm, steps["chained"], verify=True)
     _assert_holds(llm, steps["A"])
+
+
+def test_an_engine_that_missed_a_step_is_brought_to_the_newest_through_the_chain(llm, steps):
+    # The engine holds A; C is a delta against B (itself delta(A->B)): it missed B, and C's chain starts at A.
+    _reload(llm, steps["A"], all_layers=True)
+    caught_up = _reload(llm, steps["C"], verify=True)
+    assert caught_up.verify.ok
+    _assert_holds(llm, steps["C full"])
+    # Every layer either link changed is handed over (the engine held none of B's changes).
+    assert _handed_over(caught_up) == _patched_layers(caught_up, steps["AB"]) | _patched_layers(caught_up, steps["C"])
+    # A step outside the chain is still no base: the engine now holds C, and delta(A->B) needs A.
+    from layerwise_cli.errors import LayerwiseError
+
+    with pytest.raises(LayerwiseError, match="holds other weights"):
+        _reload(llm, steps["AB"])
+    _assert_holds(llm, steps["C full"])
 
 
 def test_the_wrong_base_is_refused_at_preflight(llm, steps):

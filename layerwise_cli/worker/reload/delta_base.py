@@ -16,12 +16,18 @@ from layerwise_cli.worker.state.spot_check import spot_check
 
 def check_delta_base(checkpoint: Checkpoint, engine_stream: list[PlannedTensor], records: LayerRecords | None,
                      fingerprints: Callable[[list[str]], Mapping[str, object]], held: str) -> None:
-    """Refuse the delta CHECKPOINT unless this rank's engine holds its base in every layer it streams.
+    """Refuse the delta CHECKPOINT unless this rank's engine holds its base, or an earlier step of its chain, in
+    every layer it streams.
 
-    A layer holds the base when all of these hold, as for a skip (`layer_records`): its record's digest is
-    the base's layer digest (from the delta's base digests), its state now is the state recorded right after
-    it was loaded (nothing wrote it since), and the sampled bytes of the base's files are those it loaded
-    (`spot_check`). Changes nothing.
+    A layer holds a step when all of these hold, as for a skip (`layer_records`): its record's digest is the
+    step's layer digest (from the base digests of the chain's link that applies to that step), its state now
+    is the state recorded right after it was loaded (nothing wrote it since), and the sampled bytes of that
+    step's files are those it loaded (`spot_check`). Changes nothing.
+
+    An engine that missed steps (it holds step 118; the delta is step 120's against 119, itself a delta
+    against 118) is brought to the newest step through the chain: the reload rebuilds every tensor from the
+    chain's full step and every link's patch, whatever link the engine holds, so any step of the chain is a
+    base it can start from.
 
     Args:
         checkpoint: the delta opened as its full step (`Checkpoint.delta` set; its shards are the base's).
@@ -36,28 +42,49 @@ def check_delta_base(checkpoint: Checkpoint, engine_stream: list[PlannedTensor],
     """
     delta: DeltaChain = checkpoint.delta
     needs = f"needs the engine to hold its base {delta.base_location}"
+    if len(delta.links) > 1:
+        needs += " (or an earlier step of its chain)"
     if records is None:
         raise LayerwiseError(f"{needs}, and this reload keeps no records to prove it", where=checkpoint.source)
     groups: dict[str, list[PlannedTensor]] = {}
     for item in engine_stream:
         if item.parent is not None:
             groups.setdefault(item.parent, []).append(item)
-    base = {name: layer_digest({item.entry.name: delta.base_digests[item.entry.name] for item in items})
-            for name, items in groups.items()}
-    decider = SkipDecider(records, base, fingerprints, checks_finite=False)
-    proved = decider.skip_before_reading()
-    for name in sorted(groups):
-        if name not in proved:
+    # Per layer, the chain's step it holds (the index of the link that applies to it): the newest first.
+    steps = {name: _held_step(delta, items, records.get(name)) for name, items in groups.items()}
+    proved: set[str] = set()
+    for link in sorted(set(steps.values()), reverse=True):
+        layers = {name for name, held_link in steps.items() if held_link == link}
+        base = {name: _step_digest(delta, link, groups[name]) for name in layers}
+        proved |= SkipDecider(records, base, fingerprints, checks_finite=False).skip_before_reading()
+        for name in sorted(layers - proved):
             raise LayerwiseError(f"{needs}, but layer {name} {_what_it_holds(records, name, base[name])}; the engine "
                                  f"holds {held}", where=checkpoint.source)
-    # The base's bytes: its files, or (a chain) rebuilt through every link but this delta's.
-    links = delta.links[:-1]
-    base_step = replace(checkpoint, delta=DeltaChain(links) if links else None)
-    spot = spot_check(proved, {name: [item.entry for item in items] for name, items in groups.items()}, records,
-                      base_step)
-    for name in sorted(proved - spot.confirmed):
-        raise LayerwiseError(f"{needs}, but the base's files are not what layer {name} was loaded from (sampled bytes "
-                             f"differ); the engine holds {held}", where=checkpoint.source)
+        # That step's bytes: its files, or (a chain) rebuilt through the links before it.
+        links = delta.links[:link]
+        step = replace(checkpoint, delta=DeltaChain(links) if links else None)
+        spot = spot_check(layers, {name: [item.entry for item in groups[name]] for name in layers}, records, step)
+        for name in sorted(layers - spot.confirmed):
+            raise LayerwiseError(f"{needs}, but the files of the step it holds are not what layer {name} was "
+                                 f"loaded from (sampled bytes differ); the engine holds {held}",
+                                 where=checkpoint.source)
+
+
+def _step_digest(delta: DeltaChain, link: int, items: list[PlannedTensor]) -> str:
+    """The layer digest of ITEMS at the step link LINK of DELTA applies to (its base digests)."""
+    digests = delta.links[link].base_digests
+    return layer_digest({item.entry.name: digests[item.entry.name] for item in items})
+
+
+def _held_step(delta: DeltaChain, items: list[PlannedTensor], record) -> int:
+    """The link whose base the layer's RECORD names, newest first; the last link's (the delta's own base) if none."""
+    newest = len(delta.links) - 1
+    if record is None or record.digest is None:
+        return newest
+    for link in range(newest, -1, -1):
+        if _step_digest(delta, link, items) == record.digest:
+            return link
+    return newest
 
 
 def _what_it_holds(records: LayerRecords, name: str, base_digest: str) -> str:
