@@ -120,6 +120,12 @@ def test_deltas_both_ways_equal_fresh_engines_a_b_a_b(llm, steps):
     # norm none of whose values moved) is skipped from the step's digests, after its spot check.
     assert _handed_over(to_b) == _patched_layers(to_b, steps["AB"]) != set()
     assert to_b.unchanged.spot_checked_layers == to_b.unchanged.skipped_layers
+    # What it read: the base's bytes of the layers handed over, and every patch of the delta.
+    from layerwise_cli.checkpoint.delta import read_delta
+
+    patches = read_delta(steps["AB"])
+    patch_bytes = sum(patches.patch_nbytes(name) for name in patches.patches)
+    assert patch_bytes > 0 and to_b.volume.read_bytes == to_b.volume.bytes + patch_bytes
     to_a = _reload(llm, steps["BA"])
     assert _handed_over(to_a) == _patched_layers(to_a, steps["BA"])
     _assert_holds(llm, steps["A"])

@@ -135,6 +135,11 @@ class Delta:
         """Values stored, over every patch."""
         return sum(p.changed for p in self.patches.values())
 
+    def patch_nbytes(self, name: str) -> int:
+        """The bytes tensor NAME's patch takes in the file (positions and values, or the whole tensor); 0: none."""
+        patch = self.patches.get(name)
+        return 0 if patch is None else sum(self._entries[key].nbytes for key in patch.entry_keys())
+
     def raw(self, key: str):
         """The raw bytes of one entry of the file, as a read-only numpy uint8 array (a view of its mapping)."""
         entry = self._entries[key]

@@ -74,6 +74,10 @@ class DeltaChain:
     def patches(self):
         return self.last.patches
 
+    def patch_nbytes(self, name: str) -> int:
+        """The bytes of tensor NAME's patches in every link (positions and values, or the whole tensor)."""
+        return sum(link.patch_nbytes(name) for link in self.links)
+
     def validate(self) -> None:
         """Every link's positions (`Delta.validate`)."""
         for link in self.links:

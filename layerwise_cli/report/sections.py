@@ -81,8 +81,8 @@ class Volume:
     Attributes:
         bytes: bytes of the tensors the engine loaded.
         tensors: tensors streamed.
-        read_bytes: bytes of tensor data this worker read from SOURCE (merged: the most one worker read;
-            None: not measured).
+        read_bytes: bytes of tensor data this worker read from SOURCE, for a delta its base's and its
+            patches' (merged: the most one worker read; None: not measured).
         disk_read_bytes: bytes read from storage by the worker's process during the reload (None: not
             measurable; page-cache hits do not count).
         elsewhere_tensors: tensors of the source that other ranks hold (another pipeline stage, other

@@ -89,7 +89,7 @@ class LayerReader:
         stats = self.stats
         start = time.perf_counter()
         tensor = self.reader.read(item)
-        stats.read_bytes += item.entry.nbytes
+        stats.read_bytes += item.entry.nbytes + self.reader.delta_nbytes(item)
         if self.last_of_shard.get(item.entry.shard) is item:
             self.reader.release(item.entry.shard)
         host = tensor

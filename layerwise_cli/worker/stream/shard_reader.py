@@ -60,6 +60,10 @@ class ShardReader:
 
         return rebuilt_tensor(self._delta, item.entry, tensor, str(self._folder / shard))
 
+    def delta_nbytes(self, item: PlannedTensor) -> int:
+        """The bytes of the delta files `read` takes for ITEM beside its base's (0 without a delta)."""
+        return 0 if self._delta is None else self._delta.patch_nbytes(item.entry.name)
+
     def release(self, shard: str) -> None:
         """Drop a shard's handle; its file mapping goes once the tensors read from it are freed too."""
         self._handles.pop(shard, None)
