@@ -13,10 +13,15 @@ have recorded BASE's layer digests. Then one of these is timed:
              every byte to decide (the read limit is the bar)
     h        `save_checkpoint`'s output of f's tensors (shards in layer order,
              header digests): the trainer-side writer's checkpoint
+    s        a sparse delta (`layerwise delta`, docs/deltas.md) of an RL-like
+             step: 3% of the values of every tensor one unit in the last place
+             off, the rest as BASE; c loads the delta, and `c-full` the full
+             step it rebuilds
 
 and, for each, vLLM's own reload of the same checkpoint (a) and the read limit
-(d). The parent layers changed are a seeded sample of 25% of them by count
-that also holds 25% (+-2.5 points) of the bytes (`changed_layers`).
+(d); for s, of the full step (vLLM cannot read a delta). The parent layers
+changed in f and h are a seeded sample of 25% of them by count that also
+holds 25% (+-2.5 points) of the bytes (`changed_layers`).
 """
 
 from __future__ import annotations
@@ -29,15 +34,19 @@ from pathlib import Path
 
 from benchmarks.bench_checkpoints import STAMP, TOKENIZER_FILES, write_bench_checkpoint
 
-DELTA_CASES = ("f", "g", "g-plain", "h")
+DELTA_CASES = ("f", "g", "g-plain", "h", "s")
 DELTA_NAMES = {
     "f": "25% of layers changed, header digests",
     "g": "identical, header digests",
     "g-plain": "identical, no header digests",
     "h": "save_checkpoint's output of f",
+    "s": "sparse delta, 3% of values changed",
 }
-DELTA_VARIANTS = ("a", "c", "d")
+# `c-full`: layerwise on the full step a sparse delta rebuilds (case s only).
+DELTA_VARIANTS = ("a", "c", "c-full", "d")
 CHANGED_FRACTION = 0.25
+# The fraction of every tensor's values case s changes (issue 49's figure).
+SPARSE_FRACTION = 0.03
 
 
 def changed_layers(base: Path, seed: int = 0) -> tuple[list[str], dict[str, str]]:
@@ -78,6 +87,35 @@ def perturbed(data, tensors: set[str]):
         return (np.frombuffer(raw, dtype=np.uint16) ^ np.uint16(1)).tobytes()
 
     return read
+
+
+def sparsely_perturbed(data, fraction: float, seed: int = 0):
+    """A `data` source equal to DATA except that FRACTION of every tensor's bf16 values (seeded positions, drawn
+    per tensor) are one unit in the last place off (still finite): an RL-like step."""
+    import numpy as np
+
+    def read(name: str, nbytes: int) -> bytes:
+        values = np.frombuffer(data(name, nbytes), dtype=np.uint16).copy()
+        rng = np.random.default_rng([seed, *name.encode()])
+        values[rng.random(values.size) < fraction] ^= np.uint16(1)
+        return values.tobytes()
+
+    return read
+
+
+def _write_sparse(workdir: Path, model, tokenizer: Path, data, base: dict) -> dict:
+    """Case s: the full step (SPARSE_FRACTION of the values changed) and its delta against BASE (`write_delta`)."""
+    from layerwise_cli.writer.write_delta import write_delta
+
+    full = write_bench_checkpoint(workdir / "sparse-full", model, "in_order", tokenizer,
+                                  sparsely_perturbed(data, SPARSE_FRACTION), digests=True,
+                                  variant=f"sparse:{SPARSE_FRACTION}")
+    out = workdir / "sparse-delta"
+    saved = write_delta(base["path"], full["path"], out, marker=None, overwrite=True)
+    if saved.delta is None:
+        raise RuntimeError(f"case s: layerwise delta wrote a full copy ({saved.fallback})")
+    return {"path": str(out), "full_path": full["path"], "layout": "delta", "bytes": saved.total_bytes,
+            "full_bytes": full["bytes"], "changed_values": saved.delta.changed_values}
 
 
 def _link_tree(src: Path, dst: Path) -> None:
@@ -154,6 +192,8 @@ def write_delta_checkpoints(workdir: Path, model, tokenizer: Path, data, cases: 
             out["g-plain"] = write_bench_checkpoint(workdir / "identical-plain", model, "in_order", tokenizer, data)
     if "h" in cases:
         out["h"] = _write_with_writer(Path(out["f"]["path"]), workdir / "writer", model.config(), tokenizer)
+    if "s" in cases:
+        out["s"] = _write_sparse(workdir, model, tokenizer, data, base)
     if "f" not in cases:
         out.pop("f", None)
     return out
@@ -188,8 +228,10 @@ def bench_delta(llm, delta: dict, cases: list[str], args, watch, device_memory, 
 
     base = Path(delta["base"]["path"])
     variants = [v for v in args.delta_variants if v in DELTA_VARIANTS]
-    samples: dict[str, dict[str, list[dict]]] = {case: {v: [] for v in variants} for case in cases}
-    pairs = [(case, v) for case in cases for v in variants]
+    # `c-full` only where a case has a full step beside its delta (s).
+    case_variants = {case: [v for v in variants if v != "c-full" or "full_path" in delta[case]] for case in cases}
+    samples: dict[str, dict[str, list[dict]]] = {case: {v: [] for v in case_variants[case]} for case in cases}
+    pairs = [(case, v) for case in cases for v in case_variants[case]]
     for _ in range(args.warmup):  # untimed: the skip's code paths warm, as the other variants' are
         for case in cases:
             measure(llm, "c", base, args.cuda, full=True)
@@ -203,15 +245,15 @@ def bench_delta(llm, delta: dict, cases: list[str], args, watch, device_memory, 
             break
         shift = run % len(pairs)
         for case, variant in pairs[shift:] + pairs[:shift]:
-            path = Path(delta[case]["path"])
-            if variant == "c":
+            path = _variant_path(delta[case], variant)
+            if variant in ("c", "c-full"):
                 began = time.perf_counter()
                 measure(llm, "c", base, args.cuda, full=True)  # the engine holds BASE, through layerwise
                 prepare_s.append(time.perf_counter() - began)
             before = watch.reset()
             if device_memory is not None:
                 device_memory.reset()
-            sample = measure(llm, variant, path, args.cuda, full=False)
+            sample = measure(llm, "c" if variant == "c-full" else variant, path, args.cuda, full=False)
             sample["engine_peak_rss_delta_bytes"] = watch.engine_peak_delta(before)
             sample["device_peak_allocated_delta_bytes"] = device_memory.rise() if device_memory else None
             samples[case][variant].append(sample)
@@ -221,7 +263,7 @@ def bench_delta(llm, delta: dict, cases: list[str], args, watch, device_memory, 
     results = []
     for case in cases:
         times = {}
-        for v in variants:
+        for v in case_variants[case]:
             got = samples[case][v]
             times[v] = {"median": statistics.median(s["seconds"] for s in got),
                         "min": min(s["seconds"] for s in got), "max": max(s["seconds"] for s in got),
@@ -240,17 +282,24 @@ def bench_delta(llm, delta: dict, cases: list[str], args, watch, device_memory, 
                 if values:
                     times[v][f"{key}_median"] = statistics.median(values)
         results.append({"case": case, "name": DELTA_NAMES[case], "checkpoint": delta[case],
-                        "runs": len(samples[case][variants[0]]), "times": times,
+                        "runs": len(samples[case][case_variants[case][0]]), "times": times,
                         "ratios": delta_ratios(times)})
     return {"results": results, "base_reload_s_median": statistics.median(prepare_s) if prepare_s else None}
 
 
+def _variant_path(case: dict, variant: str) -> Path:
+    """The checkpoint VARIANT reads in CASE: a sparse delta's full step for everything but layerwise's c."""
+    return Path(case["path"] if variant == "c" or "full_path" not in case else case["full_path"])
+
+
 def delta_ratios(times: dict) -> dict:
-    """c over a and c over the read limit d, for one case."""
+    """c over a, over c-full (layerwise on the full step, case s) and over the read limit d, for one case."""
     med = {v: t["median"] for v, t in times.items()}
     ratios = {}
     if "a" in med and "c" in med:
         ratios["c_over_a"] = med["c"] / med["a"]
+    if "c-full" in med and "c" in med:
+        ratios["c_over_c_full"] = med["c"] / med["c-full"]
     if "d" in med and "c" in med:
         ratios["c_over_d"] = med["c"] / med["d"]
     return ratios

@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     model = model_for(args, tokenizer_vocab(tokenizer))
     total_bytes = sum(2 * numel(shape) for _, shape in model.tensors())
     # Delta checkpoints: base, f and h (g and g-plain are hard links); h's writer spills one more copy.
-    delta_copies = (1 + ("f" in args.cases or "h" in args.cases) + 2 * ("h" in args.cases)) if args.cases else 0
+    delta_copies = (1 + ("f" in args.cases or "h" in args.cases) + 2 * ("h" in args.cases)
+                    + ("s" in args.cases)) if args.cases else 0
     workdir = args.workdir or default_workdir(total_bytes * (len(args.layouts) + delta_copies))
     workdir.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -250,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                                             deadline_for(i, 1), first=i == 0, device_memory=device_memory))
         delta_out = {"results": []}
         if delta is not None:
-            for path in [delta["base"]["path"], *(delta[case]["path"] for case in args.cases)]:
+            for path in [delta["base"]["path"], *(delta[case]["path"] for case in args.cases),
+                         *(delta[case]["full_path"] for case in args.cases if "full_path" in delta[case])]:
                 warm_page_cache(Path(path))
             args.cuda = cuda
             delta_out = bench_delta(llm, delta, args.cases, args, watch, device_memory,

@@ -33,6 +33,10 @@ TARGET_PREDICTION_TOLERANCE = 0.05
 TARGET_F_OVER_A = 0.30  # 25% of layers changed, against vLLM's own reload of the same checkpoint
 TARGET_G_OVER_A = 0.05  # identical, header digests
 TARGET_G_PLAIN_OVER_D = 1.0  # identical, no header digests, against the read limit
+# Issue 49: a sparse delta at 3% of values changed, against layerwise's reload of the full step it rebuilds
+# (the issue quotes it with `--linear-fallback`), and its size against the full step's.
+TARGET_S_OVER_C_FULL = 0.25
+TARGET_S_BYTES = 0.15
 
 
 def ratios_of(t: dict, peaks: dict) -> dict:
@@ -85,6 +89,12 @@ def targets(results: list[dict], delta: list[dict] | None = None) -> list[dict]:
         if r["case"] == "g" and "c_over_a" in ratio:
             out.append({"target": f"g (identical, header digests): c / a <= {TARGET_G_OVER_A}",
                         "value": ratio["c_over_a"], "met": ratio["c_over_a"] <= TARGET_G_OVER_A})
+        if r["case"] == "s" and "c_over_c_full" in ratio:
+            out.append({"target": f"s (sparse delta, 3% of values): c / c-full <= {TARGET_S_OVER_C_FULL}",
+                        "value": ratio["c_over_c_full"], "met": ratio["c_over_c_full"] <= TARGET_S_OVER_C_FULL})
+            size = r["checkpoint"]["bytes"] / r["checkpoint"]["full_bytes"]
+            out.append({"target": f"s: delta bytes / full step <= {TARGET_S_BYTES}", "value": size,
+                        "met": size <= TARGET_S_BYTES})
         if r["case"] == "g-plain" and "c_over_d" in ratio:
             out.append({"target": f"g-plain (identical, no header digests): c / d <= {TARGET_G_PLAIN_OVER_D}",
                         "value": ratio["c_over_d"], "met": ratio["c_over_d"] <= TARGET_G_PLAIN_OVER_D})
@@ -217,7 +227,7 @@ def render_delta(data: dict) -> list[str]:
     lines = ["", f"delta cases: the engine holds the base checkpoint through layerwise before each c "
              f"({len(delta['changed_layers'])} of {delta['parent_layers']} parent layers changed in f and h, "
              f"{delta['changed_bytes'] / data['model']['bytes']:.0%} of the bytes; medians, seconds)"]
-    lines.append(f"{'case':<40}" + "".join(f"{v:>9}" for v in variants) + f"{'c/a':>7}{'c/d':>7}"
+    lines.append(f"{'case':<40}" + "".join(f"{v:>9}" for v in variants) + f"{'c/a':>7}{'c/d':>7}{'c/c-full':>9}"
                  f"{'skipped':>9}{'c read':>11}{'spot read':>11}{'spot s':>8}"
                  + "".join(f"{'RSS+ ' + v:>11}" for v in ("a", "c") if v in variants)
                  + "".join(f"{'GPU+ ' + v:>11}" for v in ("a", "c") if v in variants))
@@ -225,8 +235,9 @@ def render_delta(data: dict) -> list[str]:
         t, ratio = r["times"], r["ratios"]
         skipped = t.get("c", {}).get("skipped_layers")
         row = f"{r['case'] + ': ' + DELTA_NAMES.get(r['case'], ''):<40}"
-        row += "".join(f"{t[v]['median']:>8.3f}s" for v in variants)
+        row += "".join(f"{t[v]['median']:>8.3f}s" if v in t else f"{'-':>9}" for v in variants)
         row += f"{ratio.get('c_over_a', float('nan')):>7.2f}{ratio.get('c_over_d', float('nan')):>7.2f}"
+        row += f"{ratio.get('c_over_c_full', float('nan')):>9.2f}"
         read = t.get("c", {}).get("read_bytes")
         row += f"{'-' if skipped is None else skipped:>9}{'-' if read is None else human_bytes(read):>11}"
         spot, spot_s = t.get("c", {}).get("spot_check_bytes"), t.get("c", {}).get("spot_check_s_median")
@@ -235,6 +246,10 @@ def render_delta(data: dict) -> list[str]:
         row += "".join(f"{human_bytes(t[v]['device_peak_allocated_delta_bytes'] or 0):>11}"
                        for v in ("a", "c") if v in t and t[v]["device_peak_allocated_delta_bytes"] is not None)
         lines.append(row)
+        if "full_bytes" in r["checkpoint"]:
+            size = r["checkpoint"]["bytes"] / r["checkpoint"]["full_bytes"]
+            lines.append(f"{'':<4}the delta: {human_bytes(r['checkpoint']['bytes'])}, {size:.3f} x the full step's "
+                         f"{human_bytes(r['checkpoint']['full_bytes'])}")
     return lines
 
 

@@ -61,6 +61,20 @@ def test_delta_checkpoints(tmp_path: Path) -> None:
     assert h["file_order"]["peak_buffer_bytes"] == h["largest_layer_bytes"]
     assert _layer_digests(h) == _layer_digests(f)
 
+    # s: a sparse delta against base, of a full step with 3% of every tensor's values changed.
+    sparse = write_delta_checkpoints(tmp_path / "delta", model, tokenizer, data, ["s"])["s"]
+    full = _inspect(sparse["full_path"], "--scan")
+    assert full["scan"]["digest_mismatches"] == []
+    # Every layer changed, but a layer of a few dozen values (a norm) may have none of them drawn.
+    same = {name for name, digest in _layer_digests(full).items() if digest == layers[name]}
+    sizes = {row["name"]: row["bytes"] for row in base["layers"]}
+    assert all(sizes[name] <= 1024 for name in same) and len(same) < len(layers) / 4
+    described = _inspect(sparse["path"], "--scan")  # the delta, read as the full step it rebuilds
+    assert described["delta"] is not None and _layer_digests(described) == _layer_digests(full)
+    total = sum(row["bytes"] for row in base["layers"])
+    assert 0.02 * total < sparse["changed_values"] * 2 < 0.04 * total
+    assert sparse["bytes"] < 0.15 * sparse["full_bytes"]
+
     # Written again with the same arguments, every folder is reused as it is.
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "delta").rglob("*.safetensors")}
     again = write_delta_checkpoints(tmp_path / "delta", model, tokenizer, data, ["f", "g", "g-plain", "h"])

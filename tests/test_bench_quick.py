@@ -60,15 +60,18 @@ def test_quick_benchmark_writes_consistent_json(tmp_path, demo_models):
 
     # The delta cases: each checkpoint timed as vLLM's own reload, layerwise and the read limit.
     delta = data["delta"]
-    assert [r["case"] for r in delta["results"]] == ["f", "g", "g-plain", "h"]
+    assert [r["case"] for r in delta["results"]] == ["f", "g", "g-plain", "h", "s"]
     assert len(delta["changed_layers"]) == round(0.25 * delta["parent_layers"])
     for result in delta["results"]:
-        assert set(result["times"]) == {"a", "c", "d"} and result["runs"] == 1
+        sparse = result["case"] == "s"  # a sparse delta: c loads it, c-full the full step it rebuilds
+        assert set(result["times"]) == ({"a", "c", "c-full", "d"} if sparse else {"a", "c", "d"})
+        assert result["runs"] == 1
         assert all(t["median"] > 0 and t["engine_peak_rss_delta_bytes"] >= 0 for t in result["times"].values())
-        assert set(result["ratios"]) == {"c_over_a", "c_over_d"}
+        assert set(result["ratios"]) == {"c_over_a", "c_over_d", *(["c_over_c_full"] if sparse else [])}
     assert delta["base_reload_s_median"] > 0
     assert {t["target"].split(":")[0] for t in data["targets"]} >= {
-        "f (25% changed)", "g (identical, header digests)", "g-plain (identical, no header digests)"}
+        "f (25% changed)", "g (identical, header digests)", "g-plain (identical, no header digests)",
+        "s (sparse delta, 3% of values)"}
     assert "delta cases: the engine holds the base checkpoint" in done.stdout
     # What layerwise skipped and read: nothing of the identical checkpoint with header digests, every byte
     # without them (to hash), and only the changed layers of f and of the writer's h.
@@ -80,3 +83,12 @@ def test_quick_benchmark_writes_consistent_json(tmp_path, demo_models):
     for case in ("f", "h"):
         assert (got[case]["skipped_layers"], got[case]["read_bytes"], got[case]["reloaded_bytes"]) == (
             unchanged, changed, changed), case
+    # s: every tensor has 3% of its values changed, so every layer is loaded (but a norm none of whose few
+    # values were drawn): the base's bytes and the patches' are read, and the delta is a fraction of the step.
+    sparse = next(r for r in delta["results"] if r["case"] == "s")
+    assert sparse["checkpoint"]["bytes"] < 0.15 * sparse["checkpoint"]["full_bytes"]
+    loaded, skipped = got["s"]["reloaded_bytes"], got["s"]["skipped_bytes"]
+    assert loaded + skipped == total and skipped < 0.01 * total
+    assert loaded < got["s"]["read_bytes"] <= loaded + sparse["checkpoint"]["bytes"]
+    assert sparse["times"]["c-full"]["reloaded_bytes"] == loaded
+
