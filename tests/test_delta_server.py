@@ -78,3 +78,26 @@ def test_watch_loads_a_delta_step_against_the_step_the_server_holds(server, step
     assert "step_2" in done.stderr
     same = json.loads(_reload(server, steps["B"]).stdout)["servers"][0]["report"]
     assert same["bytes"] == 0 and same["skipped_layers"] == len(same["layers"])
+    # A server that holds a step outside the newest delta's chain is not refused: the trainer wrote B in full
+    # (step_3), then C against it (step_4); the server holds A. watch rebuilds step_4 from B's files and its
+    # patch, and the server ends on C.
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.support.deltas import rl_step, save_step
+
+    assert _reload(server, steps["A"], "--all").returncode == 0
+    shutil.copytree(steps["B"], run / "step_3")
+    b = {}
+    for shard in sorted(steps["B"].glob("*.safetensors")):
+        b.update(load_file(shard))
+    c = {name: rl_step(t, 0.02, 7) if t.dtype == torch.bfloat16 else t for name, t in b.items()}
+    assert save_step(c, run / "step_4", steps["A"], base=run / "step_3").delta is not None
+    (run / "step_3" / "STABLE").touch()
+    (run / "step_4" / "STABLE").touch()
+    save_step(c, tmp_path / "c_full", steps["A"])
+    done = run_cli("watch", str(run), "--url", server.url, "--marker", "STABLE", "--once", "--interval", "0.1")
+    assert done.returncode == 0, done.stderr
+    assert "step_4" in done.stderr
+    held = json.loads(_reload(server, tmp_path / "c_full", "--verify").stdout)["servers"][0]
+    assert held["verify"]["ok"] and held["report"]["bytes"] == 0

@@ -68,5 +68,11 @@ class WatchOptions:
         return HUB_INTERVAL_S if hub else LOCAL_INTERVAL_S
 
     def reload_options(self) -> ReloadOptions:
-        """How every target reloads a step: the defaults, and `allow_unchecked`."""
-        return ReloadOptions(allow_unchecked=self.allow_unchecked)
+        """How every target reloads a step: the defaults, `allow_unchecked`, and no delta base check.
+
+        A delta step is rebuilt from its chain's files whatever the server holds: a server that missed steps,
+        or holds a step outside the newest delta's chain (the trainer wrote a full step since), is brought to
+        the newest step, every tensor proved by the step's digests as it is read (docs/deltas.md). A chain
+        whose files are gone fails that step's pre-flight, and the server keeps its weights.
+        """
+        return ReloadOptions(allow_unchecked=self.allow_unchecked, delta_base_check=False)
