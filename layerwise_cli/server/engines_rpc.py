@@ -74,10 +74,17 @@ async def engines_rpc(raw_request: Request):
 
     gather = vllm_compat.call_utility_all_async(engine_client)
     start = time.perf_counter()
-    if gather is None:  # a client that talks to one engine only
-        per_engine = [await until_engine_dies(engine_client.collective_rpc(*call), engine_client, body["method"])]
-    else:
-        per_engine = await until_engine_dies(gather("collective_rpc", *call), engine_client, body["method"])
+    try:
+        if gather is None:  # a client that talks to one engine only
+            per_engine = [await until_engine_dies(engine_client.collective_rpc(*call), engine_client,
+                                                  body["method"])]
+        else:
+            per_engine = await until_engine_dies(gather("collective_rpc", *call), engine_client, body["method"])
+    except HTTPException:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the engine's one line, as vLLM's handler words it, without a traceback
+        return JSONResponse(status_code=500, content={"error": {"message": str(exc), "type": "InternalServerError",
+                                                                "code": 500}})
     engines = [[_jsonable(r) for r in (results or [])] for results in per_engine]
     metrics.record_call(body["method"], engines, time.perf_counter() - start)
     version = body.get("weight_version")

@@ -19,11 +19,13 @@ When one stops answering:
    `SLICE_S` seconds, the deadline a caller gave kept), so the collective call in flight fails with it:
    a reload over HTTP fails naming the node;
 4. vLLM's failure callback runs: the engine core ends, and node 0's server with it (vLLM's watchdog stops a
-   server whose engine died). A new engine needs every node restarted.
+   server whose engine died; `layerwise serve` then exits 1, told by the note `NODE_LOST_NOTE_ENV` names).
+   A new engine needs every node restarted.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -33,6 +35,9 @@ from layerwise_cli.server.peer_watch import PeerWatch
 
 # How long one read of another node's answer waits before it checks whether that node was lost.
 SLICE_S = 1.0
+# A file `layerwise serve` names for its engine processes: the engine core writes the reason there when a node is
+# lost, and the server, whose vLLM exits 0 once its engine died, exits 1 instead.
+NODE_LOST_NOTE_ENV = "LAYERWISE_NODE_LOST_NOTE"
 
 
 @dataclass
@@ -129,6 +134,10 @@ def end_engine(executor, lost: NodeLost, reason: str) -> None:
     lost.reason = reason
     sys.stderr.write(f"Error: {reason}\n")
     sys.stderr.flush()
+    note = os.environ.get(NODE_LOST_NOTE_ENV)
+    if note:
+        with open(note, "w", encoding="utf-8") as out:
+            out.write(reason)
     executor.is_failed = True
     executor.shutdown()  # this node's workers end; a read from one of them stops
     callback, executor.failure_callback = executor.failure_callback, None
