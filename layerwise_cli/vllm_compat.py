@@ -51,6 +51,7 @@ from layerwise_cli.vllm_symbols import (
     MIXTURE_OF_EXPERTS,
     MLA_ATTENTION,
     MODEL_REGISTRY,
+    MULTIPROC_EXECUTOR,
     ONLINE_PROCESS_LOADER,
     PARALLEL_STATE,
     QUANTIZATION_METHODS,
@@ -300,6 +301,27 @@ def raise_interrupts_during_engine_start() -> None:
 
     socket_context.raises_interrupts = True
     setattr(module, ZMQ_SOCKET_CTX.name, socket_context)
+
+
+def after_executor_ready(hook) -> None:
+    """Call HOOK(executor) once each multiprocessing executor built in this process is up (idempotent per hook).
+
+    vLLM's `MultiprocExecutor._post_init_executor` runs last in its start-up,
+    once every worker and answer queue is ready; the wrapper runs vLLM's,
+    then HOOK.
+    """
+    executor_class = _load(MULTIPROC_EXECUTOR)
+    name = MULTIPROC_EXECUTOR.members[0]
+    vllm_post_init = getattr(executor_class, name)
+    if hook in getattr(vllm_post_init, "layerwise_hooks", ()):
+        return
+
+    def post_init(self) -> None:
+        vllm_post_init(self)
+        hook(self)
+
+    post_init.layerwise_hooks = (*getattr(vllm_post_init, "layerwise_hooks", ()), hook)
+    setattr(executor_class, name, post_init)
 
 
 def dev_rpc_router_module():

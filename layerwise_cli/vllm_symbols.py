@@ -202,6 +202,20 @@ CLI_ENV_SETUP = PrivateSymbol("vllm.entrypoints.serve.utils.api_utils", "cli_env
 # never comes (node 0 whose other node never joined ignored SIGTERM).
 ZMQ_SOCKET_CTX = PrivateSymbol("vllm.v1.engine.utils", "zmq_socket_ctx", "function",
                                used_by="server/launch.py (wrapped: an interrupt during start-up is raised again)")
+# Node 0 of a multi-node engine watches its other nodes from the engine core (server/follower_watch.py): vLLM's
+# executor waits for ever for a dead node's answer.
+_FOLLOWER_WATCH = "server/follower_watch.py (node 0 watches the other nodes of its engine)"
+MULTIPROC_EXECUTOR = PrivateSymbol("vllm.v1.executor.multiproc_executor", "MultiprocExecutor", "class",
+                                   members=("_post_init_executor", "rpc_broadcast_mq", "response_mqs",
+                                            "local_world_size", "world_size", "is_failed", "failure_callback",
+                                            "shutdown", "collective_rpc"),
+                                   used_by=_FOLLOWER_WATCH + "; _post_init_executor wrapped")
+MESSAGE_QUEUE = PrivateSymbol("vllm.distributed.device_communicators.shm_broadcast", "MessageQueue", "class",
+                              members=("dequeue", "handle"),
+                              used_by=_FOLLOWER_WATCH + "; a remote answer queue's dequeue read in slices")
+MESSAGE_QUEUE_HANDLE = PrivateSymbol("vllm.distributed.device_communicators.shm_broadcast", "Handle", "class",
+                                     members=("remote_subscribe_addr",),
+                                     used_by=_FOLLOWER_WATCH + " (where another node's worker answers)")
 # vLLM 0.34's second reload mode (`VLLM_RELOAD_MODE=direct`): no per-layer buffers, no LAYERWISE_INFO bookkeeping.
 DIRECT_RELOAD_ENABLED = PrivateSymbol(f"{_RELOAD}.direct", "direct_reload_enabled", "function", parameters=(),
                                       since="0.34.0",

@@ -33,6 +33,8 @@ HEAVY_FILES = {
     # Measured alone on 2026-12-05, beside other work (a two-node engine and a fresh TP=2 engine, then a lone node 0):
     # 255 s.
     "test_nodes_server.py": 255,
+    # Measured alone on 2026-12-05: a two-node PP=2 engine beside a fresh PP=2 engine, then node 1 killed: 125 s.
+    "test_nodes_pp_server.py": 125,
     # Measured alone on 2026-12-05: an engine and two fresh ones (S3 and HTTPS); one server.
     "test_store_engine.py": 200, "test_store_server.py": 40,
 }

@@ -103,10 +103,10 @@ def test_serve_dry_run_for_each_node():
 
 
 def _watch(answers: list[bool]):
-    """A LeaderWatch whose probes answer ANSWERS in turn (then False), and the reasons it reported."""
+    """A headless node's PeerWatch on node 0 whose probes answer ANSWERS in turn (then False); the reasons given."""
     import threading
 
-    from layerwise_cli.server.leader_watch import LeaderWatch
+    from layerwise_cli.server.peer_watch import PeerWatch, leader_gone
 
     gone: list[str] = []
     done = threading.Event()
@@ -116,8 +116,8 @@ def _watch(answers: list[bool]):
         gone.append(reason)
         done.set()
 
-    watch = LeaderWatch("10.0.0.1", 4000, on_gone, interval=0.001, misses=3,
-                        probe=lambda host, port, timeout: next(probes, False))
+    watch = PeerWatch("10.0.0.1", 4000, on_gone, describe=leader_gone("10.0.0.1", 4000), interval=0.001,
+                      misses=3, probe=lambda host, port, timeout: next(probes, False))
     return watch, gone, done
 
 
@@ -144,7 +144,7 @@ def test_a_leader_never_reached_is_not_reported_gone():
 def test_reachable_probes_a_real_socket():
     import socket
 
-    from layerwise_cli.server.leader_watch import reachable
+    from layerwise_cli.server.peer_watch import reachable
 
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))

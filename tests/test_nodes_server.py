@@ -16,12 +16,18 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
 
 import pytest
 
 from tests.support.engine_support import reshard
-from tests.support.nodes_support import HeadlessNode, node_options, start_nodes, two_nodes, wait_for_port
+from tests.support.nodes_support import (
+    HeadlessNode,
+    node_options,
+    start_nodes,
+    start_together,
+    two_nodes,
+    wait_for_port,
+)
 from tests.support.server_support import SMALL, RunningServer, free_port, own_core, run_cli
 from tests.support.watch_support import start, wait_until
 
@@ -63,22 +69,7 @@ def engine(demo_models, tmp_path_factory):
                           env={"VLLM_CPU_OMP_THREADS_BIND": cpu_threads_binding(2)})
     ours = Engine(leader, follower, disks)
     try:
-        errors: list[BaseException] = []
-
-        def run(step) -> None:
-            try:
-                step()
-            except BaseException as exc:  # noqa: BLE001 - raised below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=(lambda: start_nodes(leader, follower),)),
-                   threading.Thread(target=run, args=(lambda: start(fresh),))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if errors:
-            raise errors[0]
+        start_together(lambda: start_nodes(leader, follower), lambda: start(fresh))
         from layerwise_cli.client.remote import server_fingerprints
 
         ours.fresh_answers = fresh.answers(PAIRS)

@@ -25,6 +25,9 @@ from fastapi import Request
 
 from layerwise_cli import ENGINES_RPC_PATH
 
+# How often a call in flight checks that the engine is still alive.
+ENGINE_POLL_S = 1.0
+
 
 def attach_engines_rpc() -> None:
     """Add the endpoint wherever vLLM attaches its `/collective_rpc` (only with VLLM_SERVER_DEV_MODE=1)."""
@@ -71,10 +74,17 @@ async def engines_rpc(raw_request: Request):
 
     gather = vllm_compat.call_utility_all_async(engine_client)
     start = time.perf_counter()
-    if gather is None:  # a client that talks to one engine only
-        per_engine = [await engine_client.collective_rpc(*call)]
-    else:
-        per_engine = await gather("collective_rpc", *call)
+    try:
+        if gather is None:  # a client that talks to one engine only
+            per_engine = [await until_engine_dies(engine_client.collective_rpc(*call), engine_client,
+                                                  body["method"])]
+        else:
+            per_engine = await until_engine_dies(gather("collective_rpc", *call), engine_client, body["method"])
+    except HTTPException:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the engine's one line, as vLLM's handler words it, without a traceback
+        return JSONResponse(status_code=500, content={"error": {"message": str(exc), "type": "InternalServerError",
+                                                                "code": 500}})
     engines = [[_jsonable(r) for r in (results or [])] for results in per_engine]
     metrics.record_call(body["method"], engines, time.perf_counter() - start)
     version = body.get("weight_version")
@@ -85,6 +95,28 @@ async def engines_rpc(raw_request: Request):
         await engine_client.update_weight_version(version)
         metrics.record_version(version)
     return JSONResponse(content={"engines": engines})
+
+
+async def until_engine_dies(call, engine_client, method: str, *, poll_s: float = ENGINE_POLL_S):
+    """CALL's answer, or HTTP 503 once the engine is dead without answering it.
+
+    vLLM's engine client leaves a call in flight waiting for ever when the
+    engine core process ends (its answer never comes); the request would then
+    also keep the server from stopping (uvicorn waits for it).
+    """
+    import asyncio
+
+    from fastapi import HTTPException
+
+    task = asyncio.ensure_future(call)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=poll_s)
+        if done:
+            return task.result()
+        if getattr(engine_client, "errored", False):
+            task.cancel()
+            raise HTTPException(status_code=503, detail=f"the engine died during {method} without answering it; "
+                                "its server stops (its log says why)")
 
 
 def _jsonable(result):

@@ -15,8 +15,8 @@ import sys
 import traceback
 
 from layerwise_cli import vllm_compat
-from layerwise_cli.server.leader_watch import INTERVAL_S, LeaderWatch, reachable
 from layerwise_cli.server.nodes import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT
+from layerwise_cli.server.peer_watch import INTERVAL_S, PeerWatch, leader_gone, reachable
 
 
 def option_value(args: list[str], option: str, default: str) -> str:
@@ -63,7 +63,7 @@ def run_headless_node(args: list[str]) -> None:
     host = option_value(args, "--master-addr", DEFAULT_MASTER_ADDR)
     port = int(option_value(args, "--master-port", str(DEFAULT_MASTER_PORT)))
     where = f"{option_value(args, '--model', 'layerwise serve')}: node {option_value(args, '--node-rank', '?')}"
-    watch = LeaderWatch(host, port, on_gone=_stop_this_node).start()
+    watch = PeerWatch(host, port, on_gone=_stop_this_node, describe=leader_gone(host, port)).start()
     failure: Exception | None = None
     with capture_engine_output() as output:
         try:

@@ -7,9 +7,13 @@ a follower node instead (`server/headless.py`): workers only, no server.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import tempfile
 import traceback
+from collections.abc import Iterator
+from pathlib import Path
 
 from layerwise_cli import vllm_compat
 from layerwise_cli.server.command_line import OPEN_PATHS
@@ -44,6 +48,20 @@ def _guard_every_endpoint() -> None:
     authenticate.AuthenticationMiddleware = GuardEveryEndpoint
 
 
+@contextlib.contextmanager
+def node_lost_note() -> Iterator[Path]:
+    """A path, named to this server's engine processes, where node 0's engine core says a node was lost."""
+    from layerwise_cli.server.follower_watch import NODE_LOST_NOTE_ENV
+
+    with tempfile.TemporaryDirectory(prefix="layerwise-serve-") as folder:
+        note = Path(folder) / "node-lost"
+        os.environ[NODE_LOST_NOTE_ENV] = str(note)
+        try:
+            yield note
+        finally:
+            os.environ.pop(NODE_LOST_NOTE_ENV, None)
+
+
 def launch_vllm_server(args: list[str]) -> None:
     """Run vLLM's OpenAI server in this process with `args`, every endpoint behind the API key if one is set."""
     import runpy
@@ -57,7 +75,7 @@ def launch_vllm_server(args: list[str]) -> None:
     sys.argv = [VLLM_SERVER_MODULE, *args]
     model = args[args.index("--model") + 1] if "--model" in args[:-1] else "layerwise serve"
     # vLLM's engine process logs why it failed; the server only raises "see root cause above".
-    with capture_engine_output() as output:
+    with capture_engine_output() as output, node_lost_note() as node_lost:
         try:
             runpy.run_module(VLLM_SERVER_MODULE, run_name="__main__", alter_sys=True)
         except KeyboardInterrupt:
@@ -67,6 +85,8 @@ def launch_vllm_server(args: list[str]) -> None:
         except Exception as exc:  # noqa: BLE001 - becomes the one-line error below
             failure = exc
         else:
+            if node_lost.exists():
+                sys.exit(1)  # the engine ended because a node was lost; its engine core said why, on stderr
             return
     if os.environ.get("LAYERWISE_DEBUG", "") not in {"", "0"}:
         traceback.print_exception(failure)

@@ -4,8 +4,11 @@ vLLM calls every `vllm.general_plugins` entry point in each of its processes
 before it builds the server. In the API server process this adds, next to
 vLLM's dev endpoints (`VLLM_SERVER_DEV_MODE=1`), what `layerwise serve` adds:
 `/layerwise/engines_rpc` (per-engine answers, the version set with the reload)
-and the pause lease (`server/pause_lease.py`). In vLLM's other processes it
-does nothing.
+and the pause lease (`server/pause_lease.py`). In every process it also
+wraps vLLM's multiprocessing executor so that node 0 of an engine spread over
+several nodes (its engine core) watches the other nodes and ends the engine,
+naming the node, when one is gone (`server/follower_watch.py`); elsewhere
+that wrapper does nothing.
 """
 
 from __future__ import annotations
@@ -24,9 +27,20 @@ def in_api_server() -> bool:
 
 
 def register() -> None:
-    """Attach layerwise's endpoints where vLLM attaches its dev endpoints (idempotent; API server only)."""
+    """Watch the other nodes from node 0's executor; attach layerwise's endpoints in the API server (idempotent)."""
+    _watch_other_nodes()
     if not in_api_server():
         return
     from layerwise_cli.server.engines_rpc import attach_engines_rpc
 
     attach_engines_rpc()
+
+
+def _watch_other_nodes() -> None:
+    """Install the follower watch; a vLLM without the executor it wraps gets a one-line warning, never a failure."""
+    from layerwise_cli.server.follower_watch import install
+
+    try:
+        install()
+    except Exception as exc:  # noqa: BLE001 - a plugin must not stop vLLM from starting
+        sys.stderr.write(f"Warning: layerwise: node 0 of a multi-node engine will not notice a lost node: {exc}\n")

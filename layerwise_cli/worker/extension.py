@@ -12,6 +12,7 @@ from layerwise_cli.worker.proof.fingerprints import model_fingerprints
 from layerwise_cli.worker.proof.verify import verify_against_source
 from layerwise_cli.worker.quantization import online_quant  # noqa: F401 - registers layerwise's online quantizations here
 from layerwise_cli.worker.reload.engine_context import engine_config
+from layerwise_cli.worker.reload.hold_point import hold_if_armed
 from layerwise_cli.worker.reload.reload_plan import loaded_from, mark_loaded_from
 from layerwise_cli.worker.reload.rollback import roll_back
 from layerwise_cli.worker.rpc import (
@@ -74,10 +75,15 @@ class LayerwiseWorkerExtension:
 
         asked = ReloadOptions.from_json(options)
         touched = {"engine": False}
+
+        def engine_touched() -> None:
+            touched.update(engine=True)
+            hold_if_armed()  # a fault test's moment to kill a node (a no-op unless it armed one)
+
         try:
             try:
                 report = stream_reload(self, source, asked, agree=all_ranks_agree, records=records_of(self),
-                                       on_engine_touched=lambda: touched.update(engine=True))
+                                       on_engine_touched=engine_touched)
                 failure = None
             except Exception as exc:  # noqa: BLE001 - raised below, after the ranks agreed what to do
                 failure = exc

@@ -9,7 +9,9 @@ nodes' workers joined.
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.support.server_support import SMALL, RunningServer, free_port, own_core
@@ -26,30 +28,32 @@ class HeadlessNode(RunningServer):
 
     def exited(self, within: float) -> int | None:
         """Its exit code once it has ended, waiting up to WITHIN seconds (None: still running then)."""
-        assert self._proc is not None
-        try:
-            return self._proc.wait(timeout=within)
-        except subprocess.TimeoutExpired:
-            return None
+        return ended(self, within)
 
     def processes(self) -> list[int]:
         """Its process group's live processes (itself and its workers)."""
-        return self._group()
+        return group_processes(self)
 
 
-def node_options(rank: int, master_port: int, tp: int = 2) -> list[str]:
-    """`layerwise serve`'s options for node RANK of 2 (TP=TP over both), its small engine settings included."""
+def node_options(rank: int, master_port: int, tp: int = 2, pp: int = 1) -> list[str]:
+    """`layerwise serve`'s options for node RANK of 2 (TP x PP over both), its small engine settings included."""
     headless = ["--headless"] if rank else []
-    return ["--tensor-parallel-size", str(tp), "--nnodes", "2", "--node-rank", str(rank), "--master-addr",
-            "127.0.0.1", "--master-port", str(master_port), *headless, *SMALL]
+    pipeline = ["--pipeline-parallel-size", str(pp)] if pp > 1 else []
+    return ["--tensor-parallel-size", str(tp), *pipeline, "--nnodes", "2", "--node-rank", str(rank),
+            "--master-addr", "127.0.0.1", "--master-port", str(master_port), *headless, *SMALL]
 
 
-def two_nodes(model: Path | str, disks: tuple[Path, Path]) -> tuple[RunningServer, HeadlessNode]:
-    """Node 0 (API server) and node 1 (headless), not started; node I runs in DISKS[I], on core I."""
+def two_nodes(model: Path | str, disks: tuple[Path, Path], *, tp: int = 2, pp: int = 1,
+              node_1_env: dict[str, str] | None = None) -> tuple[RunningServer, HeadlessNode]:
+    """Node 0 (API server) and node 1 (headless), not started; node I runs in DISKS[I], on core I.
+
+    NODE_1_ENV: more environment for node 1 (its workers inherit it).
+    """
     master_port = free_port()
-    leader = RunningServer(model, cwd=disks[0], env=own_core(0), extra=node_options(0, master_port),
+    leader = RunningServer(model, cwd=disks[0], env=own_core(0), extra=node_options(0, master_port, tp, pp),
                            start_timeout=600)
-    follower = HeadlessNode(model, cwd=disks[1], env=own_core(1), extra=node_options(1, master_port))
+    follower = HeadlessNode(model, cwd=disks[1], env={**own_core(1), **(node_1_env or {})},
+                            extra=node_options(1, master_port, tp, pp))
     return leader, follower
 
 
@@ -62,9 +66,41 @@ def start_nodes(leader: RunningServer, follower: HeadlessNode) -> None:
         raise RuntimeError(f"{exc}\n--- node 1's log:\n{follower.log_tail()}") from None
 
 
+def start_together(*starts: Callable[[], object]) -> None:
+    """Run each of STARTS in a thread of its own (engines start side by side); raise the first failure."""
+    errors: list[BaseException] = []
+
+    def run(start: Callable[[], object]) -> None:
+        try:
+            start()
+        except BaseException as exc:  # noqa: BLE001 - raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(start,)) for start in starts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+def ended(server: RunningServer, within: float) -> int | None:
+    """SERVER's exit code once it has ended, waiting up to WITHIN seconds (None: still running then)."""
+    try:
+        return server._proc.wait(timeout=within)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def group_processes(server: RunningServer) -> list[int]:
+    """SERVER's process group's live processes (itself, its engine core and its workers)."""
+    return server._group()
+
+
 def wait_for_port(port: int, within: float) -> bool:
     """Whether something listens on loopback PORT within WITHIN seconds."""
-    from layerwise_cli.server.leader_watch import reachable
+    from layerwise_cli.server.peer_watch import reachable
 
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
