@@ -120,3 +120,42 @@ def test_a_dropped_connection_resumes_and_every_byte_arrives_once(store_env, sha
     assert proxy.dropped >= 1
     assert got == shard.read_bytes()
     assert fetched == shard.stat().st_size  # resumed at the last byte received: none fetched twice
+
+
+def test_reorder_from_s3_writes_what_reorder_from_the_local_folder_writes(store_env, sharded, tmp_path) -> None:
+    url, folder = sharded
+    runner = CliRunner()
+    remote = runner.invoke(app, ["reorder", url, str(tmp_path / "remote"), "--verify", "--json"])
+    assert remote.exit_code == 0, remote.output
+    local = runner.invoke(app, ["reorder", str(folder), str(tmp_path / "local"), "--verify", "--json"])
+    assert local.exit_code == 0, local.output
+    report = json.loads(remote.stdout)
+    assert report["revision"].startswith("etags:") and report["verified"] is True
+    written = {p.name: p.read_bytes() for p in (tmp_path / "remote").iterdir()}
+    assert written == {p.name: p.read_bytes() for p in (tmp_path / "local").iterdir()}
+    assert "config.json" in written and not list(tmp_path.glob(".remote*"))  # no fetched file left beside it
+
+
+def test_reorder_refuses_an_object_overwritten_during_the_copy(store_env, sharded, tmp_path, monkeypatch) -> None:
+    import obstore
+
+    from layerwise_cli.checkpoint.store import StoreSource
+
+    _url, folder = sharded
+    url = store_env.put_folder("run/overwritten", folder)
+    shard = sorted(folder.glob("*.safetensors"))[-1].name
+    fetch, overwritten = StoreSource.fetch, []
+
+    def overwrite_first(self, filename, identity, start, end, write):
+        # The trainer rewrites a shard after reorder read the headers and pinned the ETags.
+        if not overwritten:
+            obstore.put(store_env.objects("run/overwritten"), shard, (folder / shard).read_bytes() + b" ")
+            overwritten.append(shard)
+        return fetch(self, filename, identity, start, end, write)
+
+    monkeypatch.setattr(StoreSource, "fetch", overwrite_first)
+    done = CliRunner().invoke(app, ["reorder", url, str(tmp_path / "out")])
+    errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
+    assert done.exit_code == 1 and overwritten and len(errors) == 1, done.output
+    assert "the object changed since" in errors[0] and f"{url}/" in errors[0], errors
+    assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())

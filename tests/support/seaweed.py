@@ -19,6 +19,8 @@ from pathlib import Path
 from tests.support.server_support import free_port
 
 ACCESS_KEY, SECRET_KEY = "layerwise-test", "layerwise-test-secret"
+# A second identity that may read and list, not write or delete (a store that does not allow `watch --keep`).
+READER_KEY, READER_SECRET = "layerwise-reader", "layerwise-reader-secret"
 BUCKET = "ckpts"
 
 
@@ -47,7 +49,8 @@ class SeaweedS3:
         self._log = open(self.root / "weed.log", "wb")  # noqa: SIM115 - open for the server's lifetime
 
     def env(self, **overrides: str) -> dict[str, str]:
-        """The environment a client of this server reads: credentials, endpoint, region."""
+        """The environment a client of this server reads: credentials, endpoint, region (READER_KEY's with
+        `AWS_ACCESS_KEY_ID=READER_KEY, AWS_SECRET_ACCESS_KEY=READER_SECRET` as OVERRIDES)."""
         return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
                 "AWS_ENDPOINT_URL": self.endpoint, "AWS_REGION": "us-east-1", **overrides}
 
@@ -73,7 +76,9 @@ class SeaweedS3:
         config = self.root / "s3.json"
         config.write_text(json.dumps({"identities": [{
             "name": "tester", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
-            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}, {
+            "name": "reader", "credentials": [{"accessKey": READER_KEY, "secretKey": READER_SECRET}],
+            "actions": ["Read", "List"]}]}))
         (self.root / "data").mkdir()
         ports = {flag: free_port() for flag in (
             "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
