@@ -159,3 +159,39 @@ def test_reorder_refuses_an_object_overwritten_during_the_copy(store_env, sharde
     assert done.exit_code == 1 and overwritten and len(errors) == 1, done.output
     assert "the object changed since" in errors[0] and f"{url}/" in errors[0], errors
     assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
+
+
+def test_fetched_objects_are_cached_by_their_etag_and_bounded_disk_keeps_nothing(store_env, sharded, tmp_path,
+                                                                                   monkeypatch) -> None:
+    import obstore
+
+    from layerwise_cli.checkpoint.hub_fetch import RangeFetcher, whole_files
+    from layerwise_cli.checkpoint.store import StoreSource, store_cache_folder
+
+    monkeypatch.setenv("LAYERWISE_CACHE", str(tmp_path / "cache"))
+    _url, folder = sharded
+    url = store_env.put_folder("run/cached", folder)
+    shard = sorted(folder.glob("*.safetensors"))[-1]
+
+    def fetch(keep: bool) -> tuple[bytes, int]:
+        size = StoreSource(url).metadata(shard.name)[1]
+        with RangeFetcher(StoreSource(url), whole_files({shard.name: size}), keep=keep) as fetcher:
+            fetcher.check()
+            return fetcher.read(shard.name, 0, size), fetcher.bytes_fetched
+
+    def kept() -> list[int]:
+        blobs = store_cache_folder(url) / "blobs"
+        return sorted(p.stat().st_size for p in blobs.iterdir()) if blobs.is_dir() else []
+
+    # Bounded disk: fetched, nothing kept.
+    assert fetch(keep=False) == (shard.read_bytes(), shard.stat().st_size)
+    assert kept() == []
+    # Kept: the next fetch at the same ETag reads the cache, fetching nothing.
+    assert fetch(keep=True) == (shard.read_bytes(), shard.stat().st_size)
+    assert kept() == [shard.stat().st_size]
+    assert fetch(keep=True) == (shard.read_bytes(), 0)
+    # The object rewritten: another ETag, another key: fetched again, never the old bytes.
+    changed = shard.read_bytes()[:-1] + bytes([shard.read_bytes()[-1] ^ 1])
+    obstore.put(store_env.objects("run/cached"), shard.name, changed)
+    assert fetch(keep=True) == (changed, len(changed))
+    assert kept() == [shard.stat().st_size, len(changed)]

@@ -216,7 +216,7 @@ def test_a_listing_that_fails_mid_watch_is_an_event_and_the_watch_goes_on(store_
 
 
 @pytest.mark.parametrize(("url", "env", "message"), [
-    ("s3://no-such-bucket/run/", {}, "no-such-bucket"),
+    ("s3://no-such-bucket/run/", {}, "s3://no-such-bucket/run: no such bucket"),
     (f"s3://{BUCKET}/keep/", {"AWS_SECRET_ACCESS_KEY": "wrong-secret"}, "access denied"),
 ])
 def test_the_first_listing_fails_in_one_line(store_env, monkeypatch, url, env, message) -> None:

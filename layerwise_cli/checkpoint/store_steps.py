@@ -89,7 +89,7 @@ class StoreStep:
         again under this name). The store not answering: not its fault, tried again.
         """
         try:
-            now = dict(list_objects(self.url))
+            now = {path: (etag, size) for path, etag, size in list_objects(self.url)}
         except LayerwiseError as exc:
             return f"the store did not answer whether the step is still there ({exc.what})", False
         if not now:
@@ -148,8 +148,6 @@ def list_objects(url: str) -> list[tuple[str, str, int]]:
         for page in obstore.list(store, chunk_size=1000):
             found.extend((str(meta["path"]), identity_of(meta), int(meta["size"])) for meta in page)
     except Exception as exc:
-        if "NoSuchBucket" in str(exc) or "ContainerNotFound" in str(exc):
-            raise LayerwiseError("no such bucket", where=display_url(url)) from None
         raise store_error(exc, display_url(url)) from exc
     return found
 

@@ -54,7 +54,11 @@ def delete_old_steps(list_now: Callable[[], list], options: WatchOptions, target
     if not all(s.version == target.name and not s.dirty for s in servers if s.up):
         return
     protected = {s.last_version for s in servers if s.last_version} | {s.version for s in servers if s.version}
-    for step in steps_to_delete(list_now(), keep, target, protected):
+    try:
+        steps = list_now()
+    except LayerwiseError:
+        return  # the root cannot be listed now: the next poll says so (a URL's as source_down)
+    for step in steps_to_delete(steps, keep, target, protected):
         if _refusal(step, options.marker) is not None:
             continue  # not a step this watch would load: left alone, and nothing happened to report
         try:

@@ -49,10 +49,15 @@ class SeaweedS3:
         self._log = open(self.root / "weed.log", "wb")  # noqa: SIM115 - open for the server's lifetime
 
     def env(self, **overrides: str) -> dict[str, str]:
-        """The environment a client of this server reads: credentials, endpoint, region (READER_KEY's with
-        `AWS_ACCESS_KEY_ID=READER_KEY, AWS_SECRET_ACCESS_KEY=READER_SECRET` as OVERRIDES)."""
+        """The environment a client of this server reads: credentials, endpoint, region, layerwise's cache folder.
+
+        OVERRIDES replace any of them (a reader's credentials: `AWS_ACCESS_KEY_ID=READER_KEY`,
+        `AWS_SECRET_ACCESS_KEY=READER_SECRET`).
+        """
+        # layerwise's store cache beside the server's data: deleted with it, never the user's.
         return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-                "AWS_ENDPOINT_URL": self.endpoint, "AWS_REGION": "us-east-1", **overrides}
+                "AWS_ENDPOINT_URL": self.endpoint, "AWS_REGION": "us-east-1",
+                "LAYERWISE_CACHE": str(self.root / "cache"), **overrides}
 
     def objects(self, prefix: str):
         """An obstore client on `s3://BUCKET/PREFIX` of this server, for the test's own puts."""
