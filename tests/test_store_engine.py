@@ -134,3 +134,27 @@ def test_a_step_over_https_streams_into_the_engine_equal_to_a_fresh_one(engine, 
         weights = sum(p.stat().st_size for p in ckpts["A"].glob("*.safetensors"))
         assert 0 < sum(n for name, n in server.sent.items() if name.endswith(".safetensors")) <= 1.05 * weights
     assert_is_fresh(engine, ckpts["A"])
+
+
+def test_a_reload_at_the_same_etags_reads_the_store_cache_and_bounded_disk_keeps_nothing(engine, s3, ckpts) -> None:
+    import layerwise_cli
+    from layerwise_cli.checkpoint.store import store_cache_folder
+
+    url = s3.put_folder("run/B-cached", ckpts["B"])  # a prefix of its own: nothing of it cached yet
+    blobs = store_cache_folder(url) / "blobs"
+
+    def kept() -> list[int]:
+        return sorted(p.stat().st_size for p in blobs.iterdir() if p.is_file()) if blobs.is_dir() else []
+
+    def from_a(**options):
+        layerwise_cli.reload(engine, str(ckpts["A"]))  # every layer differs from B: all of B is handed over
+        return layerwise_cli.reload(engine, url, **options)
+
+    bounded = from_a(bounded_disk=True)
+    assert bounded.volume.fetched_bytes and kept() == []
+    first = from_a()
+    shards = sorted(p.stat().st_size for p in ckpts["B"].glob("*.safetensors"))
+    assert first.volume.fetched_bytes and kept() == shards  # each shard kept whole, under its ETag's key
+    again = from_a()
+    assert again.volume.fetched_bytes == 0  # read from the cache: nothing fetched
+    assert_is_fresh(engine, ckpts["B"])
