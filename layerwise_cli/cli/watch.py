@@ -94,7 +94,7 @@ def watch_command(
     ROOT may be a Hub repo id (org/name): each new commit of --revision
     (default: main) is a step, named by its commit and loaded
     at that commit (never the branch); the servers fetch it while they still
-    serve. --marker, --pattern and --keep apply to a local root only.
+    serve. --marker, --pattern and --keep apply to a local root or a URL prefix.
 
     Example: layerwise watch /runs/exp1/weights --url http://127.0.0.1:8000 --url http://127.0.0.1:8001 --keep 3
     """
