@@ -9,7 +9,8 @@ credentials in its environment and in the servers') must:
   on that model by fingerprints and answers;
 - never load step_2, whose index names a shard that is not there;
 - roll back step_4 (*add* with a NaN in its final norm, found after every other layer was loaded), report it
-  once as broken, leave both servers on step_3, and go on to step_5 (*add*).
+  once as broken, leave both servers on step_3, and go on to step_5 (*add*);
+- fetch each step in the servers' pre-flight, into their store cache, so that the reloads fetch nothing.
 """
 
 from __future__ import annotations
@@ -82,13 +83,14 @@ def held(server) -> tuple:
     return server_fingerprints(server.url), server.answers(PAIRS), weight_version(server.url)
 
 
-def test_watch_keeps_two_servers_on_the_newest_complete_step_in_a_bucket(servers, sources, s3):
+def test_watch_keeps_two_servers_on_the_newest_complete_step_in_a_bucket(servers, sources, s3, tmp_path):
     a, b = servers
+    log_path = tmp_path / "watch.jsonl"
     fresh = {"multiply": held(a)[:2], "add": held(b)[:2]}
     assert fresh["multiply"][1] == [answer("multiply", x, y) for x, y in PAIRS]
     assert fresh["add"][1] == [answer("add", x, y) for x, y in PAIRS]
     watch = WatchProcess(f"s3://{BUCKET}/{RUN}/", "--url", a.url, "--url", b.url, "--interval", "0.2",
-                         "--settle", "0.5", env=s3.env())
+                         "--settle", "0.5", "--log", str(log_path), env=s3.env())
     try:
         for server in (a, b):
             watch.wait_for(("server_seen", "server_back"), server=server.url)
@@ -128,6 +130,11 @@ def test_watch_keeps_two_servers_on_the_newest_complete_step_in_a_bucket(servers
         "step_4"]
     failed = [e for e in events if e["event"] == "reload_failed"]
     assert failed and {e["step"] for e in failed} == {"step_4"}, failed
+    # Each server's pre-flight fetched the step into its store cache while it still served: the reloads (the
+    # pauses) fetched nothing.
+    done = [json.loads(line) for line in log_path.read_text().splitlines() if '"reload_done"' in line]
+    assert len(done) == 6 and all(e["report"]["report"]["fetched_bytes"] == 0 for e in done), [
+        e["report"]["report"]["fetched_bytes"] for e in done]
     # Restarted with --once: both servers hold the newest step; nothing is reloaded.
     once = subprocess.run([LAYERWISE, "watch", f"s3://{BUCKET}/{RUN}/", "--url", a.url, "--url", b.url, "--once",
                            "--settle", "0", "--interval", "0.2", "--json"], cwd=ROOT, env={**ENV, **s3.env()},
