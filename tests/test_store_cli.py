@@ -195,3 +195,32 @@ def test_fetched_objects_are_cached_by_their_etag_and_bounded_disk_keeps_nothing
     obstore.put(store_env.objects("run/cached"), shard.name, changed)
     assert fetch(keep=True) == (changed, len(changed))
     assert kept() == [shard.stat().st_size, len(changed)]
+
+
+def test_reorder_reads_the_shards_a_fetch_kept_whole_in_the_store_cache(store_env, sharded, tmp_path,
+                                                                        monkeypatch) -> None:
+    from layerwise_cli.checkpoint.hub_fetch import RangeFetcher, whole_files
+    from layerwise_cli.checkpoint.store import StoreSource
+
+    monkeypatch.setenv("LAYERWISE_CACHE", str(tmp_path / "cache"))
+    _url, folder = sharded
+    url = store_env.put_folder("run/reorder-cached", folder)
+    sizes = {p.name: p.stat().st_size for p in folder.glob("*.safetensors")}
+    with RangeFetcher(StoreSource(url), whole_files(sizes), keep=True) as fetcher:  # a reload's fetch, kept
+        fetcher.check()
+    fetch, fetched = StoreSource.fetch, []
+
+    def counted(self, filename, identity, start, end, write):
+        fetched.append(filename)
+        return fetch(self, filename, identity, start, end, write)
+
+    monkeypatch.setattr(StoreSource, "fetch", counted)
+    runner = CliRunner()
+    done = runner.invoke(app, ["reorder", url, str(tmp_path / "remote"), "--verify"])
+    assert done.exit_code == 0, done.output
+    assert fetched == []  # every shard read from the cache
+    assert runner.invoke(app, ["reorder", str(folder), str(tmp_path / "local")]).exit_code == 0
+    assert {p.name: p.read_bytes() for p in (tmp_path / "remote").iterdir()} == {
+        p.name: p.read_bytes() for p in (tmp_path / "local").iterdir()}
+    # The cache is left as it was: the shards, whole, nothing deleted or added.
+    assert sorted(p.stat().st_size for p in (tmp_path / "cache").rglob("blobs/*")) == sorted(sizes.values())

@@ -4,7 +4,8 @@ Both fetchers answer the same two questions: a local path for one shard (and whe
 and a local folder holding the checkpoint's other files (config, tokenizer, model card). A Hub repo's is
 `hub.HubFetcher` (huggingface_hub, through the Hub cache); a URL's is `StoreFetcher`: every byte read through
 `store.StoreSource` at the ETags the checkpoint's headers were pinned at, so an object overwritten during the
-copy is refused, naming it, never mixed into the copy.
+copy is refused, naming it, never mixed into the copy; a shard already whole in the store cache at that ETag is
+read from there.
 """
 
 from __future__ import annotations
@@ -34,7 +35,12 @@ class StoreFetcher:
         self.source = StoreSource(checkpoint.source, pinned=checkpoint.pinned, policy=FetchPolicy())
 
     def shard(self, name: str) -> tuple[Path, bool]:
-        """A local copy of shard NAME (at its pinned ETag, resumed after a dropped connection), to delete after use."""
+        """A local path for shard NAME at its pinned ETag, and whether to delete it after use: the store cache's
+        file when an earlier fetch kept it whole there, else a copy fetched now (resumed after a dropped
+        connection)."""
+        cached = self.source.cached(name)
+        if cached is not None:
+            return cached, False
         identity, size = self.source.metadata(name)
         return self._write(name, size, lambda write: self.source.fetch(name, identity, 0, size, write)), True
 

@@ -120,6 +120,12 @@ class StoreSource:
         return PartialBlob(store_cache_folder(self.url), filename, cache_key(filename, identity, size), size,
                            keep=keep, where=self.where(filename), verify=False)
 
+    def cached(self, filename: str) -> Path | None:
+        """FILENAME's whole file in the store cache at its pinned identity (kept by an earlier fetch), or None."""
+        identity, size = self.metadata(filename)
+        path = store_cache_folder(self.url) / "blobs" / cache_key(filename, identity, size)
+        return path if path.is_file() and path.stat().st_size == size else None
+
     def finish(self, blob: PartialBlob) -> None:
         """A complete kept file moves into the cache's `blobs/`; nothing to verify: every request named the
         identity (`If-Match`), so the bytes are that object's."""
