@@ -120,3 +120,107 @@ def test_a_dropped_connection_resumes_and_every_byte_arrives_once(store_env, sha
     assert proxy.dropped >= 1
     assert got == shard.read_bytes()
     assert fetched == shard.stat().st_size  # resumed at the last byte received: none fetched twice
+
+
+def test_reorder_from_s3_writes_what_reorder_from_the_local_folder_writes(store_env, sharded, tmp_path) -> None:
+    url, folder = sharded
+    runner = CliRunner()
+    remote = runner.invoke(app, ["reorder", url, str(tmp_path / "remote"), "--verify", "--json"])
+    assert remote.exit_code == 0, remote.output
+    local = runner.invoke(app, ["reorder", str(folder), str(tmp_path / "local"), "--verify", "--json"])
+    assert local.exit_code == 0, local.output
+    report = json.loads(remote.stdout)
+    assert report["revision"].startswith("etags:") and report["verified"] is True
+    written = {p.name: p.read_bytes() for p in (tmp_path / "remote").iterdir()}
+    assert written == {p.name: p.read_bytes() for p in (tmp_path / "local").iterdir()}
+    assert "config.json" in written and not list(tmp_path.glob(".remote*"))  # no fetched file left beside it
+
+
+def test_reorder_refuses_an_object_overwritten_during_the_copy(store_env, sharded, tmp_path, monkeypatch) -> None:
+    import obstore
+
+    from layerwise_cli.checkpoint.store import StoreSource
+
+    _url, folder = sharded
+    url = store_env.put_folder("run/overwritten", folder)
+    shard = sorted(folder.glob("*.safetensors"))[-1].name
+    fetch, overwritten = StoreSource.fetch, []
+
+    def overwrite_first(self, filename, identity, start, end, write):
+        # The trainer rewrites a shard after reorder read the headers and pinned the ETags.
+        if not overwritten:
+            obstore.put(store_env.objects("run/overwritten"), shard, (folder / shard).read_bytes() + b" ")
+            overwritten.append(shard)
+        return fetch(self, filename, identity, start, end, write)
+
+    monkeypatch.setattr(StoreSource, "fetch", overwrite_first)
+    done = CliRunner().invoke(app, ["reorder", url, str(tmp_path / "out")])
+    errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
+    assert done.exit_code == 1 and overwritten and len(errors) == 1, done.output
+    assert "the object changed since" in errors[0] and f"{url}/" in errors[0], errors
+    assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
+
+
+def test_fetched_objects_are_cached_by_their_etag_and_bounded_disk_keeps_nothing(store_env, sharded, tmp_path,
+                                                                                   monkeypatch) -> None:
+    import obstore
+
+    from layerwise_cli.checkpoint.hub_fetch import RangeFetcher, whole_files
+    from layerwise_cli.checkpoint.store import StoreSource, store_cache_folder
+
+    monkeypatch.setenv("LAYERWISE_CACHE", str(tmp_path / "cache"))
+    _url, folder = sharded
+    url = store_env.put_folder("run/cached", folder)
+    shard = sorted(folder.glob("*.safetensors"))[-1]
+
+    def fetch(keep: bool) -> tuple[bytes, int]:
+        size = StoreSource(url).metadata(shard.name)[1]
+        with RangeFetcher(StoreSource(url), whole_files({shard.name: size}), keep=keep) as fetcher:
+            fetcher.check()
+            return fetcher.read(shard.name, 0, size), fetcher.bytes_fetched
+
+    def kept() -> list[int]:
+        blobs = store_cache_folder(url) / "blobs"
+        return sorted(p.stat().st_size for p in blobs.iterdir()) if blobs.is_dir() else []
+
+    # Bounded disk: fetched, nothing kept.
+    assert fetch(keep=False) == (shard.read_bytes(), shard.stat().st_size)
+    assert kept() == []
+    # Kept: the next fetch at the same ETag reads the cache, fetching nothing.
+    assert fetch(keep=True) == (shard.read_bytes(), shard.stat().st_size)
+    assert kept() == [shard.stat().st_size]
+    assert fetch(keep=True) == (shard.read_bytes(), 0)
+    # The object rewritten: another ETag, another key: fetched again, never the old bytes.
+    changed = shard.read_bytes()[:-1] + bytes([shard.read_bytes()[-1] ^ 1])
+    obstore.put(store_env.objects("run/cached"), shard.name, changed)
+    assert fetch(keep=True) == (changed, len(changed))
+    assert kept() == [shard.stat().st_size, len(changed)]
+
+
+def test_reorder_reads_the_shards_a_fetch_kept_whole_in_the_store_cache(store_env, sharded, tmp_path,
+                                                                        monkeypatch) -> None:
+    from layerwise_cli.checkpoint.hub_fetch import RangeFetcher, whole_files
+    from layerwise_cli.checkpoint.store import StoreSource
+
+    monkeypatch.setenv("LAYERWISE_CACHE", str(tmp_path / "cache"))
+    _url, folder = sharded
+    url = store_env.put_folder("run/reorder-cached", folder)
+    sizes = {p.name: p.stat().st_size for p in folder.glob("*.safetensors")}
+    with RangeFetcher(StoreSource(url), whole_files(sizes), keep=True) as fetcher:  # a reload's fetch, kept
+        fetcher.check()
+    fetch, fetched = StoreSource.fetch, []
+
+    def counted(self, filename, identity, start, end, write):
+        fetched.append(filename)
+        return fetch(self, filename, identity, start, end, write)
+
+    monkeypatch.setattr(StoreSource, "fetch", counted)
+    runner = CliRunner()
+    done = runner.invoke(app, ["reorder", url, str(tmp_path / "remote"), "--verify"])
+    assert done.exit_code == 0, done.output
+    assert fetched == []  # every shard read from the cache
+    assert runner.invoke(app, ["reorder", str(folder), str(tmp_path / "local")]).exit_code == 0
+    assert {p.name: p.read_bytes() for p in (tmp_path / "remote").iterdir()} == {
+        p.name: p.read_bytes() for p in (tmp_path / "local").iterdir()}
+    # The cache is left as it was: the shards, whole, nothing deleted or added.
+    assert sorted(p.stat().st_size for p in (tmp_path / "cache").rglob("blobs/*")) == sorted(sizes.values())

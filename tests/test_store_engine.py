@@ -7,7 +7,10 @@ reloads with the Python API:
 - A from S3 while the trainer overwrites a shard of it in the middle of the fetch: refused, naming the object,
   and the engine keeps B;
 - a missing key, a missing bucket, wrong credentials: one line each, no credential in it, the engine keeps B;
-- A from an HTTPS server with a private certificate authority: equal to a fresh engine on A.
+- A from an HTTPS server with a private certificate authority: equal to a fresh engine on A;
+- B again from a prefix of its own: with bounded disk nothing is kept; kept, a reload at the same ETags reads the
+  store cache and fetches nothing, equal to a fresh engine on B;
+- `watch` on a bucket prefix: the newest complete step loaded at its pin, an incomplete one after it not.
 """
 
 from __future__ import annotations
@@ -134,3 +137,47 @@ def test_a_step_over_https_streams_into_the_engine_equal_to_a_fresh_one(engine, 
         weights = sum(p.stat().st_size for p in ckpts["A"].glob("*.safetensors"))
         assert 0 < sum(n for name, n in server.sent.items() if name.endswith(".safetensors")) <= 1.05 * weights
     assert_is_fresh(engine, ckpts["A"])
+
+
+def test_a_reload_at_the_same_etags_reads_the_store_cache_and_bounded_disk_keeps_nothing(engine, s3, ckpts) -> None:
+    import layerwise_cli
+    from layerwise_cli.checkpoint.store import store_cache_folder
+
+    url = s3.put_folder("run/B-cached", ckpts["B"])  # a prefix of its own: nothing of it cached yet
+    blobs = store_cache_folder(url) / "blobs"
+
+    def kept() -> list[int]:
+        return sorted(p.stat().st_size for p in blobs.iterdir() if p.is_file()) if blobs.is_dir() else []
+
+    def from_a(**options):
+        layerwise_cli.reload(engine, str(ckpts["A"]))  # every layer differs from B: all of B is handed over
+        return layerwise_cli.reload(engine, url, **options)
+
+    bounded = from_a(bounded_disk=True)
+    assert bounded.volume.fetched_bytes and kept() == []
+    first = from_a()
+    shards = sorted(p.stat().st_size for p in ckpts["B"].glob("*.safetensors"))
+    assert first.volume.fetched_bytes and kept() == shards  # each shard kept whole, under its ETag's key
+    again = from_a()
+    assert again.volume.fetched_bytes == 0  # read from the cache: nothing fetched
+    assert_is_fresh(engine, ckpts["B"])
+
+
+def test_watch_keeps_an_in_process_engine_on_the_newest_step_in_a_bucket(engine, s3, ckpts) -> None:
+    """`layerwise_cli.watch("s3://.../", llm=...)`: the newest complete step, loaded at its pin; one incomplete
+    after it (its index names a shard not there) is not."""
+    import obstore
+
+    import layerwise_cli
+
+    layerwise_cli.reload(engine, str(ckpts["A"]))
+    s3.put_folder("watched/step_1", ckpts["B"])
+    store, shards = s3.objects("watched/step_2"), sorted(p.name for p in ckpts["A"].glob("*.safetensors"))
+    for path in sorted(ckpts["A"].iterdir()):
+        if path.is_file() and path.name != shards[-1]:
+            obstore.put(store, path.name, path.read_bytes())
+    events = list(layerwise_cli.watch(f"s3://{BUCKET}/watched/", llm=engine, once=True, settle=0, interval=0.1))
+    assert [(e.kind, e.step) for e in events if e.kind in ("step_complete", "reload_done")] == [
+        ("step_complete", "step_1"), ("reload_done", "step_1")]
+    assert engine.get_weight_version() == "step_1"
+    assert_is_fresh(engine, ckpts["B"])

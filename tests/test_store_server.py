@@ -2,7 +2,8 @@
 
 The server (on the demo's dense *multiply*) gets the store's credentials and endpoint in its environment, as a
 node would; the client pins the objects' ETags and hands the pin to it. It must answer as *add* afterwards,
-and `--verify` (every layer compared with the step, read by range from the store) must pass.
+and `--verify` (every layer compared with the step, read by range from the store) must pass. What the server
+fetched stays in its store cache.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ def server(demo_models, s3):
         yield running
 
 
-def test_reload_url_from_s3_with_verify(server, s3) -> None:
+def test_reload_url_from_s3_with_verify(server, s3, demo_models, monkeypatch) -> None:
+    from layerwise_cli.checkpoint.store import store_cache_folder
+
     url = f"s3://{BUCKET}/run/add"
     done = run_cli("reload", "--url", server.url, "--weights-path", url, "--verify", "--json", env=s3.env())
     assert done.returncode == 0, done.stderr[-3000:]
@@ -52,3 +55,8 @@ def test_reload_url_from_s3_with_verify(server, s3) -> None:
     assert result["ok"], result
     assert result["verify"]["ok"] and result["verify"]["checked"] > 0, result["verify"]
     assert server.answers(PAIRS) == expected("add")
+    # What the server fetched is in its store cache (its environment's LAYERWISE_CACHE), each object whole.
+    assert result["report"]["fetched_bytes"] > 0
+    monkeypatch.setenv("LAYERWISE_CACHE", s3.env()["LAYERWISE_CACHE"])
+    kept = sorted(p.stat().st_size for p in (store_cache_folder(url) / "blobs").iterdir() if p.is_file())
+    assert kept == sorted(p.stat().st_size for p in demo_models["add"].glob("*.safetensors"))

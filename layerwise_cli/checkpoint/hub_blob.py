@@ -52,10 +52,17 @@ class PartialBlob:
     temporary folder that `close` deletes: it holds only the ranges asked, and nothing stays.
 
     If the blob is already in the cache, it is read from there and nothing is fetched.
+
+    An object store's objects use the same layout in layerwise's own cache (`store.StoreSource`): `etag` is then
+    a key of the object's pinned identity, `verify=False` (each request named the ETag), and `finish(None)` moves
+    the complete file into `blobs/` without linking a snapshot.
     """
 
-    def __init__(self, repo_folder: Path, filename: str, etag: str, size: int, *, keep: bool, where: str) -> None:
+    def __init__(self, repo_folder: Path, filename: str, etag: str, size: int, *, keep: bool, where: str,
+                 verify: bool = True) -> None:
         self.repo_folder, self.filename, self.etag, self.size, self.where = repo_folder, filename, etag, size, where
+        # False: every request named the identity (an object store's `If-Match`), so the bytes are that object's.
+        self.verify = verify
         self.blob = repo_folder / "blobs" / etag
         self.received: list[Interval] = []
         self.linked = False
@@ -112,8 +119,9 @@ class PartialBlob:
         tmp.write_text(json.dumps({"etag": self.etag, "size": self.size, "received": self.received}))
         os.replace(tmp, record)
 
-    def finish(self, commit: str) -> None:
-        """If every byte is here: check the sha256, then move the file to `blobs/` and link it for `commit`.
+    def finish(self, commit: str | None) -> None:
+        """If every byte is here: check the sha256, then move the file to `blobs/` and link it for `commit`
+        (None: no link, an object store's file).
 
         Raises:
             LayerwiseError: the bytes do not match the Hub's sha256 (the partial file is deleted).
@@ -122,9 +130,9 @@ class PartialBlob:
             if self.kept and not self.linked and self.complete:
                 self._finish(commit)
 
-    def _finish(self, commit: str) -> None:
+    def _finish(self, commit: str | None) -> None:
         if self.path != self.blob:
-            digest = file_digest(self.fd, len(self.etag))
+            digest = file_digest(self.fd, len(self.etag)) if self.verify else self.etag
             if digest != self.etag:
                 self._discard()
                 raise LayerwiseError(f"the bytes fetched do not match the Hub's sha256 {self.etag} (got {digest})",
@@ -132,7 +140,8 @@ class PartialBlob:
             os.replace(self.path, self.blob)  # the open descriptor follows the file
             self._record_path().unlink(missing_ok=True)
             self.path = self.blob
-        _link(self.blob, self.repo_folder / "snapshots" / commit / self.filename)
+        if commit is not None:
+            _link(self.blob, self.repo_folder / "snapshots" / commit / self.filename)
         self.linked = True
 
     def close(self) -> None:

@@ -49,6 +49,19 @@ class StepDir:
         and whether it is gone for good (False: a deleted step vanishes from the listing by itself)."""
         return (None, False) if self.path.exists() else ("the step was deleted while it was loading", False)
 
+    def names(self) -> list[str]:
+        """The names in the step directory (a marker is one of them), listed afresh (NFS-friendly)."""
+        return os.listdir(self.path)
+
+    def signature(self) -> tuple:
+        """What changes whenever a file under the step does (`tree_signature`)."""
+        return tree_signature(self.path)
+
+    def examine(self) -> tuple[str | None, StepDir | None]:
+        """Why the step's files are not (yet) a complete checkpoint (`files_problem`), or None and the step."""
+        problem = files_problem(self.path)
+        return problem, (self if problem is None else None)
+
 
 @dataclass(frozen=True)
 class Completeness:
@@ -56,6 +69,10 @@ class Completeness:
 
     state: str  # COMPLETE, SETTLING or INCOMPLETE
     reason: str
+    # What to load when COMPLETE: the step itself, or a store step pinned at the objects its check read
+    # (`store_steps.StoreStep.examine`); None for a store step whose marker is there but whose check failed (its
+    # reload reads, and fails on, what is there).
+    loadable: object | None = None
 
     @property
     def complete(self) -> bool:
@@ -161,42 +178,52 @@ def tree_signature(path: Path) -> tuple:
 class CompletenessTracker:
     """Decide, poll after poll, whether each step is complete.
 
-    With a marker, a step is complete once the marker is in its directory
-    (checked by listing the directory, which NFS does not answer from a cache
-    of negative lookups). With `auto`, once `files_problem` finds nothing and
-    nothing under the step changed for `settle` seconds.
+    A step is a local directory (`StepDir`) or a step under a URL prefix (`store_steps.StoreStep`); each lists
+    its names, gives a signature that changes with any of its files, and examines its files (headers only).
+    With a marker, a step is complete once the marker is among its names (a directory is listed afresh, which
+    NFS does not answer from a cache of negative lookups); a store step is then examined once per signature, to
+    pin it. With `auto`, once its examination finds nothing and its signature did not change for `settle`
+    seconds.
     """
 
     def __init__(self, marker: str = AUTO, settle: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.marker = marker
         self.settle = settle
         self._clock = clock
-        # step name -> (signature, when it was first seen, files_problem for that signature)
-        self._seen: dict[str, tuple[tuple, float, str | None]] = {}
+        # step name -> (signature, when it was first seen, its examination for that signature)
+        self._seen: dict[str, tuple[tuple, float, tuple[str | None, object | None]]] = {}
 
-    def check(self, step: StepDir) -> Completeness:
+    def check(self, step) -> Completeness:
         """Where STEP stands now."""
         if self.marker != AUTO:
             try:
-                present = self.marker in os.listdir(step.path)
+                present = self.marker in step.names()
             except OSError as exc:
                 return Completeness(INCOMPLETE, f"cannot list it ({exc.strerror or exc})")
-            if present:
-                return Completeness(COMPLETE, f"marker {self.marker} present")
-            return Completeness(INCOMPLETE, f"no {self.marker} marker yet")
+            if not present:
+                return Completeness(INCOMPLETE, f"no {self.marker} marker yet")
+            if isinstance(step, StepDir):
+                return Completeness(COMPLETE, f"marker {self.marker} present", step)
+            problem, loadable = self._examined(step)[2]
+            return Completeness(COMPLETE, f"marker {self.marker} present{'; ' + problem if problem else ''}",
+                                loadable)
         now = self._clock()
-        signature = tree_signature(step.path)
-        previous = self._seen.get(step.name)
-        if previous is None or previous[0] != signature:
-            previous = (signature, now, files_problem(step.path))
-            self._seen[step.name] = previous
-        _, since, problem = previous
+        _, since, (problem, loadable) = self._examined(step)
         if problem is not None:
             return Completeness(INCOMPLETE, problem)
         quiet = now - since
         if quiet < self.settle:
             return Completeness(SETTLING, f"changed {quiet:.1f} s ago (settle {self.settle:g} s)")
-        return Completeness(COMPLETE, f"files complete, unchanged for {self.settle:g} s")
+        return Completeness(COMPLETE, f"files complete, unchanged for {self.settle:g} s", loadable)
+
+    def _examined(self, step) -> tuple[tuple, float, tuple[str | None, object | None]]:
+        """STEP's signature, since when it is unchanged, and its examination: examined again when it changed."""
+        signature = step.signature()
+        previous = self._seen.get(step.name)
+        if previous is None or previous[0] != signature:
+            previous = (signature, self._clock(), step.examine())
+            self._seen[step.name] = previous
+        return previous
 
     def forget(self, keep: Iterable[str]) -> None:
         """Drop what is remembered about steps no longer listed."""
@@ -229,23 +256,24 @@ def deletion_refusal(step: StepDir, marker: str = AUTO) -> str | None:
     return None if problem is None else f"not a complete checkpoint: {problem}"
 
 
-def steps_to_delete(steps: list[StepDir], keep: int, held: StepDir, protected: Iterable[str]) -> list[StepDir]:
+def steps_to_delete(steps: list, keep: int, held, protected: Iterable[str]) -> list:
     """The steps `--keep N` removes once every server holds HELD.
 
     Only steps older than HELD and outside the newest KEEP steps go, never one
     named in PROTECTED (held or being loaded by a server), nor the base of a
     sparse delta step that stays (a delta is rebuilt from its base's files, and
-    a base that is a delta from its own). STEPS come from `list_steps`, so
-    nothing that does not match the pattern is ever touched.
+    a base that is a delta from its own). STEPS come from `list_steps` (or
+    `store_steps.list_store_steps`), so nothing that does not match the
+    pattern is ever touched.
     """
     if keep < 1:
         raise LayerwiseError(f"--keep must be at least 1, not {keep}")
     protected = set(protected) | {held.name}
     newest = {s.name for s in sorted(steps, key=lambda s: s.number)[-keep:]}
     gone = [s for s in steps if s.number < held.number and s.name not in newest and s.name not in protected]
-    staying = [s for s in steps if s not in gone]
-    needed = delta_bases([s.path for s in staying])
-    return [s for s in gone if s.path.absolute() not in needed]
+    # Deltas are read from local directories only: a store step is never a delta's base.
+    needed = delta_bases([s.path for s in steps if s not in gone and isinstance(s, StepDir)])
+    return [s for s in gone if not isinstance(s, StepDir) or s.path.absolute() not in needed]
 
 
 def delta_bases(paths: Iterable[Path]) -> set[Path]:

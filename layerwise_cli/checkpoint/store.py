@@ -7,13 +7,15 @@ concurrent reads, conditional requests (`If-Match`) and the stores' own credenti
 dependency (`pip install 'layerwise[storage]'`): a URL source without it fails with one line saying so.
 
 `StoreSource` is a `range_source.RangeSource`: `RangeFetcher` fetches a store's files by the same window,
-order and resume as a Hub commit's. Every request after the first read of an object names the identity read
+order and resume as a Hub commit's, and keeps what arrives in layerwise's store cache, keyed by each object's
+pinned identity (unless bounded disk). Every request after the first read of an object names the identity read
 then (`If-Match` on its ETag, or `If-Unmodified-Since` where a server gives no ETag): an object overwritten in
 the middle of an operation is refused, naming it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import time
@@ -112,13 +114,22 @@ class StoreSource:
                     time.sleep(self.policy.wait_s(failures))
 
     def open_blob(self, filename: str, identity: str, size: int, *, keep: bool) -> PartialBlob:
-        # Nothing of a store is kept yet: a private sparse file, deleted on close, named by the file (an ETag may
-        # hold a slash), beside no cache folder.
-        name = re.sub(r"[^\w.-]", "_", filename)
-        return PartialBlob(Path(os.devnull), name, name, size, keep=False, where=self.where(filename))
+        """FILENAME's file in the store cache (`store_cache_folder`), keyed by its pinned identity (`cache_key`):
+        kept, resumed, and read from there by a later operation at the same ETag; `keep=False` (bounded disk):
+        a private sparse file deleted on close."""
+        return PartialBlob(store_cache_folder(self.url), filename, cache_key(filename, identity, size), size,
+                           keep=keep, where=self.where(filename), verify=False)
+
+    def cached(self, filename: str) -> Path | None:
+        """FILENAME's whole file in the store cache at its pinned identity (kept by an earlier fetch), or None."""
+        identity, size = self.metadata(filename)
+        path = store_cache_folder(self.url) / "blobs" / cache_key(filename, identity, size)
+        return path if path.is_file() and path.stat().st_size == size else None
 
     def finish(self, blob: PartialBlob) -> None:
-        """Nothing to verify: every request named the identity (`If-Match`), so the bytes are that object's."""
+        """A complete kept file moves into the cache's `blobs/`; nothing to verify: every request named the
+        identity (`If-Match`), so the bytes are that object's."""
+        blob.finish(None)
 
     def where(self, filename: str) -> str:
         return f"{self.shown}/{filename}"
@@ -168,6 +179,24 @@ class StoreSource:
             if pos >= end:
                 break
         return pos
+
+
+def store_cache_folder(url: str) -> Path:
+    """Where the objects fetched from under URL are kept: `<cache_root>/store/<16 hex>`, one folder per prefix,
+    named by a digest of its URL without credentials (`blobs/<cache_key>`, as the Hub cache lays out blobs)."""
+    from layerwise_cli.cache_root import cache_root
+
+    digest = hashlib.sha256(display_url(url).encode()).hexdigest()[:16]
+    return cache_root() / "store" / digest
+
+
+def cache_key(filename: str, identity: str, size: int) -> str:
+    """The name an object's bytes are kept under: a digest of its name, its pinned identity (ETag) and its size.
+
+    An ETag is an object's version, not a digest of its bytes that holds across objects (a multipart upload's,
+    GCS's and Azure's are opaque): the name and size are part of the key.
+    """
+    return hashlib.sha256(f"{filename}\n{identity}\n{size}".encode()).hexdigest()
 
 
 def open_store(url: str, policy: FetchPolicy):
@@ -256,7 +285,12 @@ def store_error(exc: BaseException, where: str, identity: str | None = None) -> 
                               "mixing two versions", where=where)
     if isinstance(exc, FileNotFoundError):
         return MissingObject("no such object", where=where)
-    if isinstance(exc, PermissionDeniedError | UnauthenticatedError):
+    if "NoSuchBucket" in str(exc) or "ContainerNotFound" in str(exc):
+        return LayerwiseError("no such bucket", where=where)
+    # A listing's or a bulk delete's refusal reaches obstore's generic error, with the store's own words.
+    if isinstance(exc, PermissionDeniedError | UnauthenticatedError) or any(
+            word in str(exc) for word in ("403 Forbidden", "AccessDenied", "Access Denied", "SignatureDoesNotMatch",
+                                          "InvalidAccessKeyId")):
         return LayerwiseError("access denied: check the store's credentials (AWS_ACCESS_KEY_ID and "
                               "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_*)",
                               where=where)

@@ -76,8 +76,9 @@ AllowNonfiniteOpt = Annotated[
                  "and tensor)."),
 ]
 BoundedDiskOpt = Annotated[
-    bool, typer.Option("--bounded-disk", help="For a Hub repo: fetch only the tensors the reload hands over, into "
-                       "files deleted afterwards; nothing is kept in the Hub cache (for a node without room for it).")
+    bool, typer.Option("--bounded-disk", help="For a Hub repo or a URL: fetch only the tensors the reload hands "
+                       "over, into files deleted afterwards; nothing is kept in the Hub cache or layerwise's store "
+                       "cache (for a node without room for it).")
 ]
 
 

@@ -21,9 +21,9 @@ from layerwise_cli.errors import LayerwiseError, UsageError
 
 @handle_errors
 def watch_command(
-    root: Annotated[Path, typer.Argument(help="The directory the trainer writes one directory per step into, or a "
-                                         "Hub repo id (org/name): each new commit of --revision is a step.",
-                                         show_default=False)],
+    root: Annotated[str, typer.Argument(help="The directory the trainer writes one directory per step into, a URL "
+                                        "prefix of step folders (s3://bucket/run/, gs://, az://), or a Hub repo id "
+                                        "(org/name): each new commit of --revision is a step.", show_default=False)],
     url: Annotated[list[str], typer.Option("--url", help="A server to keep on the newest step (repeatable).",
                                            show_default=False)],
     pattern: Annotated[list[str] | None, typer.Option(
@@ -34,8 +34,8 @@ def watch_command(
         "auto: once its index and every shard it lists are complete and nothing changed for --settle seconds.")]
     = "auto",
     interval: Annotated[float | None, typer.Option(
-        "--interval", min=0.05, help="Seconds between two listings of ROOT (default 1), or polls of a Hub repo's ref "
-        "(default 10; one request each).", show_default=False)] = None,
+        "--interval", min=0.05, help="Seconds between two listings of ROOT (default 1; 10 for a URL prefix), or "
+        "polls of a Hub repo's ref (default 10; one request each).", show_default=False)] = None,
     revision: Annotated[str | None, typer.Option(
         "--revision", metavar="REF", help="With a Hub repo id: the branch or tag whose commits are the steps. "
         "Default: main.", show_default=False)] = None,
@@ -44,7 +44,8 @@ def watch_command(
     keep: Annotated[int | None, typer.Option(
         "--keep", min=1, metavar="N", help="Once every server holds the newest step, delete steps older than the "
         "newest N (never one a server holds or loads, never a directory that is not a complete step, never through "
-        "a symbolic link). Default: delete nothing.", show_default=False)] = None,
+        "a symbolic link; under a URL prefix, only where the store allows deletes). Default: delete nothing.",
+        show_default=False)] = None,
     once: Annotated[bool, typer.Option("--once", help="Bring every server to the newest complete step, then exit "
                                        "(0 when all hold it).")] = False,
     log: Annotated[Path | None, typer.Option("--log", metavar="FILE.jsonl", help="Append every event, with the "
@@ -86,10 +87,14 @@ def watch_command(
     Ctrl-C or SIGTERM lets a running reload finish (no server is left paused)
     and exits 0.
 
+    ROOT may be a URL prefix (s3://bucket/run/, gs://..., az://...): its step
+    folders are found by listing the store, complete by --marker or by a
+    complete index, and each is loaded pinned at its objects' ETags.
+
     ROOT may be a Hub repo id (org/name): each new commit of --revision
     (default: main) is a step, named by its commit and loaded
     at that commit (never the branch); the servers fetch it while they still
-    serve. --marker, --pattern and --keep apply to a local root only.
+    serve. --marker, --pattern and --keep apply to a local root or a URL prefix.
 
     Example: layerwise watch /runs/exp1/weights --url http://127.0.0.1:8000 --url http://127.0.0.1:8001 --keep 3
     """
@@ -100,9 +105,10 @@ def watch_command(
                            pause_lease_s=pause_lease, api_key=api_key, verify=verify,
                            allow_unchecked=allow_unchecked, timeout=timeout, atomic=atomic, revision=revision)
     from layerwise_cli.checkpoint.sources import looks_like_repo_id
+    from layerwise_cli.checkpoint.store import is_store_url
 
-    if not root.is_dir() and not looks_like_repo_id(str(root)):
-        raise LayerwiseError("no such directory (the root the trainer writes steps into)", where=str(root))
+    if not Path(root).is_dir() and not looks_like_repo_id(root) and not is_store_url(root):
+        raise LayerwiseError("no such directory (the root the trainer writes steps into)", where=root)
     if marker != "auto" and ("/" in marker or marker in ("", ".", "..")):
         raise UsageError(f"--marker must be a file name or auto, not {marker!r}")
     watcher = Watcher(root, server_targets(url, options), options)
@@ -165,7 +171,7 @@ def _status(watcher) -> Group:
         heading = Text(f"watch {watcher.hub.where}: newest commit {short(state.newest_seen) or '-'}, "
                        f"target {short(state.target) or '-'}")
     else:
-        heading = Text(f"watch {watcher.root}: newest step {state.newest_seen or '-'}, complete {state.target or '-'}")
+        heading = Text(f"watch {watcher.where}: newest step {state.newest_seen or '-'}, complete {state.target or '-'}")
     table = Table()
     table.add_column("server", overflow="fold")
     table.add_column("state")

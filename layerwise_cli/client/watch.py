@@ -36,9 +36,10 @@ def watch(root: str | Path, *, llm=None, urls: list[str] | None = None, options:
     leaving the loop (`break`), which waits for server reloads in flight.
 
     Args:
-        root: the directory the trainer writes one step directory into per step, or a Hub repo id
-            (`org/name`): each new commit of `revision=` (default: the default branch) is a step, named by
-            its commit and reloaded at that commit.
+        root: the directory the trainer writes one step directory into per step; a URL prefix of step folders
+            (`s3://bucket/run/`, `gs://`, `az://`), found by listing and each loaded pinned at its objects'
+            ETags; or a Hub repo id (`org/name`): each new commit of `revision=` (default: the default branch)
+            is a step, named by its commit and reloaded at that commit.
         llm: a `vllm.LLM` built with `worker_extension_cls=layerwise_cli.EXTENSION_CLS`.
         urls: server base URLs (`layerwise serve` servers).
         options: a `WatchOptions`; or give its fields as keywords (`marker="STABLE", once=True`).

@@ -215,7 +215,8 @@ def refuse_folder_options(hub: HubRef | None, options: WatchOptions) -> None:
     """
     if hub is None:
         if options.revision is not None:
-            raise UsageError("--revision applies to a Hub repo id (org/name), not to a local directory")
+            raise UsageError("--revision applies to a Hub repo id (org/name), not to a directory of steps or a URL "
+                             "prefix")
         return
     given = [name for name, used in (("--keep", options.keep is not None), ("--marker", options.marker != AUTO),
                                      ("--pattern", tuple(options.patterns) != DEFAULT_PATTERNS)) if used]

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from layerwise_cli.checkpoint.steps import AUTO, DEFAULT_PATTERNS
 from layerwise_cli.worker.rpc import ReloadOptions
 
-# Seconds between two polls by default: a listing of a local root is cheap; each poll of a Hub repo is a request.
+# Seconds between two polls by default: a listing of a local root is cheap; each poll of a Hub repo or of a URL
+# prefix is a request (or a page of a listing).
 LOCAL_INTERVAL_S = 1.0
 HUB_INTERVAL_S = 10.0
 
@@ -20,12 +21,12 @@ class WatchOptions:
         patterns: glob patterns of step directory names under the root (a local root only).
         marker: a file whose presence marks a step complete, or `auto` (every
             shard complete and nothing changed for `settle` seconds).
-        interval: seconds between polls of the root; None: 1 s for a local root, 10 s for a Hub repo (each
-            poll of a Hub repo is one request).
+        interval: seconds between polls of the root; None: 1 s for a local root, 10 s for a Hub repo or a URL
+            prefix (each poll of those is a request).
         settle: seconds a step must stay unchanged before `auto` calls it complete (a local root only; a
             Hub root ignores it: a commit is complete as pushed).
         keep: delete steps older than the newest `keep` once every server holds
-            the newest; None never deletes (a local root only).
+            the newest; None never deletes (a local root or a URL prefix, not a Hub repo).
         revision: for a Hub repo root, the branch or tag whose commits are the steps; None: the default
             branch. Refused for a local root.
         once: bring every server to the newest complete step, then stop.
@@ -61,11 +62,12 @@ class WatchOptions:
     atomic: bool | None = None
     revision: str | None = None
 
-    def poll_interval(self, hub: bool) -> float:
-        """Seconds between two polls: `interval`, or its default for a local root or a Hub repo (HUB)."""
+    def poll_interval(self, remote: bool) -> float:
+        """Seconds between two polls: `interval`, or its default for a local root or a remote one (REMOTE: a Hub
+        repo or a URL prefix)."""
         if self.interval is not None:
             return self.interval
-        return HUB_INTERVAL_S if hub else LOCAL_INTERVAL_S
+        return HUB_INTERVAL_S if remote else LOCAL_INTERVAL_S
 
     def reload_options(self) -> ReloadOptions:
         """How every target reloads a step: the defaults, `allow_unchecked`, and no delta base check.

@@ -45,7 +45,8 @@ class Target(Protocol):
         """The weight version it holds now. Raises TargetDown when it does not answer."""
 
     def reload(self, source: str, version: str, revision: str | None = None) -> Outcome:
-        """Load SOURCE (a step's path, or a Hub repo id read at the commit REVISION) and name it VERSION.
+        """Load SOURCE (a step's path; a Hub repo id read at the commit REVISION; a step's URL read at the pin
+        REVISION, `etags:...`) and name it VERSION.
 
         Never raises for a failed reload.
         """
@@ -75,7 +76,7 @@ class ServerTarget:
             client.close()
 
     def reload(self, source: str, version: str, revision: str | None = None) -> Outcome:
-        """Reload SOURCE into this server alone; a Hub commit (REVISION) is pre-flighted first (`_fetch_first`)."""
+        """Reload SOURCE into this server alone; a pinned source (REVISION) is pre-flighted first (`_fetch_first`)."""
         from layerwise_cli.client.remote import reload_server
 
         options = _step_options(self.options, version, revision)
@@ -99,7 +100,8 @@ def reload_together(targets: list[ServerTarget], source: str, version: str,
 
 
 def _step_options(options: RemoteOptions, version: str, revision: str | None) -> RemoteOptions:
-    """OPTIONS for one step: its weight version, and the commit a Hub step is read at (None: a folder step)."""
+    """OPTIONS for one step: its weight version, and the commit (or a URL step's pin) it is read at (None: a
+    folder step)."""
     from dataclasses import replace
 
     reload = replace(options.reload, revision=revision) if revision is not None else options.reload
@@ -107,10 +109,12 @@ def _step_options(options: RemoteOptions, version: str, revision: str | None) ->
 
 
 def _fetch_first(url: str, source: str, options: RemoteOptions):
-    """One server's reload of a Hub commit with its pre-flight first, as a fleet's: the fetch before the pause.
+    """One server's reload of a pinned source (a Hub commit, a URL step's ETags) with its pre-flight first, as a
+    fleet's: the fetch before the pause.
 
     A server without layerwise's worker extension is left as it is: vLLM's own `reload_weights` would read
-    whatever the branch names by then, not the commit, which the server's weight version would then name.
+    whatever the branch names by then, not the commit, which the server's weight version would then name (and
+    it reads no URL at all).
     """
     from layerwise_cli.client.server_reload import ServerReload
 
@@ -118,8 +122,8 @@ def _fetch_first(url: str, source: str, options: RemoteOptions):
     try:
         if run.check():
             if run.method != "layerwise":
-                run.refuse(f"loading a pinned Hub commit needs layerwise's worker extension, and "
-                           f"{run.fallback_reason} (start it with `layerwise serve`)")
+                run.refuse("loading a pinned source (a Hub commit, a URL's ETags) needs layerwise's worker "
+                           f"extension, and {run.fallback_reason} (start it with `layerwise serve`)")
             elif run.preflight():
                 run.change()
     finally:

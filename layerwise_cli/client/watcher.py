@@ -1,7 +1,8 @@
 """The watch loop: poll the root, pick the newest complete step, bring every target to it, report events.
 
-The root is a local directory of step directories (`checkpoint/steps.py`), or a Hub repo whose ref's commits
-are the steps (`watch_hub.py`).
+The root is a local directory of step directories (`checkpoint/steps.py`), a URL prefix of step folders in
+object storage (`checkpoint/store_steps.py`: found by listing, each pinned to its objects' ETags), or a Hub repo
+whose ref's commits are the steps (`watch_hub.py`).
 """
 
 from __future__ import annotations
@@ -13,14 +14,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from layerwise_cli.checkpoint.sources import looks_like_repo_id
-from layerwise_cli.checkpoint.steps import AUTO, COMPLETE, SETTLING, CompletenessTracker, StepDir, list_steps
+from layerwise_cli.checkpoint.steps import COMPLETE, SETTLING, CompletenessTracker, StepDir
+from layerwise_cli.checkpoint.store_steps import StoreStep
 from layerwise_cli.client import watch_events as ev
 from layerwise_cli.client.fleet import all_or_nothing
 from layerwise_cli.client.server_api import HOLDS_PREVIOUS
 from layerwise_cli.client.watch_events import WatchEvent
 from layerwise_cli.client.watch_hub import HubRef, HubStep, HubSteps, refuse_folder_options
-from layerwise_cli.client.watch_keep import delete_old_steps
+from layerwise_cli.client.watch_keep import OldSteps
 from layerwise_cli.client.watch_options import WatchOptions
+from layerwise_cli.client.watch_root import StepsRoot
 from layerwise_cli.client.watch_state import ServerState, WatchState
 from layerwise_cli.client.watch_targets import Outcome, Target, TargetDown, call_caught, error_line, reload_together
 from layerwise_cli.errors import UsageError
@@ -29,7 +32,7 @@ from layerwise_cli.errors import UsageError
 _BACKOFF_MAX_S = 10.0
 # With --once, a server that failed this many times in a row is given up (and a Hub ref polled in vain).
 _ONCE_TRIES = 3
-Step = StepDir | HubStep  # a directory under a local root, or a commit of a watched Hub ref
+Step = StepDir | StoreStep | HubStep  # a local root's directory, a URL prefix's folder, a Hub ref's commit
 
 
 class Watcher:
@@ -44,8 +47,11 @@ class Watcher:
         self.options = options or WatchOptions()
         # A root that is no local path but looks like `org/name` is a Hub repo: its ref's commits are the steps.
         self.hub = HubRef(str(root), self.options.revision) if looks_like_repo_id(str(root)) else None
-        self.root = Path(root)
-        self.interval = self.options.poll_interval(self.hub is not None)
+        # Else a local directory, or a URL prefix (`s3://bucket/run/`) whose step folders are found by listing.
+        self.steps_root = StepsRoot(root, self.options.patterns)
+        self.store = self.steps_root.store if self.hub is None else None
+        self.where = self.steps_root.where
+        self.interval = self.options.poll_interval(self.hub is not None or self.store is not None)
         if not targets:
             raise UsageError("nothing to watch for: give at least one --url (or an engine)")
         names = [t.name for t in targets]
@@ -64,7 +70,8 @@ class Watcher:
         self._tracker = CompletenessTracker(self.options.marker, self.options.settle, clock)
         self._stopping = False
         self._results: queue.Queue = queue.Queue()
-        self._known: dict[str, StepDir] = {}  # a local root's steps, by name
+        self._known: dict[str, StepDir | StoreStep] = {}  # a local root's (or a URL prefix's) steps, by name
+        self._keep = OldSteps(self.steps_root.list, self.options)
         self._skipped: set[str] = set()
         self._broken: dict[str, str] = {}
         self._deleted_by_us: set[str] = set()
@@ -89,7 +96,7 @@ class Watcher:
     def run(self) -> Iterator[WatchEvent]:
         """Watch until `stop()` (or, with `once`, until every server holds the newest complete step)."""
         if self.hub is None:
-            list_steps(self.root, self.options.patterns)  # a missing root fails now, with its name
+            self.steps_root.list()  # a missing root (or bucket, or wrong credentials) fails now, with its name
         threaded = [s for s in self._servers.values() if s.target.threaded]
         pool = ThreadPoolExecutor(max_workers=max(1, len(threaded)), thread_name_prefix="layerwise-watch")
         try:
@@ -147,7 +154,11 @@ class Watcher:
         if self._hub_steps is not None:
             self._poll_hub(self._hub_steps)
             return
-        steps = list_steps(self.root, self.options.patterns)
+        steps, events = self.steps_root.poll()
+        for kind, fields in events:
+            self._emit(kind, **fields)
+        if steps is None:
+            return
         names = {s.name for s in steps}
         for name in list(self._known):
             if name not in names:
@@ -176,7 +187,8 @@ class Watcher:
                 continue
             state = self._tracker.check(step)
             if state.state == COMPLETE:
-                newest = step
+                # A store step comes pinned at the objects its check read: every target loads that.
+                newest = state.loadable or step
                 break
             if state.state == SETTLING:
                 self._settling = True
@@ -193,7 +205,7 @@ class Watcher:
             if polled.new.name not in self._broken:  # a commit that failed is never tried again
                 self._set_target(polled.new, [])
 
-    def _set_target(self, step: Step, steps: list[StepDir]) -> None:
+    def _set_target(self, step: Step, steps: list[StepDir] | list[StoreStep]) -> None:
         floor = self._floor
         self._fallback = self._target
         self._target = step
@@ -288,7 +300,7 @@ class Watcher:
             self._reloaded(server, step, outcome)
         self._refresh_state()
         if not self._stopping:
-            for kind, fields in delete_old_steps(self.root, self.options, self._target, list(self._servers.values())):
+            for kind, fields in self._keep.delete(self._target, list(self._servers.values())):
                 if kind == ev.STEP_DELETED:
                     self._deleted_by_us.add(fields["step"])
                 self._emit(kind, **fields)
@@ -379,10 +391,7 @@ class Watcher:
                 return self.failure is not None
             return False
         if target is None and not self._settling and all(s.seen or s.failures for s in servers):
-            broken = f"; broken: {', '.join(self._broken)}" if self._broken else ""
-            self.failure = (f"{self.root}: no complete step (looked for {', '.join(self.options.patterns)}"
-                            f"{'' if self.options.marker == AUTO else ' with a ' + self.options.marker + ' marker'}"
-                            f"{broken})")
+            self.failure = self.steps_root.no_step(self.options.marker, self._broken)
             return True
         return False
 

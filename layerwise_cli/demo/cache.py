@@ -24,10 +24,9 @@ def default_cache_dir() -> Path:
         `$LAYERWISE_CACHE/demo` if set, else `$XDG_CACHE_HOME/layerwise/demo`,
         else `~/.cache/layerwise/demo`.
     """
-    if root := os.environ.get("LAYERWISE_CACHE"):
-        return Path(root).expanduser() / "demo"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "layerwise" / "demo"
+    from layerwise_cli.cache_root import cache_root
+
+    return cache_root() / "demo"
 
 
 def demo_checkpoint(name: str, cache_dir: Path | None = None) -> Path:

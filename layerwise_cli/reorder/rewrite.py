@@ -61,8 +61,9 @@ def reorder(
     against them in the same pass, and a difference stops the rewrite.
 
     Args:
-        source: a `.safetensors` file, a directory, or a Hub repo id (shards
-            are fetched one at a time as the copy needs them).
+        source: a `.safetensors` file, a directory, a Hub repo id, or a URL
+            (`s3://bucket/prefix`, `gs://`, `az://`, `https://`; read at the ETags its
+            headers were read at): shards are fetched one at a time as the copy needs them.
         destination: the directory to create.
         max_shard_size: the most tensor bytes per shard (see `plan_shards`).
         force: replace an existing DESTINATION (old one removed only after
@@ -73,7 +74,7 @@ def reorder(
             nothing is put in place. In the same pass, every floating tensor
             is checked for NaN and Inf: one is an error too, unless
             `allow_nonfinite` (then the result lists them).
-        revision: Hub branch, tag or commit.
+        revision: Hub branch, tag or commit (for a URL: a pin read before, `etags:...`).
         mapping: how tensors map to parent layers (see `mapping_for_config`).
         progress: called with a `ReorderProgress` as bytes are written.
         digests: write per-tensor digests in every shard header (False: none;

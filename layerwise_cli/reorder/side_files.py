@@ -7,7 +7,7 @@ import stat
 from pathlib import Path
 
 from layerwise_cli.checkpoint.chunks import CHUNK_BYTES
-from layerwise_cli.checkpoint.hub import HubFetcher
+from layerwise_cli.checkpoint.copy_fetch import copy_fetcher
 from layerwise_cli.checkpoint.layout import INDEX_NAME, is_weight_file, shard_file
 from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.errors import LayerwiseError
@@ -41,8 +41,9 @@ def other_files(folder: Path, whole_folder: bool) -> tuple[list[Path], list[str]
 
 def copy_other_files(checkpoint: Checkpoint, out: Path, tmp: Path) -> tuple[list[str], list[str]]:
     """Copy SRC's non-weight files into `out`; return those copied and those skipped (with why)."""
-    if checkpoint.kind == "hub":
-        folder = HubFetcher(checkpoint.source, checkpoint.commit or checkpoint.revision, tmp / "fetch").other_files()
+    fetcher = copy_fetcher(checkpoint, tmp / "fetch")
+    if fetcher is not None:
+        folder = fetcher.other_files()
         keep, skipped = other_files(folder, whole_folder=True)[0], []
     else:
         folder = checkpoint.local_dir

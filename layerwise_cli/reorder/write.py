@@ -21,10 +21,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from layerwise_cli.checkpoint.chunks import CHUNK_BYTES, read_chunks
+from layerwise_cli.checkpoint.copy_fetch import copy_fetcher
 from layerwise_cli.checkpoint.digests import DigestMismatch, TensorHasher, digests_metadata, header_digests
 from layerwise_cli.checkpoint.finite import ByteScan, NonFinite
 from layerwise_cli.checkpoint.header import ShardHeader, TensorEntry, encode_header, read_shard_header
-from layerwise_cli.checkpoint.hub import HubFetcher
 from layerwise_cli.checkpoint.layout import INDEX_NAME
 from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.errors import LayerwiseError
@@ -180,8 +180,8 @@ class _ShardCopy:
         self.hashes: dict[str, str] = {}
         self.source_checked = 0
         self.buf = bytearray(CHUNK_BYTES)
-        self.fetcher = (HubFetcher(checkpoint.source, checkpoint.commit or checkpoint.revision, tmp / "fetch")
-                        if checkpoint.kind == "hub" else None)
+        # A Hub repo's or a URL's shards are fetched one at a time (a URL's at the ETags its headers were read at).
+        self.fetcher = copy_fetcher(checkpoint, tmp / "fetch")
 
     def report(self, phase: str, file: str) -> None:
         if self.progress is not None:
@@ -189,7 +189,7 @@ class _ShardCopy:
                                           file))
 
     def source_shard(self, src_shard: ShardHeader) -> None:
-        """Copy every tensor of one SRC shard (fetched first from the Hub) into its DST shards."""
+        """Copy every tensor of one SRC shard (fetched first from the Hub or a URL) into its DST shards."""
         if self.fetcher is not None:
             self.report("fetch", src_shard.name)
             path, delete = self.fetcher.shard(src_shard.name)
@@ -197,8 +197,8 @@ class _ShardCopy:
         else:
             path, delete, local = self.checkpoint.shard_path(src_shard), False, src_shard
         # What the source's writer says each tensor's bytes hash to (None: it says nothing).
-        # Errors name the shard as the user knows it: its file, or its place in the Hub repo.
-        named = f"{self.checkpoint.source}/{src_shard.name}" if self.fetcher is not None else str(path)
+        # Errors name the shard as the user knows it: its file, or its place in the Hub repo or under the URL.
+        named = f"{_shown(self.checkpoint)}/{src_shard.name}" if self.fetcher is not None else str(path)
         source = _Source(src_shard.name, path, named, header_digests(local, where=named) if self.hashing else None)
         src_fd = os.open(path, os.O_RDONLY)
         try:
@@ -289,15 +289,22 @@ def _check_claim(tensor: str, shard: str, claimed: str, actual: str, where: str)
 
 
 def _local_header(path: Path, remote: ShardHeader, checkpoint: Checkpoint) -> ShardHeader:
-    """Read a fetched shard's header and check it is the one planned from the Hub's metadata."""
+    """Read a fetched shard's header and check it is the one planned from the Hub's (or the URL's) headers."""
     local, _ = read_shard_header(path, remote.name)
     planned = {(t.name, t.dtype, t.shape, t.nbytes) for t in remote.tensors}
     if {(t.name, t.dtype, t.shape, t.nbytes) for t in local.tensors} != planned:
         raise LayerwiseError(
             "the downloaded shard differs from the metadata read before (repo changed? pin --revision)",
-            where=f"{checkpoint.source}/{remote.name}",
+            where=f"{_shown(checkpoint)}/{remote.name}",
         )
     return local
+
+
+def _shown(checkpoint: Checkpoint) -> str:
+    """How messages name a fetched CHECKPOINT: its repo id, or its URL without credentials."""
+    from layerwise_cli.checkpoint.store import display_url
+
+    return display_url(checkpoint.source) if checkpoint.kind == "store" else checkpoint.source
 
 
 def write_index(checkpoint: Checkpoint, shards: list[PlannedShard], out: Path) -> None:

@@ -60,8 +60,8 @@ class ReloadOptions:
             `with_switches`).
         in_place: False has vLLM materialize every layer in fresh buffers (the diagnostic switch
             `LAYERWISE_FRESH_BUFFERS`, `with_switches`).
-        bounded_disk: a Hub source's tensors are fetched into private files deleted after the reload, and only
-            those the reload hands over: nothing is kept in the Hub cache (`--bounded-disk`).
+        bounded_disk: a Hub or URL source's tensors are fetched into private files deleted after the reload, and
+            only those the reload hands over: nothing is kept in the Hub cache or the store cache (`--bounded-disk`).
         delta_base_check: a sparse delta (docs/deltas.md) loads only into an engine that holds its base; False
             rebuilds it whatever the engine holds, each tensor proved by the delta's digests as it is read: what a
             rollback and a fleet going back to a step held through a delta do (no flag).

@@ -19,6 +19,8 @@ from pathlib import Path
 from tests.support.server_support import free_port
 
 ACCESS_KEY, SECRET_KEY = "layerwise-test", "layerwise-test-secret"
+# A second identity that may read and list, not write or delete (a store that does not allow `watch --keep`).
+READER_KEY, READER_SECRET = "layerwise-reader", "layerwise-reader-secret"
 BUCKET = "ckpts"
 
 
@@ -47,9 +49,15 @@ class SeaweedS3:
         self._log = open(self.root / "weed.log", "wb")  # noqa: SIM115 - open for the server's lifetime
 
     def env(self, **overrides: str) -> dict[str, str]:
-        """The environment a client of this server reads: credentials, endpoint, region."""
+        """The environment a client of this server reads: credentials, endpoint, region, layerwise's cache folder.
+
+        OVERRIDES replace any of them (a reader's credentials: `AWS_ACCESS_KEY_ID=READER_KEY`,
+        `AWS_SECRET_ACCESS_KEY=READER_SECRET`).
+        """
+        # layerwise's store cache beside the server's data: deleted with it, never the user's.
         return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
-                "AWS_ENDPOINT_URL": self.endpoint, "AWS_REGION": "us-east-1", **overrides}
+                "AWS_ENDPOINT_URL": self.endpoint, "AWS_REGION": "us-east-1",
+                "LAYERWISE_CACHE": str(self.root / "cache"), **overrides}
 
     def objects(self, prefix: str):
         """An obstore client on `s3://BUCKET/PREFIX` of this server, for the test's own puts."""
@@ -73,7 +81,9 @@ class SeaweedS3:
         config = self.root / "s3.json"
         config.write_text(json.dumps({"identities": [{
             "name": "tester", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
-            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}, {
+            "name": "reader", "credentials": [{"accessKey": READER_KEY, "secretKey": READER_SECRET}],
+            "actions": ["Read", "List"]}]}))
         (self.root / "data").mkdir()
         ports = {flag: free_port() for flag in (
             "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",

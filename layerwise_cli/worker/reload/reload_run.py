@@ -217,8 +217,9 @@ def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords 
 def start_fetch(planned: PlannedReload, stream: list[PlannedTensor], options: ReloadOptions) -> HubStream:
     """Start fetching the tensors of STREAM this rank hands over from the pinned source (`hub_stream`).
 
-    A Hub commit's are kept in the Hub cache unless `bounded_disk`; then also the shards' headers and the
-    tensors vLLM skips, so that a shard fetched whole is verified and linked. A store's are never kept.
+    A Hub commit's are kept in the Hub cache unless `bounded_disk`, a store's in layerwise's store cache; then
+    also the shards' headers and the tensors vLLM skips, so that a shard fetched whole is kept whole (a Hub
+    shard verified and linked).
     """
     checkpoint = planned.checkpoint
     handed = [item.entry for item in stream if item.parent is not None]
@@ -243,8 +244,9 @@ def fetch_source(planned: PlannedReload) -> HubPin | StoreSource:
 
 
 def keeps(planned: PlannedReload, options: ReloadOptions) -> bool:
-    """Whether the fetch keeps what arrives: in the Hub cache unless `bounded_disk`; a store's never (no cache yet)."""
-    return planned.checkpoint.kind == "hub" and not options.bounded_disk
+    """Whether the fetch keeps what arrives: in the Hub cache, or a store's in layerwise's store cache (keyed by
+    each object's pinned ETag), unless `bounded_disk`."""
+    return planned.checkpoint.kind in ("hub", "store") and not options.bounded_disk
 
 
 def _folder(planned: PlannedReload) -> Path:
