@@ -11,7 +11,7 @@ import pytest
 
 from layerwise_cli.checkpoint.hub_blob import PARTIAL_SUFFIX, RECORD_SUFFIX, PartialBlob, add_interval, covers
 from layerwise_cli.checkpoint.hub_fetch import ByteRange, plan_parts
-from layerwise_cli.checkpoint.hub_http import FetchPolicy
+from layerwise_cli.checkpoint.hub_http import STALL_ENV, FetchPolicy
 from layerwise_cli.checkpoint.hub_pin import HubPin, is_commit
 from layerwise_cli.errors import LayerwiseError
 
@@ -61,6 +61,18 @@ def test_backoff_doubles_to_a_bound_and_honours_retry_after() -> None:
     policy = FetchPolicy(backoff_s=0.5, max_backoff_s=3)
     assert [policy.wait_s(n) for n in (1, 2, 3, 4, 5)] == [0.5, 1, 2, 3, 3]
     assert policy.wait_s(1, "2") == 2 and policy.wait_s(1, "60") == 3 and policy.wait_s(2, "soon") == 1
+
+
+def test_the_stall_bound_comes_from_its_variable_and_a_bad_one_is_one_line(monkeypatch) -> None:
+    monkeypatch.delenv(STALL_ENV, raising=False)
+    assert FetchPolicy().stall_s == 60
+    monkeypatch.setenv(STALL_ENV, "0.5")
+    assert FetchPolicy().stall_s == 0.5 and FetchPolicy(stall_s=7).stall_s == 7
+    for bad in ("soon", "0", "-1", "inf", "nan"):
+        monkeypatch.setenv(STALL_ENV, bad)
+        with pytest.raises(LayerwiseError) as caught:
+            FetchPolicy()
+        assert str(caught.value) == f"{STALL_ENV}: {bad!r} is not a positive number of seconds"
 
 
 def _blob(folder: Path, data: bytes, *, keep: bool = True) -> PartialBlob:

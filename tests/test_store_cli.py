@@ -122,6 +122,30 @@ def test_a_dropped_connection_resumes_and_every_byte_arrives_once(store_env, sha
     assert fetched == shard.stat().st_size  # resumed at the last byte received: none fetched twice
 
 
+def test_a_stalled_body_fails_as_one_line_naming_the_object(sharded) -> None:
+    """Bytes stop in the middle of a shard and the connection stays open: no byte for the stall bound (obstore's
+    read timeout, retried, then layerwise's) fails the fetch, naming the object, rather than waiting for ever."""
+    from layerwise_cli.checkpoint.hub_fetch import RangeFetcher, whole_files
+    from layerwise_cli.checkpoint.hub_http import FetchPolicy
+    from layerwise_cli.checkpoint.store import StoreSource
+    from layerwise_cli.errors import LayerwiseError
+    from tests.support.https_server import HttpsFolder
+
+    _url, folder = sharded
+    shard = sorted(folder.glob("*.safetensors"))[-1]
+    size = shard.stat().st_size
+    with HttpsFolder(folder) as server, pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SSL_CERT_FILE", str(server.ca_file))
+        server.stalls[shard.name] = size // 2
+        source = StoreSource(server.url, policy=FetchPolicy(stall_s=0.5, retries=1, backoff_s=0.05))
+        with RangeFetcher(source, whole_files({shard.name: size}), connections=1, part_bytes=size,
+                          keep=False) as fetcher, pytest.raises(LayerwiseError) as caught:
+            fetcher.check()
+        arrived = fetcher.bytes_fetched
+    assert str(caught.value) == f"{server.url}/{shard.name}: no bytes for 0.5 s: the fetch stalled"
+    assert arrived == size // 2  # what came before the stall arrived, and nothing after it
+
+
 def test_reorder_from_s3_writes_what_reorder_from_the_local_folder_writes(store_env, sharded, tmp_path) -> None:
     url, folder = sharded
     runner = CliRunner()

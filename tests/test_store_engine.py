@@ -8,6 +8,8 @@ reloads with the Python API:
   and the engine keeps B;
 - a missing key, a missing bucket, wrong credentials: one line each, no credential in it, the engine keeps B;
 - A from an HTTPS server with a private certificate authority: equal to a fresh engine on A;
+- B from an HTTPS server whose shard stalls mid-body: fails within the stall bound (`LAYERWISE_STALL_S`),
+  naming the object, and the engine keeps A;
 - B again from a prefix of its own: with bounded disk nothing is kept; kept, a reload at the same ETags reads the
   store cache and fetches nothing, equal to a fresh engine on B;
 - `watch` on a bucket prefix: the newest complete step loaded at its pin, an incomplete one after it not.
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.engine_support import assert_matches_fresh, fresh_state
+from tests.support.engine_support import assert_matches_fresh, assert_same_outputs, fresh_state, greedy_with_logprobs
 from tests.support.in_process import start_here, stop_here
 from tests.support.seaweed import BUCKET, SECRET_KEY, SeaweedS3, weed_binary
 from tests.test_hub_stream_engine import prompts, tensors_of, write
@@ -137,6 +139,27 @@ def test_a_step_over_https_streams_into_the_engine_equal_to_a_fresh_one(engine, 
         weights = sum(p.stat().st_size for p in ckpts["A"].glob("*.safetensors"))
         assert 0 < sum(n for name, n in server.sent.items() if name.endswith(".safetensors")) <= 1.05 * weights
     assert_is_fresh(engine, ckpts["A"])
+
+
+def test_a_stalled_body_fails_naming_the_object_and_the_engine_keeps_its_weights(engine, ckpts, monkeypatch) -> None:
+    import layerwise_cli
+    from layerwise_cli.checkpoint.hub_http import STALL_ENV
+    from layerwise_cli.errors import LayerwiseError
+    from tests.support.https_server import HttpsFolder
+
+    layerwise_cli.reload(engine, str(ckpts["A"]))  # every layer of B differs: its shards are fetched
+    before, answers = checksums(engine), greedy_with_logprobs(engine, prompts())
+    shard = sorted(ckpts["B"].glob("*.safetensors"))[-1]
+    monkeypatch.setenv(STALL_ENV, "1")
+    with HttpsFolder(ckpts["B"]) as server:
+        monkeypatch.setenv("SSL_CERT_FILE", str(server.ca_file))
+        server.stalls[shard.name] = shard.stat().st_size // 2
+        with pytest.raises(LayerwiseError) as err:
+            layerwise_cli.reload(engine, server.url, bounded_disk=True)
+        assert 0 < server.sent[shard.name] < shard.stat().st_size
+    assert str(err.value) == f"{server.url}/{shard.name}: no bytes for 1 s: the fetch stalled"
+    assert checksums(engine) == before
+    assert_same_outputs(greedy_with_logprobs(engine, prompts()), answers, exact=True)
 
 
 def test_a_reload_at_the_same_etags_reads_the_store_cache_and_bounded_disk_keeps_nothing(engine, s3, ckpts) -> None:

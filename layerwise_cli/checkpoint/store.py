@@ -212,7 +212,8 @@ def open_store(url: str, policy: FetchPolicy):
         from obstore.store import from_url
     except ImportError:
         raise LayerwiseError(INSTALL_HINT, where=display_url(url)) from None
-    stall = f"{max(1, round(policy.stall_s))}s"
+    # No byte for the stall bound, connecting or between two reads of a body, is a timeout (obstore retries it).
+    stall = timedelta(seconds=policy.stall_s)
     client: dict = {"connect_timeout": stall, "read_timeout": stall, "timeout": "86400s",
                     "allow_http": _allow_http(url)}
     bundle = os.environ.get("SSL_CERT_FILE") or os.environ.get("AWS_CA_BUNDLE")

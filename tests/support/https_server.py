@@ -1,7 +1,9 @@
 """A plain HTTPS file server for tests: a folder served with byte ranges, ETags and If-Match, on loopback.
 
 Its certificate comes from a throwaway certificate authority (`trustme`); `ca_file` is what a client trusts
-(layerwise reads it from `SSL_CERT_FILE`). `sent` counts the body bytes each file sent.
+(layerwise reads it from `SSL_CERT_FILE`). `sent` counts the body bytes each file sent. `stalls` makes a file's
+body stall: name -> the byte of the file at which every GET of it stops sending, holding the connection open
+until the server closes (a stalled transfer, never a dropped one).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ class HttpsFolder:
 
         self.folder, self.prefix = folder, prefix
         self.sent: Counter[str] = Counter()
+        self.stalls: dict[str, int] = {}
+        self._closing = threading.Event()
         authority = trustme.CA()
         self._tmp = tempfile.TemporaryDirectory(prefix="layerwise-https-")
         self.ca_file = Path(self._tmp.name) / "ca.pem"
@@ -42,6 +46,7 @@ class HttpsFolder:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._closing.set()  # a stalled body's handler ends
         self._server.shutdown()
         self._server.server_close()
         self._tmp.cleanup()
@@ -86,8 +91,13 @@ class HttpsFolder:
                     self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
                 self.end_headers()
                 if not head:
-                    self.wfile.write(data[start:end])
-                    outer.sent[name] += end - start
+                    cut = min(end, max(start, outer.stalls.get(name, end)))
+                    self.wfile.write(data[start:cut])
+                    self.wfile.flush()
+                    outer.sent[name] += cut - start
+                    if cut < end:
+                        outer._closing.wait()  # the rest never comes; the connection stays open
+                        self.close_connection = True
 
             def _empty(self, status: int, headers: dict[str, str] | None = None) -> None:
                 self.send_response(status)
