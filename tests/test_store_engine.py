@@ -155,7 +155,7 @@ def test_a_stalled_body_fails_naming_the_object_and_the_engine_keeps_its_weights
         monkeypatch.setenv("SSL_CERT_FILE", str(server.ca_file))
         server.stalls[shard.name] = shard.stat().st_size // 2
         with pytest.raises(LayerwiseError) as err:
-            layerwise_cli.reload(engine, server.url, bounded_disk=True)
+            layerwise_cli.reload(engine, server.url)
         assert 0 < server.sent[shard.name] < shard.stat().st_size
     assert str(err.value) == f"{server.url}/{shard.name}: no bytes for 1 s: the fetch stalled"
     assert checksums(engine) == before
