@@ -196,6 +196,7 @@ ARGUMENT_PARSER = PrivateSymbol("vllm.utils.argparse_utils", "FlexibleArgumentPa
                                 members=("parse_args",),
                                 used_by="server/headless.py (the parser `vllm serve` parses with)")
 CLI_ENV_SETUP = PrivateSymbol("vllm.entrypoints.serve.utils.api_utils", "cli_env_setup", "function", parameters=(),
+                              moved_to=("vllm.entrypoints.common.startup",),  # 0.34
                               used_by="server/headless.py (the environment vLLM's CLI sets: spawned workers)")
 # vLLM 0.32's context for its engine start-up handshake catches KeyboardInterrupt (its server's SIGTERM handler
 # during start-up raises one) and carries on: the server then waits VLLM_ENGINE_READY_TIMEOUT_S for an engine that
@@ -255,7 +256,8 @@ _NODE_FLAGS_USED_BY = "server/nodes.py NodePlacement.argv (layerwise serve --nno
 COMMAND_FLAGS: tuple[CommandFlag, ...] = (
     *(CommandFlag(flag, ("vllm.engine.arg_utils",), _NODE_FLAGS_USED_BY)
       for flag in ("--nnodes", "--node-rank", "--master-addr", "--master-port")),
-    CommandFlag("--headless", ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args"),
+    CommandFlag("--headless", ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args",
+                               "vllm.entrypoints.common.cli_args"),  # 0.34
                 _NODE_FLAGS_USED_BY),
 )
 
