@@ -42,8 +42,11 @@ DELTA_NAMES = {
     "h": "save_checkpoint's output of f",
     "s": "sparse delta, 3% of values changed",
 }
-# `c-full`: layerwise on the full step a sparse delta rebuilds (case s only).
-DELTA_VARIANTS = ("a", "c", "c-full", "d")
+# `c-full`: layerwise on the full step a sparse delta rebuilds; `c-nopatch`: the delta with nothing patched in
+# place, every changed layer rebuilt from the base and handed to vLLM (case s only).
+DELTA_VARIANTS = ("a", "c", "c-full", "c-nopatch", "d")
+# The variants only a case with a full step beside its delta (s) has.
+SPARSE_ONLY = ("c-full", "c-nopatch")
 CHANGED_FRACTION = 0.25
 # The fraction of every tensor's values case s changes (issue 49's figure).
 SPARSE_FRACTION = 0.03
@@ -228,8 +231,8 @@ def bench_delta(llm, delta: dict, cases: list[str], args, watch, device_memory, 
 
     base = Path(delta["base"]["path"])
     variants = [v for v in args.delta_variants if v in DELTA_VARIANTS]
-    # `c-full` only where a case has a full step beside its delta (s).
-    case_variants = {case: [v for v in variants if v != "c-full" or "full_path" in delta[case]] for case in cases}
+    case_variants = {case: [v for v in variants if v not in SPARSE_ONLY or "full_path" in delta[case]]
+                     for case in cases}
     samples: dict[str, dict[str, list[dict]]] = {case: {v: [] for v in case_variants[case]} for case in cases}
     pairs = [(case, v) for case in cases for v in case_variants[case]]
     for _ in range(args.warmup):  # untimed: the skip's code paths warm, as the other variants' are
@@ -246,7 +249,7 @@ def bench_delta(llm, delta: dict, cases: list[str], args, watch, device_memory, 
         shift = run % len(pairs)
         for case, variant in pairs[shift:] + pairs[:shift]:
             path = _variant_path(delta[case], variant)
-            if variant in ("c", "c-full"):
+            if variant in ("c", *SPARSE_ONLY):
                 began = time.perf_counter()
                 measure(llm, "c", base, args.cuda, full=True)  # the engine holds BASE, through layerwise
                 prepare_s.append(time.perf_counter() - began)
@@ -273,7 +276,8 @@ def bench_delta(llm, delta: dict, cases: list[str], args, watch, device_memory, 
             rises = [s["device_peak_allocated_delta_bytes"] for s in got
                      if s["device_peak_allocated_delta_bytes"] is not None]
             times[v]["device_peak_allocated_delta_bytes"] = statistics.median(rises) if rises else None
-            for key in ("skipped_layers", "skipped_bytes", "reloaded_bytes", "read_bytes", "spot_check_bytes"):
+            for key in ("skipped_layers", "skipped_bytes", "reloaded_bytes", "read_bytes", "spot_check_bytes",
+                        "patched_layers", "patched_bytes"):
                 values = [s[key] for s in got if s.get(key) is not None]
                 if values:
                     times[v][key] = max(values)
@@ -289,7 +293,7 @@ def bench_delta(llm, delta: dict, cases: list[str], args, watch, device_memory, 
 
 def _variant_path(case: dict, variant: str) -> Path:
     """The checkpoint VARIANT reads in CASE: a sparse delta's full step for everything but layerwise's c."""
-    return Path(case["path"] if variant == "c" or "full_path" not in case else case["full_path"])
+    return Path(case["path"] if variant in ("c", "c-nopatch") or "full_path" not in case else case["full_path"])
 
 
 def delta_ratios(times: dict) -> dict:
@@ -300,6 +304,8 @@ def delta_ratios(times: dict) -> dict:
         ratios["c_over_a"] = med["c"] / med["a"]
     if "c-full" in med and "c" in med:
         ratios["c_over_c_full"] = med["c"] / med["c-full"]
+    if "c-full" in med and "c-nopatch" in med:
+        ratios["c_nopatch_over_c_full"] = med["c-nopatch"] / med["c-full"]
     if "d" in med and "c" in med:
         ratios["c_over_d"] = med["c"] / med["d"]
     return ratios

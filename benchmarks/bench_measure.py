@@ -45,7 +45,7 @@ def measure(llm, variant: str, path: Path, cuda: bool, full: bool = True) -> dic
         order = "file" if variant == "b" else "layer"
         call = ReloadCall(source=source, options=ReloadOptions(
             order=order, readahead=variant != "c-nora", allow_nonfinite=variant == "c-nocheck",
-            in_place=variant != "c-fresh",
+            in_place=variant != "c-fresh", patch_in_place=variant != "c-nopatch",
             # Every run reloads the same checkpoint: without all_layers, every run after the first skips it all.
             all_layers=full))
         results = llm.collective_rpc(call.method, kwargs=call.kwargs())
@@ -67,7 +67,7 @@ def skip_figures(report) -> dict:
     data = report.to_dict()  # one flat object: each figure by its key, whichever section holds it
     return {key: data.get(key) for key in ("skipped_layers", "skipped_bytes", "read_bytes", *TIME_SPLIT,
                                            "fingerprint_s", "spot_check_bytes", "reader_cpus", "in_place_layers",
-                                           "in_place_bytes")}
+                                           "in_place_bytes", "patched_layers", "patched_bytes")}
 
 
 def stats(samples: list[float]) -> dict:

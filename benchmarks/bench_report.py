@@ -9,7 +9,7 @@ from benchmarks.bench_delta import DELTA_NAMES
 
 VARIANTS = ("a", "b", "c", "c-nora", "c-nocheck", "c-fresh", "d", "e")
 # The variants that call layerwise's reload (the others are vLLM's own, the read limit and the floor).
-LAYERWISE_VARIANTS = ("b", "c", "c-nora", "c-nocheck", "c-fresh")
+LAYERWISE_VARIANTS = ("b", "c", "c-nora", "c-nocheck", "c-fresh", "c-nopatch")
 VARIANT_NAMES = {
     "a": "vLLM reload_weights(weights_path)",
     "b": "layerwise --order file",

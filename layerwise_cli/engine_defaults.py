@@ -34,6 +34,19 @@ def fresh_buffers_forced() -> bool:
     return _switch_set(FRESH_BUFFERS_ENV)
 
 
+# Diagnostic switch: `LAYERWISE_NO_DELTA_PATCH=1` rebuilds every layer a sparse delta changes
+# from its base's files and hands it to vLLM's reload, instead of patching the layers the
+# engine keeps in checkpoint layout in place (`worker/reload/delta_patch.py`): to compare, or
+# to rule the patch out. Read in the worker and by the client, which then asks for
+# `patch_in_place=False`.
+NO_DELTA_PATCH_ENV = "LAYERWISE_NO_DELTA_PATCH"
+
+
+def delta_patch_disabled() -> bool:
+    """Whether the diagnostic switch turns patching a delta into the engine's tensors off (in this process)."""
+    return _switch_set(NO_DELTA_PATCH_ENV)
+
+
 # On CPU the KV cache takes this fraction of host memory (vLLM's GPU default, 0.9, would take the machine).
 CPU_MEMORY_FRACTION = 0.1
 

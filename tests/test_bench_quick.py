@@ -63,11 +63,13 @@ def test_quick_benchmark_writes_consistent_json(tmp_path, demo_models):
     assert [r["case"] for r in delta["results"]] == ["f", "g", "g-plain", "h", "s"]
     assert len(delta["changed_layers"]) == round(0.25 * delta["parent_layers"])
     for result in delta["results"]:
-        sparse = result["case"] == "s"  # a sparse delta: c loads it, c-full the full step it rebuilds
-        assert set(result["times"]) == ({"a", "c", "c-full", "d"} if sparse else {"a", "c", "d"})
+        # A sparse delta: c loads it, c-nopatch too with nothing patched in place, c-full the full step it rebuilds.
+        sparse = result["case"] == "s"
+        assert set(result["times"]) == ({"a", "c", "c-full", "c-nopatch", "d"} if sparse else {"a", "c", "d"})
         assert result["runs"] == 1
         assert all(t["median"] > 0 and t["engine_peak_rss_delta_bytes"] >= 0 for t in result["times"].values())
-        assert set(result["ratios"]) == {"c_over_a", "c_over_d", *(["c_over_c_full"] if sparse else [])}
+        assert set(result["ratios"]) == {"c_over_a", "c_over_d",
+                                         *(["c_over_c_full", "c_nopatch_over_c_full"] if sparse else [])}
     assert delta["base_reload_s_median"] > 0
     assert {t["target"].split(":")[0] for t in data["targets"]} >= {
         "f (25% changed)", "g (identical, header digests)", "g-plain (identical, no header digests)",
@@ -83,12 +85,18 @@ def test_quick_benchmark_writes_consistent_json(tmp_path, demo_models):
     for case in ("f", "h"):
         assert (got[case]["skipped_layers"], got[case]["read_bytes"], got[case]["reloaded_bytes"]) == (
             unchanged, changed, changed), case
-    # s: every tensor has 3% of its values changed, so every layer is loaded (but a norm none of whose few
-    # values were drawn): the base's bytes and the patches' are read, and the delta is a fraction of the step.
+    # s: every tensor has 3% of its values changed, so every layer changes (but a norm none of whose few
+    # values were drawn). With nothing patched in place (c-nopatch) every changed layer is handed over: the base's
+    # bytes and the patches' are read. The delta is a fraction of the step.
     sparse = next(r for r in delta["results"] if r["case"] == "s")
     assert sparse["checkpoint"]["bytes"] < 0.15 * sparse["checkpoint"]["full_bytes"]
-    loaded, skipped = got["s"]["reloaded_bytes"], got["s"]["skipped_bytes"]
+    general = sparse["times"]["c-nopatch"]
+    loaded, skipped = general["reloaded_bytes"], general["skipped_bytes"]
     assert loaded + skipped == total and skipped < 0.01 * total
-    assert loaded < got["s"]["read_bytes"] <= loaded + sparse["checkpoint"]["bytes"]
+    assert loaded < general["read_bytes"] <= loaded + sparse["checkpoint"]["bytes"]
     assert sparse["times"]["c-full"]["reloaded_bytes"] == loaded
+    # c patches the layers kept in checkpoint layout (the norms at least, on every CPU) instead: fewer bytes
+    # handed over and read.
+    assert got["s"]["patched_layers"] > 0 and got["s"]["reloaded_bytes"] < loaded
+    assert got["s"]["read_bytes"] < general["read_bytes"]
 

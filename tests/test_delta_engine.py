@@ -75,6 +75,11 @@ def _reload(llm, source: Path, **kwargs):
 
 
 def _handed_over(report) -> set[str]:
+    return {layer.name for layer in report.layers if not layer.skipped and not layer.patched}
+
+
+def _changed(report) -> set[str]:
+    """The layers handed over or patched in place (`delta_patch`)."""
     return {layer.name for layer in report.layers if not layer.skipped}
 
 
@@ -118,7 +123,7 @@ def test_deltas_both_ways_equal_fresh_engines_a_b_a_b(llm, steps):
     _assert_holds(llm, steps["B"])
     # The layers the delta patches are rebuilt and handed over; a layer it leaves as the base had it (a small
     # norm none of whose values moved) is skipped from the step's digests, after its spot check.
-    assert _handed_over(to_b) == _patched_layers(to_b, steps["AB"]) != set()
+    assert _changed(to_b) == _patched_layers(to_b, steps["AB"]) != set()
     assert to_b.unchanged.spot_checked_layers == to_b.unchanged.skipped_layers
     # What it read: the base's bytes of the layers handed over, and every patch of the delta.
     from layerwise_cli.checkpoint.delta import read_delta
@@ -127,7 +132,7 @@ def test_deltas_both_ways_equal_fresh_engines_a_b_a_b(llm, steps):
     patch_bytes = sum(patches.patch_nbytes(name) for name in patches.patches)
     assert patch_bytes > 0 and to_b.volume.read_bytes == to_b.volume.bytes + patch_bytes
     to_a = _reload(llm, steps["BA"])
-    assert _handed_over(to_a) == _patched_layers(to_a, steps["BA"])
+    assert _changed(to_a) == _patched_layers(to_a, steps["BA"])
     _assert_holds(llm, steps["A"])
     # --verify proves the engine against the full step the delta rebuilds.
     verified = _reload(llm, steps["AB"], verify=True)
@@ -140,7 +145,7 @@ def test_deltas_both_ways_equal_fresh_engines_a_b_a_b(llm, steps):
     # are skipped, their spot check sampling the bytes the chain rebuilds (not A's files, which differ).
     to_c = _reload(llm, steps["C"], verify=True)
     assert to_c.verify.ok and to_c.unchanged.skipped_layers > 0 and to_c.unchanged.stale_header_digests == ()
-    assert all(".mlp." in name for name in _handed_over(to_c))
+    assert all(".mlp." in name for name in _changed(to_c))
     _reload(llm, steps["B"], all_layers=True)
     # A, rebuilt from A's files through both links.
     _reload(llm, steps["chained"], verify=True)
@@ -154,7 +159,7 @@ def test_an_engine_that_missed_a_step_is_brought_to_the_newest_through_the_chain
     assert caught_up.verify.ok
     _assert_holds(llm, steps["C full"])
     # Every layer either link changed is handed over (the engine held none of B's changes).
-    assert _handed_over(caught_up) == _patched_layers(caught_up, steps["AB"]) | _patched_layers(caught_up, steps["C"])
+    assert _changed(caught_up) == _patched_layers(caught_up, steps["AB"]) | _patched_layers(caught_up, steps["C"])
     # A step outside the chain is still no base: the engine now holds C, and delta(A->B) needs A.
     from layerwise_cli.errors import LayerwiseError
 

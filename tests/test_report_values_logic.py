@@ -27,7 +27,7 @@ FLAT_KEYS = {
     "read_bytes", "engine_id", "all_layers", "digests", "stale_layers", "hash_s", "fingerprint_s", "read_s",
     "sample_s", "check_s", "handover_s", "vllm_s", "hashed_after_handover", "unhashed_layers", "hash_wait_s",
     "reader_cpus", "spot_checked_layers", "spot_check_bytes", "spot_check_s", "stale_header_digests", "refreshed",
-    "in_place_layers", "in_place_bytes", "gb_per_s", "peak_over_largest_layer", "matches_prediction",
+    "in_place_layers", "in_place_bytes", "patched_layers", "patched_bytes", "gb_per_s", "peak_over_largest_layer", "matches_prediction",
 }
 
 
@@ -64,7 +64,7 @@ def test_json_has_lists_and_round_trips():
     assert data["notes"] == ["a note"] and data["verify"]["mismatched"] == ["model.norm"]
     assert data["layers"][1] == {"name": "model.norm", "tensors": 1, "bytes": 10, "load_s": 0.0, "process_s": 0.0,
                                  "buffered_bytes_at_completion": 10, "completed_during_stream": False,
-                                 "held_to_end": None, "skipped": None, "in_place": False}
+                                 "held_to_end": None, "skipped": None, "in_place": False, "patched": False}
     assert ReloadReport.from_dict(data) == report
     assert VerifyResult.from_dict(_verify().to_dict()) == _verify()
 

@@ -148,7 +148,9 @@ class Delta:
         return self._mapped["map"][self.header.data_start + entry.begin:self.header.data_start + entry.end]
 
     def positions(self, name: str):
-        """The changed positions of patched tensor NAME (int64, strictly increasing, in range); validated here.
+        """The changed positions of patched tensor NAME (strictly increasing, in range); validated here.
+
+        An index is returned as stored (int32 or int64, a view of the file's mapping), a bitmap as int64.
 
         Raises:
             LayerwiseError: out of range, not increasing, padding bits set, or not as many as the values.
@@ -166,12 +168,13 @@ class Delta:
                 self._bad(name, f"bitmap sets bits past its {n} elements")
             found = np.flatnonzero(bits[:n])
         else:
+            # Read where they are (an int32 index stays int32: every use takes it as it is).
             found = raw.view(np.int32 if self._entries[name + POSITIONS_SUFFIX].dtype == "I32" else np.int64)
-            found = found.astype(np.int64)
-            if found.size and (found.min() < 0 or found.max() >= n):
-                bad = int(found.min() if found.min() < 0 else found.max())
+            if found.size and (found[0] < 0 or found[-1] >= n):
+                bad = int(found[0] if found[0] < 0 else found[-1])
                 self._bad(name, f"position {bad} is out of range for its {n} elements")
-            if found.size > 1 and not (np.diff(found) > 0).all():
+            # Strictly increasing from an in-range first to an in-range last: every position is in range.
+            if found.size > 1 and not (found[1:] > found[:-1]).all():
                 self._bad(name, "positions are not strictly increasing")
         if found.size != patch.changed:
             self._bad(name, f"{found.size} positions for {patch.changed} values")

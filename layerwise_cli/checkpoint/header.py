@@ -47,6 +47,10 @@ class TensorEntry:
     def nbytes(self) -> int:
         return self.end - self.begin
 
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
 
 @dataclass(frozen=True)
 class ShardHeader:

@@ -91,6 +91,10 @@ def render_report(report: ReloadReport, title: str = "Reload", top: int = 0) -> 
             table.add_row(f"{escape(_layer_label(layer.name))} [dim](skipped: {escape(layer.skipped)})[/]",
                           str(layer.tensors), human_bytes(layer.bytes), "-", "-", "-")
             continue
+        if layer.patched:
+            table.add_row(f"{escape(_layer_label(layer.name))} [dim](patched in place)[/]",
+                          str(layer.tensors), human_bytes(layer.bytes), "-", "-", "-")
+            continue
         table.add_row(escape(_layer_label(layer.name)) + ("" if layer.completed_during_stream else " (finalize)"),
                       str(layer.tensors), human_bytes(layer.bytes), human_seconds(layer.load_s),
                       human_seconds(layer.process_s), human_bytes(layer.buffered_bytes_at_completion))
@@ -119,6 +123,8 @@ def render_report(report: ReloadReport, title: str = "Reload", top: int = 0) -> 
     summary.add_row("in place", in_place_line(report))
     summary.add_row("time", time_line(report))
     summary.add_row("skipped", skipped_line(report))
+    if report.volume.patched_layers:
+        summary.add_row("patched", patched_line(report))
     if report.volume.fetched_bytes is not None:
         summary.add_row("fetched", f"{human_bytes(report.volume.fetched_bytes)} from "
                         f"{escape(source_label(report.placement))} by range (only the tensors handed over)")
@@ -143,9 +149,16 @@ def time_line(report: ReloadReport) -> str:
     return line
 
 
+def patched_line(report: ReloadReport) -> str:
+    """`12 of 19 layers patched in place from the delta (3.10 MiB read), each tensor proved by the step's digest`."""
+    volume = report.volume
+    return (f"{volume.patched_layers} of {len(report.layers)} layers patched in place from the delta "
+            f"({human_bytes(volume.patched_bytes)} read), each patched tensor proved by the step's digest")
+
+
 def in_place_line(report: ReloadReport) -> str:
     """`115 of 227 layers (351.9 MiB) loaded into the engine's own tensors: ...`."""
-    reloaded = sum(1 for layer in report.layers if not layer.skipped)
+    reloaded = sum(1 for layer in report.layers if not layer.skipped and not layer.patched)
     if not reloaded:
         return "none (no layer reloaded)"
     memory = report.memory

@@ -30,6 +30,9 @@ class LayerReport:
     skipped: str | None = None
     # vLLM loaded it into the engine's own tensors, not into fresh ones copied over (`worker/stream/in_place.py`).
     in_place: bool = False
+    # A sparse delta's new values were written straight into its tensors; not handed to vLLM
+    # (`worker/reload/delta_patch.py`).
+    patched: bool = False
 
     @property
     def seconds(self) -> float:
@@ -44,7 +47,7 @@ class LayerReport:
 
         Returns:
             The first rank's name, tensors and bytes, the longest times and largest buffer, completed
-            during the stream and loaded in place only where every rank did, skipped only where every
+            during the stream, loaded in place and patched only where every rank did, skipped only where every
             rank skipped it, held to the end where any rank held it.
         """
         base = per_worker[0]
@@ -60,6 +63,7 @@ class LayerReport:
             # Skipped only where every rank holding it skipped it.
             skipped=base.skipped if all(layer.skipped for layer in per_worker) else None,
             in_place=all(layer.in_place for layer in per_worker),
+            patched=all(layer.patched for layer in per_worker),
         )
 
     @classmethod

@@ -90,6 +90,9 @@ class Volume:
         elsewhere_bytes: their bytes.
         fetched_bytes: bytes this worker fetched from the Hub for the reload (merged: every worker's added up;
             None: the source was on this machine).
+        patched_layers: layers a sparse delta patched straight into the engine's tensors, not handed to vLLM
+            (`layers[].patched`; merged: added up over the stages, as `bytes`).
+        patched_bytes: the delta's bytes read for them (positions and values; in `read_bytes` too).
     """
 
     bytes: int
@@ -99,6 +102,8 @@ class Volume:
     elsewhere_tensors: int = 0
     elsewhere_bytes: int = 0
     fetched_bytes: int | None = None
+    patched_layers: int = 0
+    patched_bytes: int = 0
 
     @classmethod
     def merged(cls, parts: Sequence[Volume], stages: Sequence[Volume]) -> Volume:
@@ -107,7 +112,9 @@ class Volume:
         fetched = [part.fetched_bytes for part in parts if part.fetched_bytes is not None]
         return cls(bytes=sum(stage.bytes for stage in stages), tensors=sum(stage.tensors for stage in stages),
                    read_bytes=None if unmeasured else max(part.read_bytes for part in parts),
-                   fetched_bytes=sum(fetched) if fetched else None)
+                   fetched_bytes=sum(fetched) if fetched else None,
+                   patched_layers=sum(stage.patched_layers for stage in stages),
+                   patched_bytes=sum(stage.patched_bytes for stage in stages))
 
 
 @dataclass(frozen=True)

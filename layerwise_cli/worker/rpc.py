@@ -65,6 +65,9 @@ class ReloadOptions:
         delta_base_check: a sparse delta (docs/deltas.md) loads only into an engine that holds its base; False
             rebuilds it whatever the engine holds, each tensor proved by the delta's digests as it is read: what a
             rollback and a fleet going back to a step held through a delta do (no flag).
+        patch_in_place: a sparse delta's new values are written straight into the engine's tensors for the
+            layers it keeps in checkpoint layout (`delta_patch`); False hands every changed layer to vLLM's
+            reload, rebuilt from its base (the diagnostic switch `LAYERWISE_NO_DELTA_PATCH`, `with_switches`).
     """
 
     order: str = "layer"
@@ -79,6 +82,7 @@ class ReloadOptions:
     in_place: bool = True
     bounded_disk: bool = False
     delta_base_check: bool = True
+    patch_in_place: bool = True
 
     def to_json(self) -> dict[str, Any]:
         """The options as sent: those every extension has always taken, the others only when not their default.
@@ -101,13 +105,15 @@ class ReloadOptions:
     def with_switches(self) -> ReloadOptions:
         """These options with the diagnostic switches set in this process's environment (`engine_defaults`).
 
-        `LAYERWISE_NO_CPU_FIXUPS` turns `repairs` off and `LAYERWISE_FRESH_BUFFERS` turns `in_place` off, so that
-        a server's workers, whose environment is the server's, do as the switch set here asks.
+        `LAYERWISE_NO_CPU_FIXUPS` turns `repairs` off, `LAYERWISE_FRESH_BUFFERS` turns `in_place` off and
+        `LAYERWISE_NO_DELTA_PATCH` turns `patch_in_place` off, so that a server's workers, whose environment is
+        the server's, do as the switch set here asks.
         """
-        from layerwise_cli.engine_defaults import fresh_buffers_forced, repairs_disabled
+        from layerwise_cli.engine_defaults import delta_patch_disabled, fresh_buffers_forced, repairs_disabled
 
         return replace(self, repairs=self.repairs and not repairs_disabled(),
-                       in_place=self.in_place and not fresh_buffers_forced())
+                       in_place=self.in_place and not fresh_buffers_forced(),
+                       patch_in_place=self.patch_in_place and not delta_patch_disabled())
 
 
 # What every version of the extension takes: sent also at their defaults, as they always were.

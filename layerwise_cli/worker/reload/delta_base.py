@@ -15,7 +15,7 @@ from layerwise_cli.worker.state.spot_check import spot_check
 
 
 def check_delta_base(checkpoint: Checkpoint, engine_stream: list[PlannedTensor], records: LayerRecords | None,
-                     fingerprints: Callable[[list[str]], Mapping[str, object]], held: str) -> None:
+                     fingerprints: Callable[[list[str]], Mapping[str, object]], held: str) -> dict[str, int]:
     """Refuse the delta CHECKPOINT unless this rank's engine holds its base, or an earlier step of its chain, in
     every layer it streams.
 
@@ -35,6 +35,9 @@ def check_delta_base(checkpoint: Checkpoint, engine_stream: list[PlannedTensor],
         records: this worker's records (None: none kept: refused).
         fingerprints: the layers' states now (`UnchangedLayerPlan._fingerprints`).
         held: what the engine holds as far as layerwise knows (`loaded_from`), for the message.
+
+    Returns:
+        Each layer of the stream -> the index of the chain's link whose base it holds (proved).
 
     Raises:
         LayerwiseError: one line naming the delta, its base, the first layer that does not hold it and what
@@ -68,6 +71,7 @@ def check_delta_base(checkpoint: Checkpoint, engine_stream: list[PlannedTensor],
             raise LayerwiseError(f"{needs}, but the files of the step it holds are not what layer {name} was "
                                  f"loaded from (sampled bytes differ); the engine holds {held}",
                                  where=checkpoint.source)
+    return steps
 
 
 def _step_digest(delta: DeltaChain, link: int, items: list[PlannedTensor]) -> str:

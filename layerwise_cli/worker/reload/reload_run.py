@@ -16,14 +16,17 @@ import torch
 
 from layerwise_cli.checkpoint.hub_pin import HubPin
 from layerwise_cli.checkpoint.store import StoreSource
+from layerwise_cli.engine_defaults import delta_patch_disabled
 from layerwise_cli.planning.plan import BufferSimulation, Plan, PlannedTensor
 from layerwise_cli.report.progress import ProgressWriter
 from layerwise_cli.worker.proof.early_fingerprints import EarlyFingerprints
 from layerwise_cli.worker.reload.completion_check import Unloaded
 from layerwise_cli.worker.reload.delta_base import check_delta_base
+from layerwise_cli.worker.reload.delta_patch import DeltaPatch
 from layerwise_cli.worker.reload.probe import BufferProbe
 from layerwise_cli.worker.reload.reload_plan import PlannedReload, loaded_from, plan_reload
 from layerwise_cli.worker.reload.unchanged_layers import UnchangedLayerPlan
+from layerwise_cli.worker.repairs.amx_mla import must_hand_over
 from layerwise_cli.worker.repairs.derived_state import derived_state_of
 from layerwise_cli.worker.rpc import ReloadOptions
 from layerwise_cli.worker.state.layer_records import LayerRecords
@@ -78,6 +81,7 @@ class ReloadRun:
             the engine loads the next ones (`early_fingerprints`); None elsewhere or without records.
         probe: vLLM's layer buffers, measured at every handover (`BufferProbe`).
         hub: for a Hub commit not on this machine, the fetch of the tensors handed over (`hub_stream`).
+        patch: for a sparse delta, the layers patched in place instead of handed over (`delta_patch`).
     """
 
     worker: object
@@ -97,6 +101,8 @@ class ReloadRun:
     early: EarlyFingerprints | None
     # A Hub source not on this machine: its tensors fetched by byte range as the stream reads them (None: local).
     hub: HubStream | None = None
+    # A sparse delta: the layers patched straight into the engine's tensors, not handed to vLLM (`delta_patch`).
+    patch: DeltaPatch | None = None
     probe: BufferProbe = field(init=False)
     # ---- filled by the later phases ----
     # `handover.py`: the engine's time in the iterator; the layers vLLM loaded into the engine's own tensors.
@@ -139,6 +145,10 @@ class ReloadRun:
         if self.early is not None:
             self.early.layer_done(name)
 
+    def layer_patched(self, name: str) -> None:
+        """A sparse delta's layer NAME was patched in place (`delta_patch`): one line of progress."""
+        self.progress.write({"event": "layer", "name": name, "patched": True})
+
     def skip_after_read(self, parent: str, digest: str) -> bool:
         """Whether the layer PARENT, read and hashed to DIGEST, is one the engine holds (then it counts as done)."""
         skipped = self.skip.skip_layer(parent, digest)
@@ -147,12 +157,17 @@ class ReloadRun:
         return skipped
 
     def held_to_end(self) -> dict[str, str]:
-        """What vLLM holds on this rank until the end of the stream (padded vocabulary), unless skipped."""
-        return {name: why for name, why in self.held_here.items() if name not in self.skip.skipped}
+        """What vLLM holds on this rank until the end of the stream (padded vocabulary), unless not handed over."""
+        return {name: why for name, why in self.held_here.items() if name not in self.not_handed()}
 
     def delivered(self) -> list[PlannedTensor]:
-        """The tensors handed over: the stream without the layers skipped."""
-        return [item for item in self.engine_stream if item.parent not in self.skip.skipped]
+        """The tensors handed over: the stream without the layers skipped or patched in place."""
+        kept = self.not_handed()
+        return [item for item in self.engine_stream if item.parent not in kept]
+
+    def not_handed(self) -> set[str]:
+        """The layers not handed to vLLM: skipped as unchanged, or patched in place."""
+        return self.skip.skipped | self.skip.patched
 
 
 def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords | None) -> ReloadRun:
@@ -195,16 +210,20 @@ def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords 
         delta.validate()
         if not options.allow_nonfinite:
             delta.refuse_nonfinite()
+    patch = None
     if delta is not None and options.delta_base_check:
         held, _ = loaded_from(worker)
-        check_delta_base(planned.checkpoint, engine_stream, records, skip._fingerprints, held)
+        steps = check_delta_base(planned.checkpoint, engine_stream, records, skip._fingerprints, held)
+        if options.patch_in_place and not delta_patch_disabled():
+            patch = plan_patch(model, skip, delta, steps, records, derived)
     rank = getattr(worker, "rank", 0) or 0
     run = ReloadRun(
         worker=worker, source=source, options=options, records=records, planned=planned, model=model,
         engine_stream=engine_stream, held_here=held_here, folder=_folder(planned),
         device=device, derived=derived, skip=skip, stats=ReadAheadStats(),
         progress=ProgressWriter(options.progress_path if rank == 0 else None, len(plan.layers), plan.loaded_bytes),
-        early=EarlyFingerprints(skip.modules, skip.covers) if records is not None and device.type == "cpu" else None)
+        early=EarlyFingerprints(skip.modules, skip.covers) if records is not None and device.type == "cpu" else None,
+        patch=patch)
     if planned.streamed:
         # Fetching starts now, in hand-over order, a window ahead: during the vote and vLLM's preparation.
         run.hub = start_fetch(planned, skip.stream, options)
@@ -212,6 +231,18 @@ def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords 
     for name in sorted(skip.skipped):
         run.progress.write({"event": "layer", "name": name, "skipped": True})
     return run
+
+
+def plan_patch(model: torch.nn.Module, skip: UnchangedLayerPlan, delta, steps: dict[str, int],
+               records: LayerRecords, derived) -> DeltaPatch:
+    """The layers a delta patches in place (`delta_patch`): taken out of the stream handed to vLLM."""
+    patch = DeltaPatch.plan(model, delta, skip.stream, steps, records, skip.covers, derived,
+                            never=skip.rerun.hand_over | must_hand_over(model))
+    layers = patch.layers
+    skip.patched = layers
+    skip.stream = [item for item in skip.stream if item.parent not in layers]
+    skip.hash_layers -= layers
+    return patch
 
 
 def start_fetch(planned: PlannedReload, stream: list[PlannedTensor], options: ReloadOptions) -> HubStream:

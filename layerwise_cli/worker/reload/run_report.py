@@ -19,6 +19,11 @@ def layer_reports(run: ReloadRun) -> list[LayerReport]:
             layers.append(LayerReport(name=name, tensors=tensors, bytes=nbytes, load_s=0.0, process_s=0.0,
                                       buffered_bytes_at_completion=0, skipped=REASON_UNCHANGED))
             continue
+        if name in run.skip.patched:
+            tensors, nbytes = sizes[name]
+            layers.append(LayerReport(name=name, tensors=tensors, bytes=nbytes, load_s=0.0, process_s=0.0,
+                                      buffered_bytes_at_completion=0, patched=True))
+            continue
         timing = run.probe.timings.get(name)
         if timing is None:
             continue
@@ -43,7 +48,7 @@ def build_report(run: ReloadRun) -> ReloadReport:
     mine, sizes, delivered, loaded_in_place = run.planned.mine, skip.layer_sizes, run.delivered(), run.loaded_in_place
     end, start, handover_s = run.end, run.start, run.handover.seconds
     before, after = run.disk_read_before, run.disk_read_after
-    spot = skip.spot
+    spot, patch = skip.spot, run.patch
     return ReloadReport(
         placement=Placement(source=run.source, commit=run.planned.commit, order=run.options.order,
                             mapping=plan.mapping.description,
@@ -53,10 +58,12 @@ def build_report(run: ReloadRun) -> ReloadReport:
                             reader_cpus=stats.reader_cpus),
         volume=Volume(
             bytes=sum(item.entry.nbytes for item in delivered if item.parent is not None), tensors=len(delivered),
-            read_bytes=stats.read_bytes,
+            read_bytes=stats.read_bytes + (patch.read_bytes if patch is not None else 0),
             disk_read_bytes=after - before if before is not None and after is not None else None,
             elsewhere_tensors=mine.elsewhere_tensors, elsewhere_bytes=mine.elsewhere_bytes,
-            fetched_bytes=run.hub.bytes_fetched if run.hub is not None else None),
+            fetched_bytes=run.hub.bytes_fetched if run.hub is not None else None,
+            patched_layers=len(patch.patched) if patch is not None else 0,
+            patched_bytes=patch.read_bytes if patch is not None else 0),
         memory=Memory(
             peak_buffer_bytes=probe.peak,
             peak_tensor=probe.peak_tensor,

@@ -1,10 +1,11 @@
 """The layer-ordered reload as it runs inside one vLLM worker: its phases, in order.
 
-1. plan: SOURCE opened, planned for this rank and pre-flighted; what to skip; the measures set up
-   (`reload_run.plan_run`, `reload_plan.plan_reload`).
+1. plan: SOURCE opened, planned for this rank and pre-flighted; what to skip, and for a sparse delta what to
+   patch in place; the measures set up (`reload_run.plan_run`, `reload_plan.plan_reload`, `delta_patch`).
 2. vote: every rank of the engine says whether its pre-flight passed; none touches its weights unless all did
    (`plan_and_vote`).
-3. open the stream: the reading thread starts (`handover.open_source`).
+3. patch a sparse delta into the layers kept in checkpoint layout (`delta_patch.DeltaPatch.apply`), then open
+   the stream: the reading thread starts (`handover.open_source`).
 4. hand over: vLLM's own `reload_weights` over the stream, under its watches (`handover.hand_over`).
 5. load what vLLM could not, and repair what it left stale (`after_vllm.py`).
 6. record: the layers handed over are recorded for the next reload's skip (`record`).
@@ -73,6 +74,9 @@ def stream_reload(worker, source: str, options: ReloadOptions | None = None, *,
             on_engine_touched()
         run.start = time.perf_counter()
         run.disk_read_before = process_disk_read_bytes()
+        if run.patch is not None:
+            # A delta's layers kept in checkpoint layout: their new values written where they are, proved.
+            run.patch.apply(run.skip.modules, run.records, on_layer=run.layer_patched)
         # The reading thread starts now: the first layers are read while vLLM prepares its reload.
         opened = open_source(run)
         # SOURCE's tensors again, for the layers loaded after vLLM's reload and for the repairs.
@@ -145,4 +149,7 @@ def record(run: ReloadRun) -> None:
     run.skip.record(run.model, checked=not run.options.allow_nonfinite,
                     fingerprints=early.valid(entry["module"] for entry in run.refreshed) if early is not None
                     else None)
+    if run.patch is not None and run.patch.patched:
+        run.patch.record(run.records, run.skip.groups, run.skip._fingerprints(run.patch.patched),
+                         checked=not run.options.allow_nonfinite)
     run.notes.extend(run.skip.notes())

@@ -55,6 +55,8 @@ class UnchangedLayerPlan:
     on_host: bool = False
     # Layers vLLM's rerun of module hooks forbids to skip (vLLM 0.34; none before).
     rerun: RerunHooks = field(default_factory=RerunHooks)
+    # Layers a sparse delta patches in place (`delta_patch`): not handed over, recorded by the patch.
+    patched: set[str] = field(default_factory=set)
 
     @classmethod
     def build(cls, model: torch.nn.Module, checkpoint: Checkpoint, engine_stream: list[PlannedTensor], order: str,
@@ -156,7 +158,7 @@ class UnchangedLayerPlan:
         FINGERPRINTS: layers' states already taken since vLLM finished them and still true
         (`early_fingerprints`); the others are taken now.
         """
-        if self.records is None or not self.handed:
+        if self.records is None or not (self.handed or self.patched):
             return
         digests: dict[str, str | None] = {}
         for name in self.handed:
@@ -185,20 +187,22 @@ class UnchangedLayerPlan:
         """The records of skipped layers that enclose a layer handed over (a Mamba mixer whose own tensors are
         unchanged, around its `conv1d` and projections, layers of their own).
 
-        A layer's fingerprint covers its submodules: this reload changed such a layer's state by loading the
-        layers inside it, not its own tensors, so its record keeps its digest and takes its state now.
+        A layer's fingerprint covers its submodules: this reload changed such a layer's state by loading (or
+        patching) the layers inside it, not its own tensors, so its record keeps its digest and takes its state
+        now.
         """
         found = {}
-        for name in self.skipped - self.handed:
+        changed = self.handed | self.patched
+        for name in self.skipped - changed:
             record = self.records.get(name) if self.records is not None else None
-            if record is not None and any(inner.startswith(name + ".") for inner in self.handed):
+            if record is not None and any(inner.startswith(name + ".") for inner in changed):
                 found[name] = record
         return found
 
     def skipped_classes(self, model: torch.nn.Module) -> Counter:
-        """Class names of the modules skipped so far (vLLM warns once per layer it got nothing for)."""
+        """Class names of the modules skipped or patched so far (vLLM warns once per layer it got nothing for)."""
         modules = self.modules or dict(model.named_modules())
-        return Counter(type(modules[name]).__name__ for name in self.skipped if name in modules)
+        return Counter(type(modules[name]).__name__ for name in self.skipped | self.patched if name in modules)
 
     def digest_source(self) -> str:
         """`header` (every layer's digest came from the shard headers), `read` (hashed as read), `mixed`, or `none`."""

@@ -1,0 +1,311 @@
+"""A sparse delta applied straight into the engine's tensors, for the layers the engine keeps in checkpoint layout.
+
+Where a layer's engine tensors hold the checkpoint's bytes as they are (a plain
+copy: no transpose, no cast, no repacking; on a GPU the common case for an
+unquantized model at tensor-parallel size 1, on the CPU the norms, the
+embeddings and, with vLLM's `F.linear` fallback, the linear layers), a delta
+needs no reload: its new values are written at their positions into the
+engine's tensor, and only the delta's bytes are read. Every other layer is
+rebuilt from the base's files and the patch, and handed to vLLM's reload as
+before (`delta_source.rebuilt_tensor`).
+
+Nothing here is taken on a file's or a rule's word:
+
+- **The engine holds the base.** Only layers `delta_base.check_delta_base`
+  proved (their record's digest is the step the patch applies to, and their
+  state is what it was right after that step was loaded) are patched.
+- **The place is found, then shown.** Each patched tensor's place is proposed
+  from the module that loads it: the parameter or buffer its name ends with,
+  the whole of it, or its share of a fused one in the order of the model's
+  `packed_modules_mapping` (q, k, v; gate, up). It is taken only when the
+  engine's bytes there sample exactly as the record says the loaded tensor
+  did (`checkpoint.samples`). Otherwise the layer goes through vLLM's reload.
+- **Nothing else derived from it.** A layer is not patched when any of its
+  modules computes with a kernel built from its weights (a CPU kernel handle
+  holding a packed copy), owns a buffer derived from a weight that no longer
+  shares its storage, shares storage with a module outside it (a tied head),
+  or must be handed to vLLM for another reason (`never`).
+- **The result is the step.** After the patch, each patched tensor's place
+  hashes to the step's digest of that tensor, or the reload fails (and is
+  rolled back: the failed layers' records were dropped first).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from layerwise_cli.checkpoint.delta import VALUES_SUFFIX, WHOLE, WHOLE_SUFFIX, Delta
+from layerwise_cli.checkpoint.delta_source import DeltaChain
+from layerwise_cli.checkpoint.digests import layer_digest, tensor_digest
+from layerwise_cli.checkpoint.header import TensorEntry
+from layerwise_cli.checkpoint.samples import sample_digest
+from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.planning.plan import PlannedTensor
+from layerwise_cli.worker.state.layer_records import LayerRecord, LayerRecords
+from layerwise_cli.worker.stream.hub_stream import torch_dtype
+
+# The integer type a patch writes elements of each size as (bit for bit, whatever the dtype).
+_AS_INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True)
+class PatchSite:
+    """Where one checkpoint tensor's bytes are in the engine: a contiguous run of one of its tensors.
+
+    Attributes:
+        entry: the checkpoint tensor.
+        module: the engine module holding it.
+        attribute: the parameter or buffer of that module.
+        offset: where the run starts in that tensor, in elements.
+    """
+
+    entry: TensorEntry
+    module: str
+    attribute: str
+    offset: int
+
+    def region(self, modules: Mapping[str, torch.nn.Module]) -> torch.Tensor:
+        """The run, as a flat view of the engine's tensor."""
+        module = modules[self.module]
+        tensor = module._parameters.get(self.attribute)
+        if tensor is None:
+            tensor = module._buffers[self.attribute]
+        return tensor.detach().view(-1).narrow(0, self.offset, self.entry.numel)
+
+
+@dataclass
+class DeltaPatch:
+    """The layers one delta reload patches in place (`plan`), and what patching them did (`apply`).
+
+    Attributes:
+        sites: layer -> where each of its tensors that a link patches lies in the engine.
+        links: layer -> the links it takes, oldest first (those after the step it holds).
+        not_patched: layer -> why it goes through vLLM's reload instead (for the report's notes and tests).
+        patched: the layers patched so far.
+        read_bytes: the delta's bytes read for them (positions and values).
+        seconds: the time the patch took, its proof included.
+        samples: tensor -> its sample digest after the patch (for the records).
+        previous: layer -> its record before the patch (the samples of its tensors no link changes).
+    """
+
+    sites: dict[str, list[PatchSite]] = field(default_factory=dict)
+    links: dict[str, tuple[Delta, ...]] = field(default_factory=dict)
+    not_patched: dict[str, str] = field(default_factory=dict)
+    patched: list[str] = field(default_factory=list)
+    read_bytes: int = 0
+    seconds: float = 0.0
+    samples: dict[str, str] = field(default_factory=dict)
+    previous: dict[str, LayerRecord] = field(default_factory=dict)
+
+    @property
+    def layers(self) -> set[str]:
+        """The layers planned to be patched in place (not handed to vLLM)."""
+        return set(self.sites)
+
+    @classmethod
+    def plan(cls, model: torch.nn.Module, chain: DeltaChain, engine_stream: list[PlannedTensor],
+             held: Mapping[str, int], records: LayerRecords, covers: Mapping[str, list[str]],
+             derived, never: Iterable[str] = ()) -> DeltaPatch:
+        """Decide, before anything changes, which layers are patched in place and where each tensor lies.
+
+        Args:
+            model: the engine's model.
+            chain: the delta's links, oldest first.
+            engine_stream: this rank's tensors, parents in engine names.
+            held: layer -> the link whose base it holds (`check_delta_base`, which proved it).
+            records: this worker's records.
+            covers: layer -> the modules whose state its record covers (itself, and modules sharing its storage).
+            derived: the engine's derived buffers (`derived_state.DerivedState`).
+            never: layers that must be handed to vLLM whatever holds.
+        """
+        modules = dict(model.named_modules())
+        packed = getattr(model, "packed_modules_mapping", None) or {}
+        groups: dict[str, list[PlannedTensor]] = {}
+        for item in engine_stream:
+            if item.parent is not None:
+                groups.setdefault(item.parent, []).append(item)
+        out, never = cls(), set(never)
+        for layer, items in groups.items():
+            links = chain.links[held[layer]:] if layer in held else ()
+            patched = [item for item in items if any(item.entry.name in link.patches for link in links)]
+            if not patched:
+                continue  # unchanged by every link it takes: skipped as unchanged, or loaded as it is
+            why = _not_patchable(layer, modules, covers.get(layer, [layer]), derived, never)
+            sites = [] if why is None else None
+            for item in patched if sites is not None else ():
+                site, why = _site(item, items, modules, packed, records.get(layer))
+                if site is None:
+                    sites = None
+                    break
+                sites.append(site)
+            if sites is None:
+                out.not_patched[layer] = why
+            else:
+                out.sites[layer], out.links[layer], out.previous[layer] = sites, links, records.get(layer)
+        return out
+
+    def apply(self, modules: Mapping[str, torch.nn.Module], records: LayerRecords,
+              on_layer: Callable[[str], None] | None = None) -> None:
+        """Patch every planned layer in place, each tensor then proved to hash to the step's digest.
+
+        Each layer's record is dropped before it is written (a failure leaves it to the rollback).
+
+        Raises:
+            LayerwiseError: a patched tensor does not hash to the step's digest (corrupt delta): the reload fails.
+        """
+        start = time.perf_counter()
+        try:
+            for layer, sites in self.sites.items():
+                records.drop(layer)
+                for site in sites:
+                    self._patch(site, modules, self.links[layer])
+                self.patched.append(layer)
+                if on_layer is not None:
+                    on_layer(layer)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def _patch(self, site: PatchSite, modules: Mapping[str, torch.nn.Module], links: tuple[Delta, ...]) -> None:
+        entry, region = site.entry, site.region(modules)
+        as_integers = region.view(_AS_INTEGERS[region.element_size()])
+        for link in links:
+            patch = link.patches.get(entry.name)
+            if patch is None:
+                continue
+            self.read_bytes += link.patch_nbytes(entry.name)
+            if patch.kind == WHOLE:
+                values = link.raw(entry.name + WHOLE_SUFFIX)
+                as_integers.copy_(_on(region.device, values, as_integers.dtype))
+                continue
+            positions = torch.from_numpy(link.positions(entry.name))
+            values = _on(region.device, link.raw(entry.name + VALUES_SUFFIX), as_integers.dtype)
+            as_integers.index_put_((positions.to(region.device),), values)
+        raw = _host_bytes(region)
+        step = links[-1].step_digests[entry.name]
+        if tensor_digest(entry.dtype, entry.shape, raw) != step:
+            raise LayerwiseError(f"tensor {entry.name}: patched in place in {site.module}.{site.attribute}, its bytes "
+                                 "do not hash to the step's digest (corrupt delta)", where=str(links[-1].path))
+        self.samples[entry.name] = sample_digest(entry.dtype, entry.shape, len(raw),
+                                                 lambda at, n: raw[at:at + n])
+
+    def record(self, records: LayerRecords, groups: Mapping[str, list[str]], fingerprints: Mapping[str, object], *,
+               checked: bool) -> None:
+        """After a successful reload: each patched layer recorded as holding the step, with its state now.
+
+        Args:
+            records: this worker's records.
+            groups: layer -> its tensors' names.
+            fingerprints: each patched layer's state now.
+            checked: the new values passed the NaN/Inf check.
+        """
+        for layer in self.patched:
+            links, names = self.links[layer], groups[layer]
+            step = links[-1].step_digests
+            before = self.previous[layer]
+            samples = {name: self.samples.get(name, before.samples.get(name)) for name in names}
+            records.set(layer, replace(before, digest=layer_digest({name: step[name] for name in names}),
+                                       fingerprint=fingerprints[layer], checked=before.checked and checked,
+                                       samples={k: v for k, v in samples.items() if v is not None}))
+
+
+def _on(device: torch.device, raw, dtype: torch.dtype) -> torch.Tensor:
+    """RAW (a numpy uint8 view of the delta's file) as elements of DTYPE on DEVICE."""
+    tensor = torch.from_numpy(raw).view(dtype)
+    return tensor if device.type == "cpu" else tensor.to(device)
+
+
+def _host_bytes(region: torch.Tensor):
+    """The run's raw bytes as a numpy uint8 array: in place on the CPU, copied from any other device."""
+    flat = region.view(torch.uint8)
+    return (flat if flat.device.type == "cpu" else flat.cpu()).numpy()
+
+
+def _not_patchable(layer: str, modules: Mapping[str, torch.nn.Module], covers: list[str], derived,
+                   never: set[str]) -> str | None:
+    """Why LAYER's tensors may not be patched in place (state derived from them, or a reason to hand it over)."""
+    if layer in never:
+        return "it must be handed to vLLM (its module hooks or its kernel need the reload)"
+    if len(covers) > 1:
+        return f"{covers[1]} shares its storage"
+    inside = [name for name in modules if name == layer or name.startswith(layer + ".")]
+    for name in inside:
+        kernel = getattr(modules[name], "cpu_linear", None)
+        if kernel is not None and _holds_state(kernel):
+            return f"{name} computes with a CPU kernel built from its weights"
+    for alias in getattr(derived, "aliases", ()):
+        if not alias.live and (alias.source in inside or alias.module in inside):
+            return f"{alias.name} is derived from a weight and no longer shares its storage"
+    for name in getattr(derived, "unknown", {}):
+        if name.rpartition(".")[0] in inside:
+            return f"{name} is a buffer of unknown origin"
+    return None
+
+
+def _holds_state(kernel) -> bool:
+    """Whether a CPU kernel callable carries state of its own (a packed copy, a oneDNN handle) or is stateless."""
+    if kernel is torch.nn.functional.linear:
+        return False
+    return bool(getattr(kernel, "__closure__", None) or getattr(kernel, "__defaults__", None)
+                or not hasattr(kernel, "__code__"))
+
+
+def _site(item: PlannedTensor, items: list[PlannedTensor], modules: Mapping[str, torch.nn.Module],
+          packed: Mapping[str, list[str]], record: LayerRecord | None) -> tuple[PatchSite | None, str | None]:
+    """Where ITEM's bytes lie in its module, shown by their samples; (None, why) when not found."""
+    entry, module = item.entry, modules.get(item.parent)
+    attribute = entry.name.rpartition(".")[2]
+    tensor = None if module is None else module._parameters.get(attribute, module._buffers.get(attribute))
+    if tensor is None or tensor.device.type == "meta" or not tensor.is_contiguous():
+        return None, f"{item.parent} has no stored {attribute} in checkpoint layout"
+    if tensor.dtype != torch_dtype(entry.dtype):
+        return None, f"{item.parent}.{attribute} is {tensor.dtype}, the checkpoint's {entry.dtype}"
+    offset = _offset(item, items, tensor.numel(), packed)
+    if offset is None:
+        return None, f"{entry.name}'s place in {item.parent}.{attribute} is not known"
+    recorded = record.samples.get(entry.name) if record is not None else None
+    if recorded is None:
+        return None, f"the record of {item.parent} has no samples of {entry.name}"
+    site = PatchSite(entry, item.parent, attribute, offset)
+    if _engine_sample(site, modules) != recorded:
+        return None, f"{item.parent}.{attribute} does not hold {entry.name} as loaded (its layout changed)"
+    return site, None
+
+
+def _offset(item: PlannedTensor, items: list[PlannedTensor], numel: int, packed: Mapping[str, list[str]]) -> int | None:
+    """ITEM's offset in its module's tensor of NUMEL elements: 0 when it is the whole; else its share of a fused
+    tensor, in the order of `packed_modules_mapping`; None when neither."""
+    if item.entry.numel == numel:
+        return 0
+    order = packed.get(item.parent.rpartition(".")[2])
+    attribute = item.entry.name.rpartition(".")[2]
+    members = [other for other in items if other.parent == item.parent
+               and other.entry.name.rpartition(".")[2] == attribute]
+    rank = {short: index for index, short in enumerate(order or ())}
+    shorts = [member.entry.name.rsplit(".", 2)[-2] for member in members]
+    if not order or any(short not in rank for short in shorts) or len(set(shorts)) != len(shorts):
+        return None
+    members = [member for _, member in sorted(zip(shorts, members, strict=True), key=lambda pair: rank[pair[0]])]
+    if sum(member.entry.numel for member in members) != numel:
+        return None
+    offset = 0
+    for member in members:
+        if member is item:
+            return offset
+        offset += member.entry.numel
+    return None
+
+
+def _engine_sample(site: PatchSite, modules: Mapping[str, torch.nn.Module]) -> str:
+    """The sample digest of the engine's bytes at SITE (`checkpoint.samples`; only the windows leave the device)."""
+    flat = site.region(modules).view(torch.uint8)
+    entry = site.entry
+
+    def window(at: int, n: int):
+        part = flat[at:at + n]
+        return (part if part.device.type == "cpu" else part.cpu()).numpy()
+
+    return sample_digest(entry.dtype, entry.shape, flat.numel(), window)
