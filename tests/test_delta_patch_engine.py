@@ -164,5 +164,13 @@ def test_a_patch_that_does_not_give_the_step_fails_and_the_engine_is_rolled_back
         # The rollback recorded A again: the next delta loads, patched in place.
         to_b = reload(llm, str(steps["AB"]))
         assert _patched(to_b)
+        # vLLM's own reload of A since: the records still say B, the engine's bytes are A's. The samples of the
+        # engine's bytes refute the base before anything is written: refused at pre-flight, nothing changed.
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(steps["A"])})
+        with pytest.raises(LayerwiseError) as info:
+            reload(llm, str(steps["BA"]))
+        message = str(info.value)
+        assert "was changed since layerwise loaded it" in message and "rolled back" not in message
+        _holds(llm, fresh_a)
     finally:
         stop_here(llm)

@@ -172,3 +172,52 @@ def test_a_patch_that_does_not_give_the_step_fails_naming_the_tensor(steps):
     model.model.layers[0].self_attn.o_proj.weight.data[0, 1] += 1
     with pytest.raises(LayerwiseError, match=f"tensor {ATTN}.o_proj.weight: patched in place in {OPROJ}.weight"):
         patch.apply(dict(model.named_modules()), records)
+
+
+def _fingerprints(model):
+    from layerwise_cli.worker.state.layer_state import layer_fingerprints
+
+    modules = dict(model.named_modules())
+    return lambda names, known=None: layer_fingerprints(modules, {name: [name] for name in names}, known)
+
+
+def test_a_layer_written_whole_is_proved_after_the_patch_and_one_changed_since_fails(steps):
+    a, _, checkpoint = steps
+    model, stream = Model(a), _stream(checkpoint)
+    # o_proj holds a buffer no checkpoint tensor names: a patch leaves it alone.
+    model.model.layers[0].self_attn.o_proj.register_buffer("scale", torch.ones(4))
+    records = _records(a, stream)
+    state = _fingerprints(model)([QKV, OPROJ])
+    for layer in (QKV, OPROJ):
+        records.set(layer, LayerRecord(records.get(layer).digest, state[layer], True, records.get(layer).samples))
+    patch = _plan(model, checkpoint, records, stream)
+    # Every tensor it writes, it writes whole (q, k and v cover qkv_proj): their state is proved afterwards.
+    assert patch.proved_after == {QKV, OPROJ}
+    patch.apply(dict(model.named_modules()), records)
+    patch.prove_state(_fingerprints(model))
+    # The checksums taken while the patch was proved are those a fresh read gives.
+    assert len(patch.checksums) == 2 and patch.fingerprints == _fingerprints(model)([QKV, OPROJ])
+
+    # The same, with the buffer written by something else since the base was loaded: the base was not held.
+    model, records = Model(a), _records(a, stream)
+    model.model.layers[0].self_attn.o_proj.register_buffer("scale", torch.ones(4))
+    state = _fingerprints(model)([QKV, OPROJ])
+    for layer in (QKV, OPROJ):
+        records.set(layer, LayerRecord(records.get(layer).digest, state[layer], True, records.get(layer).samples))
+    patch = _plan(model, checkpoint, records, stream)
+    model.model.layers[0].self_attn.o_proj.scale[0] = 2
+    patch.apply(dict(model.named_modules()), records)
+    with pytest.raises(LayerwiseError, match=f"layer {OPROJ}: {OPROJ}.scale changed since"):
+        patch.prove_state(_fingerprints(model))
+
+
+def test_a_fused_tensor_only_partly_patched_is_read_before_not_after(tmp_path):
+    a = _step(1)
+    b = dict(a)
+    b[f"{ATTN}.q_proj.weight"] = _moved(a)[f"{ATTN}.q_proj.weight"]  # k and v as they were
+    save_checkpoint(a.items(), tmp_path / "A", marker=None)
+    save_checkpoint(b.items(), tmp_path / "AB", marker=None, base=tmp_path / "A")
+    checkpoint = open_delta_checkpoint(tmp_path / "AB")
+    stream = _stream(checkpoint)
+    patch = _plan(Model(a), checkpoint, _records(a, stream), stream)
+    assert patch.layers == {QKV} and patch.proved_after == set()

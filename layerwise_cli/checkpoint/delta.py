@@ -150,7 +150,8 @@ class Delta:
     def positions(self, name: str):
         """The changed positions of patched tensor NAME (strictly increasing, in range); validated here.
 
-        An index is returned as stored (int32 or int64, a view of the file's mapping), a bitmap as int64.
+        An index is returned as stored (int32 or int64, a view of the file's mapping), a bitmap as int64. An
+        index validated once (`validate`, at pre-flight) is not checked again: the mapping is read-only.
 
         Raises:
             LayerwiseError: out of range, not increasing, padding bits set, or not as many as the values.
@@ -161,7 +162,10 @@ class Delta:
         n = patch.numel
         if patch.kind == WHOLE:
             return np.arange(n, dtype=np.int64)
+        validated = self._mapped.setdefault("validated", set())
         raw = self.raw(name + POSITIONS_SUFFIX)
+        if patch.kind == INDEX and name in validated:
+            return raw.view(np.int32 if self._entries[name + POSITIONS_SUFFIX].dtype == "I32" else np.int64)
         if patch.kind == BITMAP:
             bits = np.unpackbits(raw, bitorder="little")
             if bits[n:].any():
@@ -178,6 +182,7 @@ class Delta:
                 self._bad(name, "positions are not strictly increasing")
         if found.size != patch.changed:
             self._bad(name, f"{found.size} positions for {patch.changed} values")
+        validated.add(name)
         return found
 
     def apply(self, name: str, base):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 
 from layerwise_cli.checkpoint.delta_source import DeltaChain
@@ -15,7 +15,8 @@ from layerwise_cli.worker.state.spot_check import spot_check
 
 
 def check_delta_base(checkpoint: Checkpoint, engine_stream: list[PlannedTensor], records: LayerRecords | None,
-                     fingerprints: Callable[[list[str]], Mapping[str, object]], held: str) -> dict[str, int]:
+                     fingerprints: Callable[[list[str]], Mapping[str, object]], held: str,
+                     proved_after: Collection[str] = ()) -> None:
     """Refuse the delta CHECKPOINT unless this rank's engine holds its base, or an earlier step of its chain, in
     every layer it streams.
 
@@ -35,9 +36,10 @@ def check_delta_base(checkpoint: Checkpoint, engine_stream: list[PlannedTensor],
         records: this worker's records (None: none kept: refused).
         fingerprints: the layers' states now (`UnchangedLayerPlan._fingerprints`).
         held: what the engine holds as far as layerwise knows (`loaded_from`), for the message.
-
-    Returns:
-        Each layer of the stream -> the index of the chain's link whose base it holds (proved).
+        proved_after: layers a patch in place proves whole once it has written them (`DeltaPatch.prove`): their
+            state is not read now; their record's digest and the samples of the engine's bytes the patch writes
+            (`DeltaPatch.plan`) are their check here, and a state that differs from the record after all fails
+            the reload, which is rolled back.
 
     Raises:
         LayerwiseError: one line naming the delta, its base, the first layer that does not hold it and what
@@ -49,17 +51,21 @@ def check_delta_base(checkpoint: Checkpoint, engine_stream: list[PlannedTensor],
         needs += " (or an earlier step of its chain)"
     if records is None:
         raise LayerwiseError(f"{needs}, and this reload keeps no records to prove it", where=checkpoint.source)
-    groups: dict[str, list[PlannedTensor]] = {}
-    for item in engine_stream:
-        if item.parent is not None:
-            groups.setdefault(item.parent, []).append(item)
-    # Per layer, the chain's step it holds (the index of the link that applies to it): the newest first.
-    steps = {name: _held_step(delta, items, records.get(name)) for name, items in groups.items()}
+    groups = _groups(engine_stream)
+    steps = held_steps(delta, engine_stream, records)
+    deferred = set(proved_after)
+
+    def state_now(names: list[str]) -> dict[str, object]:
+        # A layer proved after its patch passes here on its record's state; the patch proves it whole.
+        found = dict(fingerprints([name for name in names if name not in deferred]))
+        found.update({name: records.get(name).fingerprint for name in names if name in deferred})
+        return found
+
     proved: set[str] = set()
     for link in sorted(set(steps.values()), reverse=True):
         layers = {name for name, held_link in steps.items() if held_link == link}
         base = {name: _step_digest(delta, link, groups[name]) for name in layers}
-        proved |= SkipDecider(records, base, fingerprints, checks_finite=False).skip_before_reading()
+        proved |= SkipDecider(records, base, state_now, checks_finite=False).skip_before_reading()
         for name in sorted(layers - proved):
             raise LayerwiseError(f"{needs}, but layer {name} {_what_it_holds(records, name, base[name])}; the engine "
                                  f"holds {held}", where=checkpoint.source)
@@ -71,7 +77,20 @@ def check_delta_base(checkpoint: Checkpoint, engine_stream: list[PlannedTensor],
             raise LayerwiseError(f"{needs}, but the files of the step it holds are not what layer {name} was "
                                  f"loaded from (sampled bytes differ); the engine holds {held}",
                                  where=checkpoint.source)
-    return steps
+
+
+def held_steps(delta: DeltaChain, engine_stream: list[PlannedTensor], records: LayerRecords) -> dict[str, int]:
+    """Per layer of the stream, the index of the chain's link whose base its record names (the newest link's when
+    none does: `check_delta_base` refuses it). From the records alone: what `check_delta_base` then proves."""
+    return {name: _held_step(delta, items, records.get(name)) for name, items in _groups(engine_stream).items()}
+
+
+def _groups(engine_stream: list[PlannedTensor]) -> dict[str, list[PlannedTensor]]:
+    groups: dict[str, list[PlannedTensor]] = {}
+    for item in engine_stream:
+        if item.parent is not None:
+            groups.setdefault(item.parent, []).append(item)
+    return groups
 
 
 def _step_digest(delta: DeltaChain, link: int, items: list[PlannedTensor]) -> str:

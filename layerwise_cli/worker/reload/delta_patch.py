@@ -37,10 +37,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
+import xxhash
 
 from layerwise_cli.checkpoint.delta import VALUES_SUFFIX, WHOLE, WHOLE_SUFFIX, Delta
 from layerwise_cli.checkpoint.delta_source import DeltaChain
-from layerwise_cli.checkpoint.digests import layer_digest, tensor_digest
+from layerwise_cli.checkpoint.digests import TensorHasher, layer_digest
 from layerwise_cli.checkpoint.header import TensorEntry
 from layerwise_cli.checkpoint.samples import sample_digest
 from layerwise_cli.errors import LayerwiseError
@@ -48,6 +49,8 @@ from layerwise_cli.planning.plan import PlannedTensor
 from layerwise_cli.worker.state.layer_records import LayerRecord, LayerRecords
 from layerwise_cli.worker.stream.hub_stream import torch_dtype
 
+# The bytes hashed at a time when a patched tensor is proved: small enough to stay in cache for the second hash.
+_PROOF_CHUNK = 1 << 18
 # The integer type a patch writes elements of each size as (bit for bit, whatever the dtype).
 _AS_INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -70,11 +73,8 @@ class PatchSite:
 
     def region(self, modules: Mapping[str, torch.nn.Module]) -> torch.Tensor:
         """The run, as a flat view of the engine's tensor."""
-        module = modules[self.module]
-        tensor = module._parameters.get(self.attribute)
-        if tensor is None:
-            tensor = module._buffers[self.attribute]
-        return tensor.detach().view(-1).narrow(0, self.offset, self.entry.numel)
+        return _stored(modules[self.module], self.attribute).detach().view(-1).narrow(0, self.offset,
+                                                                                     self.entry.numel)
 
 
 @dataclass
@@ -90,6 +90,12 @@ class DeltaPatch:
         seconds: the time the patch took, its proof included.
         samples: tensor -> its sample digest after the patch (for the records).
         previous: layer -> its record before the patch (the samples of its tensors no link changes).
+        proved_after: the patched layers whose every engine tensor the patch either writes whole (its sites
+            cover it) or leaves alone: the base check does not read their state beforehand; `prove_state` proves
+            them whole afterwards.
+        fingerprints: each patched layer's state right after the patch (`prove_state`).
+        checksums: (data pointer, bytes) -> the `layer_state` checksum of each host tensor the patch wrote whole,
+            taken as its bytes were proved (`_prove_written`).
     """
 
     sites: dict[str, list[PatchSite]] = field(default_factory=dict)
@@ -100,6 +106,9 @@ class DeltaPatch:
     seconds: float = 0.0
     samples: dict[str, str] = field(default_factory=dict)
     previous: dict[str, LayerRecord] = field(default_factory=dict)
+    proved_after: set[str] = field(default_factory=set)
+    fingerprints: dict[str, object] = field(default_factory=dict)
+    checksums: dict[tuple[int, int], int] = field(default_factory=dict)
 
     @property
     def layers(self) -> set[str]:
@@ -144,8 +153,10 @@ class DeltaPatch:
                 sites.append(site)
             if sites is None:
                 out.not_patched[layer] = why
-            else:
-                out.sites[layer], out.links[layer], out.previous[layer] = sites, links, records.get(layer)
+                continue
+            out.sites[layer], out.links[layer], out.previous[layer] = sites, links, records.get(layer)
+            if not _partly_written(sites, modules):
+                out.proved_after.add(layer)
         return out
 
     def apply(self, modules: Mapping[str, torch.nn.Module], records: LayerRecords,
@@ -162,14 +173,41 @@ class DeltaPatch:
             for layer, sites in self.sites.items():
                 records.drop(layer)
                 for site in sites:
-                    self._patch(site, modules, self.links[layer])
+                    self._write(site, modules, self.links[layer])
+                self._prove_written(sites, modules, self.links[layer])
                 self.patched.append(layer)
                 if on_layer is not None:
                     on_layer(layer)
         finally:
             self.seconds += time.perf_counter() - start
 
-    def _patch(self, site: PatchSite, modules: Mapping[str, torch.nn.Module], links: tuple[Delta, ...]) -> None:
+    def prove_state(self, fingerprints: Callable[[list[str], Mapping], Mapping[str, object]]) -> None:
+        """Right after `apply`: take each patched layer's state, and prove the layers the base check did not read.
+
+        FINGERPRINTS(layers, checksums): their states (`UnchangedLayerPlan._fingerprints`), with the checksums of
+        the host tensors `apply` wrote whole, taken in the pass that proved them (`checksums`), not read again.
+
+        For a layer in `proved_after`, every engine tensor the patch did not write must be as its record says it
+        was right after its step was loaded (the same storage and checksum, the same kernel handles), and every
+        tensor it wrote keeps its storage, dtype and shape; what it wrote hashed to the step's digests (`apply`).
+        Together: the layer holds the full step, whatever its state was before.
+
+        Raises:
+            LayerwiseError: a tensor the patch left alone changed since layerwise loaded it (something else
+                wrote the engine): the reload fails, and is rolled back.
+        """
+        self.fingerprints = dict(fingerprints(list(self.patched), self.checksums))
+        for layer in self.patched:
+            if layer not in self.proved_after:
+                continue
+            written = {f"{site.module}.{site.attribute}" for site in self.sites[layer]}
+            changed = _changed_parts(self.previous[layer].fingerprint, self.fingerprints[layer], written)
+            if changed:
+                raise LayerwiseError(f"layer {layer}: {changed} changed since layerwise loaded the delta's base "
+                                     "into it (something else wrote the engine); it does not hold the base")
+
+    def _write(self, site: PatchSite, modules: Mapping[str, torch.nn.Module], links: tuple[Delta, ...]) -> None:
+        """Write every link's new values of SITE's tensor at their positions, in place."""
         entry, region = site.entry, site.region(modules)
         as_integers = region.view(_AS_INTEGERS[region.element_size()])
         for link in links:
@@ -184,13 +222,40 @@ class DeltaPatch:
             positions = torch.from_numpy(link.positions(entry.name))
             values = _on(region.device, link.raw(entry.name + VALUES_SUFFIX), as_integers.dtype)
             as_integers.index_put_((positions.to(region.device),), values)
-        raw = _host_bytes(region)
-        step = links[-1].step_digests[entry.name]
-        if tensor_digest(entry.dtype, entry.shape, raw) != step:
-            raise LayerwiseError(f"tensor {entry.name}: patched in place in {site.module}.{site.attribute}, its bytes "
-                                 "do not hash to the step's digest (corrupt delta)", where=str(links[-1].path))
-        self.samples[entry.name] = sample_digest(entry.dtype, entry.shape, len(raw),
-                                                 lambda at, n: raw[at:at + n])
+
+    def _prove_written(self, sites: list[PatchSite], modules: Mapping[str, torch.nn.Module],
+                       links: tuple[Delta, ...]) -> None:
+        """Each site of a layer must now hash to the step's digest of its tensor; one pass over the engine's bytes.
+
+        An engine tensor on the host that the sites cover whole gets its `layer_state` checksum in the same pass
+        (`checksums`), for `prove_state`.
+
+        Raises:
+            LayerwiseError: a site's bytes are not the step's tensor (a corrupt delta).
+        """
+        by_tensor: dict[tuple[str, str], list[PatchSite]] = {}
+        for site in sites:
+            by_tensor.setdefault((site.module, site.attribute), []).append(site)
+        for (module, attribute), shares in by_tensor.items():
+            shares.sort(key=lambda site: site.offset)
+            tensor = _stored(modules[module], attribute)
+            whole = tensor.device.type == "cpu" and _covers(shares, tensor.numel())
+            checksum = xxhash.xxh3_64() if whole else None
+            for site in shares:
+                entry, raw = site.entry, _host_bytes(site.region(modules))
+                hasher = TensorHasher(entry.dtype, entry.shape)
+                for at in range(0, len(raw), _PROOF_CHUNK):
+                    chunk = raw[at:at + _PROOF_CHUNK]
+                    hasher.update(chunk)
+                    if checksum is not None:
+                        checksum.update(chunk)
+                if hasher.hexdigest() != links[-1].step_digests[entry.name]:
+                    raise LayerwiseError(f"tensor {entry.name}: patched in place in {module}.{attribute}, its bytes "
+                                         "do not hash to the step's digest (corrupt delta)", where=str(links[-1].path))
+                self.samples[entry.name] = sample_digest(entry.dtype, entry.shape, len(raw),
+                                                         lambda at, n, raw=raw: raw[at:at + n])
+            if checksum is not None:
+                self.checksums[(tensor.data_ptr(), tensor.numel() * tensor.element_size())] = checksum.intdigest()
 
     def record(self, records: LayerRecords, groups: Mapping[str, list[str]], fingerprints: Mapping[str, object], *,
                checked: bool) -> None:
@@ -199,9 +264,11 @@ class DeltaPatch:
         Args:
             records: this worker's records.
             groups: layer -> its tensors' names.
-            fingerprints: each patched layer's state now.
+            fingerprints: patched layers' states taken again since `prove_state` (those enclosing a layer
+                vLLM reloaded after the patch); the others' are `prove_state`'s.
             checked: the new values passed the NaN/Inf check.
         """
+        fingerprints = {**self.fingerprints, **fingerprints}
         for layer in self.patched:
             links, names = self.links[layer], groups[layer]
             step = links[-1].step_digests
@@ -210,6 +277,45 @@ class DeltaPatch:
             records.set(layer, replace(before, digest=layer_digest({name: step[name] for name in names}),
                                        fingerprint=fingerprints[layer], checked=before.checked and checked,
                                        samples={k: v for k, v in samples.items() if v is not None}))
+
+
+def _stored(module: torch.nn.Module, attribute: str) -> torch.Tensor:
+    tensor = module._parameters.get(attribute)
+    return tensor if tensor is not None else module._buffers[attribute]
+
+
+def _covers(shares: list[PatchSite], numel: int) -> bool:
+    """Whether SHARES (sorted by offset) lie end to end over a whole tensor of NUMEL elements."""
+    end = 0
+    for site in shares:
+        if site.offset != end:
+            return False
+        end += site.entry.numel
+    return end == numel
+
+
+def _partly_written(sites: list[PatchSite], modules: Mapping[str, torch.nn.Module]) -> bool:
+    """Whether some engine tensor holds both a patched tensor and bytes no site covers (a fused tensor whose other
+    shares no link changes): its state cannot be proved whole after the patch, only read before it."""
+    covered: dict[tuple[str, str], int] = {}
+    for site in sites:
+        key = (site.module, site.attribute)
+        covered[key] = covered.get(key, 0) + site.entry.numel
+    return any(numel != _stored(modules[module], attribute).numel() for (module, attribute), numel in covered.items())
+
+
+def _changed_parts(before: object, after: object, written: set[str]) -> str | None:
+    """What of a layer's state (`layer_state` fingerprints) differs between BEFORE and AFTER, besides the checksums
+    of the tensors the patch WROTE; None when nothing."""
+    if not (isinstance(before, tuple) and isinstance(after, tuple)) or len(before) != len(after):
+        return "its set of tensors"
+    for old, new in zip(before, after, strict=True):
+        if old == new:
+            continue
+        if len(old) == len(new) == 5 and old[0] == new[0] in written and old[1:4] == new[1:4]:
+            continue  # written by the patch, in place: its bytes were proved against the step's digest
+        return str(old[0])
+    return None
 
 
 def _on(device: torch.device, raw, dtype: torch.dtype) -> torch.Tensor:
@@ -231,7 +337,7 @@ def _not_patchable(layer: str, modules: Mapping[str, torch.nn.Module], covers: l
         return "it must be handed to vLLM (its module hooks or its kernel need the reload)"
     if len(covers) > 1:
         return f"{covers[1]} shares its storage"
-    inside = [name for name in modules if name == layer or name.startswith(layer + ".")]
+    inside = [name for name, _ in modules[layer].named_modules(prefix=layer)] if layer in modules else [layer]
     for name in inside:
         kernel = getattr(modules[name], "cpu_linear", None)
         if kernel is not None and _holds_state(kernel):

@@ -21,7 +21,7 @@ from layerwise_cli.planning.plan import BufferSimulation, Plan, PlannedTensor
 from layerwise_cli.report.progress import ProgressWriter
 from layerwise_cli.worker.proof.early_fingerprints import EarlyFingerprints
 from layerwise_cli.worker.reload.completion_check import Unloaded
-from layerwise_cli.worker.reload.delta_base import check_delta_base
+from layerwise_cli.worker.reload.delta_base import check_delta_base, held_steps
 from layerwise_cli.worker.reload.delta_patch import DeltaPatch
 from layerwise_cli.worker.reload.probe import BufferProbe
 from layerwise_cli.worker.reload.reload_plan import PlannedReload, loaded_from, plan_reload
@@ -213,9 +213,10 @@ def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords 
     patch = None
     if delta is not None and options.delta_base_check:
         held, _ = loaded_from(worker)
-        steps = check_delta_base(planned.checkpoint, engine_stream, records, skip._fingerprints, held)
-        if options.patch_in_place and not delta_patch_disabled():
-            patch = plan_patch(model, skip, delta, steps, records, derived)
+        if records is not None and options.patch_in_place and not delta_patch_disabled():
+            patch = plan_patch(model, skip, delta, held_steps(delta, engine_stream, records), records, derived)
+        check_delta_base(planned.checkpoint, engine_stream, records, skip._fingerprints, held,
+                         proved_after=patch.proved_after if patch is not None else ())
     rank = getattr(worker, "rank", 0) or 0
     run = ReloadRun(
         worker=worker, source=source, options=options, records=records, planned=planned, model=model,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -134,14 +135,15 @@ class UnchangedLayerPlan:
         record = self.records.get(name) if self.records is not None else None
         return record is not None and all(record.samples.get(t) == d for t, d in samples.items())
 
-    def _fingerprints(self, names: list[str]) -> dict[str, object]:
+    def _fingerprints(self, names: list[str], known: Mapping[tuple[int, int], int] | None = None) -> dict[str, object]:
+        """The layers' states now (`layer_state`); KNOWN: checksums of host tensors just hashed, not read again."""
         start = time.perf_counter()
         try:
             layers = {name: self.covers[name] for name in names}
             if self.on_host:
                 # Nothing writes the engine's tensors now: half of them are read on the CPUs beside the engine.
-                return layer_fingerprints_parallel(self.modules, layers, spare_cpus())
-            return layer_fingerprints(self.modules, layers)
+                return layer_fingerprints_parallel(self.modules, layers, spare_cpus(), known=known)
+            return layer_fingerprints(self.modules, layers, known)
         finally:
             self.fingerprint_s += time.perf_counter() - start
 

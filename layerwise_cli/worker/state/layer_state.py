@@ -24,7 +24,7 @@ submodules, and modules that share storage with it, such as a tied head):
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -168,13 +168,16 @@ class _Pending:
         self.value: int | None = None
 
 
-def layer_fingerprints(modules: dict[str, torch.nn.Module], layers: dict[str, list[str]]) -> dict[str, tuple]:
+def layer_fingerprints(modules: dict[str, torch.nn.Module], layers: dict[str, list[str]],
+                       known: Mapping[tuple[int, int], int] | None = None) -> dict[str, tuple]:
     """The fingerprint of each layer: see the module docstring.
 
     Args:
         modules: the model's `named_modules()` as a dict.
         layers: layer name -> the names of the modules it covers (the layer's
             module first, then modules deriving from it, such as a tied head).
+        known: (data pointer, bytes) -> the `host_checksum` of a host tensor whose bytes the caller just hashed
+            (a delta's patch proves what it wrote in the same pass): not read again.
 
     Returns:
         Layer name -> a tuple compared with `==`; a layer whose module is on
@@ -182,14 +185,15 @@ def layer_fingerprints(modules: dict[str, torch.nn.Module], layers: dict[str, li
         that equals nothing.
     """
     pending: list[_Pending] = []
-    shaped = {layer: _layer_parts(modules, names, pending) for layer, names in layers.items()}
+    shaped = {layer: _layer_parts(modules, names, pending, known or {}) for layer, names in layers.items()}
     _read_back(pending)
     return {layer: tuple(tuple(p.value if isinstance(p, _Pending) else p for p in part)
                          if isinstance(part, tuple) else part for part in parts)
             for layer, parts in shaped.items()}
 
 
-def _layer_parts(modules: dict[str, torch.nn.Module], names: list[str], pending: list[_Pending]) -> list:
+def _layer_parts(modules: dict[str, torch.nn.Module], names: list[str], pending: list[_Pending],
+                 known: Mapping[tuple[int, int], int]) -> list:
     parts: list = []
     for module_name in names:
         root = modules.get(module_name)
@@ -200,7 +204,9 @@ def _layer_parts(modules: dict[str, torch.nn.Module], names: list[str], pending:
                 return [object()]
             for name, tensor in _own_tensors(module):
                 if tensor.device.type == "cpu":
-                    check: object = host_checksum(tensor)
+                    check: object = known.get((tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+                    if check is None:
+                        check = host_checksum(tensor)
                 else:
                     check = _Pending(device_sums(tensor))
                     pending.append(check)
@@ -229,29 +235,33 @@ def _read_back(pending: list[_Pending]) -> None:
             offset += len(item.sums)
 
 
-def stored_bytes(modules: dict[str, torch.nn.Module], names: list[str]) -> int:
-    """Bytes of the stored tensors a fingerprint of these modules (and their submodules) reads."""
+def stored_bytes(modules: dict[str, torch.nn.Module], names: list[str],
+                 known: Mapping[tuple[int, int], int] | None = None) -> int:
+    """Bytes of the stored tensors a fingerprint of these modules (and their submodules) reads (those whose
+    checksum is KNOWN are not read)."""
     total = 0
     for module_name in names:
         root = modules.get(module_name)
         if root is None:
             continue
         for module in root.modules():
-            total += sum(t.numel() * t.element_size() for _, t in _own_tensors(module))
+            sizes = ((t.data_ptr(), t.numel() * t.element_size()) for _, t in _own_tensors(module))
+            total += sum(size for pointer, size in sizes if (pointer, size) not in (known or {}))
     return total
 
 
 def layer_fingerprints_parallel(modules: dict[str, torch.nn.Module], layers: dict[str, list[str]],
-                                spare: set[int], min_bytes: int = 32 << 20) -> dict[str, tuple]:
+                                spare: set[int], min_bytes: int = 32 << 20,
+                                known: Mapping[tuple[int, int], int] | None = None) -> dict[str, tuple]:
     """`layer_fingerprints` of host tensors in two threads, the second bound to SPARE (the CPUs beside the engine).
 
     The layers are split in two parts of about equal bytes; with no spare CPU,
     or fewer than MIN_BYTES to read, everything runs in the calling thread.
-    The result equals `layer_fingerprints(modules, layers)`.
+    The result equals `layer_fingerprints(modules, layers, known)`.
     """
-    sizes = {layer: stored_bytes(modules, names) for layer, names in layers.items()}
+    sizes = {layer: stored_bytes(modules, names, known) for layer, names in layers.items()}
     if not spare or len(layers) < 2 or sum(sizes.values()) < min_bytes:
-        return layer_fingerprints(modules, layers)
+        return layer_fingerprints(modules, layers, known)
     from concurrent.futures import ThreadPoolExecutor
 
     from layerwise_cli.worker.stream.cpu_placement import move_to
@@ -266,11 +276,11 @@ def layer_fingerprints_parallel(modules: dict[str, torch.nn.Module], layers: dic
 
     def beside() -> dict[str, tuple]:
         move_to(spare)
-        return layer_fingerprints(modules, other)
+        return layer_fingerprints(modules, other, known)
 
     with ThreadPoolExecutor(1, thread_name_prefix="layerwise-fingerprint") as pool:
         future = pool.submit(beside)
-        found = layer_fingerprints(modules, mine)
+        found = layer_fingerprints(modules, mine, known)
         found.update(future.result())
     return {layer: found[layer] for layer in layers}
 
