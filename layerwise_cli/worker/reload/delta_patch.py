@@ -12,8 +12,12 @@ before (`delta_source.rebuilt_tensor`).
 Nothing here is taken on a file's or a rule's word:
 
 - **The engine holds the base.** Only layers `delta_base.check_delta_base`
-  proved (their record's digest is the step the patch applies to, and their
-  state is what it was right after that step was loaded) are patched.
+  passed are patched: their record's digest is the step the patch applies to,
+  and their state is what it was right after that step was loaded. For a layer
+  whose engine tensors the patch writes whole or leaves alone (`proved_after`),
+  that state is proved after the patch instead of read before it
+  (`prove_state`): every tensor it left alone as recorded, every tensor it
+  wrote hashed to the step.
 - **The place is found, then shown.** Each patched tensor's place is proposed
   from the module that loads it: the parameter or buffer its name ends with,
   the whole of it, or its share of a fused one in the order of the model's
