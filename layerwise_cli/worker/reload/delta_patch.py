@@ -46,39 +46,16 @@ import xxhash
 from layerwise_cli.checkpoint.delta import VALUES_SUFFIX, WHOLE, WHOLE_SUFFIX, Delta
 from layerwise_cli.checkpoint.delta_source import DeltaChain
 from layerwise_cli.checkpoint.digests import TensorHasher, layer_digest
-from layerwise_cli.checkpoint.header import TensorEntry
 from layerwise_cli.checkpoint.samples import sample_digest
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.planning.plan import PlannedTensor
+from layerwise_cli.worker.reload.patch_sites import PatchSite, find_site, not_patchable, stored
 from layerwise_cli.worker.state.layer_records import LayerRecord, LayerRecords
-from layerwise_cli.worker.stream.hub_stream import torch_dtype
 
 # The bytes hashed at a time when a patched tensor is proved: small enough to stay in cache for the second hash.
 _PROOF_CHUNK = 1 << 18
 # The integer type a patch writes elements of each size as (bit for bit, whatever the dtype).
 _AS_INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-@dataclass(frozen=True)
-class PatchSite:
-    """Where one checkpoint tensor's bytes are in the engine: a contiguous run of one of its tensors.
-
-    Attributes:
-        entry: the checkpoint tensor.
-        module: the engine module holding it.
-        attribute: the parameter or buffer of that module.
-        offset: where the run starts in that tensor, in elements.
-    """
-
-    entry: TensorEntry
-    module: str
-    attribute: str
-    offset: int
-
-    def region(self, modules: Mapping[str, torch.nn.Module]) -> torch.Tensor:
-        """The run, as a flat view of the engine's tensor."""
-        return _stored(modules[self.module], self.attribute).detach().view(-1).narrow(0, self.offset,
-                                                                                     self.entry.numel)
 
 
 @dataclass
@@ -129,7 +106,8 @@ class DeltaPatch:
             model: the engine's model.
             chain: the delta's links, oldest first.
             engine_stream: this rank's tensors, parents in engine names.
-            held: layer -> the link whose base it holds (`check_delta_base`, which proved it).
+            held: layer -> the link whose base its record names (`delta_base.held_steps`; `check_delta_base`
+                proves it, or refuses the delta, before the engine is touched).
             records: this worker's records.
             covers: layer -> the modules whose state its record covers (itself, and modules sharing its storage).
             derived: the engine's derived buffers (`derived_state.DerivedState`).
@@ -147,10 +125,10 @@ class DeltaPatch:
             patched = [item for item in items if any(item.entry.name in link.patches for link in links)]
             if not patched:
                 continue  # unchanged by every link it takes: skipped as unchanged, or loaded as it is
-            why = _not_patchable(layer, modules, covers.get(layer, [layer]), derived, never)
+            why = not_patchable(layer, modules, covers.get(layer, [layer]), derived, never)
             sites = [] if why is None else None
             for item in patched if sites is not None else ():
-                site, why = _site(item, items, modules, packed, records.get(layer))
+                site, why = find_site(item, items, modules, packed, records.get(layer))
                 if site is None:
                     sites = None
                     break
@@ -242,7 +220,7 @@ class DeltaPatch:
             by_tensor.setdefault((site.module, site.attribute), []).append(site)
         for (module, attribute), shares in by_tensor.items():
             shares.sort(key=lambda site: site.offset)
-            tensor = _stored(modules[module], attribute)
+            tensor = stored(modules[module], attribute)
             whole = tensor.device.type == "cpu" and _covers(shares, tensor.numel())
             checksum = xxhash.xxh3_64() if whole else None
             for site in shares:
@@ -283,11 +261,6 @@ class DeltaPatch:
                                        samples={k: v for k, v in samples.items() if v is not None}))
 
 
-def _stored(module: torch.nn.Module, attribute: str) -> torch.Tensor:
-    tensor = module._parameters.get(attribute)
-    return tensor if tensor is not None else module._buffers[attribute]
-
-
 def _covers(shares: list[PatchSite], numel: int) -> bool:
     """Whether SHARES (sorted by offset) lie end to end over a whole tensor of NUMEL elements."""
     end = 0
@@ -305,7 +278,7 @@ def _partly_written(sites: list[PatchSite], modules: Mapping[str, torch.nn.Modul
     for site in sites:
         key = (site.module, site.attribute)
         covered[key] = covered.get(key, 0) + site.entry.numel
-    return any(numel != _stored(modules[module], attribute).numel() for (module, attribute), numel in covered.items())
+    return any(numel != stored(modules[module], attribute).numel() for (module, attribute), numel in covered.items())
 
 
 def _changed_parts(before: object, after: object, written: set[str]) -> str | None:
@@ -332,90 +305,3 @@ def _host_bytes(region: torch.Tensor):
     """The run's raw bytes as a numpy uint8 array: in place on the CPU, copied from any other device."""
     flat = region.view(torch.uint8)
     return (flat if flat.device.type == "cpu" else flat.cpu()).numpy()
-
-
-def _not_patchable(layer: str, modules: Mapping[str, torch.nn.Module], covers: list[str], derived,
-                   never: set[str]) -> str | None:
-    """Why LAYER's tensors may not be patched in place (state derived from them, or a reason to hand it over)."""
-    if layer in never:
-        return "it must be handed to vLLM (its module hooks or its kernel need the reload)"
-    if len(covers) > 1:
-        return f"{covers[1]} shares its storage"
-    inside = [name for name, _ in modules[layer].named_modules(prefix=layer)] if layer in modules else [layer]
-    for name in inside:
-        kernel = getattr(modules[name], "cpu_linear", None)
-        if kernel is not None and _holds_state(kernel):
-            return f"{name} computes with a CPU kernel built from its weights"
-    for alias in getattr(derived, "aliases", ()):
-        if not alias.live and (alias.source in inside or alias.module in inside):
-            return f"{alias.name} is derived from a weight and no longer shares its storage"
-    for name in getattr(derived, "unknown", {}):
-        if name.rpartition(".")[0] in inside:
-            return f"{name} is a buffer of unknown origin"
-    return None
-
-
-def _holds_state(kernel) -> bool:
-    """Whether a CPU kernel callable carries state of its own (a packed copy, a oneDNN handle) or is stateless."""
-    if kernel is torch.nn.functional.linear:
-        return False
-    return bool(getattr(kernel, "__closure__", None) or getattr(kernel, "__defaults__", None)
-                or not hasattr(kernel, "__code__"))
-
-
-def _site(item: PlannedTensor, items: list[PlannedTensor], modules: Mapping[str, torch.nn.Module],
-          packed: Mapping[str, list[str]], record: LayerRecord | None) -> tuple[PatchSite | None, str | None]:
-    """Where ITEM's bytes lie in its module, shown by their samples; (None, why) when not found."""
-    entry, module = item.entry, modules.get(item.parent)
-    attribute = entry.name.rpartition(".")[2]
-    tensor = None if module is None else module._parameters.get(attribute, module._buffers.get(attribute))
-    if tensor is None or tensor.device.type == "meta" or not tensor.is_contiguous():
-        return None, f"{item.parent} has no stored {attribute} in checkpoint layout"
-    if tensor.dtype != torch_dtype(entry.dtype):
-        return None, f"{item.parent}.{attribute} is {tensor.dtype}, the checkpoint's {entry.dtype}"
-    offset = _offset(item, items, tensor.numel(), packed)
-    if offset is None:
-        return None, f"{entry.name}'s place in {item.parent}.{attribute} is not known"
-    recorded = record.samples.get(entry.name) if record is not None else None
-    if recorded is None:
-        return None, f"the record of {item.parent} has no samples of {entry.name}"
-    site = PatchSite(entry, item.parent, attribute, offset)
-    if _engine_sample(site, modules) != recorded:
-        return None, f"{item.parent}.{attribute} does not hold {entry.name} as loaded (its layout changed)"
-    return site, None
-
-
-def _offset(item: PlannedTensor, items: list[PlannedTensor], numel: int, packed: Mapping[str, list[str]]) -> int | None:
-    """ITEM's offset in its module's tensor of NUMEL elements: 0 when it is the whole; else its share of a fused
-    tensor, in the order of `packed_modules_mapping`; None when neither."""
-    if item.entry.numel == numel:
-        return 0
-    order = packed.get(item.parent.rpartition(".")[2])
-    attribute = item.entry.name.rpartition(".")[2]
-    members = [other for other in items if other.parent == item.parent
-               and other.entry.name.rpartition(".")[2] == attribute]
-    rank = {short: index for index, short in enumerate(order or ())}
-    shorts = [member.entry.name.rsplit(".", 2)[-2] for member in members]
-    if not order or any(short not in rank for short in shorts) or len(set(shorts)) != len(shorts):
-        return None
-    members = [member for _, member in sorted(zip(shorts, members, strict=True), key=lambda pair: rank[pair[0]])]
-    if sum(member.entry.numel for member in members) != numel:
-        return None
-    offset = 0
-    for member in members:
-        if member is item:
-            return offset
-        offset += member.entry.numel
-    return None
-
-
-def _engine_sample(site: PatchSite, modules: Mapping[str, torch.nn.Module]) -> str:
-    """The sample digest of the engine's bytes at SITE (`checkpoint.samples`; only the windows leave the device)."""
-    flat = site.region(modules).view(torch.uint8)
-    entry = site.entry
-
-    def window(at: int, n: int):
-        part = flat[at:at + n]
-        return (part if part.device.type == "cpu" else part.cpu()).numpy()
-
-    return sample_digest(entry.dtype, entry.shape, flat.numel(), window)
