@@ -165,7 +165,7 @@ class Delta:
         validated = self._mapped.setdefault("validated", set())
         raw = self.raw(name + POSITIONS_SUFFIX)
         if patch.kind == INDEX and name in validated:
-            return raw.view(np.int32 if self._entries[name + POSITIONS_SUFFIX].dtype == "I32" else np.int64)
+            return raw.view(self._index_type(name))
         if patch.kind == BITMAP:
             bits = np.unpackbits(raw, bitorder="little")
             if bits[n:].any():
@@ -173,7 +173,7 @@ class Delta:
             found = np.flatnonzero(bits[:n])
         else:
             # Read where they are (an int32 index stays int32: every use takes it as it is).
-            found = raw.view(np.int32 if self._entries[name + POSITIONS_SUFFIX].dtype == "I32" else np.int64)
+            found = raw.view(self._index_type(name))
             if found.size and (found[0] < 0 or found[-1] >= n):
                 bad = int(found[0] if found[0] < 0 else found[-1])
                 self._bad(name, f"position {bad} is out of range for its {n} elements")
@@ -184,6 +184,12 @@ class Delta:
             self._bad(name, f"{found.size} positions for {patch.changed} values")
         validated.add(name)
         return found
+
+    def _index_type(self, name: str):
+        """The numpy integer type tensor NAME's index of positions is stored in (I32 or I64)."""
+        import numpy as np
+
+        return np.int32 if self._entries[name + POSITIONS_SUFFIX].dtype == "I32" else np.int64
 
     def apply(self, name: str, base):
         """The new bytes of tensor NAME from its base bytes BASE (a numpy uint8 array); BASE itself when unpatched.

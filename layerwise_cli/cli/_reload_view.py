@@ -87,12 +87,9 @@ def render_report(report: ReloadReport, title: str = "Reload", top: int = 0) -> 
     table.add_column("buffered", justify="right")
     layers = report.layers[:top] if top else report.layers
     for layer in layers:
-        if layer.skipped:
-            table.add_row(f"{escape(_layer_label(layer.name))} [dim](skipped: {escape(layer.skipped)})[/]",
-                          str(layer.tensors), human_bytes(layer.bytes), "-", "-", "-")
-            continue
-        if layer.patched:
-            table.add_row(f"{escape(_layer_label(layer.name))} [dim](patched in place)[/]",
+        not_handed = f"skipped: {layer.skipped}" if layer.skipped else "patched in place" if layer.patched else None
+        if not_handed is not None:
+            table.add_row(f"{escape(_layer_label(layer.name))} [dim]({escape(not_handed)})[/]",
                           str(layer.tensors), human_bytes(layer.bytes), "-", "-", "-")
             continue
         table.add_row(escape(_layer_label(layer.name)) + ("" if layer.completed_during_stream else " (finalize)"),

@@ -36,7 +36,7 @@ def check_delta_base(checkpoint: Checkpoint, engine_stream: list[PlannedTensor],
         records: this worker's records (None: none kept: refused).
         fingerprints: the layers' states now (`UnchangedLayerPlan._fingerprints`).
         held: what the engine holds as far as layerwise knows (`loaded_from`), for the message.
-        proved_after: layers a patch in place proves whole once it has written them (`DeltaPatch.prove`): their
+        proved_after: layers a patch in place proves whole once it has written them (`DeltaPatch.prove_state`): their
             state is not read now; their record's digest and the samples of the engine's bytes the patch writes
             (`DeltaPatch.plan`) are their check here, and a state that differs from the record after all fails
             the reload, which is rolled back.

@@ -289,7 +289,8 @@ def _changed_parts(before: object, after: object, written: set[str]) -> str | No
     for old, new in zip(before, after, strict=True):
         if old == new:
             continue
-        if len(old) == len(new) == 5 and old[0] == new[0] in written and old[1:4] == new[1:4]:
+        same_tensor = len(old) == len(new) == 5 and old[0] == new[0] and old[1:4] == new[1:4]
+        if same_tensor and new[0] in written:
             continue  # written by the patch, in place: its bytes were proved against the step's digest
         return str(old[0])
     return None

@@ -41,10 +41,10 @@ class PatchSite:
                                                                                      self.entry.numel)
 
 
-def stored(module: torch.nn.Module, attribute: str) -> torch.Tensor:
-    """MODULE's parameter or buffer ATTRIBUTE."""
+def stored(module: torch.nn.Module, attribute: str) -> torch.Tensor | None:
+    """MODULE's parameter or buffer ATTRIBUTE (None: it has neither of that name)."""
     tensor = module._parameters.get(attribute)
-    return tensor if tensor is not None else module._buffers[attribute]
+    return tensor if tensor is not None else module._buffers.get(attribute)
 
 
 def not_patchable(layer: str, modules: Mapping[str, torch.nn.Module], covers: list[str], derived,
@@ -77,11 +77,11 @@ def _holds_state(kernel) -> bool:
 
 
 def find_site(item: PlannedTensor, items: list[PlannedTensor], modules: Mapping[str, torch.nn.Module],
-          packed: Mapping[str, list[str]], record: LayerRecord | None) -> tuple[PatchSite | None, str | None]:
+              packed: Mapping[str, list[str]], record: LayerRecord | None) -> tuple[PatchSite | None, str | None]:
     """Where ITEM's bytes lie in its module, shown by their samples; (None, why) when not found."""
     entry, module = item.entry, modules.get(item.parent)
     attribute = entry.name.rpartition(".")[2]
-    tensor = None if module is None else module._parameters.get(attribute, module._buffers.get(attribute))
+    tensor = None if module is None else stored(module, attribute)
     if tensor is None or tensor.device.type == "meta" or not tensor.is_contiguous():
         return None, f"{item.parent} has no stored {attribute} in checkpoint layout"
     if tensor.dtype != torch_dtype(entry.dtype):

@@ -158,16 +158,13 @@ class ReloadRun:
 
     def held_to_end(self) -> dict[str, str]:
         """What vLLM holds on this rank until the end of the stream (padded vocabulary), unless not handed over."""
-        return {name: why for name, why in self.held_here.items() if name not in self.not_handed()}
+        kept = self.skip.not_handed
+        return {name: why for name, why in self.held_here.items() if name not in kept}
 
     def delivered(self) -> list[PlannedTensor]:
         """The tensors handed over: the stream without the layers skipped or patched in place."""
-        kept = self.not_handed()
+        kept = self.skip.not_handed
         return [item for item in self.engine_stream if item.parent not in kept]
-
-    def not_handed(self) -> set[str]:
-        """The layers not handed to vLLM: skipped as unchanged, or patched in place."""
-        return self.skip.skipped | self.skip.patched
 
 
 def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords | None) -> ReloadRun:

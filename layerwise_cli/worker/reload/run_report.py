@@ -14,15 +14,12 @@ def layer_reports(run: ReloadRun) -> list[LayerReport]:
     sizes, held, loaded_in_place = run.skip.layer_sizes, run.held_to_end(), run.loaded_in_place
     layers = []
     for name in dict.fromkeys(item.parent for item in run.engine_stream if item.parent is not None):
-        if name in run.skip.skipped:
+        if name in run.skip.not_handed:
             tensors, nbytes = sizes[name]
+            skipped = name in run.skip.skipped
             layers.append(LayerReport(name=name, tensors=tensors, bytes=nbytes, load_s=0.0, process_s=0.0,
-                                      buffered_bytes_at_completion=0, skipped=REASON_UNCHANGED))
-            continue
-        if name in run.skip.patched:
-            tensors, nbytes = sizes[name]
-            layers.append(LayerReport(name=name, tensors=tensors, bytes=nbytes, load_s=0.0, process_s=0.0,
-                                      buffered_bytes_at_completion=0, patched=True))
+                                      buffered_bytes_at_completion=0, skipped=REASON_UNCHANGED if skipped else None,
+                                      patched=not skipped))
             continue
         timing = run.probe.timings.get(name)
         if timing is None:

@@ -201,10 +201,15 @@ class UnchangedLayerPlan:
                 found[name] = record
         return found
 
+    @property
+    def not_handed(self) -> set[str]:
+        """The layers not handed to vLLM: skipped as unchanged, or patched in place."""
+        return self.skipped | self.patched
+
     def skipped_classes(self, model: torch.nn.Module) -> Counter:
         """Class names of the modules skipped or patched so far (vLLM warns once per layer it got nothing for)."""
         modules = self.modules or dict(model.named_modules())
-        return Counter(type(modules[name]).__name__ for name in self.skipped | self.patched if name in modules)
+        return Counter(type(modules[name]).__name__ for name in self.not_handed if name in modules)
 
     def digest_source(self) -> str:
         """`header` (every layer's digest came from the shard headers), `read` (hashed as read), `mixed`, or `none`."""
