@@ -72,6 +72,11 @@ class HubServer:
     `EntryNotFound`). It counts the body bytes it sends, per path, so that a
     test can prove what was (not) downloaded.
 
+    It also answers `/api/agent-harnesses`, the registry huggingface_hub 2.4+
+    reads once a day to build its user agent (`utils/_detect_agent.py`), with
+    the empty registry. That request is the client's own, not traffic to a
+    repo: it is counted in `registry_reads`, not in `requests` or `bytes_sent`.
+
     For the faults a fetch must survive: `throttle_bps` paces each connection;
     `cdn=True` serves LFS bytes from a second origin (its own port) behind a
     302 with expiring URLs, and records whether each request carried an
@@ -106,6 +111,7 @@ class HubServer:
     on_request: Callable[[_Request], None] | None = None
     bytes_sent: Counter = field(default_factory=Counter)  # URL path -> body bytes sent
     requests: list[_Request] = field(default_factory=list)
+    registry_reads: int = 0  # GET /api/agent-harnesses (huggingface_hub's user agent), left out of `requests`
     # repo id -> every commit ever served (a moved ref leaves its old commit reachable by id, as on the Hub).
     commits: dict[str, dict[str, _Revision]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -279,6 +285,8 @@ def _make_handler(hub: HubServer, *, storage_only: bool) -> type[BaseHTTPRequest
         # hold an escaped "/" (refs%2Fpr%2F1).
 
         def _route(self, head: bool) -> None:
+            if urlsplit(self.path).path == "/api/agent-harnesses" and not storage_only:
+                return self._agent_registry(head)  # before `outage`: the client's own read, not under test
             if hub.outage is not None:
                 return self._error(hub.outage, None, f"outage: HTTP {hub.outage}", head)
             raw_path = urlsplit(self.path).path
@@ -389,6 +397,17 @@ def _make_handler(hub: HubServer, *, storage_only: bool) -> type[BaseHTTPRequest
                     f.seek(start)
                     body = f.read(length)
             self._send(status, headers, body, content_length=length, head=head, fault=fault)
+
+        def _agent_registry(self, head: bool) -> None:
+            with hub._lock:
+                hub.registry_reads += 1
+            body = json.dumps({"standardEnvVars": [], "harnesses": {}}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if not head:
+                self.wfile.write(body)
 
         def _json(self, doc: object, head: bool, commit: str | None = None) -> None:
             body = json.dumps(doc).encode()
