@@ -281,7 +281,7 @@ def bench_delta(llm, delta: dict, cases: list[str], args, watch, device_memory, 
                 values = [s[key] for s in got if s.get(key) is not None]
                 if values:
                     times[v][key] = max(values)
-            for key in ("hash_s", "fingerprint_s", "spot_check_s"):
+            for key in ("hash_s", "fingerprint_s", "spot_check_s", "patch_s"):
                 values = [s[key] for s in got if s.get(key) is not None]
                 if values:
                     times[v][f"{key}_median"] = statistics.median(values)

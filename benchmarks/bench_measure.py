@@ -15,7 +15,8 @@ from layerwise_cli.worker.rpc import ReloadCall, ReloadOptions
 # Where a layerwise reload's time went (`ReloadReport`): the reading thread's read, sample, hash and check; the
 # engine's thread in the stream (handover) and in vLLM; the spot check of header-digest skips, before both; the
 # wait for the hashing backlog, after both.
-TIME_SPLIT = ("read_s", "sample_s", "hash_s", "check_s", "handover_s", "vllm_s", "spot_check_s", "hash_wait_s")
+TIME_SPLIT = ("read_s", "sample_s", "hash_s", "check_s", "handover_s", "vllm_s", "spot_check_s", "hash_wait_s",
+              "patch_s")
 
 
 def log(message: str) -> None:

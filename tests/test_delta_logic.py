@@ -196,6 +196,42 @@ def test_a_delta_against_a_delta_rebuilds_through_the_chain(steps, tmp_path):
     assert again.delta is not None
 
 
+def test_a_rebuilt_tensor_is_proved_by_the_step_s_digest_and_a_failure_says_what_is_wrong(steps, tmp_path):
+    """`rebuilt_bytes` hashes the result once; on a mismatch it names the base, or the link whose patch is corrupt."""
+    from layerwise_cli.checkpoint.delta_source import open_step, rebuilt_bytes
+
+    base_dir, delta_dir, new = steps
+    third = {name: changed_copy(t, 0.02, 11) for name, t in new.items()}
+    third["model.layers.1.mlp.down_proj.weight"] = new["model.layers.1.mlp.down_proj.weight"]
+    save_checkpoint(third.items(), tmp_path / "step_3", base=delta_dir)
+    step = open_step(str(tmp_path / "step_3"))
+    first, last = step.delta.links
+    base = tensors_of(base_dir)
+    name = next(n for n in first.patches if n in last.patches)  # changed by both links
+    entry = next(e for e in step.tensors if e.name == name)
+    assert np.array_equal(rebuilt_bytes(step.delta, entry, base[name], "base.safetensors"), raw(third[name]))
+    kept = "model.layers.1.mlp.down_proj.weight"  # changed by the first link only
+    assert kept in first.patches and kept not in last.patches
+    other = next(e for e in step.tensors if e.name == kept)
+    assert np.array_equal(rebuilt_bytes(step.delta, other, base[kept], "x"), raw(new[kept]))
+
+    changed_base = base[name].copy()
+    changed_base[-1] ^= 1
+    with pytest.raises(LayerwiseError, match="its bytes are not the delta's base") as info:
+        rebuilt_bytes(step.delta, entry, changed_base, "base.safetensors")
+    assert info.value.where == "base.safetensors"
+
+    def flip_first_value(header, data):
+        key = next(k for k in header if k.startswith(name + "::") and not k.endswith("::positions"))
+        data[header[key]["data_offsets"][0]] ^= 0x01
+
+    corrupt(tmp_path / "step_3", flip_first_value)
+    step = open_step(str(tmp_path / "step_3"))
+    with pytest.raises(LayerwiseError, match="do not hash to the step's digest") as info:
+        rebuilt_bytes(step.delta, entry, base[name], "base.safetensors")
+    assert info.value.where == str(step.delta.links[-1].path)  # the second link, the one corrupted
+
+
 def test_a_chain_that_loops_is_refused(steps, tmp_path):
     from layerwise_cli.checkpoint.delta_source import open_step
 

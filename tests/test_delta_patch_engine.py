@@ -104,6 +104,10 @@ def test_a_delta_patched_in_place_equals_fresh_engines_a_b_a_b(monkeypatch, tmp_
         assert to_b.volume.patched_layers == len(patched) and to_b.volume.patched_bytes == patch_bytes
         assert to_b.volume.read_bytes == patch_bytes and to_b.volume.bytes == 0
         assert to_b.matches_prediction
+        # The patch's time is its own timer, a part of wall_s that vllm_s no longer counts.
+        timings = to_b.timings
+        assert 0 < timings.patch_s <= timings.wall_s
+        assert abs(timings.patch_s + timings.handover_s + timings.vllm_s - timings.wall_s) < 1e-6, timings
 
         to_a = reload(llm, str(steps["BA"]))
         _holds(llm, fresh_a)
@@ -120,6 +124,7 @@ def test_a_delta_patched_in_place_equals_fresh_engines_a_b_a_b(monkeypatch, tmp_
         monkeypatch.setenv(NO_DELTA_PATCH_ENV, "1")
         through_vllm = reload(llm, str(steps["BA"]))
         assert not _patched(through_vllm) and through_vllm.volume.patched_layers == 0 and _handed(through_vllm)
+        assert through_vllm.timings.patch_s == 0
         _holds(llm, fresh_a)
     finally:
         stop_here(llm)
@@ -149,7 +154,7 @@ def test_a_patch_that_does_not_give_the_step_fails_and_the_engine_is_rolled_back
 
     take_linear_fallback(monkeypatch.setattr)
     steps = _steps(tmp_path)
-    fresh_a = _fresh(steps["A"])
+    fresh_a, fresh_b = _fresh(steps["A"]), _fresh(steps["B"])
     bad = tmp_path / "bad"
     tensor = _corrupt_values(steps["AB"], bad)
     llm = start_here(str(steps["A"]), _options())
@@ -172,5 +177,15 @@ def test_a_patch_that_does_not_give_the_step_fails_and_the_engine_is_rolled_back
         message = str(info.value)
         assert "was changed since layerwise loaded it" in message and "rolled back" not in message
         _holds(llm, fresh_a)
+
+        # Without the base check (`watch`): not refused. No layer is proved to hold B, so none is patched;
+        # each is rebuilt from B's files and the patch, and handed to vLLM.
+        unchecked = reload(llm, str(steps["BA"]), delta_base_check=False)
+        assert not _patched(unchecked) and _handed(unchecked)
+        _holds(llm, fresh_a)
+        # Now the records say A, proved by the state: the next delta is patched in place without the check too.
+        to_b = reload(llm, str(steps["AB"]), delta_base_check=False)
+        assert _patched(to_b) and not _handed(to_b), _handed(to_b)
+        _holds(llm, fresh_b)
     finally:
         stop_here(llm)

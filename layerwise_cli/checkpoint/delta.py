@@ -62,6 +62,7 @@ from math import prod
 from pathlib import Path
 
 from layerwise_cli.checkpoint.header import DTYPE_SIZES, ShardHeader, TensorEntry, read_shard_header
+from layerwise_cli.checkpoint.rebuild_buffers import RebuildBuffers
 from layerwise_cli.errors import LayerwiseError, describe_exception
 
 DELTA_FILE = "delta.safetensors"
@@ -191,8 +192,10 @@ class Delta:
 
         return np.int32 if self._entries[name + POSITIONS_SUFFIX].dtype == "I32" else np.int64
 
-    def apply(self, name: str, base):
+    def apply(self, name: str, base, buffers: RebuildBuffers | None = None):
         """The new bytes of tensor NAME from its base bytes BASE (a numpy uint8 array); BASE itself when unpatched.
+
+        The result is written into a buffer from BUFFERS (reused once free) where one is given, else a new one.
 
         Raises:
             LayerwiseError: the positions are invalid (`positions`), or BASE is not the tensor's size.
@@ -205,13 +208,15 @@ class Delta:
         size = DTYPE_SIZES[patch.dtype]
         if base.size != patch.numel * size:
             self._bad(name, f"the base holds {base.size} bytes, the patch needs {patch.numel * size}")
-        if patch.kind == WHOLE:
-            return np.array(self.raw(name + WHOLE_SUFFIX))
-        positions = self.positions(name)
+        positions = None if patch.kind == WHOLE else self.positions(name)
+        out = np.empty(base.size, dtype=np.uint8) if buffers is None else buffers.take(base.size)
+        if positions is None:
+            np.copyto(out, self.raw(name + WHOLE_SUFFIX))
+            return out
+        np.copyto(out, base)
         unsigned = unsigned_type(size)
-        out = np.array(base).view(unsigned)
-        out[positions] = self.raw(name + VALUES_SUFFIX).view(unsigned)
-        return out.view(np.uint8)
+        out.view(unsigned)[positions] = self.raw(name + VALUES_SUFFIX).view(unsigned)
+        return out
 
     def validate(self) -> None:
         """Read every patch's positions (what a reload checks as it applies them)."""

@@ -14,6 +14,7 @@ from layerwise_cli.checkpoint.delta import Delta, delta_file, read_delta
 from layerwise_cli.checkpoint.digests import checkpoint_digests, digests_metadata, tensor_digest
 from layerwise_cli.checkpoint.header import TensorEntry
 from layerwise_cli.checkpoint.layout import read_json
+from layerwise_cli.checkpoint.rebuild_buffers import RebuildBuffers
 from layerwise_cli.checkpoint.sources import Checkpoint, looks_like_repo_id, open_checkpoint
 from layerwise_cli.errors import LayerwiseError
 
@@ -151,17 +152,19 @@ def open_delta_checkpoint(path: str | Path, *, _links: int = 0) -> Checkpoint:
     return replace(base, source=str(path), shards=shards, config=config, delta=DeltaChain(links))
 
 
-def rebuilt_bytes(chain: DeltaChain, entry: TensorEntry, raw, where: str):
+def rebuilt_bytes(chain: DeltaChain, entry: TensorEntry, raw, where: str, buffers: RebuildBuffers | None = None):
     """Tensor ENTRY's bytes in the step, from its bytes RAW in the chain's full step (a numpy uint8 array); proved.
 
-    RAW must hash to the first link's base digest, and each link's result to that link's step digest: what
-    comes out is the step's tensor, or nothing.
+    Every link's patch is applied in turn, and the result must hash to the step's digest of the tensor (the last
+    link's): what comes out is the step's tensor, or nothing. One hash proves it; only when it fails are RAW and
+    each link's result hashed again, to say which is wrong (`_why_not_the_step`).
 
     Args:
         chain: the deltas, oldest first.
         entry: the tensor as the full step's header describes it.
         raw: its bytes there.
         where: the full step's shard file, for the message.
+        buffers: buffers for the results (`Delta.apply`), or None for new ones.
 
     Returns:
         The step's bytes (RAW itself when no link changes the tensor).
@@ -169,21 +172,32 @@ def rebuilt_bytes(chain: DeltaChain, entry: TensorEntry, raw, where: str):
     Raises:
         LayerwiseError: RAW is not the chain's base, a patch is corrupt, or a result is not its step's tensor.
     """
+    out = raw
+    for link in chain.links:
+        if entry.name in link.patches:  # otherwise its step digest is its base digest (`read_delta` checks it)
+            out = link.apply(entry.name, out, buffers)
+    if tensor_digest(entry.dtype, entry.shape, out) != chain.links[-1].step_digests[entry.name]:
+        raise _why_not_the_step(chain, entry, raw, where)
+    return out
+
+
+def _why_not_the_step(chain: DeltaChain, entry: TensorEntry, raw, where: str) -> LayerwiseError:
+    """The error for a tensor whose rebuilt bytes are not the step's: RAW is not the base, or which link is corrupt."""
     first = chain.links[0]
     if tensor_digest(entry.dtype, entry.shape, raw) != first.base_digests[entry.name]:
-        raise LayerwiseError(f"tensor {entry.name}: its bytes are not the delta's base {first.base_location} "
-                             "(the base changed since the delta was written)", where=where)
+        return LayerwiseError(f"tensor {entry.name}: its bytes are not the delta's base {first.base_location} "
+                              "(the base changed since the delta was written)", where=where)
     for link in chain.links:
         if entry.name not in link.patches:
-            continue  # its step digest is its base digest (`read_delta` checks it)
+            continue
         raw = link.apply(entry.name, raw)
         if tensor_digest(entry.dtype, entry.shape, raw) != link.step_digests[entry.name]:
-            raise LayerwiseError(f"tensor {entry.name}: the rebuilt bytes do not hash to the step's digest "
-                                 "(corrupt delta)", where=str(link.path))
-    return raw
+            break
+    return LayerwiseError(f"tensor {entry.name}: the rebuilt bytes do not hash to the step's digest (corrupt delta)",
+                          where=str(link.path))
 
 
-def rebuilt_tensor(chain: DeltaChain, entry: TensorEntry, base, where: str):
+def rebuilt_tensor(chain: DeltaChain, entry: TensorEntry, base, where: str, buffers: RebuildBuffers | None = None):
     """Tensor ENTRY of the step, from its BASE tensor (as read from the full step's file): `rebuilt_bytes`.
 
     Args:
@@ -191,6 +205,7 @@ def rebuilt_tensor(chain: DeltaChain, entry: TensorEntry, base, where: str):
         entry: the tensor as the full step's header describes it.
         base: its tensor there (a contiguous host torch tensor).
         where: the full step's shard file, for the message.
+        buffers: buffers for the result (`rebuilt_bytes`), or None for new ones.
 
     Returns:
         The step's tensor (BASE itself when no link changes it).
@@ -198,7 +213,7 @@ def rebuilt_tensor(chain: DeltaChain, entry: TensorEntry, base, where: str):
     import torch
 
     raw = base.reshape(-1).view(torch.uint8).numpy()
-    out = rebuilt_bytes(chain, entry, raw, where)
+    out = rebuilt_bytes(chain, entry, raw, where, buffers)
     if out is raw:
         return base
     return torch.from_numpy(out).view(base.dtype).reshape(base.shape)

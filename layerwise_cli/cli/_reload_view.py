@@ -147,10 +147,12 @@ def time_line(report: ReloadReport) -> str:
 
 
 def patched_line(report: ReloadReport) -> str:
-    """`12 of 19 layers patched in place from the delta (3.10 MiB read), each tensor proved by the step's digest`."""
+    """`12 of 19 layers patched in place from the delta (3.10 MiB read) in 0.05 s, each patched tensor proved by the
+    step's digest`."""
     volume = report.volume
     return (f"{volume.patched_layers} of {len(report.layers)} layers patched in place from the delta "
-            f"({human_bytes(volume.patched_bytes)} read), each patched tensor proved by the step's digest")
+            f"({human_bytes(volume.patched_bytes)} read) in {human_seconds(report.timings.patch_s)}, each patched "
+            "tensor proved by the step's digest")
 
 
 def in_place_line(report: ReloadReport) -> str:

@@ -74,7 +74,8 @@ class WatchOptions:
 
         A delta step is rebuilt from its chain's files whatever the server holds: a server that missed steps,
         or holds a step outside the newest delta's chain (the trainer wrote a full step since), is brought to
-        the newest step, every tensor proved by the step's digests as it is read (docs/deltas.md). A chain
-        whose files are gone fails that step's pre-flight, and the server keeps its weights.
+        the newest step, every tensor proved by the step's digests as it is read (docs/deltas.md); the layers
+        proved to hold a step of the chain are patched in place. A chain whose files are gone fails that step's
+        pre-flight, and the server keeps its weights.
         """
         return ReloadOptions(allow_unchecked=self.allow_unchecked, delta_base_check=False)

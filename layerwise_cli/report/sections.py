@@ -176,7 +176,8 @@ class Timings:
         finalize_s: seconds vLLM spent after the last tensor (layers it processes only then).
         handover_s: seconds the engine's thread spent in the stream between tensors (waiting for the
             reading thread, bookkeeping): the part of `wall_s` that is layerwise's.
-        vllm_s: `wall_s` less `handover_s`: vLLM loading, processing and finalizing (and the CPU repairs).
+        vllm_s: `wall_s` less `handover_s` and `patch_s`: vLLM loading, processing and finalizing (and the CPU
+            repairs).
         read_s: seconds the reading thread spent getting tensors from the shards (CPU: mapping them, the
             bytes come in with the check or the engine's copy; CUDA: also staging in pinned memory).
         check_s: seconds the reading thread spent in the NaN/Inf check.
@@ -187,6 +188,8 @@ class Timings:
         spot_check_s: seconds the spot check of header digests took (before the engine is touched).
         hash_wait_s: seconds waited after vLLM's reload (outside `wall_s`) for the reading thread to finish
             hashing the layers handed over before any hash (`UnchangedLayers.hashed_after_handover`).
+        patch_s: seconds a sparse delta took to patch its layers in place and prove them against the step's
+            digests (`Volume.patched_layers`), before the first tensor is handed to vLLM (inside `wall_s`).
     """
 
     wall_s: float
@@ -200,6 +203,7 @@ class Timings:
     fingerprint_s: float = 0.0
     spot_check_s: float = 0.0
     hash_wait_s: float = 0.0
+    patch_s: float = 0.0
 
     @classmethod
     def merged(cls, parts: Sequence[Timings]) -> Timings:

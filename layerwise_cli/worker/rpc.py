@@ -63,8 +63,9 @@ class ReloadOptions:
         bounded_disk: a Hub or URL source's tensors are fetched into private files deleted after the reload, and
             only those the reload hands over: nothing is kept in the Hub cache or the store cache (`--bounded-disk`).
         delta_base_check: a sparse delta (docs/deltas.md) loads only into an engine that holds its base; False
-            rebuilds it whatever the engine holds, each tensor proved by the delta's digests as it is read: what a
-            rollback and a fleet going back to a step held through a delta do (no flag).
+            rebuilds it whatever the engine holds, each tensor proved by the delta's digests as it is read, and
+            patches in place only the layers proved to hold a step of its chain: what `watch`, a rollback and a
+            fleet going back to a step held through a delta do (no flag).
         patch_in_place: a sparse delta's new values are written straight into the engine's tensors for the
             layers it keeps in checkpoint layout (`delta_patch`); False hands every changed layer to vLLM's
             reload, rebuilt from its base (the diagnostic switch `LAYERWISE_NO_DELTA_PATCH`, `with_switches`).

@@ -51,6 +51,32 @@ def check_delta_base(checkpoint: Checkpoint, engine_stream: list[PlannedTensor],
         needs += " (or an earlier step of its chain)"
     if records is None:
         raise LayerwiseError(f"{needs}, and this reload keeps no records to prove it", where=checkpoint.source)
+    failure = _prove_base(checkpoint, engine_stream, records, fingerprints, proved_after, first_only=True)[1]
+    if failure is not None:
+        raise LayerwiseError(f"{needs}, but {failure[1]}; the engine holds {held}", where=checkpoint.source)
+
+
+def layers_holding_a_base(checkpoint: Checkpoint, engine_stream: list[PlannedTensor], records: LayerRecords,
+                          fingerprints: Callable[[list[str]], Mapping[str, object]], layers: Collection[str],
+                          proved_after: Collection[str] = ()) -> set[str]:
+    """Of LAYERS, those proved to hold the delta's base or an earlier step of its chain, as `check_delta_base`
+    proves every layer; the others are left out, not refused (a reload that does not check the base: `watch`).
+
+    Args:
+        layers: the layers to prove (those a patch in place would write).
+        proved_after: as for `check_delta_base`.
+    """
+    chosen = set(layers)
+    stream = [item for item in engine_stream if item.parent in chosen]
+    return _prove_base(checkpoint, stream, records, fingerprints, proved_after, first_only=False)[0]
+
+
+def _prove_base(checkpoint: Checkpoint, engine_stream: list[PlannedTensor], records: LayerRecords,
+                fingerprints: Callable[[list[str]], Mapping[str, object]], proved_after: Collection[str],
+                first_only: bool) -> tuple[set[str], tuple[str, str] | None]:
+    """The layers of ENGINE_STREAM that hold a step of the chain (records, state, spot check of that step's
+    files), and the first that does not with why; FIRST_ONLY stops there."""
+    delta: DeltaChain = checkpoint.delta
     groups = _groups(engine_stream)
     steps = held_steps(delta, engine_stream, records)
     deferred = set(proved_after)
@@ -61,22 +87,29 @@ def check_delta_base(checkpoint: Checkpoint, engine_stream: list[PlannedTensor],
         found.update({name: records.get(name).fingerprint for name in names if name in deferred})
         return found
 
-    proved: set[str] = set()
+    holding: set[str] = set()
+    failure: tuple[str, str] | None = None
     for link in sorted(set(steps.values()), reverse=True):
         layers = {name for name, held_link in steps.items() if held_link == link}
         base = {name: _step_digest(delta, link, groups[name]) for name in layers}
-        proved |= SkipDecider(records, base, state_now, checks_finite=False).skip_before_reading()
+        proved = SkipDecider(records, base, state_now, checks_finite=False).skip_before_reading()
         for name in sorted(layers - proved):
-            raise LayerwiseError(f"{needs}, but layer {name} {_what_it_holds(records, name, base[name])}; the engine "
-                                 f"holds {held}", where=checkpoint.source)
+            failure = failure or (name, f"layer {name} {_what_it_holds(records, name, base[name])}")
+        if failure is not None and first_only:
+            return holding, failure
+        if not proved:
+            continue
         # That step's bytes: its files, or (a chain) rebuilt through the links before it.
         links = delta.links[:link]
         step = replace(checkpoint, delta=DeltaChain(links) if links else None)
-        spot = spot_check(layers, {name: [item.entry for item in groups[name]] for name in layers}, records, step)
-        for name in sorted(layers - spot.confirmed):
-            raise LayerwiseError(f"{needs}, but the files of the step it holds are not what layer {name} was "
-                                 f"loaded from (sampled bytes differ); the engine holds {held}",
-                                 where=checkpoint.source)
+        spot = spot_check(proved, {name: [item.entry for item in groups[name]] for name in proved}, records, step)
+        for name in sorted(proved - spot.confirmed):
+            failure = failure or (name, f"the files of the step it holds are not what layer {name} was loaded "
+                                        "from (sampled bytes differ)")
+        if failure is not None and first_only:
+            return holding, failure
+        holding |= spot.confirmed
+    return holding, failure
 
 
 def held_steps(delta: DeltaChain, engine_stream: list[PlannedTensor], records: LayerRecords) -> dict[str, int]:

@@ -37,6 +37,7 @@ Nothing here is taken on a file's or a rule's word:
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -50,7 +51,9 @@ from layerwise_cli.checkpoint.samples import sample_digest
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.planning.plan import PlannedTensor
 from layerwise_cli.worker.reload.patch_sites import PatchSite, find_site, not_patchable, stored
+from layerwise_cli.worker.reload.proof_thread import ProofThread, written_mark
 from layerwise_cli.worker.state.layer_records import LayerRecord, LayerRecords
+from layerwise_cli.worker.stream.cpu_placement import spare_cpus
 
 # The bytes hashed at a time when a patched tensor is proved: small enough to stay in cache for the second hash.
 _PROOF_CHUNK = 1 << 18
@@ -141,25 +144,40 @@ class DeltaPatch:
                 out.proved_after.add(layer)
         return out
 
+    def keep_only(self, layers: set[str]) -> None:
+        """Patch only LAYERS (those proved to hold a step of the chain: `delta_base.layers_holding_a_base`); the
+        others go through vLLM's reload, rebuilt from the base's files."""
+        for layer in [name for name in self.sites if name not in layers]:
+            del self.sites[layer], self.links[layer], self.previous[layer]
+            self.proved_after.discard(layer)
+            self.not_patched[layer] = "it is not proved to hold a step of the delta's chain"
+
     def apply(self, modules: Mapping[str, torch.nn.Module], records: LayerRecords,
-              on_layer: Callable[[str], None] | None = None) -> None:
+              on_layer: Callable[[str], None] | None = None, on_host: bool = True) -> None:
         """Patch every planned layer in place, each tensor then proved to hash to the step's digest.
 
-        Each layer's record is dropped before it is written (a failure leaves it to the rollback).
+        Each layer's record is dropped before it is written (a failure leaves it to the rollback). A layer's proof
+        runs in a second thread while the next layer is written (`proof_thread`): on a CPU beside the engine's where
+        one is spare (`cpu_placement`), or, for a model not ON_HOST, wherever (the write is the device's, the
+        proof the host's). ON_LAYER is called for each layer once every proof passed.
 
         Raises:
             LayerwiseError: a patched tensor does not hash to the step's digest (corrupt delta): the reload fails.
         """
         start = time.perf_counter()
         try:
-            for layer, sites in self.sites.items():
-                records.drop(layer)
-                for site in sites:
-                    self._write(site, modules, self.links[layer])
-                self._prove_written(sites, modules, self.links[layer])
-                self.patched.append(layer)
-                if on_layer is not None:
-                    on_layer(layer)
+            with ProofThread(spare_cpus(), anywhere=not on_host) as proofs:
+                for layer, sites in self.sites.items():
+                    records.drop(layer)
+                    for site in sites:
+                        self._write(site, modules, self.links[layer])
+                    self.patched.append(layer)
+                    # Proved beside the engine's core while the next layer is written (one pass over memory each).
+                    proofs.submit(layer, self._prove_written, sites, modules, self.links[layer],
+                                  written_mark(sites[0].region(modules).device))
+                for layer in proofs.results():
+                    if on_layer is not None:
+                        on_layer(layer)
         finally:
             self.seconds += time.perf_counter() - start
 
@@ -201,20 +219,23 @@ class DeltaPatch:
                 values = link.raw(entry.name + WHOLE_SUFFIX)
                 as_integers.copy_(_on(region.device, values, as_integers.dtype))
                 continue
-            positions = torch.from_numpy(link.positions(entry.name))
+            positions = _read_only(link.positions(entry.name))
             values = _on(region.device, link.raw(entry.name + VALUES_SUFFIX), as_integers.dtype)
             as_integers.index_put_((positions.to(region.device),), values)
 
     def _prove_written(self, sites: list[PatchSite], modules: Mapping[str, torch.nn.Module],
-                       links: tuple[Delta, ...]) -> None:
+                       links: tuple[Delta, ...], written=None) -> None:
         """Each site of a layer must now hash to the step's digest of its tensor; one pass over the engine's bytes.
 
         An engine tensor on the host that the sites cover whole gets its `layer_state` checksum in the same pass
-        (`checksums`), for `prove_state`.
+        (`checksums`), for `prove_state`. WRITTEN (`proof_thread.written_mark`) is waited for first: the device has then
+        done the writes queued on the engine thread's stream, whichever thread proves them.
 
         Raises:
             LayerwiseError: a site's bytes are not the step's tensor (a corrupt delta).
         """
+        if written is not None:
+            written.synchronize()
         by_tensor: dict[tuple[str, str], list[PatchSite]] = {}
         for site in sites:
             by_tensor.setdefault((site.module, site.attribute), []).append(site)
@@ -298,8 +319,19 @@ def _changed_parts(before: object, after: object, written: set[str]) -> str | No
 
 def _on(device: torch.device, raw, dtype: torch.dtype) -> torch.Tensor:
     """RAW (a numpy uint8 view of the delta's file) as elements of DTYPE on DEVICE."""
-    tensor = torch.from_numpy(raw).view(dtype)
+    tensor = _read_only(raw).view(dtype)
     return tensor if device.type == "cpu" else tensor.to(device)
+
+
+def _read_only(array) -> torch.Tensor:
+    """ARRAY (a view of the delta file's read-only mapping) as a tensor, without a copy.
+
+    torch warns that it cannot mark a tensor read-only; these tensors are only ever read (the index and the
+    source of a copy), so the warning is silenced here, and only here.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+        return torch.from_numpy(array)
 
 
 def _host_bytes(region: torch.Tensor):

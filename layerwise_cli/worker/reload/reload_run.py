@@ -21,7 +21,7 @@ from layerwise_cli.planning.plan import BufferSimulation, Plan, PlannedTensor
 from layerwise_cli.report.progress import ProgressWriter
 from layerwise_cli.worker.proof.early_fingerprints import EarlyFingerprints
 from layerwise_cli.worker.reload.completion_check import Unloaded
-from layerwise_cli.worker.reload.delta_base import check_delta_base, held_steps
+from layerwise_cli.worker.reload.delta_base import check_delta_base, held_steps, layers_holding_a_base
 from layerwise_cli.worker.reload.delta_patch import DeltaPatch
 from layerwise_cli.worker.reload.probe import BufferProbe
 from layerwise_cli.worker.reload.reload_plan import PlannedReload, loaded_from, plan_reload
@@ -171,8 +171,9 @@ def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords 
     """The plan phase: SOURCE planned and pre-flighted for this rank, what to skip, the measures set up.
 
     Changes nothing in the engine. A sparse delta (`Checkpoint.delta`) is refused unless the engine holds its
-    base (`delta_base.check_delta_base`), unless `options.delta_base_check` is off (a rollback, a fleet going
-    back: the step is rebuilt whatever the engine holds, every tensor proved by the delta's digests as read).
+    base (`delta_base.check_delta_base`), unless `options.delta_base_check` is off (`watch`, a rollback, a fleet
+    going back: the step is rebuilt whatever the engine holds, every tensor proved by the delta's digests as
+    read, and only the layers proved to hold a step of its chain are patched in place).
 
     Raises:
         LayerwiseError: SOURCE cannot be read, or cannot be loaded cleanly into this engine.
@@ -208,12 +209,20 @@ def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords 
         if not options.allow_nonfinite:
             delta.refuse_nonfinite()
     patch = None
+    if delta is not None and records is not None and options.patch_in_place and not delta_patch_disabled():
+        patch = DeltaPatch.plan(model, delta, skip.stream, held_steps(delta, engine_stream, records), records,
+                                skip.covers, derived, never=skip.rerun.hand_over | must_hand_over(model))
     if delta is not None and options.delta_base_check:
         held, _ = loaded_from(worker)
-        if records is not None and options.patch_in_place and not delta_patch_disabled():
-            patch = plan_patch(model, skip, delta, held_steps(delta, engine_stream, records), records, derived)
         check_delta_base(planned.checkpoint, engine_stream, records, skip._fingerprints, held,
                          proved_after=patch.proved_after if patch is not None else ())
+    elif patch is not None:
+        # No refusal (`watch`, a rollback): a layer is patched only where it is proved to hold a step of the
+        # chain, as the check proves every layer; the others are rebuilt from the base's files.
+        patch.keep_only(layers_holding_a_base(planned.checkpoint, engine_stream, records, skip._fingerprints,
+                                              patch.layers, proved_after=patch.proved_after))
+    if patch is not None:
+        take_out_patched(skip, patch)
     rank = getattr(worker, "rank", 0) or 0
     run = ReloadRun(
         worker=worker, source=source, options=options, records=records, planned=planned, model=model,
@@ -231,16 +240,12 @@ def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords 
     return run
 
 
-def plan_patch(model: torch.nn.Module, skip: UnchangedLayerPlan, delta, steps: dict[str, int],
-               records: LayerRecords, derived) -> DeltaPatch:
-    """The layers a delta patches in place (`delta_patch`): taken out of the stream handed to vLLM."""
-    patch = DeltaPatch.plan(model, delta, skip.stream, steps, records, skip.covers, derived,
-                            never=skip.rerun.hand_over | must_hand_over(model))
+def take_out_patched(skip: UnchangedLayerPlan, patch: DeltaPatch) -> None:
+    """The layers a delta patches in place (`delta_patch`) taken out of the stream handed to vLLM."""
     layers = patch.layers
     skip.patched = layers
     skip.stream = [item for item in skip.stream if item.parent not in layers]
     skip.hash_layers -= layers
-    return patch
 
 
 def start_fetch(planned: PlannedReload, stream: list[PlannedTensor], options: ReloadOptions) -> HubStream:

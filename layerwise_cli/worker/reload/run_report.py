@@ -44,6 +44,7 @@ def build_report(run: ReloadRun) -> ReloadReport:
     skip, stats, probe, plan, predicted, early = run.skip, run.stats, run.probe, run.plan, run.predicted, run.early
     mine, sizes, delivered, loaded_in_place = run.planned.mine, skip.layer_sizes, run.delivered(), run.loaded_in_place
     end, start, handover_s = run.end, run.start, run.handover.seconds
+    patch_s = run.patch.seconds if run.patch is not None else 0.0
     before, after = run.disk_read_before, run.disk_read_after
     spot, patch = skip.spot, run.patch
     return ReloadReport(
@@ -75,14 +76,15 @@ def build_report(run: ReloadRun) -> ReloadReport:
             wall_s=end - start,
             finalize_s=end - (run.handover.stream_done if run.handover.stream_done is not None else end),
             handover_s=handover_s,
-            vllm_s=max(0.0, end - start - handover_s),
+            vllm_s=max(0.0, end - start - handover_s - patch_s),
             read_s=stats.read_s,
             check_s=stats.check_s,
             hash_s=stats.hash_s,
             sample_s=stats.sample_s,
             fingerprint_s=skip.fingerprint_s + (early.seconds if early is not None else 0.0),
             spot_check_s=spot.seconds if spot is not None else 0.0,
-            hash_wait_s=run.hash_wait_s),
+            hash_wait_s=run.hash_wait_s,
+            patch_s=patch_s),
         unchanged=UnchangedLayers(
             all_layers=run.options.all_layers,
             digests=skip.digest_source(),

@@ -76,7 +76,7 @@ def stream_reload(worker, source: str, options: ReloadOptions | None = None, *,
         run.disk_read_before = process_disk_read_bytes()
         if run.patch is not None:
             # A delta's layers kept in checkpoint layout: their new values written where they are, proved.
-            run.patch.apply(run.skip.modules, run.records, on_layer=run.layer_patched)
+            run.patch.apply(run.skip.modules, run.records, on_layer=run.layer_patched, on_host=run.device.type == "cpu")
             run.patch.prove_state(run.skip._fingerprints)
         # The reading thread starts now: the first layers are read while vLLM prepares its reload.
         opened = open_source(run)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from layerwise_cli.checkpoint.rebuild_buffers import RebuildBuffers
 from layerwise_cli.checkpoint.sources import shard_file
 from layerwise_cli.planning.plan import PlannedTensor
 
@@ -30,7 +31,8 @@ class ShardReader:
 
     Given a `HubStream`, the shards are a pinned Hub commit's, read as their bytes arrive (`hub_stream`).
     With a DELTA (`Checkpoint.delta`), FOLDER holds the delta's base and every tensor read is the step's,
-    rebuilt from the base's and proved by its digests (`delta_source.rebuilt_tensor`).
+    rebuilt from the base's and proved by its digests (`delta_source.rebuilt_tensor`), into buffers reused
+    once vLLM has let go of them (`RebuildBuffers`, until `close`).
     """
 
     def __init__(self, folder: Path, *, hub: HubStream | None = None, delta=None) -> None:
@@ -38,6 +40,7 @@ class ShardReader:
         self._hub = hub
         self._handles: dict[str, object] = {}
         self._delta = delta
+        self._buffers = RebuildBuffers() if delta is not None else None
 
     def where(self, shard: str) -> str:
         """How messages name SHARD: its path, or `org/model@<commit>/<shard>` for a Hub source."""
@@ -58,7 +61,7 @@ class ShardReader:
             return tensor
         from layerwise_cli.checkpoint.delta_source import rebuilt_tensor
 
-        return rebuilt_tensor(self._delta, item.entry, tensor, str(self._folder / shard))
+        return rebuilt_tensor(self._delta, item.entry, tensor, str(self._folder / shard), self._buffers)
 
     def delta_nbytes(self, item: PlannedTensor) -> int:
         """The bytes of the delta files `read` takes for ITEM beside its base's (0 without a delta)."""
@@ -70,6 +73,8 @@ class ShardReader:
 
     def close(self) -> None:
         self._handles.clear()
+        if self._buffers is not None:
+            self._buffers.close()
 
 
 def raw_bytes(tensor: torch.Tensor):
