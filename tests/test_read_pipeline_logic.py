@@ -292,20 +292,29 @@ def test_a_cpu_another_vllm_worker_is_bound_to_is_never_spare():
     from layerwise_cli.worker.stream.cpu_placement import bound_worker_cpus
 
     cpu = max(os.sched_getaffinity(0))
-    # A real vLLM worker of another test running beside this one may hold that CPU: wait for it to go.
-    deadline = time.monotonic() + 120
-    while cpu in bound_worker_cpus() and time.monotonic() < deadline:
-        time.sleep(1)
-    if cpu in bound_worker_cpus():
-        pytest.skip(f"a vLLM worker of another process stayed bound to CPU {cpu} for 120 s")
-    # A process titled as vLLM titles its workers, bound to one CPU (as another server's worker would be).
-    script = ("import ctypes, os, time; ctypes.CDLL(None).prctl(15, b'VLLM::Worker_TP1', 0, 0, 0); "
-              f"os.sched_setaffinity(0, {{{cpu}}}); print('ready', flush=True); time.sleep(60)")
-    worker = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+
+    def process(title: str | None, cpus: set[int] | None) -> subprocess.Popen:
+        """A process titled as vLLM titles its workers (or not), bound to CPUS (or left unbound)."""
+        script = "import ctypes, os, time; "
+        if title is not None:
+            script += f"ctypes.CDLL(None).prctl(15, {title.encode()!r}, 0, 0, 0); "
+        if cpus is not None:
+            script += f"os.sched_setaffinity(0, {cpus!r}); "
+        script += "print('ready', flush=True); time.sleep(60)"
+        started = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        assert started.stdout.readline().strip() == "ready"
+        return started
+
+    everything = set(range(os.cpu_count() or 1))
+    # As another server's worker would be; a process of another name; a worker vLLM left unbound.
+    worker, other, unbound = (process("VLLM::Worker_TP1", {cpu}), process(None, {cpu}),
+                              process("VLLM::Worker", everything))
     try:
-        assert worker.stdout.readline().strip() == "ready"
-        assert cpu in bound_worker_cpus()
-        assert cpu not in bound_worker_cpus(exclude=worker.pid)
+        assert bound_worker_cpus(pids=[worker.pid]) == {cpu}
+        assert bound_worker_cpus(exclude=worker.pid, pids=[worker.pid]) == set()
+        assert bound_worker_cpus(pids=[other.pid, unbound.pid]) == set()
+        assert cpu in bound_worker_cpus()  # the scan of every process finds it too
     finally:
-        worker.kill()
-        worker.wait()
+        for started in (worker, other, unbound):
+            started.kill()
+            started.wait()

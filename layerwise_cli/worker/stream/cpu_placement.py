@@ -75,19 +75,20 @@ def _spare_now() -> set[int]:
     return spare
 
 
-def bound_worker_cpus(exclude: int | None = None) -> set[int]:
+def bound_worker_cpus(exclude: int | None = None, pids: list[int] | None = None) -> set[int]:
     """The CPUs vLLM worker processes on this host (`VLLM::Worker...`, other than EXCLUDE) are bound to.
 
     A worker whose affinity is every CPU of the host is not bound and counts
     for nothing. Processes that cannot be read (gone, another user's) are
-    passed over.
+    passed over. PIDS: only these processes (default: every one in /proc).
     """
     everything = set(range(os.cpu_count() or 1))
     taken: set[int] = set()
-    try:
-        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
-    except OSError:
-        return taken
+    if pids is None:
+        try:
+            pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+        except OSError:
+            return taken
     for pid in pids:
         if pid == exclude:
             continue
