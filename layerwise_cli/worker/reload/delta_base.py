@@ -53,7 +53,7 @@ def check_delta_base(checkpoint: Checkpoint, engine_stream: list[PlannedTensor],
         raise LayerwiseError(f"{needs}, and this reload keeps no records to prove it", where=checkpoint.source)
     failure = _prove_base(checkpoint, engine_stream, records, fingerprints, proved_after, first_only=True)[1]
     if failure is not None:
-        raise LayerwiseError(f"{needs}, but {failure[1]}; the engine holds {held}", where=checkpoint.source)
+        raise LayerwiseError(f"{needs}, but {failure}; the engine holds {held}", where=checkpoint.source)
 
 
 def layers_holding_a_base(checkpoint: Checkpoint, engine_stream: list[PlannedTensor], records: LayerRecords,
@@ -73,9 +73,9 @@ def layers_holding_a_base(checkpoint: Checkpoint, engine_stream: list[PlannedTen
 
 def _prove_base(checkpoint: Checkpoint, engine_stream: list[PlannedTensor], records: LayerRecords,
                 fingerprints: Callable[[list[str]], Mapping[str, object]], proved_after: Collection[str],
-                first_only: bool) -> tuple[set[str], tuple[str, str] | None]:
+                first_only: bool) -> tuple[set[str], str | None]:
     """The layers of ENGINE_STREAM that hold a step of the chain (records, state, spot check of that step's
-    files), and the first that does not with why; FIRST_ONLY stops there."""
+    files), and why the first that does not fails (None: all hold one); FIRST_ONLY stops there."""
     delta: DeltaChain = checkpoint.delta
     groups = _groups(engine_stream)
     steps = held_steps(delta, engine_stream, records)
@@ -88,13 +88,14 @@ def _prove_base(checkpoint: Checkpoint, engine_stream: list[PlannedTensor], reco
         return found
 
     holding: set[str] = set()
-    failure: tuple[str, str] | None = None
+    failure: str | None = None
     for link in sorted(set(steps.values()), reverse=True):
         layers = {name for name, held_link in steps.items() if held_link == link}
         base = {name: _step_digest(delta, link, groups[name]) for name in layers}
         proved = SkipDecider(records, base, state_now, checks_finite=False).skip_before_reading()
-        for name in sorted(layers - proved):
-            failure = failure or (name, f"layer {name} {_what_it_holds(records, name, base[name])}")
+        unproved = sorted(layers - proved)
+        if unproved and failure is None:
+            failure = f"layer {unproved[0]} {_what_it_holds(records, unproved[0], base[unproved[0]])}"
         if failure is not None and first_only:
             return holding, failure
         if not proved:
@@ -103,9 +104,10 @@ def _prove_base(checkpoint: Checkpoint, engine_stream: list[PlannedTensor], reco
         links = delta.links[:link]
         step = replace(checkpoint, delta=DeltaChain(links) if links else None)
         spot = spot_check(proved, {name: [item.entry for item in groups[name]] for name in proved}, records, step)
-        for name in sorted(proved - spot.confirmed):
-            failure = failure or (name, f"the files of the step it holds are not what layer {name} was loaded "
-                                        "from (sampled bytes differ)")
+        differ = sorted(proved - spot.confirmed)
+        if differ and failure is None:
+            failure = (f"the files of the step it holds are not what layer {differ[0]} was loaded from (sampled "
+                       "bytes differ)")
         if failure is not None and first_only:
             return holding, failure
         holding |= spot.confirmed
