@@ -43,10 +43,11 @@ DELTA_NAMES = {
     "s": "sparse delta, 3% of values changed",
 }
 # `c-full`: layerwise on the full step a sparse delta rebuilds; `c-nopatch`: the delta with nothing patched in
-# place, every changed layer rebuilt from the base and handed to vLLM (case s only).
-DELTA_VARIANTS = ("a", "c", "c-full", "c-nopatch", "d")
+# place, every changed layer rebuilt from the base and handed to vLLM; `p`: the delta's write limit, its new values
+# written at their positions and nothing else (`layerwise_bench_patch_floor`) (case s only).
+DELTA_VARIANTS = ("a", "c", "c-full", "c-nopatch", "d", "p")
 # The variants only a case with a full step beside its delta (s) has.
-SPARSE_ONLY = ("c-full", "c-nopatch")
+SPARSE_ONLY = ("c-full", "c-nopatch", "p")
 CHANGED_FRACTION = 0.25
 # The fraction of every tensor's values case s changes (issue 49's figure).
 SPARSE_FRACTION = 0.03
@@ -293,11 +294,12 @@ def bench_delta(llm, delta: dict, cases: list[str], args, watch, device_memory, 
 
 def _variant_path(case: dict, variant: str) -> Path:
     """The checkpoint VARIANT reads in CASE: a sparse delta's full step for everything but layerwise's c."""
-    return Path(case["path"] if variant in ("c", "c-nopatch") or "full_path" not in case else case["full_path"])
+    return Path(case["path"] if variant in ("c", "c-nopatch", "p") or "full_path" not in case else case["full_path"])
 
 
 def delta_ratios(times: dict) -> dict:
-    """c over a, over c-full (layerwise on the full step, case s) and over the read limit d, for one case."""
+    """c over a, over c-full (layerwise on the full step, case s) and over the read limit d, and the write limit p
+    over c-full, for one case."""
     med = {v: t["median"] for v, t in times.items()}
     ratios = {}
     if "a" in med and "c" in med:
@@ -306,6 +308,9 @@ def delta_ratios(times: dict) -> dict:
         ratios["c_over_c_full"] = med["c"] / med["c-full"]
     if "c-full" in med and "c-nopatch" in med:
         ratios["c_nopatch_over_c_full"] = med["c-nopatch"] / med["c-full"]
+    if "c-full" in med and "p" in med:
+        # The least c / c-full any way of loading the delta reaches on this machine: its writes alone.
+        ratios["p_over_c_full"] = med["p"] / med["c-full"]
     if "d" in med and "c" in med:
         ratios["c_over_d"] = med["c"] / med["d"]
     return ratios

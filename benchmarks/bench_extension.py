@@ -1,4 +1,4 @@
-"""Benchmark-only worker methods: the read limit, the engine's floor, and vLLM's own reload measured.
+"""Benchmark-only worker methods: the read limit, the engine's floor, a delta's write limit, vLLM's own reload.
 
 `benchmarks/bench_reload.py` starts its engine with
 `worker_extension_cls=BENCH_EXTENSION_CLS`; the product never loads this module.
@@ -66,6 +66,18 @@ class BenchWorkerExtension(LayerwiseWorkerExtension):
         the lower of the two floors.
         """
         return _guard(lambda: _floor(self, source, order))
+
+    def layerwise_bench_patch_floor(self, source: str) -> dict:
+        """(p) a sparse delta's write limit: its new values written at their positions, nothing else.
+
+        Every patch of the delta at SOURCE is written, in file order on the
+        engine's thread, into a copy of its base tensor on the engine's device
+        (the copies, positions and values made beforehand, untimed): the
+        writes alone, with no base check, no NaN/Inf check, no proof and no
+        record (`bench_patch_floor`). However the delta is loaded, its writes
+        take at least this long.
+        """
+        return _guard(lambda: _patch_floor(self, source))
 
     def layerwise_bench_vllm_peak(self, source: str) -> dict:
         """The peak buffered bytes of vLLM's own reload from a path.
@@ -297,6 +309,18 @@ def _floor(worker, source: str, order: str) -> dict:
     gc.collect()
     return {"ok": True, "seconds": seconds, "bytes": total, "tensors": len(stream), "order": order,
             "device": str(device)}
+
+
+def _patch_floor(worker, source: str) -> dict:
+    from benchmarks.bench_patch_floor import patch_writes, write_all
+
+    writes = patch_writes(source, _device(worker))
+    seconds = write_all(writes)
+    written = sum(write.values.numel() * write.values.element_size() for write in writes)
+    tensors = len(writes)
+    writes.clear()
+    gc.collect()
+    return {"ok": True, "seconds": seconds, "bytes": written, "tensors": tensors}
 
 
 def _vllm_peak(worker, source: str) -> dict:

@@ -58,6 +58,9 @@ def measure(llm, variant: str, path: Path, cuda: bool, full: bool = True) -> dic
                 "readahead_peak_bytes": report.memory.readahead_peak_bytes, "finalize_s": report.timings.finalize_s,
                 "unexpected": len(report.findings.unexpected), "reloaded_bytes": report.bytes,
                 **skip_figures(report)}
+    if variant == "p":
+        result = rpc(llm, "layerwise_bench_patch_floor", source=source)
+        return {"seconds": result["seconds"], "call_seconds": time.perf_counter() - start}
     method = {"d": "layerwise_bench_read", "e": "layerwise_bench_floor"}[variant]
     result = rpc(llm, method, source=source, order="layer")
     return {"seconds": result["seconds"], "call_seconds": time.perf_counter() - start}

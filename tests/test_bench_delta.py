@@ -80,3 +80,27 @@ def test_delta_checkpoints(tmp_path: Path) -> None:
     again = write_delta_checkpoints(tmp_path / "delta", model, tokenizer, data, ["f", "g", "g-plain", "h"])
     assert again["h"] == delta["h"] and again["f"] == delta["f"]
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "delta").rglob("*.safetensors")} == stamps
+
+
+def test_the_write_limit_writes_the_full_step(tmp_path: Path) -> None:
+    """Case s's write limit (p) writes the delta into copies of its base: the result is the full step, tensor by
+    tensor, so the time it measures is that of the whole patch."""
+    import torch
+    from safetensors.torch import load_file
+
+    from benchmarks.bench_patch_floor import patch_writes, write_all
+
+    model = SyntheticModel(layers=2, hidden=64, intermediate=128, heads=2, kv_heads=1, head_dim=64, vocab=128)
+    tokenizer = tmp_path / "no-tokenizer"
+    tokenizer.mkdir()
+    delta = write_delta_checkpoints(tmp_path / "delta", model, tokenizer, normal_weights(model), ["s"])
+    writes = patch_writes(delta["s"]["path"], torch.device("cpu"))
+    full = {}
+    for shard in Path(delta["s"]["full_path"]).glob("*.safetensors"):
+        full.update(load_file(shard))
+    # Before: every target is its base tensor, which differs from the full step (none passes unwritten).
+    assert len(writes) > len(full) // 2
+    assert all(not torch.equal(write.target, full[write.name].view(torch.int16).flatten()) for write in writes)
+    assert write_all(writes) > 0
+    for write in writes:
+        assert torch.equal(write.target, full[write.name].view(torch.int16).flatten()), write.name
