@@ -17,6 +17,9 @@ have recorded BASE's layer digests. Then one of these is timed:
              step: 3% of the values of every tensor one unit in the last place
              off, the rest as BASE; c loads the delta, and `c-full` the full
              step it rebuilds
+    rl-LR    the same at the fraction of values one AdamW step at learning
+             rate LR (1e-6, 3e-6, 1e-5) changes on fp32 master weights cast to
+             bf16, measured in the same run (`bench_rl_steps.measure`)
 
 and, for each, vLLM's own reload of the same checkpoint (a) and the read limit
 (d); for s, of the full step (vLLM cannot read a delta). The parent layers
@@ -34,13 +37,20 @@ from pathlib import Path
 
 from benchmarks.bench_checkpoints import STAMP, TOKENIZER_FILES, write_bench_checkpoint
 
-DELTA_CASES = ("f", "g", "g-plain", "h", "s")
+# The learning rates of the RL-like AdamW steps (issue 49), by case.
+RL_CASES = {"rl-1e-6": 1e-6, "rl-3e-6": 3e-6, "rl-1e-5": 1e-5}
+# The cases a run takes unless told (the RL steps take three more full steps' writing: asked for by name).
+DEFAULT_CASES = ("f", "g", "g-plain", "h", "s")
+DELTA_CASES = (*DEFAULT_CASES, *RL_CASES)
+# The cases with a sparse delta and the full step beside it.
+SPARSE_CASES = ("s", *RL_CASES)
 DELTA_NAMES = {
     "f": "25% of layers changed, header digests",
     "g": "identical, header digests",
     "g-plain": "identical, no header digests",
     "h": "save_checkpoint's output of f",
     "s": "sparse delta, 3% of values changed",
+    **{case: f"sparse delta, an AdamW step at lr {lr:g}" for case, lr in RL_CASES.items()},
 }
 # `c-full`: layerwise on the full step a sparse delta rebuilds; `c-nopatch`: the delta with nothing patched in
 # place, every changed layer rebuilt from the base and handed to vLLM; `p`: the delta's write limit, its new values
@@ -107,19 +117,31 @@ def sparsely_perturbed(data, fraction: float, seed: int = 0):
     return read
 
 
-def _write_sparse(workdir: Path, model, tokenizer: Path, data, base: dict) -> dict:
-    """Case s: the full step (SPARSE_FRACTION of the values changed) and its delta against BASE (`write_delta`)."""
+def _write_sparse(workdir: Path, model, tokenizer: Path, data, base: dict, case: str) -> dict:
+    """Case s or rl-LR: the full step (a fraction of the values changed) and its delta against BASE (`write_delta`).
+
+    Case s changes SPARSE_FRACTION of them; rl-LR the fraction one AdamW step at LR changes
+    (`bench_rl_steps.measure`, on 4M values, in this run: `adamw` in the result).
+    """
     from layerwise_cli.writer.write_delta import write_delta
 
-    full = write_bench_checkpoint(workdir / "sparse-full", model, "in_order", tokenizer,
-                                  sparsely_perturbed(data, SPARSE_FRACTION), digests=True,
-                                  variant=f"sparse:{SPARSE_FRACTION}")
-    out = workdir / "sparse-delta"
+    adamw = None
+    fraction = SPARSE_FRACTION
+    if case in RL_CASES:
+        from benchmarks.bench_rl_steps import measure
+
+        adamw = measure(RL_CASES[case], 1 << 22)
+        fraction = adamw["changed_fraction"]
+    prefix = "sparse" if case == "s" else case
+    full = write_bench_checkpoint(workdir / f"{prefix}-full", model, "in_order", tokenizer,
+                                  sparsely_perturbed(data, fraction), digests=True, variant=f"sparse:{fraction}")
+    out = workdir / f"{prefix}-delta"
     saved = write_delta(base["path"], full["path"], out, marker=None, overwrite=True)
     if saved.delta is None:
-        raise RuntimeError(f"case s: layerwise delta wrote a full copy ({saved.fallback})")
+        raise RuntimeError(f"case {case}: layerwise delta wrote a full copy ({saved.fallback})")
     return {"path": str(out), "full_path": full["path"], "layout": "delta", "bytes": saved.total_bytes,
-            "full_bytes": full["bytes"], "changed_values": saved.delta.changed_values}
+            "full_bytes": full["bytes"], "changed_values": saved.delta.changed_values,
+            "changed_fraction": saved.delta.changed_values / (full["bytes"] // 2), "adamw": adamw}
 
 
 def _link_tree(src: Path, dst: Path) -> None:
@@ -196,8 +218,9 @@ def write_delta_checkpoints(workdir: Path, model, tokenizer: Path, data, cases: 
             out["g-plain"] = write_bench_checkpoint(workdir / "identical-plain", model, "in_order", tokenizer, data)
     if "h" in cases:
         out["h"] = _write_with_writer(Path(out["f"]["path"]), workdir / "writer", model.config(), tokenizer)
-    if "s" in cases:
-        out["s"] = _write_sparse(workdir, model, tokenizer, data, base)
+    for case in SPARSE_CASES:
+        if case in cases:
+            out[case] = _write_sparse(workdir, model, tokenizer, data, base, case)
     if "f" not in cases:
         out.pop("f", None)
     return out

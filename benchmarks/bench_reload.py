@@ -29,6 +29,9 @@ engine holding a base checkpoint through layerwise, (f) 25% of the parent
 layers changed, (g) an identical checkpoint with header digests and (g-plain)
 without, (h) `save_checkpoint`'s output of f; each timed as a (vLLM's own
 reload of it), c (layerwise, skipping unchanged layers) and d (its read limit).
+The sparse deltas (s: 3% of values; rl-1e-6, rl-3e-6, rl-1e-5: the share an
+AdamW step at that learning rate changes, asked for by name) add c-full, c-nopatch and
+p (`bench_delta.py`).
 b and c above reload every layer (skipping off), as a full change must.
 
 `--linear-fallback` makes vLLM compute dense linear layers with its `F.linear`
@@ -86,7 +89,14 @@ from benchmarks.bench_checkpoints import (
     warm_page_cache,
     write_bench_checkpoint,
 )
-from benchmarks.bench_delta import DELTA_CASES, DELTA_VARIANTS, bench_delta, write_delta_checkpoints
+from benchmarks.bench_delta import (
+    DEFAULT_CASES,
+    DELTA_CASES,
+    DELTA_VARIANTS,
+    SPARSE_CASES,
+    bench_delta,
+    write_delta_checkpoints,
+)
 from benchmarks.bench_measure import bench_checkpoint, log, measure, rpc
 from benchmarks.bench_memory import DeviceMemory, MemoryWatch
 from benchmarks.bench_report import VARIANTS, render_table, targets, write_chart
@@ -106,7 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="qwen3-8b: Qwen3-8B's shapes (16.4 GB bf16) instead of sizing by --size-gib")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, from {', '.join(LAYOUTS)}")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {', '.join(VARIANTS)}")
-    parser.add_argument("--cases", default=",".join(DELTA_CASES),
+    parser.add_argument("--cases", default=",".join(DEFAULT_CASES),
                         help=f"delta cases, comma-separated, from {', '.join(DELTA_CASES)} (empty: none)")
     parser.add_argument("--delta-variants", default=",".join(DELTA_VARIANTS),
                         help=f"what each delta case times, from {', '.join(DELTA_VARIANTS)}")
@@ -191,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     total_bytes = sum(2 * numel(shape) for _, shape in model.tensors())
     # Delta checkpoints: base, f and h (g and g-plain are hard links); h's writer spills one more copy.
     delta_copies = (1 + ("f" in args.cases or "h" in args.cases) + 2 * ("h" in args.cases)
-                    + ("s" in args.cases)) if args.cases else 0
+                    + sum(case in args.cases for case in SPARSE_CASES)) if args.cases else 0
     workdir = args.workdir or default_workdir(total_bytes * (len(args.layouts) + delta_copies))
     workdir.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)

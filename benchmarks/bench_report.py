@@ -252,8 +252,10 @@ def render_delta(data: dict) -> list[str]:
         lines.append(row)
         if "full_bytes" in r["checkpoint"]:
             size = r["checkpoint"]["bytes"] / r["checkpoint"]["full_bytes"]
+            changed = r["checkpoint"].get("changed_fraction")
             lines.append(f"{'':<4}the delta: {human_bytes(r['checkpoint']['bytes'])}, {size:.3f} x the full step's "
-                         f"{human_bytes(r['checkpoint']['full_bytes'])}")
+                         f"{human_bytes(r['checkpoint']['full_bytes'])}"
+                         + ("" if changed is None else f"; {changed:.2%} of the values changed"))
         if "p_over_c_full" in ratio:
             lines.append(f"{'':<4}its writes alone (p): {t['p']['median']:.3f}s, {ratio['p_over_c_full']:.2f} x c-full "
                          "(no way of loading it goes below this on this machine)")

@@ -104,3 +104,25 @@ def test_the_write_limit_writes_the_full_step(tmp_path: Path) -> None:
     assert write_all(writes) > 0
     for write in writes:
         assert torch.equal(write.target, full[write.name].view(torch.int16).flatten()), write.name
+
+
+def test_an_rl_case_changes_the_share_an_adamw_step_changes(tmp_path: Path) -> None:
+    """Case rl-1e-5: the share of values one AdamW step at lr 1e-5 changes in bf16, measured in the same run, is
+    the share its full step changes, and its delta rebuilds that full step."""
+    import torch
+    from safetensors.torch import load_file
+
+    from benchmarks.bench_patch_floor import patch_writes, write_all
+
+    model = SyntheticModel(layers=2, hidden=64, intermediate=128, heads=2, kv_heads=1, head_dim=64, vocab=128)
+    tokenizer = tmp_path / "no-tokenizer"
+    tokenizer.mkdir()
+    case = write_delta_checkpoints(tmp_path / "delta", model, tokenizer, normal_weights(model), ["rl-1e-5"])["rl-1e-5"]
+    assert case["adamw"]["lr"] == 1e-5 and 0.01 < case["adamw"]["changed_fraction"] < 0.5
+    assert abs(case["changed_fraction"] - case["adamw"]["changed_fraction"]) < 0.01
+    full = {}
+    for shard in Path(case["full_path"]).glob("*.safetensors"):
+        full.update(load_file(shard))
+    writes = patch_writes(case["path"], torch.device("cpu"))
+    write_all(writes)
+    assert all(torch.equal(write.target, full[write.name].view(torch.int16).flatten()) for write in writes)

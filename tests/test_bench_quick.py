@@ -63,18 +63,23 @@ def test_quick_benchmark_writes_consistent_json(tmp_path, demo_models):
     assert [r["case"] for r in delta["results"]] == ["f", "g", "g-plain", "h", "s"]
     assert len(delta["changed_layers"]) == round(0.25 * delta["parent_layers"])
     for result in delta["results"]:
-        # A sparse delta: c loads it, c-nopatch too with nothing patched in place, c-full the full step it rebuilds.
+        # A sparse delta: c loads it, c-nopatch too with nothing patched in place, c-full the full step it rebuilds,
+        # p its writes alone.
         sparse = result["case"] == "s"
-        assert set(result["times"]) == ({"a", "c", "c-full", "c-nopatch", "d"} if sparse else {"a", "c", "d"})
+        assert set(result["times"]) == ({"a", "c", "c-full", "c-nopatch", "d", "p"} if sparse else {"a", "c", "d"})
         assert result["runs"] == 1
         assert all(t["median"] > 0 and t["engine_peak_rss_delta_bytes"] >= 0 for t in result["times"].values())
         assert set(result["ratios"]) == {"c_over_a", "c_over_d",
-                                         *(["c_over_c_full", "c_nopatch_over_c_full"] if sparse else [])}
+                                         *(["c_over_c_full", "c_nopatch_over_c_full", "p_over_c_full"]
+                                           if sparse else [])}
     assert delta["base_reload_s_median"] > 0
     assert {t["target"].split(":")[0] for t in data["targets"]} >= {
         "f (25% changed)", "g (identical, header digests)", "g-plain (identical, no header digests)",
         "s (sparse delta, 3% of values)"}
     assert "delta cases: the engine holds the base checkpoint" in done.stdout
+    assert "its writes alone (p): " in done.stdout
+    s_target = next(t for t in data["targets"] if t["target"].startswith("s (sparse delta"))
+    assert s_target["floor"] == next(r for r in delta["results"] if r["case"] == "s")["ratios"]["p_over_c_full"]
     # What layerwise skipped and read: nothing of the identical checkpoint with header digests, every byte
     # without them (to hash), and only the changed layers of f and of the writer's h.
     total, changed = delta["base"]["bytes"], delta["changed_bytes"]
