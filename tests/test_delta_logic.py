@@ -300,6 +300,47 @@ def test_positions_out_of_order_are_refused(steps):
         read_delta(delta_dir).validate()
 
 
+@pytest.fixture
+def bitmap_step(tmp_path):
+    """A delta whose one patch is a bitmap over 4099 elements (3 padding bits in its last byte), its base tensor
+    and its new one."""
+    base = {"w.weight": torch.randn(4099, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)}
+    save_checkpoint(base.items(), tmp_path / "step_1")
+    new = {"w.weight": changed_copy(base["w.weight"], 0.1, 5)}
+    saved = save_checkpoint(new.items(), tmp_path / "step_2", base=tmp_path / "step_1", marker=None)
+    assert saved.delta is not None and read_delta(tmp_path / "step_2").patches["w.weight"].kind == BITMAP
+    return tmp_path / "step_2", base["w.weight"], new["w.weight"]
+
+
+def test_a_bitmap_s_positions_are_its_set_bits(bitmap_step):
+    delta_dir, base, new = bitmap_step
+    delta = read_delta(delta_dir)
+    delta.validate()
+    expected = np.flatnonzero(raw(base).view(np.uint16) != raw(new).view(np.uint16))
+    assert np.array_equal(delta.positions("w.weight"), expected) and expected.size == delta.patches["w.weight"].changed
+
+
+@pytest.mark.parametrize(("bit", "what"), [(7, "bitmap sets bits past its 4099 elements"),
+                                           (None, "positions for")])
+def test_a_bitmap_with_a_bit_too_many_is_refused(bitmap_step, bit, what):
+    """A padding bit set, or one more position than values: refused when validated, before anything is applied."""
+    delta_dir, _, _ = bitmap_step
+
+    def set_bit(header, data):
+        begin, end = header["w.weight::positions"]["data_offsets"]
+        if bit is not None:
+            data[end - 1] |= 1 << bit
+        else:  # the first unset bit of the bitmap, set
+            at = next(i for i in range(begin, end) if data[i] != 0xFF)
+            data[at] |= next(1 << b for b in range(8) if not data[at] & (1 << b))
+
+    path = corrupt(delta_dir, set_bit)
+    with pytest.raises(LayerwiseError) as err:
+        read_delta(delta_dir).validate()
+    message = str(err.value)
+    assert what in message and "w.weight" in message and str(path) in message and "corrupt delta" in message
+
+
 def test_a_truncated_delta_is_refused_naming_the_file(steps):
     _, delta_dir, _ = steps
     path = delta_dir / DELTA_FILE

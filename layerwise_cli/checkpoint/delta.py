@@ -168,10 +168,9 @@ class Delta:
         if patch.kind == INDEX and name in validated:
             return raw.view(self._index_type(name))
         if patch.kind == BITMAP:
-            bits = np.unpackbits(raw, bitorder="little")
-            if bits[n:].any():
-                self._bad(name, f"bitmap sets bits past its {n} elements")
-            found = np.flatnonzero(bits[:n])
+            self._check_bitmap(name, raw)
+            # Its set bits, in order: a pass over every element (as bools, twice as fast as over bytes).
+            found = np.flatnonzero(np.unpackbits(raw, bitorder="little")[:n].view(np.bool_))
         else:
             # Read where they are (an int32 index stays int32: every use takes it as it is).
             found = raw.view(self._index_type(name))
@@ -185,6 +184,19 @@ class Delta:
             self._bad(name, f"{found.size} positions for {patch.changed} values")
         validated.add(name)
         return found
+
+    def _check_bitmap(self, name: str, raw) -> None:
+        """Bitmap RAW of patch NAME sets no bit past its elements, and as many bits as it stores values (the header
+        check fixed its length); counted, not decoded."""
+        import numpy as np
+
+        patch = self.patches[name]
+        spare = 8 * raw.size - patch.numel
+        if spare and int(raw[-1]) >> (8 - spare):
+            self._bad(name, f"bitmap sets bits past its {patch.numel} elements")
+        count = int(np.bitwise_count(raw).sum(dtype=np.int64))
+        if count != patch.changed:
+            self._bad(name, f"{count} positions for {patch.changed} values")
 
     def _index_type(self, name: str):
         """The numpy integer type tensor NAME's index of positions is stored in (I32 or I64)."""
@@ -219,9 +231,13 @@ class Delta:
         return out
 
     def validate(self) -> None:
-        """Read every patch's positions (what a reload checks as it applies them)."""
-        for name in self.patches:
-            self.positions(name)
+        """Check every patch's positions, as a reload does before it applies them (`positions`): an index read
+        whole; a bitmap's bits counted and its padding read, its positions decoded only when applied."""
+        for name, patch in self.patches.items():
+            if patch.kind == BITMAP:
+                self._check_bitmap(name, self.raw(name + POSITIONS_SUFFIX))
+            elif patch.kind == INDEX:
+                self.positions(name)
 
     def refuse_nonfinite(self) -> None:
         """Refuse the delta if a new value it stores (sparse or whole) is NaN or Inf: the reload's check, early.
