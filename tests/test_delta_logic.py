@@ -20,10 +20,9 @@ from layerwise_cli.checkpoint.delta import (
     DELTA_FILE,
     INDEX,
     WHOLE,
-    delta_file,
-    read_delta,
 )
 from layerwise_cli.checkpoint.delta_encode import encode_patch
+from layerwise_cli.checkpoint.delta_read import delta_file, read_delta
 from layerwise_cli.checkpoint.digests import checkpoint_digests, tensor_digest
 from layerwise_cli.checkpoint.sources import open_checkpoint
 from layerwise_cli.cli.app import app

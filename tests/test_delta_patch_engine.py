@@ -81,7 +81,7 @@ def _handed(report) -> set[str]:
 
 
 def test_a_delta_patched_in_place_equals_fresh_engines_a_b_a_b(monkeypatch, tmp_path):
-    from layerwise_cli.checkpoint.delta import read_delta
+    from layerwise_cli.checkpoint.delta_read import read_delta
     from layerwise_cli.client.local import reload
     from layerwise_cli.engine_defaults import NO_DELTA_PATCH_ENV
 

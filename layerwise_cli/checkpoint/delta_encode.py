@@ -17,9 +17,9 @@ from layerwise_cli.checkpoint.delta import (
     WHOLE_FRACTION,
     WHOLE_SUFFIX,
     TensorPatch,
-    index_dtype,
     unsigned_type,
 )
+from layerwise_cli.checkpoint.delta_read import index_dtype
 from layerwise_cli.checkpoint.header import DTYPE_SIZES
 
 

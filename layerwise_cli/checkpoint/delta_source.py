@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from layerwise_cli.checkpoint.delta import Delta, delta_file, read_delta
+from layerwise_cli.checkpoint.delta import Delta
+from layerwise_cli.checkpoint.delta_read import delta_file, read_delta
 from layerwise_cli.checkpoint.digests import checkpoint_digests, digests_metadata, tensor_digest
 from layerwise_cli.checkpoint.header import TensorEntry
 from layerwise_cli.checkpoint.layout import read_json

@@ -278,7 +278,7 @@ def steps_to_delete(steps: list, keep: int, held, protected: Iterable[str]) -> l
 
 def delta_bases(paths: Iterable[Path]) -> set[Path]:
     """The base directories (absolute) the sparse deltas among PATHS are rebuilt from, their chains followed."""
-    from layerwise_cli.checkpoint.delta import delta_file, read_delta
+    from layerwise_cli.checkpoint.delta_read import delta_file, read_delta
     from layerwise_cli.checkpoint.delta_source import MAX_CHAIN, base_directory
 
     needed: set[Path] = set()

@@ -8,7 +8,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from layerwise_cli.checkpoint.delta import DELTA_FILE, WHOLE_FRACTION, delta_file
+from layerwise_cli.checkpoint.delta import DELTA_FILE, WHOLE_FRACTION
+from layerwise_cli.checkpoint.delta_read import delta_file
 from layerwise_cli.checkpoint.layout import is_weight_file
 from layerwise_cli.checkpoint.sources import Checkpoint, open_checkpoint
 from layerwise_cli.errors import LayerwiseError
