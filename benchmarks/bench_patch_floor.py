@@ -18,9 +18,7 @@ from layerwise_cli.checkpoint.delta import VALUES_SUFFIX, WHOLE, WHOLE_SUFFIX, f
 from layerwise_cli.checkpoint.delta_source import open_step
 from layerwise_cli.checkpoint.header import DTYPE_SIZES
 from layerwise_cli.errors import LayerwiseError
-
-# The integer type a patch writes elements of each size as (bit for bit, whatever the dtype), as `delta_patch` does.
-_AS_INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+from layerwise_cli.worker.reload.delta_patch import AS_INTEGERS
 
 
 @dataclass
@@ -52,7 +50,7 @@ def patch_writes(source: str, device: torch.device) -> list[PatchWrite]:
             patch = delta.patches.get(entry.name)
             if patch is None:
                 continue
-            as_integers = _AS_INTEGERS[DTYPE_SIZES[patch.dtype]]
+            as_integers = AS_INTEGERS[DTYPE_SIZES[patch.dtype]]
             base = mapping[shard.data_start + entry.begin:shard.data_start + entry.end]
             target = torch.from_numpy(base.copy()).view(as_integers).to(device)
             if patch.kind == WHOLE:

@@ -58,7 +58,7 @@ from layerwise_cli.worker.stream.cpu_placement import spare_cpus
 # The bytes hashed at a time when a patched tensor is proved: small enough to stay in cache for the second hash.
 _PROOF_CHUNK = 1 << 18
 # The integer type a patch writes elements of each size as (bit for bit, whatever the dtype).
-_AS_INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+AS_INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass
@@ -209,7 +209,7 @@ class DeltaPatch:
     def _write(self, site: PatchSite, modules: Mapping[str, torch.nn.Module], links: tuple[Delta, ...]) -> None:
         """Write every link's new values of SITE's tensor at their positions, in place."""
         entry, region = site.entry, site.region(modules)
-        as_integers = region.view(_AS_INTEGERS[region.element_size()])
+        as_integers = region.view(AS_INTEGERS[region.element_size()])
         for link in links:
             patch = link.patches.get(entry.name)
             if patch is None:
