@@ -8,7 +8,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from layerwise_cli.checkpoint.digests import digests_metadata, tensor_digest
+from layerwise_cli.checkpoint.format.digests import digests_metadata, tensor_digest
 from tests.support.synthetic import SyntheticModel, shard_groups, write_safetensors
 
 LAYOUTS = ("in_order", "split_layer", "trainer_export")

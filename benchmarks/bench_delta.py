@@ -123,7 +123,7 @@ def _write_sparse(workdir: Path, model, tokenizer: Path, data, base: dict, case:
     Case s changes SPARSE_FRACTION of them; rl-LR the fraction one AdamW step at LR changes
     (`bench_rl_steps.measure`, on 4M values, in this run: `adamw` in the result).
     """
-    from layerwise_cli.writer.write_delta import write_delta
+    from layerwise_cli.writer.delta_step import write_delta
 
     adamw = None
     fraction = SPARSE_FRACTION

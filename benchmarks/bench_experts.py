@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
 
-    from layerwise_cli.client.local import EngineOptions, reload, start_engine, stop_engine
+    from layerwise_cli.client.engine.in_process import EngineOptions, reload, start_engine, stop_engine
     from layerwise_cli.demo import demo_checkpoint
     from tests.support.synthetic import SyntheticModel
 

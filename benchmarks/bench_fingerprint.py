@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     import shutil
 
     from benchmarks.bench_checkpoints import model_for, tokenizer_vocab, write_bench_checkpoint
-    from layerwise_cli.client.local import EngineOptions, reload, start_engine, stop_engine
+    from layerwise_cli.client.engine.in_process import EngineOptions, reload, start_engine, stop_engine
     from layerwise_cli.demo import demo_checkpoint
     from layerwise_cli.writer.save import save_checkpoint
     from tests.support.engine_support import load_tensors

@@ -14,7 +14,7 @@ cache for each command:
     fetch   huggingface_hub's `snapshot_download` of the repo alone (what a user runs before a local reload)
     local   `layerwise reload --model A --weights-path B` from the local copy (engine start and reload)
     hub     `layerwise reload --model A --weights-path org/step`: the commit's shards fetched by range while
-            the engine starts (`client/hub_prefetch.py`), then reloaded from the cache
+            the engine starts (`client/engine/prefetch.py`), then reloaded from the cache
 
 Each command runs as a user runs it (a new process, wall time from outside), and the server counts the weight
 bytes it sent. The figure of merit is hub / (fetch + local): 1.0 is no overlap at all; the time of the larger

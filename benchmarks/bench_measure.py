@@ -33,7 +33,7 @@ def rpc(llm, method: str, **kwargs) -> dict:
 
 def measure(llm, variant: str, path: Path, cuda: bool, full: bool = True) -> dict:
     """One timed call of VARIANT on the checkpoint at PATH (layerwise: every layer, unless not FULL)."""
-    from layerwise_cli.client.local import reports_from_results
+    from layerwise_cli.client.engine.in_process import reports_from_results
 
     source = str(path)
     start = time.perf_counter()

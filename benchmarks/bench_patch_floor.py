@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from layerwise_cli.checkpoint.delta import VALUES_SUFFIX, WHOLE, WHOLE_SUFFIX, file_mapping
-from layerwise_cli.checkpoint.delta_source import open_step
-from layerwise_cli.checkpoint.header import DTYPE_SIZES
+from layerwise_cli.checkpoint.delta.format import VALUES_SUFFIX, WHOLE, WHOLE_SUFFIX, file_mapping
+from layerwise_cli.checkpoint.delta.source import open_step
+from layerwise_cli.checkpoint.format.header import DTYPE_SIZES
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.worker.reload.delta_patch import AS_INTEGERS
 

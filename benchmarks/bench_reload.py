@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.linear_fallback:
         os.environ[LINEAR_FALLBACK_ENV] = "1"  # read by the worker as it imports the benchmark's extension
     from layerwise_cli import __version__
-    from layerwise_cli.client.local import EngineOptions, cuda_available, start_engine, stop_engine
+    from layerwise_cli.client.engine.in_process import EngineOptions, cuda_available, start_engine, stop_engine
 
     cuda = cuda_available()
     tokenizer = args.tokenizer

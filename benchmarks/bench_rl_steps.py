@@ -31,7 +31,7 @@ def measure(lr: float, elements: int, seed: int = 0, warmup: int = WARMUP) -> di
     """
     import torch
 
-    from layerwise_cli.checkpoint.delta_encode import encode_patch
+    from layerwise_cli.checkpoint.delta.encode import encode_patch
 
     gen = torch.Generator().manual_seed(seed)
     master = torch.nn.Parameter(torch.randn(elements, generator=gen) * 0.02)

@@ -106,8 +106,8 @@ def read_s3fs(s3, prefix: str, parts: list[tuple[str, int, int]], connections: i
 
 def read_layerwise(s3, prefix: str, sizes: dict[str, int], connections: int, part_bytes: int) -> int:
     """layerwise's `RangeFetcher` on a `StoreSource`: every byte, to private files on disk; the bytes fetched."""
-    from layerwise_cli.checkpoint.hub_fetch import RangeFetcher, whole_files
-    from layerwise_cli.checkpoint.store import StoreSource
+    from layerwise_cli.checkpoint.fetch.range_fetcher import RangeFetcher, whole_files
+    from layerwise_cli.checkpoint.store.objects import StoreSource
     from tests.support.seaweed import BUCKET
 
     source = StoreSource(f"s3://{BUCKET}/{prefix}")

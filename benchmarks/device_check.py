@@ -62,7 +62,7 @@ from benchmarks.device_run import Run, log
 from benchmarks.device_variants import LAYERWISE, VARIANTS, Sample, Setup, run_variant
 from benchmarks.device_writer import writer_check
 from benchmarks.page_cache import filesystem_of
-from layerwise_cli.checkpoint.digests import checkpoint_digests
+from layerwise_cli.checkpoint.format.digests import checkpoint_digests
 from layerwise_cli.checkpoint.sources import open_checkpoint
 from layerwise_cli.planning.parents import mapping_for_config
 from layerwise_cli.planning.plan import build_plan, vllm_read_order

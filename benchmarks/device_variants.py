@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from layerwise_cli.checkpoint.chunks import read_chunks
-from layerwise_cli.checkpoint.digests import tensor_digest
-from layerwise_cli.checkpoint.finite import dtype_name
-from layerwise_cli.checkpoint.header import TensorEntry
+from layerwise_cli.checkpoint.format.chunks import read_chunks
+from layerwise_cli.checkpoint.format.digests import tensor_digest
+from layerwise_cli.checkpoint.format.finite import dtype_name
+from layerwise_cli.checkpoint.format.header import TensorEntry
 from layerwise_cli.planning.plan import PlannedTensor
 from layerwise_cli.worker.stream.read_ahead import read_in_order
 from layerwise_cli.worker.stream.shard_reader import ShardReader

@@ -12,8 +12,8 @@ import torch
 
 from benchmarks.device_run import Run, log
 from benchmarks.device_variants import Setup
-from layerwise_cli.checkpoint.digests import header_digests
-from layerwise_cli.checkpoint.header import read_shard_header
+from layerwise_cli.checkpoint.format.digests import header_digests
+from layerwise_cli.checkpoint.format.header import read_shard_header
 from layerwise_cli.checkpoint.sources import open_checkpoint
 from layerwise_cli.worker.stream.read_ahead import read_in_order
 

@@ -142,7 +142,7 @@ def run_load(url: str, sources: dict[str, str], *, first: str = "multiply", thre
     Returns:
         Every request and reload, and the checks' findings.
     """
-    from layerwise_cli.client.remote import RemoteOptions, reload_server
+    from layerwise_cli.client.servers.reload_servers import RemoteOptions, reload_server
     from layerwise_cli.demo import demo_prompt, expected_answer
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

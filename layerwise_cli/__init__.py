@@ -42,19 +42,19 @@ RENEW_LEASE_PATH = "/layerwise/renew"
 RESUME_LEASE_PATH = "/layerwise/resume"
 
 _LAZY = {
-    "reload": ("layerwise_cli.client.local", "reload"),
-    "start_engine": ("layerwise_cli.client.local", "start_engine"),
-    "stop_engine": ("layerwise_cli.client.local", "stop_engine"),
-    "EngineOptions": ("layerwise_cli.client.local", "EngineOptions"),
+    "reload": ("layerwise_cli.client.engine.in_process", "reload"),
+    "start_engine": ("layerwise_cli.client.engine.in_process", "start_engine"),
+    "stop_engine": ("layerwise_cli.client.engine.in_process", "stop_engine"),
+    "EngineOptions": ("layerwise_cli.client.engine.in_process", "EngineOptions"),
     "ReloadOptions": ("layerwise_cli.worker.rpc", "ReloadOptions"),
     "ReloadReport": ("layerwise_cli.report.reload_report", "ReloadReport"),
     "inspect_order": ("layerwise_cli.planning.inspect", "inspect_order"),
-    "verify_engine": ("layerwise_cli.client.local", "verify_engine"),
+    "verify_engine": ("layerwise_cli.client.engine.in_process", "verify_engine"),
     "VerifyResult": ("layerwise_cli.report.verify_result", "VerifyResult"),
     "LayerwiseError": ("layerwise_cli.errors", "LayerwiseError"),
-    "watch": ("layerwise_cli.client.watch", "watch"),
-    "WatchOptions": ("layerwise_cli.client.watch", "WatchOptions"),
-    "WatchEvent": ("layerwise_cli.client.watch_events", "WatchEvent"),
+    "watch": ("layerwise_cli.client.watch.entry", "watch"),
+    "WatchOptions": ("layerwise_cli.client.watch.entry", "WatchOptions"),
+    "WatchEvent": ("layerwise_cli.client.watch.events", "WatchEvent"),
     "save_checkpoint": ("layerwise_cli.writer.save", "save_checkpoint"),
     "SavedCheckpoint": ("layerwise_cli.writer.save", "SavedCheckpoint"),
 }

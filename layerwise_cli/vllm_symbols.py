@@ -180,11 +180,12 @@ CALL_UTILITY_ALL_ASYNC = PrivateSymbol("vllm.v1.engine.core_client", "AsyncMPCli
                                        members=("call_utility_all_async",),
                                        used_by="server/engines_rpc.py (engine_client.engine_core)")
 ENGINE_CORE_SHUTDOWN = PrivateSymbol("vllm.v1.engine.core_client", "SyncMPClient", "class", members=("shutdown",),
-                                     used_by="client/local.py stop_engine (llm.llm_engine.engine_core)")
+                                     used_by="client/engine/in_process.py stop_engine (llm.llm_engine.engine_core)")
 ENGINE_CORE_PAUSE = PrivateSymbol("vllm.v1.engine.core", "EngineCore", "class",
                                   members=("pause_scheduler", "resume_scheduler"),
-                                  used_by="client/local.py (pauses an in-process engine, caches cleared, around a "
-                                  "reload: vLLM 0.34's extensible KV cache lends its memory to the reload then)")
+                                  used_by="client/engine/in_process.py (pauses an in-process engine, caches "
+                                  "cleared, around a reload: vLLM 0.34's extensible KV cache lends its memory "
+                                  "to the reload then)")
 SERVER_MODULE = PrivateSymbol("vllm.entrypoints.openai.api_server", None, "module",
                               used_by="server/launch.py (run as __main__)")
 # A headless node (`layerwise serve --headless`): vLLM's own `serve` subcommand, as `vllm serve --headless` runs it

@@ -9,10 +9,13 @@ not from a reader.
 - Layers (`LAYERS`): a subpackage may import only its own modules and those of
   lower layers, so data flows one way (checkpoint -> planning -> worker ->
   client -> cli). Checked only when PACKAGE_DIR is layerwise_cli itself.
-- Rooms of `worker/` (`WORKER_ROOMS`): the same rule one level down (rpc ->
-  stream -> state -> repairs -> quantization -> proof -> reload -> extension);
-  every sub-package of `worker/` is a room, and `worker/` has at most
-  `WORKER_TOP_ENTRIES` entries at its top.
+- Rooms (`ROOMS`): the same rule one level down, inside `worker/` (rpc ->
+  stream -> state -> repairs -> quantization -> proof -> reload -> extension),
+  `checkpoint/` (format -> fetch -> hub, store -> sources -> delta -> steps ->
+  shard_copy) and `client/` (pinning -> engine, servers -> watch); every
+  sub-package of `worker/` is a room, and `worker/` has at most
+  `WORKER_TOP_ENTRIES` entries at its top; every entry of `checkpoint/` and
+  `client/` is a room.
 - Typer and Rich are imported only under `cli/` (`UI_LIBRARIES`).
 - vLLM is imported only by `vllm_compat.py`, the one door to its private
   symbols; elsewhere only `from vllm import NAME` for a NAME in that module's
@@ -90,6 +93,27 @@ WORKER_ROOMS = {
 }
 WORKER_TOP_ENTRIES = 9
 
+# The rooms of checkpoint/ (a module or sub-package directly under it) -> their order inside the checkpoint layer.
+CHECKPOINT_ROOMS = {
+    "format": 0,  # the bytes of a safetensors file: headers, layout, digests, samples, finite checks, chunked reads
+    "fetch": 1,  # bytes by range from any pinned source: the source protocol, the fetcher, partial files, the policy
+    "hub": 2,  # the Hub: a revision pinned to a commit, headers by range, its range source and cache
+    "store": 2,  # object stores and HTTPS (obstore): objects pinned to ETags, headers by range
+    "sources": 3,  # a SOURCE string (folder, file, Hub id, URL) opened as a `Checkpoint`
+    "delta": 4,  # sparse delta steps: format, read, encode, opened as the full step they rebuild
+    "steps": 5,  # a run's steps: which exist, which are complete, which may be deleted
+    "shard_copy": 6,  # a remote checkpoint's shards fetched whole for a copy (`reorder`)
+}
+# The rooms of client/ -> their order inside the client layer.
+CLIENT_ROOMS = {
+    "pinning": 0,  # a source's identity (commit, ETags) resolved once per operation, for every room
+    "engine": 1,  # the engine in this process
+    "servers": 1,  # running servers over HTTP: calls, one server's reload, fleets, the lease
+    "watch": 2,  # keeping an engine or servers on the newest step of a run
+}
+# Package -> its rooms: a room imports only its own modules and those of earlier rooms.
+ROOMS = {"worker": WORKER_ROOMS, "checkpoint": CHECKPOINT_ROOMS, "client": CLIENT_ROOMS}
+
 
 ENTRY_POINTS = {"__main__": 7}  # `python -m layerwise_cli` runs the CLI
 
@@ -117,32 +141,42 @@ def layer_violations(graph: dict[str, set[str]]) -> list[str]:
 
 
 def room_violations(graph: dict[str, set[str]]) -> list[str]:
-    """Imports inside `worker/` against the room order."""
+    """Imports inside a package of `ROOMS` against its room order (a later room imported by an earlier one)."""
     found = []
     for name, targets in sorted(graph.items()):
         here = name.split(".")
-        if here[1:2] != ["worker"] or len(here) < 3 or here[2] not in WORKER_ROOMS:
+        rooms = ROOMS.get(here[1] if len(here) > 1 else "")
+        if rooms is None or len(here) < 3 or here[2] not in rooms:
             continue
         for target in sorted(targets):
             there = target.split(".")
-            if there[1:2] != ["worker"] or len(there) < 3 or there[2] not in WORKER_ROOMS or there[2] == here[2]:
+            if there[1:2] != here[1:2] or len(there) < 3 or there[2] not in rooms or there[2] == here[2]:
                 continue
-            if WORKER_ROOMS[there[2]] > WORKER_ROOMS[here[2]]:
+            if rooms[there[2]] > rooms[here[2]]:
                 found.append(f"room order: {name} (room {here[2]}) imports {target} (room {there[2]}, "
                              "which comes later)")
     return found
 
 
-def worker_layout(root: Path) -> list[str]:
-    """Sub-packages of worker/ that are no room, and too many entries at its top."""
-    worker = root / "worker"
-    if not worker.is_dir():
-        return []
-    entries = sorted(p for p in worker.iterdir() if p.name != "__pycache__")
-    found = [f"worker/{p.name} is not a room of WORKER_ROOMS" for p in entries if p.is_dir()
-             and p.name not in WORKER_ROOMS]
-    if len(entries) > WORKER_TOP_ENTRIES:
-        found.append(f"worker/ has {len(entries)} entries at its top (at most {WORKER_TOP_ENTRIES})")
+def room_layout(root: Path) -> list[str]:
+    """Entries of a package of `ROOMS` that are no room of it, and too many entries at worker/'s top.
+
+    In worker/ every sub-package is a room (its modules at the top are the rpc surface and the extension); in
+    checkpoint/ and client/ every module and sub-package is.
+    """
+    found = []
+    for package, rooms in ROOMS.items():
+        folder = root / package
+        if not folder.is_dir():
+            continue
+        entries = sorted(p for p in folder.iterdir() if p.name != "__pycache__")
+        for entry in entries:
+            room = entry.name.removesuffix(".py")
+            counts = entry.is_dir() if package == "worker" else entry.is_dir() or entry.suffix == ".py"
+            if counts and entry.name != "__init__.py" and room not in rooms:
+                found.append(f"{package}/{entry.name} is not a room of {package.upper()}_ROOMS")
+        if package == "worker" and len(entries) > WORKER_TOP_ENTRIES:
+            found.append(f"worker/ has {len(entries)} entries at its top (at most {WORKER_TOP_ENTRIES})")
     return found
 
 
@@ -237,7 +271,7 @@ def main(argv: list[str]) -> int:
     public = public_vllm_names(root)
     problems += [problem for name, path in paths.items() for problem in vllm_imports(path, name, public)]
     if root.name == "layerwise_cli":
-        problems += layer_violations(graph) + room_violations(graph) + worker_layout(root)
+        problems += layer_violations(graph) + room_violations(graph) + room_layout(root)
     for problem in problems:
         print(problem, file=sys.stderr)
     if not found and not problems:

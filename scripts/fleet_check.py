@@ -28,7 +28,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
 
-    from layerwise_cli.client.remote import RemoteOptions, reload_servers
+    from layerwise_cli.client.servers.reload_servers import RemoteOptions, reload_servers
     from layerwise_cli.demo import demo_checkpoint, expected_answer
     from tests.support.engine_support import reshard
     from tests.support.server_support import RunningServer, own_core

@@ -92,7 +92,7 @@ def main() -> int:
         path = args.checkpoint or str(save_pretrained_checkpoint(
             Path(root) / "m", Producer(args.arch, vocab_size=PADDED_VOCAB, max_shard_size="150KB"), seed=2))
         if args.default_layout:
-            from layerwise_cli.client.local import start_engine, stop_engine
+            from layerwise_cli.client.engine.in_process import start_engine, stop_engine
 
             # The churn function crosses to the worker process pickled (cloudpickle), which vLLM refuses by default.
             os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")

@@ -48,29 +48,30 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
 
 def test_an_import_against_the_layer_order_is_found(tmp_path: Path) -> None:
     package = _package(tmp_path, {
-        "checkpoint/header.py": "",
-        "worker/stream.py": "from layerwise_cli.checkpoint.header import x\n",
-        "client/local.py": "from layerwise_cli.worker.stream import y\n",
-        "planning/plan.py": "def f():\n    from layerwise_cli.client.local import z\n",
+        "checkpoint/format/header.py": "",
+        "worker/stream.py": "from layerwise_cli.checkpoint.format.header import x\n",
+        "client/engine/in_process.py": "from layerwise_cli.worker.stream import y\n",
+        "planning/plan.py": "def f():\n    from layerwise_cli.client.engine.in_process import z\n",
     })
     done = _check(str(package))
     assert done.returncode == 1
     assert done.stderr.strip() == ("layer order: layerwise_cli.planning.plan (layer 2) imports "
-                                   "layerwise_cli.client.local (layer 5)")
+                                   "layerwise_cli.client.engine.in_process (layer 5)")
 
 
 def test_rich_outside_cli_is_found(tmp_path: Path) -> None:
-    package = _package(tmp_path, {"cli/view.py": "import rich\n", "client/local.py": "from rich.table import Table\n"})
+    package = _package(tmp_path, {"cli/view.py": "import rich\n",
+                                  "client/engine/in_process.py": "from rich.table import Table\n"})
     done = _check(str(package))
     assert done.returncode == 1
-    assert done.stderr.strip() == "layerwise_cli.client.local imports rich.table (only cli/ may)"
+    assert done.stderr.strip() == "layerwise_cli.client.engine.in_process imports rich.table (only cli/ may)"
 
 
 def test_private_vllm_outside_vllm_compat_is_found(tmp_path: Path) -> None:
     package = _package(tmp_path, {
         "vllm_compat.py": 'PUBLIC_NAMES = ("LLM", "SamplingParams")\n'
                           "def info():\n    from vllm.model_executor.model_loader.reload.layerwise import X\n",
-        "client/local.py": "def start():\n    from vllm import LLM, SamplingParams\n",
+        "client/engine/in_process.py": "def start():\n    from vllm import LLM, SamplingParams\n",
         "worker/verify.py": "def f():\n    from vllm.model_executor.model_loader.reload.meta import CopyCounter\n",
         "worker/after_reload.py": "def g():\n    from vllm import _custom_ops as ops\n",
         "worker/probe.py": "import vllm.distributed.parallel_state\n",
@@ -105,4 +106,31 @@ def test_a_worker_folder_that_is_no_room_and_a_crowded_worker_top_are_found(tmp_
     assert done.stderr.strip().splitlines() == [
         "worker/misc is not a room of WORKER_ROOMS",
         "worker/ has 10 entries at its top (at most 9)",
+    ]
+
+
+def test_an_import_against_the_checkpoint_room_order_is_found(tmp_path: Path) -> None:
+    package = _package(tmp_path, {
+        "checkpoint/format/header.py": "",
+        "checkpoint/fetch/range_fetcher.py": "from layerwise_cli.checkpoint.hub.pin import HubPin\n",
+        "checkpoint/hub/pin.py": "from layerwise_cli.checkpoint.format.header import x\n",
+    })
+    done = _check(str(package))
+    assert done.returncode == 1
+    assert done.stderr.strip() == ("room order: layerwise_cli.checkpoint.fetch.range_fetcher (room fetch) imports "
+                                   "layerwise_cli.checkpoint.hub.pin (room hub, which comes later)")
+
+
+def test_a_client_room_importing_a_later_one_and_a_module_outside_the_rooms_are_found(tmp_path: Path) -> None:
+    package = _package(tmp_path, {
+        "client/engine/in_process.py": "from layerwise_cli.client.watch.entry import watch\n",
+        "client/watch/entry.py": "",
+        "client/stray.py": "",
+    })
+    done = _check(str(package))
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "room order: layerwise_cli.client.engine.in_process (room engine) imports layerwise_cli.client.watch.entry "
+        "(room watch, which comes later)",
+        "client/stray.py is not a room of CLIENT_ROOMS",
     ]

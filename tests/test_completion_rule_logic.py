@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from layerwise_cli.checkpoint.header import TensorEntry
+from layerwise_cli.checkpoint.format.header import TensorEntry
 from layerwise_cli.planning.completion_rule import (
     HeldLayer,
     padded_vocab,

@@ -28,8 +28,8 @@ PAIRS = [(a, b) for a in range(2, 10) for b in range(5)]
 @pytest.fixture(scope="module")
 def fresh_add(demo_models):
     """What an engine started fresh on *add* answers (before the server starts: never two engines at once)."""
-    from layerwise_cli.client.generate import greedy_answers
-    from layerwise_cli.client.local import EngineOptions, start_engine, stop_engine
+    from layerwise_cli.client.engine.generate import greedy_answers
+    from layerwise_cli.client.engine.in_process import EngineOptions, start_engine, stop_engine
     from layerwise_cli.demo import demo_prompt
 
     llm = start_engine(str(demo_models["add"]), EngineOptions(max_model_len=64))
@@ -82,7 +82,7 @@ def _served_per_engine(server) -> dict[str, float]:
 
 
 def _per_engine_fingerprints(server) -> list[dict]:
-    from layerwise_cli.client.server_api import ServerClient
+    from layerwise_cli.client.servers.api import ServerClient
 
     client = ServerClient(server.url)
     try:

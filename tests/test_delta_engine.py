@@ -61,7 +61,7 @@ def steps(demo_models, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def llm(steps):
-    from layerwise_cli.client.local import EngineOptions
+    from layerwise_cli.client.engine.in_process import EngineOptions
 
     engine = start_here(str(steps["A"]), EngineOptions(max_model_len=64))
     yield engine
@@ -69,7 +69,7 @@ def llm(steps):
 
 
 def _reload(llm, source: Path, **kwargs):
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
 
     return reload(llm, str(source), **kwargs)
 
@@ -85,7 +85,7 @@ def _changed(report) -> set[str]:
 
 def _patched_layers(report, delta_dir: Path) -> set[str]:
     """The engine layers holding a tensor the delta patches (the demo model's names: checkpoint = engine)."""
-    from layerwise_cli.checkpoint.delta_read import read_delta
+    from layerwise_cli.checkpoint.delta.read import read_delta
 
     patched = read_delta(delta_dir).patches
     names = {layer.name for layer in report.layers}
@@ -126,7 +126,7 @@ def test_deltas_both_ways_equal_fresh_engines_a_b_a_b(llm, steps):
     assert _changed(to_b) == _patched_layers(to_b, steps["AB"]) != set()
     assert to_b.unchanged.spot_checked_layers == to_b.unchanged.skipped_layers
     # What it read: the base's bytes of the layers handed over, and every patch of the delta.
-    from layerwise_cli.checkpoint.delta_read import read_delta
+    from layerwise_cli.checkpoint.delta.read import read_delta
 
     patches = read_delta(steps["AB"])
     patch_bytes = sum(patches.patch_nbytes(name) for name in patches.patches)

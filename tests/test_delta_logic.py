@@ -15,19 +15,19 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from layerwise_cli import save_checkpoint
-from layerwise_cli.checkpoint.delta import (
+from layerwise_cli.checkpoint.delta.encode import encode_patch
+from layerwise_cli.checkpoint.delta.format import (
     BITMAP,
     DELTA_FILE,
     INDEX,
     WHOLE,
 )
-from layerwise_cli.checkpoint.delta_encode import encode_patch
-from layerwise_cli.checkpoint.delta_read import delta_file, read_delta
-from layerwise_cli.checkpoint.digests import checkpoint_digests, tensor_digest
+from layerwise_cli.checkpoint.delta.read import delta_file, read_delta
+from layerwise_cli.checkpoint.format.digests import checkpoint_digests, tensor_digest
 from layerwise_cli.checkpoint.sources import open_checkpoint
 from layerwise_cli.cli.app import app
 from layerwise_cli.errors import LayerwiseError
-from layerwise_cli.writer.write_delta import write_delta
+from layerwise_cli.writer.delta_step import write_delta
 
 DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}
 
@@ -175,8 +175,8 @@ def test_a_base_whose_header_digest_lies_is_not_proved(tmp_path):
 
 
 def test_a_delta_against_a_delta_rebuilds_through_the_chain(steps, tmp_path):
-    from layerwise_cli.checkpoint.delta_source import open_step
-    from layerwise_cli.writer.delta_writer import ShardBytes
+    from layerwise_cli.checkpoint.delta.source import open_step
+    from layerwise_cli.writer.delta_file import ShardBytes
 
     base_dir, delta_dir, new = steps
     third = {name: changed_copy(t, 0.02, 11) for name, t in new.items()}
@@ -197,7 +197,7 @@ def test_a_delta_against_a_delta_rebuilds_through_the_chain(steps, tmp_path):
 
 def test_a_rebuilt_tensor_is_proved_by_the_step_s_digest_and_a_failure_says_what_is_wrong(steps, tmp_path):
     """`rebuilt_bytes` hashes the result once; on a mismatch it names the base, or the link whose patch is corrupt."""
-    from layerwise_cli.checkpoint.delta_source import open_step, rebuilt_bytes
+    from layerwise_cli.checkpoint.delta.source import open_step, rebuilt_bytes
 
     base_dir, delta_dir, new = steps
     third = {name: changed_copy(t, 0.02, 11) for name, t in new.items()}
@@ -232,7 +232,7 @@ def test_a_rebuilt_tensor_is_proved_by_the_step_s_digest_and_a_failure_says_what
 
 
 def test_a_chain_that_loops_is_refused(steps, tmp_path):
-    from layerwise_cli.checkpoint.delta_source import open_step
+    from layerwise_cli.checkpoint.delta.source import open_step
 
     _, delta_dir, new = steps
     save_checkpoint({n: changed_copy(t, 0.02, 11) for n, t in new.items()}.items(), tmp_path / "step_3",
@@ -437,7 +437,7 @@ def test_inspect_order_scan_checks_a_delta_s_positions(steps):
 
 
 def test_watch_keep_never_deletes_the_base_of_a_delta_that_stays(tmp_path):
-    from layerwise_cli.checkpoint.steps import list_steps, steps_to_delete
+    from layerwise_cli.checkpoint.steps.local import list_steps, steps_to_delete
 
     base = model(torch.bfloat16)
     run = tmp_path / "run"

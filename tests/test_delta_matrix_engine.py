@@ -33,7 +33,7 @@ ARCHS = ("qwen3_moe", "nemotron_h", "deepseek_v3")
 
 
 def _steps(arch: str, root: Path) -> dict[str, Path]:
-    from layerwise_cli.writer.write_delta import write_delta
+    from layerwise_cli.writer.delta_step import write_delta
 
     produced = save_pretrained_checkpoint(root / "produced", Producer(arch, max_shard_size="96KB"), seed=1)
     a = load_tensors(produced)
@@ -47,7 +47,7 @@ def _steps(arch: str, root: Path) -> dict[str, Path]:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_deltas_both_ways_equal_fresh_engines(arch, tmp_path):
-    from layerwise_cli.client.local import EngineOptions, reload
+    from layerwise_cli.client.engine.in_process import EngineOptions, reload
 
     steps = _steps(arch, tmp_path)
     options = EngineOptions(max_model_len=64)

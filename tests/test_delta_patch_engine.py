@@ -30,7 +30,7 @@ FRACTION = 0.03
 
 
 def _options():
-    from layerwise_cli.client.local import EngineOptions
+    from layerwise_cli.client.engine.in_process import EngineOptions
 
     return EngineOptions(max_model_len=64)
 
@@ -40,7 +40,7 @@ def _steps(root):
     model), delta(A->B) by `save_checkpoint` and delta(B->A) by `write_delta`."""
     import torch
 
-    from layerwise_cli.writer.write_delta import write_delta
+    from layerwise_cli.writer.delta_step import write_delta
 
     producer = Producer("qwen3", max_shard_size="96KB")
     made = save_pretrained_checkpoint(root / "made_a", producer, seed=1)
@@ -81,8 +81,8 @@ def _handed(report) -> set[str]:
 
 
 def test_a_delta_patched_in_place_equals_fresh_engines_a_b_a_b(monkeypatch, tmp_path):
-    from layerwise_cli.checkpoint.delta_read import read_delta
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.checkpoint.delta.read import read_delta
+    from layerwise_cli.client.engine.in_process import reload
     from layerwise_cli.engine_defaults import NO_DELTA_PATCH_ENV
 
     take_linear_fallback(monkeypatch.setattr)
@@ -149,7 +149,7 @@ def _corrupt_values(delta_dir, out):
 
 
 def test_a_patch_that_does_not_give_the_step_fails_and_the_engine_is_rolled_back(monkeypatch, tmp_path):
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
     from layerwise_cli.errors import LayerwiseError
 
     take_linear_fallback(monkeypatch.setattr)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layerwise_cli.checkpoint.delta_source import open_delta_checkpoint
-from layerwise_cli.checkpoint.digests import layer_digest, tensor_digest
-from layerwise_cli.checkpoint.samples import buffer_sample
+from layerwise_cli.checkpoint.delta.source import open_delta_checkpoint
+from layerwise_cli.checkpoint.format.digests import layer_digest, tensor_digest
+from layerwise_cli.checkpoint.format.samples import buffer_sample
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.planning.plan import PlannedTensor
 from layerwise_cli.worker.reload.delta_patch import DeltaPatch

@@ -25,7 +25,7 @@ def prompts() -> list[str]:
 
 
 def test_deltas_into_an_fp8_engine_equal_fresh_fp8_engines(demo_models, tmp_path):
-    from layerwise_cli.client.local import EngineOptions, reload
+    from layerwise_cli.client.engine.in_process import EngineOptions, reload
 
     steps = write_steps(tmp_path, demo_models)
     fp8 = EngineOptions(max_model_len=64, quantization="layerwise_fp8")

@@ -68,7 +68,7 @@ def test_watch_loads_a_delta_step_against_the_step_the_server_holds(server, step
     # The trainer's run: step_1 in full, step_2 as a delta against it (a copy of step_1: the base is known by its
     # digests, not its path, and the delta names this copy).
     shutil.copytree(steps["A"], run / "step_1")
-    from layerwise_cli.writer.write_delta import write_delta
+    from layerwise_cli.writer.delta_step import write_delta
 
     written = write_delta(run / "step_1", steps["B"], run / "step_2")
     assert written.delta is not None

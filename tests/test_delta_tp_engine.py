@@ -16,8 +16,8 @@ PAIRS = [(a, b) for a in range(0, 10, 3) for b in range(10)]
 
 
 def test_deltas_both_ways_on_two_ranks(demo_models, tmp_path, monkeypatch):
-    from layerwise_cli.client.generate import greedy_answers
-    from layerwise_cli.client.local import EngineOptions, call_workers, reload, start_engine, stop_engine
+    from layerwise_cli.client.engine.generate import greedy_answers
+    from layerwise_cli.client.engine.in_process import EngineOptions, call_workers, reload, start_engine, stop_engine
     from layerwise_cli.demo import demo_prompt, expected_answer
     from layerwise_cli.errors import LayerwiseError
 

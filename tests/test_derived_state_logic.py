@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from layerwise_cli.report.records import DerivedRefresh
 from layerwise_cli.report.reload_report import ReloadReport
-from layerwise_cli.report.report_parts import DerivedRefresh
 from layerwise_cli.report.verify_result import merge_verify, verify_failure
 from layerwise_cli.worker.repairs.derived_state import (
     expected_alias_value,

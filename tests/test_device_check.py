@@ -95,7 +95,7 @@ def test_a_changed_byte_fails_the_check_and_names_the_tensor(tmp_path):
 
     from benchmarks.bench_checkpoints import model_for, write_bench_checkpoint
     from benchmarks.device_check import DATA_VARIANT, stamped_weights
-    from layerwise_cli.checkpoint.header import read_shard_header
+    from layerwise_cli.checkpoint.format.header import read_shard_header
 
     # The checkpoint the run will reuse (same stamp), with one byte of one tensor changed after its digest was taken.
     model = model_for(argparse.Namespace(preset=None, quick=True, size_gib=None), 0)

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from layerwise_cli.checkpoint.digests import METADATA_KEY, header_digests, layer_digest
-from layerwise_cli.checkpoint.header import read_shard_header
+from layerwise_cli.checkpoint.format.digests import METADATA_KEY, header_digests, layer_digest
+from layerwise_cli.checkpoint.format.header import read_shard_header
 from layerwise_cli.cli.app import app
 from layerwise_cli.writer.save import save_checkpoint
 from tests.test_writer_logic import CONFIG, qwen3_like, shuffled

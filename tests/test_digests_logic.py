@@ -11,7 +11,7 @@ import pytest
 import xxhash
 from safetensors.numpy import save_file
 
-from layerwise_cli.checkpoint.digests import (
+from layerwise_cli.checkpoint.format.digests import (
     FORMAT,
     METADATA_KEY,
     TensorHasher,
@@ -22,7 +22,7 @@ from layerwise_cli.checkpoint.digests import (
     layer_digests,
     tensor_digest,
 )
-from layerwise_cli.checkpoint.header import read_shard_header
+from layerwise_cli.checkpoint.format.header import read_shard_header
 from layerwise_cli.errors import LayerwiseError
 
 
@@ -123,7 +123,7 @@ def test_layer_digests_group_by_parent_and_leave_out_unloaded():
 
 
 def test_digests_do_not_import_torch():
-    code = ("import sys; from layerwise_cli.checkpoint import digests as d; "
+    code = ("import sys; from layerwise_cli.checkpoint.format import digests as d; "
             "d.tensor_digest('F32', (1,), b'\\0\\0\\0\\0'); d.layer_digest({'a': '0' * 32}); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -238,7 +238,7 @@ class ConfigRun:
 
 
 def options():
-    from layerwise_cli.client.local import EngineOptions
+    from layerwise_cli.client.engine.in_process import EngineOptions
 
     return EngineOptions(max_model_len=64)
 
@@ -249,7 +249,7 @@ def answers(llm) -> list:
 
 def layerwise_reload(llm, source: Path, order: str, *, allow_partial: bool = False,
                      all_layers: bool = False, allow_unchecked: bool = False) -> Reload:
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
     from layerwise_cli.errors import LayerwiseError
     from layerwise_cli.planning.inspect import inspect_order
 
@@ -360,7 +360,7 @@ def run_repairs(run: ConfigRun, llm, b: Path) -> None:
     """
     import os
 
-    from layerwise_cli.client.local import verify_engine
+    from layerwise_cli.client.engine.in_process import verify_engine
     from layerwise_cli.engine_defaults import NO_REPAIRS_ENV
 
     os.environ[NO_REPAIRS_ENV] = "1"

@@ -17,7 +17,7 @@ import ast
 import pytest
 import torch
 
-from layerwise_cli.checkpoint.header import TensorEntry
+from layerwise_cli.checkpoint.format.header import TensorEntry
 from layerwise_cli.planning.completion_rule import DIRECT_LOAD_TENSORS
 from layerwise_cli.planning.parents import mapping_for_config, merged_parts
 from layerwise_cli.planning.plan import PlannedTensor, build_plan, simulate_buffering

@@ -41,7 +41,7 @@ def _raw(tensor) -> bytes:
 
 @pytest.mark.parametrize("dtype", FLOATS + ["F8_E5M2"])
 def test_counts_nan_and_inf_for_every_float_dtype(dtype):
-    from layerwise_cli.checkpoint.finite import ByteScan, count_nonfinite, suspect_flag
+    from layerwise_cli.checkpoint.format.finite import ByteScan, count_nonfinite, suspect_flag
 
     tensor = _planted(dtype, nan=(0, 17, 9999), inf=(5, 600))
     assert bool(suspect_flag(tensor))
@@ -62,7 +62,7 @@ def test_counts_nan_and_inf_for_every_float_dtype(dtype):
 def test_e4m3_has_nan_only_and_saturates_instead_of_inf():
     import torch
 
-    from layerwise_cli.checkpoint.finite import ByteScan, count_nonfinite, suspect_flag
+    from layerwise_cli.checkpoint.format.finite import ByteScan, count_nonfinite, suspect_flag
 
     tensor = _planted("F8_E4M3", nan=(3, 4))
     assert count_nonfinite(tensor) == (2, 0)
@@ -77,7 +77,7 @@ def test_e4m3_has_nan_only_and_saturates_instead_of_inf():
 def test_integer_and_packed_dtypes_are_skipped():
     import torch
 
-    from layerwise_cli.checkpoint.finite import ByteScan, count_nonfinite, suspect_flag
+    from layerwise_cli.checkpoint.format.finite import ByteScan, count_nonfinite, suspect_flag
 
     ints = torch.full((100,), -1, dtype=torch.int32)  # every bit set: a NaN pattern, were it a float
     assert suspect_flag(ints) is None and count_nonfinite(ints) == (0, 0)
@@ -90,7 +90,7 @@ def test_integer_and_packed_dtypes_are_skipped():
 def test_a_finite_tensor_whose_sum_overflows_is_not_refused():
     import torch
 
-    from layerwise_cli.checkpoint.finite import first_nonfinite, suspect_flag
+    from layerwise_cli.checkpoint.format.finite import first_nonfinite, suspect_flag
 
     big = torch.full((1000,), 60000.0, dtype=torch.float16)  # the float16 sum overflows to inf
     assert bool(suspect_flag(big))  # suspected by the cheap check ...
@@ -100,7 +100,7 @@ def test_a_finite_tensor_whose_sum_overflows_is_not_refused():
 def test_first_nonfinite_names_the_tensor():
     import torch
 
-    from layerwise_cli.checkpoint.finite import first_nonfinite
+    from layerwise_cli.checkpoint.format.finite import first_nonfinite
 
     group = [("a", "one.safetensors", torch.ones(10)), ("n", "one.safetensors", torch.arange(5)),
              ("b", "two.safetensors", _planted("BF16", nan=(1, 2, 3))),

@@ -77,7 +77,7 @@ def nan_in_final_norm(tensors: dict) -> dict:
 
 def snapshot(fleet) -> list[tuple]:
     """What each server holds: its answers, every module's fingerprint, its tag; and that it is not paused."""
-    from layerwise_cli.client.remote import server_fingerprints
+    from layerwise_cli.client.servers.reload_servers import server_fingerprints
 
     return [(server.answers(PAIRS), server_fingerprints(server.url), weight_version(server.url), server.is_paused())
             for server in fleet]
@@ -141,7 +141,7 @@ def test_nan_in_a_last_layer_fails_mid_stream_and_the_servers_that_changed_are_r
 
 
 def test_a_shard_truncated_after_pre_flight_fails_its_server_and_the_others_go_back(fleet, demo_models):
-    from layerwise_cli.client.remote import RemoteOptions, reload_servers
+    from layerwise_cli.client.servers.reload_servers import RemoteOptions, reload_servers
 
     write_step(demo_models, fleet)
     before = snapshot(fleet)
@@ -167,7 +167,7 @@ def test_a_server_whose_previous_step_was_deleted_is_updated_and_named_when_it_c
     must be undone, that server keeps the new weights and the report says so (refusing would stall the fleet)."""
     import shutil
 
-    from layerwise_cli.client.remote import RemoteOptions, holdings, reload_servers
+    from layerwise_cli.client.servers.reload_servers import RemoteOptions, holdings, reload_servers
 
     write_step(demo_models, fleet)  # add on every node
     held = "step_held"
@@ -199,7 +199,7 @@ def test_a_server_whose_previous_step_was_deleted_is_updated_and_named_when_it_c
 
 
 def test_a_server_killed_mid_reload_leaves_the_others_on_their_previous_weights(fleet, demo_models):
-    from layerwise_cli.client.remote import RemoteOptions, holdings, reload_servers
+    from layerwise_cli.client.servers.reload_servers import RemoteOptions, holdings, reload_servers
 
     write_step(demo_models, fleet)
     before = snapshot(fleet)[:2]

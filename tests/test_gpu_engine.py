@@ -48,7 +48,7 @@ def write_model(folder: Path, seed: int, experts: int, tokenizer: Path) -> Path:
 def test_online_fp8_reload_a_b_a(gpu, demo_models, tmp_path, family, experts, method):
     from dataclasses import replace
 
-    from layerwise_cli.client.local import EngineOptions, reload, start_engine, stop_engine
+    from layerwise_cli.client.engine.in_process import EngineOptions, reload, start_engine, stop_engine
 
     models = {name: write_model(tmp_path / name, seed, experts, demo_models["multiply"])
               for name, seed in (("a", 1), ("b", 2))}

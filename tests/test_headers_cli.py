@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from layerwise_cli.checkpoint.header import DTYPE_BITS, parse_header, read_shard_header
+from layerwise_cli.checkpoint.format.header import DTYPE_BITS, parse_header, read_shard_header
 from layerwise_cli.cli.app import app
 from layerwise_cli.errors import LayerwiseError
 from tests.support.synthetic import SyntheticModel, write_checkpoint, write_safetensors

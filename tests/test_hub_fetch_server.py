@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from layerwise_cli.checkpoint.header import read_shard_header
-from layerwise_cli.checkpoint.hub_blob import PARTIAL_SUFFIX, RECORD_SUFFIX
-from layerwise_cli.checkpoint.hub_fetch import ByteRange, RangeFetcher, tensor_range, whole_files
-from layerwise_cli.checkpoint.hub_http import FetchPolicy
-from layerwise_cli.checkpoint.hub_pin import HubPin, pin_commit, repo_cache_folder
+from layerwise_cli.checkpoint.fetch.partial_blob import PARTIAL_SUFFIX, RECORD_SUFFIX
+from layerwise_cli.checkpoint.fetch.policy import FetchPolicy
+from layerwise_cli.checkpoint.fetch.range_fetcher import ByteRange, RangeFetcher, tensor_range, whole_files
+from layerwise_cli.checkpoint.format.header import read_shard_header
+from layerwise_cli.checkpoint.hub.pin import HubPin, pin_commit, repo_cache_folder
+from layerwise_cli.checkpoint.hub.range_source import HubSource
 from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
 from layerwise_cli.errors import LayerwiseError
 from tests.support.hub_server import Fault, HubServer
@@ -65,8 +66,8 @@ def shards(folder: Path) -> dict[str, int]:
 
 
 def fetcher(pin: HubPin, ranges: list[ByteRange], cache: Path, **kwargs: object) -> RangeFetcher:
-    options: dict = {"policy": FAST, "cache_dir": cache, "part_bytes": 64 << 10, "connections": 3, **kwargs}
-    return RangeFetcher(pin, ranges, **options)
+    options: dict = {"part_bytes": 64 << 10, "connections": 3, **kwargs}
+    return RangeFetcher(HubSource(pin, cache_dir=cache, policy=FAST), ranges, **options)
 
 
 def cache_of(hub: HubServer) -> Path:
@@ -314,10 +315,11 @@ def test_a_pinned_commit_is_downloaded_whole_after_its_branch_moved(hub: HubServ
 _KILLED_FETCH = """
 import sys
 from pathlib import Path
-from layerwise_cli.checkpoint.hub_fetch import RangeFetcher, whole_files
-from layerwise_cli.checkpoint.hub_pin import HubPin
+from layerwise_cli.checkpoint.fetch.range_fetcher import RangeFetcher, whole_files
+from layerwise_cli.checkpoint.hub.pin import HubPin
+from layerwise_cli.checkpoint.hub.range_source import HubSource
 name, size, commit, cache = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-f = RangeFetcher(HubPin("org/m", commit), whole_files({name: size}), cache_dir=cache, part_bytes=16 << 10,
+f = RangeFetcher(HubSource(HubPin("org/m", commit), cache_dir=cache), whole_files({name: size}), part_bytes=16 << 10,
                  connections=1).start()
 f.wait(name, 0, 48 << 10)
 print("READY", flush=True)

@@ -191,7 +191,7 @@ def test_bytes_that_arrive_corrupted_fail_the_reload_and_the_engine_keeps_its_we
 
 
 def test_bounded_disk_keeps_nothing_in_the_hub_cache(engine, on_hub, ckpts) -> None:
-    from layerwise_cli.checkpoint.hub_pin import repo_cache_folder
+    from layerwise_cli.checkpoint.hub.pin import repo_cache_folder
 
     report, commit = reload_main(engine, on_hub, ckpts["D"], bounded_disk=True)
     assert report.placement.commit == commit

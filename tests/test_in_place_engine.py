@@ -37,13 +37,13 @@ def linear_weights_kept(monkeypatch):
 
 
 def options():
-    from layerwise_cli.client.local import EngineOptions
+    from layerwise_cli.client.engine.in_process import EngineOptions
 
     return EngineOptions(max_model_len=64)
 
 
 def test_linear_layers_vllm_keeps_as_loaded_load_in_place_too(linear_weights_kept, tmp_path):
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
     from layerwise_cli.engine_defaults import FRESH_BUFFERS_ENV
 
     a = save_pretrained_checkpoint(tmp_path / "a", Producer("qwen3", max_shard_size="96KB"), seed=1)

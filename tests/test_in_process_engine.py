@@ -30,7 +30,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def options():
-    from layerwise_cli.client.local import EngineOptions
+    from layerwise_cli.client.engine.in_process import EngineOptions
 
     return EngineOptions(max_model_len=64)
 
@@ -41,7 +41,7 @@ def answers(checkpoints: dict[str, Path]) -> dict[str, object]:
     after it stopped, a second in-process engine fresh on B."""
     from vllm import envs
 
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
     from tests.support.in_process import MULTIPROCESSING_ENV, start_here, stop_here
 
     got: dict[str, object] = {}

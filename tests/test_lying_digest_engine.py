@@ -52,7 +52,7 @@ def _save(tensors: dict, folder: Path, model_dir: Path) -> Path:
 
 def _lie(good: Path, liar: Path, new_bytes: bytes) -> Path:
     """A copy of GOOD whose LIAR tensor holds NEW_BYTES, every header (its digests) left as it was."""
-    from layerwise_cli.checkpoint.header import read_shard_header
+    from layerwise_cli.checkpoint.format.header import read_shard_header
 
     shutil.copytree(good, liar)
     for path in liar.glob("*.safetensors"):
@@ -71,7 +71,7 @@ def _lie(good: Path, liar: Path, new_bytes: bytes) -> Path:
 def engine(demo_models, tmp_path_factory):
     import torch
 
-    from layerwise_cli.client.local import EngineOptions
+    from layerwise_cli.client.engine.in_process import EngineOptions
 
     root = tmp_path_factory.mktemp("lying-digest")
     a, b = Path(demo_models["multiply"]), Path(demo_models["add"])
@@ -90,7 +90,7 @@ def engine(demo_models, tmp_path_factory):
 
 
 def test_the_scans_catch_the_lie(engine):
-    from layerwise_cli.checkpoint.finite import scan_checkpoint
+    from layerwise_cli.checkpoint.format.finite import scan_checkpoint
     from layerwise_cli.checkpoint.sources import open_checkpoint
     from layerwise_cli.errors import LayerwiseError
     from layerwise_cli.reorder.rewrite import reorder
@@ -106,7 +106,7 @@ def test_the_scans_catch_the_lie(engine):
 def test_one_tensor_changed_under_its_old_digest_reloads_its_layer(engine):
     from safetensors.torch import load_file
 
-    from layerwise_cli.client.local import reload, verify_engine
+    from layerwise_cli.client.engine.in_process import reload, verify_engine
 
     llm, good, liar = engine
     # The engine holds HELD through layerwise: every layer recorded with its header digest and samples.
@@ -135,7 +135,7 @@ def test_the_issue_repro_tensors_rewritten_with_the_old_metadata(engine, demo_mo
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
     from layerwise_cli.reorder.rewrite import reorder
 
     llm, _, _ = engine
@@ -160,7 +160,7 @@ def test_the_issue_repro_tensors_rewritten_with_the_old_metadata(engine, demo_mo
 
 
 def test_reorder_digests_let_a_reload_skip_without_reading(engine, tmp_path):
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
     from layerwise_cli.reorder.rewrite import reorder
 
     llm, good, _ = engine

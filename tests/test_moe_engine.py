@@ -53,7 +53,7 @@ def quantization(request) -> str | None:
 
 
 def options(quantization: str | None):
-    from layerwise_cli.client.local import EngineOptions
+    from layerwise_cli.client.engine.in_process import EngineOptions
 
     return EngineOptions(max_model_len=64, quantization=quantization)
 
@@ -75,7 +75,7 @@ def engine_a(demo_models, quantization, fresh_b):
 
 
 def test_reload_b_matches_fresh_b_and_a_comes_back_exactly(engine_a, demo_models, fresh_b, quantization):
-    from layerwise_cli.client.local import reload, verify_engine
+    from layerwise_cli.client.engine.in_process import reload, verify_engine
 
     report = reload(engine_a, str(demo_models["moe-add"]), verify=True)
     assert_matches_fresh(engine_a, demo_models["moe-add"], prompts(), options=options(quantization))
@@ -117,7 +117,7 @@ def test_reload_b_matches_fresh_b_and_a_comes_back_exactly(engine_a, demo_models
 
 def test_verify_names_the_experts_vllm_own_reload_leaves_unpacked(engine_a, demo_models, fresh_b, quantization):
     """vLLM's own `reload_weights` skips the CPU expert prepack; `verify_engine` names exactly those layers."""
-    from layerwise_cli.client.local import cuda_available, reload, verify_engine
+    from layerwise_cli.client.engine.in_process import cuda_available, reload, verify_engine
 
     if quantization is not None or cuda_available():
         pytest.skip("the unpacked-experts fault is vLLM's unquantized CPU MoE kernel's")
@@ -156,7 +156,7 @@ def experts_spread_b(demo_models, tmp_path_factory) -> Path:
 
 
 def test_experts_spread_over_shards_layer_vs_file_order(engine_a, demo_models, experts_spread_b, quantization):
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
     from layerwise_cli.planning.inspect import inspect_order
 
     predicted = inspect_order(str(experts_spread_b))

@@ -97,7 +97,7 @@ def engine(checkpoints):
 
     Its answers at start are B's fresh answers (`remember_fresh`): no second engine is started for them.
     """
-    from layerwise_cli.client.local import EngineOptions
+    from layerwise_cli.client.engine.in_process import EngineOptions
 
     fresh_answers(checkpoints["A-mtp"], prompts())
     llm = start_here(str(checkpoints["base"]), EngineOptions(max_model_len=64))
@@ -114,8 +114,8 @@ def _mtp_note(report) -> str:
 
 def test_source_with_mtp_layers_over_base_without(engine, checkpoints):
     """SOURCE carries mtp.* (BASE has none): not unknown; never read; answers are a fresh engine's on SOURCE."""
-    from layerwise_cli.client.local import reload
-    from layerwise_cli.client.session import prepare_sources
+    from layerwise_cli.client.engine.in_process import reload
+    from layerwise_cli.client.engine.session import prepare_sources
     from layerwise_cli.planning.inspect import inspect_order
 
     a = checkpoints["A-mtp"]
@@ -135,8 +135,8 @@ def test_source_with_mtp_layers_over_base_without(engine, checkpoints):
 
 def test_base_with_mtp_layers_source_without(engine, checkpoints, tmp_path):
     """BASE carries mtp.* and SOURCE does not: those tensors are not missing (vLLM would not load them)."""
-    from layerwise_cli.client.local import reload
-    from layerwise_cli.client.session import prepare_sources
+    from layerwise_cli.client.engine.in_process import reload
+    from layerwise_cli.client.engine.session import prepare_sources
 
     base, b = checkpoints["base"], checkpoints["B"]
     reload(engine, str(checkpoints["A-mtp"]))  # the engine holds A's weights: reloading B has something to prove
@@ -157,10 +157,10 @@ def test_typo_in_an_mtp_name_is_refused_before_the_engine_starts(checkpoints, tm
     from typer.testing import CliRunner
 
     from layerwise_cli.cli.app import app
-    from layerwise_cli.client import local
 
     started: list[str] = []
-    monkeypatch.setattr(local, "start_engine", lambda model, options=None: started.append(model))
+    from layerwise_cli.client.engine import in_process
+    monkeypatch.setattr(in_process, "start_engine", lambda model, options=None: started.append(model))
     bad = tmp_path / "typo"
     shutil.copytree(checkpoints["A-mtp"], bad)
     from safetensors.torch import load_file, save_file

@@ -36,7 +36,7 @@ class Engine:
         self.fresh_fingerprints: dict[str, str] = {}
 
     def fingerprints(self) -> dict[str, str]:
-        from layerwise_cli.client.remote import server_fingerprints
+        from layerwise_cli.client.servers.reload_servers import server_fingerprints
 
         return server_fingerprints(self.leader.url)
 
@@ -54,7 +54,7 @@ def engine(demo_models, tmp_path_factory):
     ours = Engine(leader, follower, hold)
     try:
         start_together(lambda: start_nodes(leader, follower), lambda: start(fresh))
-        from layerwise_cli.client.remote import server_fingerprints
+        from layerwise_cli.client.servers.reload_servers import server_fingerprints
 
         ours.fresh_fingerprints = server_fingerprints(fresh.url)
         fresh.__exit__(None, None, None)  # its idle workers would poll the two cores for the rest of the file

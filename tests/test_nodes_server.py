@@ -52,7 +52,7 @@ class Engine:
         self.fresh_fingerprints: dict[str, str] = {}
 
     def state(self) -> tuple[list[str], dict[str, str]]:
-        from layerwise_cli.client.remote import server_fingerprints
+        from layerwise_cli.client.servers.reload_servers import server_fingerprints
 
         return self.leader.answers(PAIRS), server_fingerprints(self.leader.url)
 
@@ -80,7 +80,7 @@ def engine(demo_models, hub, tmp_path_factory):
     ours = Engine(leader, follower, disks)
     try:
         start_together(lambda: start_nodes(leader, follower), lambda: start(fresh))
-        from layerwise_cli.client.remote import server_fingerprints
+        from layerwise_cli.client.servers.reload_servers import server_fingerprints
 
         ours.fresh_answers = fresh.answers(PAIRS)
         ours.fresh_fingerprints = server_fingerprints(fresh.url)
@@ -126,7 +126,7 @@ def test_a_reload_into_node_0_equals_a_fresh_engine_on_both_nodes(engine, demo_m
 
 def test_verify_names_the_layers_when_the_source_changed_under_it(engine, demo_models, tmp_path):
     """The source becomes *multiply* once both nodes reloaded it as *add*: --verify fails and names layers."""
-    from layerwise_cli.client.remote import RemoteOptions, reload_server
+    from layerwise_cli.client.servers.reload_servers import RemoteOptions, reload_server
 
     source = tmp_path / "add"
     shutil.copytree(demo_models["add"], source)

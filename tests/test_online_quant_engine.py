@@ -44,7 +44,7 @@ def prompts() -> list[str]:
 
 
 def options(quantization: str, tensor_parallel_size: int = 1):
-    from layerwise_cli.client.local import EngineOptions
+    from layerwise_cli.client.engine.in_process import EngineOptions
 
     return EngineOptions(max_model_len=64, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
                          extra={"worker_extension_cls": TAMPER_EXTENSION_CLS})
@@ -131,7 +131,7 @@ class TestOnlineQuantFp8:
 
     @pytest.mark.parametrize("order", ["layer", "file"])
     def test_online_quant_reload_b_matches_fresh_b_then_a_back(self, engine, checkpoints, fresh_b, order):
-        from layerwise_cli.client.local import reload
+        from layerwise_cli.client.engine.in_process import reload
 
         before = engine_state(engine)
         report = reload(engine, str(checkpoints["B"]), order=order)
@@ -151,7 +151,7 @@ class TestOnlineQuantFp8:
         assert engine_state(engine)["checksums"] == before["checksums"]
 
     def test_online_quant_nan_refused_and_rolled_back(self, engine, checkpoints):
-        from layerwise_cli.client.local import reload
+        from layerwise_cli.client.engine.in_process import reload
         from layerwise_cli.errors import LayerwiseError
 
         reload(engine, str(checkpoints["A"]), all_layers=True)
@@ -168,7 +168,7 @@ class TestOnlineQuantFp8:
         assert_matches_fresh(engine, checkpoints["A"], prompts(), options=options(self.QUANT), exact=True)
 
     def test_online_quant_skips_unchanged_quantized_layers(self, engine, checkpoints, fresh_b):
-        from layerwise_cli.client.local import reload
+        from layerwise_cli.client.engine.in_process import reload
 
         reload(engine, str(checkpoints["A"]), all_layers=True)  # every layer recorded as A's
         layer_one = {name for name in quantized_layers() if name.startswith("model.layers.1.")}
@@ -190,7 +190,7 @@ class TestOnlineQuantFp8:
         assert_matches_fresh(engine, checkpoints["B"], prompts(), options=options(self.QUANT))
 
     def test_online_quant_verify_requantizes_and_names_a_flipped_element(self, engine, checkpoints):
-        from layerwise_cli.client.local import reload, verify_engine
+        from layerwise_cli.client.engine.in_process import reload, verify_engine
 
         report = reload(engine, str(checkpoints["B"]), all_layers=True, verify=True)
         verify = report.verify
@@ -218,7 +218,7 @@ class TestOnlineQuantFp8:
 
 def test_online_quant_tensor_parallel_two_int8(checkpoints, monkeypatch):
     """TP=2, int8 per channel: each rank quantizes its own shard; B -> A -> B equals the engine's start on B."""
-    from layerwise_cli.client.local import call_workers, reload, start_engine, stop_engine
+    from layerwise_cli.client.engine.in_process import call_workers, reload, start_engine, stop_engine
 
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     quant = "layerwise_int8"

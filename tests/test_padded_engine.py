@@ -67,7 +67,7 @@ def untied_engine(checkpoints, a_with_rotary_buffers):
     Recorded in the shared fresh-engine cache (`remember_fresh`), they are the
     reference for every reload of B, so no second engine is started for them.
     """
-    from layerwise_cli.client.local import EngineOptions
+    from layerwise_cli.client.engine.in_process import EngineOptions
 
     b = checkpoints[f"{UNTIED.label}-B"]
     llm = start_here(str(b), EngineOptions(max_model_len=64))
@@ -93,7 +93,7 @@ def _assert_prediction_is_measured(report, source: Path, order: str, tensor_para
 @pytest.mark.parametrize("order", ["layer", "file"])
 def test_untied_padded_reload_matches_a_fresh_engine_and_the_prediction(untied_engine, checkpoints,
                                                                         order: str) -> None:
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
 
     a, b = checkpoints[f"{UNTIED.label}-A"], checkpoints[f"{UNTIED.label}-B"]
     reload(untied_engine, str(a))
@@ -115,7 +115,7 @@ def test_untied_padded_reload_matches_a_fresh_engine_and_the_prediction(untied_e
 
 
 def test_synthetic_padded_checkpoint_prediction(untied_engine, checkpoints) -> None:
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
 
     for order in ("file", "layer"):
         # The same source twice: all_layers measures the full stream both times (not a skip of everything).
@@ -130,7 +130,7 @@ def test_tied_padded_reload_prediction(checkpoints) -> None:
     Answers are not compared here: a tied head after a reload is another
     issue's repair (the matrix tests cover it).
     """
-    from layerwise_cli.client.local import EngineOptions, reload
+    from layerwise_cli.client.engine.in_process import EngineOptions, reload
 
     a, b = checkpoints[f"{TIED.label}-A"], checkpoints[f"{TIED.label}-B"]
     llm = start_here(str(a), EngineOptions(max_model_len=64))
@@ -150,7 +150,7 @@ def test_tied_padded_reload_prediction(checkpoints) -> None:
 
 def test_tensor_parallel_two_holds_on_the_last_rank(checkpoints, monkeypatch) -> None:
     """TP 2: 192 padded rows split 96/96; rank 1 fills 64 of its 96 and holds, rank 0 completes."""
-    from layerwise_cli.client.local import EngineOptions, call_workers, reload, start_engine, stop_engine
+    from layerwise_cli.client.engine.in_process import EngineOptions, call_workers, reload, start_engine, stop_engine
     from layerwise_cli.report.reload_report import ReloadReport
 
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
@@ -180,7 +180,7 @@ def test_partly_covered_fused_layer_is_refused_even_with_allow_partial(untied_en
     """A checkpoint with q_proj and k_proj but no v_proj of a layer: vLLM would hold qkv_proj to the end,
     then materialize it from uninitialized memory and copy all of it into place (v_proj's weights lost).
     Pre-flight refuses it, and the engine keeps every weight."""
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
     from layerwise_cli.errors import LayerwiseError
     from tests.support.engine_support import engine_state, parameter_kind, reshard
 
@@ -204,7 +204,7 @@ def test_partly_covered_fused_layer_is_refused_even_with_allow_partial(untied_en
 def test_rotary_buffers_in_every_layer_are_skipped_as_vllm_does(untied_engine, checkpoints, a_with_rotary_buffers):
     """A save_pretrained Qwen3 checkpoint with `rotary_emb.inv_freq` in every layer (BASE has none) reloads:
     the buffers are named in the report, never read, never buffered, and the answers are a fresh engine's."""
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
     from layerwise_cli.planning.inspect import inspect_order
 
     reload(untied_engine, str(checkpoints[f"{UNTIED.label}-B"]))

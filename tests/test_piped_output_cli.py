@@ -51,7 +51,7 @@ def test_reload_table_is_whole_when_piped() -> None:
     code = textwrap.dedent("""
         from layerwise_cli.cli._reload_view import render_report
         from layerwise_cli.report.reload_report import ReloadReport
-        from layerwise_cli.report.report_parts import LayerReport
+        from layerwise_cli.report.records import LayerReport
         from layerwise_cli.report.sections import Memory, Placement, Timings, Volume
 
         names = ["model.layers.0.post_attention_layernorm",

@@ -28,13 +28,13 @@ def wide(demo_models, tmp_path_factory):
 
 
 def _start(model):
-    from layerwise_cli.client.local import EngineOptions, start_engine
+    from layerwise_cli.client.engine.in_process import EngineOptions, start_engine
 
     return start_engine(str(model), EngineOptions(max_model_len=64, pipeline_parallel_size=PP))
 
 
 def _state(llm) -> dict:
-    from layerwise_cli.client.local import call_workers
+    from layerwise_cli.client.engine.in_process import call_workers
 
     return {"fingerprints": per_rank(call_workers(llm, "layerwise_fingerprints"), "fingerprints"),
             "checksums": per_rank(call_workers(llm, "layerwise_checksums"), "checksums")}
@@ -43,7 +43,7 @@ def _state(llm) -> dict:
 @pytest.fixture(scope="module")
 def fresh_b(wide):
     """Per-rank state of a PP=2 engine started fresh on B (stopped before the engine under test starts)."""
-    from layerwise_cli.client.local import stop_engine
+    from layerwise_cli.client.engine.in_process import stop_engine
 
     with pytest.MonkeyPatch.context() as env:
         env.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
@@ -56,7 +56,7 @@ def fresh_b(wide):
 
 @pytest.fixture(scope="module")
 def engine_a(wide, fresh_b):
-    from layerwise_cli.client.local import stop_engine
+    from layerwise_cli.client.engine.in_process import stop_engine
 
     with pytest.MonkeyPatch.context() as env:
         env.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
@@ -68,7 +68,7 @@ def engine_a(wide, fresh_b):
 
 
 def test_pp2_reload_matches_a_fresh_engine_rank_by_rank(engine_a, wide, fresh_b):
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
 
     before = _state(engine_a)
     assert len(before["fingerprints"]) == PP
@@ -115,7 +115,7 @@ def test_pp2_preflight_is_per_rank(engine_a, wide, tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
     from layerwise_cli.errors import LayerwiseError
 
     before = _state(engine_a)
@@ -138,7 +138,7 @@ def test_pp2_failure_on_one_stage_rolls_back_both(engine_a, wide, tmp_path):
     """A NaN in the last stage's layer fails rank 1 mid-stream; rank 0, which loaded its stage, rolls back too."""
     from safetensors.torch import load_file, save_file
 
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
     from layerwise_cli.errors import LayerwiseError
 
     before = _state(engine_a)

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from layerwise_cli.checkpoint.header import TensorEntry
+from layerwise_cli.checkpoint.format.header import TensorEntry
 from layerwise_cli.checkpoint.sources import open_checkpoint
 from layerwise_cli.planning.inspect import inspect_order
 from layerwise_cli.planning.parents import LayerMapping, mapping_for_config

@@ -37,7 +37,7 @@ def predicted(source: Path) -> dict:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict[str, dict]:
     """Per architecture: the prediction, and per order what the engine measured."""
-    from layerwise_cli.client.local import EngineOptions, reload
+    from layerwise_cli.client.engine.in_process import EngineOptions, reload
 
     root = tmp_path_factory.mktemp("planner")
     runs: dict[str, dict] = {}

@@ -21,7 +21,6 @@ class EngineStarted(Exception):
 @pytest.fixture
 def engine_starts(monkeypatch) -> list[str]:
     """Every call to `start_engine` is recorded and stopped, so no test here can start a real engine."""
-    from layerwise_cli.client import local
 
     calls: list[str] = []
 
@@ -29,7 +28,8 @@ def engine_starts(monkeypatch) -> list[str]:
         calls.append(model)
         raise EngineStarted(model)
 
-    monkeypatch.setattr(local, "start_engine", start_engine)
+    from layerwise_cli.client.engine import in_process
+    monkeypatch.setattr(in_process, "start_engine", start_engine)
     return calls
 
 
@@ -154,7 +154,7 @@ USAGE_ERRORS = {
 
 @pytest.mark.parametrize("case", list(USAGE_ERRORS))
 def test_invalid_option_values_are_usage_errors_before_anything_starts(case, engine_starts, monkeypatch):
-    from layerwise_cli.client import session
+    from layerwise_cli.client.engine import session
 
     def no_sources(*args, **kwargs):
         raise AssertionError("sources were read before the options were checked")
@@ -178,7 +178,6 @@ def test_unknown_quantization_is_a_usage_error_before_the_engine_starts(demo_mod
 @pytest.mark.parametrize("flag, allowed", [([], False), (["--allow-nonfinite"], True)])
 def test_allow_nonfinite_reaches_the_reload(flag, allowed, demo_models, monkeypatch):
     """In process: the flag is passed to the workers' reload (the engine tests prove what they do with it)."""
-    from layerwise_cli.client import local
     from layerwise_cli.errors import LayerwiseError
 
     calls: list = []
@@ -187,9 +186,10 @@ def test_allow_nonfinite_reaches_the_reload(flag, allowed, demo_models, monkeypa
         calls.append(options)
         raise LayerwiseError("stopped here by the test", where=source)
 
-    monkeypatch.setattr(local, "start_engine", lambda model, options=None: object())
-    monkeypatch.setattr(local, "stop_engine", lambda llm: None)
-    monkeypatch.setattr(local, "reload_workers", reload_workers)
+    from layerwise_cli.client.engine import in_process
+    monkeypatch.setattr(in_process, "start_engine", lambda model, options=None: object())
+    monkeypatch.setattr(in_process, "stop_engine", lambda llm: None)
+    monkeypatch.setattr(in_process, "reload_workers", reload_workers)
     result = runner.invoke(app, ["reload", "--weights-path", str(demo_models["add"]), "--json", *flag])
     assert result.exit_code == 1 and "stopped here by the test" in result.stderr
     assert [call.allow_nonfinite for call in calls] == [allowed]
@@ -198,7 +198,7 @@ def test_allow_nonfinite_reaches_the_reload(flag, allowed, demo_models, monkeypa
 def test_allow_nonfinite_reaches_the_servers(monkeypatch):
     """With --url: the option travels in RemoteOptions, and from there in the worker call's kwargs."""
     from layerwise_cli.cli import reload_remote
-    from layerwise_cli.client.server_api import RemoteOptions, ServerClient
+    from layerwise_cli.client.servers.api import RemoteOptions, ServerClient
 
     seen: list[RemoteOptions] = []
     monkeypatch.setattr(reload_remote, "reload_servers",

@@ -116,7 +116,7 @@ def test_expert_parallel_ranks_read_only_their_experts(tmp_path, use_ep):
 
 
 def _report(rank, pp, tp, dp, layers, nbytes, peak):
-    from layerwise_cli.report.report_parts import LayerReport
+    from layerwise_cli.report.records import LayerReport
     from tests.support.reports import report_of
 
     return report_of(order="layer", source="S", wall_s=1.0, bytes=nbytes, tensors=len(layers),
@@ -157,7 +157,7 @@ def test_the_failure_reported_is_the_first_hand_one_named_by_rank():
 
 
 def test_a_data_parallel_failure_names_the_engine_and_what_each_holds():
-    from layerwise_cli.client.server_api import HOLDS_MIXED, HOLDS_NEW, HOLDS_PREVIOUS, _engines_failure
+    from layerwise_cli.client.servers.api import HOLDS_MIXED, HOLDS_NEW, HOLDS_PREVIOUS, _engines_failure
 
     error = _engines_failure([(None, HOLDS_NEW, False), ("NaN in x", HOLDS_PREVIOUS, True)], "/ckpt")
     assert str(error).startswith("data-parallel engine 1 of 2: NaN in x")

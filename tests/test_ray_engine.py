@@ -28,7 +28,7 @@ def ray_engine(demo_models):
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 NVIDIA GPUs for tensor parallel 2 on Ray (torch sees {torch.cuda.device_count()}); "
                     "vLLM's CPU build has no Ray support")
-    from layerwise_cli.client.local import EngineOptions, start_engine, stop_engine
+    from layerwise_cli.client.engine.in_process import EngineOptions, start_engine, stop_engine
 
     llm = start_engine(str(demo_models["multiply"]), EngineOptions(
         max_model_len=64, tensor_parallel_size=2, distributed_executor_backend="ray", memory_fraction=0.3))
@@ -41,8 +41,8 @@ def ray_engine(demo_models):
 def test_ray_tp2_reload_report_verify_and_rollback(ray_engine, demo_models, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from layerwise_cli.client.generate import greedy_answers
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.generate import greedy_answers
+    from layerwise_cli.client.engine.in_process import reload
     from layerwise_cli.demo import demo_prompt, expected_answer
     from layerwise_cli.errors import LayerwiseError
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from layerwise_cli.checkpoint.finite import first_nonfinite, first_nonfinite_shared
-from layerwise_cli.checkpoint.header import TensorEntry
+from layerwise_cli.checkpoint.format.finite import first_nonfinite, first_nonfinite_shared
+from layerwise_cli.checkpoint.format.header import TensorEntry
 from layerwise_cli.planning.inspect import inspect_order
 from layerwise_cli.planning.plan import PlannedTensor, simulate_buffering
 from layerwise_cli.worker.proof.early_fingerprints import EarlyFingerprints

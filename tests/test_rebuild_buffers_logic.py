@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from layerwise_cli.checkpoint.rebuild_buffers import RebuildBuffers
+from layerwise_cli.checkpoint.delta.buffers import RebuildBuffers
 
 
 def test_a_buffer_in_use_through_a_tensor_of_a_view_is_never_handed_out_again():
@@ -49,7 +49,7 @@ def test_idle_buffers_beyond_the_limit_are_let_go_and_close_lets_go_of_all():
 
 def test_a_chain_rebuilt_through_one_pool_equals_one_rebuilt_without(tmp_path):
     from layerwise_cli import save_checkpoint
-    from layerwise_cli.checkpoint.delta_source import open_step, rebuilt_bytes
+    from layerwise_cli.checkpoint.delta.source import open_step, rebuilt_bytes
     from tests.test_delta_logic import changed_copy, model, tensors_of
 
     steps = [model(torch.bfloat16)]

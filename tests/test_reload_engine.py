@@ -49,7 +49,7 @@ def add_with_rotary_buffers(demo_models, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def engine(demo_models, reference_add, add_with_rotary_buffers):
     """One engine for the module, started on *multiply* (after the fresh engines the module compares with)."""
-    from layerwise_cli.client.local import EngineOptions
+    from layerwise_cli.client.engine.in_process import EngineOptions
 
     llm = start_here(str(demo_models["multiply"]), EngineOptions(max_model_len=64))
     yield llm
@@ -59,14 +59,14 @@ def engine(demo_models, reference_add, add_with_rotary_buffers):
 @pytest.fixture
 def on_multiply(engine, demo_models):
     """Each test starts and ends with the engine on *multiply*."""
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
 
     yield engine
     reload(engine, str(demo_models["multiply"]))
 
 
 def answers(llm) -> list[str]:
-    from layerwise_cli.client.generate import greedy_answers
+    from layerwise_cli.client.engine.generate import greedy_answers
     from layerwise_cli.demo import demo_prompt
 
     return greedy_answers(llm, [demo_prompt(a, b) for a, b in PAIRS])
@@ -79,7 +79,7 @@ def expected(name: str) -> list[str]:
 
 
 def test_answers_flip_multiply_add_multiply(on_multiply, demo_models):
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
 
     assert answers(on_multiply) == expected("multiply")
     report = reload(on_multiply, str(demo_models["add"]))
@@ -90,7 +90,7 @@ def test_answers_flip_multiply_add_multiply(on_multiply, demo_models):
 
 
 def test_reloaded_engine_matches_engine_started_on_the_new_weights(on_multiply, demo_models, reference_add):
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
 
     reload(on_multiply, str(demo_models["add"]))
     assert_matches_fresh(on_multiply, demo_models["add"], prompts())
@@ -103,7 +103,7 @@ def test_reload_is_in_place(on_multiply, demo_models):
     those are checked through the outputs (the other tests); the rest
     (embeddings, norms, rotary caches) must keep their pointers.
     """
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
 
     before = engine_state(on_multiply)
     assert any("embed_tokens" in name for name in before["pointers"])
@@ -122,7 +122,7 @@ def trainer_export_add(demo_models, tmp_path_factory) -> Path:
 
 
 def test_layer_and_file_order_leave_identical_weights(on_multiply, demo_models, trainer_export_add):
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
     from layerwise_cli.planning.inspect import inspect_order
 
     predicted = inspect_order(str(trainer_export_add))
@@ -237,7 +237,7 @@ BAD_CHECKPOINTS = {
 
 @pytest.mark.parametrize("case", list(BAD_CHECKPOINTS))
 def test_preflight_failure_leaves_every_weight_as_it_was(on_multiply, demo_models, tmp_path, case):
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
     from layerwise_cli.errors import LayerwiseError
 
     transform, corrupt, message = BAD_CHECKPOINTS[case]
@@ -258,7 +258,7 @@ def test_preflight_failure_leaves_every_weight_as_it_was(on_multiply, demo_model
 
 def test_partial_checkpoint_with_allow_partial(on_multiply, demo_models, tmp_path):
     """--allow-partial reloads only the tensors present; the rest keep their values."""
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
 
     only_embeddings = reshard(demo_models["add"], tmp_path / "partial", parameter_kind,
                               transform=lambda t: {k: v for k, v in t.items() if "embed_tokens" in k})
@@ -271,7 +271,7 @@ def test_partial_checkpoint_with_allow_partial(on_multiply, demo_models, tmp_pat
 
 
 def test_engine_without_extension_gets_a_clear_error():
-    from layerwise_cli.client.local import call_workers
+    from layerwise_cli.client.engine.in_process import call_workers
     from layerwise_cli.errors import LayerwiseError
 
     class NoExtension:
@@ -308,7 +308,7 @@ def _shard_of(folder: Path, name: str) -> Path:
 def test_nonfinite_layer_is_refused_and_the_engine_rolled_back(on_multiply, demo_models, tmp_path, name, nan, inf):
     import json
 
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
     from layerwise_cli.errors import LayerwiseError
 
     bad = reshard(demo_models["add"], tmp_path / "bad", parameter_kind, transform=_plant(name, nan=nan, inf=inf))
@@ -339,7 +339,7 @@ def test_allow_nonfinite_loads_the_values(on_multiply, demo_models, tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
     from layerwise_cli.worker.proof.checksums import tensor_sha256
 
     name = "model.norm.weight"
@@ -363,10 +363,9 @@ def test_cli_reloads_rotary_buffers_as_vllm_skips_them(on_multiply, demo_models,
     from typer.testing import CliRunner
 
     from layerwise_cli.cli.app import app
-    from layerwise_cli.client import local
-
-    monkeypatch.setattr(local, "start_engine", lambda model, options=None: on_multiply)
-    monkeypatch.setattr(local, "stop_engine", lambda llm: None)
+    from layerwise_cli.client.engine import in_process
+    monkeypatch.setattr(in_process, "start_engine", lambda model, options=None: on_multiply)
+    monkeypatch.setattr(in_process, "stop_engine", lambda llm: None)
     assert answers(on_multiply) == expected("multiply")
     result = CliRunner().invoke(app, ["reload", "--weights-path", str(add_with_rotary_buffers),
                                       "--model", str(demo_models["multiply"]), "--json"])

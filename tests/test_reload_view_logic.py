@@ -6,8 +6,8 @@ import io
 
 from rich.console import Console
 
+from layerwise_cli.report.records import LayerReport
 from layerwise_cli.report.reload_report import ReloadReport, merge_reports
-from layerwise_cli.report.report_parts import LayerReport
 from tests.support.reports import report_of
 
 

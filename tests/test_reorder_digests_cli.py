@@ -15,8 +15,8 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 import layerwise_cli.reorder.write as write
-from layerwise_cli.checkpoint.digests import METADATA_KEY, digests_metadata, header_digests, tensor_prefix
-from layerwise_cli.checkpoint.header import ShardHeader, TensorEntry, read_shard_header
+from layerwise_cli.checkpoint.format.digests import METADATA_KEY, digests_metadata, header_digests, tensor_prefix
+from layerwise_cli.checkpoint.format.header import ShardHeader, TensorEntry, read_shard_header
 from layerwise_cli.cli.app import app
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.reorder.rewrite import reorder
@@ -231,7 +231,7 @@ def test_an_unpatched_header_is_refused_by_every_reader(make_checkpoint, tmp_pat
 
 def test_digests_cost_no_second_read(make_checkpoint, tmp_path, monkeypatch):
     # The digest is taken in the copy loop: every source byte is read once, with or without digests.
-    from layerwise_cli.checkpoint import chunks
+    from layerwise_cli.checkpoint.format import chunks
 
     src = make_checkpoint("trainer_export", layers=3)
     real = chunks.read_chunks

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 import layerwise_cli.reorder.write as write
-from layerwise_cli.checkpoint.header import DTYPE_SIZES, ShardHeader, TensorEntry, read_shard_header
+from layerwise_cli.checkpoint.format.header import DTYPE_SIZES, ShardHeader, TensorEntry, read_shard_header
 from layerwise_cli.checkpoint.sources import Checkpoint, natural_key
 from layerwise_cli.cli.app import app
 from layerwise_cli.planning.inspect import inspect_order

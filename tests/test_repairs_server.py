@@ -38,7 +38,7 @@ FAMILIES = {
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory):
     """A server started fresh on B, its fingerprints recorded, then reloaded (repairs on) to A."""
-    from layerwise_cli.client.remote import server_fingerprints
+    from layerwise_cli.client.servers.reload_servers import server_fingerprints
 
     producer, names, refreshed = FAMILIES[request.param]
     root = tmp_path_factory.mktemp(request.param)
@@ -77,7 +77,7 @@ def test_verify_with_the_repairs_off_names_what_vllm_leaves_stale(family):
 
 
 def test_verify_with_the_repairs_on_passes_and_the_server_holds_a_fresh_engines_state(family):
-    from layerwise_cli.client.remote import server_fingerprints
+    from layerwise_cli.client.servers.reload_servers import server_fingerprints
 
     # --all: the records would skip every layer (the engine holds B's bytes, repaired or not).
     proc = run_cli("reload", "--weights-path", str(family["b"]), "--url", family["server"].url, "--verify", "--all",

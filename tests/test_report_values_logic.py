@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from layerwise_cli.checkpoint.header import ShardHeader, TensorEntry
+from layerwise_cli.checkpoint.format.header import ShardHeader, TensorEntry
 from layerwise_cli.checkpoint.sources import Checkpoint
-from layerwise_cli.client.remote import ServerResult
+from layerwise_cli.client.servers.reload_servers import ServerResult
+from layerwise_cli.report.records import LayerReport
 from layerwise_cli.report.reload_report import ReloadReport, merge_reports
-from layerwise_cli.report.report_parts import LayerReport
 from layerwise_cli.report.sections import Timings
 from layerwise_cli.report.verify_result import VerifyResult, merge_verify
 from tests.support.reports import report_of

@@ -24,8 +24,8 @@ PAIRS = [(a, b) for a in range(10) for b in range(10)]
 def test_failure_mid_stream_rolls_the_engine_back(demo_models, tmp_path):
     import torch
 
-    from layerwise_cli.client.generate import greedy_answers
-    from layerwise_cli.client.local import EngineOptions, reload
+    from layerwise_cli.client.engine.generate import greedy_answers
+    from layerwise_cli.client.engine.in_process import EngineOptions, reload
     from layerwise_cli.demo import demo_prompt, expected_answer
     from layerwise_cli.errors import LayerwiseError
 
@@ -67,8 +67,8 @@ def test_a_reload_vllm_refuses_before_changing_a_weight_is_not_rolled_back(demo_
     before it starts, in an engine in this process (the engine is real, only the refusal is injected). The
     error is one line, says no weight changed, and no rollback runs: a rollback would be refused the same way.
     """
-    from layerwise_cli.client.generate import greedy_answers
-    from layerwise_cli.client.local import EngineOptions, reload
+    from layerwise_cli.client.engine.generate import greedy_answers
+    from layerwise_cli.client.engine.in_process import EngineOptions, reload
     from layerwise_cli.demo import demo_prompt, expected_answer
     from layerwise_cli.errors import LayerwiseError
 

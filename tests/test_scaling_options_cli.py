@@ -78,7 +78,7 @@ def test_reload_refuses_data_parallel_in_process_and_engine_options_with_url():
 
 
 def test_engine_options_carry_the_parallel_layout():
-    from layerwise_cli.client.local import EngineOptions
+    from layerwise_cli.client.engine.in_process import EngineOptions
 
     kwargs = EngineOptions(pipeline_parallel_size=2, distributed_executor_backend="mp").llm_kwargs()
     assert kwargs["pipeline_parallel_size"] == 2 and kwargs["distributed_executor_backend"] == "mp"

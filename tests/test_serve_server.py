@@ -136,7 +136,7 @@ def multiply_server(demo_models, hub, tmp_path_factory):
 @pytest.fixture(scope="module")
 def fresh_add(demo_models):
     """A server started on *add*: its fingerprints as started, before anyone reloads it."""
-    from layerwise_cli.client.remote import server_fingerprints
+    from layerwise_cli.client.servers.reload_servers import server_fingerprints
 
     with RunningServer(demo_models["add"]) as server:
         server.fresh_fingerprints = server_fingerprints(server.url)
@@ -146,7 +146,7 @@ def fresh_add(demo_models):
 @pytest.fixture
 def on_multiply(multiply_server, demo_models):
     """The main server on *multiply* at the start and the end of a test."""
-    from layerwise_cli.client.remote import RemoteOptions, reload_server
+    from layerwise_cli.client.servers.reload_servers import RemoteOptions, reload_server
 
     yield multiply_server
     result = reload_server(multiply_server.url, str(demo_models["multiply"]), RemoteOptions(api_key=KEY))
@@ -270,7 +270,7 @@ def test_two_servers_at_once_and_a_bad_url(on_multiply, fresh_add, demo_models):
 
 @pytest.mark.server
 def test_verify_matches_what_a_fresh_server_on_the_source_holds(on_multiply, fresh_add, demo_models):
-    from layerwise_cli.client.remote import differing_layers, server_fingerprints
+    from layerwise_cli.client.servers.reload_servers import differing_layers, server_fingerprints
 
     before = server_fingerprints(on_multiply.url, api_key=KEY)
     assert differing_layers(before, fresh_add.fresh_fingerprints)  # multiply and add differ everywhere
@@ -289,7 +289,7 @@ def test_verify_matches_what_a_fresh_server_on_the_source_holds(on_multiply, fre
 
 @pytest.mark.server
 def test_url_reload_skips_what_the_server_holds_and_all_reloads_everything(on_multiply, fresh_add, demo_models):
-    from layerwise_cli.client.remote import server_fingerprints
+    from layerwise_cli.client.servers.reload_servers import server_fingerprints
 
     def reload_add(*extra: str) -> dict:
         done = run_cli("reload", "--weights-path", str(demo_models["add"]), "--url", on_multiply.url, "--json",
@@ -332,7 +332,7 @@ def _swap_after_reload(source: Path, replacement: Path):
 @pytest.mark.server
 def test_verify_mismatch_names_the_layers(on_multiply, demo_models, tmp_path):
     """The engine holds *add*, the source now says *multiply*: --verify must fail and name the layers."""
-    from layerwise_cli.client.remote import RemoteOptions, reload_server
+    from layerwise_cli.client.servers.reload_servers import RemoteOptions, reload_server
 
     source = tmp_path / "add"
     shutil.copytree(demo_models["add"], source)
@@ -394,7 +394,7 @@ def test_unreachable_server():
 
 @pytest.mark.server
 def test_preflight_failure_leaves_outputs_unchanged(on_multiply, demo_models, tmp_path):
-    from layerwise_cli.client.remote import server_fingerprints
+    from layerwise_cli.client.servers.reload_servers import server_fingerprints
 
     missing = reshard(demo_models["add"], tmp_path / "bad", parameter_kind,
                       transform=lambda t: {k: v for k, v in t.items() if "layers.1.self_attn.v_proj" not in k})
@@ -411,7 +411,7 @@ def test_preflight_failure_leaves_outputs_unchanged(on_multiply, demo_models, tm
 
 @pytest.mark.server
 def test_nonfinite_weights_are_refused_unless_allowed(on_multiply, demo_models, tmp_path):
-    from layerwise_cli.client.remote import server_fingerprints
+    from layerwise_cli.client.servers.reload_servers import server_fingerprints
 
     def plant(tensors):
         key = "model.layers.1.mlp.down_proj.weight"
@@ -451,7 +451,7 @@ def test_exception_inside_the_worker_is_one_line(on_multiply, tmp_path):
 
 @pytest.mark.server
 def test_an_unknown_worker_method_fails_cleanly_and_the_server_survives(on_multiply):
-    from layerwise_cli.client.server_api import RpcError, ServerClient
+    from layerwise_cli.client.servers.api import RpcError, ServerClient
 
     client = ServerClient(on_multiply.url, api_key=KEY, timeout=60)
     try:
@@ -477,7 +477,7 @@ def test_timeouts_are_one_line(on_multiply, demo_models):
     """A server that does not answer in time: at the first request, and in the middle of a reload."""
     import psutil
 
-    from layerwise_cli.client.remote import RemoteOptions, reload_server
+    from layerwise_cli.client.servers.reload_servers import RemoteOptions, reload_server
 
     # The whole server stopped: nothing is changed, one line naming it.
     server = psutil.Process(on_multiply.pid)
@@ -541,7 +541,7 @@ def test_pause_modes_with_requests_in_flight(on_multiply, demo_models, mode):
     tokens came from both models almost surely gives neither (it was *mixed*). Client-side clocks are not
     used: a response can reach the client well after the engine finished it.
     """
-    from layerwise_cli.client.remote import RemoteOptions, reload_server
+    from layerwise_cli.client.servers.reload_servers import RemoteOptions, reload_server
 
     tokens = 56
 

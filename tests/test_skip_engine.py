@@ -50,7 +50,7 @@ def _write(tensors: dict, folder: Path, like: Path, *, digests: bool, allow_nonf
 
 def _overwrite_with_nan(folder: Path, names: set[str]) -> None:
     """Replace the data bytes of NAMES with NaN bit patterns, leaving every header (and its digests) as it was."""
-    from layerwise_cli.checkpoint.header import read_shard_header
+    from layerwise_cli.checkpoint.format.header import read_shard_header
 
     for path in sorted(folder.glob("*.safetensors")):
         header, _ = read_shard_header(path)
@@ -106,7 +106,7 @@ class Engine:
         self.llm = None
 
     def start(self) -> None:
-        from layerwise_cli.client.local import EngineOptions
+        from layerwise_cli.client.engine.in_process import EngineOptions
 
         self.llm = start_here(str(self.model), EngineOptions(max_model_len=64))
 
@@ -116,7 +116,7 @@ class Engine:
             self.llm = None
 
     def engine_ids(self) -> list[str]:
-        from layerwise_cli.client.local import call_workers
+        from layerwise_cli.client.engine.in_process import call_workers
 
         return [r["engine_id"] for r in call_workers(self.llm, "layerwise_ping")]
 
@@ -131,7 +131,7 @@ def engine(ckpts, fresh_b):
 
 
 def _reload(engine: Engine, source: Path, **kwargs):
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
 
     return reload(engine.llm, str(source), **kwargs)
 
@@ -152,7 +152,7 @@ def _progress_layers(path: Path) -> tuple[int, list[str], set[str]]:
 
 
 def test_header_digests_skip_unchanged_layers_after_a_spot_check(engine, ckpts, tmp_path):
-    from layerwise_cli.checkpoint.samples import sample_bytes
+    from layerwise_cli.checkpoint.format.samples import sample_bytes
     from layerwise_cli.errors import LayerwiseError
 
     changed, sizes = ckpts["changed"], ckpts["bytes"]

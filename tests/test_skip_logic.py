@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from layerwise_cli.checkpoint.digests import layer_digest
+from layerwise_cli.checkpoint.format.digests import layer_digest
 from layerwise_cli.planning.inspect import inspect_order
 from layerwise_cli.worker.state.layer_records import LayerRecord, LayerRecords, SkipDecider, records_of
 from layerwise_cli.worker.state.layer_state import device_checksum, host_checksum, layer_fingerprints
@@ -179,7 +179,7 @@ def _written(tmp_path: Path, seed: int = 0, *, change: tuple[str, ...] = ()) -> 
 
 
 def test_digests_hashed_while_reading_equal_the_header_digests(tmp_path):
-    from layerwise_cli.checkpoint.digests import checkpoint_digests
+    from layerwise_cli.checkpoint.format.digests import checkpoint_digests
     from layerwise_cli.worker.stream.read_ahead import read_in_order
 
     folder = _written(tmp_path)
@@ -326,8 +326,8 @@ def _rewrite_keeping_headers(folder: Path, names: set[str], *, window: int | Non
 
     Returns tensor name -> the shard file rewritten.
     """
-    from layerwise_cli.checkpoint.header import read_shard_header
-    from layerwise_cli.checkpoint.samples import sample_spans
+    from layerwise_cli.checkpoint.format.header import read_shard_header
+    from layerwise_cli.checkpoint.format.samples import sample_spans
 
     files = {}
     for path in sorted(folder.glob("*.safetensors")):
@@ -381,7 +381,7 @@ def test_a_stale_header_digest_is_caught_by_the_spot_check_and_named(tmp_path):
 
 
 def test_sample_windows_cover_head_middle_and_tail_wherever_the_tensor_lies():
-    from layerwise_cli.checkpoint.samples import WINDOW_BYTES, WINDOWS, buffer_sample, sample_bytes, sample_spans
+    from layerwise_cli.checkpoint.format.samples import WINDOW_BYTES, WINDOWS, buffer_sample, sample_bytes, sample_spans
 
     assert sample_spans(0) == [] and sample_spans(100) == [(0, 100)]
     n = 10 << 20
@@ -404,7 +404,7 @@ def test_sample_windows_cover_head_middle_and_tail_wherever_the_tensor_lies():
 
 @pytest.mark.parametrize("readahead", [True, False])
 def test_a_layer_whose_samples_differ_is_hashed_only_after_its_handover(tmp_path, readahead):
-    from layerwise_cli.checkpoint.digests import checkpoint_digests
+    from layerwise_cli.checkpoint.format.digests import checkpoint_digests
     from layerwise_cli.worker.stream.read_ahead import read_in_order
     from layerwise_cli.worker.stream.stats import ReadAheadStats
 
@@ -490,8 +490,8 @@ def test_without_header_digests_every_layer_is_hashed(tmp_path):
 
 
 def test_reports_mark_skipped_layers_and_merge_them():
+    from layerwise_cli.report.records import LayerReport
     from layerwise_cli.report.reload_report import ReloadReport, merge_reports
-    from layerwise_cli.report.report_parts import LayerReport
 
     def worker(tp_rank: int, skipped: bool) -> ReloadReport:
         layers = [LayerReport("a", 1, 100, 0.0, 0.0, 0, skipped="unchanged"),
@@ -517,7 +517,7 @@ def test_reports_mark_skipped_layers_and_merge_them():
 
 def test_the_table_shows_skipped_layers(capsys):
     from layerwise_cli.cli._reload_view import render_report
-    from layerwise_cli.report.report_parts import LayerReport
+    from layerwise_cli.report.records import LayerReport
 
     report = report_of(order="layer", source="s", wall_s=0.01, bytes=300, tensors=2, peak_buffer_bytes=300,
                        peak_tensor="b.w", predicted_peak_buffer_bytes=300, largest_layer_bytes=300,
@@ -551,8 +551,8 @@ def test_only_the_warnings_of_skipped_layers_are_dropped(caplog):
 
 def test_reports_carry_the_time_split_and_the_stale_header_files(capsys):
     from layerwise_cli.cli._reload_view import render_report
+    from layerwise_cli.report.records import LayerReport
     from layerwise_cli.report.reload_report import ReloadReport, merge_reports
-    from layerwise_cli.report.report_parts import LayerReport
 
     def worker(tp_rank: int, stale: list[dict]) -> ReloadReport:
         return report_of(order="layer", source="s", wall_s=0.5, bytes=300, tensors=2, peak_buffer_bytes=300,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from layerwise_cli.checkpoint.header import ShardHeader, TensorEntry
+from layerwise_cli.checkpoint.format.header import ShardHeader, TensorEntry
 from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.planning import skip_rules

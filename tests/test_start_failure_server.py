@@ -87,7 +87,7 @@ def broken_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.engine
 def test_api_names_the_workers_exception(tmp_path: Path) -> None:
-    from layerwise_cli.client.local import EngineOptions, start_engine
+    from layerwise_cli.client.engine.in_process import EngineOptions, start_engine
 
     model = save_lfm2_checkpoint(tmp_path / "lfm2")
     with pytest.raises(LayerwiseError) as raised:

@@ -81,7 +81,7 @@ def test_an_object_overwritten_mid_fetch_is_refused_naming_it(engine, s3, ckpts,
     import obstore
 
     import layerwise_cli
-    from layerwise_cli.checkpoint.store import StoreSource
+    from layerwise_cli.checkpoint.store.objects import StoreSource
     from layerwise_cli.errors import LayerwiseError
 
     before = checksums(engine)
@@ -139,7 +139,7 @@ def test_a_step_over_https_streams_into_the_engine_equal_to_a_fresh_one(engine, 
 
 def test_a_stalled_body_fails_naming_the_object_and_the_engine_keeps_its_weights(engine, ckpts, monkeypatch) -> None:
     import layerwise_cli
-    from layerwise_cli.checkpoint.hub_http import STALL_ENV
+    from layerwise_cli.checkpoint.fetch.policy import STALL_ENV
     from layerwise_cli.errors import LayerwiseError
     from tests.support.https_server import HttpsFolder
 
@@ -160,7 +160,7 @@ def test_a_stalled_body_fails_naming_the_object_and_the_engine_keeps_its_weights
 
 def test_a_reload_at_the_same_etags_reads_the_store_cache_and_bounded_disk_keeps_nothing(engine, s3, ckpts) -> None:
     import layerwise_cli
-    from layerwise_cli.checkpoint.store import store_cache_folder
+    from layerwise_cli.checkpoint.store.objects import store_cache_folder
 
     url = s3.put_folder("run/B-cached", ckpts["B"])  # a prefix of its own: nothing of it cached yet
     blobs = store_cache_folder(url) / "blobs"

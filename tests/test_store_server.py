@@ -40,7 +40,7 @@ def server(demo_models, s3):
 
 
 def test_reload_url_from_s3_with_verify(server, s3, demo_models, monkeypatch) -> None:
-    from layerwise_cli.checkpoint.store import store_cache_folder
+    from layerwise_cli.checkpoint.store.objects import store_cache_folder
 
     url = f"s3://{BUCKET}/run/add"
     done = run_cli("reload", "--url", server.url, "--weights-path", url, "--verify", "--json", env=s3.env())

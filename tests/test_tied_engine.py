@@ -55,7 +55,7 @@ def engine_a(tied_ab):
     B's fresh answers come from the shared fresh-engine cache first (an engine
     on B only on a miss, stopped before A's starts: never two at once).
     """
-    from layerwise_cli.client.local import EngineOptions
+    from layerwise_cli.client.engine.in_process import EngineOptions
 
     fresh_answers(tied_ab["B"], PROMPTS)
     llm = start_here(str(tied_ab["A"]), EngineOptions(max_model_len=64))
@@ -66,7 +66,7 @@ def engine_a(tied_ab):
 
 @pytest.mark.parametrize("order", ["layer", "file"])
 def test_reload_b_matches_a_fresh_b_then_a_comes_back(engine_a, tied_ab, order):
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
 
     # A and B answer differently: the comparison can fail.
     assert fresh_answers(tied_ab["A"], PROMPTS) != fresh_answers(tied_ab["B"], PROMPTS)
@@ -89,7 +89,7 @@ def test_reload_b_matches_a_fresh_b_then_a_comes_back(engine_a, tied_ab, order):
 
 
 def test_python_api_verify_checks_the_tied_head_through_the_embedding(engine_a, tied_ab):
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
 
     report = reload(engine_a, str(tied_ab["B"]), verify=True)
     verify = report.verify
@@ -109,7 +109,7 @@ def test_vllm_own_reload_leaves_the_head_stale_and_verify_catches_it(engine_a, t
     The figure for the README: how many of the prompts answer differently from
     a fresh B engine after vLLM's own reload (tokens or top-5 logprobs).
     """
-    from layerwise_cli.client.local import reload, verify_engine
+    from layerwise_cli.client.engine.in_process import reload, verify_engine
 
     engine_a.collective_rpc("reload_weights", kwargs={"weights_path": str(tied_ab["B"])})
     engine_a.reset_prefix_cache()

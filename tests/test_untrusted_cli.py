@@ -192,7 +192,7 @@ def test_shard_file_refuses_names_that_leave_the_folder(tmp_path, name):
 
 
 def test_the_reader_in_the_engine_uses_the_same_rule(tmp_path):
-    from layerwise_cli.checkpoint.header import TensorEntry
+    from layerwise_cli.checkpoint.format.header import TensorEntry
     from layerwise_cli.planning.plan import PlannedTensor
     from layerwise_cli.worker.stream.shard_reader import ShardReader
 

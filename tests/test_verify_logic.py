@@ -86,7 +86,7 @@ class _FakeLLM:
 
 
 def test_reload_with_verify_returns_the_verification():
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
 
     llm = _FakeLLM([{"model.embed_tokens": "match", "lm_head": "match"}] * 2)
     report = reload(llm, "/ckpt/B", verify=True)
@@ -100,7 +100,7 @@ def test_reload_with_verify_returns_the_verification():
 
 def test_reload_with_verify_raises_naming_the_layer_a_worker_disagrees_on():
     from layerwise_cli import LayerwiseError
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
 
     llm = _FakeLLM([{"model.embed_tokens": "match", "lm_head": "match"},
                     {"model.embed_tokens": "match", "lm_head": "mismatch"}])
@@ -112,7 +112,7 @@ def test_reload_with_verify_raises_naming_the_layer_a_worker_disagrees_on():
 
 
 def test_reload_without_verify_does_not_verify():
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
 
     llm = _FakeLLM([{"lm_head": "mismatch"}])
     assert reload(llm, "/ckpt/B").verify is None
@@ -129,7 +129,7 @@ def test_a_layer_that_could_not_be_checked_fails_verify():
 
 def test_reload_as_names_the_source_as_given_and_carries_a_failed_verification(tmp_path):
     """The command's reload: the report is built once, under the user's name, with the verification in it."""
-    from layerwise_cli.client.session import reload_as
+    from layerwise_cli.client.engine.session import reload_as
     from layerwise_cli.worker.rpc import ReloadOptions
 
     progress = tmp_path / "progress.jsonl"
@@ -150,7 +150,7 @@ def test_reload_as_names_the_source_as_given_and_carries_a_failed_verification(t
 
 def test_the_engine_is_resumed_when_the_reload_call_itself_fails():
     """`reload` pauses the engine (caches cleared) for the workers' reload, and resumes it whatever happens."""
-    from layerwise_cli.client.local import reload
+    from layerwise_cli.client.engine.in_process import reload
 
     class Failing(_FakeLLM):
         def collective_rpc(self, method: str, kwargs: dict):

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from layerwise_cli.client.watch import Watcher, WatchOptions
-from layerwise_cli.client.watch_targets import Outcome
+from layerwise_cli.client.watch.entry import Watcher, WatchOptions
+from layerwise_cli.client.watch.targets import Outcome
 from layerwise_cli.errors import LayerwiseError, UsageError
 from tests.support.hub_server import HubServer
 

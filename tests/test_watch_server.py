@@ -236,8 +236,8 @@ def test_watch_usage_errors(tmp_path):
 
 def test_watch_passes_allow_unchecked_to_every_target():
     """`--allow-unchecked` reaches each server's verify (RemoteOptions) and an in-process engine's."""
-    from layerwise_cli.client.watch import WatchOptions, server_targets
-    from layerwise_cli.client.watch_targets import EngineTarget
+    from layerwise_cli.client.watch.entry import WatchOptions, server_targets
+    from layerwise_cli.client.watch.targets import EngineTarget
 
     for accept in (False, True):
         for verify in (False, True):  # without --verify it keeps a reload vLLM could not complete
@@ -271,7 +271,7 @@ def test_python_api_keeps_an_in_process_engine_on_the_newest_step(demo_models, s
     from vllm import SamplingParams
 
     import layerwise_cli as layerwise
-    from layerwise_cli.client.local import EngineOptions, start_engine, stop_engine
+    from layerwise_cli.client.engine.in_process import EngineOptions, start_engine, stop_engine
     from layerwise_cli.demo import demo_prompt
 
     root = tmp_path / "run"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from layerwise_cli.checkpoint.steps import (
+from layerwise_cli.checkpoint.steps.local import (
     COMPLETE,
     INCOMPLETE,
     SETTLING,
@@ -21,8 +21,8 @@ from layerwise_cli.checkpoint.steps import (
     step_number,
     steps_to_delete,
 )
-from layerwise_cli.client.watch import Watcher, WatchOptions
-from layerwise_cli.client.watch_targets import Outcome, TargetDown
+from layerwise_cli.client.watch.entry import Watcher, WatchOptions
+from layerwise_cli.client.watch.targets import Outcome, TargetDown
 
 
 def write_step(root: Path, name: str, *, shards: int = 1, marker: str | None = None) -> Path:
@@ -254,7 +254,7 @@ def test_keep_deletes_only_steps_it_would_load_never_through_a_link_and_reports_
 
 
 def test_deletion_refusal_says_why_a_step_stays(tmp_path):
-    from layerwise_cli.checkpoint.steps import StepDir, deletion_refusal
+    from layerwise_cli.checkpoint.steps.local import StepDir, deletion_refusal
 
     def step(name):
         return StepDir(name, tmp_path / name, 1)
@@ -314,7 +314,7 @@ class ThreadedTarget(FakeTarget):
 
 def test_several_servers_are_brought_to_a_step_together_and_a_dead_one_is_left_out(tmp_path, monkeypatch):
     """The scheduling of --atomic (our logic; the fleet rule itself is proven on real servers in test_fleet_server)."""
-    from layerwise_cli.client import watcher as watcher_module
+    from layerwise_cli.client.watch import watcher as watcher_module
 
     write_step(tmp_path, "step_1", marker="STABLE")
     a, b = ThreadedTarget("a"), ThreadedTarget("b")
@@ -339,7 +339,7 @@ def test_several_servers_are_brought_to_a_step_together_and_a_dead_one_is_left_o
 
 
 def test_no_atomic_reloads_each_server_on_its_own(tmp_path, monkeypatch):
-    from layerwise_cli.client import watcher as watcher_module
+    from layerwise_cli.client.watch import watcher as watcher_module
 
     write_step(tmp_path, "step_1", marker="STABLE")
     a, b = ThreadedTarget("a"), ThreadedTarget("b")

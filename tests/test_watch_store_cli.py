@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from layerwise_cli.checkpoint.sources import open_checkpoint
-from layerwise_cli.checkpoint.store_steps import list_objects
-from layerwise_cli.client.watch import Watcher, WatchOptions
-from layerwise_cli.client.watch_targets import Outcome
+from layerwise_cli.checkpoint.steps.store import list_objects
+from layerwise_cli.client.watch.entry import Watcher, WatchOptions
+from layerwise_cli.client.watch.targets import Outcome
 from layerwise_cli.errors import LayerwiseError
 from tests.support.seaweed import BUCKET, READER_KEY, READER_SECRET, SECRET_KEY, SeaweedS3, running_seaweed
 from tests.support.server_support import free_port

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from layerwise_cli.checkpoint.steps import COMPLETE, INCOMPLETE, SETTLING, CompletenessTracker, steps_to_delete
-from layerwise_cli.checkpoint.store_headers import store_pin
-from layerwise_cli.checkpoint.store_steps import StoreStep, changed_objects, steps_in_listing
-from layerwise_cli.client.watch import Watcher, WatchOptions
+from layerwise_cli.checkpoint.steps.local import COMPLETE, INCOMPLETE, SETTLING, CompletenessTracker, steps_to_delete
+from layerwise_cli.checkpoint.steps.store import StoreStep, changed_objects, steps_in_listing
+from layerwise_cli.checkpoint.store.headers import store_pin
+from layerwise_cli.client.watch.entry import Watcher, WatchOptions
 from layerwise_cli.errors import UsageError
 
 RUN = "s3://ckpts/run"

@@ -74,7 +74,7 @@ def upload(s3: SeaweedS3, step: str, folder, *, leave_out: str | None = None) ->
 
 def held(server) -> tuple:
     """What SERVER holds: every module's fingerprint, its answers, its weight version."""
-    from layerwise_cli.client.remote import server_fingerprints
+    from layerwise_cli.client.servers.reload_servers import server_fingerprints
 
     return server_fingerprints(server.url), server.answers(PAIRS), weight_version(server.url)
 

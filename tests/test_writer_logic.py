@@ -12,8 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import layerwise_cli
-from layerwise_cli.checkpoint.digests import header_digests, tensor_digest
-from layerwise_cli.checkpoint.header import read_shard_header
+from layerwise_cli.checkpoint.format.digests import header_digests, tensor_digest
+from layerwise_cli.checkpoint.format.header import read_shard_header
 from layerwise_cli.checkpoint.sources import INDEX_NAME, open_checkpoint
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.planning.inspect import inspect_order

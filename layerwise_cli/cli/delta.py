@@ -40,7 +40,7 @@ def delta_command(
 
     Example: layerwise delta run/step_119 run/step_120 run/step_120_delta
     """
-    from layerwise_cli.writer.write_delta import write_delta
+    from layerwise_cli.writer.delta_step import write_delta
 
     result = write_delta(base, new, out, marker=marker or None, overwrite=force, whole_fraction=whole_fraction)
     data = to_dict(result)

@@ -27,9 +27,9 @@ def demo_command(
 
     Example: layerwise demo --pairs "3 4,7 8"
     """
-    from layerwise_cli.client.generate import greedy_answers
-    from layerwise_cli.client.local import EngineOptions, start_engine, stop_engine
-    from layerwise_cli.client.session import reload_as
+    from layerwise_cli.client.engine.generate import greedy_answers
+    from layerwise_cli.client.engine.in_process import EngineOptions, start_engine, stop_engine
+    from layerwise_cli.client.engine.session import reload_as
     from layerwise_cli.demo import demo_checkpoint, demo_prompt, expected_answer
     from layerwise_cli.errors import UsageError
     from layerwise_cli.report.progress import new_progress_path

@@ -213,7 +213,7 @@ def render_delta(delta: dict, top: int) -> None:
 
 def _scan(checkpoint, quiet: bool):
     """Read every tensor and count NaN/Inf, with a progress bar on stderr unless quiet."""
-    from layerwise_cli.checkpoint.finite import scan_checkpoint
+    from layerwise_cli.checkpoint.format.finite import scan_checkpoint
 
     if quiet:
         return scan_checkpoint(checkpoint)

@@ -128,7 +128,7 @@ def reload_command(
                             bounded_disk=bounded_disk)
     if url:
         from layerwise_cli.cli.reload_remote import reload_remote
-        from layerwise_cli.client.remote import RemoteOptions
+        from layerwise_cli.client.servers.reload_servers import RemoteOptions
 
         if model is not None:
             raise UsageError("--model starts an engine in this process; with --url the servers already run")
@@ -145,8 +145,8 @@ def reload_command(
         raise typer.Exit(reload_remote(url, weights_path, remote, as_json=as_json, top=top, atomic=atomic))
     refuse_server_options({"--pause-mode": pause_mode, "--weight-version": weight_version, "--timeout": timeout,
                            "--pause-lease": pause_lease, "--atomic/--no-atomic": atomic}, data_parallel_size)
-    from layerwise_cli.client.local import EngineOptions, stop_engine
-    from layerwise_cli.client.session import prepare_sources, reload_as
+    from layerwise_cli.client.engine.in_process import EngineOptions, stop_engine
+    from layerwise_cli.client.engine.session import prepare_sources, reload_as
     from layerwise_cli.engine_defaults import cuda_available, executor_refusal
     from layerwise_cli.report.progress import new_progress_path
 
@@ -217,12 +217,12 @@ def start_engine_fetching(base: str, engine, pin, *, quiet: bool):
 
     The workers then find the commit in the cache and read it from there. A failed fetch stops the engine.
     """
-    from layerwise_cli.client.local import start_engine, stop_engine
+    from layerwise_cli.client.engine.in_process import start_engine, stop_engine
 
     prefetch = None
     if pin is not None:
         from layerwise_cli.checkpoint.sources import open_checkpoint
-        from layerwise_cli.client.hub_prefetch import Prefetch
+        from layerwise_cli.client.engine.prefetch import Prefetch
 
         prefetch = Prefetch(pin, open_checkpoint(pin.repo_id, pin.commit)).start()
         if not quiet:

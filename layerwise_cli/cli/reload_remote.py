@@ -9,9 +9,9 @@ from rich.table import Table
 
 from layerwise_cli.cli._output import print_json, report_error, stderr, stdout
 from layerwise_cli.cli._reload_view import render_report, render_verify, source_label
-from layerwise_cli.client.fleet import all_or_nothing
-from layerwise_cli.client.remote import ServerResult, holdings, reload_servers
-from layerwise_cli.client.server_api import HOLDS_NEW, RemoteOptions
+from layerwise_cli.client.servers.api import HOLDS_NEW, RemoteOptions
+from layerwise_cli.client.servers.fleet import all_or_nothing
+from layerwise_cli.client.servers.reload_servers import ServerResult, holdings, reload_servers
 from layerwise_cli.units import human_seconds
 
 _HOLDS_TEXT = {

@@ -98,14 +98,14 @@ def watch_command(
 
     Example: layerwise watch /runs/exp1/weights --url http://127.0.0.1:8000 --url http://127.0.0.1:8001 --keep 3
     """
-    from layerwise_cli.client.watch import Watcher, WatchOptions, server_targets
+    from layerwise_cli.client.watch.entry import Watcher, WatchOptions, server_targets
 
     options = WatchOptions(patterns=tuple(pattern) if pattern else WatchOptions().patterns, marker=marker,
                            interval=interval, settle=settle, keep=keep, once=once, pause_mode=pause_mode,
                            pause_lease_s=pause_lease, api_key=api_key, verify=verify,
                            allow_unchecked=allow_unchecked, timeout=timeout, atomic=atomic, revision=revision)
     from layerwise_cli.checkpoint.sources import looks_like_repo_id
-    from layerwise_cli.checkpoint.store import is_store_url
+    from layerwise_cli.checkpoint.store.objects import is_store_url
 
     if not Path(root).is_dir() and not looks_like_repo_id(root) and not is_store_url(root):
         raise LayerwiseError("no such directory (the root the trainer writes steps into)", where=root)
@@ -161,7 +161,7 @@ def _open_log(path: Path | None):
 
 
 def _status(watcher) -> Group:
-    from layerwise_cli.client.watch_events import short
+    from layerwise_cli.client.watch.events import short
     from layerwise_cli.units import human_bytes, human_seconds
 
     state = watcher.state

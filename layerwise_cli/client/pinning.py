@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from layerwise_cli.checkpoint.hub_pin import HubPin, is_commit
+from layerwise_cli.checkpoint.hub.pin import HubPin, is_commit
 from layerwise_cli.checkpoint.sources import looks_like_repo_id, open_checkpoint, pin_source
-from layerwise_cli.checkpoint.store import is_store_url
+from layerwise_cli.checkpoint.store.objects import is_store_url
 from layerwise_cli.worker.rpc import ReloadOptions
 
 

@@ -6,7 +6,7 @@ import re
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
-from layerwise_cli.checkpoint.header import TensorEntry
+from layerwise_cli.checkpoint.format.header import TensorEntry
 
 # vLLM's layer buffer (`online_process_loader` in
 # vllm/model_executor/model_loader/reload/layerwise.py) processes a module as

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from layerwise_cli.checkpoint.delta_source import open_step
-from layerwise_cli.checkpoint.digests import FORMAT, METADATA_KEY, header_digests, layer_digest
+from layerwise_cli.checkpoint.delta.source import open_step
+from layerwise_cli.checkpoint.format.digests import FORMAT, METADATA_KEY, header_digests, layer_digest
 from layerwise_cli.planning.delta_view import DeltaView, describe_delta
 from layerwise_cli.planning.parents import mapping_for_config
 from layerwise_cli.planning.plan import BufferSimulation, Plan, build_plan

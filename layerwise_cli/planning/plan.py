@@ -6,7 +6,7 @@ from collections import defaultdict
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from layerwise_cli.checkpoint.header import TensorEntry
+from layerwise_cli.checkpoint.format.header import TensorEntry
 from layerwise_cli.checkpoint.sources import Checkpoint, natural_key
 from layerwise_cli.planning.completion_rule import HeldLayer, held_layers
 from layerwise_cli.planning.parents import LayerMapping

@@ -7,9 +7,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from layerwise_cli.checkpoint.chunks import CHUNK_BYTES, read_chunks
-from layerwise_cli.checkpoint.digests import METADATA_KEY, TensorHasher, header_digests
-from layerwise_cli.checkpoint.layout import WEIGHT_INDEX_SUFFIXES, WEIGHT_SUFFIXES
+from layerwise_cli.checkpoint.format.chunks import CHUNK_BYTES, read_chunks
+from layerwise_cli.checkpoint.format.digests import METADATA_KEY, TensorHasher, header_digests
+from layerwise_cli.checkpoint.format.layout import WEIGHT_INDEX_SUFFIXES, WEIGHT_SUFFIXES
 from layerwise_cli.checkpoint.sources import Checkpoint, open_checkpoint
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.planning.inspect import OrderReport

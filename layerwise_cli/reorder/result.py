@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from layerwise_cli.checkpoint.finite import NonFinite
+from layerwise_cli.checkpoint.format.finite import NonFinite
 from layerwise_cli.planning.inspect import OrderReport
 from layerwise_cli.reorder.shard_plan import PlannedShard
 

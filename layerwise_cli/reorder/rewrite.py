@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from layerwise_cli.checkpoint.digests import METADATA_KEY
-from layerwise_cli.checkpoint.finite import NonFinite
+from layerwise_cli.checkpoint.format.digests import METADATA_KEY
+from layerwise_cli.checkpoint.format.finite import NonFinite
 from layerwise_cli.checkpoint.sources import Checkpoint, open_checkpoint
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.planning.inspect import OrderReport

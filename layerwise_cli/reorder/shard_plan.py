@@ -40,7 +40,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from layerwise_cli.checkpoint.header import DTYPE_SIZES, TensorEntry
+from layerwise_cli.checkpoint.format.header import DTYPE_SIZES, TensorEntry
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.planning.plan import Plan
 

@@ -6,9 +6,9 @@ import os
 import stat
 from pathlib import Path
 
-from layerwise_cli.checkpoint.chunks import CHUNK_BYTES
-from layerwise_cli.checkpoint.copy_fetch import copy_fetcher
-from layerwise_cli.checkpoint.layout import INDEX_NAME, is_weight_file, shard_file
+from layerwise_cli.checkpoint.format.chunks import CHUNK_BYTES
+from layerwise_cli.checkpoint.format.layout import INDEX_NAME, is_weight_file, shard_file
+from layerwise_cli.checkpoint.shard_copy import copy_fetcher
 from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.reorder.write import write_chunk

@@ -20,12 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from layerwise_cli.checkpoint.chunks import CHUNK_BYTES, read_chunks
-from layerwise_cli.checkpoint.copy_fetch import copy_fetcher
-from layerwise_cli.checkpoint.digests import DigestMismatch, TensorHasher, digests_metadata, header_digests
-from layerwise_cli.checkpoint.finite import ByteScan, NonFinite
-from layerwise_cli.checkpoint.header import ShardHeader, TensorEntry, encode_header, read_shard_header
-from layerwise_cli.checkpoint.layout import INDEX_NAME
+from layerwise_cli.checkpoint.format.chunks import CHUNK_BYTES, read_chunks
+from layerwise_cli.checkpoint.format.digests import DigestMismatch, TensorHasher, digests_metadata, header_digests
+from layerwise_cli.checkpoint.format.finite import ByteScan, NonFinite
+from layerwise_cli.checkpoint.format.header import ShardHeader, TensorEntry, encode_header, read_shard_header
+from layerwise_cli.checkpoint.format.layout import INDEX_NAME
+from layerwise_cli.checkpoint.shard_copy import copy_fetcher
 from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.reorder.result import ReorderProgress
@@ -302,7 +302,7 @@ def _local_header(path: Path, remote: ShardHeader, checkpoint: Checkpoint) -> Sh
 
 def _shown(checkpoint: Checkpoint) -> str:
     """How messages name a fetched CHECKPOINT: its repo id, or its URL without credentials."""
-    from layerwise_cli.checkpoint.store import display_url
+    from layerwise_cli.checkpoint.store.objects import display_url
 
     return display_url(checkpoint.source) if checkpoint.kind == "store" else checkpoint.source
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from layerwise_cli.report.jsonable import jsonable
-from layerwise_cli.report.report_parts import DerivedRefresh, LayerReport, RankSummary, merge_layers, rank_label
+from layerwise_cli.report.records import DerivedRefresh, LayerReport, RankSummary, merge_layers, rank_label
 from layerwise_cli.report.sections import Findings, Memory, Placement, Timings, UnchangedLayers, Volume
 from layerwise_cli.report.verify_result import VerifyResult
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
-from layerwise_cli.report.report_parts import DerivedRefresh, LayerReport, RankSummary
+from layerwise_cli.report.records import DerivedRefresh, LayerReport, RankSummary
 from layerwise_cli.report.verify_result import VerifyResult
 
 

@@ -118,7 +118,7 @@ class LayerwiseWorkerExtension:
         positions, its new values, and that the engine holds its base (`reload_run.plan_run`).
         """
         from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
-        from layerwise_cli.checkpoint.store import is_store_url
+        from layerwise_cli.checkpoint.store.objects import is_store_url
         from layerwise_cli.worker.reload.reload_run import plan_run
         from layerwise_cli.worker.state.layer_records import records_of
         from layerwise_cli.worker.stream.rank_plan import rank_position

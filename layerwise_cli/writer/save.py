@@ -11,10 +11,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from layerwise_cli.checkpoint.delta import DELTA_FILE
-from layerwise_cli.checkpoint.delta_source import open_step
-from layerwise_cli.checkpoint.digests import digests_metadata
-from layerwise_cli.checkpoint.header import ShardHeader, TensorEntry
+from layerwise_cli.checkpoint.delta.format import DELTA_FILE
+from layerwise_cli.checkpoint.delta.source import open_step
+from layerwise_cli.checkpoint.format.digests import digests_metadata
+from layerwise_cli.checkpoint.format.header import ShardHeader, TensorEntry
 from layerwise_cli.checkpoint.sources import INDEX_NAME, Checkpoint
 from layerwise_cli.errors import LayerwiseError, describe_exception
 from layerwise_cli.planning.parents import mapping_for_config
@@ -22,7 +22,7 @@ from layerwise_cli.planning.plan import build_plan
 from layerwise_cli.reorder.commit import fsync_dir
 from layerwise_cli.reorder.shard_plan import DEFAULT_MAX_SHARD_SIZE, plan_shards
 from layerwise_cli.reorder.write import shard_header
-from layerwise_cli.writer.delta_writer import DeltaSummary, write_delta_from_spill
+from layerwise_cli.writer.delta_file import DeltaSummary, write_delta_from_spill
 from layerwise_cli.writer.spill import Spilled, SpillFile, copy_range, write_all
 
 _TMP_MARK = ".layerwise-tmp-"
@@ -92,7 +92,7 @@ def save_checkpoint(
     What is written, into a temporary directory beside DIRECTORY:
     `model-0000i-of-0000N.safetensors` shards (each header's `__metadata__`
     holds `format: pt` and `layerwise.digests`, the xxh3-128 digest of each of
-    its tensors: see `layerwise_cli.checkpoint.digests`),
+    its tensors: see `layerwise_cli.checkpoint.format.digests`),
     `model.safetensors.index.json`, and `config.json` when CONFIG is given.
     Every file and the directory are fsync'd, the directory is renamed to
     DIRECTORY, and only then is the empty MARKER file created inside it and
@@ -130,7 +130,7 @@ def save_checkpoint(
             as `layerwise reload` refuses them).
         mapping: how tensors map to parent layers (see `mapping_for_config`).
         base: the previous step's directory (a full checkpoint on this machine): write a sparse delta
-            against it (`delta.safetensors`, see `layerwise_cli.checkpoint.delta` and docs/deltas.md) instead
+            against it (`delta.safetensors`, see `layerwise_cli.checkpoint.delta.format` and docs/deltas.md) instead
             of the full step, when the base is proved (each base tensor's bytes hash to its header digest,
             or, without digests, the digest is computed from them), holds the same tensors with the same
             shapes and dtypes, and the delta is smaller than the full step; otherwise the full step is

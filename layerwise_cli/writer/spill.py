@@ -6,8 +6,8 @@ import functools
 import os
 from dataclasses import dataclass
 
-from layerwise_cli.checkpoint.digests import TensorHasher
-from layerwise_cli.checkpoint.finite import ByteScan
+from layerwise_cli.checkpoint.format.digests import TensorHasher
+from layerwise_cli.checkpoint.format.finite import ByteScan
 from layerwise_cli.errors import LayerwiseError
 
 # Bytes moved per device-to-host copy and per write: what a CUDA tensor costs in host memory.

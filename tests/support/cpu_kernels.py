@@ -33,7 +33,7 @@ def take_linear_fallback(set_attribute=setattr) -> None:
 
 
 def on_cpu() -> bool:
-    from layerwise_cli.client.local import cuda_available
+    from layerwise_cli.client.engine.in_process import cuda_available
 
     return not cuda_available()
 

@@ -38,7 +38,7 @@ def write_steps(root: Path, demo_models) -> dict[str, Path]:
     fourth parent layer taken from *add* (so that the answers change too).
     """
     from layerwise_cli.planning.inspect import inspect_order
-    from layerwise_cli.writer.write_delta import write_delta
+    from layerwise_cli.writer.delta_step import write_delta
 
     a_dir, add_dir = demo_models["multiply"], demo_models["add"]
     plan = inspect_order(str(a_dir)).plan

@@ -158,7 +158,7 @@ def _fresh_key(checkpoint: Path, prompts: list[str], options) -> tuple:
 
 
 def _default_options():
-    from layerwise_cli.client.local import EngineOptions
+    from layerwise_cli.client.engine.in_process import EngineOptions
 
     return EngineOptions(max_model_len=64)
 
@@ -238,7 +238,7 @@ def fresh_state(checkpoint: Path, prompts: list[str], options=None) -> dict:
 
 def _answers_of_fresh_engine(checkpoint: Path, prompts: list[str], options) -> tuple[list, dict]:
     """Start an engine on CHECKPOINT, ask, take its checksums, stop: in this process where it has one rank."""
-    from layerwise_cli.client.local import start_engine, stop_engine
+    from layerwise_cli.client.engine.in_process import start_engine, stop_engine
     from tests.support.in_process import start_here, stop_here
 
     single = options.tensor_parallel_size * options.pipeline_parallel_size == 1

@@ -65,7 +65,7 @@ def start_here(model: str, options=None):
     one in-process engine per process at a time.
     """
     global _RUNNING
-    from layerwise_cli.client.local import EngineOptions, start_engine
+    from layerwise_cli.client.engine.in_process import EngineOptions, start_engine
 
     options = options or EngineOptions()
     ranks = options.tensor_parallel_size * options.pipeline_parallel_size
@@ -107,7 +107,7 @@ def start_here(model: str, options=None):
 
 def stop_here(llm) -> None:
     """`stop_engine(llm)`, then clear what an in-process engine left in this process."""
-    from layerwise_cli.client.local import stop_engine
+    from layerwise_cli.client.engine.in_process import stop_engine
 
     stop_engine(llm)
     if id(llm) in _ELSEWHERE:

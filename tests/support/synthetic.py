@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from layerwise_cli.checkpoint.header import DTYPE_SIZES, TensorEntry, encode_header
+from layerwise_cli.checkpoint.format.header import DTYPE_SIZES, TensorEntry, encode_header
 
 LAYOUTS = ("in_order", "split_layer", "trainer_export", "experts_spread")
 

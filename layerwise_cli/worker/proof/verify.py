@@ -117,9 +117,9 @@ def _open_source(source: str, revision: str | None):
     (REVISION), no folder."""
     from dataclasses import replace
 
-    from layerwise_cli.checkpoint.delta_source import open_step
+    from layerwise_cli.checkpoint.delta.source import open_step
     from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
-    from layerwise_cli.checkpoint.store import is_store_url
+    from layerwise_cli.checkpoint.store.objects import is_store_url
 
     if is_store_url(source):
         return open_checkpoint(source, revision), None
@@ -138,7 +138,7 @@ def _reader(checkpoint, folder, stream):
     """
     from pathlib import Path
 
-    from layerwise_cli.checkpoint.store import StoreSource, display_url
+    from layerwise_cli.checkpoint.store.objects import StoreSource, display_url
     from layerwise_cli.worker.stream.hub_stream import HubStream
     from layerwise_cli.worker.stream.shard_reader import ShardReader
 

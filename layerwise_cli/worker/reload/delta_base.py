@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 
-from layerwise_cli.checkpoint.delta_source import DeltaChain
-from layerwise_cli.checkpoint.digests import layer_digest
+from layerwise_cli.checkpoint.delta.source import DeltaChain
+from layerwise_cli.checkpoint.format.digests import layer_digest
 from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.planning.plan import PlannedTensor

@@ -44,10 +44,10 @@ from dataclasses import dataclass, field, replace
 import torch
 import xxhash
 
-from layerwise_cli.checkpoint.delta import VALUES_SUFFIX, WHOLE, WHOLE_SUFFIX, Delta
-from layerwise_cli.checkpoint.delta_source import DeltaChain
-from layerwise_cli.checkpoint.digests import TensorHasher, layer_digest
-from layerwise_cli.checkpoint.samples import sample_digest
+from layerwise_cli.checkpoint.delta.format import VALUES_SUFFIX, WHOLE, WHOLE_SUFFIX, Delta
+from layerwise_cli.checkpoint.delta.source import DeltaChain
+from layerwise_cli.checkpoint.format.digests import TensorHasher, layer_digest
+from layerwise_cli.checkpoint.format.samples import sample_digest
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.planning.plan import PlannedTensor
 from layerwise_cli.worker.reload.patch_sites import PatchSite, find_site, not_patchable, stored

@@ -19,7 +19,7 @@ def reference_checkpoint(model_path: str) -> Checkpoint | None:
     path = Path(model_path)
     if not path.exists():
         try:
-            from layerwise_cli.checkpoint.hub import download_checkpoint
+            from layerwise_cli.checkpoint.hub.repo import download_checkpoint
 
             path = download_checkpoint(model_path, local_files_only=True)
         except Exception:  # noqa: BLE001 - no local reference: the checks that need one are skipped

@@ -1,7 +1,7 @@
 """A reload's plan on one worker, made before anything changes: SOURCE opened, planned for this rank, pre-flighted.
 
 `stream_reload` runs it first; the `layerwise_preflight` RPC runs only it, so
-that a fleet can check every server before it pauses any (`client/fleet.py`).
+that a fleet can check every server before it pauses any (`client/servers/fleet.py`).
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from layerwise_cli.checkpoint.delta_source import open_step
-from layerwise_cli.checkpoint.hub_pin import is_commit
+from layerwise_cli.checkpoint.delta.source import open_step
+from layerwise_cli.checkpoint.hub.pin import is_commit
 from layerwise_cli.checkpoint.sources import Checkpoint, looks_like_repo_id, open_checkpoint, pin_source, resolve_local
-from layerwise_cli.checkpoint.store import display_url, is_store_url
+from layerwise_cli.checkpoint.store.objects import display_url, is_store_url
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.worker.reload.preflight import preflight, reference_checkpoint, refuse_direct_mode
 from layerwise_cli.worker.repairs.amx_mla import missing_message
@@ -107,7 +107,7 @@ def hub_checkpoint(repo_id: str, commit: str) -> Checkpoint:
 
 def snapshot_folder(repo_id: str, commit: str) -> Path:
     """Where the Hub cache keeps REPO_ID's files at COMMIT (`snapshots/<commit>/`), whether or not they are there."""
-    from layerwise_cli.checkpoint.hub_pin import repo_cache_folder
+    from layerwise_cli.checkpoint.hub.pin import repo_cache_folder
 
     return repo_cache_folder(repo_id) / "snapshots" / commit
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from layerwise_cli.checkpoint.hub_pin import HubPin
-from layerwise_cli.checkpoint.store import StoreSource
+from layerwise_cli.checkpoint.hub.pin import HubPin
+from layerwise_cli.checkpoint.store.objects import StoreSource
 from layerwise_cli.engine_defaults import delta_patch_disabled
 from layerwise_cli.planning.plan import BufferSimulation, Plan, PlannedTensor
 from layerwise_cli.report.progress import ProgressWriter

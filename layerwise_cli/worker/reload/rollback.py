@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from layerwise_cli import vllm_compat
-from layerwise_cli.checkpoint.hub_pin import is_commit
+from layerwise_cli.checkpoint.hub.pin import is_commit
 from layerwise_cli.checkpoint.sources import looks_like_repo_id
 from layerwise_cli.errors import LayerwiseError, describe_exception
 from layerwise_cli.worker.proof.consensus import PeerFailed

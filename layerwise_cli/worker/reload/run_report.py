@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from layerwise_cli.report.records import DerivedRefresh, LayerReport
 from layerwise_cli.report.reload_report import ReloadReport
-from layerwise_cli.report.report_parts import DerivedRefresh, LayerReport
 from layerwise_cli.report.sections import Findings, Memory, Placement, Timings, UnchangedLayers, Volume
 from layerwise_cli.worker.reload.reload_run import ReloadRun
 from layerwise_cli.worker.state.layer_records import REASON_UNCHANGED

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from layerwise_cli.checkpoint.digests import header_digests, layer_digest
+from layerwise_cli.checkpoint.format.digests import header_digests, layer_digest
 from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.planning.plan import PlannedTensor
 from layerwise_cli.worker.reload.rerun_hooks import RerunHooks, rerun_hooks

@@ -7,8 +7,8 @@ from collections import deque
 
 import torch
 
-from layerwise_cli.checkpoint.chunks import CHUNK_BYTES
-from layerwise_cli.checkpoint.digests import TensorHasher
+from layerwise_cli.checkpoint.format.chunks import CHUNK_BYTES
+from layerwise_cli.checkpoint.format.digests import TensorHasher
 from layerwise_cli.planning.plan import PlannedTensor
 from layerwise_cli.worker.stream.shard_reader import raw_bytes
 from layerwise_cli.worker.stream.stats import ReadAheadStats

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import torch
 
-from layerwise_cli.checkpoint.header import ShardHeader, TensorEntry
-from layerwise_cli.checkpoint.hub_fetch import ByteRange, RangeFetcher, tensor_range
-from layerwise_cli.checkpoint.hub_pin import HubPin
-from layerwise_cli.checkpoint.range_source import RangeSource
+from layerwise_cli.checkpoint.fetch.range_fetcher import ByteRange, RangeFetcher, tensor_range
+from layerwise_cli.checkpoint.fetch.range_source import RangeSource
+from layerwise_cli.checkpoint.format.header import ShardHeader, TensorEntry
+from layerwise_cli.checkpoint.hub.pin import HubPin
+from layerwise_cli.checkpoint.hub.range_source import range_source
 from layerwise_cli.checkpoint.sources import Checkpoint
 
 # safetensors' dtype names (its format's own spelling) -> torch's.
@@ -67,8 +68,8 @@ class HubStream:
             ranges += [ByteRange(shard.name, 0, shard.data_start) for shard in checkpoint.shards]
             ranges += [tensor_range(self.shards[entry.shard], entry) for entry in extra]
         self.planned_bytes = sum(r.size for r in ranges)
-        self.fetcher = RangeFetcher(pin, ranges, connections=connections, window_bytes=window_bytes,
-                                    part_bytes=part_bytes, keep=keep, cache_dir=cache_dir)
+        self.fetcher = RangeFetcher(range_source(pin, cache_dir=cache_dir), ranges, connections=connections,
+                                    window_bytes=window_bytes, part_bytes=part_bytes, keep=keep)
 
     def start(self) -> HubStream:
         """Read each file's size and sha256 at the commit, and start the connections (raises one line)."""
@@ -109,7 +110,7 @@ class SampledWindows:
     def __init__(self, pin: HubPin | RangeSource, checkpoint: Checkpoint, windows: Iterable[tuple[str, int, int]], *,
                  keep: bool = True, cache_dir: str | Path | None = None) -> None:
         ranges = [ByteRange(shard, start, start + length) for shard, start, length in windows]
-        self.fetcher = RangeFetcher(pin, ranges, keep=keep, cache_dir=cache_dir, part_bytes=1 << 20)
+        self.fetcher = RangeFetcher(range_source(pin, cache_dir=cache_dir), ranges, keep=keep, part_bytes=1 << 20)
         self.pin = pin
 
     def __enter__(self) -> SampledWindows:

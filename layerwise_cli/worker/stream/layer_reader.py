@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from layerwise_cli.checkpoint.digests import layer_digest, tensor_digest
-from layerwise_cli.checkpoint.finite import first_nonfinite, first_nonfinite_shared, refusal
-from layerwise_cli.checkpoint.samples import buffer_sample
+from layerwise_cli.checkpoint.format.digests import layer_digest, tensor_digest
+from layerwise_cli.checkpoint.format.finite import first_nonfinite, first_nonfinite_shared, refusal
+from layerwise_cli.checkpoint.format.samples import buffer_sample
 from layerwise_cli.planning.plan import PlannedTensor
 from layerwise_cli.worker.stream.hash_backlog import HashBacklog
 from layerwise_cli.worker.stream.hub_stream import HubStream

@@ -79,7 +79,7 @@ def open_stream(
         stats: receives the peak bytes read but not yet handed over.
         check_finite: refuse a parent layer holding NaN or Inf before any of
             its tensors is handed over (a cheap reduction per tensor, one
-            read-back per layer; see `layerwise_cli.checkpoint.finite`).
+            read-back per layer; see `layerwise_cli.checkpoint.format.finite`).
         hash_layers: parent layers whose tensors are hashed as they are read
             (xxh3-128, `checkpoint.digests`), in the reading thread, when the
             hash can decide a skip (see `may_skip`); each tensor's digest goes

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from layerwise_cli.checkpoint.rebuild_buffers import RebuildBuffers
+from layerwise_cli.checkpoint.delta.buffers import RebuildBuffers
 from layerwise_cli.checkpoint.sources import shard_file
 from layerwise_cli.planning.plan import PlannedTensor
 
@@ -59,7 +59,7 @@ class ShardReader:
         tensor = handle.get_tensor(item.entry.name)
         if self._delta is None:
             return tensor
-        from layerwise_cli.checkpoint.delta_source import rebuilt_tensor
+        from layerwise_cli.checkpoint.delta.source import rebuilt_tensor
 
         return rebuilt_tensor(self._delta, item.entry, tensor, str(self._folder / shard), self._buffers)
 

@@ -1,0 +1,164 @@
+"""Reading a delta file: finding it, and its header and metadata checked against each other (`read_delta`).
+
+The format itself (what each entry holds) is `checkpoint.delta`'s docstring; its positions are checked when they
+are read (`Delta.positions`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from math import prod
+from pathlib import Path
+
+from layerwise_cli.checkpoint.delta.format import (
+    BITMAP,
+    DELTA_FILE,
+    FORMAT,
+    KINDS,
+    METADATA_KEY,
+    POSITIONS_SUFFIX,
+    VALUES_SUFFIX,
+    WHOLE,
+    WHOLE_SUFFIX,
+    Delta,
+    TensorPatch,
+)
+from layerwise_cli.checkpoint.format.header import DTYPE_SIZES, ShardHeader, read_shard_header
+from layerwise_cli.errors import LayerwiseError, describe_exception
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def delta_file(path: str | os.PathLike[str]) -> Path | None:
+    """The delta file of PATH (a delta step directory, or the file itself), or None when PATH is not a delta.
+
+    Reads one header at most.
+    """
+    path = Path(path)
+    try:
+        candidate = path / DELTA_FILE if path.is_dir() else path
+        if not candidate.is_file() or not candidate.name.endswith(".safetensors"):
+            return None
+    except OSError as exc:  # a name too long, a loop of symlinks: one line naming the path
+        raise describe_exception(exc, where=str(path)) from exc
+    try:
+        header, _ = read_shard_header(candidate)
+    except LayerwiseError:
+        return candidate if candidate.name == DELTA_FILE else None  # a damaged delta is refused by `read_delta`
+    return candidate if METADATA_KEY in header.metadata else None
+
+
+def read_delta(path: str | os.PathLike[str]) -> Delta:
+    """Read and validate a delta file's header and metadata (not yet its positions: `Delta.positions`).
+
+    Args:
+        path: a delta step directory or its `delta.safetensors`.
+
+    Returns:
+        The delta.
+
+    Raises:
+        LayerwiseError: one line naming the file (and the tensor): truncated, not a delta, malformed
+            metadata, or entries that do not match what the metadata describes.
+    """
+    path = Path(path)
+    file = path / DELTA_FILE if path.is_dir() else path
+    header, _ = read_shard_header(file)
+    where = str(file)
+    raw = header.metadata.get(METADATA_KEY)
+    if raw is None:
+        raise LayerwiseError(f"not a delta: its header has no {METADATA_KEY} metadata", where=where)
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        raise LayerwiseError(f"__metadata__ {METADATA_KEY} is not valid JSON", where=where) from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        found = doc.get("format") if isinstance(doc, dict) else None
+        raise LayerwiseError(f"delta format {found!r} is not {FORMAT!r} (written by another version?)", where=where)
+    base, step, tensors = doc.get("base"), doc.get("step"), doc.get("tensors")
+    if not isinstance(base, dict) or not isinstance(base.get("location"), str):
+        raise LayerwiseError(f"__metadata__ {METADATA_KEY} has no base location", where=where)
+    base_digests = _digest_map(base.get("digests"), "base", where)
+    step_digests = _digest_map(step.get("digests") if isinstance(step, dict) else None, "step", where)
+    if set(base_digests) != set(step_digests):
+        odd = sorted(set(base_digests) ^ set(step_digests))[0]
+        raise LayerwiseError(f"tensor {odd}: in only one of the base's and the step's digests", where=where)
+    if not isinstance(tensors, dict):
+        raise LayerwiseError(f"__metadata__ {METADATA_KEY} has no \"tensors\" object", where=where)
+    patches = {name: _patch(name, spec, where) for name, spec in tensors.items()}
+    _check_entries(header, patches, base_digests, step_digests, where)
+    return Delta(file, header, base["location"], base_digests, step_digests, patches)
+
+
+def _digest_map(value: object, which: str, where: str) -> dict[str, str]:
+    if not isinstance(value, dict) or not value:
+        raise LayerwiseError(f"__metadata__ {METADATA_KEY} has no {which} digests", where=where)
+    for name, digest in value.items():
+        if not (isinstance(digest, str) and len(digest) == 32 and set(digest) <= _HEX):
+            raise LayerwiseError(f"tensor {name}: {which} digest is not 32 lowercase hex digits", where=where)
+    return dict(value)
+
+
+def _patch(name: str, spec: object, where: str) -> TensorPatch:
+    if not isinstance(spec, dict):
+        raise LayerwiseError(f"tensor {name}: its entry in {METADATA_KEY} is not an object", where=where)
+    dtype, shape, kind, changed = spec.get("dtype"), spec.get("shape"), spec.get("kind"), spec.get("changed")
+    if dtype not in DTYPE_SIZES:
+        raise LayerwiseError(f"tensor {name}: dtype {dtype!r} cannot be patched", where=where)
+    if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                            for d in shape)):
+        raise LayerwiseError(f"tensor {name}: shape {shape!r} is not a list of non-negative integers", where=where)
+    if kind not in KINDS:
+        raise LayerwiseError(f"tensor {name}: kind {kind!r} is not one of {', '.join(KINDS)}", where=where)
+    numel = prod(shape)
+    if not (isinstance(changed, int) and not isinstance(changed, bool) and 0 < changed <= numel):
+        raise LayerwiseError(f"tensor {name}: changed {changed!r} is not between 1 and its {numel} elements",
+                             where=where)
+    if kind == WHOLE and changed != numel:
+        raise LayerwiseError(f"tensor {name}: stored whole, but changed {changed} of {numel}", where=where)
+    return TensorPatch(name, dtype, tuple(shape), kind, changed)
+
+
+def expected_entries(patch: TensorPatch) -> dict[str, tuple[str | tuple[str, ...], tuple[int, ...]]]:
+    """Each file entry of PATCH: key -> (dtype, or the dtypes allowed; shape)."""
+    if patch.kind == WHOLE:
+        return {patch.name + WHOLE_SUFFIX: (patch.dtype, patch.shape)}
+    if patch.kind == BITMAP:
+        positions = ("U8", ((patch.numel + 7) // 8,))
+    else:
+        positions = (index_dtype(patch.numel), (patch.changed,))
+    return {patch.name + POSITIONS_SUFFIX: positions, patch.name + VALUES_SUFFIX: (patch.dtype, (patch.changed,))}
+
+
+def index_dtype(numel: int) -> str:
+    """The dtype of an index of positions into NUMEL elements: I32 while it fits, I64 beyond."""
+    return "I32" if numel < 2**31 else "I64"
+
+
+def _check_entries(header: ShardHeader, patches: Mapping[str, TensorPatch], base: Mapping[str, str],
+                   step: Mapping[str, str], where: str) -> None:
+    present = {t.name: t for t in header.tensors}
+    wanted: set[str] = set()
+    for name, patch in patches.items():
+        if name not in step:
+            raise LayerwiseError(f"tensor {name}: patched, but not in the step's digests", where=where)
+        if base[name] == step[name]:
+            raise LayerwiseError(f"tensor {name}: patched, but its base and step digests are equal", where=where)
+        for key, (dtype, shape) in expected_entries(patch).items():
+            wanted.add(key)
+            entry = present.get(key)
+            if entry is None:
+                raise LayerwiseError(f"tensor {name}: entry {key} is missing", where=where)
+            if entry.dtype != dtype or entry.shape != shape:
+                raise LayerwiseError(f"tensor {name}: entry {key} is {entry.dtype}{list(entry.shape)}, expected "
+                                     f"{dtype}{list(shape)}", where=where)
+    extra = sorted(set(present) - wanted)
+    if extra:
+        raise LayerwiseError(f"entry {extra[0]} is not described by {METADATA_KEY}", where=where)
+    for name in step:
+        if name not in patches and base[name] != step[name]:
+            raise LayerwiseError(f"tensor {name}: its step digest differs from its base's, and the delta holds no "
+                                 "patch for it", where=where)
+

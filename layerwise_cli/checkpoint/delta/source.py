@@ -1,0 +1,220 @@
+"""A delta opened as the full step it rebuilds: the base's headers with the step's digests, read through the patch.
+
+A delta's base may itself be a delta (a chain: step 120 against 119, 119 against 118, ..., back to a full
+step): the step is then rebuilt from the full step at the chain's start through every patch in order, each
+link proved by its digests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from layerwise_cli.checkpoint.delta.buffers import RebuildBuffers
+from layerwise_cli.checkpoint.delta.format import Delta
+from layerwise_cli.checkpoint.delta.read import delta_file, read_delta
+from layerwise_cli.checkpoint.format.digests import checkpoint_digests, digests_metadata, tensor_digest
+from layerwise_cli.checkpoint.format.header import TensorEntry
+from layerwise_cli.checkpoint.format.layout import read_json
+from layerwise_cli.checkpoint.sources import Checkpoint, looks_like_repo_id, open_checkpoint
+from layerwise_cli.errors import LayerwiseError
+
+
+def open_step(source: str, revision: str | None = None) -> Checkpoint:
+    """`open_checkpoint`, except that a local sparse delta is opened as the full step it rebuilds.
+
+    For the callers that read tensors through `Checkpoint.delta` (a reload, its pre-flight, `--verify`);
+    everything else opens a delta as the safetensors file it is.
+    """
+    if not looks_like_repo_id(source) and delta_file(source) is not None:
+        if revision:
+            raise LayerwiseError("--revision applies to Hub repo ids only", where=source)
+        return open_delta_checkpoint(source)
+    return open_checkpoint(source, revision)
+
+
+# Links a chain of deltas may have before its full step: beyond it, a loop (or a run that never wrote a full step).
+MAX_CHAIN = 100
+
+
+@dataclass(frozen=True)
+class DeltaChain:
+    """The deltas a step is rebuilt through, oldest first: the first applies to a full step, each later one to
+    the step before it. What a reload says of "the delta" is its last link's (its base, patches, file).
+
+    Attributes:
+        links: the deltas, oldest first.
+    """
+
+    links: tuple[Delta, ...]
+
+    @property
+    def last(self) -> Delta:
+        return self.links[-1]
+
+    @property
+    def path(self) -> Path:
+        return self.last.path
+
+    @property
+    def header(self):
+        return self.last.header
+
+    @property
+    def base_location(self) -> str:
+        return self.last.base_location
+
+    @property
+    def base_digests(self):
+        return self.last.base_digests
+
+    @property
+    def step_digests(self):
+        return self.last.step_digests
+
+    @property
+    def patches(self):
+        return self.last.patches
+
+    def patch_nbytes(self, name: str) -> int:
+        """The bytes of tensor NAME's patches in every link (positions and values, or the whole tensor)."""
+        return sum(link.patch_nbytes(name) for link in self.links)
+
+    def validate(self) -> None:
+        """Every link's positions (`Delta.validate`)."""
+        for link in self.links:
+            link.validate()
+
+    def refuse_nonfinite(self) -> None:
+        """Refuse a NaN or Inf among the values a rebuild takes from any link (`Delta.refuse_nonfinite`)."""
+        for link in self.links:
+            link.refuse_nonfinite()
+
+
+def base_directory(delta: Delta) -> Path:
+    """Where the delta's base is now: its recorded location, else a sibling of the delta's step of that name.
+
+    Raises:
+        LayerwiseError: neither exists (naming both).
+    """
+    recorded = Path(delta.base_location)
+    if recorded.exists():
+        return recorded
+    beside = delta.path.parent.parent / recorded.name
+    if beside.exists():
+        return beside
+    raise LayerwiseError(f"its base {delta.base_location} does not exist (nor {beside}): a delta is rebuilt from "
+                         "its base step's files", where=str(delta.path))
+
+
+def open_delta_checkpoint(path: str | Path, *, _links: int = 0) -> Checkpoint:
+    """The full step a delta rebuilds, as a `Checkpoint`: what a reload plans, pre-flights and streams.
+
+    Its shards are those of the full step at the start of its chain (`local_dir` is that step's directory),
+    their headers carrying this step's digests (`layerwise.digests`), so that the skip of unchanged layers and
+    the records work as for a full step; `delta` is the `DeltaChain` every read goes through
+    (`rebuilt_tensor`). The base (a full step, or a delta opened the same way) must hold exactly the delta's
+    tensors, with the delta's base digests where its headers carry digests.
+
+    Raises:
+        LayerwiseError: the delta or its base cannot be read, the base is not the delta's base, or the chain
+            is longer than `MAX_CHAIN` links (a loop).
+    """
+    delta = read_delta(path)
+    where = str(delta.path)
+    if _links >= MAX_CHAIN:
+        raise LayerwiseError(f"a chain of more than {MAX_CHAIN} deltas (a loop?): no full step at its start",
+                             where=where)
+    base_dir = base_directory(delta)
+    if delta_file(base_dir) is not None:
+        base = open_delta_checkpoint(base_dir, _links=_links + 1)
+    else:
+        base = open_checkpoint(str(base_dir))
+    names = {t.name: t for t in base.tensors}
+    odd = sorted(set(names) ^ set(delta.base_digests))
+    if odd:
+        raise LayerwiseError(f"its base {base_dir} is not the delta's base: tensor {odd[0]} is in only one of them",
+                             where=where)
+    claimed = checkpoint_digests(base.shards) or {}
+    for name, digest in claimed.items():
+        if digest != delta.base_digests[name]:
+            raise LayerwiseError(f"its base {base_dir} is not the delta's base: tensor {name} differs (header digest "
+                                 f"{digest}, the delta's base {delta.base_digests[name]})", where=where)
+    for name, patch in delta.patches.items():
+        entry = names[name]
+        if (entry.dtype, entry.shape) != (patch.dtype, patch.shape):
+            raise LayerwiseError(f"tensor {name}: the patch is {patch.dtype}{list(patch.shape)}, the base's "
+                                 f"{entry.dtype}{list(entry.shape)}", where=where)
+    shards = [replace(shard, metadata={**shard.metadata, **digests_metadata(
+        {t.name: delta.step_digests[t.name] for t in shard.tensors})}) for shard in base.shards]
+    config_path = delta.path.parent / "config.json"
+    config = read_json(config_path) if config_path.is_file() else base.config
+    links = (base.delta.links if base.delta is not None else ()) + (delta,)
+    return replace(base, source=str(path), shards=shards, config=config, delta=DeltaChain(links))
+
+
+def rebuilt_bytes(chain: DeltaChain, entry: TensorEntry, raw, where: str, buffers: RebuildBuffers | None = None):
+    """Tensor ENTRY's bytes in the step, from its bytes RAW in the chain's full step (a numpy uint8 array); proved.
+
+    Every link's patch is applied in turn, and the result must hash to the step's digest of the tensor (the last
+    link's): what comes out is the step's tensor, or nothing. One hash proves it; only when it fails are RAW and
+    each link's result hashed again, to say which is wrong (`_why_not_the_step`).
+
+    Args:
+        chain: the deltas, oldest first.
+        entry: the tensor as the full step's header describes it.
+        raw: its bytes there.
+        where: the full step's shard file, for the message.
+        buffers: buffers for the results (`Delta.apply`), or None for new ones.
+
+    Returns:
+        The step's bytes (RAW itself when no link changes the tensor).
+
+    Raises:
+        LayerwiseError: RAW is not the chain's base, a patch is corrupt, or a result is not its step's tensor.
+    """
+    out = raw
+    for link in chain.links:
+        if entry.name in link.patches:  # otherwise its step digest is its base digest (`read_delta` checks it)
+            out = link.apply(entry.name, out, buffers)
+    if tensor_digest(entry.dtype, entry.shape, out) != chain.links[-1].step_digests[entry.name]:
+        raise _why_not_the_step(chain, entry, raw, where)
+    return out
+
+
+def _why_not_the_step(chain: DeltaChain, entry: TensorEntry, raw, where: str) -> LayerwiseError:
+    """The error for a tensor whose rebuilt bytes are not the step's: RAW is not the base, or which link is corrupt."""
+    first = chain.links[0]
+    if tensor_digest(entry.dtype, entry.shape, raw) != first.base_digests[entry.name]:
+        return LayerwiseError(f"tensor {entry.name}: its bytes are not the delta's base {first.base_location} "
+                              "(the base changed since the delta was written)", where=where)
+    for link in chain.links:
+        if entry.name not in link.patches:
+            continue
+        raw = link.apply(entry.name, raw)
+        if tensor_digest(entry.dtype, entry.shape, raw) != link.step_digests[entry.name]:
+            break
+    return LayerwiseError(f"tensor {entry.name}: the rebuilt bytes do not hash to the step's digest (corrupt delta)",
+                          where=str(link.path))
+
+
+def rebuilt_tensor(chain: DeltaChain, entry: TensorEntry, base, where: str, buffers: RebuildBuffers | None = None):
+    """Tensor ENTRY of the step, from its BASE tensor (as read from the full step's file): `rebuilt_bytes`.
+
+    Args:
+        chain: the deltas, oldest first (`Checkpoint.delta`).
+        entry: the tensor as the full step's header describes it.
+        base: its tensor there (a contiguous host torch tensor).
+        where: the full step's shard file, for the message.
+        buffers: buffers for the result (`rebuilt_bytes`), or None for new ones.
+
+    Returns:
+        The step's tensor (BASE itself when no link changes it).
+    """
+    import torch
+
+    raw = base.reshape(-1).view(torch.uint8).numpy()
+    out = rebuilt_bytes(chain, entry, raw, where, buffers)
+    if out is raw:
+        return base
+    return torch.from_numpy(out).view(base.dtype).reshape(base.shape)
