@@ -164,7 +164,7 @@ def run_load(url: str, sources: dict[str, str], *, first: str = "multiply", thre
             start = time.monotonic()
             outcome = reload_server(url, sources[model], RemoteOptions(api_key=api_key, pause_mode=pause_mode),
                                     # Called during this iteration only: binding `events` late is fine.
-                                    on_event=lambda u, event, data: events.setdefault(event, time.monotonic()))  # noqa: B023
+                                    on_event=lambda event: events.setdefault(event.kind, time.monotonic()))  # noqa: B023
             end = time.monotonic()
             result.reloads.append(ReloadWindow(
                 model=model, start=start, end=end, ok=outcome.ok, error=outcome.error,

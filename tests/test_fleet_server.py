@@ -18,6 +18,7 @@ import threading
 
 import pytest
 
+from layerwise_cli.client.servers.events import Paused, ServerEvent
 from tests.support.engine_support import reshard
 from tests.support.server_support import RunningServer, own_core, run_cli
 from tests.support.watch_support import start_servers, weight_version
@@ -147,9 +148,9 @@ def test_a_shard_truncated_after_pre_flight_fails_its_server_and_the_others_go_b
     before = snapshot(fleet)
     truncated = threading.Event()
 
-    def on_event(url: str, event: str, data: dict) -> None:
+    def on_event(event: ServerEvent) -> None:
         # The trainer's copy on the first node is cut short between the fleet's pre-flight and its reload.
-        if url == fleet[0].url and event == "paused" and not truncated.is_set():
+        if event.url == fleet[0].url and isinstance(event, Paused) and not truncated.is_set():
             truncate_last_shard(fleet[0].cwd / STEP)
             truncated.set()
 
@@ -206,8 +207,8 @@ def test_a_server_killed_mid_reload_leaves_the_others_on_their_previous_weights(
     victim = fleet[2]
     killed = threading.Event()
 
-    def on_event(url: str, event: str, data: dict) -> None:
-        if url == victim.url and event == "paused" and not killed.is_set():
+    def on_event(event: ServerEvent) -> None:
+        if event.url == victim.url and isinstance(event, Paused) and not killed.is_set():
             killed.set()
             # Killed (its process group reaped) in its own fleet thread, between its pause and its reload
             # request, while the two others reload: its reload fails whatever the machine's load. A timer 20 ms

@@ -19,6 +19,7 @@ import shutil
 
 import pytest
 
+from layerwise_cli.client.servers.events import Reloaded, ServerEvent
 from tests.support.engine_support import reshard
 from tests.support.nodes_support import (
     HeadlessNode,
@@ -131,8 +132,8 @@ def test_verify_names_the_layers_when_the_source_changed_under_it(engine, demo_m
     source = tmp_path / "add"
     shutil.copytree(demo_models["add"], source)
 
-    def swap(url: str, event: str, data: dict) -> None:
-        if event == "reloaded":
+    def swap(event: ServerEvent) -> None:
+        if isinstance(event, Reloaded):
             for shard in source.glob("*.safetensors"):
                 shard.unlink()
             for shard in demo_models["multiply"].glob("*.safetensors"):

@@ -12,6 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from benchmarks.traffic import Request, Traffic
+from layerwise_cli.client.servers.events import Paused, Reloaded, ServerEvent
 from tests.support.cpu_kernels import linear_kernels_are_read_back
 from tests.support.engine_support import parameter_kind, reshard
 from tests.support.hub_server import HubServer
@@ -319,8 +320,8 @@ def test_url_reload_skips_what_the_server_holds_and_all_reloads_everything(on_mu
 def _swap_after_reload(source: Path, replacement: Path):
     """An event hook: once the server reloaded SOURCE, SOURCE's weights become REPLACEMENT's."""
 
-    def on_event(url: str, event: str, data: dict) -> None:
-        if event == "reloaded":
+    def on_event(event: ServerEvent) -> None:
+        if isinstance(event, Reloaded):
             for shard in source.glob("*.safetensors"):
                 shard.unlink()
             for shard in replacement.glob("*.safetensors"):
@@ -495,7 +496,7 @@ def test_timeouts_are_one_line(on_multiply, demo_models):
     # The engine stops once generation is paused: the reload outlasts --timeout. The tool cannot know
     # what the engine will do, says so, and tries to resume.
     core = _engine_core(on_multiply)
-    suspend = lambda url, event, data: core.suspend() if event == "paused" else None  # noqa: E731
+    suspend = lambda event: core.suspend() if isinstance(event, Paused) else None  # noqa: E731
     try:
         result = reload_server(on_multiply.url, str(demo_models["add"]), RemoteOptions(api_key=KEY, timeout=3),
                                on_event=suspend)
@@ -574,8 +575,8 @@ def test_pause_modes_with_requests_in_flight(on_multiply, demo_models, mode):
         try:
             result = reload_server(on_multiply.url, str(demo_models["add"]),
                                    RemoteOptions(api_key=KEY, pause_mode=mode),
-                                   on_event=lambda url, event, data: times.setdefault(  # noqa: B023 - called now
-                                       event, time.monotonic()))
+                                   on_event=lambda event: times.setdefault(  # noqa: B023 - called now
+                                       event.kind, time.monotonic()))
             count = len(traffic.done)
             deadline = time.monotonic() + 60
             while not traffic.once and len(traffic.done) < count + 24 and time.monotonic() < deadline:

@@ -10,6 +10,18 @@ from rich.table import Table
 from layerwise_cli.cli._output import print_json, report_error, stderr, stdout
 from layerwise_cli.cli._reload_view import render_report, render_verify, source_label
 from layerwise_cli.client.servers.api import HOLDS_NEW, RemoteOptions
+from layerwise_cli.client.servers.events import (
+    Checked,
+    GoingBack,
+    Paused,
+    Preflighted,
+    Reloaded,
+    ReloadedBack,
+    Resumed,
+    ServerEvent,
+    Verified,
+    Versioned,
+)
 from layerwise_cli.client.servers.fleet import all_or_nothing
 from layerwise_cli.client.servers.reload_servers import ServerResult, holdings, reload_servers
 from layerwise_cli.units import human_seconds
@@ -23,6 +35,36 @@ _HOLDS_TEXT = {
 }
 
 
+def _event_line(event: ServerEvent, as_json: bool) -> str | None:
+    """The stderr line for one server's EVENT (None: nothing to say; with --json, only the fallback warning)."""
+    where = escape(event.url)
+    match event:
+        case Checked(method="vllm", fallback_reason=reason):
+            # A warning, not progress: also with --json.
+            return (f"[yellow]Warning:[/] {where}: {escape(str(reason))}; falling back to vLLM's own "
+                    "reload_weights: per-layer figures are unavailable (vLLM reports none; only the wall time "
+                    "is measured)")
+        case _ if as_json:
+            return None
+        case Paused(mode=mode):
+            return f"{where}: generation paused ({mode})"
+        case Reloaded(report=report):
+            return f"{where}: reloaded in {human_seconds(report.wall_s)}"
+        case Verified(verify=verify):
+            return f"{where}: " + ("verified" if verify.ok else "[red]verify found differences[/]")
+        case Versioned(version=version):
+            return f"{where}: weight version set to {escape(version)}"
+        case Preflighted():
+            return f"{where}: pre-flight passed"
+        case GoingBack(source=source, because=because):
+            return f"{where}: [yellow]reloading it back[/] to {escape(source)} ({escape(because)})"
+        case ReloadedBack(source=source):
+            return f"{where}: reloaded back to {escape(source)}"
+        case Resumed(paused_s=paused_s):
+            return f"{where}: generation resumed after {human_seconds(paused_s)} paused"
+    return None
+
+
 def reload_remote(urls: list[str], source: str, options: RemoteOptions, as_json: bool = False,
                   top: int = 0, atomic: bool | None = None) -> int:
     """Reload SOURCE into every server, print one report per server and the verdict.
@@ -33,35 +75,11 @@ def reload_remote(urls: list[str], source: str, options: RemoteOptions, as_json:
     """
     lock = threading.Lock()
 
-    def on_event(url: str, event: str, data: dict) -> None:
+    def on_event(event: ServerEvent) -> None:
         with lock:
-            where = escape(url)
-            if event == "checked" and data["method"] == "vllm":
-                # A warning, not progress: also with --json.
-                stderr.print(f"[yellow]Warning:[/] {where}: {escape(data['fallback_reason'])}; falling back to "
-                             "vLLM's own reload_weights: per-layer figures are unavailable (vLLM reports none; "
-                             "only the wall time is measured)")
-            elif as_json:
-                return
-            elif event == "paused":
-                stderr.print(f"{where}: generation paused ({data['mode']})")
-            elif event == "reloaded":
-                stderr.print(f"{where}: reloaded in {human_seconds(data['report'].wall_s)}")
-            elif event == "verified":
-                verify = data["verify"]
-                state = "verified" if verify.ok else "[red]verify found differences[/]"
-                stderr.print(f"{where}: {state}")
-            elif event == "versioned":
-                stderr.print(f"{where}: weight version set to {escape(data['version'])}")
-            elif event == "preflighted":
-                stderr.print(f"{where}: pre-flight passed")
-            elif event == "going_back":
-                stderr.print(f"{where}: [yellow]reloading it back[/] to {escape(data['source'])} "
-                             f"({escape(data['because'])})")
-            elif event == "reloaded_back":
-                stderr.print(f"{where}: reloaded back to {escape(data['source'])}")
-            elif event == "resumed":
-                stderr.print(f"{where}: generation resumed after {human_seconds(data['paused_s'])} paused")
+            line = _event_line(event, as_json)
+            if line is not None:
+                stderr.print(line)
 
     from dataclasses import replace
 

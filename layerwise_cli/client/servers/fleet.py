@@ -20,11 +20,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from layerwise_cli.client.servers.api import RemoteOptions
+from layerwise_cli.client.servers.events import OnEvent
 from layerwise_cli.client.servers.reload import ServerReload, ServerResult
 
 
 def reload_fleet(urls: list[str], source: str, options: RemoteOptions,
-                 on_event: Callable[[str, str, dict], None] | None = None) -> list[ServerResult]:
+                 on_event: OnEvent | None = None) -> list[ServerResult]:
     """Reload SOURCE into every server, all or nothing (see the module's rule); one result per URL, in order.
 
     Never raises for a server's failure: each result says what that server holds now, and why.

@@ -4,7 +4,7 @@ go back, finish (resume). `reload_server` runs them in a row; a fleet runs each 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 
@@ -18,6 +18,19 @@ from layerwise_cli.client.servers.api import (
     RemoteOptions,
     ServerClient,
     _ServerError,
+)
+from layerwise_cli.client.servers.events import (
+    Checked,
+    Failed,
+    GoingBack,
+    OnEvent,
+    Paused,
+    Preflighted,
+    Reloaded,
+    ReloadedBack,
+    Resumed,
+    Verified,
+    Versioned,
 )
 from layerwise_cli.client.servers.lease import LeaseKeeper, step_done
 from layerwise_cli.errors import one_line
@@ -34,7 +47,6 @@ NO_LEASE_WARNING = ("this server has no pause lease (layerwise's vLLM plugin is 
 # What a server may hold after a failed change: anything but its previous weights, which a fleet reloads back.
 _CHANGED = (HOLDS_NEW, HOLDS_UNVERIFIED, HOLDS_UNKNOWN, HOLDS_MIXED)
 
-Emit = Callable[[str, str, dict], None]
 
 
 @dataclass(frozen=True)
@@ -89,11 +101,11 @@ class ServerReload:
     the result). A step after a failed one does nothing.
     """
 
-    def __init__(self, url: str, source: str, options: RemoteOptions, emit: Emit | None = None) -> None:
+    def __init__(self, url: str, source: str, options: RemoteOptions, emit: OnEvent | None = None) -> None:
         self.url = url
         self.source = source
         self.options = options
-        self._emit = emit or (lambda url, event, data: None)
+        self._emit = emit or (lambda event: None)
         self.client = ServerClient(url, api_key=options.api_key, timeout=options.timeout)
         self.stage = "connect"
         self.method, self.fallback_reason = "layerwise", None
@@ -167,7 +179,7 @@ class ServerReload:
                 self.engines = self.client.engines
                 if self.client.engines_warning():
                     self.warnings.append(self.client.engines_warning())
-            self._emit(self.url, "checked", {"method": self.method, "fallback_reason": self.fallback_reason})
+            self._emit(Checked(self.url, self.method, self.fallback_reason))
             step_done(self.stage)
         return not self.failed
 
@@ -211,7 +223,7 @@ class ServerReload:
             if self.back == (self.source, self.options.reload.revision) and not is_commit(self.back[1]):
                 self.warnings.append(f"its weights came from {self.source} itself: had another server failed, it "
                                      "could only have been reloaded back to what that path holds now")
-            self._emit(self.url, "preflighted", {"back": self.back[0] if self.back else None})
+            self._emit(Preflighted(self.url, self.back[0] if self.back else None))
             step_done(self.stage)
         return not self.failed
 
@@ -230,8 +242,7 @@ class ServerReload:
                     self._keeper = LeaseKeeper(self.client, options.pause_lease_s)
                 else:
                     self.warnings.append(NO_LEASE_WARNING)
-                self._emit(self.url, "paused", {"mode": options.pause_mode,
-                                                "lease_s": options.pause_lease_s if self._keeper else None})
+                self._emit(Paused(self.url, options.pause_mode, options.pause_lease_s if self._keeper else None))
                 step_done(self.stage)
 
             self.stage = "reload"
@@ -239,14 +250,14 @@ class ServerReload:
                            else self.client.vllm_reload(self.source, options.weight_version))
             self.holds = HOLDS_NEW
             self.warnings.extend(_reset_prefix_cache(self.client))
-            self._emit(self.url, "reloaded", {"report": self.report})
+            self._emit(Reloaded(self.url, self.report))
             step_done(self.stage)
 
             if options.verify:
                 self.stage = "verify"
                 self.verify = self.client.verify(self.source, options.reload.revision,
                                                  allow_unchecked=options.reload.allow_unchecked)
-                self._emit(self.url, "verified", {"verify": self.verify})
+                self._emit(Verified(self.url, self.verify))
                 if not self.verify.ok:
                     self.holds = HOLDS_UNVERIFIED
                     raise _ServerError(verify_failure(self.verify), holds=HOLDS_UNVERIFIED)
@@ -257,7 +268,7 @@ class ServerReload:
                 if not self.client.version_set_with_reload:  # else the server set it when the reload succeeded
                     self.client.set_weight_version(options.weight_version)
                 self.version_after = options.weight_version
-                self._emit(self.url, "versioned", {"version": options.weight_version})
+                self._emit(Versioned(self.url, options.weight_version))
                 step_done(self.stage)
             self.changed_ok = True
         return self.changed_ok
@@ -285,7 +296,7 @@ class ServerReload:
             if self.back is None:
                 raise _ServerError(self.back_missing, holds=holds)
             source, revision = self.back
-            self._emit(self.url, "going_back", {"source": source, "because": because})
+            self._emit(GoingBack(self.url, source, because))
             # Every layer the change touched is re-read; the others are skipped by the records. What it held was
             # accepted when it was loaded: no NaN/Inf refusal now.
             back = replace(self.options, weight_version=self.version_before,
@@ -302,7 +313,7 @@ class ServerReload:
                 self.client.set_weight_version(self.version_before)
             self.holds, self.reloaded_back, self.rolled_back = HOLDS_PREVIOUS, True, False
             self.version_after = self.version_before
-            self._emit(self.url, "reloaded_back", {"source": source})
+            self._emit(ReloadedBack(self.url, source))
         if not self.failed:
             self.error = f"{reason}; reloaded back to {self.back[0]}"
             return
@@ -324,7 +335,7 @@ class ServerReload:
             try:
                 self.client.resume()
                 self._paused_s = time.perf_counter() - self._paused_at
-                self._emit(self.url, "resumed", {"paused_s": self._paused_s})
+                self._emit(Resumed(self.url, self._paused_s))
                 step_done("resume")
             except Exception as exc:  # noqa: BLE001 - reported, never raised past the other servers
                 from layerwise_cli.errors import describe_exception
@@ -349,7 +360,7 @@ class ServerReload:
         wall_s = time.perf_counter() - self._start
         self.client.close()
         if self.error:
-            self._emit(self.url, "failed", {"error": self.error})
+            self._emit(Failed(self.url, self.error))
         return ServerResult(url=self.url, ok=ok, error=self.error, stage="done" if ok else self.stage,
                             method=self.method, fallback_reason=self.fallback_reason, report=self.report,
                             verify=self.verify, holds=self.holds, version_before=self.version_before,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from layerwise_cli.client.servers.api import (
@@ -14,6 +13,7 @@ from layerwise_cli.client.servers.api import (
     RemoteOptions,
     ServerClient,
 )
+from layerwise_cli.client.servers.events import OnEvent
 from layerwise_cli.client.servers.reload import NO_LEASE_WARNING, ServerReload, ServerResult
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.worker.rpc import FingerprintsAnswer, FingerprintsCall
@@ -23,7 +23,7 @@ __all__ = ["NO_LEASE_WARNING", "RemoteOptions", "ServerResult", "differing_layer
 
 
 def reload_servers(urls: list[str], source: str, options: RemoteOptions | None = None,
-                   on_event: Callable[[str, str, dict], None] | None = None,
+                   on_event: OnEvent | None = None,
                    atomic: bool | None = None) -> list[ServerResult]:
     """Reload SOURCE into every server at once (one thread per server).
 
@@ -37,10 +37,9 @@ def reload_servers(urls: list[str], source: str, options: RemoteOptions | None =
         source: a checkpoint path as the servers see it, or a Hub repo id (its revision is resolved to a
             commit first, and every server, pre-flight, verification and reload-back reads that commit).
         options: how to reload (pause mode, version tag, API key, verify, timeout).
-        on_event: called as `on_event(url, event, data)` from the server's
-            thread at every step (`checked`, `paused`, `reloaded`, `verified`,
-            `versioned`, `resumed`, `failed`; a fleet also `preflighted`,
-            `going_back`, `reloaded_back`), for progress output.
+        on_event: called with a typed `ServerEvent` (`client/servers/events.py`) from the server's thread at
+            every step (`Checked`, `Paused`, `Reloaded`, `Verified`, `Versioned`, `Resumed`, `Failed`; a fleet
+            also `Preflighted`, `GoingBack`, `ReloadedBack`), for progress output.
         atomic: all or nothing across the servers; None: when there is more than one.
 
     Returns:
@@ -70,7 +69,7 @@ def reload_servers(urls: list[str], source: str, options: RemoteOptions | None =
 
 
 def reload_server(url: str, source: str, options: RemoteOptions | None = None,
-                  on_event: Callable[[str, str, dict], None] | None = None) -> ServerResult:
+                  on_event: OnEvent | None = None) -> ServerResult:
     """Check, pause, reload, verify, set the version and resume one server.
 
     Nothing on the server changes until it answered, the API key is accepted,
