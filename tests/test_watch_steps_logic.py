@@ -346,3 +346,28 @@ def test_no_atomic_reloads_each_server_on_its_own(tmp_path, monkeypatch):
     monkeypatch.setattr(watcher_module, "reload_together", lambda *args: pytest.fail("reloaded together"))
     watcher, _ = run_once(tmp_path, [a, b], atomic=False)
     assert watcher.failure is None and a.reloads == ["step_1"] and b.reloads == ["step_1"]
+
+
+# --- the step source protocol --------------------------------------------------------------------
+
+def test_a_listed_root_polls_as_a_step_source(tmp_path):
+    """ListedSteps answers the loop's questions: what was seen, the newest complete step above the floor, the
+    steps it passes over, and a target deleted under it."""
+    from layerwise_cli.client.watch.listed_steps import ListedSteps
+
+    source = ListedSteps(tmp_path, WatchOptions(marker="STABLE"))
+    for number in (1, 2, 3):
+        write_step(tmp_path, f"step_{number}", marker="STABLE")
+    write_step(tmp_path, "step_4")  # no marker yet
+    first = source.poll(None, -1, {})
+    assert [fields["step"] for kind, fields in first.events] == ["step_1", "step_2", "step_3", "step_4"]
+    assert first.target.name == "step_3" and [s.name for s in first.passed_over] == ["step_1", "step_2"]
+    assert first.newest_seen == "step_4" and not first.target_gone
+    # step_3 broken: the newest complete step below it is chosen; nothing new is reported again.
+    again = source.poll(None, -1, {"step_3": "NaN"})
+    assert again.events == [] and again.target.name == "step_2"
+    shutil.rmtree(tmp_path / "step_3")
+    gone = source.poll(first.target, 3, {})
+    assert gone.target_gone and gone.target is None
+    assert gone.events == [("step_deleted", {"step": "step_3", "by": "other"})]
+    assert source.once_failure({}, tries=3, settling=False).startswith(f"{tmp_path}: no complete step")

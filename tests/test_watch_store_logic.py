@@ -10,6 +10,7 @@ from layerwise_cli.checkpoint.steps.local import COMPLETE, INCOMPLETE, SETTLING,
 from layerwise_cli.checkpoint.steps.store import StoreStep, changed_objects, steps_in_listing
 from layerwise_cli.checkpoint.store.headers import store_pin
 from layerwise_cli.client.watch.entry import Watcher, WatchOptions
+from layerwise_cli.client.watch.listed_steps import ListedSteps
 from layerwise_cli.errors import UsageError
 
 RUN = "s3://ckpts/run"
@@ -138,7 +139,7 @@ class Idle:
 
 def test_a_url_root_is_polled_every_10_s_named_without_credentials_and_refuses_revision():
     watcher = Watcher("s3://user:secret@ckpts/run/?X-Amz-Signature=abc", [Idle()], WatchOptions())
-    assert watcher.store is not None and watcher.hub is None and watcher.interval == 10.0
+    assert isinstance(watcher.source, ListedSteps) and watcher.source.remote and watcher.interval == 10.0
     assert "secret" not in watcher.where and "Signature" not in watcher.where
     assert Watcher(f"{RUN}/", [Idle()], WatchOptions(interval=0.5)).interval == 0.5
     with pytest.raises(UsageError, match="--revision applies to a Hub repo id"):

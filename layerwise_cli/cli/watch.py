@@ -167,11 +167,9 @@ def _status(watcher) -> Group:
     state = watcher.state
     # The heading is a line of its own, wrapped at the terminal's width: a table's title wraps at the table's,
     # which a long watched path would cut in the middle of "newest step ...".
-    if watcher.hub is not None:
-        heading = Text(f"watch {watcher.hub.where}: newest commit {short(state.newest_seen) or '-'}, "
-                       f"target {short(state.target) or '-'}")
-    else:
-        heading = Text(f"watch {watcher.where}: newest step {state.newest_seen or '-'}, complete {state.target or '-'}")
+    seen_word, target_word = watcher.source.heading_words
+    heading = Text(f"watch {watcher.where}: newest {seen_word} {short(state.newest_seen) or '-'}, "
+                   f"{target_word} {short(state.target) or '-'}")
     table = Table()
     table.add_column("server", overflow="fold")
     table.add_column("state")

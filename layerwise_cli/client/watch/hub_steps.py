@@ -208,12 +208,13 @@ class HubSteps:
         return f"{self.ref.where}: no commit to load (skipped: {names or 'none'})"
 
 
-def refuse_folder_options(hub: HubRef | None, options: WatchOptions) -> None:
-    """A local root's options given for a Hub root, or `revision` for a local root: one UsageError line.
+def refuse_folder_options(repo_id: str | None, options: WatchOptions) -> None:
+    """A local root's options given for a Hub root (REPO_ID), or `revision` for a local root (REPO_ID None): one
+    UsageError line.
 
     `settle` is ignored for a Hub root (a commit is complete as pushed): harmless, so not refused.
     """
-    if hub is None:
+    if repo_id is None:
         if options.revision is not None:
             raise UsageError("--revision applies to a Hub repo id (org/name), not to a directory of steps or a URL "
                              "prefix")
@@ -222,4 +223,4 @@ def refuse_folder_options(hub: HubRef | None, options: WatchOptions) -> None:
                                      ("--pattern", tuple(options.patterns) != DEFAULT_PATTERNS)) if used]
     if given:
         raise UsageError(f"{', '.join(given)} applies to a local directory of steps, not to the Hub repo "
-                         f"{hub.repo_id}: each commit of its ref is a complete step, and no commit is deleted")
+                         f"{repo_id}: each commit of its ref is a complete step, and no commit is deleted")

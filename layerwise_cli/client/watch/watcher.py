@@ -1,8 +1,8 @@
 """The watch loop: poll the root, pick the newest complete step, bring every target to it, report events.
 
-The root is a local directory of step directories (`checkpoint/steps/local.py`), a URL prefix of step folders in
-object storage (`checkpoint/steps/store.py`: found by listing, each pinned to its objects' ETags), or a Hub repo
-whose ref's commits are the steps (`watch_hub.py`).
+The root is a `step_source.StepSource`: a local directory of step directories or a URL prefix of step folders in
+object storage (`listed_steps.ListedSteps`: found by listing, each store step pinned to its objects' ETags), or a
+Hub repo whose ref's commits are the steps (`hub_source.HubStepSource`). The loop never asks which.
 """
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from layerwise_cli.checkpoint.sources import looks_like_repo_id
-from layerwise_cli.checkpoint.steps.local import COMPLETE, SETTLING, CompletenessTracker, StepDir
-from layerwise_cli.checkpoint.steps.store import StoreStep
+from layerwise_cli.checkpoint.store.objects import is_store_url
 from layerwise_cli.client.servers.api import HOLDS_PREVIOUS
 from layerwise_cli.client.servers.fleet import all_or_nothing
 from layerwise_cli.client.watch import events as ev
 from layerwise_cli.client.watch.events import WatchEvent
-from layerwise_cli.client.watch.hub_steps import HubRef, HubStep, HubSteps, refuse_folder_options
-from layerwise_cli.client.watch.keep import OldSteps
-from layerwise_cli.client.watch.listed_steps import StepsRoot
+from layerwise_cli.client.watch.hub_source import HubStepSource
+from layerwise_cli.client.watch.hub_steps import refuse_folder_options
+from layerwise_cli.client.watch.listed_steps import ListedSteps
 from layerwise_cli.client.watch.options import WatchOptions
 from layerwise_cli.client.watch.state import ServerState, WatchState
+from layerwise_cli.client.watch.step_source import Step, StepSource
 from layerwise_cli.client.watch.targets import Outcome, Target, TargetDown, call_caught, error_line, reload_together
 from layerwise_cli.errors import UsageError
 
@@ -32,7 +32,25 @@ from layerwise_cli.errors import UsageError
 _BACKOFF_MAX_S = 10.0
 # With --once, a server that failed this many times in a row is given up (and a Hub ref polled in vain).
 _ONCE_TRIES = 3
-Step = StepDir | StoreStep | HubStep  # a local root's directory, a URL prefix's folder, a Hub ref's commit
+
+
+def open_step_source(root: str | Path, options: WatchOptions, *, clock: Callable[[], float] = time.monotonic
+                     ) -> StepSource:
+    """ROOT's steps: a Hub repo's ref when ROOT is no local path but looks like `org/name`; else a local
+    directory, or a URL prefix (`s3://bucket/run/`) whose step folders are found by listing.
+
+    Raises:
+        UsageError: an option that does not apply to that kind of root (`refuse_folder_options`), or a poll
+            interval that is not positive, or a negative settle time.
+    """
+    hub = looks_like_repo_id(str(root))
+    refuse_folder_options(str(root) if hub else None, options)
+    interval = options.poll_interval(hub or is_store_url(str(root)))
+    if interval <= 0 or options.settle < 0:
+        raise UsageError("--interval must be positive and --settle not negative")
+    if hub:
+        return HubStepSource(str(root), options, interval=interval, clock=clock, backoff_max_s=_BACKOFF_MAX_S)
+    return ListedSteps(root, options, clock)
 
 
 class Watcher:
@@ -45,13 +63,6 @@ class Watcher:
     def __init__(self, root: str | Path, targets: list[Target], options: WatchOptions | None = None, *,
                  clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         self.options = options or WatchOptions()
-        # A root that is no local path but looks like `org/name` is a Hub repo: its ref's commits are the steps.
-        self.hub = HubRef(str(root), self.options.revision) if looks_like_repo_id(str(root)) else None
-        # Else a local directory, or a URL prefix (`s3://bucket/run/`) whose step folders are found by listing.
-        self.steps_root = StepsRoot(root, self.options.patterns)
-        self.store = self.steps_root.store if self.hub is None else None
-        self.where = self.steps_root.where
-        self.interval = self.options.poll_interval(self.hub is not None or self.store is not None)
         if not targets:
             raise UsageError("nothing to watch for: give at least one --url (or an engine)")
         names = [t.name for t in targets]
@@ -59,22 +70,16 @@ class Watcher:
             raise UsageError("the same server URL is given twice")
         if self.options.keep is not None and self.options.keep < 1:
             raise UsageError(f"--keep must be at least 1, not {self.options.keep}")
-        if self.interval <= 0 or self.options.settle < 0:
-            raise UsageError("--interval must be positive and --settle not negative")
-        refuse_folder_options(self.hub, self.options)
-        self._hub_steps = None if self.hub is None else HubSteps(self.hub, interval=self.interval, clock=clock,
-                                                                  backoff_max_s=_BACKOFF_MAX_S)
+        self.source = open_step_source(root, self.options, clock=clock)
+        self.where = self.source.where
+        self.interval = self.options.poll_interval(self.source.remote)
         self._servers = {t.name: ServerState(t) for t in targets}
         self._clock = clock
         self._wall = wall
-        self._tracker = CompletenessTracker(self.options.marker, self.options.settle, clock)
         self._stopping = False
         self._results: queue.Queue = queue.Queue()
-        self._known: dict[str, StepDir | StoreStep] = {}  # a local root's (or a URL prefix's) steps, by name
-        self._keep = OldSteps(self.steps_root.list, self.options)
         self._skipped: set[str] = set()
         self._broken: dict[str, str] = {}
-        self._deleted_by_us: set[str] = set()
         self._target: Step | None = None
         # The target before the current one: servers fall back to it when the current one is broken.
         self._fallback: Step | None = None
@@ -95,8 +100,7 @@ class Watcher:
 
     def run(self) -> Iterator[WatchEvent]:
         """Watch until `stop()` (or, with `once`, until every server holds the newest complete step)."""
-        if self.hub is None:
-            self.steps_root.list()  # a missing root (or bucket, or wrong credentials) fails now, with its name
+        self.source.open()  # a missing root (or bucket, or wrong credentials) fails now, with its name
         threaded = [s for s in self._servers.values() if s.target.threaded]
         pool = ThreadPoolExecutor(max_workers=max(1, len(threaded)), thread_name_prefix="layerwise-watch")
         try:
@@ -151,70 +155,28 @@ class Watcher:
 
     def _poll(self) -> None:
         self._repoll = False
-        if self._hub_steps is not None:
-            self._poll_hub(self._hub_steps)
-            return
-        steps, events = self.steps_root.poll()
-        for kind, fields in events:
+        polled = self.source.poll(self._target, self._floor, self._broken)
+        for kind, fields in polled.events:
             self._emit(kind, **fields)
-        if steps is None:
-            return
-        names = {s.name for s in steps}
-        for name in list(self._known):
-            if name not in names:
-                del self._known[name]
-                if name in self._deleted_by_us:
-                    continue  # reported when deleted
-                self._emit(ev.STEP_DELETED, step=name, by="other")
-        for step in steps:
-            if step.name not in self._known:
-                self._known[step.name] = step
-                self._emit(ev.STEP_SEEN, step=step.name)
-        self._tracker.forget(names)
-        if steps:
-            self.state.newest_seen = steps[-1].name
-        if self._target is not None and self._target.name not in names:
+        if polled.newest_seen is not None:
+            self.state.newest_seen = polled.newest_seen
+        if polled.target_gone:
             # Deleted before every server got it: wait for a newer one, never go back to an older one.
             self._target = None
             self.state.target = None
-        # Newest first; nothing at or below the floor (the newest step ever chosen) matters any more.
-        newest = None
-        self._settling = False
-        for step in reversed(steps):
-            if step.number <= self._floor:
-                break
-            if step.name in self._broken:
-                continue
-            state = self._tracker.check(step)
-            if state.state == COMPLETE:
-                # A store step comes pinned at the objects its check read: every target loads that.
-                newest = state.loadable or step
-                break
-            if state.state == SETTLING:
-                self._settling = True
-        if newest is not None:
-            self._set_target(newest, steps)
+        self._settling = polled.settling
+        if polled.target is not None:
+            self._set_target(polled.target, polled.passed_over)
 
-    def _poll_hub(self, hub_steps: HubSteps) -> None:
-        """One request (none while a failed poll's backoff runs): a new commit of the ref is the next step."""
-        polled = hub_steps.poll()
-        for kind, fields in polled.events(hub_steps.ref) if polled is not None else ():
-            self._emit(kind, **fields)
-        if polled is not None and polled.new is not None:
-            self.state.newest_seen = polled.new.name
-            if polled.new.name not in self._broken:  # a commit that failed is never tried again
-                self._set_target(polled.new, [])
-
-    def _set_target(self, step: Step, steps: list[StepDir] | list[StoreStep]) -> None:
+    def _set_target(self, step: Step, passed_over: list[Step]) -> None:
         floor = self._floor
         self._fallback = self._target
         self._target = step
         self._floor = step.number
         self.state.target = step.name
         self._emit(ev.STEP_COMPLETE, step=step.name)
-        for other in steps:
-            passed = floor < other.number < step.number
-            if passed and other.name not in self._skipped and other.name not in self._broken:
+        for other in passed_over:
+            if other.name not in self._skipped and other.name not in self._broken:
                 self._skipped.add(other.name)
                 if floor >= 0:  # on start, older steps are history, not news
                     self._emit(ev.STEP_SKIPPED, step=other.name, message=f"passed over: {step.name} is newer")
@@ -300,9 +262,7 @@ class Watcher:
             self._reloaded(server, step, outcome)
         self._refresh_state()
         if not self._stopping:
-            for kind, fields in self._keep.delete(self._target, list(self._servers.values())):
-                if kind == ev.STEP_DELETED:
-                    self._deleted_by_us.add(fields["step"])
+            for kind, fields in self.source.delete_old(self._target, self._servers.values()):
                 self._emit(kind, **fields)
 
     def _up(self, server: ServerState, version) -> None:
@@ -385,14 +345,9 @@ class Watcher:
         if given_up:
             self.failure = "; ".join(f"{s.target.name}: {s.error or 'failed'}" for s in given_up)
             return True
-        if self._hub_steps is not None:
-            if target is None and all(s.seen or s.failures for s in servers):
-                self.failure = self._hub_steps.once_failure(self._broken, tries=_ONCE_TRIES)
-                return self.failure is not None
-            return False
-        if target is None and not self._settling and all(s.seen or s.failures for s in servers):
-            self.failure = self.steps_root.no_step(self.options.marker, self._broken)
-            return True
+        if target is None and all(s.seen or s.failures for s in servers):
+            self.failure = self.source.once_failure(self._broken, tries=_ONCE_TRIES, settling=self._settling)
+            return self.failure is not None
         return False
 
     def _refresh_state(self) -> None:
