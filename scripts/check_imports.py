@@ -12,7 +12,7 @@ not from a reader.
 - Rooms (`ROOMS`): the same rule one level down, inside `worker/` (rpc ->
   stream -> state -> repairs -> quantization -> proof -> reload -> extension),
   `checkpoint/` (format -> fetch -> hub, store -> sources -> delta -> steps ->
-  shard_copy) and `client/` (pinning -> engine, servers -> watch); every
+  shard_copy) and `client/` (pinning -> delivery -> engine, servers -> watch); every
   sub-package of `worker/` is a room, and `worker/` has at most
   `WORKER_TOP_ENTRIES` entries at its top; every entry of `checkpoint/` and
   `client/` is a room.
@@ -107,9 +107,10 @@ CHECKPOINT_ROOMS = {
 # The rooms of client/ -> their order inside the client layer.
 CLIENT_ROOMS = {
     "pinning": 0,  # a source's identity (commit, ETags) resolved once per operation, for every room
-    "engine": 1,  # the engine in this process
-    "servers": 1,  # running servers over HTTP: calls, one server's reload, fleets, the lease
-    "watch": 2,  # keeping an engine or servers on the newest step of a run
+    "delivery": 1,  # how the bytes arrive (local, download, prefetch, stream), decided once beside the pin
+    "engine": 2,  # the engine in this process
+    "servers": 2,  # running servers over HTTP: calls, one server's reload, fleets, the lease
+    "watch": 3,  # keeping an engine or servers on the newest step of a run
 }
 # Package -> its rooms: a room imports only its own modules and those of earlier rooms.
 ROOMS = {"worker": WORKER_ROOMS, "checkpoint": CHECKPOINT_ROOMS, "client": CLIENT_ROOMS}

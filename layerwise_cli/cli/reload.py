@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Annotated, Literal
 
 import typer
+from rich.markup import escape
 
 from layerwise_cli.cli._options import (
     AllowNonfiniteOpt,
@@ -145,8 +145,8 @@ def reload_command(
         raise typer.Exit(reload_remote(url, weights_path, remote, as_json=as_json, top=top, atomic=atomic))
     refuse_server_options({"--pause-mode": pause_mode, "--weight-version": weight_version, "--timeout": timeout,
                            "--pause-lease": pause_lease, "--atomic/--no-atomic": atomic}, data_parallel_size)
-    from layerwise_cli.client.engine.in_process import EngineOptions, stop_engine
-    from layerwise_cli.client.engine.session import prepare_sources, reload_as
+    from layerwise_cli.client.engine.in_process import EngineOptions
+    from layerwise_cli.client.engine.session import reload_in_process
     from layerwise_cli.engine_defaults import cuda_available, executor_refusal
     from layerwise_cli.report.progress import new_progress_path
 
@@ -154,35 +154,16 @@ def reload_command(
     refusal = executor_refusal(distributed_executor_backend, cuda_available())
     if refusal:
         raise LayerwiseError(refusal)
-    from layerwise_cli.client.pinning import pin_reload
-
-    # One commit per operation: a Hub repo id's revision is resolved here, once, before the engine starts; the
-    # download, the pre-flight, the reload, --verify and any rollback read that commit.
-    options, pin = pin_reload(weights_path, options)
-    source_dir, base = prepare_sources(weights_path, model, options.revision, quiet=as_json,
-                                       allow_partial=allow_partial)
     engine = EngineOptions(dtype=dtype, tensor_parallel_size=tensor_parallel_size,
                            pipeline_parallel_size=pipeline_parallel_size,
                            distributed_executor_backend=distributed_executor_backend, max_model_len=max_model_len,
                            quantization=quantization, enforce_eager=enforce_eager,
                            memory_fraction=memory_fraction)
-    # A Hub commit not downloaded (`prepare_sources` left it remote) arrives while the engine starts.
-    fetch = pin if pin is not None and source_dir == weights_path and not options.bounded_disk else None
-    llm = start_engine_fetching(base, engine, fetch, quiet=as_json)
-
-    def on_verify() -> None:
-        if not as_json:
-            stderr.print("Verifying the engine against the new weights ...")
-
-    try:
-        report = run_with_progress(
-            lambda path: reload_as(llm, source_dir, weights_path, replace(options, progress_path=path),
-                                   verify=verify, on_verify=on_verify, commit=pin.commit if pin else None),
-            None if as_json else new_progress_path(), f"reload {weights_path}", show=not as_json)
-    finally:
-        # Shut the engine down now: left to interpreter exit, multiprocessing
-        # waits for the engine process before vLLM's own finalizer stops it.
-        stop_engine(llm)
+    report = reload_in_process(
+        weights_path, model, engine, options, verify=verify, quiet=as_json,
+        on_status=(lambda line: None) if as_json else (lambda line: stderr.print(escape(line))),
+        run=lambda task: run_with_progress(task, None if as_json else new_progress_path(), f"reload {weights_path}",
+                                           show=not as_json))
     if as_json:
         print_json(report.to_dict())
     else:
@@ -210,35 +191,3 @@ def refuse_server_options(given: dict[str, object], data_parallel_size: int) -> 
         raise UsageError("--data-parallel-size: vLLM runs one engine per process in this mode (it refuses "
                          "LLM(data_parallel_size>1)); serve with `layerwise serve MODEL -dp N` and reload it with "
                          "--url, which reaches every engine")
-
-
-def start_engine_fetching(base: str, engine, pin, *, quiet: bool):
-    """Start the engine on BASE; with PIN, fetch that Hub commit's shards into the cache meanwhile (`hub_prefetch`).
-
-    The workers then find the commit in the cache and read it from there. A failed fetch stops the engine.
-    """
-    from layerwise_cli.client.engine.in_process import start_engine, stop_engine
-
-    prefetch = None
-    if pin is not None:
-        from layerwise_cli.checkpoint.sources import open_checkpoint
-        from layerwise_cli.client.engine.prefetch import Prefetch
-
-        prefetch = Prefetch(pin, open_checkpoint(pin.repo_id, pin.commit)).start()
-        if not quiet:
-            stderr.print(f"Fetching {pin} ({prefetch.total_bytes / 1e9:.2f} GB) while the engine starts ...")
-    if not quiet:
-        stderr.print(f"Starting vLLM on {base} ...")
-    try:
-        llm = start_engine(base, engine)
-    except BaseException:
-        if prefetch is not None:
-            prefetch.cancel()
-        raise
-    if prefetch is not None:
-        try:
-            prefetch.finish()
-        except BaseException:
-            stop_engine(llm)
-            raise
-    return llm

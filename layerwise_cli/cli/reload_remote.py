@@ -83,11 +83,11 @@ def reload_remote(urls: list[str], source: str, options: RemoteOptions, as_json:
 
     from dataclasses import replace
 
-    from layerwise_cli.client.pinning import pin_reload
+    from layerwise_cli.client.delivery import plan_operation
 
     # One commit per operation: a Hub repo id's revision is resolved here, once, before any server is
     # pre-flighted; every server, the verification and a fleet going back read that commit.
-    reload_options, pin = pin_reload(source, options.reload)
+    reload_options, pin = plan_operation(source, options.reload)
     options = replace(options, reload=reload_options)
     atomic = all_or_nothing(atomic, len(urls))
     if not as_json:

@@ -32,6 +32,10 @@ class PingCall:
         return {}
 
 
+# How a reload's bytes arrive (`ReloadOptions.delivery`; the rule is `client/delivery.py`'s).
+DELIVERIES = ("local", "download", "prefetch", "stream")
+
+
 @dataclass(frozen=True)
 class ReloadOptions:
     """How to reload: every option of a reload, the same name from the flag to the worker.
@@ -66,6 +70,10 @@ class ReloadOptions:
             rebuilds it whatever the engine holds, each tensor proved by the delta's digests as it is read, and
             patches in place only the layers proved to hold a step of its chain: what `watch`, a rollback and a
             fleet going back to a step held through a delta do (no flag).
+        delivery: how the source's bytes arrive, decided once where the operation starts
+            (`client/delivery.py`): `local`, `download` (fetched whole first), `prefetch` (fetched whole while an
+            in-process engine starts) or `stream` (the workers fetch the ranges they hand over); None where no
+            operation decided it (a direct worker call): a local path is read where it is, a remote one streamed.
         patch_in_place: a sparse delta's new values are written straight into the engine's tensors for the
             layers it keeps in checkpoint layout (`delta_patch`); False hands every changed layer to vLLM's
             reload, rebuilt from its base (the diagnostic switch `LAYERWISE_NO_DELTA_PATCH`, `with_switches`).
@@ -84,6 +92,7 @@ class ReloadOptions:
     bounded_disk: bool = False
     delta_base_check: bool = True
     patch_in_place: bool = True
+    delivery: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The options as sent: those every extension has always taken, the others only when not their default.

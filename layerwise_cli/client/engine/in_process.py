@@ -234,10 +234,10 @@ def reload(llm, source: str, *, verify: bool = False, options: ReloadOptions | N
         options = ReloadOptions(**option_values)
     elif option_values:
         raise UsageError("give either options= or option keywords, not both")
-    from layerwise_cli.client.pinning import pin_reload
+    from layerwise_cli.client.delivery import plan_operation
 
     # A Hub repo id is read at one commit, resolved here, by every worker, the verification and any rollback.
-    options, _pin = pin_reload(source, options)
+    options, _pin = plan_operation(source, options)
     per_worker = reload_workers(llm, source, options)
     verification = None
     if verify:

@@ -1,4 +1,5 @@
-"""The command-side steps of an in-process reload: resolve sources, check them, then the public `reload`."""
+"""The command-side steps of an in-process reload: pin and decide the delivery, check the sources, start the engine
+(fetching meanwhile), then the public `reload` (`reload_in_process`, what the `reload` command calls)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from layerwise_cli.checkpoint.delta.source import open_step
+from layerwise_cli.checkpoint.hub.pin import HubPin
 from layerwise_cli.checkpoint.sources import looks_like_repo_id, open_checkpoint
 from layerwise_cli.checkpoint.store.objects import display_url, is_store_url
-from layerwise_cli.client.engine.in_process import reload, verify_engine
+from layerwise_cli.client.delivery import DOWNLOAD, PREFETCH, STREAM, decide_delivery, plan_operation
+from layerwise_cli.client.engine import in_process
+from layerwise_cli.client.engine.in_process import EngineOptions, reload, verify_engine
+from layerwise_cli.client.engine.prefetch import Prefetch
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.report.reload_report import ReloadReport
 from layerwise_cli.worker.rpc import ReloadOptions
@@ -31,32 +36,34 @@ def download_source(repo_id: str, revision: str | None, quiet: bool) -> Path:
 
 
 def prepare_sources(source: str, base: str | None, revision: str | None, quiet: bool = False, *,
-                    allow_partial: bool = False) -> tuple[str, str]:
+                    allow_partial: bool = False, delivery: str | None = None) -> tuple[str, str]:
     """Pre-flight from the headers alone, before any engine starts.
 
     SOURCE's headers are validated (a Hub repo's read by range requests at REVISION: pass the commit the
-    operation pinned, `pin_reload`, so that a branch moved meanwhile changes nothing; it is downloaded first
-    only when the engine starts on it, no BASE given); with a
-    BASE, its headers too, its architecture must match, and every SOURCE
-    tensor must be one BASE has, with the same shape and a compatible dtype,
-    and (unless `allow_partial`) every BASE tensor that feeds a parent layer
-    must be present; tensors vLLM's loader skips on purpose are exempt from
-    both (`planning.skip_rules`). What only the engine knows (which module each tensor
+    operation pinned, `plan_operation`, so that a branch moved meanwhile changes nothing; it is downloaded first
+    only when DELIVERY says so: the engine starts on it); with a BASE, its headers too, its architecture must
+    match, and every SOURCE tensor must be one BASE has, with the same shape and a compatible dtype, and (unless
+    `allow_partial`) every BASE tensor that feeds a parent layer must be present; tensors vLLM's loader skips on
+    purpose are exempt from both (`planning.skip_rules`). What only the engine knows (which module each tensor
     feeds, tensor-parallel shapes) is checked again inside the workers.
 
+    Args:
+        delivery: how SOURCE's bytes arrive, as the operation decided (`client/delivery.py`); None: decided
+            here by the same rule, for an in-process engine started on BASE.
+
     Returns:
-        SOURCE as the workers read it (a local path, or the Hub repo id when it is not downloaded: fetch it
-        while the engine starts, `hub_prefetch`) and the model to start the engine on.
+        SOURCE as the workers read it (a local path, or the Hub repo id when it is not downloaded: fetched
+        while the engine starts, or streamed) and the model to start the engine on.
     """
-    if is_store_url(source):
-        if base is None:
-            raise LayerwiseError("a URL source needs --model: the engine starts on a local or Hub model, then the "
-                                 "reload streams the URL", where=display_url(source))
-        local, checkpoint = source, open_checkpoint(source, revision)
-    elif looks_like_repo_id(source) and base is not None and base != source:
+    if delivery is None:
+        delivery = decide_delivery(source, engine_model=base, in_process=True, bounded_disk=False)
+    if is_store_url(source) and base is None:
+        raise LayerwiseError("a URL source needs --model: the engine starts on a local or Hub model, then the "
+                             "reload streams the URL", where=display_url(source))
+    if delivery in (PREFETCH, STREAM):
         local, checkpoint = source, open_checkpoint(source, revision)
     else:
-        local = str(download_source(source, revision, quiet)) if looks_like_repo_id(source) else source
+        local = str(download_source(source, revision, quiet)) if delivery == DOWNLOAD else source
         checkpoint = open_step(local)
     if checkpoint.delta is not None:
         raise LayerwiseError("is a sparse delta: it loads only into an engine that holds its base "
@@ -127,3 +134,74 @@ def reload_as(llm, local_source: str, shown_as: str, options: ReloadOptions, *, 
         verification = verify_engine(llm, local_source, revision, allow_unchecked=options.allow_unchecked)
     return replace(report, placement=replace(report.placement, source=shown_as, commit=commit),
                    findings=replace(report.findings, verify=verification))
+
+
+def reload_in_process(weights_path: str, model: str | None, engine: EngineOptions, options: ReloadOptions, *,
+                      verify: bool = False, quiet: bool = False, on_status: Callable[[str], None] = lambda line: None,
+                      run: Callable[[Callable[[str | None], ReloadReport]], ReloadReport] | None = None
+                      ) -> ReloadReport:
+    """The `reload` command without `--url`: pin, decide the delivery, pre-flight, start an engine, reload, stop.
+
+    One pin and one delivery per operation (`plan_operation`), taken first: the download, the prefetch, the
+    pre-flight, the reload, `--verify` and any rollback read that commit (or those ETags). A Hub commit the
+    engine does not start on arrives while it starts (`prefetch`); the engine is stopped at the end, also
+    after a failure.
+
+    Args:
+        weights_path: the new weights, as the user named them.
+        model: the model the engine starts on (None: WEIGHTS_PATH itself).
+        engine: the engine's options.
+        options: how to reload; pinned and given its delivery here.
+        verify: check the engine against WEIGHTS_PATH after the reload (the report carries the result).
+        quiet: no download progress bar.
+        on_status: called with one plain line per stage (fetching, starting, verifying), for a status display.
+        run: runs the reload given a progress file's path (the command's progress bar); None: without one.
+
+    Returns:
+        The merged report, named by WEIGHTS_PATH, with `verify` when asked.
+
+    Raises:
+        LayerwiseError: the pre-flight, the fetch, the engine's start or the reload failed.
+    """
+    options, pin = plan_operation(weights_path, options, engine_model=model, in_process=True)
+    source, base = prepare_sources(weights_path, model, options.revision, quiet=quiet,
+                                   allow_partial=options.allow_partial, delivery=options.delivery)
+    llm = start_engine_fetching(base, engine, pin if options.delivery == PREFETCH else None, on_status)
+
+    def task(progress_path: str | None) -> ReloadReport:
+        return reload_as(llm, source, weights_path, replace(options, progress_path=progress_path), verify=verify,
+                         on_verify=lambda: on_status("Verifying the engine against the new weights ..."),
+                         commit=pin.commit if pin else None)
+
+    try:
+        return run(task) if run is not None else task(None)
+    finally:
+        # Shut the engine down now: left to interpreter exit, multiprocessing waits for the engine process
+        # before vLLM's own finalizer stops it.
+        in_process.stop_engine(llm)
+
+
+def start_engine_fetching(base: str, engine: EngineOptions, pin: HubPin | None,
+                          on_status: Callable[[str], None] = lambda line: None):
+    """Start the engine on BASE; with PIN, fetch that Hub commit's shards into the cache meanwhile (`prefetch`).
+
+    The workers then find the commit in the cache and read it from there. A failed fetch stops the engine.
+    """
+    prefetch = None
+    if pin is not None:
+        prefetch = Prefetch(pin, open_checkpoint(pin.repo_id, pin.commit)).start()
+        on_status(f"Fetching {pin} ({prefetch.total_bytes / 1e9:.2f} GB) while the engine starts ...")
+    on_status(f"Starting vLLM on {base} ...")
+    try:
+        llm = in_process.start_engine(base, engine)
+    except BaseException:
+        if prefetch is not None:
+            prefetch.cancel()
+        raise
+    if prefetch is not None:
+        try:
+            prefetch.finish()
+        except BaseException:
+            in_process.stop_engine(llm)
+            raise
+    return llm

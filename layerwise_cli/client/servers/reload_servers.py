@@ -55,12 +55,12 @@ def reload_servers(urls: list[str], source: str, options: RemoteOptions | None =
         raise UsageError("the same server URL is given twice")
     from dataclasses import replace
 
-    from layerwise_cli.client.pinning import pin_reload
+    from layerwise_cli.client.delivery import plan_operation
     from layerwise_cli.client.servers.fleet import all_or_nothing, reload_fleet
 
     # One commit per operation: every server reads the commit a Hub repo id's revision names now (no request
     # when the caller pinned it already).
-    options = replace(options, reload=pin_reload(source, options.reload)[0])
+    options = replace(options, reload=plan_operation(source, options.reload)[0])
 
     if all_or_nothing(atomic, len(urls)):
         return reload_fleet(urls, source, options, on_event)
