@@ -8,7 +8,15 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from layerwise_cli.cli._options import AllowNonfiniteOpt, JsonOpt, MappingOpt, RevisionOpt, SourceArg
+from layerwise_cli.cli._options import (
+    OUTPUT_PANEL,
+    PROOF_PANEL,
+    AllowNonfiniteOpt,
+    JsonOpt,
+    MappingOpt,
+    RevisionOpt,
+    SourceArg,
+)
 from layerwise_cli.cli._output import handle_errors, print_json, report_error, stderr, stdout
 from layerwise_cli.units import human_bytes, human_seconds, parse_size
 
@@ -21,25 +29,25 @@ def reorder_command(
     ],
     max_shard_size: Annotated[
         str,
-        typer.Option("--max-shard-size", help="Most tensor bytes per shard (e.g. 5GB, 512MiB). A parent layer "
-                     "spans two shards only when it alone is larger."),
+        typer.Option("--max-shard-size", metavar="SIZE", rich_help_panel=OUTPUT_PANEL,
+                     help="Most tensor bytes per shard (e.g. 5GB, 512MiB); a parent layer spans two shards only "
+                     "when it alone is larger."),
     ] = "5GB",
     force: Annotated[
-        bool, typer.Option("--force", help="Replace an existing destination once the new one is complete.")
+        bool, typer.Option("--force", help="Replace an existing destination once the new one is complete.",
+                           rich_help_panel=OUTPUT_PANEL)
     ] = False,
     verify: Annotated[
         bool,
-        typer.Option("--verify", help="Re-read every tensor from the destination and compare its digest with the "
-                     "source's before putting it in place, and check every floating tensor for NaN/Inf; exit 1 "
-                     "on any difference, a source header digest that does not match its bytes, or a non-finite "
-                     "value."),
+        typer.Option("--verify", rich_help_panel=PROOF_PANEL,
+                     help="Re-read every tensor written and compare its digest with the source's, and check for "
+                     "NaN/Inf, before putting it in place; exit 1 on any difference."),
     ] = False,
     digests: Annotated[
         bool,
-        typer.Option("--digests/--no-digests", help="Write each tensor's xxh3-128 digest in its shard's header "
-                     "(layerwise.digests), taken from the bytes as they are copied, so that a reload can skip "
-                     "unchanged layers from the headers alone; a source's own header digests are checked against "
-                     "its bytes in the same pass."),
+        typer.Option("--digests/--no-digests", rich_help_panel=OUTPUT_PANEL,
+                     help="Write each tensor's xxh3-128 digest in its shard's header, so that a reload skips "
+                     "unchanged layers from the headers alone."),
     ] = True,
     allow_nonfinite: AllowNonfiniteOpt = False,
     revision: RevisionOpt = None,
@@ -55,6 +63,8 @@ def reorder_command(
     DESTINATION and renamed into place only when complete.
 
     Example: layerwise reorder ./trainer-export ./reordered --max-shard-size 2GB --verify
+
+    Every option: docs/commands/reorder.md.
     """
     try:
         limit = parse_size(max_shard_size)
