@@ -112,3 +112,30 @@ def test_the_check_catches_markup_and_narrow_columns() -> None:
         help = "A checkpoint directory."
 
     assert description_width(lines, Param()) == len("A checkpoint   ") - 1
+
+
+def readme_command_lines() -> list[str]:
+    """Every `$ layerwise ...` line of the README's console blocks."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    return [line[2:] for line in text.splitlines() if line.startswith("$ layerwise ")]
+
+
+@pytest.mark.parametrize("line", readme_command_lines())
+def test_every_readme_command_line_parses(line: str) -> None:
+    """Each command line the README shows names a command, options it has and values they accept (parsed by the
+    real app, not run: the engine runs are the engine tests')."""
+    import shlex
+
+    args = shlex.split(line)[1:]
+    root = typer.main.get_command(app)
+    with root.make_context("layerwise", list(args)) as ctx:
+        command = root.get_command(ctx, args[0])
+        assert command is not None, f"no command {args[0]!r}"
+        command.make_context(args[0], args[1:], parent=ctx).close()
+
+
+def test_the_readme_shows_every_command() -> None:
+    shown = {line.split()[1] for line in readme_command_lines()} | {"demo"}  # the demo is the set-up's first line
+    assert shown == set(_COMMANDS)
