@@ -9,6 +9,7 @@ import typer
 # The panels `--help` groups options into (`rich_help_panel`), the same names in every command.
 SOURCE_PANEL = "Source"
 RELOAD_PANEL = "Reload"
+PLAN_PANEL = "Plan"
 ENGINE_PANEL = "Engine"
 SERVERS_PANEL = "Servers (--url)"
 PROOF_PANEL = "Proof and safety"
@@ -30,7 +31,7 @@ MappingOpt = Annotated[
     typer.Option(
         "--mapping", metavar="HOW",
         help="How tensors map to parent layers: auto (the table, else vLLM's model class, else generic), "
-        "table, vllm or generic.", rich_help_panel=RELOAD_PANEL,
+        "table, vllm or generic.", rich_help_panel=PLAN_PANEL,
     ),
 ]
 

@@ -26,18 +26,18 @@ from layerwise_cli.units import human_bytes, parse_size
 def inspect_order_command(
     source: SourceArg,
     revision: RevisionOpt = None,
-    top: Annotated[int, typer.Option("--top", help="Show the N worst layers (0: all).", min=0, metavar="N",
-                                     rich_help_panel=OUTPUT_PANEL)] = 20,
+    mapping: MappingOpt = "auto",
+    tensor_parallel_size: TensorParallelOpt = 1,
     max_buffer: Annotated[
         str | None,
         typer.Option("--max-buffer", metavar="SIZE", rich_help_panel=PROOF_PANEL,
                      help="Exit 1 when the file-order peak exceeds SIZE (e.g. 512MiB, 2GB)."),
     ] = None,
-    mapping: MappingOpt = "auto",
-    tensor_parallel_size: TensorParallelOpt = 1,
     scan: Annotated[bool, typer.Option("--scan", rich_help_panel=PROOF_PANEL,
                                        help="Also read every tensor: exit 1 on NaN or Inf, or bytes that differ "
                                        "from their header digest (reads the whole checkpoint).")] = False,
+    top: Annotated[int, typer.Option("--top", help="Show the N worst layers (0: all).", min=0, metavar="N",
+                                     rich_help_panel=OUTPUT_PANEL)] = 20,
     plot: Annotated[Path | None, typer.Option(
         "--plot", metavar="FILE.png", dir_okay=False, rich_help_panel=OUTPUT_PANEL,
         help="Also draw the buffered bytes over the stream, file order against layer order, into FILE (.png, "

@@ -27,6 +27,8 @@ def reorder_command(
     destination: Annotated[
         str, typer.Argument(help="The directory to write (refused if it exists, unless --force).", show_default=False)
     ],
+    revision: RevisionOpt = None,
+    mapping: MappingOpt = "auto",
     max_shard_size: Annotated[
         str,
         typer.Option("--max-shard-size", metavar="SIZE", rich_help_panel=OUTPUT_PANEL,
@@ -37,21 +39,19 @@ def reorder_command(
         bool, typer.Option("--force", help="Replace an existing destination once the new one is complete.",
                            rich_help_panel=OUTPUT_PANEL)
     ] = False,
-    verify: Annotated[
-        bool,
-        typer.Option("--verify", rich_help_panel=PROOF_PANEL,
-                     help="Re-read every tensor written and compare its digest with the source's, and check for "
-                     "NaN/Inf, before putting it in place; exit 1 on any difference."),
-    ] = False,
     digests: Annotated[
         bool,
         typer.Option("--digests/--no-digests", rich_help_panel=OUTPUT_PANEL,
                      help="Write each tensor's xxh3-128 digest in its shard's header, so that a reload skips "
                      "unchanged layers from the headers alone."),
     ] = True,
+    verify: Annotated[
+        bool,
+        typer.Option("--verify", rich_help_panel=PROOF_PANEL,
+                     help="Re-read every tensor written and compare its digest with the source's, and check for "
+                     "NaN/Inf, before putting it in place; exit 1 on any difference."),
+    ] = False,
     allow_nonfinite: AllowNonfiniteOpt = False,
-    revision: RevisionOpt = None,
-    mapping: MappingOpt = "auto",
     as_json: JsonOpt = False,
 ) -> None:
     """Rewrite a checkpoint so that vLLM's own loader reads complete parent layers one after another.
