@@ -5,6 +5,9 @@ configuration (handlers, levels, streams) stays as it is, and the filter
 works in whichever process logs: the engine's workers import this through
 the worker extension, the `layerwise` process around `stop_engine`.
 `LAYERWISE_DEBUG=1` lets everything through.
+
+`quiet_engine_notes` goes further for `layerwise demo`: it hides every warning
+and note of vLLM's (and torch's) in the engine's processes, errors kept.
 """
 
 from __future__ import annotations

@@ -42,14 +42,24 @@ def option_names(param, ctx) -> Text:
         text.append(" / ")
         text.append(", ".join(param.secondary_opts), style=rich_utils.STYLE_NEGATIVE_OPTION)
     if not getattr(param, "is_flag", False):
-        shown = getattr(param, "display_type_rich", None)
-        kind = shown(ctx=ctx) if shown is not None else param.make_metavar(ctx)
+        kind = _value_name(param, ctx)
         if kind:
             text.append(f" {kind}", style=rich_utils.STYLE_TYPES)
     number_range = getattr(param, "_get_number_range_help_str", lambda: None)()
     if number_range:
         text.append(rich_utils.RANGE_STRING.format(number_range), style=rich_utils.STYLE_TYPES_SEPARATOR)
     return text
+
+
+def _value_name(param, ctx) -> str:
+    """The value PARAM takes, as Typer names it (its metavar, else `<int>`, `<layer|file>`, ...)."""
+    shown = getattr(param, "display_type_rich", None)  # Typer 0.2x; before, Click's own metavar
+    if shown is not None:
+        return shown(ctx=ctx) or ""
+    try:
+        return param.make_metavar(ctx)
+    except TypeError:  # Click before 8.2 takes no context
+        return param.make_metavar()
 
 
 def print_options_panel(*, name: str, params: list, ctx, markup_mode, console: Console) -> None:
