@@ -5,6 +5,9 @@ configuration (handlers, levels, streams) stays as it is, and the filter
 works in whichever process logs: the engine's workers import this through
 the worker extension, the `layerwise` process around `stop_engine`.
 `LAYERWISE_DEBUG=1` lets everything through.
+
+`quiet_engine_notes` goes further for `layerwise demo`: it hides every warning
+and note of vLLM's (and torch's) in the engine's processes, errors kept.
 """
 
 from __future__ import annotations
@@ -116,3 +119,49 @@ def _dropping(drop: logging.Filter, *names: str) -> Iterator[None]:
     finally:
         for logger in loggers:
             logger.removeFilter(drop)
+
+
+# `layerwise demo` without --verbose: vLLM's warnings and notes (Triton, NUMA binding, tcmalloc, the model
+# runner) hidden in every process of the engine, errors kept. Set in the environment, so that the engine's
+# processes (spawned, with this environment) start quiet too.
+QUIET_ENV = "LAYERWISE_QUIET_ENGINE"
+_QUIET_ENVIRONMENT = {
+    # vLLM's own loggers in every process.
+    "VLLM_LOGGING_LEVEL": "ERROR",
+    # torch's C++ warnings (`[W... utils.cpp] Warning: NUMA binding ...`).
+    "TORCH_CPP_LOG_LEVEL": "ERROR",
+    # vLLM 0.32's own use of a deprecated torch name, warned in each worker.
+    "PYTHONWARNINGS": "ignore::FutureWarning:vllm.triton_utils.dispatcher",
+}
+# Loggers vLLM writes to at import, before its logging is configured (Python's last-resort handler prints them,
+# whatever VLLM_LOGGING_LEVEL says): "Triton is installed, but doesn't include CPU backend".
+_EARLY_LOGGERS = ("vllm.triton_utils.importing",)
+
+
+def quiet_engine_notes(options):
+    """OPTIONS for an engine that prints only errors: vLLM's warnings and notes hidden in this process and in
+    the engine's (through the environment), vLLM's progress bar for loading off. `LAYERWISE_DEBUG=1` keeps them.
+
+    Args:
+        options: the `EngineOptions` to start the engine with.
+
+    Returns:
+        OPTIONS, with `use_tqdm_on_load=False` among its extra vLLM arguments unless LAYERWISE_DEBUG is set.
+    """
+    from dataclasses import replace
+
+    if _debug():
+        return options
+    os.environ.update(_QUIET_ENVIRONMENT)
+    os.environ[QUIET_ENV] = "1"
+    quiet_early_loggers()
+    return replace(options, extra={**options.extra, "use_tqdm_on_load": False})
+
+
+def quiet_early_loggers() -> None:
+    """Under LAYERWISE_QUIET_ENGINE=1, raise the loggers vLLM writes to before its logging is configured to
+    ERROR in this process (the CLI's module calls this on import, which is also how an engine process spawned
+    from the `layerwise` script starts)."""
+    if os.environ.get(QUIET_ENV) == "1" and not _debug():
+        for name in _EARLY_LOGGERS:
+            logging.getLogger(name).setLevel(logging.ERROR)

@@ -156,3 +156,19 @@ def test_vllm_installed_survives_a_refusing_finder() -> None:
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_version_is_the_same_in_pyproject_the_package_and_the_cli() -> None:
+    """`layerwise --version`, `layerwise_cli.__version__` and pyproject.toml name one version, the CHANGELOG's
+    newest release."""
+    import re
+    import tomllib
+
+    import layerwise_cli
+
+    root = Path(__file__).resolve().parents[1]
+    declared = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
+    code, out, _, _ = run_cli("--version")
+    assert code == 0 and out.splitlines()[0] == f"layerwise {declared}" == f"layerwise {layerwise_cli.__version__}"
+    releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$", (root / "CHANGELOG.md").read_text(), re.M)
+    assert releases and releases[0] == declared

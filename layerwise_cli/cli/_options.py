@@ -6,20 +6,32 @@ from typing import Annotated, Literal
 
 import typer
 
+# The panels `--help` groups options into (`rich_help_panel`), the same names in every command.
+SOURCE_PANEL = "Source"
+RELOAD_PANEL = "Reload"
+PLAN_PANEL = "Plan"
+ENGINE_PANEL = "Engine"
+SERVERS_PANEL = "Servers (--url)"
+PROOF_PANEL = "Proof and safety"
+OUTPUT_PANEL = "Output"
+
 SourceArg = Annotated[
     str,
-    typer.Argument(help="A .safetensors file, a directory of shards, or a Hub repo id (org/name).", show_default=False),
+    typer.Argument(help="The weights: a folder or .safetensors file, a Hub repo id (org/name), or a URL (s3://, "
+                   "gs://, az://, https://).", show_default=False),
 ]
 RevisionOpt = Annotated[
-    str | None, typer.Option("--revision", help="Hub branch, tag or commit (Hub repo ids only).")
+    str | None, typer.Option("--revision", metavar="REF", help="Hub branch, tag or commit (Hub repo ids only).",
+                             rich_help_panel=SOURCE_PANEL)
 ]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of tables; no progress.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout instead of tables; no progress.",
+                                       rich_help_panel=OUTPUT_PANEL)]
 MappingOpt = Annotated[
     Literal["auto", "table", "vllm", "generic"],
     typer.Option(
-        "--mapping",
-        help="How tensors map to parent layers: auto (table, else vLLM's model class, else generic), "
-        "table, vllm or generic.",
+        "--mapping", metavar="HOW",
+        help="How tensors map to parent layers: auto (the table, else vLLM's model class, else generic), "
+        "table, vllm or generic.", rich_help_panel=PLAN_PANEL,
     ),
 ]
 
@@ -27,58 +39,63 @@ MappingOpt = Annotated[
 # vLLM's own `ModelDType` values: a typo is a usage error before anything starts.
 DtypeOpt = Annotated[
     Literal["auto", "half", "float16", "bfloat16", "float", "float32"],
-    typer.Option("--dtype", help="Engine dtype."),
+    typer.Option("--dtype", metavar="DTYPE", help="Engine dtype: auto, half, float16, bfloat16, float or float32.",
+                 rich_help_panel=ENGINE_PANEL),
 ]
 TensorParallelOpt = Annotated[
-    int, typer.Option("--tensor-parallel-size", "-tp", min=1, help="Tensor-parallel workers.")
+    int, typer.Option("--tensor-parallel-size", "-tp", min=1, metavar="N", help="Tensor-parallel workers.",
+                      rich_help_panel=ENGINE_PANEL)
 ]
 PipelineParallelOpt = Annotated[
-    int, typer.Option("--pipeline-parallel-size", "-pp", min=1,
-                      help="Pipeline stages: each worker holds, and reloads, only its stage's layers.")
+    int, typer.Option("--pipeline-parallel-size", "-pp", min=1, metavar="N",
+                      help="Pipeline stages; each worker holds, and reloads, only its stage's layers.",
+                      rich_help_panel=ENGINE_PANEL)
 ]
 DataParallelOpt = Annotated[
-    int, typer.Option("--data-parallel-size", "-dp", min=1,
-                      help="Data-parallel engines behind one server (layerwise serve; an in-process engine "
-                      "is one engine).")
+    int, typer.Option("--data-parallel-size", "-dp", min=1, metavar="N",
+                      help="Data-parallel engines behind one server (`layerwise serve`; an in-process engine "
+                      "is one).", rich_help_panel=ENGINE_PANEL)
 ]
 ExecutorBackendOpt = Annotated[
     Literal["mp", "ray", "uni", "external_launcher"] | None,
-    typer.Option("--distributed-executor-backend",
-                 help="vLLM's executor: mp (processes on this machine; vLLM's default) or ray (spans nodes; "
-                 "needs `pip install 'layerwise[ray]'` and a GPU build of vLLM).", show_default=False),
+    typer.Option("--distributed-executor-backend", metavar="NAME",
+                 help="vLLM's executor: mp (processes on this machine, the default) or ray (spans nodes; needs "
+                 "`pip install 'layerwise\\[ray]'` and a GPU build of vLLM).", show_default=False,
+                 rich_help_panel=ENGINE_PANEL),
 ]
-MaxModelLenOpt = Annotated[int | None, typer.Option("--max-model-len", min=1, help="Engine context length.")]
+MaxModelLenOpt = Annotated[int | None, typer.Option("--max-model-len", min=1, metavar="N",
+                                                    help="Engine context length.", rich_help_panel=ENGINE_PANEL)]
 QuantizationOpt = Annotated[
     str | None,
-    typer.Option("--quantization", "-q", help="vLLM quantization method, e.g. an online one such as "
-                 "fp8_per_tensor (GPU), or layerwise_fp8 / layerwise_int8 (any CPU; emulated, see docs/qerl.md)."),
+    typer.Option("--quantization", "-q", metavar="METHOD", help="vLLM's quantization method, e.g. fp8_per_tensor "
+                 "(GPU), or layerwise_fp8 / layerwise_int8 on any CPU (docs/qerl.md).",
+                 rich_help_panel=ENGINE_PANEL),
 ]
 EnforceEagerOpt = Annotated[
     bool | None,
     typer.Option("--enforce-eager/--no-enforce-eager",
                  help="Skip graph capture. Default: eager on CPU-only machines, graphs on GPU.",
-                 show_default=False),
+                 show_default=False, rich_help_panel=ENGINE_PANEL),
 ]
 MemoryFractionOpt = Annotated[
     float | None,
-    typer.Option("--memory-fraction", min=0.01, max=1.0,
-                 help="vLLM gpu_memory_utilization (on CPU: the share of host memory for the KV cache; "
-                 "default 0.1 there).", show_default=False),
+    typer.Option("--memory-fraction", min=0.01, max=1.0, metavar="F",
+                 help="vLLM's gpu_memory_utilization; on CPU the share of host memory for the KV cache (default "
+                 "0.1 there).", show_default=False, rich_help_panel=ENGINE_PANEL),
 ]
 OrderOpt = Annotated[
     Literal["layer", "file"],
-    typer.Option("--order", help="layer: stream every parent layer's tensors together (default); "
-                 "file: the order vLLM's own loader reads, for comparison."),
+    typer.Option("--order", metavar="ORDER", help="layer: every parent layer's tensors together; file: the order "
+                 "vLLM's own loader reads, for comparison.", rich_help_panel=RELOAD_PANEL),
 ]
 AllowNonfiniteOpt = Annotated[
     bool,
-    typer.Option("--allow-nonfinite", help="Accept tensors holding NaN or Inf (refused by default, naming the file "
-                 "and tensor)."),
+    typer.Option("--allow-nonfinite", help="Accept tensors holding NaN or Inf (refused by default, naming the "
+                 "file and tensor).", rich_help_panel=PROOF_PANEL),
 ]
 BoundedDiskOpt = Annotated[
-    bool, typer.Option("--bounded-disk", help="For a Hub repo or a URL: fetch only the tensors the reload hands "
-                       "over, into files deleted afterwards; nothing is kept in the Hub cache or layerwise's store "
-                       "cache (for a node without room for it).")
+    bool, typer.Option("--bounded-disk", help="For a Hub repo or a URL: fetch only the tensors handed over, into "
+                       "files deleted afterwards; nothing is cached.", rich_help_panel=SOURCE_PANEL)
 ]
 
 

@@ -8,6 +8,7 @@ from typing import Annotated
 try:
     import typer
 
+    from layerwise_cli.cli import _help
     from layerwise_cli.cli._output import OneLineErrors
     from layerwise_cli.cli.delta import delta_command
     from layerwise_cli.cli.demo import demo_command
@@ -17,9 +18,14 @@ try:
     from layerwise_cli.cli.serve import serve_command
     from layerwise_cli.cli.version import print_version
     from layerwise_cli.cli.watch import watch_command
+    from layerwise_cli.vllm_logs import quiet_early_loggers
 except KeyboardInterrupt:  # Ctrl-C while the CLI starts: one line, no traceback
     sys.stderr.write("Error: interrupted\n")
     raise SystemExit(130) from None
+
+_help.use_two_column_panels()
+# An engine process spawned from the `layerwise` script imports this module first: a quiet demo stays quiet there.
+quiet_early_loggers()
 
 app = typer.Typer(
     name="layerwise",

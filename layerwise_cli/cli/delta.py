@@ -8,7 +8,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from layerwise_cli.cli._options import JsonOpt
+from layerwise_cli.cli._options import OUTPUT_PANEL, JsonOpt
 from layerwise_cli.cli._output import handle_errors, print_json, stdout
 from layerwise_cli.units import human_bytes, human_seconds
 
@@ -21,10 +21,11 @@ def delta_command(
     out: Annotated[str, typer.Argument(help="The step directory to write (refused if it exists and is not "
                                        "empty, unless --force).", show_default=False)],
     force: Annotated[bool, typer.Option("--force", help="Replace an existing OUT (a directory of plain files) "
-                                        "once the new one is complete.")] = False,
-    marker: Annotated[str, typer.Option("--marker", help="The empty completion file created last in OUT "
-                                        "('' for none).")] = "STABLE",
-    whole_fraction: Annotated[float, typer.Option("--whole-fraction", min=0.0, max=1.0,
+                                        "once the new one is complete.", rich_help_panel=OUTPUT_PANEL)] = False,
+    marker: Annotated[str, typer.Option("--marker", metavar="NAME", rich_help_panel=OUTPUT_PANEL,
+                                        help="The empty completion file created last in OUT ('' for none).")]
+    = "STABLE",
+    whole_fraction: Annotated[float, typer.Option("--whole-fraction", min=0.0, max=1.0, metavar="F",
                                                   help="A tensor with more than this fraction of its values "
                                                   "changed is stored whole.")] = 0.5,
     as_json: JsonOpt = False,
@@ -39,6 +40,8 @@ def delta_command(
     instead and the summary says why.
 
     Example: layerwise delta run/step_119 run/step_120 run/step_120_delta
+
+    Loading a delta, chains, what is proved: docs/commands/delta.md and docs/deltas.md.
     """
     from layerwise_cli.writer.delta_step import write_delta
 

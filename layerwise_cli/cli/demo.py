@@ -7,17 +7,21 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from layerwise_cli.cli._options import JsonOpt, OrderOpt
+from layerwise_cli.cli._options import OUTPUT_PANEL, JsonOpt, OrderOpt
 from layerwise_cli.cli._output import handle_errors, print_json, stderr, stdout
 from layerwise_cli.cli._reload_view import render_report, run_with_progress
 
 
 @handle_errors
 def demo_command(
-    pairs: Annotated[str, typer.Option("--pairs", help="Digit pairs to ask, as 'a b,a b'.")] = "3 4,2 5,9 9",
+    pairs: Annotated[str, typer.Option("--pairs", metavar="PAIRS", help="Digit pairs to ask, as 'a b,a b'.")]
+    = "3 4,2 5,9 9",
     order: OrderOpt = "layer",
     moe: Annotated[bool, typer.Option("--moe", help="Use the tiny Qwen3-MoE debug models instead.")] = False,
     as_json: JsonOpt = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", rich_help_panel=OUTPUT_PANEL,
+                                          help="Also show vLLM's warnings and notes (as LAYERWISE_DEBUG=1 does); "
+                                          "errors always show.")] = False,
 ) -> None:
     """Reload a running engine from *multiply* to *add* and back, and watch the answer flip.
 
@@ -26,6 +30,8 @@ def demo_command(
     reloads *add* in layer order with the per-layer table, then *multiply* back.
 
     Example: layerwise demo --pairs "3 4,7 8"
+
+    The output explained: docs/quickstart.md.
     """
     from layerwise_cli.client.engine.generate import greedy_answers
     from layerwise_cli.client.engine.in_process import EngineOptions, start_engine, stop_engine
@@ -42,13 +48,18 @@ def demo_command(
     except ValueError:
         raise UsageError(f"--pairs must be single-digit pairs like '3 4,2 5', not {pairs!r}") from None
     first, second = ("moe-multiply", "moe-add") if moe else ("multiply", "add")
+    engine = EngineOptions(max_model_len=64)
+    if not verbose:
+        from layerwise_cli.vllm_logs import quiet_engine_notes
+
+        engine = quiet_engine_notes(engine)
     if not as_json:
         stderr.print("Building the debug models (once; cached) ...")
     paths = {name: str(demo_checkpoint(name)) for name in (first, second)}
     prompts = [demo_prompt(a, b) for a, b in asked]
     if not as_json:
         stderr.print(f"Starting vLLM on {first} ...")
-    llm = start_engine(paths[first], EngineOptions(max_model_len=64))
+    llm = start_engine(paths[first], engine)
     try:
         answers = {f"{first} (start)": greedy_answers(llm, prompts)}
         reports = []

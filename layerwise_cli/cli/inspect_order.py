@@ -9,7 +9,15 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from layerwise_cli.cli._options import JsonOpt, MappingOpt, RevisionOpt, SourceArg, TensorParallelOpt
+from layerwise_cli.cli._options import (
+    OUTPUT_PANEL,
+    PROOF_PANEL,
+    JsonOpt,
+    MappingOpt,
+    RevisionOpt,
+    SourceArg,
+    TensorParallelOpt,
+)
 from layerwise_cli.cli._output import handle_errors, print_json, stderr, stdout
 from layerwise_cli.units import human_bytes, parse_size
 
@@ -18,20 +26,22 @@ from layerwise_cli.units import human_bytes, parse_size
 def inspect_order_command(
     source: SourceArg,
     revision: RevisionOpt = None,
-    top: Annotated[int, typer.Option("--top", help="Show the N worst layers (0: all).", min=0)] = 20,
-    max_buffer: Annotated[
-        str | None,
-        typer.Option("--max-buffer", help="Exit 1 when the file-order peak exceeds SIZE (e.g. 512MiB, 2GB)."),
-    ] = None,
     mapping: MappingOpt = "auto",
     tensor_parallel_size: TensorParallelOpt = 1,
-    scan: Annotated[bool, typer.Option("--scan", help="Also read every tensor's data and report tensors holding "
-                                       "NaN or Inf, and tensors whose bytes differ from their header digest; "
-                                       "exit 1 if any (reads the whole checkpoint).")] = False,
+    max_buffer: Annotated[
+        str | None,
+        typer.Option("--max-buffer", metavar="SIZE", rich_help_panel=PROOF_PANEL,
+                     help="Exit 1 when the file-order peak exceeds SIZE (e.g. 512MiB, 2GB)."),
+    ] = None,
+    scan: Annotated[bool, typer.Option("--scan", rich_help_panel=PROOF_PANEL,
+                                       help="Also read every tensor: exit 1 on NaN or Inf, or bytes that differ "
+                                       "from their header digest (reads the whole checkpoint).")] = False,
+    top: Annotated[int, typer.Option("--top", help="Show the N worst layers (0: all).", min=0, metavar="N",
+                                     rich_help_panel=OUTPUT_PANEL)] = 20,
     plot: Annotated[Path | None, typer.Option(
-        "--plot", metavar="FILE.png", dir_okay=False,
-        help="Also draw the buffered bytes over the stream, file order against layer order, into FILE "
-             "(.png, .svg or .pdf; needs matplotlib, from the plot extra: pip install 'layerwise\\[plot]').")] = None,
+        "--plot", metavar="FILE.png", dir_okay=False, rich_help_panel=OUTPUT_PANEL,
+        help="Also draw the buffered bytes over the stream, file order against layer order, into FILE (.png, "
+             ".svg or .pdf; needs `pip install 'layerwise\\[plot]'`).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Show which engine layer each tensor feeds and what vLLM's read order buffers.
@@ -54,6 +64,8 @@ def inspect_order_command(
     then checks the delta's positions and new values.
 
     Example: layerwise inspect-order run/step_120_delta
+
+    Every kind of source: docs/sources.md; every option: docs/commands/inspect-order.md.
     """
     limit = None
     if max_buffer is not None:

@@ -8,6 +8,11 @@ import typer
 from rich.markup import escape
 
 from layerwise_cli.cli._options import (
+    OUTPUT_PANEL,
+    PROOF_PANEL,
+    RELOAD_PANEL,
+    SERVERS_PANEL,
+    SOURCE_PANEL,
     AllowNonfiniteOpt,
     BoundedDiskOpt,
     DataParallelOpt,
@@ -39,23 +44,22 @@ _ENGINE_OPTIONS = {"dtype": "--dtype", "tensor_parallel_size": "--tensor-paralle
 @handle_errors
 def reload_command(
     ctx: typer.Context,
-    weights_path: Annotated[str, typer.Option("--weights-path", help="The new weights: a checkpoint directory, "
-                                              ".safetensors file, or Hub repo id.", show_default=False)],
+    weights_path: Annotated[str, typer.Option(
+        "--weights-path", metavar="SOURCE", show_default=False, rich_help_panel=SOURCE_PANEL,
+        help="The new weights: a folder or .safetensors file, a Hub repo id (org/name), a URL (s3://, gs://, "
+        "az://, https://); a delta step with --url.")],
     model: Annotated[str | None, typer.Option("--model", help="Start the engine on BASE (default: the new "
-                                              "weights themselves).", metavar="BASE")] = None,
-    url: Annotated[list[str] | None, typer.Option("--url", help="Attach to running servers instead of starting "
-                                                  "an engine (repeatable).")] = None,
-    order: OrderOpt = "layer",
-    allow_partial: Annotated[bool, typer.Option("--allow-partial", help="Accept a checkpoint that covers "
-                                                "only some parameters.")] = False,
-    allow_nonfinite: AllowNonfiniteOpt = False,
-    all_layers: Annotated[bool, typer.Option("--all", help="Reload every layer. By default a layer the engine "
-                                             "already holds (same bytes as when layerwise last loaded it, "
-                                             "untouched since) is skipped.")] = False,
-    readahead: Annotated[bool, typer.Option("--readahead/--no-readahead", help="Read the next layer while the "
-                                            "engine processes the current one.")] = True,
+                                              "weights themselves).", metavar="BASE",
+                                              rich_help_panel=SOURCE_PANEL)] = None,
     revision: RevisionOpt = None,
     bounded_disk: BoundedDiskOpt = False,
+    order: OrderOpt = "layer",
+    all_layers: Annotated[bool, typer.Option("--all", help="Reload every layer, also those the engine already "
+                                             "holds unchanged (skipped by default).",
+                                             rich_help_panel=RELOAD_PANEL)] = False,
+    readahead: Annotated[bool, typer.Option("--readahead/--no-readahead", help="Read the next layer while the "
+                                            "engine processes the current one.",
+                                            rich_help_panel=RELOAD_PANEL)] = True,
     dtype: DtypeOpt = "auto",
     tensor_parallel_size: TensorParallelOpt = 1,
     pipeline_parallel_size: PipelineParallelOpt = 1,
@@ -65,39 +69,45 @@ def reload_command(
     quantization: QuantizationOpt = None,
     enforce_eager: EnforceEagerOpt = None,
     memory_fraction: MemoryFractionOpt = None,
-    top: Annotated[int, typer.Option("--top", min=0, help="Show only the first N layers (0: all).")] = 0,
-    as_json: JsonOpt = False,
+    url: Annotated[list[str] | None, typer.Option("--url", metavar="URL", help="Reload these running servers "
+                                                  "instead of starting an engine (repeatable).",
+                                                  rich_help_panel=SERVERS_PANEL)] = None,
     pause_mode: Annotated[Literal["wait", "keep", "abort", "none"] | None, typer.Option(
-        "--pause-mode", help="With --url: how generation pauses during the reload. wait (default): finish "
-        "in-flight requests, queue new ones; keep: freeze in-flight requests and continue them on the new "
-        "weights; abort: abort in-flight requests; none: do not pause.", show_default=False)] = None,
+        "--pause-mode", metavar="MODE", rich_help_panel=SERVERS_PANEL, show_default=False,
+        help="How generation pauses: wait (default; finish in-flight requests, queue new ones), keep (continue "
+        "them on the new weights), abort, or none.")] = None,
     weight_version: Annotated[str | None, typer.Option(
-        "--weight-version", metavar="TAG", help="With --url: set the servers' weight version to TAG after a "
-        "successful reload (a server with layerwise's endpoints sets it with the reload itself).")] = None,
+        "--weight-version", metavar="TAG", rich_help_panel=SERVERS_PANEL,
+        help="Set the servers' weight version to TAG with a successful reload.")] = None,
     pause_lease: Annotated[float | None, typer.Option(
-        "--pause-lease", min=1.0, max=3600.0, metavar="SECONDS", help="With --url: a server with layerwise's "
-        "pause lease (`layerwise serve`, or vLLM with layerwise installed) resumes by itself this long after "
-        "this command stops renewing its pause (it died). Default 60.", show_default=False)] = None,
+        "--pause-lease", min=1.0, max=3600.0, metavar="SECONDS", rich_help_panel=SERVERS_PANEL,
+        help="A server with layerwise's pause lease resumes by itself this long after this command stops "
+        "renewing it (default 60).", show_default=False)] = None,
     api_key: Annotated[str | None, typer.Option(
-        "--api-key", envvar="LAYERWISE_API_KEY", show_envvar=True, show_default=False,
-        help="With --url: the servers' API key, sent as a bearer token.")] = None,
+        "--api-key", envvar="LAYERWISE_API_KEY", show_envvar=True, show_default=False, metavar="KEY",
+        rich_help_panel=SERVERS_PANEL, help="The servers' API key, sent as a bearer token.")] = None,
+    allow_partial: Annotated[bool, typer.Option("--allow-partial", help="Accept a checkpoint that covers "
+                                                "only some parameters.", rich_help_panel=PROOF_PANEL)] = False,
+    allow_nonfinite: AllowNonfiniteOpt = False,
     verify: Annotated[bool, typer.Option(
-        "--verify", help="After the reload, check layer by layer (tied heads and buffers derived from weights "
-        "included) that the engine, or every server with --url, holds exactly what the new weights must "
-        "produce; a difference, or a layer it cannot check, exits 1 and names the layers.")] = False,
+        "--verify", rich_help_panel=PROOF_PANEL,
+        help="Afterwards, check layer by layer that the engine (or every server) holds exactly what the new "
+        "weights produce; a difference exits 1.")] = False,
     allow_unchecked: Annotated[bool, typer.Option(
-        "--allow-unchecked", help="Accept a reload whose completion cannot be shown (a layer vLLM could not "
-        "load keeps its previous weights; a buffer derived at load left stale; a measured peak other than the "
-        "prediction) and, with --verify, layers it cannot check; the output lists them and says they were "
-        "accepted, instead of exiting 1 (rolled back).")] = False,
+        "--allow-unchecked", rich_help_panel=PROOF_PANEL,
+        help="Accept, and list, what cannot be shown complete or checked (a layer vLLM could not load, a stale "
+        "derived buffer, a peak other than predicted) instead of rolling back.")] = False,
     timeout: Annotated[float | None, typer.Option(
-        "--timeout", min=0.1, help="With --url: seconds to wait for each request to a server, the reload "
-        "included (default 600).", show_default=False)] = None,
-    atomic: Annotated[bool | None, typer.Option(
-        "--atomic/--no-atomic", help="With --url: all or nothing (default with more than one --url). Every "
-        "server is pre-flighted before any is paused; if one fails after others changed, those are reloaded "
-        "back to what they held; all resume together. --no-atomic: each server on its own.",
+        "--timeout", min=0.1, metavar="SECONDS", rich_help_panel=SERVERS_PANEL,
+        help="Seconds to wait for each request to a server, the reload included (default 600).",
         show_default=False)] = None,
+    atomic: Annotated[bool | None, typer.Option(
+        "--atomic/--no-atomic", rich_help_panel=SERVERS_PANEL,
+        help="All or nothing (the default with more than one --url): every server pre-flighted first, those "
+        "changed reloaded back if one fails.", show_default=False)] = None,
+    top: Annotated[int, typer.Option("--top", min=0, metavar="N", help="Show only the first N layers (0: all).",
+                                     rich_help_panel=OUTPUT_PANEL)] = 0,
+    as_json: JsonOpt = False,
 ) -> None:
     """Reload new weights into a vLLM engine in layer order, with a per-layer report.
 
@@ -119,6 +129,9 @@ def reload_command(
     Example: layerwise reload --weights-path ./step-200 --model ./step-100 --verify
 
     Example: layerwise reload --weights-path /ckpt/step-200 --url http://127.0.0.1:8000 --verify
+
+    Sources (a Hub revision, s3://, a delta step), caches and credentials:
+    docs/sources.md; every option: docs/commands/reload.md.
     """
     from layerwise_cli.worker.rpc import ReloadOptions
 

@@ -8,7 +8,15 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from layerwise_cli.cli._options import AllowNonfiniteOpt, JsonOpt, MappingOpt, RevisionOpt, SourceArg
+from layerwise_cli.cli._options import (
+    OUTPUT_PANEL,
+    PROOF_PANEL,
+    AllowNonfiniteOpt,
+    JsonOpt,
+    MappingOpt,
+    RevisionOpt,
+    SourceArg,
+)
 from layerwise_cli.cli._output import handle_errors, print_json, report_error, stderr, stdout
 from layerwise_cli.units import human_bytes, human_seconds, parse_size
 
@@ -19,31 +27,31 @@ def reorder_command(
     destination: Annotated[
         str, typer.Argument(help="The directory to write (refused if it exists, unless --force).", show_default=False)
     ],
+    revision: RevisionOpt = None,
+    mapping: MappingOpt = "auto",
     max_shard_size: Annotated[
         str,
-        typer.Option("--max-shard-size", help="Most tensor bytes per shard (e.g. 5GB, 512MiB). A parent layer "
-                     "spans two shards only when it alone is larger."),
+        typer.Option("--max-shard-size", metavar="SIZE", rich_help_panel=OUTPUT_PANEL,
+                     help="Most tensor bytes per shard (e.g. 5GB, 512MiB); a parent layer spans two shards only "
+                     "when it alone is larger."),
     ] = "5GB",
     force: Annotated[
-        bool, typer.Option("--force", help="Replace an existing destination once the new one is complete.")
-    ] = False,
-    verify: Annotated[
-        bool,
-        typer.Option("--verify", help="Re-read every tensor from the destination and compare its digest with the "
-                     "source's before putting it in place, and check every floating tensor for NaN/Inf; exit 1 "
-                     "on any difference, a source header digest that does not match its bytes, or a non-finite "
-                     "value."),
+        bool, typer.Option("--force", help="Replace an existing destination once the new one is complete.",
+                           rich_help_panel=OUTPUT_PANEL)
     ] = False,
     digests: Annotated[
         bool,
-        typer.Option("--digests/--no-digests", help="Write each tensor's xxh3-128 digest in its shard's header "
-                     "(layerwise.digests), taken from the bytes as they are copied, so that a reload can skip "
-                     "unchanged layers from the headers alone; a source's own header digests are checked against "
-                     "its bytes in the same pass."),
+        typer.Option("--digests/--no-digests", rich_help_panel=OUTPUT_PANEL,
+                     help="Write each tensor's xxh3-128 digest in its shard's header, so that a reload skips "
+                     "unchanged layers from the headers alone."),
     ] = True,
+    verify: Annotated[
+        bool,
+        typer.Option("--verify", rich_help_panel=PROOF_PANEL,
+                     help="Re-read every tensor written and compare its digest with the source's, and check for "
+                     "NaN/Inf, before putting it in place; exit 1 on any difference."),
+    ] = False,
     allow_nonfinite: AllowNonfiniteOpt = False,
-    revision: RevisionOpt = None,
-    mapping: MappingOpt = "auto",
     as_json: JsonOpt = False,
 ) -> None:
     """Rewrite a checkpoint so that vLLM's own loader reads complete parent layers one after another.
@@ -55,6 +63,8 @@ def reorder_command(
     DESTINATION and renamed into place only when complete.
 
     Example: layerwise reorder ./trainer-export ./reordered --max-shard-size 2GB --verify
+
+    Every option: docs/commands/reorder.md.
     """
     try:
         limit = parse_size(max_shard_size)

@@ -26,22 +26,28 @@ from layerwise_cli.engine_defaults import cuda_available
 from layerwise_cli.server.command_line import server_command_line
 from layerwise_cli.server.nodes import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT, NodePlacement
 
+SERVER_PANEL = "Server"
+NODES_PANEL = "Nodes (one engine across nodes)"
+
 
 @handle_errors
 def serve_command(
     ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="The model to serve: a checkpoint directory or Hub repo id.",
                                          show_default=False)],
-    host: Annotated[str, typer.Option("--host", help="Address to bind. Anything but loopback needs "
-                                      "--allow-remote.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", min=1, max=65535, help="Port to bind.")] = 8000,
-    allow_remote: Annotated[bool, typer.Option("--allow-remote", help="Allow a --host other machines can reach "
-                                               "(the reload endpoints have no authentication of their own: "
-                                               "use --api-key).")] = False,
+    host: Annotated[str, typer.Option("--host", metavar="ADDRESS", rich_help_panel=SERVER_PANEL,
+                                      help="Address to bind; anything but loopback needs --allow-remote.")]
+    = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=1, max=65535, metavar="PORT", help="Port to bind.",
+                                      rich_help_panel=SERVER_PANEL)] = 8000,
+    allow_remote: Annotated[bool, typer.Option("--allow-remote", rich_help_panel=SERVER_PANEL,
+                                               help="Allow a --host other machines can reach (then use "
+                                               "--api-key: the reload endpoints have no other check).")] = False,
     api_key: Annotated[str | None, typer.Option(
-        "--api-key", envvar="LAYERWISE_API_KEY", show_envvar=True, show_default=False,
-        help="Require this bearer token on every endpoint except /health, /ping, /version and /metrics, the "
-        "reload endpoints included (vLLM's own --api-key covers only /v1).")] = None,
+        "--api-key", envvar="LAYERWISE_API_KEY", show_envvar=True, show_default=False, metavar="KEY",
+        rich_help_panel=SERVER_PANEL,
+        help="Require this bearer token on every endpoint but /health, /ping, /version and /metrics, the reload "
+        "endpoints included.")] = None,
     dtype: DtypeOpt = "auto",
     tensor_parallel_size: TensorParallelOpt = 1,
     pipeline_parallel_size: PipelineParallelOpt = 1,
@@ -51,17 +57,22 @@ def serve_command(
     quantization: QuantizationOpt = None,
     enforce_eager: EnforceEagerOpt = None,
     memory_fraction: MemoryFractionOpt = None,
-    nnodes: Annotated[int, typer.Option("--nnodes", "-n", min=1, help="Nodes that run the engine's workers "
-                                        "together (one engine across nodes, no Ray).")] = 1,
-    node_rank: Annotated[int, typer.Option("--node-rank", "-r", min=0, help="This node's rank: 0 runs the API "
-                                           "server, 1 and up need --headless.")] = 0,
-    master_addr: Annotated[str, typer.Option("--master-addr", help="Node 0's address, reachable from every "
-                                             "node.")] = DEFAULT_MASTER_ADDR,
-    master_port: Annotated[int, typer.Option("--master-port", min=1, max=65535, help="A free port on node 0 for "
-                                             "the nodes' rendezvous; the same on every node.")] = DEFAULT_MASTER_PORT,
-    headless: Annotated[bool, typer.Option("--headless", help="Run this node's workers only, no API server "
-                                           "(every node but node 0); exits when node 0 is gone.")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the server command and exit.")] = False,
+    nnodes: Annotated[int, typer.Option("--nnodes", "-n", min=1, metavar="N", rich_help_panel=NODES_PANEL,
+                                        help="Nodes that run the engine's workers together (no Ray).")] = 1,
+    node_rank: Annotated[int, typer.Option("--node-rank", "-r", min=0, metavar="R", rich_help_panel=NODES_PANEL,
+                                           help="This node's rank: 0 runs the API server, 1 and up need "
+                                           "--headless.")] = 0,
+    master_addr: Annotated[str, typer.Option("--master-addr", metavar="ADDRESS", rich_help_panel=NODES_PANEL,
+                                             help="Node 0's address, reachable from every node.")]
+    = DEFAULT_MASTER_ADDR,
+    master_port: Annotated[int, typer.Option("--master-port", min=1, max=65535, metavar="PORT",
+                                             rich_help_panel=NODES_PANEL, help="A free port on node 0 for the "
+                                             "nodes' rendezvous, the same on every node.")] = DEFAULT_MASTER_PORT,
+    headless: Annotated[bool, typer.Option("--headless", rich_help_panel=NODES_PANEL,
+                                           help="Run this node's workers only, no API server (every node but "
+                                           "node 0); exits when node 0 is gone.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the server command and exit.",
+                                          rich_help_panel=SERVER_PANEL)] = False,
 ) -> None:
     """Serve MODEL with vLLM's OpenAI server, ready for `layerwise reload --url`.
 
@@ -76,6 +87,10 @@ def serve_command(
     `--headless` on every node but node 0; reload through node 0's URL.
 
     Example: layerwise serve ./step-100 --port 8000 --max-model-len 4096 --max-num-seqs 64
+
+    Example (node 1 of 2): layerwise serve ./step-100 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --headless
+
+    The server, its endpoints and security: docs/commands/serve.md; nodes: docs/scaling-out.md.
     """
     node = NodePlacement(nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
                          headless=headless)

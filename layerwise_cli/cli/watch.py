@@ -15,65 +15,76 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from layerwise_cli.cli._options import OUTPUT_PANEL, PROOF_PANEL, SERVERS_PANEL
 from layerwise_cli.cli._output import handle_errors, report_error, stderr
 from layerwise_cli.errors import LayerwiseError, UsageError
+
+STEPS_PANEL = "Steps"
 
 
 @handle_errors
 def watch_command(
-    root: Annotated[str, typer.Argument(help="The directory the trainer writes one directory per step into, a URL "
-                                        "prefix of step folders (s3://bucket/run/, gs://, az://), or a Hub repo id "
-                                        "(org/name): each new commit of --revision is a step.", show_default=False)],
-    url: Annotated[list[str], typer.Option("--url", help="A server to keep on the newest step (repeatable).",
+    root: Annotated[str, typer.Argument(help="Where the trainer writes its steps: a folder of step folders, a URL "
+                                        "prefix of them (s3://bucket/run/, gs://, az://), or a Hub repo id "
+                                        "(org/name), each new commit a step.", show_default=False)],
+    url: Annotated[list[str], typer.Option("--url", metavar="URL", rich_help_panel=SERVERS_PANEL,
+                                           help="A server to keep on the newest step (repeatable).",
                                            show_default=False)],
     pattern: Annotated[list[str] | None, typer.Option(
-        "--pattern", metavar="GLOB", help="Step directory names (repeatable; the step number is the last integer "
-        "in the name). Default: step_*, step-*, global_step_*, checkpoint-*, iter_*.", show_default=False)] = None,
+        "--pattern", metavar="GLOB", rich_help_panel=STEPS_PANEL, show_default=False,
+        help="Step folder names (repeatable; the step is the last integer in the name). Default: step_*, "
+        "step-*, global_step_*, checkpoint-*, iter_*.")] = None,
     marker: Annotated[str, typer.Option(
-        "--marker", metavar="NAME|auto", help="A step is complete once the file NAME (e.g. STABLE) is in it; "
-        "auto: once its index and every shard it lists are complete and nothing changed for --settle seconds.")]
-    = "auto",
+        "--marker", metavar="NAME|auto", rich_help_panel=STEPS_PANEL,
+        help="A step is complete once the file NAME (e.g. STABLE) is in it; auto: once its index and shards are "
+        "complete and unchanged for --settle seconds.")] = "auto",
     interval: Annotated[float | None, typer.Option(
-        "--interval", min=0.05, help="Seconds between two listings of ROOT (default 1; 10 for a URL prefix), or "
-        "polls of a Hub repo's ref (default 10; one request each).", show_default=False)] = None,
+        "--interval", min=0.05, metavar="SECONDS", rich_help_panel=STEPS_PANEL, show_default=False,
+        help="Seconds between two looks at ROOT (default 1; 10 for a URL prefix or a Hub repo).")] = None,
     revision: Annotated[str | None, typer.Option(
-        "--revision", metavar="REF", help="With a Hub repo id: the branch or tag whose commits are the steps. "
-        "Default: main.", show_default=False)] = None,
-    settle: Annotated[float, typer.Option("--settle", min=0.0, help="With --marker auto: seconds a step must stay "
-                                          "unchanged to count as complete.")] = 2.0,
+        "--revision", metavar="REF", rich_help_panel=STEPS_PANEL, show_default=False,
+        help="With a Hub repo id: the branch or tag whose commits are the steps (default: main).")] = None,
+    settle: Annotated[float, typer.Option("--settle", min=0.0, metavar="SECONDS", rich_help_panel=STEPS_PANEL,
+                                          help="With --marker auto: seconds a step must stay unchanged to count "
+                                          "as complete.")] = 2.0,
     keep: Annotated[int | None, typer.Option(
-        "--keep", min=1, metavar="N", help="Once every server holds the newest step, delete steps older than the "
-        "newest N (never one a server holds or loads, never a directory that is not a complete step, never through "
-        "a symbolic link; under a URL prefix, only where the store allows deletes). Default: delete nothing.",
-        show_default=False)] = None,
-    once: Annotated[bool, typer.Option("--once", help="Bring every server to the newest complete step, then exit "
-                                       "(0 when all hold it).")] = False,
-    log: Annotated[Path | None, typer.Option("--log", metavar="FILE.jsonl", help="Append every event, with the "
-                                             "full per-server report, to this file.", show_default=False)] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object per event on stdout; no live "
-                                          "status.")] = False,
+        "--keep", min=1, metavar="N", rich_help_panel=STEPS_PANEL, show_default=False,
+        help="Once every server holds the newest step, delete complete steps older than the newest N (never one "
+        "a server holds or needs). Default: delete nothing.")] = None,
+    once: Annotated[bool, typer.Option("--once", rich_help_panel=STEPS_PANEL,
+                                       help="Bring every server to the newest complete step, then exit (0 when "
+                                       "all hold it).")] = False,
     pause_mode: Annotated[Literal["wait", "keep", "abort", "none"], typer.Option(
-        "--pause-mode", help="How generation pauses during each reload (see docs/training-loops.md: vLLM 0.33 answers "
-        "new requests 503 while paused in wait and abort).")] = "wait",
+        "--pause-mode", metavar="MODE", rich_help_panel=SERVERS_PANEL,
+        help="How generation pauses during each reload: wait, keep, abort or none (docs/training-loops.md).")]
+    = "wait",
     pause_lease: Annotated[float, typer.Option(
-        "--pause-lease", min=1.0, max=3600.0, metavar="SECONDS", help="A server with layerwise's pause lease "
-        "resumes by itself this long after this command stops renewing its pause (it died).")] = 60.0,
+        "--pause-lease", min=1.0, max=3600.0, metavar="SECONDS", rich_help_panel=SERVERS_PANEL,
+        help="A server with layerwise's pause lease resumes by itself this long after this command stops "
+        "renewing it.")] = 60.0,
     api_key: Annotated[str | None, typer.Option(
-        "--api-key", envvar="LAYERWISE_API_KEY", show_envvar=True, show_default=False,
-        help="The servers' API key, sent as a bearer token.")] = None,
-    verify: Annotated[bool, typer.Option("--verify", help="After each reload, check layer by layer that the server "
-                                         "holds exactly the step's weights.")] = False,
-    allow_unchecked: Annotated[bool, typer.Option(
-        "--allow-unchecked", help="Accept a reload whose completion cannot be shown (layers vLLM could not "
-        "load keep their previous weights; stale derived buffers; a peak other than predicted) and, with "
-        "--verify, layers it cannot check (all listed); without it such a reload fails the step on that "
-        "server.")] = False,
-    timeout: Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds to wait for each request to a "
-                                           "server, a reload included.")] = 600.0,
+        "--api-key", envvar="LAYERWISE_API_KEY", show_envvar=True, show_default=False, metavar="KEY",
+        rich_help_panel=SERVERS_PANEL, help="The servers' API key, sent as a bearer token.")] = None,
+    timeout: Annotated[float, typer.Option("--timeout", min=0.1, metavar="SECONDS", rich_help_panel=SERVERS_PANEL,
+                                           help="Seconds to wait for each request to a server, a reload "
+                                           "included.")] = 600.0,
     atomic: Annotated[bool | None, typer.Option(
-        "--atomic/--no-atomic", help="Bring the servers to each step all or nothing (default with more than one "
-        "--url): every server that answers is pre-flighted before any is paused, and reloaded back if another "
-        "fails. --no-atomic: each server on its own.", show_default=False)] = None,
+        "--atomic/--no-atomic", rich_help_panel=SERVERS_PANEL, show_default=False,
+        help="Each step all or nothing (the default with more than one --url): every server pre-flighted first, "
+        "those changed reloaded back if one fails.")] = None,
+    verify: Annotated[bool, typer.Option("--verify", rich_help_panel=PROOF_PANEL,
+                                         help="After each reload, check layer by layer that the server holds "
+                                         "exactly the step's weights.")] = False,
+    allow_unchecked: Annotated[bool, typer.Option(
+        "--allow-unchecked", rich_help_panel=PROOF_PANEL,
+        help="Accept, and list, what cannot be shown complete or checked, instead of failing the step on that "
+        "server.")] = False,
+    log: Annotated[Path | None, typer.Option("--log", metavar="FILE.jsonl", rich_help_panel=OUTPUT_PANEL,
+                                             help="Append every event, with the full per-server report, to this "
+                                             "file.", show_default=False)] = None,
+    as_json: Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT_PANEL,
+                                          help="Print one JSON object per event on stdout; no live "
+                                          "status.")] = False,
 ) -> None:
     """Keep servers on the newest complete step of a training run, reloading each new one.
 
@@ -97,6 +108,8 @@ def watch_command(
     serve. --marker, --pattern and --keep apply to a local root or a URL prefix.
 
     Example: layerwise watch /runs/exp1/weights --url http://127.0.0.1:8000 --url http://127.0.0.1:8001 --keep 3
+
+    Every option, and what --keep never deletes: docs/commands/watch.md.
     """
     from layerwise_cli.client.watch.entry import Watcher, WatchOptions, server_targets
 
