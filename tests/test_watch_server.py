@@ -19,7 +19,7 @@ import time
 import pytest
 
 from tests.support.engine_support import parameter_kind, reshard
-from tests.support.server_support import LAYERWISE, ROOT, RunningServer, own_core
+from tests.support.server_support import LAYERWISE, ROOT, RunningServer, error_lines, own_core, running_together, start
 from tests.support.watch_support import (
     ENV,
     MARKER,
@@ -29,11 +29,8 @@ from tests.support.watch_support import (
     Trainer,
     WatchProcess,
     answer,
-    error_lines,
     held_at,
     log,
-    start,
-    start_servers,
     wait_until,
     weight_version,
 )
@@ -61,14 +58,9 @@ def sources(demo_models, tmp_path_factory):
 def servers(demo_models):
     """Two `layerwise serve` servers on *multiply*, started at once (INFO logs: a failure says where it stopped)."""
     # Each on a core of its own (see own_core).
-    pair = [RunningServer(demo_models["multiply"], env={"VLLM_LOGGING_LEVEL": "INFO", **own_core(i)},
-                          start_timeout=600) for i in range(2)]
-    try:
-        start_servers(pair)
+    with running_together([RunningServer(demo_models["multiply"], env={"VLLM_LOGGING_LEVEL": "INFO", **own_core(i)},
+                                         start_timeout=600) for i in range(2)]) as pair:
         yield pair
-    finally:
-        for server in pair:
-            server.__exit__(None, None, None)
 
 
 def arrive_together(trainer: Trainer, staging, names_models: list[tuple[str, str]]) -> None:

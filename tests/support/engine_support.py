@@ -60,6 +60,14 @@ def reshard(src: Path, dst: Path, group_of: Callable[[str], str], *,
     return dst
 
 
+def nan_in_final_norm(tensors: dict) -> dict:
+    """A `reshard` transform: TENSORS with NaN in the first value of the final norm (a step that must be refused)."""
+    name = next(n for n in sorted(tensors) if n.endswith("norm.weight") and ".layers." not in n)
+    tensors[name] = tensors[name].clone()
+    tensors[name][0] = float("nan")
+    return tensors
+
+
 def parameter_kind(name: str) -> str:
     """Trainer-export grouping: the same parameter of every layer together (q_proj of all layers, ...)."""
     return ".".join(p for p in name.split(".") if not p.isdigit() and p not in {"model", "layers"})
