@@ -10,6 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 NON_WEIGHT_SUFFIXES = (".json", ".txt", ".model", ".jinja")
+# Equations the demo and Producer models answer: ten, so that a comparison covers at least 8 prompts.
+PAIR_PROMPTS = [f"{a} {b} = " for a, b in [(1, 2), (3, 4), (15, 7), (99, 0), (42, 42), (8, 13), (5, 55), (60, 6),
+                                           (21, 12), (7, 70)]]
 
 
 def copy_non_weights(src: Path, dst: Path) -> None:
@@ -165,7 +168,8 @@ def _fresh_key(checkpoint: Path, prompts: list[str], options) -> tuple:
     return checkpoint_digest(Path(checkpoint)), tuple(prompts), repr(options)
 
 
-def _default_options():
+def engine_options():
+    """The options single-rank engine tests start engines with (and fresh engines, unless told others)."""
     from layerwise_cli.client.engine.in_process import EngineOptions
 
     return EngineOptions(max_model_len=64)
@@ -211,7 +215,7 @@ def fresh_answers(checkpoint: Path, prompts: list[str], options=None) -> list:
     """
     import fcntl
 
-    options = options or _default_options()
+    options = options or engine_options()
     key = _fresh_key(checkpoint, prompts, options)
     if key in _FRESH:
         return _FRESH[key]
@@ -237,7 +241,7 @@ def fresh_state(checkpoint: Path, prompts: list[str], options=None) -> dict:
     Taken after it answered PROMPTS (a rotary cache takes its final form at the
     first forward pass). Starts that engine if `fresh_answers` has not yet.
     """
-    options = options or _default_options()
+    options = options or engine_options()
     key = _fresh_key(checkpoint, prompts, options)
     fresh_answers(checkpoint, prompts, options)
     assert key in _FRESH_STATE, f"{checkpoint}: no fresh engine's state was recorded with its answers"
@@ -260,7 +264,7 @@ def _answers_of_fresh_engine(checkpoint: Path, prompts: list[str], options) -> t
 
 def remember_fresh(llm, checkpoint: Path, prompts: list[str], options=None) -> list:
     """Record the answers of LLM, just started on CHECKPOINT and never reloaded, as its fresh answers."""
-    options = options or _default_options()
+    options = options or engine_options()
     key = _fresh_key(checkpoint, prompts, options)
     _FRESH[key] = answers = greedy_with_logprobs(llm, prompts)
     _FRESH_STATE[key] = engine_state(llm)["checksums"]
@@ -290,6 +294,18 @@ def assert_matches_fresh(llm_or_answers, checkpoint: Path, prompts: list[str], *
     assert not differ, (f"{len(differ)} of {len(prompts)} prompts differ from an engine started fresh on "
                         f"{checkpoint} (first: {prompts[differ[0]]!r}: got {got[differ[0]]}, "
                         f"fresh {want[differ[0]]})")
+
+
+def checksums(llm) -> dict:
+    """The checksum of every parameter and buffer of LLM's rank 0, by name."""
+    return engine_state(llm)["checksums"]
+
+
+def assert_is_fresh(llm, checkpoint: Path, prompts: list[str]) -> None:
+    """LLM equals an engine started fresh on CHECKPOINT: by its answers to PROMPTS, and by every tensor."""
+    assert_matches_fresh(llm, checkpoint, prompts)
+    want, got = fresh_state(checkpoint, prompts), checksums(llm)
+    assert [name for name in want if got.get(name) != want[name]] == []
 
 
 def engine_state(llm) -> dict:
