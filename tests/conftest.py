@@ -104,14 +104,26 @@ def fresh_answers_shared(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module", autouse=True)
 def timeline(request: pytest.FixtureRequest):
-    """With LAYERWISE_TEST_TIMELINE=FILE: one line per test file (worker, start, seconds), to see the schedule."""
-    path = os.environ.get("LAYERWISE_TEST_TIMELINE")
+    """With LAYERWISE_TEST_TIMELINE=FILE: one line per test file (worker, start, seconds), to see the schedule.
+
+    With LAYERWISE_TEST_STARTS=FILE: one line per test file of the engines and servers it started, by kind
+    (`tests/support/engine_starts.py`; `scripts/engine_starts.py FILE` makes a table of them).
+    """
+    from tests.support import engine_starts
+
+    path, starts_path = os.environ.get("LAYERWISE_TEST_TIMELINE"), os.environ.get(engine_starts.FILE_ENV)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    if starts_path:
+        engine_starts.install()
+        engine_starts.take()  # what the file's collection started is no start of its tests
     start = time.time()
     yield
     if path:
         with open(path, "a") as out:
-            out.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {start:.0f} {time.time() - start:.0f} "
-                      f"{request.node.path.name}\n")
+            out.write(f"{worker} {start:.0f} {time.time() - start:.0f} {request.node.path.name}\n")
+    if starts_path:
+        with open(starts_path, "a") as out:
+            out.write(engine_starts.line(worker, request.node.path.name, time.time() - start, engine_starts.take()))
 
 
 @pytest.fixture(autouse=True)
