@@ -23,6 +23,7 @@ LAYERWISE = "/venv/bin/layerwise"
     ([sys.executable, "-m", "layerwise_cli", "reload", "--weights-path", "/b", "--model", "/a"], "cli_engine"),
     ([LAYERWISE, "demo", "--pairs", "3,4"], "cli_engine"),
     ([sys.executable, "-c", "from vllm import LLM\nLLM(model='/m')"], "script"),
+    ([sys.executable, "-m", "benchmarks.bench_reload", "--quick"], "script"),
     ([LAYERWISE, "reload", "--weights-path", "/b", "--url", "http://127.0.0.1:8000"], None),
     ([LAYERWISE, "inspect-order", "/m", "--json"], None),
     ([sys.executable, "-c", "print(1)"], None),

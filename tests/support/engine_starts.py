@@ -6,7 +6,8 @@ Counted in the test's process, by kind:
 - `engine`: a vLLM `LLM` built the default way (engine-core and worker processes of its own, several ranks too);
 - `server`: a server process (`layerwise serve`, a headless node of one, vLLM's own OpenAI server);
 - `cli_engine`: a `layerwise` command in a subprocess that starts an engine itself (`--model`, `demo`);
-- `script`: a Python subprocess whose code builds an engine (`LLM(` or `start_engine(` in its `-c` text).
+- `script`: a Python subprocess whose code builds an engine (`LLM(` or `start_engine(` in its `-c` text), or a
+  benchmark (`-m benchmarks.bench_...`), which starts its engines itself.
 
 A default-layout engine or a server costs 30 to 60 s to start on a 2-core machine, an in-process one a few
 seconds. An engine a subprocess's subprocess starts is not seen. `scripts/engine_starts.py` turns the lines
@@ -40,6 +41,8 @@ def kind_of_command(argv: list[str]) -> str | None:
             return "server"
         return "cli_engine" if "--model" in rest or rest[:1] == ["demo"] else None
     if "-c" in words and any(call in text for call in ("LLM(", "start_engine(")):
+        return "script"
+    if any(word.startswith("benchmarks.bench_") for word in words):  # a benchmark starts its engines itself
         return "script"
     return None
 
