@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.engine_support import assert_is_fresh, checksums
+from tests.support.engine_support import assert_is_fresh, checksums, fresh_state
 from tests.support.hub_server import Fault, HubServer
 from tests.support.in_process import start_here, stop_here
 from tests.support.stream_steps import step_tensors, stream_prompts, write_step
@@ -73,7 +73,15 @@ def on_hub(hub: HubServer, monkeypatch: pytest.MonkeyPatch) -> HubServer:
 
 
 @pytest.fixture(scope="module")
-def engine(hub):
+def fresh(ckpts) -> None:
+    """Engines started fresh on every step the tests compare with, before the engine under test starts: in this
+    process (`start_here`), where one started beside it would start with processes of its own (30 s or more)."""
+    for name in ("A", "B", "C", "D"):
+        fresh_state(ckpts[name], stream_prompts())
+
+
+@pytest.fixture(scope="module")
+def engine(hub, fresh):
     """An engine started on the Hub repo id itself: at the commit `main` named then (A)."""
     llm = start_here(REPO)
     yield llm

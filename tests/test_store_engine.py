@@ -21,7 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.engine_support import assert_is_fresh, assert_same_outputs, checksums, greedy_with_logprobs
+from tests.support.engine_support import (
+    assert_is_fresh,
+    assert_same_outputs,
+    checksums,
+    fresh_state,
+    greedy_with_logprobs,
+)
 from tests.support.in_process import start_here, stop_here
 from tests.support.seaweed import BUCKET, SECRET_KEY, running_seaweed
 from tests.support.stream_steps import step_tensors, stream_prompts, write_step
@@ -48,7 +54,15 @@ def s3(ckpts):
 
 
 @pytest.fixture(scope="module")
-def engine(ckpts, s3):
+def fresh(ckpts) -> None:
+    """Engines started fresh on A and B, before the engine under test starts: in this process (`start_here`),
+    where one started beside it would start with processes of its own (30 s or more)."""
+    for name in ("A", "B"):
+        fresh_state(ckpts[name], stream_prompts())
+
+
+@pytest.fixture(scope="module")
+def engine(ckpts, s3, fresh):
     llm = start_here(str(ckpts["A"]))
     yield llm
     stop_here(llm)
