@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -251,9 +252,13 @@ def fresh_state(checkpoint: Path, prompts: list[str], options=None) -> dict:
 def _answers_of_fresh_engine(checkpoint: Path, prompts: list[str], options) -> tuple[list, dict]:
     """Start an engine on CHECKPOINT, ask, take its checksums, stop: in this process where it has one rank."""
     from layerwise_cli.client.engine.in_process import start_engine, stop_engine
-    from tests.support.in_process import start_here, stop_here
+    from tests.support.in_process import running_here, start_here, stop_here
 
     single = options.tensor_parallel_size * options.pipeline_parallel_size == 1
+    if single and running_here():
+        warnings.warn(f"{checkpoint}: a fresh engine asked for while an in-process engine runs starts with processes "
+                      "of its own (30 s or more on 2 cores): ask for it before starting the engine under test",
+                      stacklevel=4)
     start, stop = (start_here, stop_here) if single else (start_engine, stop_engine)
     llm = start(str(checkpoint), options)
     try:
