@@ -10,8 +10,9 @@ Counted in the test's process, by kind:
   benchmark (`-m benchmarks.bench_...`), which starts its engines itself.
 
 A default-layout engine or a server costs 30 to 60 s to start on a 2-core machine, an in-process one a few
-seconds. An engine a subprocess's subprocess starts is not seen. `scripts/engine_starts.py` turns the lines
-into a table per file, beside the seconds of `LAYERWISE_TEST_TIMELINE` or `--durations`.
+seconds. An engine a subprocess's subprocess starts is not seen. Counting imports vLLM in each test process
+before its first file (seconds that file's line then includes). `scripts/engine_starts.py` turns the lines into
+a table per file, beside the seconds of `LAYERWISE_TEST_TIMELINE` or `--durations`.
 """
 
 from __future__ import annotations
