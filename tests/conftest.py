@@ -36,7 +36,10 @@ HEAVY_FILES = {
     # Measured alone on 2026-12-05: a two-node PP=2 engine beside a fresh PP=2 engine, then node 1 killed: 125 s.
     "test_nodes_pp_server.py": 125,
     # Measured alone on 2026-12-05: an engine and two fresh ones (S3 and HTTPS); one server.
-    "test_store_engine.py": 200, "test_store_server.py": 40,
+    "test_store_server.py": 40,
+    # Measured alone on 2026-12-06 beside heavy other work: 261 s while its two fresh engines started beside the
+    # running one (with processes of their own, 154 s of it), 111 s with them started first, in process.
+    "test_store_engine.py": 111,
     # Estimates (2026-12-06), not measured in a whole run: the 2026-12-02 figure less about 30 s for each engine
     # that used to start with processes of its own and now starts in the test's process (`start_here`): the
     # watch file's Python-API engine, the data-parallel file's fresh engine, the reorder file's two.
