@@ -20,7 +20,8 @@ DURATION = re.compile(r"^\s*([\d.]+)s\s+(?:setup|call|teardown)\s+(?:tests/)?([^
 
 
 def read_starts(path: Path) -> tuple[dict[str, collections.Counter], dict[str, float]]:
-    """Per test file: its starts by kind, and its seconds (summed over its lines)."""
+    """Per test file: its starts by kind, and its seconds (a file's later line, from a run appended to the same
+    file, replaces its earlier one)."""
     starts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     seconds: dict[str, float] = collections.defaultdict(float)
     for raw in path.read_text().splitlines():
@@ -28,7 +29,8 @@ def read_starts(path: Path) -> tuple[dict[str, collections.Counter], dict[str, f
         if len(words) < 3:
             continue
         name = words[1]
-        seconds[name] += float(words[2])
+        seconds[name] = float(words[2])
+        starts[name] = collections.Counter()
         for word in words[3:]:
             kind, _, count = word.partition("=")
             starts[name][kind] += int(count)

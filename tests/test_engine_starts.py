@@ -33,10 +33,11 @@ def test_each_kind_of_start_is_told_from_its_command_line(argv, kind):
     assert kind_of_command(argv) == kind
 
 
-def test_the_table_sums_each_files_lines_and_puts_the_slowest_first(tmp_path):
+def test_the_table_takes_each_files_last_line_and_puts_the_slowest_first(tmp_path):
     starts = tmp_path / "starts.txt"
     counts = {kind: 0 for kind in KINDS}
-    starts.write_text(line("gw0", "test_a_server.py", 120.4, {**counts, "server": 2})
+    starts.write_text(line("gw0", "test_a_server.py", 999.0, {**counts, "server": 9})  # an earlier run's
+                      + line("gw0", "test_a_server.py", 120.4, {**counts, "server": 2})
                       + line("gw1", "test_b_engine.py", 300.0, {**counts, "in_process": 3, "engine": 1})
                       + line("gw1", "test_c_logic.py", 1.0, counts))
     durations = tmp_path / "pytest.txt"
