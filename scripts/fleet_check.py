@@ -30,9 +30,8 @@ def main() -> int:
 
     from layerwise_cli.client.servers.reload_servers import RemoteOptions, reload_servers
     from layerwise_cli.demo import demo_checkpoint, expected_answer
-    from tests.support.engine_support import reshard
-    from tests.support.server_support import RunningServer, own_core
-    from tests.support.watch_support import start_servers
+    from tests.support.engine_support import nan_in_final_norm, reshard
+    from tests.support.server_support import RunningServer, own_core, start_servers
 
     work = Path(tempfile.mkdtemp(prefix="layerwise-fleet-"))
     nodes = [work / f"node{i}" for i in range(3)]
@@ -43,15 +42,9 @@ def main() -> int:
                for i, (kind, node) in enumerate(zip(kinds, nodes))]
 
     def write(step: str, model: str, nan_on_moe: bool = False) -> None:
-        def nan(tensors: dict) -> dict:
-            name = next(n for n in sorted(tensors) if n.endswith("norm.weight") and ".layers." not in n)
-            tensors[name] = tensors[name].clone()
-            tensors[name][0] = float("nan")
-            return tensors
-
         for kind, node in zip(kinds, nodes):
             reshard(demo_checkpoint(f"{kind}{model}"), node / step, lambda n: "a" if ".layers.0." in n else "b",
-                    transform=nan if nan_on_moe and kind else None)
+                    transform=nan_in_final_norm if nan_on_moe and kind else None)
 
     figures: dict[str, list[tuple[float, float]]] = {"atomic": [], "no-atomic": [], "atomic, one fails": []}
     failures = 0

@@ -21,9 +21,9 @@ settings.load_profile("layerwise")
 # all). Under xdist the files start heaviest first (and the rest in collection order), so that no long file is
 # left to run alone at the end. Order only: no test depends on it.
 HEAVY_FILES = {
-    "test_serve_server.py": 251, "test_equivalence_engine.py": 242, "test_watch_server.py": 183,
-    "test_data_parallel_server.py": 144, "test_start_failure_server.py": 134, "test_repairs_server.py": 133,
-    "test_planner_engine.py": 124, "test_reorder_engine.py": 107, "test_pipeline_parallel_engine.py": 106,
+    "test_serve_server.py": 251, "test_equivalence_engine.py": 242,
+    "test_start_failure_server.py": 134, "test_repairs_server.py": 133,
+    "test_planner_engine.py": 124, "test_pipeline_parallel_engine.py": 106,
     "test_padded_engine.py": 97, "test_online_quant_engine.py": 74, "test_bench_quick.py": 70, "test_reload_cli.py": 70,
     "test_demo_models_logic.py": 61, "test_traffic_server.py": 56, "test_demo_cli.py": 49,
     "test_in_process_engine.py": 49, "test_arch_table.py": 46, "test_tensor_parallel_engine.py": 45,
@@ -36,7 +36,15 @@ HEAVY_FILES = {
     # Measured alone on 2026-12-05: a two-node PP=2 engine beside a fresh PP=2 engine, then node 1 killed: 125 s.
     "test_nodes_pp_server.py": 125,
     # Measured alone on 2026-12-05: an engine and two fresh ones (S3 and HTTPS); one server.
-    "test_store_engine.py": 200, "test_store_server.py": 40,
+    "test_store_server.py": 40,
+    # Measured alone on 2026-12-06 beside heavy other work: 261 s while its two fresh engines started beside the
+    # running one (with processes of their own, 154 s of it), 111 s with them started first, in process.
+    "test_store_engine.py": 111,
+    # Estimates (2026-12-06), not measured in a whole run: the 2026-12-02 figure less about 30 s for each engine
+    # that used to start with processes of its own and now starts in the test's process (`start_here`): the
+    # watch file's Python-API engine, the data-parallel file's fresh engine; the reorder file's two engines
+    # (its engine fixture measured alone: 53 s with processes of their own, 36 s in process).
+    "test_watch_server.py": 155, "test_data_parallel_server.py": 115, "test_reorder_engine.py": 90,
 }
 
 
@@ -104,14 +112,26 @@ def fresh_answers_shared(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module", autouse=True)
 def timeline(request: pytest.FixtureRequest):
-    """With LAYERWISE_TEST_TIMELINE=FILE: one line per test file (worker, start, seconds), to see the schedule."""
-    path = os.environ.get("LAYERWISE_TEST_TIMELINE")
+    """With LAYERWISE_TEST_TIMELINE=FILE: one line per test file (worker, start, seconds), to see the schedule.
+
+    With LAYERWISE_TEST_STARTS=FILE: one line per test file of the engines and servers it started, by kind
+    (`tests/support/engine_starts.py`; `scripts/engine_starts.py FILE` makes a table of them).
+    """
+    from tests.support import engine_starts
+
+    path, starts_path = os.environ.get("LAYERWISE_TEST_TIMELINE"), os.environ.get(engine_starts.FILE_ENV)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    if starts_path:
+        engine_starts.install()
+        engine_starts.take()  # what the file's collection started is no start of its tests
     start = time.time()
     yield
     if path:
         with open(path, "a") as out:
-            out.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {start:.0f} {time.time() - start:.0f} "
-                      f"{request.node.path.name}\n")
+            out.write(f"{worker} {start:.0f} {time.time() - start:.0f} {request.node.path.name}\n")
+    if starts_path:
+        with open(starts_path, "a") as out:
+            out.write(engine_starts.line(worker, request.node.path.name, time.time() - start, engine_starts.take()))
 
 
 @pytest.fixture(autouse=True)

@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 
 from benchmarks.bench_delta import CHANGED_FRACTION, changed_layers, write_delta_checkpoints
 from layerwise_cli.cli.app import app
+from tests.support.digest_support import independent_digests
 from tests.support.synthetic import SyntheticModel, normal_weights
-from tests.test_reorder_digests_cli import _independent_digests
 
 runner = CliRunner()
 
@@ -53,7 +53,7 @@ def test_delta_checkpoints(tmp_path: Path) -> None:
     assert _layer_digests(g) == layers and g["source"] != base["source"]
     plain = _inspect(delta["g-plain"]["path"])
     assert plain["header_digests"]["shards_with_digests"] == 0
-    assert _independent_digests(Path(delta["g-plain"]["path"])) == before
+    assert independent_digests(Path(delta["g-plain"]["path"])) == before
 
     # h: the writer's layout of f's tensors, with the same digests, read in layer order by vLLM's loader.
     h = _inspect(delta["h"]["path"], "--scan")

@@ -27,16 +27,21 @@ PAIRS = [(a, b) for a in range(2, 10) for b in range(5)]
 
 @pytest.fixture(scope="module")
 def fresh_add(demo_models):
-    """What an engine started fresh on *add* answers (before the server starts: never two engines at once)."""
-    from layerwise_cli.client.engine.generate import greedy_answers
-    from layerwise_cli.client.engine.in_process import EngineOptions, start_engine, stop_engine
-    from layerwise_cli.demo import demo_prompt
+    """What an engine started fresh on *add* answers (before the server starts: never two engines at once).
 
-    llm = start_engine(str(demo_models["add"]), EngineOptions(max_model_len=64))
+    The engine runs in this process (`start_here`: the same engine, answering bit for bit as one started the
+    default way, tests/test_in_process_engine.py), a start of seconds where processes of its own take 30 or more.
+    """
+    from layerwise_cli.client.engine.generate import greedy_answers
+    from layerwise_cli.client.engine.in_process import EngineOptions
+    from layerwise_cli.demo import demo_prompt
+    from tests.support.in_process import start_here, stop_here
+
+    llm = start_here(str(demo_models["add"]), EngineOptions(max_model_len=64))
     try:
         return greedy_answers(llm, [demo_prompt(a, b) for a, b in PAIRS])
     finally:
-        stop_engine(llm)
+        stop_here(llm)
 
 
 class _DataParallelServer(RunningServer):

@@ -60,7 +60,15 @@ def steps(demo_models, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def llm(steps):
+def fresh(steps) -> None:
+    """Engines started fresh on A, B and C, before the engine under test starts: in this process (`start_here`),
+    where one started beside it would start with processes of its own (30 s or more)."""
+    for name in ("A", "B", "C full"):
+        fresh_state(steps[name], prompts())
+
+
+@pytest.fixture(scope="module")
+def llm(steps, fresh):
     from layerwise_cli.client.engine.in_process import EngineOptions
 
     engine = start_here(str(steps["A"]), EngineOptions(max_model_len=64))

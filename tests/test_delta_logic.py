@@ -28,6 +28,7 @@ from layerwise_cli.checkpoint.sources import open_checkpoint
 from layerwise_cli.cli.app import app
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.writer.delta_step import write_delta
+from tests.support.deltas import changed_copy, small_state_dict, stored_bytes
 
 DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}
 
@@ -36,39 +37,10 @@ def raw(tensor: torch.Tensor) -> np.ndarray:
     return tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def changed_copy(tensor: torch.Tensor, fraction: float, seed: int) -> torch.Tensor:
-    """TENSOR with about FRACTION of its values moved to a neighbouring representable value."""
-    gen = torch.Generator().manual_seed(seed)
-    mask = torch.rand(tensor.shape, generator=gen) < fraction
-    bumped = torch.nextafter(tensor.float(), torch.full_like(tensor.float(), 10.0)).to(tensor.dtype)
-    bumped = torch.where(bumped == tensor, tensor + 1, bumped)
-    return torch.where(mask, bumped, tensor)
-
-
-def tensors_of(directory: Path) -> dict[str, np.ndarray]:
-    checkpoint = open_checkpoint(str(directory))
-    out = {}
-    for shard in checkpoint.shards:
-        data = (directory / shard.name).read_bytes()
-        for t in shard.tensors:
-            out[t.name] = np.frombuffer(data, dtype=np.uint8)[shard.data_start + t.begin:shard.data_start + t.end]
-    return out
-
-
 def rebuilt(delta_dir: Path, base_dir: Path) -> dict[str, np.ndarray]:
     """Every tensor of the step, from the base's bytes and the delta (as a reload rebuilds them)."""
     delta = read_delta(delta_dir)
-    return {name: np.asarray(delta.apply(name, data)) for name, data in tensors_of(base_dir).items()}
-
-
-def model(dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        "model.embed_tokens.weight": torch.randn(64, 32, generator=gen).to(dtype),
-        "model.layers.0.mlp.down_proj.weight": torch.randn(32, 48, generator=gen).to(dtype),
-        "model.layers.0.input_layernorm.weight": torch.randn(32, generator=gen).to(dtype),
-        "model.layers.1.mlp.down_proj.weight": torch.randn(32, 48, generator=gen).to(dtype),
-    }
+    return {name: np.asarray(delta.apply(name, data)) for name, data in stored_bytes(base_dir).items()}
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -89,7 +61,7 @@ def test_base_plus_delta_is_the_new_step_bit_for_bit(dtype, fraction, seed, rows
         if saved.delta is None:
             # Full step written instead: only when a delta would not be smaller.
             assert "not be smaller" in saved.fallback
-            got = tensors_of(root / "step_2")
+            got = stored_bytes(root / "step_2")
         else:
             got = rebuilt(root / "step_2", root / "step_1")
             delta = read_delta(root / "step_2")
@@ -125,7 +97,7 @@ def test_a_sign_flip_of_zero_is_a_change():
 @pytest.fixture
 def steps(tmp_path):
     """A base step and a delta against it (1% of each tensor changed: index positions)."""
-    base = model(torch.bfloat16)
+    base = small_state_dict(torch.bfloat16)
     new = {name: changed_copy(t, 0.01 if t.numel() > 100 else 0.2, 7) for name, t in base.items()}
     save_checkpoint(base.items(), tmp_path / "step_1")
     saved = save_checkpoint(new.items(), tmp_path / "step_2", base=tmp_path / "step_1")
@@ -148,7 +120,7 @@ def test_save_with_a_base_writes_a_small_delta_with_both_steps_digests(steps):
 
 
 def test_save_falls_back_to_a_full_step_when_the_base_cannot_serve(tmp_path):
-    base = model(torch.bfloat16)
+    base = small_state_dict(torch.bfloat16)
     save_checkpoint(base.items(), tmp_path / "step_1")
     reshaped = {**base, "model.layers.0.input_layernorm.weight": torch.ones(33, dtype=torch.bfloat16)}
     cases = {
@@ -164,13 +136,13 @@ def test_save_falls_back_to_a_full_step_when_the_base_cannot_serve(tmp_path):
 
 
 def test_a_base_whose_header_digest_lies_is_not_proved(tmp_path):
-    base = model(torch.float32)
+    base = small_state_dict(torch.float32)
     save_checkpoint(base.items(), tmp_path / "step_1")
     shard = next((tmp_path / "step_1").glob("*.safetensors"))
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0x01  # the last tensor's bytes change, its header digest does not
     shard.write_bytes(bytes(data))
-    saved = save_checkpoint(model(torch.float32).items(), tmp_path / "step_2", base=tmp_path / "step_1")
+    saved = save_checkpoint(small_state_dict(torch.float32).items(), tmp_path / "step_2", base=tmp_path / "step_1")
     assert saved.delta is None and "cannot be proved" in saved.fallback
 
 
@@ -205,7 +177,7 @@ def test_a_rebuilt_tensor_is_proved_by_the_step_s_digest_and_a_failure_says_what
     save_checkpoint(third.items(), tmp_path / "step_3", base=delta_dir)
     step = open_step(str(tmp_path / "step_3"))
     first, last = step.delta.links
-    base = tensors_of(base_dir)
+    base = stored_bytes(base_dir)
     name = next(n for n in first.patches if n in last.patches)  # changed by both links
     entry = next(e for e in step.tensors if e.name == name)
     assert np.array_equal(rebuilt_bytes(step.delta, entry, base[name], "base.safetensors"), raw(third[name]))
@@ -439,7 +411,7 @@ def test_inspect_order_scan_checks_a_delta_s_positions(steps):
 def test_watch_keep_never_deletes_the_base_of_a_delta_that_stays(tmp_path):
     from layerwise_cli.checkpoint.steps.local import list_steps, steps_to_delete
 
-    base = model(torch.bfloat16)
+    base = small_state_dict(torch.bfloat16)
     run = tmp_path / "run"
     save_checkpoint(base.items(), run / "step_1")
     save_checkpoint(base.items(), run / "step_2")

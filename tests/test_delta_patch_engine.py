@@ -4,7 +4,9 @@ vLLM's CPU dispatch is made to take its `F.linear` fallback (as on an AVX2 CPU,
 and as a GPU computes), so the linear layers keep their loaded layout and every
 layer of the model can be patched in place (`worker/reload/delta_patch.py`).
 Each reload is proven against an engine started fresh on the full step under the
-same dispatch: every tensor's checksum and the answers, over A, B, A, B.
+same dispatch: every tensor's checksum and the answers, over A, B, A, B. The
+module shares the steps, the two fresh engines' state and one engine under test;
+each test first loads A into it itself (every layer), so no test depends on another.
 """
 
 from __future__ import annotations
@@ -66,6 +68,35 @@ def _fresh(checkpoint) -> tuple[dict, list]:
         stop_here(llm)
 
 
+@pytest.fixture(scope="module")
+def linear_fallback():
+    """vLLM's CPU dispatch on its `F.linear` fallback for the whole module: the engines start and reload under it."""
+    with pytest.MonkeyPatch.context() as patch:
+        take_linear_fallback(patch.setattr)
+        yield
+
+
+@pytest.fixture(scope="module")
+def steps(linear_fallback, tmp_path_factory) -> dict:
+    return _steps(tmp_path_factory.mktemp("delta-patch"))
+
+
+@pytest.fixture(scope="module")
+def fresh(steps) -> dict[str, tuple[dict, list]]:
+    """The state and answers of engines started fresh on A and on B (before the engine under test starts)."""
+    fresh = {"A": _fresh(steps["A"]), "B": _fresh(steps["B"])}
+    assert fresh["A"][0] != fresh["B"][0] and fresh["A"][1] != fresh["B"][1], "B must differ from A in both"
+    return fresh
+
+
+@pytest.fixture(scope="module")
+def engine(steps, fresh):
+    """The engine under test, started on A; each test reloads A into it first (every layer, so its records say A)."""
+    llm = start_here(str(steps["A"]), _options())
+    yield llm
+    stop_here(llm)
+
+
 def _holds(llm, fresh: tuple[dict, list]) -> None:
     checksums, answers = fresh
     assert engine_state(llm)["checksums"] == checksums
@@ -80,54 +111,47 @@ def _handed(report) -> set[str]:
     return {layer.name for layer in report.layers if not layer.skipped and not layer.patched}
 
 
-def test_a_delta_patched_in_place_equals_fresh_engines_a_b_a_b(monkeypatch, tmp_path):
+def test_a_delta_patched_in_place_equals_fresh_engines_a_b_a_b(engine, steps, fresh, monkeypatch):
     from layerwise_cli.checkpoint.delta.read import read_delta
     from layerwise_cli.client.engine.in_process import reload
     from layerwise_cli.engine_defaults import NO_DELTA_PATCH_ENV
 
-    take_linear_fallback(monkeypatch.setattr)
-    steps = _steps(tmp_path)
-    fresh_a, fresh_b = _fresh(steps["A"]), _fresh(steps["B"])
-    assert fresh_a[0] != fresh_b[0] and fresh_a[1] != fresh_b[1], "B must differ from A in state and answers"
+    llm, fresh_a, fresh_b = engine, fresh["A"], fresh["B"]
+    reload(llm, str(steps["A"]), all_layers=True)  # the records now say A
+    _holds(llm, fresh_a)
+    to_b = reload(llm, str(steps["AB"]))
+    _holds(llm, fresh_b)
+    # Every layer patched in place, the linear ones included: nothing handed to vLLM, only the delta read.
+    patched = _patched(to_b)
+    assert {name for name in patched if name.endswith(LINEAR)} and not _handed(to_b), _handed(to_b)
+    assert patched == {layer.name for layer in to_b.layers if not layer.skipped}
+    delta = read_delta(steps["AB"])
+    patch_bytes = sum(delta.patch_nbytes(name) for name in delta.patches)
+    assert to_b.volume.patched_layers == len(patched) and to_b.volume.patched_bytes == patch_bytes
+    assert to_b.volume.read_bytes == patch_bytes and to_b.volume.bytes == 0
+    assert to_b.matches_prediction
+    # The patch's time is its own timer, a part of wall_s that vllm_s no longer counts.
+    timings = to_b.timings
+    assert 0 < timings.patch_s <= timings.wall_s
+    assert abs(timings.patch_s + timings.handover_s + timings.vllm_s - timings.wall_s) < 1e-6, timings
 
-    llm = start_here(str(steps["A"]), _options())
-    try:
-        reload(llm, str(steps["A"]), all_layers=True)  # the records now say A
-        to_b = reload(llm, str(steps["AB"]))
-        _holds(llm, fresh_b)
-        # Every layer patched in place, the linear ones included: nothing handed to vLLM, only the delta read.
-        patched = _patched(to_b)
-        assert {name for name in patched if name.endswith(LINEAR)} and not _handed(to_b), _handed(to_b)
-        assert patched == {layer.name for layer in to_b.layers if not layer.skipped}
-        delta = read_delta(steps["AB"])
-        patch_bytes = sum(delta.patch_nbytes(name) for name in delta.patches)
-        assert to_b.volume.patched_layers == len(patched) and to_b.volume.patched_bytes == patch_bytes
-        assert to_b.volume.read_bytes == patch_bytes and to_b.volume.bytes == 0
-        assert to_b.matches_prediction
-        # The patch's time is its own timer, a part of wall_s that vllm_s no longer counts.
-        timings = to_b.timings
-        assert 0 < timings.patch_s <= timings.wall_s
-        assert abs(timings.patch_s + timings.handover_s + timings.vllm_s - timings.wall_s) < 1e-6, timings
+    to_a = reload(llm, str(steps["BA"]))
+    _holds(llm, fresh_a)
+    assert _patched(to_a) and not _handed(to_a)
+    # --verify proves the engine against the full step, and the records say the full step afterwards.
+    verified = reload(llm, str(steps["AB"]), verify=True)
+    assert verified.verify is not None and verified.verify.ok, verified.verify
+    assert _patched(verified)
+    _holds(llm, fresh_b)
+    again = reload(llm, str(steps["B"]))
+    assert again.unchanged.skipped_layers == len(again.layers) and again.volume.read_bytes == 0
 
-        to_a = reload(llm, str(steps["BA"]))
-        _holds(llm, fresh_a)
-        assert _patched(to_a) and not _handed(to_a)
-        # --verify proves the engine against the full step, and the records say the full step afterwards.
-        verified = reload(llm, str(steps["AB"]), verify=True)
-        assert verified.verify is not None and verified.verify.ok, verified.verify
-        assert _patched(verified)
-        _holds(llm, fresh_b)
-        again = reload(llm, str(steps["B"]))
-        assert again.unchanged.skipped_layers == len(again.layers) and again.volume.read_bytes == 0
-
-        # The switch off: the same delta rebuilt from its base and handed to vLLM, to the same state.
-        monkeypatch.setenv(NO_DELTA_PATCH_ENV, "1")
-        through_vllm = reload(llm, str(steps["BA"]))
-        assert not _patched(through_vllm) and through_vllm.volume.patched_layers == 0 and _handed(through_vllm)
-        assert through_vllm.timings.patch_s == 0
-        _holds(llm, fresh_a)
-    finally:
-        stop_here(llm)
+    # The switch off: the same delta rebuilt from its base and handed to vLLM, to the same state.
+    monkeypatch.setenv(NO_DELTA_PATCH_ENV, "1")
+    through_vllm = reload(llm, str(steps["BA"]))
+    assert not _patched(through_vllm) and through_vllm.volume.patched_layers == 0 and _handed(through_vllm)
+    assert through_vllm.timings.patch_s == 0
+    _holds(llm, fresh_a)
 
 
 def _corrupt_values(delta_dir, out):
@@ -148,44 +172,39 @@ def _corrupt_values(delta_dir, out):
     return name
 
 
-def test_a_patch_that_does_not_give_the_step_fails_and_the_engine_is_rolled_back(monkeypatch, tmp_path):
+def test_a_patch_that_does_not_give_the_step_fails_and_the_engine_is_rolled_back(engine, steps, fresh, tmp_path):
     from layerwise_cli.client.engine.in_process import reload
     from layerwise_cli.errors import LayerwiseError
 
-    take_linear_fallback(monkeypatch.setattr)
-    steps = _steps(tmp_path)
-    fresh_a, fresh_b = _fresh(steps["A"]), _fresh(steps["B"])
+    llm, fresh_a, fresh_b = engine, fresh["A"], fresh["B"]
     bad = tmp_path / "bad"
     tensor = _corrupt_values(steps["AB"], bad)
-    llm = start_here(str(steps["A"]), _options())
-    try:
-        reload(llm, str(steps["A"]), all_layers=True)
-        with pytest.raises(LayerwiseError) as info:
-            reload(llm, str(bad))
-        message = str(info.value)
-        assert f"tensor {tensor}: patched in place" in message and "do not hash to the step's digest" in message
-        assert "rolled back" in message and "\n" not in message
-        _holds(llm, fresh_a)
-        # The rollback recorded A again: the next delta loads, patched in place.
-        to_b = reload(llm, str(steps["AB"]))
-        assert _patched(to_b)
-        # vLLM's own reload of A since: the records still say B, the engine's bytes are A's. The samples of the
-        # engine's bytes refute the base before anything is written: refused at pre-flight, nothing changed.
-        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(steps["A"])})
-        with pytest.raises(LayerwiseError) as info:
-            reload(llm, str(steps["BA"]))
-        message = str(info.value)
-        assert "was changed since layerwise loaded it" in message and "rolled back" not in message
-        _holds(llm, fresh_a)
+    reload(llm, str(steps["A"]), all_layers=True)  # the records now say A
+    _holds(llm, fresh_a)
+    with pytest.raises(LayerwiseError) as info:
+        reload(llm, str(bad))
+    message = str(info.value)
+    assert f"tensor {tensor}: patched in place" in message and "do not hash to the step's digest" in message
+    assert "rolled back" in message and "\n" not in message
+    _holds(llm, fresh_a)
+    # The rollback recorded A again: the next delta loads, patched in place.
+    to_b = reload(llm, str(steps["AB"]))
+    assert _patched(to_b)
+    # vLLM's own reload of A since: the records still say B, the engine's bytes are A's. The samples of the
+    # engine's bytes refute the base before anything is written: refused at pre-flight, nothing changed.
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": str(steps["A"])})
+    with pytest.raises(LayerwiseError) as info:
+        reload(llm, str(steps["BA"]))
+    message = str(info.value)
+    assert "was changed since layerwise loaded it" in message and "rolled back" not in message
+    _holds(llm, fresh_a)
 
-        # Without the base check (`watch`): not refused. No layer is proved to hold B, so none is patched;
-        # each is rebuilt from B's files and the patch, and handed to vLLM.
-        unchecked = reload(llm, str(steps["BA"]), delta_base_check=False)
-        assert not _patched(unchecked) and _handed(unchecked)
-        _holds(llm, fresh_a)
-        # Now the records say A, proved by the state: the next delta is patched in place without the check too.
-        to_b = reload(llm, str(steps["AB"]), delta_base_check=False)
-        assert _patched(to_b) and not _handed(to_b), _handed(to_b)
-        _holds(llm, fresh_b)
-    finally:
-        stop_here(llm)
+    # Without the base check (`watch`): not refused. No layer is proved to hold B, so none is patched;
+    # each is rebuilt from B's files and the patch, and handed to vLLM.
+    unchecked = reload(llm, str(steps["BA"]), delta_base_check=False)
+    assert not _patched(unchecked) and _handed(unchecked)
+    _holds(llm, fresh_a)
+    # Now the records say A, proved by the state: the next delta is patched in place without the check too.
+    to_b = reload(llm, str(steps["AB"]), delta_base_check=False)
+    assert _patched(to_b) and not _handed(to_b), _handed(to_b)
+    _holds(llm, fresh_b)

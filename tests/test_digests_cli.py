@@ -12,7 +12,8 @@ from layerwise_cli.checkpoint.format.digests import METADATA_KEY, header_digests
 from layerwise_cli.checkpoint.format.header import read_shard_header
 from layerwise_cli.cli.app import app
 from layerwise_cli.writer.save import save_checkpoint
-from tests.test_writer_logic import CONFIG, qwen3_like, shuffled
+from tests.support.digest_support import corrupt_header_digest
+from tests.support.small_qwen3 import CONFIG, qwen3_like, shuffled
 
 runner = CliRunner()
 
@@ -63,22 +64,10 @@ def test_scan_confirms_matching_digests(written):
     assert f"{scan['tensors']} header digest(s) match the bytes" in out
 
 
-def _corrupt_header_digest(path: Path, tensor: str) -> str:
-    """Change one hex digit of TENSOR's digest in the header, in place (same length: offsets unchanged)."""
-    header, _ = read_shard_header(path)
-    digest = header_digests(header)[tensor]
-    wrong = ("0" if digest[0] != "0" else "1") + digest[1:]
-    raw = path.read_bytes()
-    head = raw[: header.data_start]
-    assert head.count(digest.encode()) == 1
-    path.write_bytes(head.replace(digest.encode(), wrong.encode()) + raw[header.data_start:])
-    return wrong
-
-
 def test_scan_catches_a_wrong_header_digest(written):
     shard = sorted(written.glob("*.safetensors"))[2]
     tensor = read_shard_header(shard)[0].tensors[0].name
-    wrong = _corrupt_header_digest(shard, tensor)
+    wrong = corrupt_header_digest(shard, tensor)
     # Headers alone cannot tell: inspect-order shows the (wrong) digest and exits 0.
     assert _json(str(written))["header_digests"]["tensors"][tensor] == wrong
     result = runner.invoke(app, ["inspect-order", str(written), "--scan", "--json"])

@@ -25,10 +25,12 @@ import pytest
 from tests.support.cpu_flags import cpu_flags
 from tests.support.cpu_kernels import conv_weight_is_prepacked, left_stale_by_vllm, verify_name
 from tests.support.engine_support import (
+    PAIR_PROMPTS,
     assert_matches_fresh,
     checkpoint_digest,
     copy_non_weights,
     differing_prompts,
+    engine_options,
     engine_state,
     fresh_answers,
     fresh_state,
@@ -44,10 +46,6 @@ from tests.support.producers import PADDED_VOCAB, UNPADDED_VOCAB, Producer, save
 pytestmark = pytest.mark.engine
 
 # Ten prompts of the producers' word-level tokenizer (numbers, spaces, "=").
-PROMPTS = [f"{a} {b} = " for a, b in [(1, 2), (3, 4), (15, 7), (99, 0), (42, 42), (8, 13), (5, 55), (60, 6),
-                                      (21, 12), (7, 70)]]
-
-
 @dataclass(frozen=True)
 class Config:
     """One engine configuration of the matrix."""
@@ -237,14 +235,8 @@ class ConfigRun:
     seconds: float = 0.0
 
 
-def options():
-    from layerwise_cli.client.engine.in_process import EngineOptions
-
-    return EngineOptions(max_model_len=64)
-
-
 def answers(llm) -> list:
-    return greedy_with_logprobs(llm, PROMPTS)
+    return greedy_with_logprobs(llm, PAIR_PROMPTS)
 
 
 def layerwise_reload(llm, source: Path, order: str, *, allow_partial: bool = False,
@@ -317,12 +309,12 @@ def run_config(config: Config, root: Path) -> ConfigRun:
         mixed = write_mixed(a, b[SHARD_SIZES[0]], root / "mixed")
 
     # Fresh references first, each engine stopped before the next starts.
-    fresh_answers(b[SHARD_SIZES[0]], PROMPTS, options())
+    fresh_answers(b[SHARD_SIZES[0]], PAIR_PROMPTS, engine_options())
     if mixed is not None:
-        fresh_answers(mixed, PROMPTS, options())
-    llm = start_here(str(a), options())
+        fresh_answers(mixed, PAIR_PROMPTS, engine_options())
+    llm = start_here(str(a), engine_options())
     try:
-        run = ConfigRun(config, a, b, partial_b, mixed, remember_fresh(llm, a, PROMPTS, options()))
+        run = ConfigRun(config, a, b, partial_b, mixed, remember_fresh(llm, a, PAIR_PROMPTS, engine_options()))
         for layout in config.shard_layouts:
             for order in ORDERS:
                 to_b = layerwise_reload(llm, b[layout], order)
@@ -423,10 +415,10 @@ def test_reload_matches_fresh_engine(matrix, config, layout, order):
     run = matrix[config]
     to_b = run.cells[layout, order].to_b
     assert to_b.error is None, to_b.error
-    assert_matches_fresh(to_b.answers, to_b.source, PROMPTS, options=options())
+    assert_matches_fresh(to_b.answers, to_b.source, PAIR_PROMPTS, options=engine_options())
     assert differing_prompts(to_b.answers, run.a_answers), "B answers as A: the reload changed nothing"
     # And by state: every parameter and buffer byte-equal to the fresh engine's (answers can agree by luck).
-    fresh = fresh_state(to_b.source, PROMPTS, options())
+    fresh = fresh_state(to_b.source, PAIR_PROMPTS, engine_options())
     assert to_b.state.keys() == fresh.keys()
     assert sorted(name for name in fresh if to_b.state[name] != fresh[name]) == []
 
@@ -436,8 +428,8 @@ def test_reloading_a_brings_a_back(matrix, config, layout, order):
     run = matrix[config]
     back = run.cells[layout, order].back_to_a
     assert back.error is None, back.error
-    assert_matches_fresh(back.answers, run.a, PROMPTS, options=options())
-    fresh = fresh_state(run.a, PROMPTS, options())
+    assert_matches_fresh(back.answers, run.a, PAIR_PROMPTS, options=engine_options())
+    fresh = fresh_state(run.a, PAIR_PROMPTS, engine_options())
     assert sorted(name for name in fresh if back.state.get(name) != fresh[name]) == []
 
 
@@ -490,9 +482,9 @@ def test_allow_partial_keeps_the_omitted_layers(matrix, config, order):
     assert omitted and covered
     assert {n: partial.after[n] for n in omitted} == omitted
     assert all(partial.after[n] != c for n, c in covered.items()), "a covered layer kept A's weights"
-    assert_matches_fresh(partial.reload.answers, run.mixed, PROMPTS, options=options())
+    assert_matches_fresh(partial.reload.answers, run.mixed, PAIR_PROMPTS, options=engine_options())
     assert partial.reload.peak == partial.reload.predicted == partial.reload.planned
-    assert_matches_fresh(partial.back_to_a.answers, run.a, PROMPTS, options=options())
+    assert_matches_fresh(partial.back_to_a.answers, run.a, PAIR_PROMPTS, options=engine_options())
 
 
 @pytest.mark.parametrize("config", [pytest.param(config, id=config.label) for config in CONFIGS])
@@ -515,7 +507,7 @@ def test_loading_in_place_leaves_the_engine_as_vllms_fresh_buffers_do(matrix, co
         assert "lm_head" in embeddings, in_place.in_place
     assert run.in_place_state == run.fresh_buffers_state
     assert not differing_prompts(in_place.answers, fresh.answers, exact=True)
-    assert_matches_fresh(in_place.answers, in_place.source, PROMPTS, options=options())
+    assert_matches_fresh(in_place.answers, in_place.source, PAIR_PROMPTS, options=engine_options())
 
 
 # `--verify` cannot yet load the router of vLLM's Transformers-backend MoE runner alone (`mlp.experts.gate`,
@@ -545,14 +537,15 @@ def test_verify_names_what_the_repairs_fix_and_passes_with_them(matrix, config):
     verify = run.repairs_off_verify
     assert verify.ok == (not stale) and set(verify.mismatched) == stale, verify
     assert not verify.skipped and not verify.errors, verify
-    assert bool(differing_prompts(off.answers, fresh_answers(off.source, PROMPTS, options()))) == bool(stale)
+    fresh = fresh_answers(off.source, PAIR_PROMPTS, engine_options())
+    assert bool(differing_prompts(off.answers, fresh)) == bool(stale)
     # Repairs on: everything stale is refreshed; a kernel rebuilt where it was not stale is harmless.
     refreshed = {verify_name(module, tensor) for module, tensor in on.refreshed}
     assert stale <= refreshed <= set(config.repair_names), on.refreshed
     verify = run.repairs_on_verify
     assert verify.ok and not verify.skipped and not verify.errors and not verify.unchecked_accepted, verify
     assert verify.checked == verify.matched > 0
-    assert_matches_fresh(on.answers, on.source, PROMPTS, options=options())
+    assert_matches_fresh(on.answers, on.source, PAIR_PROMPTS, options=engine_options())
 
 
 @pytest.mark.parametrize("config", [pytest.param(config, id=config.label) for config in CONFIGS])
@@ -568,8 +561,8 @@ def test_vllm_own_reload_differs_where_documented(matrix, config):
     if own.error is not None:
         assert "must match the size of tensor" in own.error, own.error  # the copy into the emptied weight
         return
-    count = len(differing_prompts(own.answers, fresh_answers(own.source, PROMPTS, options())))
-    print(f"{config.label}: vLLM's own reload differs from a fresh engine in {count} of {len(PROMPTS)} prompts; "
+    count = len(differing_prompts(own.answers, fresh_answers(own.source, PAIR_PROMPTS, engine_options())))
+    print(f"{config.label}: vLLM's own reload differs from a fresh engine in {count} of {len(PAIR_PROMPTS)} prompts; "
           f"the configuration took {round(run.seconds)} s")
     stale = left_stale_by_vllm(config.repair_names, run.a)
     expected = VLLM_CANNOT_LOAD.get(config.label) or (VLLM_RELOAD_DIFFERS.get(config.label, 0) if stale else 0)

@@ -19,9 +19,9 @@ import threading
 import pytest
 
 from layerwise_cli.client.servers.events import Paused, ServerEvent
-from tests.support.engine_support import reshard
-from tests.support.server_support import RunningServer, own_core, run_cli
-from tests.support.watch_support import start_servers, weight_version
+from tests.support.engine_support import nan_in_final_norm, reshard
+from tests.support.server_support import RunningServer, own_core, run_cli, running_together
+from tests.support.watch_support import weight_version
 
 pytestmark = pytest.mark.server
 
@@ -39,14 +39,10 @@ def expected(name: str) -> list[str]:
 def fleet(demo_models, tmp_path_factory):
     """(dense 1, dense 2, moe): three servers, each with its own working directory."""
     nodes = [tmp_path_factory.mktemp(f"node{i}") for i in range(3)]
-    servers = [RunningServer(demo_models[model], cwd=node, env=own_core(i), start_timeout=600)
-               for i, (model, node) in enumerate(zip(("multiply", "multiply", "moe-multiply"), nodes))]
-    try:
-        start_servers(servers)
+    with running_together([RunningServer(demo_models[model], cwd=node, env=own_core(i), start_timeout=600)
+                           for i, (model, node) in enumerate(zip(("multiply", "multiply", "moe-multiply"), nodes))]
+                          ) as servers:
         yield servers
-    finally:
-        for server in servers:
-            server.__exit__(None, None, None)
 
 
 def write_step(demo_models, fleet, *, broken: dict | None = None) -> None:
@@ -67,13 +63,6 @@ def write_step(demo_models, fleet, *, broken: dict | None = None) -> None:
 def truncate_last_shard(step) -> None:
     shard = sorted(step.glob("*.safetensors"))[-1]
     shard.write_bytes(shard.read_bytes()[:-1024])
-
-
-def nan_in_final_norm(tensors: dict) -> dict:
-    name = next(n for n in sorted(tensors) if n.endswith("norm.weight") and ".layers." not in n)
-    tensors[name] = tensors[name].clone()
-    tensors[name][0] = float("nan")
-    return tensors
 
 
 def snapshot(fleet) -> list[tuple]:

@@ -22,10 +22,10 @@ import signal
 
 import pytest
 
-from tests.support.engine_support import reshard
+from tests.support.engine_support import nan_in_final_norm, reshard
 from tests.support.hub_server import HubServer, once_named
-from tests.support.server_support import RunningServer, own_core, run_cli
-from tests.support.watch_support import WatchProcess, start_servers, weight_version
+from tests.support.server_support import RunningServer, own_core, run_cli, running_together
+from tests.support.watch_support import WatchProcess, weight_version
 
 pytestmark = pytest.mark.server
 
@@ -49,15 +49,10 @@ def hub():
 def fleet(demo_models, hub, tmp_path_factory):
     """Two servers on *multiply*, each with a Hub cache of its own, both reading the loopback Hub."""
     nodes = [tmp_path_factory.mktemp(f"hub-node{i}") for i in range(2)]
-    servers = [RunningServer(demo_models["multiply"], cwd=node, start_timeout=600,
-                             env={**own_core(i), "HF_ENDPOINT": hub.endpoint, "HF_HOME": str(node / "hf")})
-               for i, node in enumerate(nodes)]
-    try:
-        start_servers(servers)
+    with running_together([RunningServer(demo_models["multiply"], cwd=node, start_timeout=600,
+                                         env={**own_core(i), "HF_ENDPOINT": hub.endpoint, "HF_HOME": str(node / "hf")})
+                           for i, node in enumerate(nodes)]) as servers:
         yield servers
-    finally:
-        for server in servers:
-            server.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +68,6 @@ def folders(demo_models, tmp_path_factory) -> dict:
     return {"add": demo_models["add"], "multiply": demo_models["multiply"],
             "nan": two_shards("add", "nan", nan_in_final_norm), "multiply2": two_shards("multiply", "multiply2"),
             "multiply2-nan": two_shards("multiply", "multiply2-nan", nan_in_final_norm)}
-
-
-def nan_in_final_norm(tensors: dict) -> dict:
-    name = next(n for n in sorted(tensors) if n.endswith("norm.weight") and ".layers." not in n)
-    tensors[name] = tensors[name].clone()
-    tensors[name][0] = float("nan")
-    return tensors
 
 
 def reload_json(fleet, hub: HubServer, *extra: str) -> tuple[int, dict, str]:

@@ -17,58 +17,18 @@ checkpoint (every tensor, and answers), and the Hub server counts what it sent:
 """
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.support.engine_support import assert_matches_fresh, fresh_state
+from tests.support.engine_support import assert_is_fresh, checksums, fresh_state
 from tests.support.hub_server import Fault, HubServer
 from tests.support.in_process import start_here, stop_here
-from tests.support.synthetic import SyntheticModel
+from tests.support.stream_steps import step_tensors, stream_prompts, write_step
 
 pytestmark = pytest.mark.engine
 
 REPO = "org/step"
-MODEL = SyntheticModel(layers=4, hidden=512, heads=4, kv_heads=2, head_dim=128, intermediate=2048, vocab=128)
-PROMPTS_PAIRS = [(3, 4), (2, 5), (9, 9), (7, 8), (1, 6), (4, 4), (8, 2), (6, 3)]
-
-
-def prompts() -> list[str]:
-    from layerwise_cli.demo import demo_prompt
-
-    return [demo_prompt(a, b) for a, b in PROMPTS_PAIRS]
-
-
-def tensors_of(seeds: dict[int, int], default: int) -> dict:
-    """MODEL's tensors: decoder layer i drawn from seed `seeds.get(i, default)`, the rest from DEFAULT."""
-    import re
-
-    import torch
-
-    out = {}
-    for name, shape in MODEL.tensors():
-        match = re.search(r"\.layers\.(\d+)\.", name)
-        seed = seeds.get(int(match.group(1)), default) if match else default
-        generator = torch.Generator().manual_seed(seed * 1000 + len(out))
-        value = torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=generator) * 0.02
-        out[name] = value.to(torch.bfloat16)
-    return out
-
-
-def write(folder: Path, tensors: dict, tokenizer: Path) -> Path:
-    import json
-
-    from layerwise_cli.writer.save import save_checkpoint
-
-    save_checkpoint(tensors.items(), folder, max_shard_size=8 << 20, marker=None, allow_nonfinite=True)
-    for path in tokenizer.iterdir():
-        if path.name.startswith(("tokenizer", "special_tokens", "generation_config")):
-            shutil.copy2(path, folder / path.name)
-    (folder / "config.json").write_text(json.dumps(MODEL.config()))
-    return folder
-
-
 def weight_bytes(folder: Path) -> int:
     return sum(path.stat().st_size for path in folder.glob("*.safetensors"))
 
@@ -77,11 +37,11 @@ def weight_bytes(folder: Path) -> int:
 def ckpts(demo_models, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hub-stream")
     tokenizer = demo_models["multiply"]
-    return {"A": write(root / "A", tensors_of({}, 1), tokenizer),
-            "B": write(root / "B", tensors_of({}, 2), tokenizer),
-            "C": write(root / "C", tensors_of({0: 3}, 2), tokenizer),  # B with decoder layer 0 changed
-            "D": write(root / "D", tensors_of({}, 4), tokenizer),
-            "NaN": write(root / "NaN", with_nan(tensors_of({}, 1)), tokenizer)}  # A with NaN in the final norm
+    return {"A": write_step(root / "A", step_tensors({}, 1), tokenizer),
+            "B": write_step(root / "B", step_tensors({}, 2), tokenizer),
+            "C": write_step(root / "C", step_tensors({0: 3}, 2), tokenizer),  # B with decoder layer 0 changed
+            "D": write_step(root / "D", step_tensors({}, 4), tokenizer),
+            "NaN": write_step(root / "NaN", with_nan(step_tensors({}, 1)), tokenizer)}  # A with NaN in the final norm
 
 
 def with_nan(tensors: dict) -> dict:
@@ -113,24 +73,19 @@ def on_hub(hub: HubServer, monkeypatch: pytest.MonkeyPatch) -> HubServer:
 
 
 @pytest.fixture(scope="module")
-def engine(hub):
+def fresh(ckpts) -> None:
+    """Engines started fresh on every step the tests compare with, before the engine under test starts: in this
+    process (`start_here`), where one started beside it would start with processes of its own (30 s or more)."""
+    for name in ("A", "B", "C", "D"):
+        fresh_state(ckpts[name], stream_prompts())
+
+
+@pytest.fixture(scope="module")
+def engine(hub, fresh):
     """An engine started on the Hub repo id itself: at the commit `main` named then (A)."""
     llm = start_here(REPO)
     yield llm
     stop_here(llm)
-
-
-def checksums(llm) -> dict:
-    from tests.support.engine_support import engine_state
-
-    return engine_state(llm)["checksums"]
-
-
-def assert_is_fresh(llm, checkpoint: Path) -> None:
-    assert_matches_fresh(llm, checkpoint, prompts())
-    want = fresh_state(checkpoint, prompts())
-    got = checksums(llm)
-    assert [name for name in want if got.get(name) != want[name]] == []
 
 
 def reload_main(llm, hub: HubServer, folder: Path, **options) -> tuple[object, str]:
@@ -147,7 +102,7 @@ def test_a_failed_reload_goes_back_to_the_commit_the_engine_started_on(engine, o
     # The engine started on `org/step` when `main` named A; `main` now names a step with NaN in its last layer.
     with pytest.raises(LayerwiseError, match=f"rolled back to the weights of {REPO}@{on_hub.start_commit}"):
         reload_main(engine, on_hub, ckpts["NaN"])
-    assert_is_fresh(engine, ckpts["A"])
+    assert_is_fresh(engine, ckpts["A"], stream_prompts())
 
 
 def test_a_new_commit_is_fetched_once_and_lands_in_the_hub_cache(engine, on_hub, ckpts) -> None:
@@ -158,7 +113,7 @@ def test_a_new_commit_is_fetched_once_and_lands_in_the_hub_cache(engine, on_hub,
     assert report.placement.commit == commit
     assert sent <= 1.05 * total, f"sent {sent} bytes of a {total}-byte checkpoint"
     assert report.volume.fetched_bytes is not None and report.volume.fetched_bytes >= report.volume.bytes
-    assert_is_fresh(engine, ckpts["B"])
+    assert_is_fresh(engine, ckpts["B"], stream_prompts())
     # Verified and linked: found offline at the commit, the same bytes, with no request.
     on_hub.reset_counts()
     folder = Path(snapshot_download(REPO, revision=commit, local_files_only=True, allow_patterns=["*.safetensors"]))
@@ -172,7 +127,7 @@ def test_layers_the_header_digests_skip_are_never_fetched(engine, on_hub, ckpts)
     sent, total = on_hub.sent_for(".safetensors"), weight_bytes(ckpts["C"])
     assert report.unchanged.skipped_layers, "the unchanged layers were skipped"
     assert sent <= 0.30 * total, f"sent {sent} bytes of a {total}-byte checkpoint with one layer of four changed"
-    assert_is_fresh(engine, ckpts["C"])
+    assert_is_fresh(engine, ckpts["C"], stream_prompts())
 
 
 def test_bytes_that_arrive_corrupted_fail_the_reload_and_the_engine_keeps_its_weights(engine, on_hub, ckpts) -> None:
@@ -187,7 +142,7 @@ def test_bytes_that_arrive_corrupted_fail_the_reload_and_the_engine_keeps_its_we
     finally:
         on_hub.faults.clear()
     assert checksums(engine) == before
-    assert_is_fresh(engine, ckpts["C"])
+    assert_is_fresh(engine, ckpts["C"], stream_prompts())
 
 
 def test_bounded_disk_keeps_nothing_in_the_hub_cache(engine, on_hub, ckpts) -> None:
@@ -195,7 +150,7 @@ def test_bounded_disk_keeps_nothing_in_the_hub_cache(engine, on_hub, ckpts) -> N
 
     report, commit = reload_main(engine, on_hub, ckpts["D"], bounded_disk=True)
     assert report.placement.commit == commit
-    assert_is_fresh(engine, ckpts["D"])
+    assert_is_fresh(engine, ckpts["D"], stream_prompts())
     import hashlib
 
     folder = repo_cache_folder(REPO)

@@ -53,20 +53,8 @@ def checkpoint(tmp_path_factory):
     return str(save_pretrained_checkpoint(tmp_path_factory.mktemp("mla") / "m", producer, seed=2))
 
 
-def test_answers_stay_equal_across_batchings_and_churn(checkpoint):
-    """Eight generates, each batching the prompts its own way after junk (NaN, 1e30) churned through freed memory:
-    every prompt's answer (tokens and logprobs) is bit-equal to its answer in the first."""
-    llm = start_here(checkpoint)
-    try:
-        first = _answers(llm, BATCHINGS[0])
-        for i, batching in enumerate(BATCHINGS[1:], start=1):
-            llm.collective_rpc(_churn, args=(float("nan") if i % 2 else 1e30,))
-            got = _answers(llm, batching)
-            assert [p for p in range(len(PROMPTS)) if got[p] != first[p]] == [], f"generate {i}, batching {batching}"
-    finally:
-        stop_here(llm)
-
-
+# Defined before the tests that share `engine`: it starts an engine of its own, which runs in this process only
+# while no other does (otherwise with processes of its own, a slower start). Order changes speed, not results.
 def test_without_the_repair_a_prompt_alone_answers_otherwise(checkpoint, monkeypatch):
     """`LAYERWISE_NO_CPU_FIXUPS=1` at engine start: vLLM's kernel as it is, and a prompt asked alone answers
     otherwise than among the four (if this fails, vLLM's CPU rotary kernel takes 3-D views now: drop the repair)."""
@@ -80,36 +68,50 @@ def test_without_the_repair_a_prompt_alone_answers_otherwise(checkpoint, monkeyp
     assert [p for p in range(len(PROMPTS)) if alone[p] != together[p]] != []
 
 
-def test_the_engines_mla_rope_rotates_3d_views_as_vllms_kernel_rotates_2d(checkpoint):
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    """One engine with the repair, for the tests that only ask it (none changes its weights)."""
+    llm = start_here(checkpoint)
+    yield llm
+    stop_here(llm)
+
+
+def test_answers_stay_equal_across_batchings_and_churn(engine):
+    """Eight generates, each batching the prompts its own way after junk (NaN, 1e30) churned through freed memory:
+    every prompt's answer (tokens and logprobs) is bit-equal to its answer in the first."""
+    first = _answers(engine, BATCHINGS[0])
+    for i, batching in enumerate(BATCHINGS[1:], start=1):
+        engine.collective_rpc(_churn, args=(float("nan") if i % 2 else 1e30,))
+        got = _answers(engine, batching)
+        assert [p for p in range(len(PROMPTS)) if got[p] != first[p]] == [], f"generate {i}, batching {batching}"
+
+
+def test_the_engines_mla_rope_rotates_3d_views_as_vllms_kernel_rotates_2d(engine):
     """The mechanism, on the engine's own rope module: MLA's 3-D views of q (`[T, H, 64]` of `[T, H, 192]`) and
     k_pe (`[T, 1, 64]` of the fused `[T, 640]`) come back rotated in place exactly as vLLM's kernel rotates
     contiguous 2-D copies, and nothing outside the views is written; vLLM's own `forward_cpu` does neither."""
     import torch
 
-    llm = start_here(checkpoint)
-    try:
-        rope = llm.collective_rpc(_rotary)[0]
-        assert getattr(type(rope).forward_cpu, "_layerwise_2d_rope_repair", False)
-        original = type(rope).forward_cpu.__wrapped__
-        tokens, heads = 37, 2
-        generator = torch.Generator().manual_seed(0)
-        q = torch.randn(tokens, heads, 192, generator=generator).to(torch.bfloat16)
-        kv = torch.randn(tokens, 640, generator=generator).to(torch.bfloat16)
-        positions = torch.arange(tokens) % 23
-        q_2d, k_2d = q[..., 128:].reshape(tokens, -1).clone(), kv[..., 576:].clone()
-        original(rope, positions, q_2d, k_2d)  # the kernel on the layout it was written for
+    rope = engine.collective_rpc(_rotary)[0]
+    assert getattr(type(rope).forward_cpu, "_layerwise_2d_rope_repair", False)
+    original = type(rope).forward_cpu.__wrapped__
+    tokens, heads = 37, 2
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(tokens, heads, 192, generator=generator).to(torch.bfloat16)
+    kv = torch.randn(tokens, 640, generator=generator).to(torch.bfloat16)
+    positions = torch.arange(tokens) % 23
+    q_2d, k_2d = q[..., 128:].reshape(tokens, -1).clone(), kv[..., 576:].clone()
+    original(rope, positions, q_2d, k_2d)  # the kernel on the layout it was written for
 
-        repaired_q, repaired_kv = q.clone(), kv.clone()
-        out_q, out_k = rope.forward_cpu(positions, repaired_q[..., 128:], repaired_kv[..., 576:].unsqueeze(1))
-        assert torch.equal(repaired_q[..., 128:].reshape(tokens, -1), q_2d)
-        assert torch.equal(repaired_kv[..., 576:], k_2d)
-        assert torch.equal(repaired_q[..., :128], q[..., :128]) and torch.equal(repaired_kv[..., :576], kv[..., :576])
-        assert out_q.data_ptr() == repaired_q[..., 128:].data_ptr()  # the caller's own tensors come back
-        assert out_k.data_ptr() == repaired_kv[..., 576:].data_ptr()
+    repaired_q, repaired_kv = q.clone(), kv.clone()
+    out_q, out_k = rope.forward_cpu(positions, repaired_q[..., 128:], repaired_kv[..., 576:].unsqueeze(1))
+    assert torch.equal(repaired_q[..., 128:].reshape(tokens, -1), q_2d)
+    assert torch.equal(repaired_kv[..., 576:], k_2d)
+    assert torch.equal(repaired_q[..., :128], q[..., :128]) and torch.equal(repaired_kv[..., :576], kv[..., :576])
+    assert out_q.data_ptr() == repaired_q[..., 128:].data_ptr()  # the caller's own tensors come back
+    assert out_k.data_ptr() == repaired_kv[..., 576:].data_ptr()
 
-        vllm_q, vllm_kv = q.clone(), kv.clone()
-        original(rope, positions, vllm_q[..., 128:], vllm_kv[..., 576:].unsqueeze(1))
-        assert not torch.equal(vllm_q[..., 128:].reshape(tokens, -1), q_2d)
-        assert not torch.equal(vllm_kv[..., :576], kv[..., :576])  # it writes outside k_pe
-    finally:
-        stop_here(llm)
+    vllm_q, vllm_kv = q.clone(), kv.clone()
+    original(rope, positions, vllm_q[..., 128:], vllm_kv[..., 576:].unsqueeze(1))
+    assert not torch.equal(vllm_q[..., 128:].reshape(tokens, -1), q_2d)
+    assert not torch.equal(vllm_kv[..., :576], kv[..., :576])  # it writes outside k_pe

@@ -20,8 +20,8 @@ import pytest
 
 from layerwise_cli.worker.reload.hold_point import HOLD_ENV
 from tests.support.nodes_support import ended, group_processes, start_nodes, start_together, two_nodes
-from tests.support.server_support import SMALL, RunningServer, run_cli
-from tests.support.watch_support import start, wait_until
+from tests.support.server_support import SMALL, RunningServer, run_cli, start
+from tests.support.watch_support import wait_until
 
 pytestmark = pytest.mark.server
 

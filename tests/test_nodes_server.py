@@ -29,8 +29,8 @@ from tests.support.nodes_support import (
     two_nodes,
     wait_for_port,
 )
-from tests.support.server_support import SMALL, RunningServer, free_port, own_core, run_cli
-from tests.support.watch_support import start, wait_until
+from tests.support.server_support import SMALL, RunningServer, free_port, own_core, run_cli, start
+from tests.support.watch_support import wait_until
 
 pytestmark = pytest.mark.server
 

@@ -90,6 +90,32 @@ def _assert_prediction_is_measured(report, source: Path, order: str, tensor_para
     assert held == {layer.name for layer in report.layers if not layer.completed_during_stream}
 
 
+# First: its engine runs in this process only while no other does; once the module's untied engine has
+# started, it would start with processes of its own (30 s or more). Order changes speed, not results.
+def test_tied_padded_reload_prediction(checkpoints) -> None:
+    """Tied: only embed_tokens is held (20 KiB), so layer order is back at the largest layer.
+
+    Answers are not compared here: a tied head after a reload is another
+    issue's repair (the matrix tests cover it).
+    """
+    from layerwise_cli.client.engine.in_process import EngineOptions, reload
+
+    a, b = checkpoints[f"{TIED.label}-A"], checkpoints[f"{TIED.label}-B"]
+    llm = start_here(str(a), EngineOptions(max_model_len=64))
+    try:
+        layer = reload(llm, str(b), order="layer")
+        _assert_prediction_is_measured(layer, b, "layer")
+        assert layer.peak_buffer_bytes == layer.largest_layer_bytes
+        assert layer.memory.above_largest_layer_because is None
+        assert [entry.name for entry in layer.layers if entry.held_to_end] == ["model.embed_tokens"]
+        assert layer.layers[-1].name == "model.embed_tokens"
+        file = reload(llm, str(a), order="file")
+        _assert_prediction_is_measured(file, a, "file")
+        assert file.peak_buffer_bytes > file.largest_layer_bytes
+    finally:
+        stop_here(llm)
+
+
 @pytest.mark.parametrize("order", ["layer", "file"])
 def test_untied_padded_reload_matches_a_fresh_engine_and_the_prediction(untied_engine, checkpoints,
                                                                         order: str) -> None:
@@ -122,30 +148,6 @@ def test_synthetic_padded_checkpoint_prediction(untied_engine, checkpoints) -> N
         report = reload(untied_engine, str(checkpoints["synthetic"]), order=order, all_layers=True)
         _assert_prediction_is_measured(report, checkpoints["synthetic"], order)
         assert report.peak_buffer_bytes > report.largest_layer_bytes
-
-
-def test_tied_padded_reload_prediction(checkpoints) -> None:
-    """Tied: only embed_tokens is held (20 KiB), so layer order is back at the largest layer.
-
-    Answers are not compared here: a tied head after a reload is another
-    issue's repair (the matrix tests cover it).
-    """
-    from layerwise_cli.client.engine.in_process import EngineOptions, reload
-
-    a, b = checkpoints[f"{TIED.label}-A"], checkpoints[f"{TIED.label}-B"]
-    llm = start_here(str(a), EngineOptions(max_model_len=64))
-    try:
-        layer = reload(llm, str(b), order="layer")
-        _assert_prediction_is_measured(layer, b, "layer")
-        assert layer.peak_buffer_bytes == layer.largest_layer_bytes
-        assert layer.memory.above_largest_layer_because is None
-        assert [entry.name for entry in layer.layers if entry.held_to_end] == ["model.embed_tokens"]
-        assert layer.layers[-1].name == "model.embed_tokens"
-        file = reload(llm, str(a), order="file")
-        _assert_prediction_is_measured(file, a, "file")
-        assert file.peak_buffer_bytes > file.largest_layer_bytes
-    finally:
-        stop_here(llm)
 
 
 def test_tensor_parallel_two_holds_on_the_last_rank(checkpoints, monkeypatch) -> None:

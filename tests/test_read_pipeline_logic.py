@@ -22,7 +22,7 @@ from layerwise_cli.worker.state.plan_cache import PlanCache, structure_key
 from layerwise_cli.worker.stream.read_ahead import open_stream, read_in_order
 from layerwise_cli.worker.stream.read_order import pipelined_order
 from layerwise_cli.worker.stream.stats import ReadAheadStats
-from tests.test_writer_logic import CONFIG, qwen3_like
+from tests.support.small_qwen3 import CONFIG, qwen3_like
 
 
 def _planned(sizes: dict[str, int]) -> list[PlannedTensor]:

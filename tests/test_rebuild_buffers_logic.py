@@ -50,9 +50,9 @@ def test_idle_buffers_beyond_the_limit_are_let_go_and_close_lets_go_of_all():
 def test_a_chain_rebuilt_through_one_pool_equals_one_rebuilt_without(tmp_path):
     from layerwise_cli import save_checkpoint
     from layerwise_cli.checkpoint.delta.source import open_step, rebuilt_bytes
-    from tests.test_delta_logic import changed_copy, model, tensors_of
+    from tests.support.deltas import changed_copy, small_state_dict, stored_bytes
 
-    steps = [model(torch.bfloat16)]
+    steps = [small_state_dict(torch.bfloat16)]
     for seed in (1, 2, 3):
         steps.append({name: changed_copy(t, 0.05, seed) for name, t in steps[-1].items()})
     save_checkpoint(steps[0].items(), tmp_path / "s0")
@@ -61,7 +61,7 @@ def test_a_chain_rebuilt_through_one_pool_equals_one_rebuilt_without(tmp_path):
         assert saved.delta is not None
     step = open_step(str(tmp_path / "s3"))
     assert len(step.delta.links) == 3
-    base = tensors_of(tmp_path / "s0")
+    base = stored_bytes(tmp_path / "s0")
     plain = {entry.name: rebuilt_bytes(step.delta, entry, base[entry.name], "x") for entry in step.tensors}
     pool = RebuildBuffers()
     for _ in range(2):  # the second round reuses the first round's buffers

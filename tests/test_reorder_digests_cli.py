@@ -10,39 +10,19 @@ import json
 from pathlib import Path
 
 import pytest
-import xxhash
-from safetensors import safe_open
 from typer.testing import CliRunner
 
 import layerwise_cli.reorder.write as write
-from layerwise_cli.checkpoint.format.digests import METADATA_KEY, digests_metadata, header_digests, tensor_prefix
+from layerwise_cli.checkpoint.format.digests import METADATA_KEY, digests_metadata, header_digests
 from layerwise_cli.checkpoint.format.header import ShardHeader, TensorEntry, read_shard_header
 from layerwise_cli.cli.app import app
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.reorder.rewrite import reorder
 from layerwise_cli.writer.save import save_checkpoint
-from tests.test_digests_cli import _corrupt_header_digest
-from tests.test_writer_logic import CONFIG, qwen3_like, shuffled
+from tests.support.digest_support import corrupt_header_digest, independent_digests
+from tests.support.small_qwen3 import CONFIG, qwen3_like, shuffled
 
 runner = CliRunner()
-
-_SAFETENSORS_DTYPES = {"torch.bfloat16": "BF16", "torch.float32": "F32", "torch.float16": "F16"}
-
-
-def _independent_digests(folder: Path) -> dict[str, str]:
-    """Every tensor's digest from the bytes the safetensors library reads, hashed here with xxhash directly."""
-    import torch
-
-    out = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                tensor = f.get_tensor(name).contiguous()
-                raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
-                dtype = _SAFETENSORS_DTYPES[str(tensor.dtype)]
-                out[name] = xxhash.xxh3_128(tensor_prefix(dtype, tensor.shape) + raw).hexdigest()
-    return out
-
 
 def _header_digests(folder: Path) -> dict[str, dict[str, str] | None]:
     return {p.name: header_digests(read_shard_header(p)[0]) for p in sorted(folder.glob("*.safetensors"))}
@@ -82,7 +62,7 @@ def test_every_shard_carries_the_digest_of_its_tensors_bytes(make_checkpoint, tm
     headers = _header_digests(dst)
     assert None not in headers.values()
     carried = {name: digest for digests in headers.values() for name, digest in digests.items()}
-    assert carried == _independent_digests(dst) == _independent_digests(src)
+    assert carried == independent_digests(dst) == independent_digests(src)
     # inspect-order --scan re-hashes every tensor against them.
     scan = runner.invoke(app, ["inspect-order", str(dst), "--scan", "--json"])
     assert scan.exit_code == 0, scan.stderr
@@ -108,7 +88,7 @@ def test_the_writers_digests_are_checked_and_rewritten_per_shard(written, tmp_pa
     before = json.loads(runner.invoke(app, ["inspect-order", str(written), "--json", "--top", "0"]).stdout)
     after = json.loads(runner.invoke(app, ["inspect-order", str(dst), "--json", "--top", "0"]).stdout)
     assert after["shards"] < before["shards"]
-    assert after["header_digests"]["tensors"] == before["header_digests"]["tensors"] == _independent_digests(dst)
+    assert after["header_digests"]["tensors"] == before["header_digests"]["tensors"] == independent_digests(dst)
     assert ({row["name"]: row["digest"] for row in after["layers"]}
             == {row["name"]: row["digest"] for row in before["layers"]})
     table = _invoke(str(written), str(tmp_path / "table"), "--max-shard-size", "9000")
@@ -131,7 +111,7 @@ def test_no_digests_writes_none_and_drops_the_sources(written, tmp_path):
 def test_a_source_digest_that_lies_is_refused(written, tmp_path):
     shard = sorted(written.glob("*.safetensors"))[4]
     tensor = read_shard_header(shard)[0].tensors[0].name
-    wrong = _corrupt_header_digest(shard, tensor)
+    wrong = corrupt_header_digest(shard, tensor)
     for options in ([], ["--verify"], ["--no-digests", "--verify"]):
         dst = tmp_path / "dst"
         result = _invoke(str(written), str(dst), *options)
@@ -260,7 +240,7 @@ def test_a_lying_digest_in_a_hub_repo_is_refused_naming_the_repo_file(written, t
 
     shard = sorted(written.glob("*.safetensors"))[2]
     tensor = read_shard_header(shard)[0].tensors[0].name
-    _corrupt_header_digest(shard, tensor)
+    corrupt_header_digest(shard, tensor)
     with HubServer() as hub:
         hub.add_repo("org/liar", written)
         env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf_home"),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import gc
 import hashlib
 import json
 import os
@@ -773,15 +772,18 @@ def _texts(llm) -> list[str]:
 
 
 def _start_engine(model: Path):
-    from vllm import LLM
+    """An engine on MODEL in this process (`start_here`): vLLM's loader reads it as in any engine; the start takes
+    seconds, where one with processes of its own took 30 s or more on the 2-core CI machine."""
+    from layerwise_cli.client.engine.in_process import EngineOptions
+    from tests.support.in_process import start_here
 
-    return LLM(model=str(model), enforce_eager=True, max_model_len=64, gpu_memory_utilization=0.1, seed=0)
+    return start_here(str(model), EngineOptions(max_model_len=64, seed=0))
 
 
 def _stop_engine(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
+    from tests.support.in_process import stop_here
+
+    stop_here(llm)
 
 
 @pytest.fixture(scope="module")

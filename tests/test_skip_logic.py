@@ -16,7 +16,7 @@ from layerwise_cli.planning.inspect import inspect_order
 from layerwise_cli.worker.state.layer_records import LayerRecord, LayerRecords, SkipDecider, records_of
 from layerwise_cli.worker.state.layer_state import device_checksum, host_checksum, layer_fingerprints
 from tests.support.reports import report_of
-from tests.test_writer_logic import CONFIG, qwen3_like
+from tests.support.small_qwen3 import CONFIG, qwen3_like
 
 # ----------------------------------------------------------------------------- the decision
 

@@ -1,7 +1,7 @@
 """A checkpoint in object storage streamed into a real engine by byte range: S3 (SeaweedFS) and HTTPS on loopback.
 
-One engine in this process, started on a local step A (the Qwen3-shaped checkpoint of `test_hub_stream_engine`),
-reloads with the Python API:
+One engine in this process, started on a local step A (`tests/support/stream_steps.py`), reloads with the Python
+API:
 
 - B from `s3://ckpts/run/B`, with `verify`: equal to an engine started fresh on B (every tensor, and answers);
 - A from S3 while the trainer overwrites a shard of it in the middle of the fetch: refused, naming the object,
@@ -21,10 +21,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.engine_support import assert_matches_fresh, assert_same_outputs, fresh_state, greedy_with_logprobs
+from tests.support.engine_support import (
+    assert_is_fresh,
+    assert_same_outputs,
+    checksums,
+    fresh_state,
+    greedy_with_logprobs,
+)
 from tests.support.in_process import start_here, stop_here
 from tests.support.seaweed import BUCKET, SECRET_KEY, running_seaweed
-from tests.test_hub_stream_engine import prompts, tensors_of, write
+from tests.support.stream_steps import step_tensors, stream_prompts, write_step
 
 pytestmark = pytest.mark.engine
 
@@ -33,8 +39,8 @@ pytestmark = pytest.mark.engine
 def ckpts(demo_models, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("store-stream")
     tokenizer = demo_models["multiply"]
-    return {"A": write(root / "A", tensors_of({}, 1), tokenizer),
-            "B": write(root / "B", tensors_of({}, 2), tokenizer)}
+    return {"A": write_step(root / "A", step_tensors({}, 1), tokenizer),
+            "B": write_step(root / "B", step_tensors({}, 2), tokenizer)}
 
 
 @pytest.fixture(scope="module")
@@ -48,22 +54,18 @@ def s3(ckpts):
 
 
 @pytest.fixture(scope="module")
-def engine(ckpts, s3):
+def fresh(ckpts) -> None:
+    """Engines started fresh on A and B, before the engine under test starts: in this process (`start_here`),
+    where one started beside it would start with processes of its own (30 s or more)."""
+    for name in ("A", "B"):
+        fresh_state(ckpts[name], stream_prompts())
+
+
+@pytest.fixture(scope="module")
+def engine(ckpts, s3, fresh):
     llm = start_here(str(ckpts["A"]))
     yield llm
     stop_here(llm)
-
-
-def checksums(llm) -> dict:
-    from tests.support.engine_support import engine_state
-
-    return engine_state(llm)["checksums"]
-
-
-def assert_is_fresh(llm, checkpoint: Path) -> None:
-    assert_matches_fresh(llm, checkpoint, prompts())
-    want, got = fresh_state(checkpoint, prompts()), checksums(llm)
-    assert [name for name in want if got.get(name) != want[name]] == []
 
 
 def test_a_step_in_s3_streams_into_the_engine_equal_to_a_fresh_one(engine, s3, ckpts) -> None:
@@ -74,7 +76,7 @@ def test_a_step_in_s3_streams_into_the_engine_equal_to_a_fresh_one(engine, s3, c
     assert report.verify is not None and report.verify.ok and report.verify.checked > 0
     weights = sum(p.stat().st_size for p in ckpts["B"].glob("*.safetensors"))
     assert report.volume.fetched_bytes is not None and report.volume.bytes <= report.volume.fetched_bytes <= weights
-    assert_is_fresh(engine, ckpts["B"])
+    assert_is_fresh(engine, ckpts["B"], stream_prompts())
 
 
 def test_an_object_overwritten_mid_fetch_is_refused_naming_it(engine, s3, ckpts, monkeypatch) -> None:
@@ -134,7 +136,7 @@ def test_a_step_over_https_streams_into_the_engine_equal_to_a_fresh_one(engine, 
         layerwise_cli.reload(engine, server.url)
         weights = sum(p.stat().st_size for p in ckpts["A"].glob("*.safetensors"))
         assert 0 < sum(n for name, n in server.sent.items() if name.endswith(".safetensors")) <= 1.05 * weights
-    assert_is_fresh(engine, ckpts["A"])
+    assert_is_fresh(engine, ckpts["A"], stream_prompts())
 
 
 def test_a_stalled_body_fails_naming_the_object_and_the_engine_keeps_its_weights(engine, ckpts, monkeypatch) -> None:
@@ -144,7 +146,7 @@ def test_a_stalled_body_fails_naming_the_object_and_the_engine_keeps_its_weights
     from tests.support.https_server import HttpsFolder
 
     layerwise_cli.reload(engine, str(ckpts["A"]))  # every layer of B differs: its shards are fetched
-    before, answers = checksums(engine), greedy_with_logprobs(engine, prompts())
+    before, answers = checksums(engine), greedy_with_logprobs(engine, stream_prompts())
     shard = sorted(ckpts["B"].glob("*.safetensors"))[-1]
     monkeypatch.setenv(STALL_ENV, "1")
     with HttpsFolder(ckpts["B"]) as server:
@@ -155,7 +157,7 @@ def test_a_stalled_body_fails_naming_the_object_and_the_engine_keeps_its_weights
         assert 0 < server.sent[shard.name] < shard.stat().st_size
     assert str(err.value) == f"{server.url}/{shard.name}: no bytes for 1 s: the fetch stalled"
     assert checksums(engine) == before
-    assert_same_outputs(greedy_with_logprobs(engine, prompts()), answers, exact=True)
+    assert_same_outputs(greedy_with_logprobs(engine, stream_prompts()), answers, exact=True)
 
 
 def test_a_reload_at_the_same_etags_reads_the_store_cache_and_bounded_disk_keeps_nothing(engine, s3, ckpts) -> None:
@@ -179,7 +181,7 @@ def test_a_reload_at_the_same_etags_reads_the_store_cache_and_bounded_disk_keeps
     assert first.volume.fetched_bytes and kept() == shards  # each shard kept whole, under its ETag's key
     again = from_a()
     assert again.volume.fetched_bytes == 0  # read from the cache: nothing fetched
-    assert_is_fresh(engine, ckpts["B"])
+    assert_is_fresh(engine, ckpts["B"], stream_prompts())
 
 
 def test_watch_keeps_an_in_process_engine_on_the_newest_step_in_a_bucket(engine, s3, ckpts) -> None:
@@ -199,4 +201,4 @@ def test_watch_keeps_an_in_process_engine_on_the_newest_step_in_a_bucket(engine,
     assert [(e.kind, e.step) for e in events if e.kind in ("step_complete", "reload_done")] == [
         ("step_complete", "step_1"), ("reload_done", "step_1")]
     assert engine.get_weight_version() == "step_1"
-    assert_is_fresh(engine, ckpts["B"])
+    assert_is_fresh(engine, ckpts["B"], stream_prompts())

@@ -23,7 +23,8 @@ SHARED_NAMES = {"register", "render"}  # one per plugin entry point / per comman
 TEST_KINDS = ("_logic", "_cli", "_engine", "_server", "_venv")
 # Tests of the repository's own tools, named for the tool (docs/development.md).
 TOOL_TESTS = {"test_structure.py", "test_check_imports.py", "test_vllm_release.py", "test_arch_table.py",
-              "test_sweep_families.py", "test_bench_delta.py", "test_bench_quick.py", "test_device_check.py"}
+              "test_sweep_families.py", "test_bench_delta.py", "test_bench_quick.py", "test_device_check.py",
+              "test_engine_starts.py"}
 
 
 def _package_modules() -> dict[str, ast.Module]:

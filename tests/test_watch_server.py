@@ -19,7 +19,7 @@ import time
 import pytest
 
 from tests.support.engine_support import parameter_kind, reshard
-from tests.support.server_support import LAYERWISE, ROOT, RunningServer, own_core
+from tests.support.server_support import LAYERWISE, ROOT, RunningServer, error_lines, own_core, running_together, start
 from tests.support.watch_support import (
     ENV,
     MARKER,
@@ -29,11 +29,8 @@ from tests.support.watch_support import (
     Trainer,
     WatchProcess,
     answer,
-    error_lines,
     held_at,
     log,
-    start,
-    start_servers,
     wait_until,
     weight_version,
 )
@@ -61,14 +58,9 @@ def sources(demo_models, tmp_path_factory):
 def servers(demo_models):
     """Two `layerwise serve` servers on *multiply*, started at once (INFO logs: a failure says where it stopped)."""
     # Each on a core of its own (see own_core).
-    pair = [RunningServer(demo_models["multiply"], env={"VLLM_LOGGING_LEVEL": "INFO", **own_core(i)},
-                          start_timeout=600) for i in range(2)]
-    try:
-        start_servers(pair)
+    with running_together([RunningServer(demo_models["multiply"], env={"VLLM_LOGGING_LEVEL": "INFO", **own_core(i)},
+                                         start_timeout=600) for i in range(2)]) as pair:
         yield pair
-    finally:
-        for server in pair:
-            server.__exit__(None, None, None)
 
 
 def arrive_together(trainer: Trainer, staging, names_models: list[tuple[str, str]]) -> None:
@@ -271,15 +263,17 @@ def test_python_api_keeps_an_in_process_engine_on_the_newest_step(demo_models, s
     from vllm import SamplingParams
 
     import layerwise_cli as layerwise
-    from layerwise_cli.client.engine.in_process import EngineOptions, start_engine, stop_engine
+    from layerwise_cli.client.engine.in_process import EngineOptions
     from layerwise_cli.demo import demo_prompt
+    from tests.support.in_process import start_here, stop_here
 
     root = tmp_path / "run"
     root.mkdir()
     trainer = Trainer(root, sources)
     trainer.write("step_1", "add")
     trainer.write("step_2", "broken")
-    llm = start_engine(str(demo_models["multiply"]), EngineOptions(max_model_len=64))
+    # In this process (start_here: about 3 s, where processes of its own took 30 s or more here).
+    llm = start_here(str(demo_models["multiply"]), EngineOptions(max_model_len=64))
     try:
         events = list(layerwise.watch(root, llm=llm, marker=MARKER, interval=0.1, once=True))
         outputs = llm.generate([demo_prompt(a, b) for a, b in PAIRS], SamplingParams(temperature=0.0, max_tokens=4),
@@ -294,4 +288,4 @@ def test_python_api_keeps_an_in_process_engine_on_the_newest_step(demo_models, s
         assert not [e for e in again if e.kind == "reload_started" and e.step == "step_1"]
         assert llm.get_weight_version() == "step_1"
     finally:
-        stop_engine(llm)
+        stop_here(llm)

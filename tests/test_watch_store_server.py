@@ -21,11 +21,10 @@ import subprocess
 
 import pytest
 
-from tests.support.engine_support import parameter_kind, reshard
+from tests.support.engine_support import nan_in_final_norm, parameter_kind, reshard
 from tests.support.seaweed import BUCKET, SeaweedS3, running_seaweed
-from tests.support.server_support import LAYERWISE, ROOT, RunningServer, own_core
-from tests.support.watch_support import ENV, WatchProcess, answer, error_lines, log, start_servers, weight_version
-from tests.test_fleet_server import nan_in_final_norm
+from tests.support.server_support import LAYERWISE, ROOT, RunningServer, error_lines, own_core, running_together
+from tests.support.watch_support import ENV, WatchProcess, answer, log, weight_version
 
 pytestmark = pytest.mark.server
 
@@ -51,14 +50,9 @@ def s3():
 @pytest.fixture(scope="module")
 def servers(demo_models, s3):
     """Two `layerwise serve` servers, fresh on *multiply* and on *add*, reading the store with its credentials."""
-    pair = [RunningServer(demo_models[model], env={**s3.env(), **own_core(i)}, start_timeout=600)
-            for i, model in enumerate(("multiply", "add"))]
-    try:
-        start_servers(pair)
+    with running_together([RunningServer(demo_models[model], env={**s3.env(), **own_core(i)}, start_timeout=600)
+                           for i, model in enumerate(("multiply", "add"))]) as pair:
         yield pair
-    finally:
-        for server in pair:
-            server.__exit__(None, None, None)
 
 
 def upload(s3: SeaweedS3, step: str, folder, *, leave_out: str | None = None) -> None:

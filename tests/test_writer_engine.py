@@ -18,10 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.engine_support import differing_prompts, fresh_answers, greedy_with_logprobs, load_tensors
+from tests.support.engine_support import (
+    PAIR_PROMPTS,
+    differing_prompts,
+    engine_options,
+    fresh_answers,
+    greedy_with_logprobs,
+    load_tensors,
+)
 from tests.support.in_process import start_here, stop_here
 from tests.support.producers import Producer, save_pretrained_checkpoint
-from tests.test_equivalence_engine import PROMPTS, options
 
 pytestmark = pytest.mark.engine
 
@@ -57,10 +63,10 @@ def run(tmp_path_factory) -> Written:
     for path in original.iterdir():  # the tokenizer, which a trainer copies once per run
         if path.name.startswith("tokenizer") or path.name in {"special_tokens_map.json", "vocab.json"}:
             shutil.copy2(path, written / path.name)
-    fresh = fresh_answers(original, PROMPTS, options())
-    llm = start_here(str(written), options())
+    fresh = fresh_answers(original, PAIR_PROMPTS, engine_options())
+    llm = start_here(str(written), engine_options())
     try:
-        answers = greedy_with_logprobs(llm, PROMPTS)
+        answers = greedy_with_logprobs(llm, PAIR_PROMPTS)
     finally:
         stop_here(llm)
     return Written(original, state_dict, written, saved, fresh, answers)
@@ -87,7 +93,7 @@ def test_inspect_order_predicts_one_largest_layer(run):
 
 
 def test_engine_on_the_written_checkpoint_answers_as_on_save_pretrained(run):
-    assert len(PROMPTS) >= 8
+    assert len(PAIR_PROMPTS) >= 8
     differ = differing_prompts(run.answers, run.fresh, exact=True)
-    assert not differ, f"{len(differ)} of {len(PROMPTS)} prompts differ, first {PROMPTS[differ[0]]!r}"
+    assert not differ, f"{len(differ)} of {len(PAIR_PROMPTS)} prompts differ, first {PAIR_PROMPTS[differ[0]]!r}"
     assert (run.written / "STABLE").exists()

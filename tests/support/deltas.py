@@ -55,3 +55,42 @@ def write_steps(root: Path, demo_models) -> dict[str, Path]:
     assert ba.delta is not None, ba.fallback
     return {"A": root / "step_1", "B": root / "b_full", "AB": root / "step_2", "BA": root / "step_3",
             "tensors": a}
+
+
+def changed_copy(tensor, fraction: float, seed: int):
+    """TENSOR with about FRACTION of its values moved to a neighbouring representable value."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(tensor.shape, generator=gen) < fraction
+    bumped = torch.nextafter(tensor.float(), torch.full_like(tensor.float(), 10.0)).to(tensor.dtype)
+    bumped = torch.where(bumped == tensor, tensor + 1, bumped)
+    return torch.where(mask, bumped, tensor)
+
+
+def small_state_dict(dtype, seed: int = 0) -> dict:
+    """Four tensors of DTYPE named as a decoder's (an embedding, two layers): a step small enough for logic tests."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "model.embed_tokens.weight": torch.randn(64, 32, generator=gen).to(dtype),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(32, 48, generator=gen).to(dtype),
+        "model.layers.0.input_layernorm.weight": torch.randn(32, generator=gen).to(dtype),
+        "model.layers.1.mlp.down_proj.weight": torch.randn(32, 48, generator=gen).to(dtype),
+    }
+
+
+def stored_bytes(directory: Path) -> dict:
+    """Every tensor of the checkpoint in DIRECTORY as the bytes its shard stores (uint8 arrays), by name."""
+    import numpy as np
+
+    from layerwise_cli.checkpoint.sources import open_checkpoint
+
+    checkpoint = open_checkpoint(str(directory))
+    out = {}
+    for shard in checkpoint.shards:
+        data = (directory / shard.name).read_bytes()
+        for t in shard.tensors:
+            out[t.name] = np.frombuffer(data, dtype=np.uint8)[shard.data_start + t.begin:shard.data_start + t.end]
+    return out

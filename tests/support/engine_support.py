@@ -6,10 +6,14 @@ import contextlib
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 NON_WEIGHT_SUFFIXES = (".json", ".txt", ".model", ".jinja")
+# Equations the demo and Producer models answer: ten, so that a comparison covers at least 8 prompts.
+PAIR_PROMPTS = [f"{a} {b} = " for a, b in [(1, 2), (3, 4), (15, 7), (99, 0), (42, 42), (8, 13), (5, 55), (60, 6),
+                                           (21, 12), (7, 70)]]
 
 
 def copy_non_weights(src: Path, dst: Path) -> None:
@@ -58,6 +62,14 @@ def reshard(src: Path, dst: Path, group_of: Callable[[str], str], *,
     (dst / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
     return dst
+
+
+def nan_in_final_norm(tensors: dict) -> dict:
+    """A `reshard` transform: TENSORS with NaN in the first value of the final norm (a step that must be refused)."""
+    name = next(n for n in sorted(tensors) if n.endswith("norm.weight") and ".layers." not in n)
+    tensors[name] = tensors[name].clone()
+    tensors[name][0] = float("nan")
+    return tensors
 
 
 def parameter_kind(name: str) -> str:
@@ -157,7 +169,8 @@ def _fresh_key(checkpoint: Path, prompts: list[str], options) -> tuple:
     return checkpoint_digest(Path(checkpoint)), tuple(prompts), repr(options)
 
 
-def _default_options():
+def engine_options():
+    """The options single-rank engine tests start engines with (and fresh engines, unless told others)."""
     from layerwise_cli.client.engine.in_process import EngineOptions
 
     return EngineOptions(max_model_len=64)
@@ -203,7 +216,7 @@ def fresh_answers(checkpoint: Path, prompts: list[str], options=None) -> list:
     """
     import fcntl
 
-    options = options or _default_options()
+    options = options or engine_options()
     key = _fresh_key(checkpoint, prompts, options)
     if key in _FRESH:
         return _FRESH[key]
@@ -229,7 +242,7 @@ def fresh_state(checkpoint: Path, prompts: list[str], options=None) -> dict:
     Taken after it answered PROMPTS (a rotary cache takes its final form at the
     first forward pass). Starts that engine if `fresh_answers` has not yet.
     """
-    options = options or _default_options()
+    options = options or engine_options()
     key = _fresh_key(checkpoint, prompts, options)
     fresh_answers(checkpoint, prompts, options)
     assert key in _FRESH_STATE, f"{checkpoint}: no fresh engine's state was recorded with its answers"
@@ -239,9 +252,13 @@ def fresh_state(checkpoint: Path, prompts: list[str], options=None) -> dict:
 def _answers_of_fresh_engine(checkpoint: Path, prompts: list[str], options) -> tuple[list, dict]:
     """Start an engine on CHECKPOINT, ask, take its checksums, stop: in this process where it has one rank."""
     from layerwise_cli.client.engine.in_process import start_engine, stop_engine
-    from tests.support.in_process import start_here, stop_here
+    from tests.support.in_process import running_here, start_here, stop_here
 
     single = options.tensor_parallel_size * options.pipeline_parallel_size == 1
+    if single and running_here():
+        warnings.warn(f"{checkpoint}: a fresh engine asked for while an in-process engine runs starts with processes "
+                      "of its own (30 s or more on 2 cores): ask for it before starting the engine under test",
+                      stacklevel=4)
     start, stop = (start_here, stop_here) if single else (start_engine, stop_engine)
     llm = start(str(checkpoint), options)
     try:
@@ -252,7 +269,7 @@ def _answers_of_fresh_engine(checkpoint: Path, prompts: list[str], options) -> t
 
 def remember_fresh(llm, checkpoint: Path, prompts: list[str], options=None) -> list:
     """Record the answers of LLM, just started on CHECKPOINT and never reloaded, as its fresh answers."""
-    options = options or _default_options()
+    options = options or engine_options()
     key = _fresh_key(checkpoint, prompts, options)
     _FRESH[key] = answers = greedy_with_logprobs(llm, prompts)
     _FRESH_STATE[key] = engine_state(llm)["checksums"]
@@ -282,6 +299,18 @@ def assert_matches_fresh(llm_or_answers, checkpoint: Path, prompts: list[str], *
     assert not differ, (f"{len(differ)} of {len(prompts)} prompts differ from an engine started fresh on "
                         f"{checkpoint} (first: {prompts[differ[0]]!r}: got {got[differ[0]]}, "
                         f"fresh {want[differ[0]]})")
+
+
+def checksums(llm) -> dict:
+    """The checksum of every parameter and buffer of LLM's rank 0, by name."""
+    return engine_state(llm)["checksums"]
+
+
+def assert_is_fresh(llm, checkpoint: Path, prompts: list[str]) -> None:
+    """LLM equals an engine started fresh on CHECKPOINT: by its answers to PROMPTS, and by every tensor."""
+    assert_matches_fresh(llm, checkpoint, prompts)
+    want, got = fresh_state(checkpoint, prompts), checksums(llm)
+    assert [name for name in want if got.get(name) != want[name]] == []
 
 
 def engine_state(llm) -> dict:

@@ -105,6 +105,11 @@ def start_here(model: str, options=None):
     return llm
 
 
+def running_here() -> bool:
+    """Whether an in-process engine runs now (another `start_here` would start with processes of its own)."""
+    return _RUNNING is not None
+
+
 def stop_here(llm) -> None:
     """`stop_engine(llm)`, then clear what an in-process engine left in this process."""
     from layerwise_cli.client.engine.in_process import stop_engine

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -205,6 +208,55 @@ class RunningServer:
         response = httpx.get(f"{self.url}/is_paused", headers=self.headers(), timeout=10)
         response.raise_for_status()
         return response.json()["is_paused"]
+
+
+def start(server: RunningServer) -> None:
+    """Start SERVER; if it dies, say why: the worker's and engine's error lines and tracebacks from its whole log."""
+    try:
+        server.start()
+    except RuntimeError as exc:
+        raise RuntimeError(f"{exc}\n--- errors in its log:\n{error_lines(server)}") from None
+
+
+def error_lines(server: RunningServer, limit: int = 60) -> str:
+    """The last LIMIT lines of SERVER's log that say something failed."""
+    text = Path(server._log.name).read_text(errors="replace").splitlines()
+    keep = [line for line in text if any(w in line for w in ("ERROR", "Error", "Traceback", "failed", "Killed"))
+            and "ulimit" not in line]
+    return "\n".join(keep[-limit:])
+
+
+def start_servers(servers: list[RunningServer]) -> None:
+    """Start SERVERS at once (their start-up overlaps); raise the first failure."""
+    errors: list[BaseException] = []
+
+    def start_one(server: RunningServer) -> None:
+        try:
+            start(server)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start_one, args=(s,)) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+@contextlib.contextmanager
+def running_together(servers: list[RunningServer]) -> Iterator[list[RunningServer]]:
+    """SERVERS started at once (`start_servers`), each stopped on exit, also when one of them failed to start.
+
+    Example, a module's fleet: `with running_together([RunningServer(m, env=own_core(i)) ...]) as fleet: yield fleet`.
+    """
+    try:
+        start_servers(servers)
+        yield servers
+    finally:
+        for server in servers:
+            server.__exit__(None, None, None)
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600.0) -> subprocess.CompletedProcess:

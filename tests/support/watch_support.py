@@ -51,40 +51,6 @@ def log(message: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
 
 
-def start(server: RunningServer) -> None:
-    """Start SERVER; if it dies, say why: the worker's and engine's error lines and tracebacks from its whole log."""
-    try:
-        server.start()
-    except RuntimeError as exc:
-        raise RuntimeError(f"{exc}\n--- errors in its log:\n{error_lines(server)}") from None
-
-
-def error_lines(server: RunningServer, limit: int = 60) -> str:
-    text = Path(server._log.name).read_text(errors="replace").splitlines()
-    keep = [line for line in text if any(w in line for w in ("ERROR", "Error", "Traceback", "failed", "Killed"))
-            and "ulimit" not in line]
-    return "\n".join(keep[-limit:])
-
-
-def start_servers(servers: list[RunningServer]) -> None:
-    """Start SERVERS at once (their start-up overlaps); raise the first failure."""
-    errors: list[BaseException] = []
-
-    def start_one(server: RunningServer) -> None:
-        try:
-            start(server)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start_one, args=(s,)) for s in servers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-
-
 class Trainer:
     """Writes step directories into ROOT the ways trainers do, recording when each became complete."""
 
