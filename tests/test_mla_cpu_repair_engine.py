@@ -68,9 +68,9 @@ def test_answers_stay_equal_across_batchings_and_churn(checkpoint):
 
 
 def test_without_the_repair_a_prompt_alone_answers_otherwise(checkpoint, monkeypatch):
-    """`LAYERWISE_NO_CPU_FIXUPS=1` at engine start: vLLM's kernel as it is, and a prompt asked alone answers
+    """`LAYERWISE_NO_REPAIRS=1` at engine start: vLLM's kernel as it is, and a prompt asked alone answers
     otherwise than among the four (if this fails, vLLM's CPU rotary kernel takes 3-D views now: drop the repair)."""
-    monkeypatch.setenv("LAYERWISE_NO_CPU_FIXUPS", "1")
+    monkeypatch.setenv("LAYERWISE_NO_REPAIRS", "1")
     llm = start_here(checkpoint)
     try:
         together = _answers(llm, BATCHINGS[0])

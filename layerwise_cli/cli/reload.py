@@ -213,7 +213,7 @@ def refuse_server_options(given: dict[str, object], data_parallel_size: int) -> 
 
 
 def start_engine_fetching(base: str, engine, pin, *, quiet: bool):
-    """Start the engine on BASE; with PIN, fetch that Hub commit's shards into the cache meanwhile (`hub_prefetch`).
+    """Start the engine on BASE; with PIN, fetch that Hub commit's shards into the cache meanwhile (`prefetch`).
 
     The workers then find the commit in the cache and read it from there. A failed fetch stops the engine.
     """

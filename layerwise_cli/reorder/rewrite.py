@@ -1,6 +1,6 @@
 """Rewrite a checkpoint so that vLLM's own loader reads it in layer order: the core of `layerwise reorder`.
 
-The steps live in modules of their own: `shard_plan` (the shard-boundary rule),
+The steps live in modules of their own: `output_shards` (the shard-boundary rule),
 `write` (headers and tensor bytes), `side_files` (config, tokenizer),
 `commit` (checks, then the rename into place) and `signals` (SIGINT/SIGTERM).
 """
@@ -22,8 +22,8 @@ from layerwise_cli.planning.inspect import OrderReport
 from layerwise_cli.planning.parents import mapping_for_config
 from layerwise_cli.planning.plan import build_plan
 from layerwise_cli.reorder.commit import check_destination, check_written, commit, fsync_dir
+from layerwise_cli.reorder.output_shards import DEFAULT_MAX_SHARD_SIZE, split_shards
 from layerwise_cli.reorder.result import ReorderProgress, ReorderResult
-from layerwise_cli.reorder.shard_plan import DEFAULT_MAX_SHARD_SIZE, plan_shards
 from layerwise_cli.reorder.side_files import copy_other_files
 from layerwise_cli.reorder.signals import ReorderInterrupted, signals_raise
 from layerwise_cli.reorder.write import write_index, write_shards
@@ -65,7 +65,7 @@ def reorder(
             (`s3://bucket/prefix`, `gs://`, `az://`, `https://`; read at the ETags its
             headers were read at): shards are fetched one at a time as the copy needs them.
         destination: the directory to create.
-        max_shard_size: the most tensor bytes per shard (see `plan_shards`).
+        max_shard_size: the most tensor bytes per shard (see `split_shards`).
         force: replace an existing DESTINATION (old one removed only after
             the new one is in place).
         verify: re-read every tensor from DESTINATION and compare its digest
@@ -96,7 +96,7 @@ def reorder(
         raise LayerwiseError("the checkpoint has no tensors to write", where=source)
     dst = Path(destination).absolute()
     check_destination(checkpoint, dst, force)
-    shards = plan_shards(plan, max_shard_size)
+    shards = split_shards(plan, max_shard_size)
     metadata, conflicts = _merged_metadata(checkpoint)
 
     with signals_raise() as guard:

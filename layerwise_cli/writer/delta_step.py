@@ -20,7 +20,7 @@ from layerwise_cli.writer.delta_file import (
     checkpoint_tensors,
     delta_summary,
     open_base,
-    plan_delta,
+    spill_delta,
     write_delta_file,
 )
 from layerwise_cli.writer.save import (
@@ -112,14 +112,14 @@ def _delta_or_none(base, checkpoint: Checkpoint, tmp: Path, whole_fraction: floa
     fd = os.open(patches, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         try:
-            plan = plan_delta(open_base(base), checkpoint_tensors(checkpoint), fd, whole_fraction=whole_fraction)
+            delta = spill_delta(open_base(base), checkpoint_tensors(checkpoint), fd, whole_fraction=whole_fraction)
         except NoDelta as why:
             return None, str(why)
-        write_delta_file(tmp, plan, fd)
+        write_delta_file(tmp, delta, fd)
     finally:
         os.close(fd)
         os.unlink(patches)
-    return delta_summary(plan), None
+    return delta_summary(delta), None
 
 
 def _copy_files(src: Path, out: Path, *, weights: bool) -> None:

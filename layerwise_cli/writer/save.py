@@ -20,7 +20,7 @@ from layerwise_cli.errors import LayerwiseError, describe_exception
 from layerwise_cli.planning.parents import mapping_for_config
 from layerwise_cli.planning.plan import build_plan
 from layerwise_cli.reorder.commit import fsync_dir
-from layerwise_cli.reorder.shard_plan import DEFAULT_MAX_SHARD_SIZE, plan_shards
+from layerwise_cli.reorder.output_shards import DEFAULT_MAX_SHARD_SIZE, split_shards
 from layerwise_cli.reorder.write import shard_header
 from layerwise_cli.writer.delta_file import DeltaSummary, write_delta_from_spill
 from layerwise_cli.writer.spill import Spilled, SpillFile, copy_range, write_all
@@ -283,7 +283,7 @@ def _write_shards(spilled: list[Spilled], config: dict | None, layer_mapping, ma
     source = ShardHeader(name=_SPILL, header_len=0, file_size=None, tensors=entries)
     checkpoint = Checkpoint(source=str(out), kind="directory", shards=[source], config=config)
     plan = build_plan(checkpoint, layer_mapping)
-    shards = plan_shards(plan, max_shard_size)
+    shards = split_shards(plan, max_shard_size)
     for shard in shards:
         digests = {entry.name: by_name[entry.name].digest for entry in shard.tensors}
         header, offsets = shard_header(shard, {"format": "pt", **digests_metadata(digests)})

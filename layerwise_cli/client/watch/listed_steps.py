@@ -1,5 +1,5 @@
 """Where `watch` finds its steps when they are listed: a local directory of step directories, or a URL prefix of
-step folders in object storage (a Hub repo's commits are `watch_hub.py`'s)."""
+step folders in object storage (a Hub repo's commits are `hub_steps.py`'s)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from layerwise_cli.errors import LayerwiseError
 
 class StepsRoot:
     """A root listed afresh at every poll: a local directory (`steps.list_steps`), or a URL prefix
-    (`store_steps.list_store_steps`: one listing of the store, every page).
+    (`steps.store.list_store_steps`: one listing of the store, every page).
 
     Args:
         root: the directory, or the URL (`s3://bucket/run/`, `gs://...`, `az://...`).

@@ -2,7 +2,7 @@
 
 The root is a local directory of step directories (`checkpoint/steps/local.py`), a URL prefix of step folders in
 object storage (`checkpoint/steps/store.py`: found by listing, each pinned to its objects' ETags), or a Hub repo
-whose ref's commits are the steps (`watch_hub.py`).
+whose ref's commits are the steps (`hub_steps.py`).
 """
 
 from __future__ import annotations

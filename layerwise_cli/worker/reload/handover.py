@@ -35,7 +35,7 @@ def open_source(run: ReloadRun) -> OpenStream | None:
                          stats=run.stats, check_finite=not run.options.allow_nonfinite, hash_layers=skip.hash_layers,
                          digests=skip.read_digests, skip_layer=run.skip_after_read if skip.skip_layer else None,
                          skipped=skip.skipped, samples=skip.read_samples, may_skip=skip.samples_match,
-                         idle=early.step if early is not None else None, hub=run.hub,
+                         idle=early.step if early is not None else None, remote=run.remote,
                          delta=run.planned.checkpoint.delta)
     if early is not None:
         early.wake = opened.wake

@@ -3,12 +3,12 @@
 The source is a Hub commit (a `HubPin`) or a URL's objects pinned to their ETags (`store.StoreSource`, never kept
 on disk): both go through the same `RangeFetcher`.
 
-The worker's side of `checkpoint/hub_fetch.RangeFetcher`. `HubStream.start` fetches, in hand-over order and a
-bounded window ahead, exactly the tensors this rank's stream hands to vLLM (the layers skipped on their header
-digests are never fetched) and, when the fetch keeps what arrives in the Hub cache, the shards' headers and
-the tensors vLLM skips on purpose, so that a shard fetched whole is verified against its sha256 and linked
-into `snapshots/<commit>/` for `hf_hub_download` and `from_pretrained` to find. `read` waits for a tensor's
-bytes and copies them into a tensor of its own: the reader never touches a byte that has not arrived.
+The worker's side of `checkpoint/fetch/range_fetcher.RangeFetcher`. `RemoteStream.start` fetches, in hand-over
+order and a bounded window ahead, exactly the tensors this rank's stream hands to vLLM (the layers skipped on
+their header digests are never fetched) and, when the fetch keeps what arrives in the Hub cache, the shards'
+headers and the tensors vLLM skips on purpose, so that a shard fetched whole is verified against its sha256 and
+linked into `snapshots/<commit>/` for `hf_hub_download` and `from_pretrained` to find. `read` waits for a
+tensor's bytes and copies them into a tensor of its own: the reader never touches a byte that has not arrived.
 `sampled_windows` fetches only the sample windows the spot check reads before it trusts a header digest.
 """
 
@@ -43,7 +43,7 @@ def torch_dtype(name: str) -> torch.dtype:
     return _getdtype(name)
 
 
-class HubStream:
+class RemoteStream:
     """The tensors of one pinned source that a rank reads, fetched by byte range as the reader needs them.
 
     Args:
@@ -71,7 +71,7 @@ class HubStream:
         self.fetcher = RangeFetcher(range_source(pin, cache_dir=cache_dir), ranges, connections=connections,
                                     window_bytes=window_bytes, part_bytes=part_bytes, keep=keep)
 
-    def start(self) -> HubStream:
+    def start(self) -> RemoteStream:
         """Read each file's size and sha256 at the commit, and start the connections (raises one line)."""
         self.fetcher.start()
         return self
