@@ -241,18 +241,27 @@ def write_delta_from_spill(base, spilled: list[Spilled], spill: SpillFile, tmp: 
 
     SPILLED: `save_checkpoint`'s tensors as they lie in SPILL (with their digests).
     """
-    patches_path = tmp / _PATCHES
+    mapped = file_mapping(spill.path)
+    tensors = (NewTensor(s.name, s.dtype, s.shape, mapped[s.offset:s.offset + s.nbytes], s.digest)
+               for s in spilled)
+    return write_delta_against(base, tensors, tmp, whole_fraction)
+
+
+def write_delta_against(base, tensors: Iterable[NewTensor], out: Path,
+                        whole_fraction: float | None) -> tuple[DeltaSummary | None, str | None]:
+    """Write OUT/delta.safetensors of TENSORS against BASE; (summary, None), or (None, why) when a full step is due.
+
+    The patches are spilled to a file in OUT first (removed after), then written in the delta's order.
+    """
+    patches_path = out / _PATCHES
     fd = os.open(patches_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        mapped = file_mapping(spill.path)
-        tensors = (NewTensor(s.name, s.dtype, s.shape, mapped[s.offset:s.offset + s.nbytes], s.digest)
-                   for s in spilled)
         try:
             delta = spill_delta(open_base(base), tensors, fd,
                                 whole_fraction=WHOLE_FRACTION if whole_fraction is None else whole_fraction)
         except NoDelta as why:
             return None, str(why)
-        write_delta_file(tmp, delta, fd)
+        write_delta_file(out, delta, fd)
     finally:
         os.close(fd)
         os.unlink(patches_path)

@@ -41,7 +41,7 @@ MiB = 1 << 20
 
 @dataclass(frozen=True)
 class ByteRange:
-    """Bytes `[start, end)` of one file of the repo."""
+    """Bytes `[start, end)` of one file of the source."""
 
     filename: str
     start: int

@@ -21,26 +21,11 @@ import torch
 
 from layerwise_cli.checkpoint.fetch.range_fetcher import ByteRange, RangeFetcher, tensor_range
 from layerwise_cli.checkpoint.fetch.range_source import RangeSource
+from layerwise_cli.checkpoint.format.dtypes import torch_dtype
 from layerwise_cli.checkpoint.format.header import ShardHeader, TensorEntry
 from layerwise_cli.checkpoint.hub.pin import HubPin
 from layerwise_cli.checkpoint.hub.range_source import range_source
 from layerwise_cli.checkpoint.sources import Checkpoint
-
-# safetensors' dtype names (its format's own spelling) -> torch's.
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a safetensors dtype name (`BF16`), as `safetensors.torch` maps it."""
-    if name in _DTYPES:
-        return _DTYPES[name]
-    from safetensors.torch import _getdtype
-
-    return _getdtype(name)
 
 
 class RemoteStream:
