@@ -3,7 +3,7 @@
 vLLM's reload runs under three watches: the layers skipped kept quiet
 (`unchanged_layers.quiet_skipped_layers`), the layers that qualify loaded into the
 engine's own tensors (`in_place`), and the modules vLLM could not load listed
-before its finalize puts them back (`completion.unloaded_layer_watch`).
+before its finalize puts them back (`completion_check.unloaded_layer_watch`).
 """
 
 from __future__ import annotations

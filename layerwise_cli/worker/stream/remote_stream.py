@@ -9,7 +9,7 @@ their header digests are never fetched) and, when the fetch keeps what arrives i
 headers and the tensors vLLM skips on purpose, so that a shard fetched whole is verified against its sha256 and
 linked into `snapshots/<commit>/` for `hf_hub_download` and `from_pretrained` to find. `read` waits for a
 tensor's bytes and copies them into a tensor of its own: the reader never touches a byte that has not arrived.
-`sampled_windows` fetches only the sample windows the spot check reads before it trusts a header digest.
+`SampledWindows` fetches only the sample windows the spot check reads before it trusts a header digest.
 """
 
 from __future__ import annotations
