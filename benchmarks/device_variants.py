@@ -24,7 +24,7 @@ import torch
 
 from layerwise_cli.checkpoint.format.chunks import read_chunks
 from layerwise_cli.checkpoint.format.digests import tensor_digest
-from layerwise_cli.checkpoint.format.finite import dtype_name
+from layerwise_cli.checkpoint.format.dtypes import dtype_name
 from layerwise_cli.checkpoint.format.header import TensorEntry
 from layerwise_cli.planning.plan import PlannedTensor
 from layerwise_cli.worker.stream.read_ahead import read_in_order

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import warnings
 
-# Diagnostic switch: `LAYERWISE_NO_CPU_FIXUPS=1` leaves the engine as vLLM's
+# Diagnostic switch: `LAYERWISE_NO_REPAIRS=1` leaves the engine as vLLM's
 # reload leaves it (stale tied heads, stale alias buffers, unpacked MoE experts),
 # so that `--verify` and the tests can show what the repairs prevent. Never set it
 # otherwise. Read in the worker (its environment) and by the client, which then
 # asks the workers for a reload without repairs (`repairs=False`, also over `--url`).
-NO_REPAIRS_ENV = "LAYERWISE_NO_CPU_FIXUPS"
+NO_REPAIRS_ENV = "LAYERWISE_NO_REPAIRS"
+# The switch's former name, still read (with a deprecation warning) so that scripts that set it keep working.
+OLD_NO_REPAIRS_ENV = "LAYERWISE_NO_CPU_FIXUPS"
 
 
 def _switch_set(name: str) -> bool:
@@ -19,6 +22,10 @@ def _switch_set(name: str) -> bool:
 
 def repairs_disabled() -> bool:
     """Whether the diagnostic switch turns the repairs after vLLM's reload off (in this process)."""
+    if _switch_set(OLD_NO_REPAIRS_ENV):
+        warnings.warn(f"{OLD_NO_REPAIRS_ENV} is deprecated and will be removed: set {NO_REPAIRS_ENV}=1 instead",
+                      FutureWarning, stacklevel=2)
+        return True
     return _switch_set(NO_REPAIRS_ENV)
 
 

@@ -76,7 +76,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--generates", type=int, default=10)
     parser.add_argument("--junk", choices=[*JUNK, "none"], default="nan")
-    parser.add_argument("--no-repairs", action="store_true", help="set LAYERWISE_NO_CPU_FIXUPS=1 at engine start")
+    parser.add_argument("--no-repairs", action="store_true", help="set LAYERWISE_NO_REPAIRS=1 at engine start")
     parser.add_argument("--arch", default="deepseek_v3")
     parser.add_argument("--checkpoint", help="an existing checkpoint (default: build one)")
     parser.add_argument("--default-layout", action="store_true",
@@ -84,7 +84,7 @@ def main() -> int:
     parser.add_argument("--dump", help="write the answers (tokens and logprobs) to this JSON file")
     args = parser.parse_args()
     if args.no_repairs:
-        os.environ["LAYERWISE_NO_CPU_FIXUPS"] = "1"
+        os.environ["LAYERWISE_NO_REPAIRS"] = "1"
     from tests.support.in_process import start_here, stop_here
     from tests.support.producers import PADDED_VOCAB, Producer, save_pretrained_checkpoint
 

@@ -347,7 +347,7 @@ def run_config(config: Config, root: Path) -> ConfigRun:
 def run_repairs(run: ConfigRun, llm, b: Path) -> None:
     """B with the repairs off (what vLLM's reload leaves), --verify; B again with them on (every layer), --verify.
 
-    `LAYERWISE_NO_CPU_FIXUPS` is read by the client, which asks the workers for a
+    `LAYERWISE_NO_REPAIRS` is read by the client, which asks the workers for a
     reload without repairs: the same engine serves both halves. A back at the end.
     """
     import os
@@ -520,7 +520,7 @@ REPAIRED = [pytest.param(config, id=config.label, marks=[pytest.mark.xfail(stric
 
 @pytest.mark.parametrize("config", REPAIRED)
 def test_verify_names_what_the_repairs_fix_and_passes_with_them(matrix, config):
-    """Repairs off (`LAYERWISE_NO_CPU_FIXUPS=1`): --verify fails naming exactly what vLLM's reload leaves
+    """Repairs off (`LAYERWISE_NO_REPAIRS=1`): --verify fails naming exactly what vLLM's reload leaves
     stale on this CPU, and the answers differ from a fresh engine (where nothing is stale, it passes and
     they are equal). Repairs on: the report names every tensor it refreshed, --verify passes with nothing
     unchecked, and the answers equal a fresh engine's."""

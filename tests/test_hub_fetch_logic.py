@@ -11,7 +11,7 @@ import pytest
 
 from layerwise_cli.checkpoint.fetch.partial_blob import PARTIAL_SUFFIX, RECORD_SUFFIX, PartialBlob, add_interval, covers
 from layerwise_cli.checkpoint.fetch.policy import STALL_ENV, FetchPolicy
-from layerwise_cli.checkpoint.fetch.range_fetcher import ByteRange, plan_parts
+from layerwise_cli.checkpoint.fetch.range_fetcher import ByteRange, range_requests
 from layerwise_cli.checkpoint.hub.pin import HubPin, is_commit
 from layerwise_cli.errors import LayerwiseError
 
@@ -32,21 +32,21 @@ def test_pin_string_form_round_trips_and_refuses_a_branch() -> None:
 def test_neighbours_merge_in_hand_over_order_and_big_ranges_split() -> None:
     ranges = [ByteRange("a", 0, 10), ByteRange("a", 10, 20), ByteRange("b", 0, 5), ByteRange("a", 30, 40),
               ByteRange("a", 40, 45)]
-    assert plan_parts(ranges, part_bytes=100) == [ByteRange("a", 0, 20), ByteRange("b", 0, 5),
+    assert range_requests(ranges, part_bytes=100) == [ByteRange("a", 0, 20), ByteRange("b", 0, 5),
                                                   ByteRange("a", 30, 45)]
-    assert plan_parts([ByteRange("a", 0, 25)], part_bytes=10) == [ByteRange("a", 0, 10), ByteRange("a", 10, 20),
+    assert range_requests([ByteRange("a", 0, 25)], part_bytes=10) == [ByteRange("a", 0, 10), ByteRange("a", 10, 20),
                                                                   ByteRange("a", 20, 25)]
 
 
 def test_bytes_asked_twice_are_fetched_once() -> None:
     # A tied head read twice, and a range overlapping one fetched earlier: only the new bytes.
     ranges = [ByteRange("a", 0, 10), ByteRange("b", 0, 4), ByteRange("a", 0, 10), ByteRange("a", 5, 15)]
-    assert plan_parts(ranges, part_bytes=100) == [ByteRange("a", 0, 10), ByteRange("b", 0, 4),
+    assert range_requests(ranges, part_bytes=100) == [ByteRange("a", 0, 10), ByteRange("b", 0, 4),
                                                   ByteRange("a", 10, 15)]
     inside = [ByteRange("a", 0, 30), ByteRange("b", 0, 1), ByteRange("a", 5, 40)]
-    assert plan_parts(inside, part_bytes=100) == [ByteRange("a", 0, 30), ByteRange("b", 0, 1),
+    assert range_requests(inside, part_bytes=100) == [ByteRange("a", 0, 30), ByteRange("b", 0, 1),
                                                   ByteRange("a", 30, 40)]
-    assert plan_parts([ByteRange("a", 3, 3)], part_bytes=10) == []
+    assert range_requests([ByteRange("a", 3, 3)], part_bytes=10) == []
 
 
 def test_intervals_merge_and_cover() -> None:

@@ -56,9 +56,9 @@ def checkpoint(tmp_path_factory):
 # Defined before the tests that share `engine`: it starts an engine of its own, which runs in this process only
 # while no other does (otherwise with processes of its own, a slower start). Order changes speed, not results.
 def test_without_the_repair_a_prompt_alone_answers_otherwise(checkpoint, monkeypatch):
-    """`LAYERWISE_NO_CPU_FIXUPS=1` at engine start: vLLM's kernel as it is, and a prompt asked alone answers
+    """`LAYERWISE_NO_REPAIRS=1` at engine start: vLLM's kernel as it is, and a prompt asked alone answers
     otherwise than among the four (if this fails, vLLM's CPU rotary kernel takes 3-D views now: drop the repair)."""
-    monkeypatch.setenv("LAYERWISE_NO_CPU_FIXUPS", "1")
+    monkeypatch.setenv("LAYERWISE_NO_REPAIRS", "1")
     llm = start_here(checkpoint)
     try:
         together = _answers(llm, BATCHINGS[0])

@@ -73,7 +73,7 @@ def nemotron(tmp_path_factory):
 def test_without_the_repair_a_partly_loaded_layer_fails_the_reload_rolled_back(nemotron, monkeypatch):
     llm, _, b, _ = nemotron
     before = engine_state(llm)["checksums"]
-    monkeypatch.setenv("LAYERWISE_NO_CPU_FIXUPS", "1")
+    monkeypatch.setenv("LAYERWISE_NO_REPAIRS", "1")
     with pytest.raises(LayerwiseError) as failed:
         layerwise_cli.reload(llm, str(b))
     message = str(failed.value)

@@ -26,8 +26,8 @@ from layerwise_cli.cli.app import app
 from layerwise_cli.planning.inspect import inspect_order
 from layerwise_cli.planning.parents import mapping_for_config
 from layerwise_cli.planning.plan import PlannedTensor, build_plan, simulate_buffering
+from layerwise_cli.reorder.output_shards import split_shards
 from layerwise_cli.reorder.rewrite import reorder
-from layerwise_cli.reorder.shard_plan import plan_shards
 from tests.support.synthetic import SyntheticModel, shard_groups, write_checkpoint, write_safetensors
 
 REPO = Path(__file__).resolve().parents[1]
@@ -307,7 +307,7 @@ def test_plan_shards_property(layers: int, experts: int, tied: bool, layout: str
     checkpoint = _checkpoint_in_memory(model, layout)
     plan = build_plan(checkpoint, mapping_for_config(checkpoint.config))
 
-    shards = plan_shards(plan, limit)
+    shards = split_shards(plan, limit)
 
     rewritten = []
     for shard in shards:

@@ -1,7 +1,7 @@
 """`layerwise reload --url ... --verify` against real servers, with the repairs after vLLM's reload off and on.
 
 One `layerwise serve` server per family, started on B (so that its fingerprints as started are a fresh
-engine's on B), then reloaded to A. With `LAYERWISE_NO_CPU_FIXUPS=1` in the CLI's environment (the client
+engine's on B), then reloaded to A. With `LAYERWISE_NO_REPAIRS=1` in the CLI's environment (the client
 asks the workers for a reload without repairs), `--verify` must exit 1 naming exactly what vLLM's reload
 leaves stale on this CPU (and pass where its kernels leave nothing stale); without it, `--verify` passes
 with nothing unchecked, the JSON report names every tensor refreshed, and the server's fingerprints (every
@@ -59,7 +59,7 @@ def test_verify_with_the_repairs_off_names_what_vllm_leaves_stale(family):
         pytest.skip("nothing is left stale on a GPU (no repack after loading): the repairs do nothing there")
     # --allow-unchecked: a buffer left stale would fail the reload before --verify could name it.
     proc = run_cli("reload", "--weights-path", str(family["b"]), "--url", family["server"].url, "--verify",
-                   "--allow-unchecked", env={"LAYERWISE_NO_CPU_FIXUPS": "1", "COLUMNS": "250"})
+                   "--allow-unchecked", env={"LAYERWISE_NO_REPAIRS": "1", "COLUMNS": "250"})
     assert "CPU repairs are off" in proc.stdout
     names = family["stale"]
     if not names:

@@ -262,11 +262,11 @@ class TinyModel(torch.nn.Module):
 
 def _unchanged_layers(folder: Path, model: TinyModel, recs: LayerRecords, **kwargs):
     from layerwise_cli.planning.plan import PlannedTensor
-    from layerwise_cli.worker.reload.unchanged_layers import UnchangedLayerPlan
+    from layerwise_cli.worker.reload.unchanged_layers import LayerSkip
 
     plan = inspect_order(str(folder)).plan
     stream = [PlannedTensor(item.entry, "layers." + item.parent.replace(".", "_")) for item in plan.layer_order]
-    return UnchangedLayerPlan.build(model, plan.checkpoint, stream, "layer", recs, **kwargs), stream
+    return LayerSkip.build(model, plan.checkpoint, stream, "layer", recs, **kwargs), stream
 
 
 def _load(skip, stream, folder: Path) -> None:

@@ -6,12 +6,16 @@ statement after the docstring to the body's last line (a docstring or a
 comment is never shortened to fit). Names: no public top-level function or
 class defined in two modules of the package (vLLM's plugin entry points,
 `register`, and the CLI's `render` are alike on purpose), and no two modules
-outside `cli/` with one file name. Test files: docs/development.md's rule.
+outside `cli/` with one file name. Test files: docs/development.md's rule. The map in
+docs/development.md: every module, and every name it says a module holds, exists.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
+import importlib
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -79,3 +83,110 @@ def test_every_test_file_is_named_for_what_it_drives() -> None:
     assert [name for name in files if not name.removesuffix(".py").endswith(TEST_KINDS) and name not in TOOL_TESTS] \
         == []
     assert sorted(TOOL_TESTS - set(files)) == []  # a tool test renamed or gone: the list follows
+
+
+# docs/development.md names modules and what is in them; each name must exist (the map made true, kept true).
+DEVELOPMENT = ROOT / "docs" / "development.md"
+# Backticked spans the map may hold that are no module of ours: other projects' names, and file names.
+FOREIGN_ROOTS = {"vllm", "torch", "huggingface_hub", "safetensors", "typer", "rich", "numpy", "obstore", "os"}
+FILE_SUFFIXES = {"md", "py", "json", "toml", "yml", "yaml", "safetensors", "txt", "sh", "png", "lock"}
+_DOTTED = re.compile(r"`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)`")
+# A module path of the package followed by the names it defines: "`worker/reload/handover.py` `hand_over`, `weights`".
+_PATH_AND_NAMES = re.compile(r"`((?:\w+/)*\w+\.py)`((?: `[A-Za-z_]\w*`,?)+)")
+
+
+def _module_files() -> dict[str, Path]:
+    """Dotted module name -> file, for the package and the tests' support modules."""
+    files = {}
+    for folder in (PACKAGE, ROOT / "tests" / "support"):
+        for path in sorted(folder.rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return files
+
+
+def _names_of(node: ast.stmt) -> list[str]:
+    if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+        return [node.name]
+    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+        return [node.target.id]
+    if isinstance(node, ast.Assign):
+        return [t.id for t in node.targets if isinstance(t, ast.Name)]
+    if isinstance(node, ast.ImportFrom):
+        return [a.asname or a.name for a in node.names]
+    return []
+
+
+@functools.cache
+def _parsed(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+def _defines(path: Path, names: list[str]) -> bool:
+    """Whether the module at PATH defines NAMES[0] at its top level, and NAMES[1:] inside it (a class, with the
+    classes of the same module it derives from); the package's own names include its lazy table."""
+    module = _parsed(path).body
+    top = {name: node for node in module for name in _names_of(node)}
+    if path == PACKAGE / "__init__.py" and len(names) == 1:
+        return names[0] in top or names[0] in importlib.import_module("layerwise_cli").__all__
+    found = top.get(names[0])
+    for name in names[1:]:
+        if not isinstance(found, ast.ClassDef):
+            return False
+        classes, found = [found], None
+        while classes and found is None:
+            cls = classes.pop()
+            found = next((node for node in cls.body if name in _names_of(node)), None)
+            classes += [top[base.id] for base in cls.bases
+                        if isinstance(base, ast.Name) and isinstance(top.get(base.id), ast.ClassDef)]
+    return found is not None
+
+
+def _exists(dotted: str, modules: dict[str, Path], defined_in: dict[str, list[str]]) -> bool:
+    parts = dotted.split(".")
+    # A module named by its last components (`reload_plan.plan_reload`, `hub.pin.pin_commit`), longest first.
+    for size in range(len(parts), 0, -1):
+        head, rest = parts[:size], parts[size:]
+        for module, path in modules.items():
+            if module.split(".")[-size:] == head and (not rest or _defines(path, rest)):
+                return True
+    # A class or function of the package (`ReloadOptions.from_json`).
+    return any(_defines(modules[module], parts) for module in defined_in.get(parts[0], []))
+
+
+def _top_level_names(modules: dict[str, Path]) -> dict[str, list[str]]:
+    found = defaultdict(list)
+    for module, path in modules.items():
+        for node in _parsed(path).body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                found[node.name].append(module)
+    return found
+
+
+def test_every_module_and_name_the_development_page_shows_exists() -> None:
+    text = DEVELOPMENT.read_text(encoding="utf-8")
+    modules = _module_files()
+    defined_in = _top_level_names(modules)
+    dotted = {span for span in _DOTTED.findall(text)
+              if span.split(".")[0] not in FOREIGN_ROOTS and span.split(".")[-1] not in FILE_SUFFIXES}
+    assert len(dotted) > 10, "the page's names were not found"
+    assert sorted(span for span in dotted if not _exists(span, modules, defined_in)) == []
+    paths = {m.group(1) for m in re.finditer(r"`((?:\w+/)+(?:\w+\.py)?)`", text)}
+    assert sorted(p for p in paths if not any((base / p).exists() for base in (PACKAGE, ROOT))) == []
+    pairs = [(path, name) for path, names in _PATH_AND_NAMES.findall(text) for name in re.findall(r"`(\w+)`", names)]
+    assert len(pairs) > 30, "the map's modules and names were not found"
+    missing = [f"{path} {name}" for path, name in pairs
+               if not any(_defines(base / path, [name]) for base in (PACKAGE, ROOT) if (base / path).is_file())]
+    assert missing == []
+
+
+def test_the_development_page_check_finds_a_name_that_is_gone() -> None:
+    modules = _module_files()
+    defined_in = _top_level_names(modules)
+    assert _exists("reload_plan.plan_reload", modules, defined_in)
+    assert _exists("hub.pin.pin_commit", modules, defined_in)
+    assert _exists("ReloadOptions.from_json", modules, defined_in)
+    assert _exists("layerwise_cli.EXTENSION_CLS", modules, defined_in)
+    assert not _exists("completion.unloaded_layer_watch", modules, defined_in)
+    assert not _exists("reload_plan.no_such_function", modules, defined_in)
+    assert not _exists("ReloadOptions.no_such_field", modules, defined_in)

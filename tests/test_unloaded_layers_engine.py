@@ -6,7 +6,7 @@ logs `Failed to load weights`, puts the old tensors back, and its reload
 returns as if it had succeeded. layerwise lists those layers by vLLM's own
 count (`worker/reload/completion_check.py`) and hands their tensors to the model's
 own loader once vLLM has put them back (`worker/repairs/put_back_layers.py`).
-With the repairs off (`LAYERWISE_NO_CPU_FIXUPS=1`) the reload fails, rolled
+With the repairs off (`LAYERWISE_NO_REPAIRS=1`) the reload fails, rolled
 back and naming them; `allow_unchecked` keeps it, with a note.
 """
 
@@ -72,7 +72,7 @@ def test_verify_passes_on_gpt_oss_with_nothing_unchecked(gpt_oss):
 def test_without_the_repair_the_reload_fails_rolled_back_naming_the_layers(gpt_oss, monkeypatch):
     llm, _, b, _ = gpt_oss
     answers, state = greedy_with_logprobs(llm, PROMPTS), engine_state(llm)["checksums"]
-    monkeypatch.setenv("LAYERWISE_NO_CPU_FIXUPS", "1")
+    monkeypatch.setenv("LAYERWISE_NO_REPAIRS", "1")
     with pytest.raises(LayerwiseError) as failed:
         layerwise_cli.reload(llm, str(b))
     message = str(failed.value)
@@ -86,7 +86,7 @@ def test_without_the_repair_the_reload_fails_rolled_back_naming_the_layers(gpt_o
 
 def test_allow_unchecked_keeps_the_reload_and_says_which_layers_kept_their_weights(gpt_oss, monkeypatch):
     llm, a, b, _ = gpt_oss
-    monkeypatch.setenv("LAYERWISE_NO_CPU_FIXUPS", "1")
+    monkeypatch.setenv("LAYERWISE_NO_REPAIRS", "1")
     before = engine_state(llm)["checksums"]
     report = layerwise_cli.reload(llm, str(b), allow_unchecked=True)
     note = next(n for n in report.findings.notes if "could not load" in n)
@@ -96,5 +96,5 @@ def test_allow_unchecked_keeps_the_reload_and_says_which_layers_kept_their_weigh
     # The layers vLLM loaded changed; the sinks and routed experts did not.
     assert any(".qkv_proj." in name for name in changed)
     assert not any(name.endswith(".sinks") or ".experts." in name for name in changed), sorted(changed)
-    monkeypatch.delenv("LAYERWISE_NO_CPU_FIXUPS")
+    monkeypatch.delenv("LAYERWISE_NO_REPAIRS")
     layerwise_cli.reload(llm, str(a))

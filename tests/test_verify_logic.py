@@ -38,12 +38,21 @@ def test_nothing_is_derived_without_shared_storage():
 
 
 def test_the_diagnostic_switch(monkeypatch):
-    monkeypatch.delenv("LAYERWISE_NO_CPU_FIXUPS", raising=False)
+    monkeypatch.delenv("LAYERWISE_NO_REPAIRS", raising=False)
     assert not repairs_disabled()
+    monkeypatch.setenv("LAYERWISE_NO_REPAIRS", "0")
+    assert not repairs_disabled()
+    monkeypatch.setenv("LAYERWISE_NO_REPAIRS", "1")
+    assert repairs_disabled()
+
+
+def test_the_diagnostic_switch_s_former_name_still_works_with_a_warning(monkeypatch):
+    monkeypatch.delenv("LAYERWISE_NO_REPAIRS", raising=False)
+    monkeypatch.setenv("LAYERWISE_NO_CPU_FIXUPS", "1")
+    with pytest.warns(FutureWarning, match="LAYERWISE_NO_CPU_FIXUPS is deprecated .*LAYERWISE_NO_REPAIRS=1"):
+        assert repairs_disabled()
     monkeypatch.setenv("LAYERWISE_NO_CPU_FIXUPS", "0")
     assert not repairs_disabled()
-    monkeypatch.setenv("LAYERWISE_NO_CPU_FIXUPS", "1")
-    assert repairs_disabled()
 
 
 def _worker_verify(statuses: dict[str, str], derived_from: dict[str, str] | None = None) -> dict:

@@ -70,8 +70,8 @@ def test_reload_options_cross_as_they_are_and_leave_out_what_this_version_does_n
 
 def test_the_diagnostic_switches_of_this_process_travel_with_the_options(monkeypatch) -> None:
     monkeypatch.delenv("LAYERWISE_FRESH_BUFFERS", raising=False)
-    monkeypatch.setenv("LAYERWISE_NO_CPU_FIXUPS", "1")
+    monkeypatch.setenv("LAYERWISE_NO_REPAIRS", "1")
     switched = rpc.ReloadOptions(all_layers=True).with_switches()
     assert switched == rpc.ReloadOptions(all_layers=True, repairs=False)
-    monkeypatch.setenv("LAYERWISE_NO_CPU_FIXUPS", "0")
+    monkeypatch.setenv("LAYERWISE_NO_REPAIRS", "0")
     assert rpc.ReloadOptions().with_switches() == rpc.ReloadOptions()

@@ -43,13 +43,13 @@ class Checkpoint:
     revision: str | None = None
     header_bytes_read: int = 0
     index: dict | None = field(default=None, repr=False)
-    # The commit a Hub source was read at (`revision` resolved once, `hub_pin.pin_commit`); None for local files.
+    # The commit a Hub source was read at (`revision` resolved once, `hub.pin.pin_commit`); None for local files.
     commit: str | None = None
-    # A sparse delta this checkpoint is rebuilt through (`checkpoint.delta_source`): then `source` is the delta,
-    # the shards and `local_dir` are its base's, and every tensor is read through `delta_source.rebuilt_tensor`.
+    # A sparse delta this checkpoint is rebuilt through (`checkpoint.delta.source`): then `source` is the delta,
+    # the shards and `local_dir` are its base's, and every tensor is read through `delta.source.rebuilt_tensor`.
     delta: object | None = field(default=None, repr=False, compare=False)
     # A store source's objects as first read: filename -> (ETag or Last-Modified, size); `revision` is their
-    # digest (`store_headers.store_pin`). None for other kinds.
+    # digest (`store.headers.store_pin`). None for other kinds.
     pinned: dict[str, tuple[str, int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Annotated, Literal, get_type_hints
 
 import typer
 
@@ -97,6 +101,67 @@ BoundedDiskOpt = Annotated[
     bool, typer.Option("--bounded-disk", help="For a Hub repo or a URL: fetch only the tensors handed over, into "
                        "files deleted afterwards; nothing is cached.", rich_help_panel=SOURCE_PANEL)
 ]
+
+
+@dataclass(frozen=True)
+class EngineFlags:
+    """The engine options `reload` (an engine in this process) and `serve` take, as one value.
+
+    Each is declared once, here: its option (the alias above, flag and help) and its default.
+    `takes_engine_flags` puts them in a command's signature where it names `engine: EngineFlags`.
+    """
+
+    dtype: DtypeOpt = "auto"
+    tensor_parallel_size: TensorParallelOpt = 1
+    pipeline_parallel_size: PipelineParallelOpt = 1
+    data_parallel_size: DataParallelOpt = 1
+    distributed_executor_backend: ExecutorBackendOpt = None
+    max_model_len: MaxModelLenOpt = None
+    quantization: QuantizationOpt = None
+    enforce_eager: EnforceEagerOpt = None
+    memory_fraction: MemoryFractionOpt = None
+
+    def given(self, ctx: typer.Context) -> list[str]:
+        """The flags the user gave on the command line (a default value typed out counts as given)."""
+        # Typer vendors Click: compare the parameter source's enum by name.
+        flags = {param.name: param.opts[0] for param in ctx.command.params}
+        sources = {f.name: ctx.get_parameter_source(f.name) for f in fields(self)}
+        return [flags[name] for name, source in sources.items() if source is not None and source.name != "DEFAULT"]
+
+    def as_kwargs(self) -> dict[str, object]:
+        """The fields by name: `server_command_line`'s and `EngineOptions`' keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+# The signature's placeholder default (`takes_engine_flags` replaces the parameter).
+ENGINE_DEFAULTS = EngineFlags()
+
+
+def takes_engine_flags(command: Callable) -> Callable:
+    """COMMAND with its `engine: EngineFlags` parameter spelled out as the nine engine options, for Typer.
+
+    The options stand where `engine` stood, each with its alias and its default from `EngineFlags`; the
+    command is called with them gathered into one `EngineFlags`.
+    """
+    signature = inspect.signature(command)
+    hints = get_type_hints(command, include_extras=True)
+    options = get_type_hints(EngineFlags, include_extras=True)
+    parameters = []
+    for parameter in signature.parameters.values():
+        if parameter.name == "engine":
+            parameters += [inspect.Parameter(f.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=f.default,
+                                             annotation=options[f.name]) for f in fields(EngineFlags)]
+        else:
+            parameters.append(parameter.replace(annotation=hints[parameter.name]))
+
+    @functools.wraps(command)
+    def with_flags(*args, **kwargs):
+        engine = EngineFlags(**{f.name: kwargs.pop(f.name) for f in fields(EngineFlags)})
+        return command(*args, engine=engine, **kwargs)
+
+    with_flags.__signature__ = signature.replace(parameters=parameters)
+    with_flags.__annotations__ = {p.name: p.annotation for p in parameters} | {"return": hints.get("return")}
+    return with_flags
 
 
 def check_quantization(method: str | None) -> None:

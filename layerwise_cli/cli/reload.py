@@ -8,6 +8,7 @@ import typer
 from rich.markup import escape
 
 from layerwise_cli.cli._options import (
+    ENGINE_DEFAULTS,
     OUTPUT_PANEL,
     PROOF_PANEL,
     RELOAD_PANEL,
@@ -15,33 +16,20 @@ from layerwise_cli.cli._options import (
     SOURCE_PANEL,
     AllowNonfiniteOpt,
     BoundedDiskOpt,
-    DataParallelOpt,
-    DtypeOpt,
-    EnforceEagerOpt,
-    ExecutorBackendOpt,
+    EngineFlags,
     JsonOpt,
-    MaxModelLenOpt,
-    MemoryFractionOpt,
     OrderOpt,
-    PipelineParallelOpt,
-    QuantizationOpt,
     RevisionOpt,
-    TensorParallelOpt,
     check_quantization,
+    takes_engine_flags,
 )
 from layerwise_cli.cli._output import handle_errors, print_json, stderr
 from layerwise_cli.cli._reload_view import render_report, render_verify, run_with_progress, source_label
 from layerwise_cli.errors import LayerwiseError, UsageError
 
-# In-process engine options: with --url the servers' engines already run with their own.
-_ENGINE_OPTIONS = {"dtype": "--dtype", "tensor_parallel_size": "--tensor-parallel-size",
-                   "pipeline_parallel_size": "--pipeline-parallel-size", "data_parallel_size": "--data-parallel-size",
-                   "distributed_executor_backend": "--distributed-executor-backend",
-                   "max_model_len": "--max-model-len", "quantization": "--quantization",
-                   "enforce_eager": "--enforce-eager", "memory_fraction": "--memory-fraction"}
-
 
 @handle_errors
+@takes_engine_flags
 def reload_command(
     ctx: typer.Context,
     weights_path: Annotated[str, typer.Option(
@@ -60,15 +48,7 @@ def reload_command(
     readahead: Annotated[bool, typer.Option("--readahead/--no-readahead", help="Read the next layer while the "
                                             "engine processes the current one.",
                                             rich_help_panel=RELOAD_PANEL)] = True,
-    dtype: DtypeOpt = "auto",
-    tensor_parallel_size: TensorParallelOpt = 1,
-    pipeline_parallel_size: PipelineParallelOpt = 1,
-    data_parallel_size: DataParallelOpt = 1,
-    distributed_executor_backend: ExecutorBackendOpt = None,
-    max_model_len: MaxModelLenOpt = None,
-    quantization: QuantizationOpt = None,
-    enforce_eager: EnforceEagerOpt = None,
-    memory_fraction: MemoryFractionOpt = None,
+    engine: EngineFlags = ENGINE_DEFAULTS,
     url: Annotated[list[str] | None, typer.Option("--url", metavar="URL", help="Reload these running servers "
                                                   "instead of starting an engine (repeatable).",
                                                   rich_help_panel=SERVERS_PANEL)] = None,
@@ -145,10 +125,8 @@ def reload_command(
 
         if model is not None:
             raise UsageError("--model starts an engine in this process; with --url the servers already run")
-        # By source, not value: `--dtype auto` is refused too. (Typer vendors Click: compare the enum's name.)
-        sources = {name: ctx.get_parameter_source(name) for name in _ENGINE_OPTIONS}
-        given = [flag for name, flag in _ENGINE_OPTIONS.items()
-                 if sources[name] is not None and sources[name].name != "DEFAULT"]
+        # In-process engine options, by source, not value: `--dtype auto` is refused too.
+        given = engine.given(ctx)
         if given:
             raise UsageError(f"{', '.join(given)} set the engine this command starts; with --url the servers "
                              "already run with the options they were started with")
@@ -157,23 +135,22 @@ def reload_command(
                                pause_lease_s=pause_lease if pause_lease is not None else 60.0)
         raise typer.Exit(reload_remote(url, weights_path, remote, as_json=as_json, top=top, atomic=atomic))
     refuse_server_options({"--pause-mode": pause_mode, "--weight-version": weight_version, "--timeout": timeout,
-                           "--pause-lease": pause_lease, "--atomic/--no-atomic": atomic}, data_parallel_size)
+                           "--pause-lease": pause_lease, "--atomic/--no-atomic": atomic},
+                          engine.data_parallel_size)
     from layerwise_cli.client.engine.in_process import EngineOptions
     from layerwise_cli.client.engine.session import reload_in_process
     from layerwise_cli.engine_defaults import cuda_available, executor_refusal
     from layerwise_cli.report.progress import new_progress_path
 
-    check_quantization(quantization)
-    refusal = executor_refusal(distributed_executor_backend, cuda_available())
+    check_quantization(engine.quantization)
+    refusal = executor_refusal(engine.distributed_executor_backend, cuda_available())
     if refusal:
         raise LayerwiseError(refusal)
-    engine = EngineOptions(dtype=dtype, tensor_parallel_size=tensor_parallel_size,
-                           pipeline_parallel_size=pipeline_parallel_size,
-                           distributed_executor_backend=distributed_executor_backend, max_model_len=max_model_len,
-                           quantization=quantization, enforce_eager=enforce_eager,
-                           memory_fraction=memory_fraction)
+    # data_parallel_size is refused above: an engine in this process is one engine.
+    engine_options = EngineOptions(**{name: value for name, value in engine.as_kwargs().items()
+                                      if name != "data_parallel_size"})
     report = reload_in_process(
-        weights_path, model, engine, options, verify=verify, quiet=as_json,
+        weights_path, model, engine_options, options, verify=verify, quiet=as_json,
         on_status=(lambda line: None) if as_json else (lambda line: stderr.print(escape(line))),
         run=lambda task: run_with_progress(task, None if as_json else new_progress_path(), f"reload {weights_path}",
                                            show=not as_json))

@@ -9,17 +9,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from layerwise_cli.cli._options import (
-    DataParallelOpt,
-    DtypeOpt,
-    EnforceEagerOpt,
-    ExecutorBackendOpt,
-    MaxModelLenOpt,
-    MemoryFractionOpt,
-    PipelineParallelOpt,
-    QuantizationOpt,
-    TensorParallelOpt,
-)
+from layerwise_cli.cli._options import ENGINE_DEFAULTS, EngineFlags, takes_engine_flags
 from layerwise_cli.cli._output import handle_errors, stderr
 from layerwise_cli.client.pinning import pin_engine_args
 from layerwise_cli.engine_defaults import cuda_available
@@ -31,6 +21,7 @@ NODES_PANEL = "Nodes (one engine across nodes)"
 
 
 @handle_errors
+@takes_engine_flags
 def serve_command(
     ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="The model to serve: a checkpoint directory or Hub repo id.",
@@ -48,15 +39,7 @@ def serve_command(
         rich_help_panel=SERVER_PANEL,
         help="Require this bearer token on every endpoint but /health, /ping, /version and /metrics, the reload "
         "endpoints included.")] = None,
-    dtype: DtypeOpt = "auto",
-    tensor_parallel_size: TensorParallelOpt = 1,
-    pipeline_parallel_size: PipelineParallelOpt = 1,
-    data_parallel_size: DataParallelOpt = 1,
-    distributed_executor_backend: ExecutorBackendOpt = None,
-    max_model_len: MaxModelLenOpt = None,
-    quantization: QuantizationOpt = None,
-    enforce_eager: EnforceEagerOpt = None,
-    memory_fraction: MemoryFractionOpt = None,
+    engine: EngineFlags = ENGINE_DEFAULTS,
     nnodes: Annotated[int, typer.Option("--nnodes", "-n", min=1, metavar="N", rich_help_panel=NODES_PANEL,
                                         help="Nodes that run the engine's workers together (no Ray).")] = 1,
     node_rank: Annotated[int, typer.Option("--node-rank", "-r", min=0, metavar="R", rich_help_panel=NODES_PANEL,
@@ -96,12 +79,8 @@ def serve_command(
                          headless=headless)
 
     def command_line(extra: list[str]):
-        return server_command_line(
-            model, host=host, port=port, allow_remote=allow_remote, api_key=api_key, dtype=dtype,
-            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-            data_parallel_size=data_parallel_size, distributed_executor_backend=distributed_executor_backend,
-            max_model_len=max_model_len, quantization=quantization, enforce_eager=enforce_eager,
-            memory_fraction=memory_fraction, extra=extra, on_gpu=cuda_available(), node=node)
+        return server_command_line(model, host=host, port=port, allow_remote=allow_remote, api_key=api_key,
+                                   **engine.as_kwargs(), extra=extra, on_gpu=cuda_available(), node=node)
 
     # A command line layerwise refuses is refused before the Hub is asked anything; then a repo id's revision
     # is resolved to the commit vLLM is handed.

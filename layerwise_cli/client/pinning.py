@@ -13,7 +13,7 @@ from layerwise_cli.worker.rpc import ReloadOptions
 def pin_reload(source: str, options: ReloadOptions) -> tuple[ReloadOptions, HubPin | None]:
     """OPTIONS with a Hub SOURCE's revision replaced by its commit, and the pin; a local path as it is.
 
-    A URL SOURCE (`s3://...`) gets its objects' pin (`store_headers.store_pin`) as revision, and no `HubPin`.
+    A URL SOURCE (`s3://...`) gets its objects' pin (`store.headers.store_pin`) as revision, and no `HubPin`.
 
     Called where an operation starts (the `reload` command before its engine starts or before any server is
     pre-flighted, `reload_servers`, the Python API's `reload`): every later step (each rank, each server's

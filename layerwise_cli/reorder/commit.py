@@ -1,4 +1,4 @@
-"""Check a rewritten checkpoint before it is put in place, then rename it into place."""
+"""Check a rewritten checkpoint before it is put in place (`staging.put_in_place` puts it there)."""
 
 from __future__ import annotations
 
@@ -176,29 +176,3 @@ def verify_bytes(
             where=str(dst),
         )
 
-
-def commit(out: Path, dst: Path, tmp: Path, force: bool) -> bool:
-    """Rename the finished checkpoint into place; an old DST is moved aside first and removed after."""
-    replaced = False
-    if dst.exists() or dst.is_symlink():
-        if not force:
-            raise LayerwiseError("appeared while writing; pass --force to replace it", where=str(dst))
-        os.rename(dst, tmp / "previous")
-        replaced = True
-    try:
-        os.rename(out, dst)
-    except OSError:
-        if replaced:
-            os.rename(tmp / "previous", dst)
-        raise
-    fsync_dir(dst.parent)
-    return replaced
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a directory's entries (new files, renames) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from layerwise_cli.checkpoint.format.finite import NonFinite
 from layerwise_cli.planning.inspect import OrderReport
-from layerwise_cli.reorder.shard_plan import PlannedShard
+from layerwise_cli.reorder.output_shards import OutputShard
 
 
 @dataclass
@@ -32,7 +32,7 @@ class ReorderResult:
     max_shard_size: int
     before: OrderReport
     after: OrderReport
-    shards: list[PlannedShard]
+    shards: list[OutputShard]
     bytes_written: int  # file bytes: headers and tensor data
     files_copied: list[str]
     files_skipped: list[str]

@@ -1,15 +1,13 @@
 """Rewrite a checkpoint so that vLLM's own loader reads it in layer order: the core of `layerwise reorder`.
 
-The steps live in modules of their own: `shard_plan` (the shard-boundary rule),
+The steps live in modules of their own: `output_shards` (the shard-boundary rule),
 `write` (headers and tensor bytes), `side_files` (config, tokenizer),
-`commit` (checks, then the rename into place) and `signals` (SIGINT/SIGTERM).
+`commit` (the checks before the rename into place, `staging.put_in_place`) and `signals` (SIGINT/SIGTERM).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,14 +19,13 @@ from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.planning.inspect import OrderReport
 from layerwise_cli.planning.parents import mapping_for_config
 from layerwise_cli.planning.plan import build_plan
-from layerwise_cli.reorder.commit import check_destination, check_written, commit, fsync_dir
+from layerwise_cli.reorder.commit import check_destination, check_written
+from layerwise_cli.reorder.output_shards import DEFAULT_MAX_SHARD_SIZE, split_shards
 from layerwise_cli.reorder.result import ReorderProgress, ReorderResult
-from layerwise_cli.reorder.shard_plan import DEFAULT_MAX_SHARD_SIZE, plan_shards
 from layerwise_cli.reorder.side_files import copy_other_files
 from layerwise_cli.reorder.signals import ReorderInterrupted, signals_raise
 from layerwise_cli.reorder.write import write_index, write_shards
-
-_TMP_MARK = ".layerwise-tmp-"
+from layerwise_cli.staging import put_in_place, staging
 
 
 def reorder(
@@ -65,7 +62,7 @@ def reorder(
             (`s3://bucket/prefix`, `gs://`, `az://`, `https://`; read at the ETags its
             headers were read at): shards are fetched one at a time as the copy needs them.
         destination: the directory to create.
-        max_shard_size: the most tensor bytes per shard (see `plan_shards`).
+        max_shard_size: the most tensor bytes per shard (see `split_shards`).
         force: replace an existing DESTINATION (old one removed only after
             the new one is in place).
         verify: re-read every tensor from DESTINATION and compare its digest
@@ -96,38 +93,28 @@ def reorder(
         raise LayerwiseError("the checkpoint has no tensors to write", where=source)
     dst = Path(destination).absolute()
     check_destination(checkpoint, dst, force)
-    shards = plan_shards(plan, max_shard_size)
+    shards = split_shards(plan, max_shard_size)
     metadata, conflicts = _merged_metadata(checkpoint)
 
     with signals_raise() as guard:
-        tmp: Path | None = None
         try:
-            try:
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}{_TMP_MARK}", dir=dst.parent))
-            except OSError as exc:
-                raise LayerwiseError(
-                    f"cannot write beside the destination: {exc.strerror or exc}", where=str(dst)
-                ) from None
-            out = tmp / "out"
-            out.mkdir()
-            copied, skipped = copy_other_files(checkpoint, out, tmp)
-            nonfinite: list[NonFinite] = []
-            copy = write_shards(checkpoint, shards, metadata, out, tmp, verify, progress, allow_nonfinite,
-                                nonfinite, digests=digests)
-            write_index(checkpoint, shards, out)
-            fsync_dir(out)
-            after = check_written(checkpoint, plan, out, dst, copy.digests, progress, digests=digests, verify=verify)
-            with guard.hold():
-                replaced = commit(out, dst, tmp, force)
+            with staging(dst, hold=guard.hold) as tmp:
+                out = tmp / "out"
+                out.mkdir()
+                copied, skipped = copy_other_files(checkpoint, out, tmp)
+                nonfinite: list[NonFinite] = []
+                copy = write_shards(checkpoint, shards, metadata, out, tmp, verify, progress, allow_nonfinite,
+                                    nonfinite, digests=digests)
+                write_index(checkpoint, shards, out)
+                after = check_written(checkpoint, plan, out, dst, copy.digests, progress, digests=digests,
+                                      verify=verify)
+                with guard.hold():
+                    replaced = put_in_place(out, dst, tmp, replace=force,
+                                            refusal="appeared while writing; pass --force to replace it")
         except OSError as exc:
             raise LayerwiseError(
                 f"cannot write: {exc.strerror or exc}; nothing was put in place", where=str(dst)
             ) from None
-        finally:
-            if tmp is not None:
-                with guard.hold():
-                    shutil.rmtree(tmp, ignore_errors=True)
         if guard.pending is not None:
             # The signal came while the finished checkpoint was being swapped in: it is in place.
             raise ReorderInterrupted(guard.pending, committed=True)

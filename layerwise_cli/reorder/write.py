@@ -28,8 +28,8 @@ from layerwise_cli.checkpoint.format.layout import INDEX_NAME
 from layerwise_cli.checkpoint.shard_copy import copy_fetcher
 from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.reorder.output_shards import OutputShard
 from layerwise_cli.reorder.result import ReorderProgress
-from layerwise_cli.reorder.shard_plan import PlannedShard
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class CopyResult:
 PLACEHOLDER = "-" * 32
 
 
-def shard_header(shard: PlannedShard, metadata: dict[str, str]) -> tuple[bytes, dict[str, tuple[int, int]]]:
+def shard_header(shard: OutputShard, metadata: dict[str, str]) -> tuple[bytes, dict[str, tuple[int, int]]]:
     """Encode a shard's header (with `checkpoint.header.encode_header`) and place each tensor in the data section.
 
     Returns:
@@ -85,7 +85,7 @@ def _reserve(fd: int, size: int) -> None:
 
 def write_shards(
     checkpoint: Checkpoint,
-    shards: list[PlannedShard],
+    shards: list[OutputShard],
     metadata: dict[str, str],
     out: Path,
     tmp: Path,
@@ -120,13 +120,13 @@ def write_shards(
 class _CreatedShards:
     """The DST shards as created: where each tensor goes, what each still waits for, the headers written."""
 
-    target: dict[str, tuple[PlannedShard, int]]  # tensor name -> its DST shard, absolute file offset
+    target: dict[str, tuple[OutputShard, int]]  # tensor name -> its DST shard, absolute file offset
     remaining: dict[str, int]  # DST shard name -> tensors not yet copied into it
     headers: dict[str, bytes]  # DST shard name -> the header written (placeholders for digests)
     header_bytes: int  # all headers together
 
 
-def _create_shards(shards: list[PlannedShard], metadata: dict[str, str], out: Path, digests: bool) -> _CreatedShards:
+def _create_shards(shards: list[OutputShard], metadata: dict[str, str], out: Path, digests: bool) -> _CreatedShards:
     """Create every DST shard: its header written (with placeholder digests with DIGESTS), its data's space reserved."""
     created = _CreatedShards({}, {}, {}, 0)
     for shard in shards:
@@ -146,7 +146,7 @@ def _create_shards(shards: list[PlannedShard], metadata: dict[str, str], out: Pa
     return created
 
 
-def _fetch_order(checkpoint: Checkpoint, shards: list[PlannedShard]) -> list[ShardHeader]:
+def _fetch_order(checkpoint: Checkpoint, shards: list[OutputShard]) -> list[ShardHeader]:
     """SRC shards in the order the plan needs them: the one holding the earliest destination tensor first."""
     rank = {entry.name: i for i, entry in enumerate(t for s in shards for t in s.tensors)}
     return sorted(checkpoint.shards, key=lambda s: min((rank[t.name] for t in s.tensors), default=len(rank)))
@@ -165,7 +165,7 @@ class _Source:
 class _ShardCopy:
     """The copy of SRC tensors into the created DST shards: bytes, digests, NaN/Inf scans and progress so far."""
 
-    def __init__(self, checkpoint: Checkpoint, shards: list[PlannedShard], created: _CreatedShards,
+    def __init__(self, checkpoint: Checkpoint, shards: list[OutputShard], created: _CreatedShards,
                  metadata: dict[str, str], out: Path, tmp: Path, *, verify: bool, digests: bool,
                  progress: Callable[[ReorderProgress], None] | None, allow_nonfinite: bool,
                  nonfinite: list[NonFinite] | None) -> None:
@@ -262,7 +262,7 @@ class _ShardCopy:
                 self.nonfinite.append(found)
 
 
-def _shard_metadata(shard: PlannedShard, metadata: dict[str, str], digests: dict[str, str] | None) -> dict[str, str]:
+def _shard_metadata(shard: OutputShard, metadata: dict[str, str], digests: dict[str, str] | None) -> dict[str, str]:
     """A DST shard's `__metadata__`: the source's (without its digests), and with DIGESTS, digests (placeholders for
     the tensors not given)."""
     if digests is None:
@@ -270,7 +270,7 @@ def _shard_metadata(shard: PlannedShard, metadata: dict[str, str], digests: dict
     return {**metadata, **digests_metadata({t.name: digests.get(t.name, PLACEHOLDER) for t in shard.tensors})}
 
 
-def _patch_header(fd: int, shard: PlannedShard, hashes: dict[str, str], written: bytes, metadata: dict[str, str],
+def _patch_header(fd: int, shard: OutputShard, hashes: dict[str, str], written: bytes, metadata: dict[str, str],
                   out: Path) -> None:
     """Rewrite a complete DST shard's header over the placeholder one: same length, so no byte of data moves."""
     header, _ = shard_header(shard, _shard_metadata(shard, metadata, {t.name: hashes[t.name] for t in shard.tensors}))
@@ -307,7 +307,7 @@ def _shown(checkpoint: Checkpoint) -> str:
     return display_url(checkpoint.source) if checkpoint.kind == "store" else checkpoint.source
 
 
-def write_index(checkpoint: Checkpoint, shards: list[PlannedShard], out: Path) -> None:
+def write_index(checkpoint: Checkpoint, shards: list[OutputShard], out: Path) -> None:
     """Write the index (`weight_map` sorted by tensor name), keeping the source index's other metadata."""
     meta: dict[str, object] = {}
     if checkpoint.index and isinstance(checkpoint.index.get("metadata"), dict):

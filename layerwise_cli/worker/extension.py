@@ -61,7 +61,7 @@ class LayerwiseWorkerExtension:
         A layer the engine already holds (same source digest as this worker's
         record, state untouched since) is skipped unless `all_layers`.
         `repairs=False` leaves what vLLM's reload leaves stale (the diagnostic
-        switch `LAYERWISE_NO_CPU_FIXUPS`, set in the caller's environment).
+        switch `LAYERWISE_NO_REPAIRS`, set in the caller's environment).
         `in_place=False` has vLLM materialize every layer in fresh buffers (`worker/stream/in_place.py`; the
         worker's `LAYERWISE_FRESH_BUFFERS=1` does the same).
         A layer vLLM could not load (it counted no element loaded and put the old tensors back) fails the
@@ -114,7 +114,7 @@ class LayerwiseWorkerExtension:
 
         A Hub commit not yet on this machine is fetched here, before any server pauses: the tensors the reload
         will hand over (the layers its header digests skip are not), kept in the Hub cache, where the reload
-        finds them (`hub_stream`). A sparse delta is read and checked here as the reload checks it: its
+        finds them (`remote_stream`). A sparse delta is read and checked here as the reload checks it: its
         positions, its new values, and that the engine holds its base (`reload_run.plan_run`).
         """
         from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
@@ -127,11 +127,11 @@ class LayerwiseWorkerExtension:
             run = plan_run(self, source, ReloadOptions(revision=revision, allow_partial=allow_partial),
                            records_of(self))
             try:
-                if run.hub is not None:
-                    run.hub.check()
+                if run.remote is not None:
+                    run.remote.check()
             finally:
-                if run.hub is not None:
-                    run.hub.close()
+                if run.remote is not None:
+                    run.remote.close()
             planned = run.planned
             back, back_revision = loaded_from(self)
             try:

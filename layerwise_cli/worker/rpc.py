@@ -49,7 +49,9 @@ class ReloadOptions:
         order: `layer` (this tool's plan) or `file` (vLLM's own read order, for comparison).
         allow_partial: accept a checkpoint that covers only some parameters (`--allow-partial`).
         readahead: read the next layer while the engine loads the current one (`--readahead/--no-readahead`).
-        revision: Hub revision for a repo id (`--revision`).
+        revision: what SOURCE is read at: for a Hub repo id a branch, tag or commit (`--revision`), which
+            `pin_reload` replaces by its commit before any process reads it; for a URL the pin of its objects'
+            ETags (`etags:<16 hex>`, `store.headers.store_pin`); None for a path. A *pin* is either identity.
         progress_path: a file the first worker appends one JSON line per completed layer to, for the
             command's progress bar.
         allow_nonfinite: load tensors holding NaN or Inf (`--allow-nonfinite`); by default a layer holding
@@ -60,7 +62,7 @@ class ReloadOptions:
             derived buffer left stale, a peak other than the prediction; noted in the report) instead of
             rolling it back (`--allow-unchecked`; with `--verify` it also accepts layers that could not be
             checked).
-        repairs: False leaves what vLLM's reload leaves stale (the diagnostic switch `LAYERWISE_NO_CPU_FIXUPS`,
+        repairs: False leaves what vLLM's reload leaves stale (the diagnostic switch `LAYERWISE_NO_REPAIRS`,
             `with_switches`).
         in_place: False has vLLM materialize every layer in fresh buffers (the diagnostic switch
             `LAYERWISE_FRESH_BUFFERS`, `with_switches`).
@@ -115,7 +117,7 @@ class ReloadOptions:
     def with_switches(self) -> ReloadOptions:
         """These options with the diagnostic switches set in this process's environment (`engine_defaults`).
 
-        `LAYERWISE_NO_CPU_FIXUPS` turns `repairs` off, `LAYERWISE_FRESH_BUFFERS` turns `in_place` off and
+        `LAYERWISE_NO_REPAIRS` turns `repairs` off, `LAYERWISE_FRESH_BUFFERS` turns `in_place` off and
         `LAYERWISE_NO_DELTA_PATCH` turns `patch_in_place` off, so that a server's workers, whose environment is
         the server's, do as the switch set here asks.
         """
@@ -185,8 +187,8 @@ class PreflightCall:
     """Would SOURCE reload cleanly, and what does the engine hold now? Nothing changes. Answered by `PreflightAnswer`.
 
     Attributes:
-        source: a checkpoint directory or file the workers read, or a Hub repo id.
-        revision: Hub revision for a repo id.
+        source: a checkpoint directory or file the workers read, a Hub repo id, or a URL.
+        revision: its pin: the commit of a Hub repo id, or a URL's `etags:<16 hex>` (as `ReloadOptions.revision`).
         allow_partial: accept a checkpoint that covers only some parameters.
     """
 

@@ -29,7 +29,7 @@ class NewTensor:
 
 
 @dataclass(frozen=True)
-class DeltaPlan:
+class SpilledDelta:
     """The patches of a delta, spilled: what the delta file will hold.
 
     Attributes:
@@ -61,7 +61,7 @@ class NoDelta(Exception):
 
 
 def open_base(base: str | os.PathLike[str]) -> Checkpoint:
-    """The base step's headers (a delta's: the step it rebuilds, `delta_source.open_step`).
+    """The base step's headers (a delta's: the step it rebuilds, `delta.source.open_step`).
 
     Raises:
         NoDelta: the base is not on this machine, or cannot be read (a delta whose chain is broken included).
@@ -95,8 +95,8 @@ class ShardBytes:
         return raw if chain is None else rebuilt_bytes(chain, entry, raw, str(path))
 
 
-def plan_delta(base: Checkpoint, new: Iterable[NewTensor], spill_fd: int, *,
-               whole_fraction: float = WHOLE_FRACTION) -> DeltaPlan:
+def spill_delta(base: Checkpoint, new: Iterable[NewTensor], spill_fd: int, *,
+                whole_fraction: float = WHOLE_FRACTION) -> SpilledDelta:
     """Compare each new tensor with the base's, bit for bit, and append its patch's bytes to SPILL_FD.
 
     The base's digests are proved from its bytes as they are read: a header digest that its bytes do not
@@ -109,7 +109,7 @@ def plan_delta(base: Checkpoint, new: Iterable[NewTensor], spill_fd: int, *,
         whole_fraction: see `checkpoint.delta.encode_patch`.
 
     Returns:
-        The delta's plan, once every tensor was compared.
+        The spilled delta, once every tensor was compared.
 
     Raises:
         NoDelta: the steps differ in their tensors, shapes or dtypes, a base header digest is false, or the
@@ -159,7 +159,7 @@ def plan_delta(base: Checkpoint, new: Iterable[NewTensor], spill_fd: int, *,
         raise NoDelta("the new step holds no tensors")
     if offset >= full:
         raise NoDelta(f"a delta ({offset} bytes) would not be smaller than the full step ({full} bytes)")
-    return DeltaPlan(str(Path(base.source).absolute()), base_digests, step_digests, tuple(patches), offset, full,
+    return SpilledDelta(str(Path(base.source).absolute()), base_digests, step_digests, tuple(patches), offset, full,
                      changed, values)
 
 
@@ -173,8 +173,8 @@ def _spill_patch(encoded: EncodedPatch, fd: int, offset: int) -> tuple[tuple[str
     return tuple(placed)
 
 
-def write_delta_file(out: Path, plan: DeltaPlan, spill_fd: int) -> Path:
-    """Write OUT/delta.safetensors from PLAN and the spilled patches; fsync'd.
+def write_delta_file(out: Path, delta: SpilledDelta, spill_fd: int) -> Path:
+    """Write OUT/delta.safetensors from DELTA and its spilled patches; fsync'd.
 
     Returns:
         The file written.
@@ -182,13 +182,13 @@ def write_delta_file(out: Path, plan: DeltaPlan, spill_fd: int) -> Path:
     entries: list[TensorEntry] = []
     sources: list[tuple[int, int]] = []
     begin = 0
-    for _, placed in sorted(plan.patches, key=lambda p: p[0].name):
+    for _, placed in sorted(delta.patches, key=lambda p: p[0].name):
         for key, dtype, shape, offset, nbytes in placed:
             entries.append(TensorEntry(key, dtype, shape, DELTA_FILE, begin, begin + nbytes))
             sources.append((offset, nbytes))
             begin += nbytes
-    metadata = delta_metadata(plan.base_location, plan.base_digests, plan.step_digests,
-                              [patch for patch, _ in plan.patches])
+    metadata = delta_metadata(delta.base_location, delta.base_digests, delta.step_digests,
+                              [patch for patch, _ in delta.patches])
     header = encode_header(entries, metadata)
     path = out / DELTA_FILE
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -241,25 +241,34 @@ def write_delta_from_spill(base, spilled: list[Spilled], spill: SpillFile, tmp: 
 
     SPILLED: `save_checkpoint`'s tensors as they lie in SPILL (with their digests).
     """
-    patches_path = tmp / _PATCHES
+    mapped = file_mapping(spill.path)
+    tensors = (NewTensor(s.name, s.dtype, s.shape, mapped[s.offset:s.offset + s.nbytes], s.digest)
+               for s in spilled)
+    return write_delta_against(base, tensors, tmp, whole_fraction)
+
+
+def write_delta_against(base, tensors: Iterable[NewTensor], out: Path,
+                        whole_fraction: float | None) -> tuple[DeltaSummary | None, str | None]:
+    """Write OUT/delta.safetensors of TENSORS against BASE; (summary, None), or (None, why) when a full step is due.
+
+    The patches are spilled to a file in OUT first (removed after), then written in the delta's order.
+    """
+    patches_path = out / _PATCHES
     fd = os.open(patches_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        mapped = file_mapping(spill.path)
-        tensors = (NewTensor(s.name, s.dtype, s.shape, mapped[s.offset:s.offset + s.nbytes], s.digest)
-                   for s in spilled)
         try:
-            plan = plan_delta(open_base(base), tensors, fd,
-                              whole_fraction=WHOLE_FRACTION if whole_fraction is None else whole_fraction)
+            delta = spill_delta(open_base(base), tensors, fd,
+                                whole_fraction=WHOLE_FRACTION if whole_fraction is None else whole_fraction)
         except NoDelta as why:
             return None, str(why)
-        write_delta_file(tmp, plan, fd)
+        write_delta_file(out, delta, fd)
     finally:
         os.close(fd)
         os.unlink(patches_path)
-    return delta_summary(plan), None
+    return delta_summary(delta), None
 
 
-def delta_summary(plan) -> DeltaSummary:
-    """The summary of a written delta (`delta_writer.DeltaPlan`)."""
-    return DeltaSummary(plan.base_location, len(plan.patches), plan.changed_values, plan.total_values,
-                        plan.delta_bytes, plan.full_bytes)
+def delta_summary(delta: SpilledDelta) -> DeltaSummary:
+    """The summary of a written delta."""
+    return DeltaSummary(delta.base_location, len(delta.patches), delta.changed_values, delta.total_values,
+                        delta.delta_bytes, delta.full_bytes)

@@ -3,37 +3,27 @@
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
-from layerwise_cli.checkpoint.delta.format import DELTA_FILE, WHOLE_FRACTION
+from layerwise_cli.checkpoint.delta.format import WHOLE_FRACTION
 from layerwise_cli.checkpoint.delta.read import delta_file
 from layerwise_cli.checkpoint.format.layout import is_weight_file
 from layerwise_cli.checkpoint.sources import Checkpoint, open_checkpoint
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.planning.parents import mapping_for_config
-from layerwise_cli.reorder.commit import CHECKPOINT_FILE_SUFFIXES, fsync_dir
-from layerwise_cli.writer.delta_file import (
-    NoDelta,
-    checkpoint_tensors,
-    delta_summary,
-    open_base,
-    plan_delta,
-    write_delta_file,
-)
+from layerwise_cli.reorder.commit import CHECKPOINT_FILE_SUFFIXES
+from layerwise_cli.staging import put_in_place, staging
+from layerwise_cli.writer.delta_file import checkpoint_tensors, write_delta_against
 from layerwise_cli.writer.save import (
-    _TMP_MARK,
+    FILLED_UP,
     SavedCheckpoint,
     _check_destination,
     _check_marker,
-    _commit,
+    _saved,
     _write_marker,
 )
 from layerwise_cli.writer.spill import copy_range
-
-_PATCHES = ".layerwise-patches"
 
 
 def write_delta(base: str | os.PathLike[str], new: str | os.PathLike[str], directory: str | os.PathLike[str], *,
@@ -72,29 +62,19 @@ def write_delta(base: str | os.PathLike[str], new: str | os.PathLike[str], direc
         raise LayerwiseError("NEW must be a checkpoint directory on this machine", where=str(new))
     _check_marker(marker, where)
     _check_destination(dst, overwrite)
-    tmp: Path | None = None
     try:
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}{_TMP_MARK}", dir=dst.parent))
-        delta, fallback = _delta_or_none(base, checkpoint, tmp, whole_fraction)
-        _copy_files(checkpoint.local_dir, tmp, weights=delta is None)
-        written = _figures(checkpoint)
-        fsync_dir(tmp)
-        replaced = _commit(tmp, dst, overwrite)
-        tmp = None
+        with staging(dst) as tmp:
+            out = tmp / "out"
+            out.mkdir()
+            delta, fallback = write_delta_against(base, checkpoint_tensors(checkpoint), out, whole_fraction)
+            _copy_files(checkpoint.local_dir, out, weights=delta is None)
+            written = _figures(checkpoint)
+            replaced = put_in_place(out, dst, tmp, replace=overwrite, refusal=FILLED_UP)
         marker_path = _write_marker(dst, marker) if marker else None
     except OSError as exc:
         raise LayerwiseError(f"cannot write: {exc.strerror or exc}; nothing was put in place", where=where) from None
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-    plan = written.plan
-    return SavedCheckpoint(
-        directory=dst, shards=(DELTA_FILE,) if delta is not None else tuple(s.name for s in checkpoint.shards),
-        tensors=len(checkpoint.tensors), total_bytes=delta.delta_bytes if delta is not None else plan.total_bytes,
-        largest_layer_bytes=plan.largest_layer_bytes,
-        peak_buffer_bytes=written.file_order_buffering.peak_buffer_bytes, marker=marker_path, replaced=replaced,
-        seconds=time.perf_counter() - started, delta=delta, fallback=fallback)
+    return _saved(dst, [s.name for s in checkpoint.shards], len(checkpoint.tensors), written, (delta, fallback),
+                  marker_path, replaced, started)
 
 
 def _figures(checkpoint: Checkpoint):
@@ -104,22 +84,6 @@ def _figures(checkpoint: Checkpoint):
 
     plan = build_plan(checkpoint, mapping_for_config(checkpoint.config, "auto"))
     return OrderReport(plan, plan.simulate("file"), plan.simulate("layer"))
-
-
-def _delta_or_none(base, checkpoint: Checkpoint, tmp: Path, whole_fraction: float):
-    """Write tmp/delta.safetensors; (summary, None), or (None, why) when NEW must be copied whole."""
-    patches = tmp / _PATCHES
-    fd = os.open(patches, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        try:
-            plan = plan_delta(open_base(base), checkpoint_tensors(checkpoint), fd, whole_fraction=whole_fraction)
-        except NoDelta as why:
-            return None, str(why)
-        write_delta_file(tmp, plan, fd)
-    finally:
-        os.close(fd)
-        os.unlink(patches)
-    return delta_summary(plan), None
 
 
 def _copy_files(src: Path, out: Path, *, weights: bool) -> None:

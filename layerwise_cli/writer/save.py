@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -17,18 +15,19 @@ from layerwise_cli.checkpoint.format.digests import digests_metadata
 from layerwise_cli.checkpoint.format.header import ShardHeader, TensorEntry
 from layerwise_cli.checkpoint.sources import INDEX_NAME, Checkpoint
 from layerwise_cli.errors import LayerwiseError, describe_exception
+from layerwise_cli.planning.inspect import OrderReport
 from layerwise_cli.planning.parents import mapping_for_config
 from layerwise_cli.planning.plan import build_plan
-from layerwise_cli.reorder.commit import fsync_dir
-from layerwise_cli.reorder.shard_plan import DEFAULT_MAX_SHARD_SIZE, plan_shards
+from layerwise_cli.reorder.output_shards import DEFAULT_MAX_SHARD_SIZE, split_shards
 from layerwise_cli.reorder.write import shard_header
+from layerwise_cli.staging import fsync_dir, put_in_place, staging
 from layerwise_cli.writer.delta_file import DeltaSummary, write_delta_from_spill
 from layerwise_cli.writer.spill import Spilled, SpillFile, copy_range, write_all
 
-_TMP_MARK = ".layerwise-tmp-"
-_OLD_MARK = ".layerwise-old-"
 _SPILL = ".layerwise-spill"
 _WRITTEN_NAMES = (INDEX_NAME, "config.json")
+# A DIRECTORY that filled up while the writer wrote (it was checked empty, or `overwrite` was not given).
+FILLED_UP = "exists and is not empty; pass overwrite=True to replace it"
 
 
 @dataclass(frozen=True)
@@ -157,50 +156,51 @@ def save_checkpoint(
     _check_marker(marker, where)
     _check_destination(dst, overwrite)
     layer_mapping = mapping_for_config(config_dict, mapping)
-    tmp: Path | None = None
     try:
-        try:
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}{_TMP_MARK}", dir=dst.parent))
-        except OSError as exc:
-            raise LayerwiseError(f"cannot write beside the destination: {exc.strerror or exc}", where=where) from None
-        spill = SpillFile(tmp / _SPILL, where)
-        delta = fallback = None
-        try:
-            spilled = _spill_all(named_tensors, spill, where, allow_nonfinite)
-            if base is not None:
-                delta, fallback = write_delta_from_spill(base, spilled, spill, tmp, whole_fraction)
+        with staging(dst) as tmp:
+            out = tmp / "out"
+            out.mkdir()
+            spill = SpillFile(tmp / _SPILL, where)
+            delta = fallback = None
+            try:
+                spilled = _spill_all(named_tensors, spill, where, allow_nonfinite)
+                if base is not None:
+                    delta, fallback = write_delta_from_spill(base, spilled, spill, out, whole_fraction)
+                if delta is None:
+                    shards = _write_shards(spilled, config_dict, layer_mapping, max_shard_size, spill, out)
+            finally:
+                spill.close()
+                os.unlink(spill.path)
             if delta is None:
-                shards = _write_shards(spilled, config_dict, layer_mapping, max_shard_size, spill, tmp)
-        finally:
-            spill.close()
-            os.unlink(spill.path)
-        if delta is None:
-            _write_json(tmp / INDEX_NAME, {
-                "metadata": {"total_size": sum(s.nbytes for s in spilled)},
-                "weight_map": {entry.name: shard.name for shard in shards
-                               for entry in sorted(shard.tensors, key=lambda t: t.name)},
-            })
-        if config_dict is not None:
-            _write_json(tmp / "config.json", config_dict)
-        # A delta rebuilds the base's layout: its figures are the base's plan's.
-        written = _check_written(Path(delta.base) if delta is not None else tmp, layer_mapping, where)
-        fsync_dir(tmp)
-        replaced = _commit(tmp, dst, overwrite)
-        tmp = None
+                _write_json(out / INDEX_NAME, {
+                    "metadata": {"total_size": sum(s.nbytes for s in spilled)},
+                    "weight_map": {entry.name: shard.name for shard in shards
+                                   for entry in sorted(shard.tensors, key=lambda t: t.name)},
+                })
+            if config_dict is not None:
+                _write_json(out / "config.json", config_dict)
+            # A delta rebuilds the base's layout: its figures are the base's plan's.
+            written = _check_written(Path(delta.base) if delta is not None else out, layer_mapping, where)
+            replaced = put_in_place(out, dst, tmp, replace=overwrite, refusal=FILLED_UP)
         marker_path = _write_marker(dst, marker) if marker else None
     except OSError as exc:
         raise LayerwiseError(f"cannot write: {exc.strerror or exc}; nothing was put in place", where=where) from None
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
+    return _saved(dst, [] if delta is not None else [s.name for s in shards], len(spilled), written,
+                  (delta, fallback), marker_path, replaced, started)
+
+
+def _saved(dst: Path, shard_names: list[str], tensors: int, written: OrderReport,
+           delta: tuple[DeltaSummary | None, str | None], marker: Path | None, replaced: bool,
+           started: float) -> SavedCheckpoint:
+    """What `save_checkpoint` or `write_delta` put at DST: a delta's figures are its own, its layout its base's."""
     plan = written.plan
+    summary, fallback = delta
     return SavedCheckpoint(
-        directory=dst, shards=(DELTA_FILE,) if delta is not None else tuple(s.name for s in shards),
-        tensors=len(spilled), total_bytes=delta.delta_bytes if delta is not None else plan.total_bytes,
+        directory=dst, shards=(DELTA_FILE,) if summary is not None else tuple(shard_names),
+        tensors=tensors, total_bytes=summary.delta_bytes if summary is not None else plan.total_bytes,
         largest_layer_bytes=plan.largest_layer_bytes,
-        peak_buffer_bytes=written.file_order_buffering.peak_buffer_bytes, marker=marker_path, replaced=replaced,
-        seconds=time.perf_counter() - started, delta=delta, fallback=fallback,
+        peak_buffer_bytes=written.file_order_buffering.peak_buffer_bytes, marker=marker, replaced=replaced,
+        seconds=time.perf_counter() - started, delta=summary, fallback=fallback,
     )
 
 
@@ -283,7 +283,7 @@ def _write_shards(spilled: list[Spilled], config: dict | None, layer_mapping, ma
     source = ShardHeader(name=_SPILL, header_len=0, file_size=None, tensors=entries)
     checkpoint = Checkpoint(source=str(out), kind="directory", shards=[source], config=config)
     plan = build_plan(checkpoint, layer_mapping)
-    shards = plan_shards(plan, max_shard_size)
+    shards = split_shards(plan, max_shard_size)
     for shard in shards:
         digests = {entry.name: by_name[entry.name].digest for entry in shard.tensors}
         header, offsets = shard_header(shard, {"format": "pt", **digests_metadata(digests)})
@@ -312,8 +312,6 @@ def _write_json(path: Path, doc: dict) -> None:
 
 def _check_written(out: Path, layer_mapping, where: str):
     """Re-read the written headers and re-plan them: vLLM's read order must buffer no more than layer order."""
-    from layerwise_cli.planning.inspect import OrderReport
-
     plan = build_plan(open_step(str(out)), layer_mapping)  # a delta base: the step it rebuilds
     report = OrderReport(plan, plan.simulate("file"), plan.simulate("layer"))
     file_peak = report.file_order_buffering.peak_buffer_bytes
@@ -323,24 +321,6 @@ def _check_written(out: Path, layer_mapping, where: str):
             f"internal error: the written shards buffer {file_peak} bytes in vLLM's read order, more than layer "
             f"order's {layer_peak}; please report this", where=where)
     return report
-
-
-def _commit(tmp: Path, dst: Path, overwrite: bool) -> bool:
-    """Rename the finished directory into place; an existing one is moved aside first and removed after."""
-    old: Path | None = None
-    if dst.exists():
-        if any(dst.iterdir()):
-            if not overwrite:  # it filled up while we wrote
-                raise LayerwiseError("exists and is not empty; pass overwrite=True to replace it", where=str(dst))
-            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}{_OLD_MARK}", dir=dst.parent))
-            os.rename(dst, old / "old")
-        else:
-            dst.rmdir()
-    os.rename(tmp, dst)
-    fsync_dir(dst.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return old is not None
 
 
 def _write_marker(dst: Path, marker: str) -> Path:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
 from layerwise_cli.checkpoint.format.digests import TensorHasher
+from layerwise_cli.checkpoint.format.dtypes import dtype_name
 from layerwise_cli.checkpoint.format.finite import ByteScan
 from layerwise_cli.errors import LayerwiseError
 
@@ -28,24 +28,6 @@ class Spilled:
     digest: str
 
 
-@functools.cache
-def _dtype_names() -> dict:
-    import torch
-
-    names = {
-        torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-        torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-        torch.bool: "BOOL", torch.complex64: "C64",
-    }
-    for attr, name in (("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64"),
-                       ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
-                       ("float8_e4m3fnuz", "F8_E4M3FNUZ"), ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
-                       ("float8_e8m0fnu", "F8_E8M0")):
-        if hasattr(torch, attr):
-            names[getattr(torch, attr)] = name
-    return names
-
-
 def safetensors_dtype(name: str, tensor, where: str) -> str:
     """The safetensors dtype name of a torch tensor, refusing what a safetensors file cannot hold."""
     import torch
@@ -57,7 +39,7 @@ def safetensors_dtype(name: str, tensor, where: str) -> str:
                              where=where)
     if tensor.device.type == "meta":
         raise LayerwiseError(f"tensor {name!r} is on the meta device and holds no data", where=where)
-    dtype = _dtype_names().get(tensor.dtype)
+    dtype = dtype_name(tensor)
     if dtype is None:
         raise LayerwiseError(f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store",
                              where=where)

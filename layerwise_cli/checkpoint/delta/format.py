@@ -45,7 +45,7 @@ equals its base digest.
 
 Reading
 -------
-`delta_read.read_delta` validates the header against the metadata (every
+`delta.read.read_delta` validates the header against the metadata (every
 patched tensor has exactly its entries, of the right dtype and length); the
 positions are validated when read (`Delta.positions`): in range, strictly
 increasing, as many as the values, padding bits zero (a bitmap's bits counted,

@@ -41,7 +41,7 @@ MiB = 1 << 20
 
 @dataclass(frozen=True)
 class ByteRange:
-    """Bytes `[start, end)` of one file of the repo."""
+    """Bytes `[start, end)` of one file of the source."""
 
     filename: str
     start: int
@@ -52,7 +52,7 @@ class ByteRange:
         return self.end - self.start
 
 
-def plan_parts(ranges: Iterable[ByteRange], part_bytes: int) -> list[ByteRange]:
+def range_requests(ranges: Iterable[ByteRange], part_bytes: int) -> list[ByteRange]:
     """The requests for `ranges`, in their order: neighbours merged, bytes asked twice fetched once, big ones split.
 
     A range that touches or overlaps the one before it in the same file is merged into it (one request); bytes
@@ -105,7 +105,7 @@ class RangeFetcher:
                  window_bytes: int = 256 * MiB, part_bytes: int = 16 * MiB, keep: bool = True) -> None:
         self.connections, self.window_bytes, self.keep = connections, window_bytes, keep
         self.source = source
-        self.parts = plan_parts(ranges, part_bytes)
+        self.parts = range_requests(ranges, part_bytes)
         self._ends = [0]
         for part in self.parts:
             self._ends.append(self._ends[-1] + part.size)

@@ -1,6 +1,6 @@
 """Where a `RangeFetcher` gets its bytes: one interface (size, identity, range read) for the Hub and object stores.
 
-`RangeFetcher` (`hub_fetch.py`) keeps the logic every source shares: ranges in hand-over order, neighbours
+`RangeFetcher` (`range_fetcher.py`) keeps the logic every source shares: ranges in hand-over order, neighbours
 merged, a bounded window ahead, several connections, parts already on disk never fetched again. A source only
 answers three questions, each about one file, pinned to an identity read once at the start:
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from layerwise_cli.checkpoint.format.chunks import CHUNK_BYTES, read_chunks
 from layerwise_cli.checkpoint.format.digests import DigestMismatch, TensorHasher, header_digests
+from layerwise_cli.checkpoint.format.dtypes import dtype_name
 from layerwise_cli.errors import LayerwiseError
 
 # Floating dtypes torch reduces natively: a sum is non-finite when any element is
@@ -49,24 +49,6 @@ class NonFinite:
 def refusal(found: NonFinite, where: str) -> LayerwiseError:
     """The one-line error for a non-finite tensor in a reload, saying how to load it anyway."""
     return LayerwiseError(f"{found.describe()}; refusing (use --allow-nonfinite to load anyway)", where=where)
-
-
-def dtype_name(tensor) -> str | None:
-    """The safetensors name of a torch tensor's dtype, for the dtypes this module checks; else None."""
-    return _torch_names().get(tensor.dtype)
-
-
-@functools.cache
-def _torch_names() -> dict:
-    import torch
-
-    names = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
-    for attr, name in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
-                       ("float8_e4m3fnuz", "F8_E4M3FNUZ"), ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
-                       ("float8_e8m0fnu", "F8_E8M0")):
-        if hasattr(torch, attr):
-            names[getattr(torch, attr)] = name
-    return names
 
 
 def suspect_flag(tensor, dtype: str | None = None):

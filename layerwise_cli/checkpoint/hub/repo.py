@@ -51,7 +51,7 @@ def download_checkpoint(repo_id: str, revision: str | None = None, *, local_file
     """Download a repo's `CHECKPOINT_PATTERNS` files through the Hub cache; return the snapshot folder.
 
     Given a commit (`HubPin.commit`) as `revision`, no request names a branch. Raises huggingface_hub's own
-    errors: callers decide what a failure means (`hub_pin.hub_error` names a vanished commit).
+    errors: callers decide what a failure means (`hub.pin.hub_error` names a vanished commit).
     """
     from huggingface_hub import snapshot_download
 

@@ -70,7 +70,7 @@ class Completeness:
     state: str  # COMPLETE, SETTLING or INCOMPLETE
     reason: str
     # What to load when COMPLETE: the step itself, or a store step pinned at the objects its check read
-    # (`store_steps.StoreStep.examine`); None for a store step whose marker is there but whose check failed (its
+    # (`steps.store.StoreStep.examine`); None for a store step whose marker is there but whose check failed (its
     # reload reads, and fails on, what is there).
     loadable: object | None = None
 
@@ -178,7 +178,7 @@ def tree_signature(path: Path) -> tuple:
 class CompletenessTracker:
     """Decide, poll after poll, whether each step is complete.
 
-    A step is a local directory (`StepDir`) or a step under a URL prefix (`store_steps.StoreStep`); each lists
+    A step is a local directory (`StepDir`) or a step under a URL prefix (`steps.store.StoreStep`); each lists
     its names, gives a signature that changes with any of its files, and examines its files (headers only).
     With a marker, a step is complete once the marker is among its names (a directory is listed afresh, which
     NFS does not answer from a cache of negative lookups); a store step is then examined once per signature, to
@@ -263,7 +263,7 @@ def steps_to_delete(steps: list, keep: int, held, protected: Iterable[str]) -> l
     named in PROTECTED (held or being loaded by a server), nor the base of a
     sparse delta step that stays (a delta is rebuilt from its base's files, and
     a base that is a delta from its own). STEPS come from `list_steps` (or
-    `store_steps.list_store_steps`), so nothing that does not match the
+    `steps.store.list_store_steps`), so nothing that does not match the
     pattern is ever touched.
     """
     if keep < 1:

@@ -4,7 +4,7 @@ The store counterpart of `steps.py`'s local directories: a step is the objects u
 matching the step patterns (`step_*`, ...) and holding an integer. One listing of the run prefix (obstore's
 `list`, recursive, paginated) gives every step's objects with their ETags and sizes; nothing else is read until a
 step is checked. A step the watch loads is pinned (`StoreStep.pinned`): the ETags of the objects its check read
-(config, index, shards), as `store_headers.store_pin` names them; every later read of the step names them, so a
+(config, index, shards), as `store.headers.store_pin` names them; every later read of the step names them, so a
 step rewritten after it was pinned is refused, never mixed.
 """
 

@@ -134,7 +134,7 @@ class StoreSource:
     def where(self, filename: str) -> str:
         return f"{self.shown}/{filename}"
 
-    # Reads of whole small files and header ranges (`store_headers`).
+    # Reads of whole small files and header ranges (`store.headers`).
 
     def read(self, filename: str, start: int = 0, end: int | None = None) -> tuple[bytes, str, int]:
         """Bytes `[start, end)` of FILENAME (the whole file when END is None), its identity and its size.

@@ -196,8 +196,9 @@ def reload(llm, source: str, *, verify: bool = False, options: ReloadOptions | N
             `order`: `layer` (default) or `file` (vLLM's own read order, for comparison).
             `allow_partial`: accept a checkpoint that covers only some parameters.
             `readahead`: read the next layer while the engine processes the current one.
-            `revision`: Hub revision for a repo id: resolved to its commit once, first, and every worker, the
-            verification and any rollback read that commit (`report.placement.commit` names it).
+            `revision`: a Hub repo id's branch, tag or commit: resolved to its commit once, first, and every
+            worker, the verification and any rollback read that commit (`report.placement.commit` names it).
+            For a URL source, the pin of its objects (`etags:<16 hex>`, read here when None).
             `progress_path`: a file the first worker appends per-layer progress to.
             `allow_nonfinite`: load tensors holding NaN or Inf (by default refused,
             naming the file and tensor, and the engine rolled back).
@@ -284,8 +285,9 @@ def verify_engine(llm, source: str, revision: str | None = None, *, allow_unchec
 
     Args:
         llm: a `vllm.LLM` built with layerwise's worker extension.
-        source: the checkpoint the engine should hold (a path the workers read, or a Hub repo id).
-        revision: Hub revision for a repo id.
+        source: the checkpoint the engine should hold (a path the workers read, a Hub repo id, or a URL).
+        revision: its pin: a Hub repo id's commit (or a branch or tag, read as it is now), a URL's
+            `etags:<16 hex>` (None: the objects as they are now).
         allow_unchecked: layers (or derived buffers) that could not be checked
             do not make `ok` False (the result says they were accepted).
 

@@ -2,7 +2,7 @@
 
 The in-process `reload` command starts its engine on BASE and reloads a Hub repo into it: the engine's start and
 the download are both long, and neither needs the other. `Prefetch` fetches the commit's shards by range over
-several connections (`hub_fetch.RangeFetcher`) from the moment the pre-flight passed; each shard is verified
+several connections (`fetch.range_fetcher.RangeFetcher`) from the moment the pre-flight passed; each shard is verified
 against its sha256 and linked into `snapshots/<commit>/` when complete. By the time the engine is up they are
 (mostly) there, and the workers find the commit in the cache (`reload_plan.hub_checkpoint`): the reload reads
 local files. Time is then the larger of fetch and start, plus the reload, not their sum.

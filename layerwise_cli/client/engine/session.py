@@ -52,8 +52,8 @@ def prepare_sources(source: str, base: str | None, revision: str | None, quiet: 
             here by the same rule, for an in-process engine started on BASE.
 
     Returns:
-        SOURCE as the workers read it (a local path, or the Hub repo id when it is not downloaded: fetched
-        while the engine starts, or streamed) and the model to start the engine on.
+        SOURCE as the workers read it (a path on this machine, a URL, or the Hub repo id when it is not
+        downloaded: fetched while the engine starts, or streamed) and the model to start the engine on.
     """
     if delivery is None:
         delivery = decide_delivery(source, engine_model=base, in_process=True, bounded_disk=False)
@@ -61,16 +61,16 @@ def prepare_sources(source: str, base: str | None, revision: str | None, quiet: 
         raise LayerwiseError("a URL source needs --model: the engine starts on a local or Hub model, then the "
                              "reload streams the URL", where=display_url(source))
     if delivery in (PREFETCH, STREAM):
-        local, checkpoint = source, open_checkpoint(source, revision)
+        worker_source, checkpoint = source, open_checkpoint(source, revision)
     else:
-        local = str(download_source(source, revision, quiet)) if delivery == DOWNLOAD else source
-        checkpoint = open_step(local)
+        worker_source = str(download_source(source, revision, quiet)) if delivery == DOWNLOAD else source
+        checkpoint = open_step(worker_source)
     if checkpoint.delta is not None:
         raise LayerwiseError("is a sparse delta: it loads only into an engine that holds its base "
                              f"{checkpoint.delta.base_location} (a running server: reload --url, watch, or the "
                              "Python API), never into an engine started for this command", where=source)
-    base = base or local
-    if base != local:
+    base = base or worker_source
+    if base != worker_source:
         base_local = base
         if not Path(base).exists() and looks_like_repo_id(base):
             base_local = str(download_source(base, None, quiet))
@@ -93,27 +93,29 @@ def prepare_sources(source: str, base: str | None, revision: str | None, quiet: 
         mapping = mapping_for_config(config, "auto", model_cls=model_cls)
         check_against_reference(named, base_checkpoint, mapping, allow_partial=allow_partial)
         base = base_local
-    return local, base
+    return worker_source, base
 
 
-def reload_as(llm, local_source: str, shown_as: str, options: ReloadOptions, *, verify: bool = False,
+def reload_as(llm, worker_source: str, shown_as: str, options: ReloadOptions, *, verify: bool = False,
               on_verify: Callable[[], None] | None = None, commit: str | None = None) -> ReloadReport:
-    """The public `reload` of LOCAL_SOURCE, then `verify_engine`, reported under the name the user gave.
+    """The public `reload` of WORKER_SOURCE, then `verify_engine`, reported under the name the user gave.
 
-    The command downloads a Hub repo first (with a progress bar) and hands the
-    workers the local folder; the report names the source as the user named it.
+    The command hands the workers the checkpoint as they read it (a Hub repo
+    downloaded first, with a progress bar, is its folder); the report names the
+    source as the user named it.
     Unlike `reload(..., verify=True)`, a failed verification is returned in the
     report, not raised: the command shows the differences, then exits 1.
 
     Args:
         llm: the engine (built with layerwise's worker extension).
-        local_source: the checkpoint as the workers read it (a local path).
+        worker_source: the checkpoint as the workers read it (a path on this machine, or a Hub repo id or URL
+            streamed by range).
         shown_as: the source as the user named it (a path or Hub repo id), for the report.
         options: how to reload (`ReloadOptions`); its `progress_path`, if any, is removed afterwards.
-        verify: check the engine against LOCAL_SOURCE after the reload; the report
+        verify: check the engine against WORKER_SOURCE after the reload; the report
             carries the result, passed or not (the caller decides what a failure means).
         on_verify: called just before the verification starts (for a status line).
-        commit: the Hub commit LOCAL_SOURCE was downloaded at (None: a local path), for the report.
+        commit: the Hub commit WORKER_SOURCE was read at (None: a path or URL), for the report.
 
     Returns:
         The merged report of all workers, with `verify` when asked.
@@ -122,7 +124,7 @@ def reload_as(llm, local_source: str, shown_as: str, options: ReloadOptions, *, 
         LayerwiseError: the reload failed, or the verification could not run.
     """
     try:
-        report = reload(llm, local_source, options=options)
+        report = reload(llm, worker_source, options=options)
     finally:
         if options.progress_path:
             Path(options.progress_path).unlink(missing_ok=True)
@@ -130,8 +132,8 @@ def reload_as(llm, local_source: str, shown_as: str, options: ReloadOptions, *, 
     if verify:
         if on_verify is not None:
             on_verify()
-        revision = options.revision if local_source == shown_as else None  # a Hub repo read at its pinned commit
-        verification = verify_engine(llm, local_source, revision, allow_unchecked=options.allow_unchecked)
+        revision = options.revision if worker_source == shown_as else None  # a Hub repo read at its pinned commit
+        verification = verify_engine(llm, worker_source, revision, allow_unchecked=options.allow_unchecked)
     return replace(report, placement=replace(report.placement, source=shown_as, commit=commit),
                    findings=replace(report.findings, verify=verification))
 

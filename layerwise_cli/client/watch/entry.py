@@ -1,7 +1,7 @@
 """Keep servers (or an in-process engine) on the newest complete step of a training run: the public entry points.
 
-The loop is `watcher.Watcher`; its options `watch_options.WatchOptions`; what it reloads `watch_targets`; what it
-reports `watch_events`.
+The loop is `watcher.Watcher`; its options `options.WatchOptions`; what it reloads `targets`; what it
+reports `events`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`watch` on a Hub repo: each new commit of the watched ref is a step, named by its commit.
 
-A poll is one cheap request (`hub_pin.pin_commit`: a HEAD of `config.json` at the ref). A step is reloaded
+A poll is one cheap request (`hub.pin.pin_commit`: a HEAD of `config.json` at the ref). A step is reloaded
 as the repo id with `ReloadOptions.revision` set to its commit, never the branch, so a ref moved during a
 reload changes nothing for that reload; the next poll finds the newer commit.
 """

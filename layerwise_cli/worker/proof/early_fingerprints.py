@@ -38,7 +38,7 @@ from layerwise_cli.worker.state.layer_state import layer_fingerprints
 
 
 class EarlyFingerprints:
-    """Fingerprints of done layers, computed in `step` (the reading thread), used by `UnchangedLayerPlan.record`.
+    """Fingerprints of done layers, computed in `step` (the reading thread), used by `LayerSkip.record`.
 
     Args:
         modules: the model's `named_modules()` as a dict.

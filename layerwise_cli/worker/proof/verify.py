@@ -139,14 +139,14 @@ def _reader(checkpoint, folder, stream):
     from pathlib import Path
 
     from layerwise_cli.checkpoint.store.objects import StoreSource, display_url
-    from layerwise_cli.worker.stream.hub_stream import HubStream
+    from layerwise_cli.worker.stream.remote_stream import RemoteStream
     from layerwise_cli.worker.stream.shard_reader import ShardReader
 
     if folder is not None:
         return ShardReader(folder, delta=checkpoint.delta), None
-    fetch = HubStream(StoreSource(checkpoint.source, pinned=checkpoint.pinned), checkpoint,
+    fetch = RemoteStream(StoreSource(checkpoint.source, pinned=checkpoint.pinned), checkpoint,
                       [item.entry for item in stream if item.parent is not None], keep=False).start()
-    return ShardReader(Path(display_url(checkpoint.source)), hub=fetch), fetch
+    return ShardReader(Path(display_url(checkpoint.source)), remote=fetch), fetch
 
 
 def _verify_derived(model, derived: dict[str, str], loaded: dict) -> list[dict]:

@@ -34,7 +34,7 @@ def check_delta_base(checkpoint: Checkpoint, engine_stream: list[PlannedTensor],
         checkpoint: the delta opened as its full step (`Checkpoint.delta` set; its shards are the base's).
         engine_stream: this rank's tensors, parents in engine names.
         records: this worker's records (None: none kept: refused).
-        fingerprints: the layers' states now (`UnchangedLayerPlan._fingerprints`).
+        fingerprints: the layers' states now (`LayerSkip._fingerprints`).
         held: what the engine holds as far as layerwise knows (`loaded_from`), for the message.
         proved_after: layers a patch in place proves whole once it has written them (`DeltaPatch.prove_state`): their
             state is not read now; their record's digest and the samples of the engine's bytes the patch writes

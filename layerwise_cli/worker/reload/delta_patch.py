@@ -184,7 +184,7 @@ class DeltaPatch:
     def prove_state(self, fingerprints: Callable[[list[str], Mapping], Mapping[str, object]]) -> None:
         """Right after `apply`: take each patched layer's state, and prove the layers the base check did not read.
 
-        FINGERPRINTS(layers, checksums): their states (`UnchangedLayerPlan._fingerprints`), with the checksums of
+        FINGERPRINTS(layers, checksums): their states (`LayerSkip._fingerprints`), with the checksums of
         the host tensors `apply` wrote whole, taken in the pass that proved them (`checksums`), not read again.
 
         For a layer in `proved_after`, every engine tensor the patch did not write must be as its record says it

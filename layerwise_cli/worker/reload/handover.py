@@ -3,7 +3,7 @@
 vLLM's reload runs under three watches: the layers skipped kept quiet
 (`unchanged_layers.quiet_skipped_layers`), the layers that qualify loaded into the
 engine's own tensors (`in_place`), and the modules vLLM could not load listed
-before its finalize puts them back (`completion.unloaded_layer_watch`).
+before its finalize puts them back (`completion_check.unloaded_layer_watch`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def open_source(run: ReloadRun) -> OpenStream | None:
                          stats=run.stats, check_finite=not run.options.allow_nonfinite, hash_layers=skip.hash_layers,
                          digests=skip.read_digests, skip_layer=run.skip_after_read if skip.skip_layer else None,
                          skipped=skip.skipped, samples=skip.read_samples, may_skip=skip.samples_match,
-                         idle=early.step if early is not None else None, hub=run.hub,
+                         idle=early.step if early is not None else None, remote=run.remote,
                          delta=run.planned.checkpoint.delta)
     if early is not None:
         early.wake = opened.wake

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
+from layerwise_cli.checkpoint.format.dtypes import torch_dtype
 from layerwise_cli.checkpoint.format.header import TensorEntry
 from layerwise_cli.checkpoint.format.samples import sample_digest
 from layerwise_cli.planning.plan import PlannedTensor
 from layerwise_cli.worker.state.layer_records import LayerRecord
-from layerwise_cli.worker.stream.hub_stream import torch_dtype
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,9 @@ _LOADED_FROM = "_layerwise_loaded_from"
 
 @dataclass
 class PlannedReload:
-    """What pre-flight found: SOURCE on this machine, its headers, this rank's plan and the report's notes."""
+    """What pre-flight found: SOURCE's folder (only a name for a URL), its headers, this rank's plan, notes."""
 
-    local: Path
+    folder: Path
     checkpoint: Checkpoint
     position: RankPosition
     mine: WorkerPlan
@@ -52,7 +52,7 @@ def plan_reload(worker, source: str, *, revision: str | None = None, allow_parti
 
     A Hub SOURCE is read at one commit (`hub_commit`). With STREAM, only its headers are read here (by range
     requests; nothing else is downloaded) unless the commit's shards are all in the Hub cache already: the
-    reload then fetches exactly the tensors it hands over (`hub_stream`). Without, the commit's files are
+    reload then fetches exactly the tensors it hands over (`remote_stream`). Without, the commit's files are
     downloaded first.
 
     Raises:
@@ -66,13 +66,13 @@ def plan_reload(worker, source: str, *, revision: str | None = None, allow_parti
         # Never downloaded whole: read by range, pinned to the objects' ETags (REVISION: the pin the client
         # read; objects changed since are refused). The folder is a name only; no file is opened in it.
         checkpoint = open_checkpoint(source, revision)
-        local = Path(display_url(source))
+        folder = Path(display_url(source))
     elif commit is not None and stream:
         checkpoint = hub_checkpoint(source, commit)
-        local = checkpoint.local_dir or snapshot_folder(source, commit)
+        folder = checkpoint.local_dir or snapshot_folder(source, commit)
     else:
-        local = resolve_local(source, commit or revision)
-        checkpoint = replace(open_step(str(local)), source=source)
+        folder = resolve_local(source, commit or revision)
+        checkpoint = replace(open_step(str(folder)), source=source)
     hf_config = model_config.hf_config.to_dict() if hasattr(model_config.hf_config, "to_dict") else None
     position = rank_position(worker)
     # Only the tensors this rank holds: its pipeline stage, its experts.
@@ -89,7 +89,7 @@ def plan_reload(worker, source: str, *, revision: str | None = None, allow_parti
     missing = missing_message(model, {item.parent for item in mine.engine_stream("layer") if item.parent})
     if missing is not None:
         raise LayerwiseError(f"{source}: {missing}")
-    return PlannedReload(local, checkpoint, position, mine, notes, commit)
+    return PlannedReload(folder, checkpoint, position, mine, notes, commit)
 
 
 def hub_checkpoint(repo_id: str, commit: str) -> Checkpoint:

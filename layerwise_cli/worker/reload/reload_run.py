@@ -25,14 +25,14 @@ from layerwise_cli.worker.reload.delta_base import check_delta_base, held_steps,
 from layerwise_cli.worker.reload.delta_patch import DeltaPatch
 from layerwise_cli.worker.reload.probe import BufferProbe
 from layerwise_cli.worker.reload.reload_plan import PlannedReload, loaded_from, plan_reload
-from layerwise_cli.worker.reload.unchanged_layers import UnchangedLayerPlan
+from layerwise_cli.worker.reload.unchanged_layers import LayerSkip
 from layerwise_cli.worker.repairs.amx_mla import must_hand_over
 from layerwise_cli.worker.repairs.derived_state import derived_state_of
 from layerwise_cli.worker.rpc import ReloadOptions
 from layerwise_cli.worker.state.layer_records import LayerRecords
-from layerwise_cli.worker.stream.hub_stream import HubStream, SampledWindows
 from layerwise_cli.worker.stream.in_place import InPlaceLayers
 from layerwise_cli.worker.stream.read_order import pipelined_order
+from layerwise_cli.worker.stream.remote_stream import RemoteStream, SampledWindows
 from layerwise_cli.worker.stream.stats import ReadAheadStats
 
 
@@ -74,13 +74,14 @@ class ReloadRun:
         folder: the folder of SOURCE's shards on this machine.
         device: where the engine's weights are.
         derived: the derived state of the engine (tied heads, views), found once per engine.
-        skip: which layers are handed over, which skipped, and what is recorded after (`UnchangedLayerPlan`).
+        skip: which layers are handed over, which skipped, and what is recorded after (`LayerSkip`).
         stats: what the reading thread measured.
         progress: the progress file's writer (rank 0 only).
         early: on the CPU the reading thread fingerprints each layer vLLM finished, for the records, while
             the engine loads the next ones (`early_fingerprints`); None elsewhere or without records.
         probe: vLLM's layer buffers, measured at every handover (`BufferProbe`).
-        hub: for a Hub commit not on this machine, the fetch of the tensors handed over (`hub_stream`).
+        remote: for a Hub commit or a store's objects not on this machine, the fetch of the tensors handed over
+            (`remote_stream`).
         patch: for a sparse delta, the layers patched in place instead of handed over (`delta_patch`).
     """
 
@@ -95,12 +96,12 @@ class ReloadRun:
     folder: Path
     device: torch.device
     derived: object
-    skip: UnchangedLayerPlan
+    skip: LayerSkip
     stats: ReadAheadStats
     progress: ProgressWriter
     early: EarlyFingerprints | None
     # A Hub source not on this machine: its tensors fetched by byte range as the stream reads them (None: local).
-    hub: HubStream | None = None
+    remote: RemoteStream | None = None
     # A sparse delta: the layers patched straight into the engine's tensors, not handed to vLLM (`delta_patch`).
     patch: DeltaPatch | None = None
     probe: BufferProbe = field(init=False)
@@ -198,7 +199,7 @@ def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords 
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     # Found before the first reload changes anything, once per engine (vLLM's record and tensors hold).
     derived = derived_state_of(worker)
-    skip = UnchangedLayerPlan.build(model, planned.checkpoint, engine_stream, options.order, records,
+    skip = LayerSkip.build(model, planned.checkpoint, engine_stream, options.order, records,
                                     all_layers=options.all_layers, checks_finite=not options.allow_nonfinite,
                                     on_host=device.type == "cpu",
                                     fetch_windows=sample_fetch(planned, options) if planned.streamed else None)
@@ -233,14 +234,14 @@ def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords 
         patch=patch)
     if planned.streamed:
         # Fetching starts now, in hand-over order, a window ahead: during the vote and vLLM's preparation.
-        run.hub = start_fetch(planned, skip.stream, options)
+        run.remote = start_fetch(planned, skip.stream, options)
     # A skipped layer counts as done for the progress bar, as soon as it is known to be skipped.
     for name in sorted(skip.skipped):
         run.progress.write({"event": "layer", "name": name, "skipped": True})
     return run
 
 
-def take_out_patched(skip: UnchangedLayerPlan, patch: DeltaPatch) -> None:
+def take_out_patched(skip: LayerSkip, patch: DeltaPatch) -> None:
     """The layers a delta patches in place (`delta_patch`) taken out of the stream handed to vLLM."""
     layers = patch.layers
     skip.patched = layers
@@ -248,8 +249,8 @@ def take_out_patched(skip: UnchangedLayerPlan, patch: DeltaPatch) -> None:
     skip.hash_layers -= layers
 
 
-def start_fetch(planned: PlannedReload, stream: list[PlannedTensor], options: ReloadOptions) -> HubStream:
-    """Start fetching the tensors of STREAM this rank hands over from the pinned source (`hub_stream`).
+def start_fetch(planned: PlannedReload, stream: list[PlannedTensor], options: ReloadOptions) -> RemoteStream:
+    """Start fetching the tensors of STREAM this rank hands over from the pinned source (`remote_stream`).
 
     A Hub commit's are kept in the Hub cache unless `bounded_disk`, a store's in layerwise's store cache; then
     also the shards' headers and the tensors vLLM skips, so that a shard fetched whole is kept whole (a Hub
@@ -260,7 +261,7 @@ def start_fetch(planned: PlannedReload, stream: list[PlannedTensor], options: Re
     wanted = {entry.name for entry in handed}
     extra = [item.entry for item in planned.mine.plan.file_order
              if item.parent is None and item.entry.name not in wanted]
-    return HubStream(fetch_source(planned), checkpoint, handed, keep=keeps(planned, options), extra=extra).start()
+    return RemoteStream(fetch_source(planned), checkpoint, handed, keep=keeps(planned, options), extra=extra).start()
 
 
 def sample_fetch(planned: PlannedReload, options: ReloadOptions):
@@ -287,4 +288,4 @@ def _folder(planned: PlannedReload) -> Path:
     """Where SOURCE's shards are read: its folder, or a delta's base's (`Checkpoint.delta`)."""
     if planned.checkpoint.delta is not None:
         return planned.checkpoint.local_dir
-    return planned.local if planned.local.is_dir() else planned.local.parent
+    return planned.folder if planned.folder.is_dir() else planned.folder.parent

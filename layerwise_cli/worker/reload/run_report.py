@@ -59,7 +59,7 @@ def build_report(run: ReloadRun) -> ReloadReport:
             read_bytes=stats.read_bytes + (patch.read_bytes if patch is not None else 0),
             disk_read_bytes=after - before if before is not None and after is not None else None,
             elsewhere_tensors=mine.elsewhere_tensors, elsewhere_bytes=mine.elsewhere_bytes,
-            fetched_bytes=run.hub.bytes_fetched if run.hub is not None else None,
+            fetched_bytes=run.remote.bytes_fetched if run.remote is not None else None,
             patched_layers=len(patch.patched) if patch is not None else 0,
             patched_bytes=patch.read_bytes if patch is not None else 0),
         memory=Memory(

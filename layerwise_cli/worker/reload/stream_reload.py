@@ -81,7 +81,7 @@ def stream_reload(worker, source: str, options: ReloadOptions | None = None, *,
         # The reading thread starts now: the first layers are read while vLLM prepares its reload.
         opened = open_source(run)
         # SOURCE's tensors again, for the layers loaded after vLLM's reload and for the repairs.
-        reader = ShardReader(run.folder, hub=run.hub, delta=run.planned.checkpoint.delta)
+        reader = ShardReader(run.folder, remote=run.remote, delta=run.planned.checkpoint.delta)
         failed = True
         try:
             try:
@@ -95,9 +95,9 @@ def stream_reload(worker, source: str, options: ReloadOptions | None = None, *,
                 run.progress.write({"event": "end"})
                 run.progress.close()
             repair(run, reader)
-            if run.hub is not None:
+            if run.remote is not None:
                 # A shard whose last bytes arrived after the reader had them is checked against its sha256 here.
-                run.hub.check()
+                run.remote.check()
             failed = False
         finally:
             reader.close()
@@ -109,8 +109,8 @@ def stream_reload(worker, source: str, options: ReloadOptions | None = None, *,
         prove_peak(run)
         return build_report(run)
     finally:
-        if run.hub is not None:
-            run.hub.close()
+        if run.remote is not None:
+            run.remote.close()
 
 
 def plan_and_vote(worker, source: str, options: ReloadOptions, records: LayerRecords | None,
@@ -130,14 +130,14 @@ def plan_and_vote(worker, source: str, options: ReloadOptions, records: LayerRec
             agree(False)  # tell the other ranks: none of them may start
         raise
     if agree is not None and not agree(True):
-        if run.hub is not None:
-            run.hub.close()
+        if run.remote is not None:
+            run.remote.close()
         raise PeerFailed("pre-flight failed on another rank of this engine; nothing was changed")
     return run
 
 
 def record(run: ReloadRun) -> None:
-    """Stop the clock once the engine holds SOURCE, then record the layers handed over (`UnchangedLayerPlan.record`)."""
+    """Stop the clock once the engine holds SOURCE, then record the layers handed over (`LayerSkip.record`)."""
     run.notes.extend(run.repair_notes)
     if run.device.type == "cuda" and run.refreshed:
         torch.cuda.synchronize(run.device)

@@ -21,7 +21,7 @@ from layerwise_cli.worker.stream.cpu_placement import spare_cpus
 
 
 @dataclass
-class UnchangedLayerPlan:
+class LayerSkip:
     """Built before the engine is touched (`build`); filled while streaming; `record` after a successful reload.
 
     Attributes:
@@ -62,7 +62,7 @@ class UnchangedLayerPlan:
     @classmethod
     def build(cls, model: torch.nn.Module, checkpoint: Checkpoint, engine_stream: list[PlannedTensor], order: str,
               records: LayerRecords | None, *, all_layers: bool = False, checks_finite: bool = True,
-              on_host: bool = False, fetch_windows=None) -> UnchangedLayerPlan:
+              on_host: bool = False, fetch_windows=None) -> LayerSkip:
         """Decide what can be decided before reading: records against header digests and the layers' state.
 
         Args:
@@ -237,7 +237,7 @@ class UnchangedLayerPlan:
         return list(self.spot.stale) if self.spot is not None else []
 
 
-def quiet_skipped_layers(plan: UnchangedLayerPlan, model: torch.nn.Module):
+def quiet_skipped_layers(plan: LayerSkip, model: torch.nn.Module):
     """While vLLM's reload runs: drop its warnings about the layers skipped on purpose (see `vllm_logs`)."""
     from layerwise_cli.vllm_logs import quiet_skipped_layer_warnings
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-# The diagnostic switch (`LAYERWISE_NO_CPU_FIXUPS=1`) lives where the client reads it too.
+# The diagnostic switch (`LAYERWISE_NO_REPAIRS=1`) lives where the client reads it too.
 from layerwise_cli.engine_defaults import NO_REPAIRS_ENV, repairs_disabled
 
 
@@ -23,7 +23,7 @@ def apply_repairs(model: torch.nn.Module, reloaded: set[str], *, derived=None, t
         derived: the engine's alias buffers (`derived_state.derived_state_of`); None: not refreshed.
         tensors_of: parent layer -> SOURCE's `(name, tensor)` pairs of it (None if SOURCE lacks it),
             to recompute alias buffers from.
-        enabled: False (or `LAYERWISE_NO_CPU_FIXUPS` set in the worker) leaves the engine as vLLM's
+        enabled: False (or `LAYERWISE_NO_REPAIRS` set in the worker) leaves the engine as vLLM's
             reload leaves it: the diagnostic switch.
         loaded_outside: modules loaded after vLLM's reload with the model's own loader, which processes nothing
             (`put_back_layers`): their CPU kernels are rebuilt too.

@@ -23,7 +23,7 @@ What the new tensor holds until the reload loads it is undefined, so these
 (`must_hand_over`), never left out of a partial checkpoint
 (`missing_message`). On other platforms nothing is done. Not a repair of what
 vLLM leaves stale but what lets its reload run at all, so
-`LAYERWISE_NO_CPU_FIXUPS` leaves it on.
+`LAYERWISE_NO_REPAIRS` leaves it on.
 """
 
 from __future__ import annotations

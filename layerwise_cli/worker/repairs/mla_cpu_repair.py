@@ -29,7 +29,7 @@ is kept (the copies hold the rope part only: `T*H*64` and `T*64` values).
 2-D inputs, rope classes with their own `forward_cpu` and other platforms
 (which never dispatch to `forward_cpu`) are untouched; the answers are those
 of the same kernel on the layout it was written for. Off when
-`LAYERWISE_NO_CPU_FIXUPS=1` is set (read at each call: in a worker process,
+`LAYERWISE_NO_REPAIRS=1` is set (read at each call: in a worker process,
 the value it was started with). Applied once per process, from the
 `vllm.general_plugins` entry point (before vLLM builds a model: each rope
 module binds its `forward_cpu` when it is built).

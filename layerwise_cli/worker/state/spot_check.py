@@ -67,7 +67,7 @@ def spot_check(layers: Iterable[str], entries: Mapping[str, list[TensorEntry]], 
         records: the worker's records (each keeps its tensors' samples from load time).
         checkpoint: the source.
         fetch_windows: for a source not on this machine (a Hub commit streamed): given every sample window
-            as (shard, offset, length), fetches them and gives a reader of them (`hub_stream.SampledWindows`).
+            as (shard, offset, length), fetches them and gives a reader of them (`remote_stream.SampledWindows`).
             None: the local shards are read.
 
     Returns:

@@ -16,7 +16,7 @@ from layerwise_cli.checkpoint.format.finite import first_nonfinite, first_nonfin
 from layerwise_cli.checkpoint.format.samples import buffer_sample
 from layerwise_cli.planning.plan import PlannedTensor
 from layerwise_cli.worker.stream.hash_backlog import HashBacklog
-from layerwise_cli.worker.stream.hub_stream import HubStream
+from layerwise_cli.worker.stream.remote_stream import RemoteStream
 from layerwise_cli.worker.stream.shard_reader import ShardReader, layer_batches, raw_bytes
 from layerwise_cli.worker.stream.staging import copy_in_chunks, handed_over, staging_threads, to_device
 from layerwise_cli.worker.stream.stats import ReadAheadStats
@@ -39,7 +39,7 @@ class LayerReader:
                  readahead: bool, stats: ReadAheadStats, check_finite: bool, hash_layers: frozenset[str],
                  digests: dict[str, str], skip_layer: Callable[[str, str], bool] | None, skipped: set[str],
                  samples: dict[str, str], may_skip: Callable[[str, dict[str, str]], bool] | None,
-                 copy_threads: int | None, hub: HubStream | None = None, delta=None) -> None:
+                 copy_threads: int | None, remote: RemoteStream | None = None, delta=None) -> None:
         self.folder = folder
         self.device = device
         self.readahead = readahead
@@ -51,7 +51,7 @@ class LayerReader:
         self.skipped = skipped
         self.samples = samples
         self.may_skip = may_skip
-        self.reader = ShardReader(folder, hub=hub, delta=delta)
+        self.reader = ShardReader(folder, remote=remote, delta=delta)
         self.cuda = device is not None and device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device=device) if self.cuda else None
         threads = staging_threads() if copy_threads is None else copy_threads

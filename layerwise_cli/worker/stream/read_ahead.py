@@ -12,9 +12,9 @@ import torch
 
 from layerwise_cli.planning.plan import PlannedTensor
 from layerwise_cli.worker.stream.cpu_placement import move_to, spare_cpus
-from layerwise_cli.worker.stream.hub_stream import HubStream
 from layerwise_cli.worker.stream.layer_reader import LayerReader
 from layerwise_cli.worker.stream.open_stream import OpenStream
+from layerwise_cli.worker.stream.remote_stream import RemoteStream
 from layerwise_cli.worker.stream.stats import ReadAheadStats
 
 _DONE = object()
@@ -46,7 +46,7 @@ def open_stream(
     copy_threads: int | None = None,
     ahead_bytes: int | None = None,
     idle: Callable[[], bool] | None = None,
-    hub: HubStream | None = None,
+    remote: RemoteStream | None = None,
     delta=None,
 ) -> OpenStream:
     """Start reading STREAM; iterating the result yields (planned tensor, tensor) in stream order.
@@ -105,8 +105,8 @@ def open_stream(
             hashing backlog: called until it returns False (nothing to do now),
             and again after `OpenStream.wake`, and after the stream until the
             caller waits for the thread (`stats.hashing_done`).
-        hub: the source is a pinned Hub commit, read as its bytes arrive (`hub_stream`; FOLDER then only
-            names it).
+        remote: the source is remote and pinned (a Hub commit, or a store's objects at their ETags), read
+            as its bytes arrive (`remote_stream`; FOLDER then only names it).
         delta: a sparse delta FOLDER's base is read through (`Checkpoint.delta`): each tensor is the step's,
             rebuilt and proved by its digests (`ShardReader`). None: the tensors are FOLDER's.
 
@@ -122,7 +122,7 @@ def open_stream(
                          hash_layers=frozenset(hash_layers), digests=digests if digests is not None else {},
                          skip_layer=skip_layer, skipped=skipped if skipped is not None else set(),
                          samples=samples if samples is not None else {}, may_skip=may_skip,
-                         copy_threads=copy_threads, hub=hub, delta=delta)
+                         copy_threads=copy_threads, remote=remote, delta=delta)
     spare = spare_cpus() if readahead else set()
     # When the reading thread runs beside the engine's cores: one thread on them, which checks half of a layer
     # the engine waits for.

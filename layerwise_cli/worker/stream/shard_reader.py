@@ -12,7 +12,7 @@ from layerwise_cli.checkpoint.sources import shard_file
 from layerwise_cli.planning.plan import PlannedTensor
 
 if TYPE_CHECKING:
-    from layerwise_cli.worker.stream.hub_stream import HubStream
+    from layerwise_cli.worker.stream.remote_stream import RemoteStream
 
 
 def layer_batches(stream: list[PlannedTensor]) -> list[list[PlannedTensor]]:
@@ -29,28 +29,29 @@ def layer_batches(stream: list[PlannedTensor]) -> list[list[PlannedTensor]]:
 class ShardReader:
     """Reads single tensors from a checkpoint's shards, keeping each shard open.
 
-    Given a `HubStream`, the shards are a pinned Hub commit's, read as their bytes arrive (`hub_stream`).
+    Given a `RemoteStream`, the shards are a pinned remote source's (a Hub commit, or a store's objects at their
+    ETags), read as their bytes arrive (`remote_stream`).
     With a DELTA (`Checkpoint.delta`), FOLDER holds the delta's base and every tensor read is the step's,
-    rebuilt from the base's and proved by its digests (`delta_source.rebuilt_tensor`), into buffers reused
+    rebuilt from the base's and proved by its digests (`delta.source.rebuilt_tensor`), into buffers reused
     once vLLM has let go of them (`RebuildBuffers`, until `close`).
     """
 
-    def __init__(self, folder: Path, *, hub: HubStream | None = None, delta=None) -> None:
+    def __init__(self, folder: Path, *, remote: RemoteStream | None = None, delta=None) -> None:
         self._folder = folder
-        self._hub = hub
+        self._remote = remote
         self._handles: dict[str, object] = {}
         self._delta = delta
         self._buffers = RebuildBuffers() if delta is not None else None
 
     def where(self, shard: str) -> str:
-        """How messages name SHARD: its path, or `org/model@<commit>/<shard>` for a Hub source."""
-        return self._hub.where(shard) if self._hub is not None else str(self._folder / shard)
+        """How messages name SHARD: its path, or `org/model@<commit>/<shard>` for a remote source."""
+        return self._remote.where(shard) if self._remote is not None else str(self._folder / shard)
 
     def read(self, item: PlannedTensor) -> torch.Tensor:
         from safetensors import safe_open
 
-        if self._hub is not None:
-            return self._hub.read(item.entry)
+        if self._remote is not None:
+            return self._remote.read(item.entry)
         shard = item.entry.shard
         handle = self._handles.get(shard)
         if handle is None:

@@ -3,13 +3,13 @@
 The source is a Hub commit (a `HubPin`) or a URL's objects pinned to their ETags (`store.StoreSource`, never kept
 on disk): both go through the same `RangeFetcher`.
 
-The worker's side of `checkpoint/hub_fetch.RangeFetcher`. `HubStream.start` fetches, in hand-over order and a
-bounded window ahead, exactly the tensors this rank's stream hands to vLLM (the layers skipped on their header
-digests are never fetched) and, when the fetch keeps what arrives in the Hub cache, the shards' headers and
-the tensors vLLM skips on purpose, so that a shard fetched whole is verified against its sha256 and linked
-into `snapshots/<commit>/` for `hf_hub_download` and `from_pretrained` to find. `read` waits for a tensor's
-bytes and copies them into a tensor of its own: the reader never touches a byte that has not arrived.
-`sampled_windows` fetches only the sample windows the spot check reads before it trusts a header digest.
+The worker's side of `checkpoint/fetch/range_fetcher.RangeFetcher`. `RemoteStream.start` fetches, in hand-over
+order and a bounded window ahead, exactly the tensors this rank's stream hands to vLLM (the layers skipped on
+their header digests are never fetched) and, when the fetch keeps what arrives in the Hub cache, the shards'
+headers and the tensors vLLM skips on purpose, so that a shard fetched whole is verified against its sha256 and
+linked into `snapshots/<commit>/` for `hf_hub_download` and `from_pretrained` to find. `read` waits for a
+tensor's bytes and copies them into a tensor of its own: the reader never touches a byte that has not arrived.
+`SampledWindows` fetches only the sample windows the spot check reads before it trusts a header digest.
 """
 
 from __future__ import annotations
@@ -21,29 +21,14 @@ import torch
 
 from layerwise_cli.checkpoint.fetch.range_fetcher import ByteRange, RangeFetcher, tensor_range
 from layerwise_cli.checkpoint.fetch.range_source import RangeSource
+from layerwise_cli.checkpoint.format.dtypes import torch_dtype
 from layerwise_cli.checkpoint.format.header import ShardHeader, TensorEntry
 from layerwise_cli.checkpoint.hub.pin import HubPin
 from layerwise_cli.checkpoint.hub.range_source import range_source
 from layerwise_cli.checkpoint.sources import Checkpoint
 
-# safetensors' dtype names (its format's own spelling) -> torch's.
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
 
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a safetensors dtype name (`BF16`), as `safetensors.torch` maps it."""
-    if name in _DTYPES:
-        return _DTYPES[name]
-    from safetensors.torch import _getdtype
-
-    return _getdtype(name)
-
-
-class HubStream:
+class RemoteStream:
     """The tensors of one pinned source that a rank reads, fetched by byte range as the reader needs them.
 
     Args:
@@ -71,7 +56,7 @@ class HubStream:
         self.fetcher = RangeFetcher(range_source(pin, cache_dir=cache_dir), ranges, connections=connections,
                                     window_bytes=window_bytes, part_bytes=part_bytes, keep=keep)
 
-    def start(self) -> HubStream:
+    def start(self) -> RemoteStream:
         """Read each file's size and sha256 at the commit, and start the connections (raises one line)."""
         self.fetcher.start()
         return self

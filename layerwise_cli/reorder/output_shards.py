@@ -1,4 +1,4 @@
-"""Plan the shards of a rewritten checkpoint so that vLLM's loader reads complete parent layers one after another.
+"""Split a rewritten checkpoint into shards so that vLLM's loader reads complete parent layers one after another.
 
 vLLM's default loader reads shard files in natural sort order and, inside a
 shard, tensors sorted by name (`safe_open(...).keys()`), whatever the order
@@ -19,7 +19,7 @@ interval, so whole decoder layers (`...layers.7.`) and fused experts
 attention block: `o_proj` and `q_norm` sort inside `qkv_proj`'s interval
 [`k_proj`, `v_proj`] and must live in another shard than that `qkv_proj`.
 
-Packing (`plan_shards`): parent layers in model order go into a window of
+Packing (`split_shards`): parent layers in model order go into a window of
 two open shards. A layer goes into the current shard if it fits and its
 interval is free there; if it fits but collides, into the next shard (so
 `o_proj`/`q_norm` ride one shard later, next to later layers, which they do
@@ -48,7 +48,7 @@ DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # the Hub's convention: 5GB
 
 
 @dataclass
-class PlannedShard:
+class OutputShard:
     """One shard of the rewritten checkpoint: its tensors, in the order of its data section."""
 
     name: str
@@ -99,7 +99,7 @@ class _ShardBuilder:
             self._highs.insert(i, unit.entries[-1].name)
 
 
-def plan_shards(plan: Plan, max_shard_size: int) -> list[PlannedShard]:
+def split_shards(plan: Plan, max_shard_size: int) -> list[OutputShard]:
     """Split a checkpoint's tensors into shards that vLLM's loader reads in layer order.
 
     See the shard-boundary rule in this module's docstring. No parent layer
@@ -169,7 +169,7 @@ def plan_shards(plan: Plan, max_shard_size: int) -> list[PlannedShard]:
     shards = []
     for i, builder in enumerate(closed, start=1):
         data_order = sorted(builder.entries, key=lambda t: (-DTYPE_SIZES.get(t.dtype, 1), t.name))
-        shards.append(PlannedShard(f"model-{i:05d}-of-{total:05d}.safetensors", data_order, builder.parents))
+        shards.append(OutputShard(f"model-{i:05d}-of-{total:05d}.safetensors", data_order, builder.parents))
     return shards
 
 
