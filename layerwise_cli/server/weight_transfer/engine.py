@@ -12,6 +12,7 @@ the route with it (`routes.py`).
 
 from __future__ import annotations
 
+import time
 import traceback
 from dataclasses import dataclass, fields, replace
 
@@ -65,6 +66,7 @@ class LayerwiseWeightTransferEngine(_VllmEngine):
             raise LayerwiseError("found no vLLM worker building this engine (a vLLM whose workers build "
                                  "weight-transfer engines elsewhere than in load_model)", where="layerwise backend")
         self.last_update: dict = {"ok": None}
+        self._checked: dict | None = None  # the last update's `verify_against_source` on this worker
         # The report of the last update, readable by name on this worker (`rpc.UPDATE_REPORT`) with or without
         # layerwise's worker extension: vLLM resolves a collective_rpc method name on the worker.
         setattr(self.worker, UPDATE_REPORT, self.update_report)
@@ -95,6 +97,7 @@ class LayerwiseWeightTransferEngine(_VllmEngine):
         from layerwise_cli.worker.stream.rank_plan import rank_position
 
         touched = {"engine": False}
+        self._checked = None
         check = self._verify(update_info) if update_info.verify else None
         try:
             options = update_info.options.with_switches()
@@ -106,7 +109,8 @@ class LayerwiseWeightTransferEngine(_VllmEngine):
                                             position=rank_position(self.worker).to_dict(),
                                             traceback=traceback.format_exc()).to_json()
             raise error from None
-        self.last_update = ReloadAnswer(ok=True, report=report.to_dict()).to_json()
+        # With `verify`, this worker's own check too: the API server merges the workers' (`merge_verify`).
+        self.last_update = {**ReloadAnswer(ok=True, report=report.to_dict()).to_json(), "verify": self._checked}
 
     def _verify(self, update_info: TransferUpdate):
         """The check `reload_agreed` runs after this rank's reload: every layer against the source (`--verify`)."""
@@ -117,17 +121,21 @@ class LayerwiseWeightTransferEngine(_VllmEngine):
             from layerwise_cli.worker.repairs.derived_state import derived_state_of
 
             revision = report.placement.commit or update_info.options.revision
+            started = time.perf_counter()
             with engine_config(self.worker):
                 found = verify_against_source(self.worker.model_runner.get_model(), update_info.source, revision,
                                               self.worker.model_runner.model_config, derived_state_of(self.worker))
-            result = merge_verify([found], allow_unchecked=update_info.options.allow_unchecked)
+            self._checked = found
+            result = merge_verify([found], wall_s=time.perf_counter() - started,
+                                  allow_unchecked=update_info.options.allow_unchecked)
             if not result.ok:
                 raise LayerwiseError(f"{verify_failure(result)}", where=update_info.source)
             return replace(report, findings=replace(report.findings, verify=result))
         return verify
 
     def update_report(self) -> dict:
-        """The last update on this worker, as a `ReloadAnswer` (`{"ok": None}` before the first)."""
+        """The last update on this worker, as a `ReloadAnswer` with its `verify` check (`{"ok": None}` before the
+        first)."""
         return self.last_update
 
     def shutdown(self) -> None:

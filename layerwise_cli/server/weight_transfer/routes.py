@@ -157,6 +157,7 @@ async def _end_update_lease(app, lease) -> None:
 async def update_report(raw_request: Request):
     """`GET /layerwise/update_report`: the last update's report merged over the workers, or its error."""
     from layerwise_cli.report.reload_report import ReloadReport, merge_reports
+    from layerwise_cli.report.verify_result import merge_verify
     from layerwise_cli.worker.rpc import UPDATE_REPORT, ReloadAnswer
 
     try:
@@ -170,7 +171,14 @@ async def update_report(raw_request: Request):
     failed = next((a for a in parsed if not a.ok), None)
     if failed is not None:
         return JSONResponse(content={"ok": False, "error": failed.error, "rolled_back": failed.rolled_back})
-    merged = merge_reports([ReloadReport.from_dict(a.report) for a in parsed])
+    reports = [ReloadReport.from_dict(a.report) for a in parsed]
+    checks = [a.get("verify") for a in answers]
+    verify = None
+    if all(checks):  # every worker checked the engine against the source (`verify`)
+        accepted = any(r.verify is not None and r.verify.unchecked_accepted for r in reports)
+        verify = merge_verify(checks, wall_s=max(r.verify.wall_s for r in reports if r.verify is not None),
+                              allow_unchecked=accepted)
+    merged = merge_reports(reports, verify=verify)
     return JSONResponse(content={"ok": True, "report": merged.to_dict()})
 
 
