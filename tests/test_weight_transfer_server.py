@@ -148,6 +148,14 @@ def weight_version(server: RunningServer) -> str:
     return httpx.get(f"{server.url}/weight_info", timeout=30).json()["weight_version"]
 
 
+def answered_by(server: RunningServer) -> str:
+    """The weight version a completion's answer names (the `x-weight-versions` header)."""
+    body = {"model": server.model, "prompt": prompts()[0], "max_tokens": 2, "temperature": 0.0}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    response.raise_for_status()
+    return response.headers["x-weight-versions"]
+
+
 def last_report(server: RunningServer) -> dict:
     answer = httpx.get(f"{server.url}/layerwise/update_report", timeout=60).json()
     assert answer["ok"], answer
@@ -167,6 +175,7 @@ def test_every_kind_of_step_through_the_routes_ends_equal_to_a_fresh_engine(serv
         assert answer.status_code == 200, answer.text
         assert weight_version(server) == version
         assert not server.is_paused()  # the lease ended with finish
+        assert answered_by(server) == version  # every answer names the weights that produced it
         report = last_report(server)
         assert report["source"] == update_info["source"] and report["layers"], report
         if update_info.get("verify"):
@@ -266,3 +275,28 @@ def test_the_trainer_engine_writes_deltas_and_the_server_ends_equal_to_a_fresh_e
             assert_holds(server, fresh[held])
     finally:
         engine.shutdown()
+
+
+def test_the_trainer_engine_uploads_each_step_to_a_bucket_marker_last(server, steps, fresh, s3, tmp_path,
+                                                                      monkeypatch):
+    """Steps under `s3://`: written in the stage folder, uploaded, loaded by the server from the bucket (full
+    steps: a server loads no delta from a bucket yet)."""
+    import obstore
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
+
+    from layerwise_cli.writer.trainer_engine import LayerwiseTrainerInitInfo
+    from tests.support.engine_support import load_tensors
+
+    config = json.loads((steps["A"] / "config.json").read_text())
+    info = LayerwiseTrainerInitInfo(f"s3://{BUCKET}/trained", rank=0, config=config, delta=False,
+                                    stage=str(tmp_path / "stage"), max_shard_size=60_000)
+    for key, value in s3.env().items():  # the trainer's credentials (the server has its own)
+        monkeypatch.setenv(key, value)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=HTTPVLLMWeightSyncClient(server.url))
+    for i, (step, held) in enumerate([("A", "A"), ("B", "B")], start=1):
+        sent = engine.send_weights(load_tensors(steps[step]).items(), weight_version=f"bucket-{i}")
+        assert sent.source == f"s3://{BUCKET}/trained/bucket-{i}" and sent.saved.delta is None
+        listed = {item["path"] for batch in obstore.list(s3.objects(f"trained/bucket-{i}")) for item in batch}
+        assert {"STABLE", "model.safetensors.index.json", "config.json"} <= listed
+        assert weight_version(server) == f"bucket-{i}" and last_report(server)["fetched_bytes"] > 0
+        assert_holds(server, fresh[held])
