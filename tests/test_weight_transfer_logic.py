@@ -56,16 +56,19 @@ def test_init_info_refuses_unknown_keys_and_bad_leases() -> None:
 
 @pytest.mark.slow
 def test_the_plugin_registers_the_backend_with_both_of_vllms_factories() -> None:
-    """What makes a plain `vllm serve` accept `--weight-transfer-config '{"backend": "layerwise"}'`: the plugin,
-    which vLLM runs in each of its processes, names the engines (imported only when vLLM builds one)."""
+    """What makes a plain `vllm serve` accept `--weight-transfer-config '{"backend": "layerwise"}'`: vLLM loads its
+    general plugins in each of its processes, and layerwise's (the installed entry point) names the engines
+    (imported only when vLLM builds one)."""
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory, WeightTransferTrainerFactory
+    from vllm.plugins import load_general_plugins
 
     from layerwise_cli.server.plugin import register
     from layerwise_cli.server.weight_transfer.engine import LayerwiseWeightTransferEngine
     from layerwise_cli.writer.trainer_engine import LayerwiseTrainerWeightTransferEngine
 
-    register()
-    register()  # idempotent: every vLLM process calls it, some twice
+    load_general_plugins()  # as every vLLM process does: the `vllm.general_plugins` entry points
+    assert "layerwise" in WeightTransferEngineFactory._registry
+    register()  # idempotent: a process that loads it twice (`layerwise serve`, then the plugin)
     assert WeightTransferEngineFactory._registry["layerwise"]() is LayerwiseWeightTransferEngine
     assert WeightTransferTrainerFactory._registry["layerwise"]() is LayerwiseTrainerWeightTransferEngine
 
