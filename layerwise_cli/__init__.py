@@ -40,6 +40,10 @@ ENGINES_RPC_PATH = "/layerwise/engines_rpc"
 PAUSE_LEASE_PATH = "/layerwise/pause"
 RENEW_LEASE_PATH = "/layerwise/renew"
 RESUME_LEASE_PATH = "/layerwise/resume"
+# The name of layerwise's backend of vLLM's weight-transfer API (`--weight-transfer-config '{"backend": "layerwise"}'`).
+WEIGHT_TRANSFER_BACKEND = "layerwise"
+# Where the server answers the per-layer report of the last `/update_weights` of that backend.
+UPDATE_REPORT_PATH = "/layerwise/update_report"
 
 _LAZY = {
     "reload": ("layerwise_cli.client.engine.in_process", "reload"),

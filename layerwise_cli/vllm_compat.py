@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 from typing import Any
 
-from layerwise_cli import vllm_symbols
+from layerwise_cli import vllm_symbols, vllm_weight_transfer
 from layerwise_cli.vllm_symbols import (
     ARGUMENT_PARSER,
     ATTACH_DEV_ROUTER,
@@ -66,6 +67,11 @@ from layerwise_cli.vllm_symbols import (
     ZMQ_SOCKET_CTX,
     PrivateSymbol,
 )
+from layerwise_cli.vllm_weight_transfer import (
+    WEIGHT_TRANSFER_FACTORY,
+    WEIGHT_TRANSFER_TRAINER_FACTORY,
+    WORKER_WEIGHT_TRANSFER,
+)
 
 # The names of the top-level `vllm` package that code outside this file may import
 # (`from vllm import LLM`); scripts/check_imports.py reads this tuple.
@@ -74,7 +80,7 @@ PUBLIC_NAMES = ("LLM", "SamplingParams")
 # Declarations callers read through this door: worker/quantization/online_quant.py loads the bases it subclasses,
 # worker/reload/rerun_hooks.py the reviewed hooks, scripts/check_vllm_release.py the lists (a test that
 # patches one of these here patches what they see).
-PRIVATE = vllm_symbols.PRIVATE
+PRIVATE = vllm_symbols.PRIVATE + vllm_weight_transfer.PRIVATE
 COPIED_RULES = vllm_symbols.COPIED_RULES
 COMMAND_FLAGS = vllm_symbols.COMMAND_FLAGS
 REVIEWED_CHANGES = vllm_symbols.REVIEWED_CHANGES
@@ -332,6 +338,30 @@ def dev_rpc_router_module():
 def call_utility_all_async(engine_client):
     """The server's engine client's call to every data-parallel engine, or None (a client of one engine)."""
     return getattr(getattr(engine_client, "engine_core", None), CALL_UTILITY_ALL_ASYNC.members[0], None)
+
+
+def register_weight_transfer(name: str, engine: tuple[str, str], trainer: tuple[str, str]) -> None:
+    """Register NAME in vLLM's weight-transfer registries: ENGINE and TRAINER, each (module, class), lazily (once)."""
+    for factory, (module, cls) in ((WEIGHT_TRANSFER_FACTORY, engine), (WEIGHT_TRANSFER_TRAINER_FACTORY, trainer)):
+        with contextlib.suppress(ValueError):  # "already registered"
+            getattr(_load(factory), factory.members[0])(name, module, cls)
+
+
+def worker_building_engine(model) -> Any:
+    """The vLLM worker whose `load_model` is building a weight-transfer engine for MODEL, from the call stack.
+
+    vLLM hands an engine its model, not its worker (`Worker.load_model` calls `create_engine(..., model)`);
+    layerwise's reload runs on the worker. None when no caller is such a worker.
+    """
+    runner_name, engine_name = WORKER_WEIGHT_TRANSFER.members[1:3]
+    frame = sys._getframe(1)
+    while frame is not None:
+        worker = frame.f_locals.get("self")
+        runner = getattr(worker, runner_name, None)
+        if runner is not None and hasattr(worker, engine_name) and runner.get_model() is model:
+            return worker
+        frame = frame.f_back
+    return None
 
 
 def shutdown_engine_core(llm) -> None:

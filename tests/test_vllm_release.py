@@ -56,6 +56,8 @@ def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                                                                        "DEFAULT_VOCAB_PADDING_SIZE = 128"),
             "vllm/entrypoints/serve/middleware/authenticate.py": ("def verify_token(", "def check_token("),
             "vllm/engine/arg_utils.py": ('add_argument("--nnodes"', 'add_argument("--num-nodes"'),
+            # The weight-transfer API the `layerwise` backend subclasses.
+            "vllm/distributed/weight_transfer/base.py": ("def receive_weights(", "def receive_tensors("),
         }),
         # A symbol moved to the module a later release keeps it in (0.34's `vllm._cpu_ops`).
         "moved": _wheel(folder / "vllm-0.32.0-cp38-abi3-manylinux_2_28_x86_64-moved.whl", {
@@ -78,14 +80,15 @@ def test_the_installed_vllm_passes_its_own_check(wheels: dict[str, Path]) -> Non
     assert not _differences(done.stdout)
     assert "get_layer_size" in done.stdout and "AuthenticationMiddleware" in done.stdout
     assert "--headless" in done.stdout and "--master-port" in done.stdout
+    assert "WeightTransferEngineFactory" in done.stdout and "TrainerWeightTransferEngine" in done.stdout
 
 
 def test_a_renamed_symbol_and_a_changed_rule_fail_naming_them(wheels: dict[str, Path]) -> None:
     done = _check(wheels["doctored"])
     assert done.returncode == 1, done.stdout + done.stderr
     differences = _differences(done.stdout)
-    assert len(differences) == 9, differences
-    (renamed, verify_token, direct_mode, rerun_hooks, padding_rule, padding_value, completion_rule, nnodes,
+    assert len(differences) == 10, differences
+    (renamed, verify_token, direct_mode, rerun_hooks, receive, padding_rule, padding_value, completion_rule, nnodes,
      table) = differences
     assert "reload.utils.get_layer_size" in renamed and "get_layer_size is not defined" in renamed
     assert "AuthenticationMiddleware" in verify_token and "has no verify_token" in verify_token
@@ -94,6 +97,7 @@ def test_a_renamed_symbol_and_a_changed_rule_fail_naming_them(wheels: dict[str, 
     assert "direct_reload_enabled" in direct_mode and "module vllm.model_executor.model_loader.reload.direct is " \
         "missing" in direct_mode
     assert "finalize_model_weights is not defined in vllm.model_executor.model_loader.weight_utils" in rerun_hooks
+    assert "WeightTransferEngine" in receive and "has no receive_weights" in receive
     assert "vocabulary padding" in padding_rule and "changed: DEFAULT_VOCAB_PADDING_SIZE" in padding_rule
     assert "release 128, layerwise (completion_rule.VOCAB_PADDING) 64" in padding_value
     assert "completion rule" in completion_rule and "removed: get_layer_size; added: get_layer_numel" in completion_rule

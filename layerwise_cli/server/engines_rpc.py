@@ -40,10 +40,12 @@ def attach_engines_rpc() -> None:
     def attach(app) -> None:
         from layerwise_cli.server.answer_versions import AnswerVersions
         from layerwise_cli.server.pause_lease import add_pause_lease_routes
+        from layerwise_cli.server.weight_transfer.routes import add_weight_transfer_routes
 
         vllm_attach(app)
         app.add_api_route(ENGINES_RPC_PATH, engines_rpc, methods=["POST"])
         add_pause_lease_routes(app)
+        add_weight_transfer_routes(app)  # the `layerwise` weight-transfer backend's lease, errors and report
         app.add_middleware(AnswerVersions)  # every completion and chat answer names its weights
 
     if getattr(vllm_attach, "_layerwise", False):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -44,6 +45,8 @@ class PauseLease:
     lease_s: float
     began: float = 0.0  # when the pause was asked for (the event loop's clock)
     expiry: asyncio.Task | None = field(default=None, repr=False)
+    # Run when the lease runs out, before the resume (the weight-transfer backend ends its client's update).
+    on_expiry: Callable[[], Awaitable[None]] | None = field(default=None, repr=False)
 
 
 def current_lease(app) -> PauseLease | None:
@@ -75,22 +78,40 @@ async def pause_with_lease(raw_request: Request):
         return _error(400, f"unknown pause mode {mode!r}: use one of {', '.join(PAUSE_MODES)}")
     if lease_s is None:
         return _error(400, f"lease_s must be a number of seconds in (0, {MAX_LEASE_S:g}]")
+    lease, refusal = await hold_pause(app, mode, lease_s)
+    if lease is None:
+        return refusal
+    return JSONResponse(content={"status": "paused", "token": lease.token, "lease_s": lease_s})
+
+
+async def hold_pause(app, mode: str, lease_s: float, *, on_expiry: Callable[[], Awaitable[None]] | None = None
+                     ) -> tuple[PauseLease | None, JSONResponse | None]:
+    """Pause APP's engine (MODE) under a new lease of LEASE_S seconds: (the lease, None), or (None, the refusal).
+
+    ON_EXPIRY runs when the lease runs out unrenewed, before the resume.
+    """
     loop = asyncio.get_running_loop()
     held = current_lease(app)
     if held is not None:
-        return _error(409, f"the server is paused under another client's lease (it ends in "
-                           f"{max(0.0, held.deadline - loop.time()):.0f} s unless renewed)")
+        return None, _error(409, f"the server is paused under another client's lease (it ends in "
+                                 f"{max(0.0, held.deadline - loop.time()):.0f} s unless renewed)")
     # The lease counts from now, before the pause is taken: a client that dies while a `wait` pause drains the
     # running requests still leaves a pause that ends.
-    lease = PauseLease(token=secrets.token_hex(8), deadline=loop.time() + lease_s, lease_s=lease_s, began=loop.time())
+    lease = PauseLease(token=secrets.token_hex(8), deadline=loop.time() + lease_s, lease_s=lease_s, began=loop.time(),
+                       on_expiry=on_expiry)
     _set_lease(app, lease)
     lease.expiry = asyncio.create_task(_expire(app, lease))
     try:
         await app.state.engine_client.pause_generation(mode=mode)
     except Exception as exc:  # noqa: BLE001 - answered as one line; the lease goes with the failed pause
         await _end(app, lease, reason=f"the pause failed: {exc}")
-        return _error(500, f"failed to pause generation: {exc}")
-    return JSONResponse(content={"status": "paused", "token": lease.token, "lease_s": lease_s})
+        return None, _error(500, f"failed to pause generation: {exc}")
+    return lease, None
+
+
+async def end_lease(app, lease: PauseLease, *, reason: str | None = None) -> None:
+    """Drop LEASE and resume generation (nothing when LEASE ended already); REASON is logged as a warning."""
+    await _end(app, lease, reason=reason)
 
 
 async def renew_lease(raw_request: Request):
@@ -125,8 +146,9 @@ async def resume_lease(raw_request: Request):
 async def _expire(app, lease: PauseLease) -> None:
     """Resume generation once LEASE runs out without being renewed or ended."""
     loop = asyncio.get_running_loop()
+    # Checked every second at least: a deadline may be moved (to infinity while a call of the lease is in flight).
     while (left := lease.deadline - loop.time()) > 0:
-        await asyncio.sleep(left)
+        await asyncio.sleep(min(left, 1.0))
     if current_lease(app) is lease:
         await _end(app, lease, reason=f"its client did not renew it within {lease.lease_s:g} s")
 
@@ -140,6 +162,11 @@ async def _end(app, lease: PauseLease, *, reason: str | None) -> None:
         lease.expiry.cancel()
     if reason is not None:
         logger.warning("layerwise pause lease ended: %s; resuming generation", reason)
+        if lease.on_expiry is not None and lease.expiry is asyncio.current_task():
+            try:
+                await lease.on_expiry()
+            except Exception as exc:  # noqa: BLE001 - the resume below must happen whatever this says
+                logger.warning("layerwise pause lease: ending its client's work failed: %s", exc)
     await app.state.engine_client.resume_generation()
     from layerwise_cli.server import metrics
 

@@ -8,7 +8,10 @@ and the pause lease (`server/pause_lease.py`). In every process it also
 wraps vLLM's multiprocessing executor so that node 0 of an engine spread over
 several nodes (its engine core) watches the other nodes and ends the engine,
 naming the node, when one is gone (`server/follower_watch.py`); elsewhere
-that wrapper does nothing.
+that wrapper does nothing. And in every process it registers the `layerwise` backend of vLLM's
+weight-transfer API (`--weight-transfer-config '{"backend": "layerwise"}'`): its engine, built in each worker
+(`server/weight_transfer/engine.py`), and its trainer-side engine (`writer/trainer_engine.py`), each imported
+only when vLLM builds it.
 """
 
 from __future__ import annotations
@@ -27,13 +30,24 @@ def in_api_server() -> bool:
 
 
 def register() -> None:
-    """Watch the other nodes from node 0's executor; attach layerwise's endpoints in the API server (idempotent)."""
+    """Register the weight-transfer backend; watch the other nodes from node 0's executor; attach layerwise's
+    endpoints in the API server (idempotent)."""
+    _register_weight_transfer()
     _watch_other_nodes()
     if not in_api_server():
         return
     from layerwise_cli.server.engines_rpc import attach_engines_rpc
 
     attach_engines_rpc()
+
+
+def _register_weight_transfer() -> None:
+    """Name `layerwise` in vLLM's weight-transfer registries (worker and trainer engines, imported when built)."""
+    from layerwise_cli import WEIGHT_TRANSFER_BACKEND, vllm_compat
+
+    vllm_compat.register_weight_transfer(
+        WEIGHT_TRANSFER_BACKEND, ("layerwise_cli.server.weight_transfer.engine", "LayerwiseWeightTransferEngine"),
+        ("layerwise_cli.writer.trainer_engine", "LayerwiseTrainerWeightTransferEngine"))
 
 
 def _watch_other_nodes() -> None:

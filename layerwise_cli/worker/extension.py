@@ -7,14 +7,12 @@ import traceback
 from layerwise_cli import EXTENSION_CLS  # noqa: F401 - re-exported for the engine side
 from layerwise_cli.errors import describe_exception
 from layerwise_cli.vllm_logs import silence_rotary_reload_warning
-from layerwise_cli.worker.proof.consensus import PeerFailed, all_ranks_agree
+from layerwise_cli.worker.proof.consensus import PeerFailed
 from layerwise_cli.worker.proof.fingerprints import model_fingerprints
 from layerwise_cli.worker.proof.verify import verify_against_source
 from layerwise_cli.worker.quantization import online_quant  # noqa: F401 - registers layerwise's online quantizations here
 from layerwise_cli.worker.reload.engine_context import engine_config
-from layerwise_cli.worker.reload.hold_point import hold_if_armed
-from layerwise_cli.worker.reload.reload_plan import loaded_from, mark_loaded_from
-from layerwise_cli.worker.reload.rollback import roll_back
+from layerwise_cli.worker.reload.reload_plan import loaded_from
 from layerwise_cli.worker.rpc import (
     ChecksumsAnswer,
     FingerprintsAnswer,
@@ -68,42 +66,18 @@ class LayerwiseWorkerExtension:
         reload, rolled back, unless `allow_unchecked` (then the report notes it). An option this version does
         not know (a newer client's) is left out (`ReloadOptions.from_json`).
         """
-        from layerwise_cli.worker.reload.handover import EngineUnchanged
-        from layerwise_cli.worker.reload.stream_reload import stream_reload
-        from layerwise_cli.worker.state.layer_records import records_of
+        from layerwise_cli.worker.reload.agreed import reload_agreed
         from layerwise_cli.worker.stream.rank_plan import rank_position
 
-        asked = ReloadOptions.from_json(options)
         touched = {"engine": False}
-
-        def engine_touched() -> None:
-            touched.update(engine=True)
-            hold_if_armed()  # a fault test's moment to kill a node (a no-op unless it armed one)
-
         try:
-            try:
-                report = stream_reload(self, source, asked, agree=all_ranks_agree, records=records_of(self),
-                                       on_engine_touched=engine_touched)
-                failure = None
-            except Exception as exc:  # noqa: BLE001 - raised below, after the ranks agreed what to do
-                failure = exc
-            # Every rank touched its weights (they agreed to); all keep the new ones, or all roll back.
-            if touched["engine"] and not all_ranks_agree(failure is None):
-                if isinstance(failure, EngineUnchanged):
-                    touched["engine"] = False  # vLLM refused before it changed a weight here: nothing to roll back
-                else:
-                    roll_back(self, touched, failure or PeerFailed(
-                        "another rank of this engine failed during the reload"))
-            if failure is not None:
-                raise failure
+            report = reload_agreed(self, source, ReloadOptions.from_json(options), touched)
         except Exception as exc:  # noqa: BLE001 - every failure becomes one line for the caller
             error = describe_exception(exc)
             return ReloadAnswer(ok=False, error=str(error), engine_touched=touched["engine"],
                                 rolled_back=touched.get("rolled_back", False),
                                 followed_another_rank=isinstance(exc, PeerFailed),
                                 position=rank_position(self).to_dict(), traceback=traceback.format_exc()).to_json()
-        # A Hub source is recorded at the commit it was read at (`plan_reload`), never at a branch.
-        mark_loaded_from(self, source, report.placement.commit or asked.revision)
         return ReloadAnswer(ok=True, report=report.to_dict()).to_json()
 
     def layerwise_preflight(self, source: str, revision: str | None = None, allow_partial: bool = False) -> dict:

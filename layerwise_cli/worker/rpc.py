@@ -20,6 +20,9 @@ CHECKSUMS = "layerwise_checksums"
 FINGERPRINTS = "layerwise_fingerprints"
 VERIFY = "layerwise_verify"
 PREFLIGHT = "layerwise_preflight"
+# The `layerwise` weight-transfer backend's last update on this worker (`server/weight_transfer/engine.py`): a
+# `ReloadAnswer` (`{"ok": null}` before the first update).
+UPDATE_REPORT = "layerwise_update_report"
 
 
 @dataclass(frozen=True)
@@ -312,3 +315,73 @@ class PreflightAnswer(_Answer):
 
     ok_fields: ClassVar[tuple[str, ...]] = ("rank", "notes", "loaded_from", "loaded_revision", "back_error")
     failure_fields: ClassVar[tuple[str, ...]] = ("error", "position")
+
+
+# The keys of an `update_info` besides `source` and the `ReloadOptions` fields.
+_UPDATE_KEYS = ("verify",)
+# `ReloadOptions` fields a caller of vLLM's weight-transfer API does not set: this process's progress file.
+_UPDATE_HIDDEN = ("progress_path",)
+
+
+@dataclass(frozen=True)
+class TransferUpdate:
+    """One `update_weights` of the `layerwise` backend of vLLM's weight-transfer API: what vLLM's route carries.
+
+    vLLM's `POST /update_weights` hands its `update_info` object, unchanged, to
+    the backend's engine in every worker (`server/weight_transfer/engine.py`);
+    a trainer-side engine (`writer/trainer_engine.py`) builds it with
+    `to_json`. Its keys: `source` (anything `reload --weights-path` takes), the
+    `ReloadOptions` field names, and `verify`.
+
+    Attributes:
+        source: a checkpoint folder or file on the server's machine, a delta step, a Hub repo id (`revision`
+            picks the commit), or a URL (`s3://...`, `https://...`).
+        options: how to reload it (`ReloadOptions`).
+        verify: after the reload, check every layer of the engine against SOURCE (`--verify`); a failed check
+            rolls the engine back.
+    """
+
+    source: str
+    options: ReloadOptions = ReloadOptions()
+    verify: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """The `update_info` object: `source`, the options that are not their default, `verify` when set."""
+        sent = {item.name: getattr(self.options, item.name) for item in fields(ReloadOptions)
+                if getattr(self.options, item.name) != item.default}
+        return {"source": self.source, **sent, **({"verify": True} if self.verify else {})}
+
+    @classmethod
+    def from_json(cls, data: Any) -> TransferUpdate:
+        """Read an `update_info` object; refuse a missing source, an unknown key or a value of the wrong type.
+
+        Raises:
+            ValueError: one line naming the key and what is wrong (vLLM answers the route with it).
+        """
+        if not isinstance(data, dict):
+            raise ValueError(f"update_info must be a JSON object, not {type(data).__name__}")
+        source = data.get("source")
+        if not isinstance(source, str) or not source.strip():
+            raise ValueError("update_info needs a 'source': a checkpoint folder, a delta step, a Hub repo id or a "
+                             "URL")
+        defaults = {item.name: item.default for item in fields(ReloadOptions) if item.name not in _UPDATE_HIDDEN}
+        unknown = sorted(set(data) - {"source", *_UPDATE_KEYS, *defaults})
+        if unknown:
+            raise ValueError(f"update_info: unknown key(s) {', '.join(map(repr, unknown))}; the keys are 'source', "
+                             f"{', '.join(map(repr, (*defaults, *_UPDATE_KEYS)))}")
+        for name, value in data.items():
+            default = defaults.get(name, False if name in _UPDATE_KEYS else "")
+            if not _same_kind(value, default):
+                raise ValueError(f"update_info: {name!r} must be {_kind(default)}, not {value!r}")
+        options = ReloadOptions(**{name: data[name] for name in defaults if name in data})
+        return cls(source=source, options=options, verify=bool(data.get("verify", False)))
+
+
+def _same_kind(value: Any, default: Any) -> bool:
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    return value is None or isinstance(value, str) if default is None else isinstance(value, type(default))
+
+
+def _kind(default: Any) -> str:
+    return "true or false" if isinstance(default, bool) else "a string or null" if default is None else "a string"

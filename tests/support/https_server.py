@@ -3,7 +3,9 @@
 Its certificate comes from a throwaway certificate authority (`trustme`); `ca_file` is what a client trusts
 (layerwise reads it from `SSL_CERT_FILE`). `sent` counts the body bytes each file sent. `stalls` makes a file's
 body stall: name -> the byte of the file at which every GET of it stops sending, holding the connection open
-until the server closes (a stalled transfer, never a dropped one).
+until the server closes (a stalled transfer, never a dropped one). `rewrites` rewrites a file in the middle of an
+operation: name -> new bytes, written over the file just before the first GET of it that names the identity read
+earlier (`If-Match`), which then finds the object changed.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class HttpsFolder:
         self.folder, self.prefix = folder, prefix
         self.sent: Counter[str] = Counter()
         self.stalls: dict[str, int] = {}
+        self.rewrites: dict[str, bytes] = {}
         self._closing = threading.Event()
         authority = trustme.CA()
         self._tmp = tempfile.TemporaryDirectory(prefix="layerwise-https-")
@@ -69,9 +72,11 @@ class HttpsFolder:
                 path = outer.folder / name
                 if "/" in name or not path.is_file():
                     return self._empty(404)
+                wanted = self.headers.get("If-Match")
+                if wanted and name in outer.rewrites:
+                    path.write_bytes(outer.rewrites.pop(name))
                 data = path.read_bytes()
                 etag = '"' + hashlib.md5(data).hexdigest() + '"'
-                wanted = self.headers.get("If-Match")
                 if wanted and wanted not in ("*", etag):
                     return self._empty(412)
                 status, start, end = 200, 0, len(data)
