@@ -112,7 +112,7 @@ def _tensors(step: int) -> dict:
 def test_the_trainer_engine_writes_a_full_step_then_deltas_and_drives_start_update_finish(tmp_path) -> None:
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
-    from layerwise_cli.checkpoint.delta_read import delta_file
+    from layerwise_cli.checkpoint.delta.read import delta_file
     from layerwise_cli.writer.trainer_engine import LayerwiseTrainerInitInfo
 
     client = RecordingClient()

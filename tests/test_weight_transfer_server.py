@@ -130,7 +130,7 @@ def update(server: RunningServer, update_info: dict, version: str | None = None)
 
 
 def state(server: RunningServer) -> dict:
-    from layerwise_cli.client.remote import server_fingerprints
+    from layerwise_cli.client.servers.reload_servers import server_fingerprints
 
     rpc = post(server, "/collective_rpc", {"method": "layerwise_checksums"}).json()["results"][0]
     return {"answers": server.answers(PAIRS), "checksums": rpc["checksums"],
@@ -185,7 +185,7 @@ def test_every_kind_of_step_through_the_routes_ends_equal_to_a_fresh_engine(serv
 
 
 def test_weight_checker_and_verify_agree(server, steps, fresh):
-    from layerwise_cli.client.server_api import ServerClient
+    from layerwise_cli.client.servers.api import ServerClient
 
     assert update(server, {"source": str(steps["A"])}, "A").status_code == 200
     for name, holds in (("A", True), ("B", False)):

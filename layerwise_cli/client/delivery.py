@@ -11,7 +11,7 @@ One of four ways, chosen where the operation starts (`plan_operation`) and carri
   workers then find it in the cache.
 - `stream`: everything else, a URL (`s3://`, `gs://`, `az://`, `https://`), a Hub repo into running servers
   (`--url`, `watch`, the Python API) or with `--bounded-disk`: each worker fetches exactly the byte ranges it
-  hands over, in layer order, a window ahead (`worker/stream/hub_stream.py`); what a commit's or a store's cache
+  hands over, in layer order, a window ahead (`worker/stream/remote_stream.py`); what a commit's or a store's cache
   already holds is read from there.
 """
 

@@ -24,8 +24,8 @@ def upload_step(folder: Path, url: str, marker: str | None = None) -> str:
     Raises:
         LayerwiseError: the store refused a put (one line naming the object), or obstore is missing.
     """
-    from layerwise_cli.checkpoint.hub_http import FetchPolicy
-    from layerwise_cli.checkpoint.store import display_url, open_store, store_error
+    from layerwise_cli.checkpoint.fetch.policy import FetchPolicy
+    from layerwise_cli.checkpoint.store.objects import display_url, open_store, store_error
 
     url = url.rstrip("/")
     store = open_store(url, FetchPolicy())

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from layerwise_cli import WEIGHT_TRANSFER_BACKEND, vllm_compat, vllm_weight_transfer
-from layerwise_cli.checkpoint.store import is_store_url
+from layerwise_cli.checkpoint.store.objects import is_store_url
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.worker.rpc import TransferUpdate
 from layerwise_cli.writer.save import SavedCheckpoint, save_checkpoint
