@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from layerwise_cli.checkpoint.delta.source import open_step
 from layerwise_cli.checkpoint.hub.pin import HubPin, is_commit
-from layerwise_cli.checkpoint.sources import looks_like_repo_id, open_checkpoint, pin_source
+from layerwise_cli.checkpoint.sources import looks_like_repo_id, pin_source
 from layerwise_cli.checkpoint.store.objects import is_store_url
 from layerwise_cli.worker.rpc import ReloadOptions
 
@@ -27,7 +28,8 @@ def pin_reload(source: str, options: ReloadOptions) -> tuple[ReloadOptions, HubP
     if is_store_url(source):
         # A URL source: every object pinned to the ETag read now (`etags:...`); a later step that finds another
         # refuses, naming the source.
-        return replace(options, revision=open_checkpoint(source, options.revision).revision), None
+        # A delta step's pin covers its whole chain (`delta.remote`).
+        return replace(options, revision=open_step(source, options.revision).revision), None
     if not looks_like_repo_id(source):
         return options, None
     if is_commit(options.revision):

@@ -117,6 +117,7 @@ class LayerwiseWorkerExtension:
         finds them (`hub_stream`). A sparse delta is read and checked here as the reload checks it: its
         positions, its new values, and that the engine holds its base (`reload_run.plan_run`).
         """
+        from layerwise_cli.checkpoint.delta.source import open_step
         from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
         from layerwise_cli.checkpoint.store.objects import is_store_url
         from layerwise_cli.worker.reload.reload_run import plan_run
@@ -136,7 +137,7 @@ class LayerwiseWorkerExtension:
             back, back_revision = loaded_from(self)
             try:
                 if is_store_url(back):
-                    open_checkpoint(back, back_revision)  # by range, at its pin: never downloaded
+                    open_step(back, back_revision)  # by range, at its pin (a delta's chain): never downloaded
                 else:
                     open_checkpoint(str(resolve_local(back, back_revision)))
                 back_error = None

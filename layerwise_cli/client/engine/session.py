@@ -52,7 +52,7 @@ def prepare_sources(source: str, base: str | None, revision: str | None, quiet: 
         if base is None:
             raise LayerwiseError("a URL source needs --model: the engine starts on a local or Hub model, then the "
                                  "reload streams the URL", where=display_url(source))
-        local, checkpoint = source, open_checkpoint(source, revision)
+        local, checkpoint = source, open_step(source, revision)
     elif looks_like_repo_id(source) and base is not None and base != source:
         local, checkpoint = source, open_checkpoint(source, revision)
     else:

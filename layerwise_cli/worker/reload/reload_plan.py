@@ -64,8 +64,9 @@ def plan_reload(worker, source: str, *, revision: str | None = None, allow_parti
     commit = hub_commit(source, revision)
     if is_store_url(source):
         # Never downloaded whole: read by range, pinned to the objects' ETags (REVISION: the pin the client
-        # read; objects changed since are refused). The folder is a name only; no file is opened in it.
-        checkpoint = open_checkpoint(source, revision)
+        # read; objects changed since are refused). The folder is a name only; no file is opened in it. A
+        # delta step is read from this host's store cache (`delta.remote`), its chain pinned as one.
+        checkpoint = open_step(source, revision)
         local = Path(display_url(source))
     elif commit is not None and stream:
         checkpoint = hub_checkpoint(source, commit)
