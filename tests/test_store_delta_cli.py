@@ -150,3 +150,15 @@ def test_inspect_order_describes_a_delta_step_by_url(s3, run, env) -> None:
 def _size(root: Path, *names: str, suffix: str = "") -> int:
     return sum(p.stat().st_size for name in names for p in (root / name).iterdir()
                if p.is_file() and p.name.endswith(suffix))
+
+
+def test_a_client_pins_the_chain_from_headers_alone(s3, run, env, tmp_path, monkeypatch) -> None:
+    from layerwise_cli.checkpoint.delta.source import open_step
+    from layerwise_cli.client.pinning import store_revision
+
+    root, _ = run
+    url = _upload(s3, root, "pinned")
+    pin = store_revision(f"{url}/step_3", None)
+    assert not (tmp_path / "cache").exists()  # nothing fetched or kept: the client only reads headers
+    assert open_step(f"{url}/step_3", pin).revision == pin
+    assert store_revision(f"{url}/step_1", None) == open_step(f"{url}/step_1").revision

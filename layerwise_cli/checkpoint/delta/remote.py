@@ -20,15 +20,18 @@ base deleted since).
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from layerwise_cli.checkpoint.delta.format import DELTA_FILE, Delta
+from layerwise_cli.checkpoint.delta.format import DELTA_FILE, METADATA_KEY, Delta
 from layerwise_cli.checkpoint.delta.read import read_delta
 from layerwise_cli.checkpoint.fetch.policy import FetchPolicy
 from layerwise_cli.checkpoint.fetch.range_fetcher import RangeFetcher, whole_files
+from layerwise_cli.checkpoint.format.header import header_length, parse_header
 from layerwise_cli.checkpoint.format.layout import INDEX_NAME
 from layerwise_cli.checkpoint.sources import Checkpoint, open_checkpoint
 from layerwise_cli.checkpoint.store.headers import PIN_PREFIX, store_pin
@@ -99,28 +102,92 @@ def open_store_chain(url: str, revision: str | None, max_links: int) -> StoreCha
     if not is_store_delta(url):
         return None
     links: list[StoreLink] = []
-    pinned: dict[str, tuple[str, int]] = {}
-    fetched, step_url = 0, url
-    while True:
-        source = StoreSource(step_url, policy=_OPEN_POLICY)
-        if links and not _holds_delta(source, links[-1].url):
-            break
-        if len(links) >= max_links:
-            raise LayerwiseError(f"a chain of more than {max_links} deltas (a loop?): no full step at its start",
-                                 where=display_url(url))
+    fetched = 0
+
+    def read_link(source: StoreSource) -> str:
+        nonlocal fetched
         link, n = _read_link(source)
-        fetched += n
         links.append(link)
-        pinned.update(_named(step_url, source.pinned))
-        step_url = beside(step_url, link.delta.base_location)
-    base, n = _open_base(step_url, links[-1].url)
-    pinned.update(_named(step_url, base.pinned or {}))
-    chain = StoreChain(tuple(reversed(links)), base, step_url, pinned, fetched + n)
+        fetched += n
+        return link.delta.base_location
+
+    def open_base(base_url: str, child: str) -> Checkpoint:
+        nonlocal fetched
+        base, n = _open_base(base_url, child)
+        fetched += n
+        return base
+
+    pinned, base, base_url = _walk(url, max_links, read_link, open_base)
+    chain = StoreChain(tuple(reversed(links)), base, base_url, pinned, fetched)
     if revision is not None and chain.pin != revision:
         raise LayerwiseError(f"the chain's objects changed since this operation pinned them ({revision}, now "
                              f"{chain.pin}), and the store keeps no earlier version to read: refused",
                              where=display_url(url))
     return chain
+
+
+def store_step_pin(url: str, max_links: int) -> str | None:
+    """The pin of the delta step at URL (`StoreChain.pin`), read without fetching a tensor: each link's delta
+    header by range, the full step's headers; None when URL is not a delta step.
+
+    What a client resolves once, at the start of an operation, and hands to every server (which open the chain
+    from their own caches, `open_store_chain`, and refuse it when the pin differs).
+
+    Raises:
+        LayerwiseError: as `open_store_chain`.
+    """
+    url = url.rstrip("/")
+    if not is_store_delta(url):
+        return None
+    pinned, _, _ = _walk(url, max_links, _base_location, lambda base_url, child: _remote_base(base_url, child))
+    return store_pin(pinned)
+
+
+def _walk(url: str, max_links: int, read_link: Callable[[StoreSource], str],
+          open_base: Callable[[str, str], Checkpoint]) -> tuple[dict[str, tuple[str, int]], Checkpoint, str]:
+    """Follow URL's chain: READ_LINK each delta step (giving its base location), OPEN_BASE the full step at its
+    start; every object read, named by `<step folder>/<file>`, the full step, and its URL."""
+    pinned: dict[str, tuple[str, int]] = {}
+    step_url, child, links = url, url, 0
+    while True:
+        source = StoreSource(step_url, policy=_OPEN_POLICY)
+        if links and not _holds_delta(source, child):
+            break
+        if links >= max_links:
+            raise LayerwiseError(f"a chain of more than {max_links} deltas (a loop?): no full step at its start",
+                                 where=display_url(url))
+        _exists(source, CONFIG)  # pinned when there
+        location = read_link(source)
+        links += 1
+        pinned.update(_named(step_url, {name: source.metadata(name) for name in (DELTA_FILE, CONFIG)
+                                        if name in source.pinned}))
+        child, step_url = step_url, beside(step_url, location)
+    base = open_base(step_url, child)
+    pinned.update(_named(step_url, base.pinned or {}))
+    return pinned, base, step_url
+
+
+def _base_location(source: StoreSource) -> str:
+    """The base location SOURCE's delta names, from its header read by range (never its patches)."""
+    where = source.where(DELTA_FILE)
+    prefix, _, size = source.read(DELTA_FILE, 0, 8)
+    length = header_length(prefix, size, where)
+    header = parse_header(DELTA_FILE, source.read(DELTA_FILE, 8, 8 + length)[0], file_size=size, where=where)
+    try:
+        location = json.loads(header.metadata[METADATA_KEY])["base"]["location"]
+    except (KeyError, TypeError, ValueError):
+        raise LayerwiseError(f"not a delta: its header has no {METADATA_KEY} base location", where=where) from None
+    if not isinstance(location, str):
+        raise LayerwiseError(f"not a delta: its header has no {METADATA_KEY} base location", where=where)
+    return location
+
+
+def _remote_base(base_url: str, child: str) -> Checkpoint:
+    try:
+        return open_checkpoint(base_url)
+    except LayerwiseError as exc:
+        raise LayerwiseError(f"its base {base_url} is not there or cannot be read ({exc.what}): a delta is "
+                             "rebuilt from its base step", where=child) from None
 
 
 def beside(step_url: str, base_location: str) -> str:
@@ -143,7 +210,7 @@ def _holds_delta(source: StoreSource, child: str) -> bool:
 
 def _read_link(source: StoreSource) -> tuple[StoreLink, int]:
     """The delta of SOURCE's step, read from this host's kept copy (fetched whole first if not kept)."""
-    names = [DELTA_FILE] + ([CONFIG] if _exists(source, CONFIG) else [])
+    names = [DELTA_FILE] + ([CONFIG] if CONFIG in source.pinned else [])
     folder, fetched = kept_folder(source, names, {})
     try:
         delta = read_delta(folder / DELTA_FILE)
@@ -155,11 +222,7 @@ def _read_link(source: StoreSource) -> tuple[StoreLink, int]:
 def _open_base(base_url: str, child: str) -> tuple[Checkpoint, int]:
     """The chain's full step at BASE_URL, opened from this host's store cache (its shards fetched whole when
     the cache does not hold them); a base not there is named with the delta CHILD that needs it."""
-    try:
-        remote = open_checkpoint(base_url)
-    except LayerwiseError as exc:
-        raise LayerwiseError(f"its base {base_url} is not there or cannot be read ({exc.what}): a delta is "
-                             "rebuilt from its base step", where=child) from None
+    remote = _remote_base(base_url, child)
     source = StoreSource(base_url, pinned=remote.pinned, policy=_OPEN_POLICY)
     shards = [shard.name for shard in remote.shards]
     written = {name: value for name, value in ((CONFIG, remote.config), (INDEX_NAME, remote.index))
@@ -201,8 +264,6 @@ def kept_folder(source: StoreSource, names: list[str], written: dict[str, dict])
                                  "process): a delta's base and links are read from this host's copy",
                                  where=source.where(name))
         os.symlink(blob, tmp / name)
-    import json
-
     for name, value in written.items():
         (tmp / name).write_text(json.dumps(value))
     try:
