@@ -1,0 +1,139 @@
+"""A delta chain in SeaweedFS reloaded into two real `layerwise serve` servers by URL, `reload --url` and `watch`.
+
+The run (`step_1` full, *multiply*; `step_2`, `step_3`, `step_4` deltas, each an RL-like step from the one
+before, the first also taking every fourth layer from *add*) is uploaded as the trainer wrote it. Each server
+has its own store cache (its host's). What each server holds is proved against the full step by every tensor
+(`--verify`, and the full step's reload skipped whole on its digests, records and a spot check of its files),
+and by answers against a server started fresh on the full step; what it fetched is at most 1.2 x the links it
+needed; a server that missed a step catches up in one reload; a delta whose base is not in the bucket is one
+line, and the servers keep their weights.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.support.deltas import rl_step, save_step
+from tests.support.engine_support import load_tensors
+from tests.support.seaweed import BUCKET, running_seaweed
+from tests.support.server_support import RunningServer, run_cli
+
+pytestmark = pytest.mark.server
+
+PAIRS = [(3, 4), (2, 5), (9, 9), (7, 8)]
+EXTRA = ["--max-model-len", "64", "--max-num-seqs", "1"]
+
+
+@pytest.fixture(scope="module")
+def run(demo_models, tmp_path_factory) -> dict:
+    from layerwise_cli.planning.inspect import inspect_order
+
+    root = tmp_path_factory.mktemp("store-delta-server")
+    a_dir = demo_models["multiply"]
+    plan = inspect_order(str(a_dir)).plan
+    changed = {layer.name for layer in plan.layers[2::4]}
+    parent = {item.entry.name: item.parent for item in plan.layer_order}
+    add = load_tensors(demo_models["add"])
+    full = {"step_1": load_tensors(a_dir)}
+    full["step_2"] = {name: add[name] if parent.get(name) in changed else rl_step(t, 0.03, i)
+                      for i, (name, t) in enumerate(sorted(full["step_1"].items()))}
+    full["step_3"] = {name: rl_step(t, 0.03, 50 + i) for i, (name, t) in enumerate(sorted(full["step_2"].items()))}
+    full["step_4"] = {name: rl_step(t, 0.03, 90 + i) for i, (name, t) in enumerate(sorted(full["step_3"].items()))}
+    out = {}
+    for i, (name, tensors) in enumerate(full.items()):
+        base = root / "run" / f"step_{i}" if i else None
+        saved = save_step(tensors, root / "run" / name, a_dir, base=base)
+        assert (saved.delta is not None) == bool(i), saved.fallback
+        save_step(tensors, root / "full" / name, a_dir)
+        out[name] = root / "full" / name
+    out["run"] = root / "run"
+    return out
+
+
+@pytest.fixture(scope="module")
+def s3(run):
+    with running_seaweed() as server:
+        for folder in sorted(run["run"].iterdir()):
+            server.put_folder(f"run/{folder.name}", folder)
+        yield server
+
+
+@pytest.fixture(scope="module")
+def servers(demo_models, s3, tmp_path_factory):
+    caches = [tmp_path_factory.mktemp(f"host-{n}") for n in range(2)]
+    with RunningServer(demo_models["multiply"], env=s3.env(LAYERWISE_CACHE=str(caches[0])), extra=EXTRA,
+                       start_timeout=600) as x, \
+            RunningServer(demo_models["multiply"], env=s3.env(LAYERWISE_CACHE=str(caches[1])), extra=EXTRA,
+                          start_timeout=600) as y:
+        yield x, y
+
+
+def url(step: str) -> str:
+    return f"s3://{BUCKET}/run/{step}"
+
+
+def reload(s3, targets, source, *args: str) -> list[dict]:
+    done = run_cli("reload", "--weights-path", str(source), *(a for t in targets for a in ("--url", t.url)),
+                   "--json", *args, env=s3.env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [entry["report"] | {"verify": entry.get("verify")} for entry in json.loads(done.stdout)["servers"]]
+
+
+def link_bytes(run, *steps: str) -> int:
+    return sum(p.stat().st_size for step in steps for p in (run["run"] / step).iterdir() if p.is_file())
+
+
+def assert_holds(s3, targets, full_step) -> None:
+    """Every target holds FULL_STEP: its reload is skipped whole (digests, records, a spot check of its files),
+    and `--verify` compares every layer of the engine with it."""
+    for report in reload(s3, targets, full_step, "--verify"):
+        assert report["bytes"] == 0 and report["skipped_layers"] == len(report["layers"]), report
+        assert report["verify"]["ok"] and report["verify"]["checked"] > 0, report["verify"]
+
+
+def test_a_chain_by_url_moves_two_servers_a_b_a_b_fetching_only_the_links(servers, s3, run) -> None:
+    x, y = servers
+    first = reload(s3, servers, url("step_1"), "--all")
+    assert all(r["fetched_bytes"] > 0 for r in first)  # each host keeps step_1's shards in its cache
+    for _ in range(2):  # A, B, A, B
+        to_b = reload(s3, servers, url("step_2"), "--verify")
+        assert all(r["verify"]["ok"] and r["verify"]["checked"] > 0 for r in to_b)
+        assert all(r["fetched_bytes"] <= 1.2 * link_bytes(run, "step_2") for r in to_b), to_b
+        assert_holds(s3, servers, run["step_2"])
+        back = reload(s3, servers, url("step_1"))
+        assert all(r["fetched_bytes"] == 0 for r in back)  # step_1 read from each host's cache
+        assert_holds(s3, servers, run["step_1"])
+    reload(s3, servers, url("step_2"))
+    # x follows every step; y misses step_3 and catches up in one reload, fetching step_3's and step_4's links.
+    reload(s3, [x], url("step_3"))
+    (on_x,) = reload(s3, [x], url("step_4"))
+    (on_y,) = reload(s3, [y], url("step_4"))
+    assert 0 < on_x["fetched_bytes"] <= 1.2 * link_bytes(run, "step_4")
+    assert link_bytes(run, "step_4") < on_y["fetched_bytes"] <= 1.2 * link_bytes(run, "step_3", "step_4")
+    assert_holds(s3, servers, run["step_4"])
+    with RunningServer(run["step_4"], extra=EXTRA, start_timeout=600) as fresh:
+        want = fresh.answers(PAIRS)
+    assert x.answers(PAIRS) == want and y.answers(PAIRS) == want
+
+
+def test_watch_on_the_bucket_follows_the_chain(servers, s3, run) -> None:
+    reload(s3, servers, url("step_1"))  # the chain's full step: three links behind the newest
+    done = run_cli("watch", f"s3://{BUCKET}/run/", *(a for t in servers for a in ("--url", t.url)), "--once",
+                   "--interval", "0.1", env=s3.env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step_4" in done.stderr
+    assert_holds(s3, servers, run["step_4"])
+
+
+def test_a_delta_whose_base_is_not_in_the_bucket_is_one_line_and_changes_nothing(servers, s3, run) -> None:
+    reload(s3, servers, url("step_1"))
+    reload(s3, servers, url("step_2"))
+    s3.put_folder("orphan/step_3", run["run"] / "step_3")
+    done = run_cli("reload", "--weights-path", f"s3://{BUCKET}/orphan/step_3",
+                   *(a for t in servers for a in ("--url", t.url)), env=s3.env())
+    errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
+    assert done.returncode == 1 and len(errors) == 1, done.stderr[-3000:]
+    assert f"its base s3://{BUCKET}/orphan/step_2 is not there" in errors[0]
+    assert_holds(s3, servers, run["step_2"])
