@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from layerwise_cli.checkpoint.delta.hub_run import hub_step_commit, is_hub_step
 from layerwise_cli.checkpoint.hub.pin import HubPin, is_commit
 from layerwise_cli.checkpoint.sources import looks_like_repo_id, open_checkpoint, pin_source
 from layerwise_cli.checkpoint.store.objects import display_url, is_store_url
@@ -29,6 +30,9 @@ def pin_reload(source: str, options: ReloadOptions) -> tuple[ReloadOptions, HubP
         # A URL source: every object pinned to the ETag read now (`etags:...`); a later step that finds another
         # refuses, naming the source.
         return replace(options, revision=store_revision(source, options.revision)), None
+    if is_hub_step(source):
+        # A step folder of a Hub run: the branch resolved to its commit, which pins the whole chain.
+        return replace(options, revision=hub_step_commit(source, options.revision)), None
     if not looks_like_repo_id(source):
         return options, None
     if is_commit(options.revision):

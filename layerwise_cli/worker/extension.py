@@ -117,6 +117,7 @@ class LayerwiseWorkerExtension:
         finds them (`hub_stream`). A sparse delta is read and checked here as the reload checks it: its
         positions, its new values, and that the engine holds its base (`reload_run.plan_run`).
         """
+        from layerwise_cli.checkpoint.delta.hub_run import is_hub_step
         from layerwise_cli.checkpoint.delta.source import open_step
         from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
         from layerwise_cli.checkpoint.store.objects import is_store_url
@@ -136,7 +137,7 @@ class LayerwiseWorkerExtension:
             planned = run.planned
             back, back_revision = loaded_from(self)
             try:
-                if is_store_url(back):
+                if is_store_url(back) or is_hub_step(back):
                     open_step(back, back_revision)  # by range, at its pin (a delta's chain): never downloaded
                 else:
                     open_checkpoint(str(resolve_local(back, back_revision)))

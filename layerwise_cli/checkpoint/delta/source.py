@@ -12,6 +12,7 @@ from pathlib import Path
 
 from layerwise_cli.checkpoint.delta.buffers import RebuildBuffers
 from layerwise_cli.checkpoint.delta.format import Delta
+from layerwise_cli.checkpoint.delta.hub_run import is_hub_step, open_hub_step
 from layerwise_cli.checkpoint.delta.read import delta_file, read_delta
 from layerwise_cli.checkpoint.format.digests import checkpoint_digests, digests_metadata, tensor_digest
 from layerwise_cli.checkpoint.format.header import TensorEntry
@@ -31,6 +32,8 @@ def open_step(source: str, revision: str | None = None) -> Checkpoint:
     """
     if is_store_url(source):
         return open_store_step(source, revision)
+    if is_hub_step(source):
+        return open_hub_run_step(source, revision)
     if not looks_like_repo_id(source) and delta_file(source) is not None:
         if revision:
             raise LayerwiseError("--revision applies to Hub repo ids only", where=source)
@@ -56,6 +59,20 @@ def open_store_step(url: str, revision: str | None = None) -> Checkpoint:
     assert step.delta is not None
     return replace(step, kind="store", revision=chain.pin, pinned=chain.pinned,
                    delta=replace(step.delta, fetched_bytes=chain.fetched_bytes))
+
+
+def open_hub_run_step(source: str, revision: str | None = None) -> Checkpoint:
+    """The step folder of a run pushed to a Hub repo (`hf://org/run/step_120`) at REVISION's commit, from the
+    Hub cache (`hub_run.open_hub_step`): a delta step opened as the full step it rebuilds, its chain read at the
+    same commit; a full step as its folder. `commit` and `revision` are the commit."""
+    base, deltas, fetched = open_hub_step(source, revision, MAX_CHAIN)
+    step = base
+    for i, delta in enumerate(deltas):
+        link = source if i == len(deltas) - 1 else str(delta.path.parent)
+        step = delta_over_base(delta, step, step.source, link)
+    if step.delta is None:
+        return replace(step, source=source)
+    return replace(step, delta=replace(step.delta, fetched_bytes=fetched))
 
 
 # Links a chain of deltas may have before its full step: beyond it, a loop (or a run that never wrote a full step).

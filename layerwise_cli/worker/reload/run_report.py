@@ -103,11 +103,11 @@ def build_report(run: ReloadRun) -> ReloadReport:
 
 
 def fetched_bytes(run) -> int | None:
-    """The bytes RUN fetched from a remote source: its stream's, or a delta by URL's (its links, and a base
-    this host's store cache did not hold); None for a local source."""
+    """The bytes RUN fetched from a remote source: its stream's, or a delta by URL or in a Hub run's (its links,
+    and a base this host's cache did not hold); None for a local source."""
     if run.hub is not None:
         return run.hub.bytes_fetched
     delta = run.planned.checkpoint.delta
-    if delta is not None and run.planned.checkpoint.kind == "store":
+    if delta is not None and run.planned.checkpoint.kind in ("store", "hub"):
         return delta.fetched_bytes
     return None
