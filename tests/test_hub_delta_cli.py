@@ -117,3 +117,26 @@ def test_a_base_missing_from_the_commit_is_one_line(hub, run, tmp_path) -> None:
 def test_a_link_pushed_again_with_other_weights_is_refused(hub, run, tmp_path) -> None:
     found = open_in_fresh_python(hub, tmp_path, "hf://org/rewritten/step_3", run["root"] / "full" / "step_3")
     assert "is not the delta's base" in found["error"] and "\n" not in found["error"], found
+
+
+LIST = """
+import json, sys
+from layerwise_cli.checkpoint.steps.hub_run import list_hub_run_steps
+
+steps = list_hub_run_steps(sys.argv[1], None)
+print(json.dumps([[s.name, s.url, s.revision, s.examine()[0]] for s in steps]))
+"""
+
+
+def test_watch_lists_a_hub_run_at_one_commit_and_checks_each_step_through_its_chain(hub, tmp_path) -> None:
+    env = {**os.environ, "HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path), "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    found = {}
+    for repo in ("run", "orphan"):
+        done = subprocess.run([sys.executable, "-c", textwrap.dedent(LIST), f"hf://org/{repo}"], capture_output=True,
+                              text=True, timeout=300, env=env, check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+        found[repo] = json.loads(done.stdout.strip().splitlines()[-1])
+    commit = found["run"][0][2]
+    assert found["run"] == [[f"step_{n}", f"hf://org/run/step_{n}", commit, None] for n in (1, 2, 3)]
+    assert [name for name, *_ in found["orphan"]] == ["step_1", "step_3"]
+    assert found["orphan"][1][3].startswith("its base hf://org/orphan/step_2 is not there at commit ")

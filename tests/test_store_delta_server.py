@@ -26,11 +26,11 @@ PAIRS = [(3, 4), (2, 5), (9, 9), (7, 8)]
 EXTRA = ["--max-model-len", "64", "--max-num-seqs", "1"]
 
 
-@pytest.fixture(scope="module")
-def run(demo_models, tmp_path_factory) -> dict:
+def write_run(root, demo_models) -> dict:
+    """The trainer's run under ROOT/run (step_1 full, step_2..step_4 deltas), and each step in full under
+    ROOT/full: {step: its full folder, "run": the run folder}."""
     from layerwise_cli.planning.inspect import inspect_order
 
-    root = tmp_path_factory.mktemp("store-delta-server")
     a_dir = demo_models["multiply"]
     plan = inspect_order(str(a_dir)).plan
     changed = {layer.name for layer in plan.layers[2::4]}
@@ -50,6 +50,11 @@ def run(demo_models, tmp_path_factory) -> dict:
         out[name] = root / "full" / name
     out["run"] = root / "run"
     return out
+
+
+@pytest.fixture(scope="module")
+def run(demo_models, tmp_path_factory) -> dict:
+    return write_run(tmp_path_factory.mktemp("store-delta-server"), demo_models)
 
 
 @pytest.fixture(scope="module")
@@ -118,12 +123,15 @@ def test_a_chain_by_url_moves_two_servers_a_b_a_b_fetching_only_the_links(server
     assert x.answers(PAIRS) == want and y.answers(PAIRS) == want
 
 
-def test_watch_on_the_bucket_follows_the_chain(servers, s3, run) -> None:
-    reload(s3, servers, url("step_1"))  # the chain's full step: three links behind the newest
+def test_watch_on_the_bucket_follows_the_chain(servers, s3, run, demo_models) -> None:
+    x, y = servers
+    reload(s3, [x], url("step_1"))  # the chain's full step: three links behind the newest
+    reload(s3, [y], demo_models["add"], "--all")  # no step of the chain: given its full step, and told so
     done = run_cli("watch", f"s3://{BUCKET}/run/", *(a for t in servers for a in ("--url", t.url)), "--once",
                    "--interval", "0.1", env=s3.env())
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "step_4" in done.stderr
+    loaded = [line for line in done.stderr.splitlines() if "step_4" in line and "held no step" in line]
+    assert len(loaded) == 1 and y.url.split("//")[1] in loaded[0], done.stderr[-3000:]
     assert_holds(s3, servers, run["step_4"])
 
 

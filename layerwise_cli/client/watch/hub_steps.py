@@ -208,11 +208,17 @@ class HubSteps:
         return f"{self.ref.where}: no commit to load (skipped: {names or 'none'})"
 
 
-def refuse_folder_options(hub: HubRef | None, options: WatchOptions) -> None:
+def refuse_folder_options(hub: HubRef | None, options: WatchOptions, hub_run: bool = False) -> None:
     """A local root's options given for a Hub root, or `revision` for a local root: one UsageError line.
 
-    `settle` is ignored for a Hub root (a commit is complete as pushed): harmless, so not refused.
+    `settle` is ignored for a Hub root (a commit is complete as pushed): harmless, so not refused. A Hub run
+    (HUB_RUN: `hf://org/run`, a folder per step) takes `--revision` (the branch it follows), not `--keep`.
     """
+    if hub_run:
+        if options.keep is not None:
+            raise UsageError("--keep applies to a local directory of steps or a URL prefix, not to a Hub run: "
+                             "watch deletes no folder of a Hub repo")
+        return
     if hub is None:
         if options.revision is not None:
             raise UsageError("--revision applies to a Hub repo id (org/name), not to a directory of steps or a URL "

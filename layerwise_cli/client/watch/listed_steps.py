@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
+from layerwise_cli.checkpoint.steps.hub_run import is_hub_run, list_hub_run_steps
 from layerwise_cli.checkpoint.steps.local import AUTO, StepDir, list_steps
 from layerwise_cli.checkpoint.steps.store import StoreStep, list_store_steps
 from layerwise_cli.checkpoint.store.objects import display_url, is_store_url
@@ -18,15 +19,20 @@ class StepsRoot:
     (`store_steps.list_store_steps`: one listing of the store, every page).
 
     Args:
-        root: the directory, or the URL (`s3://bucket/run/`, `gs://...`, `az://...`).
+        root: the directory, the URL (`s3://bucket/run/`, `gs://...`, `az://...`), or a Hub run (`hf://org/run`:
+            a folder per step, listed at the commit REVISION names now, `steps.hub_run`).
         patterns: shell globs a step's name must match.
+        revision: a Hub run's branch (None: the default branch).
     """
 
-    def __init__(self, root: str | Path, patterns: Iterable[str]) -> None:
-        self.store = str(root) if is_store_url(str(root)) else None
+    def __init__(self, root: str | Path, patterns: Iterable[str], revision: str | None = None) -> None:
+        # A Hub run is listed as a URL prefix is: remote, polled, its failures reported and survived.
+        self.hub_run = str(root) if is_hub_run(str(root)) else None
+        self.revision = revision
+        self.store = str(root) if is_store_url(str(root)) or self.hub_run else None
         self.path = Path(root)
         # How messages and the live view name the root (a URL without credentials).
-        self.where = display_url(self.store) if self.store is not None else str(root)
+        self.where = display_url(self.store) if self.store is not None and not self.hub_run else str(root)
         self.patterns = tuple(patterns)
         self._down = False  # the last listing of a URL failed (reported once)
 
@@ -37,6 +43,8 @@ class StepsRoot:
             LayerwiseError: one line naming the root: a directory missing or unreadable; a bucket missing, wrong
                 credentials, the store not reachable.
         """
+        if self.hub_run is not None:
+            return list_hub_run_steps(self.hub_run, self.revision, self.patterns)
         if self.store is not None:
             return list_store_steps(self.store, self.patterns)
         return list_steps(self.path, self.patterns)

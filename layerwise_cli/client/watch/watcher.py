@@ -48,7 +48,7 @@ class Watcher:
         # A root that is no local path but looks like `org/name` is a Hub repo: its ref's commits are the steps.
         self.hub = HubRef(str(root), self.options.revision) if looks_like_repo_id(str(root)) else None
         # Else a local directory, or a URL prefix (`s3://bucket/run/`) whose step folders are found by listing.
-        self.steps_root = StepsRoot(root, self.options.patterns)
+        self.steps_root = StepsRoot(root, self.options.patterns, self.options.revision)
         self.store = self.steps_root.store if self.hub is None else None
         self.where = self.steps_root.where
         self.interval = self.options.poll_interval(self.hub is not None or self.store is not None)
@@ -61,7 +61,7 @@ class Watcher:
             raise UsageError(f"--keep must be at least 1, not {self.options.keep}")
         if self.interval <= 0 or self.options.settle < 0:
             raise UsageError("--interval must be positive and --settle not negative")
-        refuse_folder_options(self.hub, self.options)
+        refuse_folder_options(self.hub, self.options, hub_run=self.steps_root.hub_run is not None)
         self._hub_steps = None if self.hub is None else HubSteps(self.hub, interval=self.interval, clock=clock,
                                                                   backoff_max_s=_BACKOFF_MAX_S)
         self._servers = {t.name: ServerState(t) for t in targets}
@@ -333,7 +333,8 @@ class Watcher:
             server.failures = 0
             server.wall_s, server.peak_bytes, server.error = outcome.wall_s, outcome.peak_bytes, None
             self._emit(ev.RELOAD_DONE, step=step.name, server=name, version=step.name, wall_s=outcome.wall_s,
-                       peak_bytes=outcome.peak_bytes, paused_s=outcome.paused_s, report=outcome.report)
+                       peak_bytes=outcome.peak_bytes, paused_s=outcome.paused_s, report=outcome.report,
+                       message=off_chain(outcome.report))
             return
         server.error = outcome.error
         server.dirty = outcome.holds != HOLDS_PREVIOUS
@@ -398,3 +399,13 @@ class Watcher:
     def _refresh_state(self) -> None:
         self.state.show(self._servers)
 
+
+def off_chain(report: dict | None) -> str | None:
+    """The report's note that the server held no step of the delta's chain (it was given the chain's full step
+    and links: `delta_base.off_chain_note`), for the event's message; None otherwise."""
+    from layerwise_cli.worker.reload.delta_base import OFF_CHAIN_NOTE
+
+    report = report or {}
+    inner = report.get("report") if isinstance(report.get("report"), dict) else {}
+    notes = report.get("notes") or inner.get("notes") or []
+    return next((note for note in notes if isinstance(note, str) and note.startswith(OFF_CHAIN_NOTE)), None)
