@@ -334,7 +334,7 @@ class Watcher:
             server.wall_s, server.peak_bytes, server.error = outcome.wall_s, outcome.peak_bytes, None
             self._emit(ev.RELOAD_DONE, step=step.name, server=name, version=step.name, wall_s=outcome.wall_s,
                        peak_bytes=outcome.peak_bytes, paused_s=outcome.paused_s, report=outcome.report,
-                       message=off_chain(outcome.report))
+                       message=ev.off_chain(outcome.report))
             return
         server.error = outcome.error
         server.dirty = outcome.holds != HOLDS_PREVIOUS
@@ -398,14 +398,3 @@ class Watcher:
 
     def _refresh_state(self) -> None:
         self.state.show(self._servers)
-
-
-def off_chain(report: dict | None) -> str | None:
-    """The report's note that the server held no step of the delta's chain (it was given the chain's full step
-    and links: `delta_base.off_chain_note`), for the event's message; None otherwise."""
-    from layerwise_cli.worker.reload.delta_base import OFF_CHAIN_NOTE
-
-    report = report or {}
-    inner = report.get("report") if isinstance(report.get("report"), dict) else {}
-    notes = report.get("notes") or inner.get("notes") or []
-    return next((note for note in notes if isinstance(note, str) and note.startswith(OFF_CHAIN_NOTE)), None)
