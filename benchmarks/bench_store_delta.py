@@ -95,9 +95,9 @@ def write_run(work: Path, size_gib: float, lr: float, warmup: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     import layerwise_cli
-    from benchmarks.throttle_proxy import ThrottleProxy
     from tests.support.in_process import start_here, stop_here
     from tests.support.seaweed import BUCKET, SeaweedS3, weed_binary
+    from tests.support.throttle_proxy import ThrottleProxy
 
     args = parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bench-store-delta-"))

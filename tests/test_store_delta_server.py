@@ -66,13 +66,30 @@ def s3(run):
 
 
 @pytest.fixture(scope="module")
-def servers(demo_models, s3, tmp_path_factory):
-    caches = [tmp_path_factory.mktemp(f"host-{n}") for n in range(2)]
-    with RunningServer(demo_models["multiply"], env=s3.env(LAYERWISE_CACHE=str(caches[0])), extra=EXTRA,
+def hosts(tmp_path_factory) -> list:
+    """Each server's host: its own store cache, where every object it fetches is kept whole."""
+    return [tmp_path_factory.mktemp("host") for _ in range(2)]
+
+
+@pytest.fixture(scope="module")
+def servers(demo_models, s3, hosts):
+    with RunningServer(demo_models["multiply"], env=s3.env(LAYERWISE_CACHE=str(hosts[0])), extra=EXTRA,
                        start_timeout=600) as x, \
-            RunningServer(demo_models["multiply"], env=s3.env(LAYERWISE_CACHE=str(caches[1])), extra=EXTRA,
+            RunningServer(demo_models["multiply"], env=s3.env(LAYERWISE_CACHE=str(hosts[1])), extra=EXTRA,
                           start_timeout=600) as y:
         yield x, y
+
+
+def fetched(hosts, *steps) -> list[int]:
+    """The bytes of objects each host fetched while STEPS ran (each a callable): what its store cache gained
+    (a reload keeps every object it fetches, whole, under its ETag; only header ranges are read and not kept)."""
+    def kept(host) -> int:
+        return sum(p.stat().st_size for p in host.glob("store/*/blobs/*") if p.is_file())
+
+    before = [kept(host) for host in hosts]
+    for step in steps:
+        step()
+    return [kept(host) - b for host, b in zip(hosts, before)]
 
 
 def url(step: str) -> str:
@@ -87,7 +104,8 @@ def reload(s3, targets, source, *args: str) -> list[dict]:
 
 
 def link_bytes(run, *steps: str) -> int:
-    return sum(p.stat().st_size for step in steps for p in (run["run"] / step).iterdir() if p.is_file())
+    """The bytes of the steps' weight files: a delta step's delta file, a full step's shards."""
+    return sum(p.stat().st_size for step in steps for p in (run["run"] / step).glob("*.safetensors"))
 
 
 def assert_holds(s3, targets, full_step) -> None:
@@ -98,25 +116,28 @@ def assert_holds(s3, targets, full_step) -> None:
         assert report["verify"]["ok"] and report["verify"]["checked"] > 0, report["verify"]
 
 
-def test_a_chain_by_url_moves_two_servers_a_b_a_b_fetching_only_the_links(servers, s3, run) -> None:
+def test_a_chain_by_url_moves_two_servers_a_b_a_b_fetching_only_the_links(servers, hosts, s3, run) -> None:
     x, y = servers
-    first = reload(s3, servers, url("step_1"), "--all")
-    assert all(r["fetched_bytes"] > 0 for r in first)  # each host keeps step_1's shards in its cache
-    for _ in range(2):  # A, B, A, B
-        to_b = reload(s3, servers, url("step_2"), "--verify")
+    # Each host fetches step_1's shards once, and keeps them in its store cache.
+    first = fetched(hosts, lambda: reload(s3, servers, url("step_1"), "--all"))
+    assert all(n == link_bytes(run, "step_1") for n in first), first
+    for round_trip in range(2):  # A, B, A, B
+        to_b: list[dict] = []
+        sent = fetched(hosts, lambda out=to_b: out.extend(reload(s3, servers, url("step_2"), "--verify")))
         assert all(r["verify"]["ok"] and r["verify"]["checked"] > 0 for r in to_b)
-        assert all(r["fetched_bytes"] <= 1.2 * link_bytes(run, "step_2") for r in to_b), to_b
+        # The first time, step_2's link (and its config.json); then it is kept: nothing.
+        want = link_bytes(run, "step_2") if round_trip == 0 else 0
+        assert all(want <= n <= 1.2 * want for n in sent), sent
         assert_holds(s3, servers, run["step_2"])
-        back = reload(s3, servers, url("step_1"))
-        assert all(r["fetched_bytes"] == 0 for r in back)  # step_1 read from each host's cache
+        assert fetched(hosts, lambda: reload(s3, servers, url("step_1"))) == [0, 0]  # from each host's cache
         assert_holds(s3, servers, run["step_1"])
     reload(s3, servers, url("step_2"))
     # x follows every step; y misses step_3 and catches up in one reload, fetching step_3's and step_4's links.
-    reload(s3, [x], url("step_3"))
-    (on_x,) = reload(s3, [x], url("step_4"))
-    (on_y,) = reload(s3, [y], url("step_4"))
-    assert 0 < on_x["fetched_bytes"] <= 1.2 * link_bytes(run, "step_4")
-    assert link_bytes(run, "step_4") < on_y["fetched_bytes"] <= 1.2 * link_bytes(run, "step_3", "step_4")
+    on_x = fetched(hosts, lambda: reload(s3, [x], url("step_3")))[0]
+    assert link_bytes(run, "step_3") <= on_x <= 1.2 * link_bytes(run, "step_3")
+    on_x, on_y = fetched(hosts, lambda: reload(s3, [x], url("step_4")), lambda: reload(s3, [y], url("step_4")))
+    assert link_bytes(run, "step_4") <= on_x <= 1.2 * link_bytes(run, "step_4")
+    assert link_bytes(run, "step_3", "step_4") <= on_y <= 1.2 * link_bytes(run, "step_3", "step_4")
     assert_holds(s3, servers, run["step_4"])
     with RunningServer(run["step_4"], extra=EXTRA, start_timeout=600) as fresh:
         want = fresh.answers(PAIRS)

@@ -1,5 +1,6 @@
-"""A TCP proxy on loopback that paces what the upstream server sends to each connection (a CDN's per-connection
-rate), for the benchmarks of sources by URL (`bench_store_delta`). Requests pass through unchanged."""
+"""A TCP proxy on loopback that counts what the upstream server sends, and paces it per connection (a CDN's
+per-connection rate): what one client of a store fetched (`test_store_delta_server`), and a store at a
+benchmark's rate (`benchmarks/bench_store_delta.py`). Requests pass through unchanged."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ from tests.support.server_support import free_port
 
 
 class ThrottleProxy:
-    """`127.0.0.1:port` forwarding to UPSTREAM (host, port), each connection's replies paced to RATE bytes/s.
+    """`127.0.0.1:port` forwarding to UPSTREAM (host, port), each connection's replies paced to RATE bytes/s
+    (None: as fast as they come).
 
     `sent` counts the reply bytes of every connection.
     """
 
-    def __init__(self, upstream: tuple[str, int], rate: float) -> None:
+    def __init__(self, upstream: tuple[str, int], rate: float | None = None) -> None:
         self.upstream, self.rate = upstream, rate
         self.port = free_port()
         self.sent = 0
@@ -44,18 +46,19 @@ class ThrottleProxy:
             except OSError:
                 return
             upstream = socket.create_connection(self.upstream)
-            threading.Thread(target=self._pipe, args=(client, upstream, None), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(upstream, client, self.rate), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, True), daemon=True).start()
 
-    def _pipe(self, source: socket.socket, sink: socket.socket, rate: float | None) -> None:
+    def _pipe(self, source: socket.socket, sink: socket.socket, replies: bool) -> None:
         due = time.perf_counter()  # when the next byte may go: an idle connection saves no credit
         try:
             while chunk := source.recv(64 << 10):
                 sink.sendall(chunk)
-                if rate is not None:
+                if replies:
                     with self._lock:
                         self.sent += len(chunk)
-                    due = max(due, time.perf_counter()) + len(chunk) / rate
+                if replies and self.rate is not None:
+                    due = max(due, time.perf_counter()) + len(chunk) / self.rate
                     wait = due - time.perf_counter()
                     if wait > 0:
                         time.sleep(wait)
