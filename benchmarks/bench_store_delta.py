@@ -35,14 +35,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--size-gib", type=float, default=0.2, help="checkpoint size (default 0.2)")
     parser.add_argument("--throttle", type=float, default=12e6, help="bytes per second per connection")
     parser.add_argument("--lr", type=float, default=3e-6, help="AdamW learning rate (default 3e-6)")
-    parser.add_argument("--warmup", type=int, default=5, help="AdamW steps before step_1 (default 5)")
+    parser.add_argument("--warmup", type=int, default=20, help="AdamW steps before step_1 (default 20)")
     parser.add_argument("--out", type=Path, required=True, help="folder for results.json")
     return parser.parse_args(argv)
 
 
 def write_run(work: Path, size_gib: float, lr: float, warmup: int) -> dict:
     """step_1 in full, step_2..step_4 as deltas (one AdamW step each), step_4 in full: each step's changed share."""
-    import torch
     from safetensors.torch import load_file
 
     from benchmarks.bench_checkpoints import model_for, tokenizer_vocab, write_bench_checkpoint
@@ -59,26 +58,8 @@ def write_run(work: Path, size_gib: float, lr: float, warmup: int) -> dict:
     tensors = {}
     for shard in sorted(first.glob("*.safetensors")):
         tensors.update(load_file(shard))
-    names = sorted(tensors)
-    masters = [torch.nn.Parameter(tensors[n].float()) for n in names]
-    optimizer = torch.optim.AdamW(masters, lr=lr, weight_decay=0.0)
-    gen = torch.Generator().manual_seed(0)
-
-    def step() -> dict:
-        optimizer.zero_grad()
-        for p in masters:
-            p.grad = torch.randn(p.shape, generator=gen)
-        optimizer.step()
-        return {n: p.detach().to(torch.bfloat16) for n, p in zip(names, masters)}
-
-    for _ in range(warmup):
-        step()
-    steps, changed = {"step_1": step()}, []
-    for i in (2, 3, 4):
-        steps[f"step_{i}"] = step()
-        before, after = steps[f"step_{i - 1}"], steps[f"step_{i}"]
-        changed.append(sum(int((before[n].view(torch.int16) != after[n].view(torch.int16)).sum()) for n in names)
-                       / sum(t.numel() for t in after.values()))
+    steps, changed, total = adamw_steps(tensors, lr, warmup)
+    del tensors
     out = {}
     for i, (name, values) in enumerate(steps.items(), 1):
         base = work / "run" / f"step_{i - 1}" if i > 1 else None
@@ -87,10 +68,38 @@ def write_run(work: Path, size_gib: float, lr: float, warmup: int) -> dict:
         copy_non_weights(first, work / "run" / name)
     save_checkpoint(steps["step_4"].items(), work / "full" / "step_4", config=config, marker=None)
     copy_non_weights(first, work / "full" / "step_4")
-    out["changed_fraction"] = changed
+    out["changed_fraction"] = [n / total for n in changed]
     out["step_bytes"] = sum(p.stat().st_size for p in (work / "full" / "step_4").glob("*.safetensors"))
     out["delta_bytes"] = (work / "run" / "step_4" / "delta.safetensors").stat().st_size
     return out
+
+
+def adamw_steps(tensors: dict, lr: float, warmup: int) -> tuple[dict, list[int], int]:
+    """Four bf16 steps of TENSORS, one AdamW step apart (fresh random gradients, `bench_rl_steps`' recipe), after
+    WARMUP steps; tensor by tensor, so that only one tensor's fp32 master and moments are held at a time.
+
+    Returns:
+        {step_1..step_4: {name: bf16 tensor}}, the values changed by each of the three steps, the values in all.
+    """
+    import torch
+
+    steps: dict[str, dict] = {f"step_{i}": {} for i in (1, 2, 3, 4)}
+    changed, total = [0, 0, 0], 0
+    for n, name in enumerate(sorted(tensors)):
+        master = torch.nn.Parameter(tensors[name].float())
+        optimizer = torch.optim.AdamW([master], lr=lr, weight_decay=0.0)
+        gen = torch.Generator().manual_seed(n)
+        for i in range(warmup + 4):
+            optimizer.zero_grad()
+            master.grad = torch.randn(master.shape, generator=gen)
+            optimizer.step()
+            if i >= warmup:
+                steps[f"step_{i - warmup + 1}"][name] = master.detach().to(torch.bfloat16)
+        for i in range(3):
+            before, after = steps[f"step_{i + 1}"][name], steps[f"step_{i + 2}"][name]
+            changed[i] += int((before.view(torch.int16) != after.view(torch.int16)).sum())
+        total += master.numel()
+    return steps, changed, total
 
 
 def main(argv: list[str] | None = None) -> int:
