@@ -106,7 +106,8 @@ class LayerwiseWorkerExtension:
         mark_loaded_from(self, source, report.placement.commit or asked.revision)
         return ReloadAnswer(ok=True, report=report.to_dict()).to_json()
 
-    def layerwise_preflight(self, source: str, revision: str | None = None, allow_partial: bool = False) -> dict:
+    def layerwise_preflight(self, source: str, revision: str | None = None, allow_partial: bool = False,
+                            delta_base_check: bool = True) -> dict:
         """Pre-flight SOURCE as a reload would (its headers, this rank's plan, the checks); change nothing.
 
         Also says where the weights this worker holds came from (`loaded_from`) and whether their headers can
@@ -126,8 +127,8 @@ class LayerwiseWorkerExtension:
         from layerwise_cli.worker.stream.rank_plan import rank_position
 
         try:
-            run = plan_run(self, source, ReloadOptions(revision=revision, allow_partial=allow_partial),
-                           records_of(self))
+            run = plan_run(self, source, ReloadOptions(revision=revision, allow_partial=allow_partial,
+                                                       delta_base_check=delta_base_check), records_of(self))
             try:
                 if run.hub is not None:
                     run.hub.check()
