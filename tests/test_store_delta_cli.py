@@ -162,3 +162,32 @@ def test_a_client_pins_the_chain_from_headers_alone(s3, run, env, tmp_path, monk
     assert not (tmp_path / "cache").exists()  # nothing fetched or kept: the client only reads headers
     assert open_step(f"{url}/step_3", pin).revision == pin
     assert store_revision(f"{url}/step_1", None) == open_step(f"{url}/step_1").revision
+
+
+def test_a_server_off_the_chain_is_told_so(run) -> None:
+    """`off_chain_note`: None while every layer's record names a step of the chain (its full step, a link's base,
+    the step itself); a note naming the layers otherwise (what `watch`'s reload_done event then carries)."""
+    from layerwise_cli.checkpoint.delta.source import open_step
+    from layerwise_cli.checkpoint.format.digests import layer_digest
+    from layerwise_cli.planning.plan import PlannedTensor
+    from layerwise_cli.worker.reload.delta_base import OFF_CHAIN_NOTE, off_chain_note
+    from layerwise_cli.worker.state.layer_records import LayerRecord, LayerRecords
+
+    root, _ = run
+    chain = open_step(str(root / "step_3")).delta
+    stream = [PlannedTensor(entry, entry.name.rsplit(".", 1)[0]) for entry in open_step(str(root / "step_3")).tensors]
+
+    def records(digests_of) -> LayerRecords:
+        found = LayerRecords()
+        for item in stream:
+            digest = layer_digest({item.entry.name: digests_of[item.entry.name]})
+            found.set(item.parent, LayerRecord(digest, None, True))
+        return found
+
+    for step in (chain.links[0].base_digests, chain.links[1].base_digests, chain.last.step_digests):
+        assert off_chain_note(chain, stream, records(step)) is None
+    mixed = records(chain.links[0].base_digests)
+    mixed.drop(stream[0].parent)  # a layer the server never loaded with layerwise
+    note = off_chain_note(chain, stream, mixed)
+    assert note.startswith(f"{OFF_CHAIN_NOTE} in 1 of {len(stream)} layers (first {stream[0].parent}): given its "
+                           f"full step ({root / 'step_1'}")
