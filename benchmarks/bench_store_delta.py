@@ -36,6 +36,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--throttle", type=float, default=12e6, help="bytes per second per connection")
     parser.add_argument("--lr", type=float, default=3e-6, help="AdamW learning rate (default 3e-6)")
     parser.add_argument("--warmup", type=int, default=2, help="AdamW steps before step_1 (default 2)")
+    parser.add_argument("--work", type=Path, default=None,
+                        help="where the steps are written (kept; steps already there from a run of the same "
+                             "options are used again); default: a temporary folder")
+    parser.add_argument("--write-only", action="store_true", help="write the steps into --work, start no engine")
     parser.add_argument("--out", type=Path, required=True, help="folder for results.json")
     return parser.parse_args(argv)
 
@@ -122,8 +126,15 @@ def main(argv: list[str] | None = None) -> int:
     from tests.support.throttle_proxy import ThrottleProxy
 
     args = parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="bench-store-delta-"))
-    made = write_run(work, args.size_gib, args.lr, args.warmup)
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench-store-delta-"))
+    written = work / f"written-{args.size_gib}-{args.lr}-{args.warmup}.json"
+    if written.is_file():
+        made = json.loads(written.read_text())
+    else:
+        made = write_run(work, args.size_gib, args.lr, args.warmup)
+        written.write_text(json.dumps(made))
+    if args.write_only:
+        return 0
     print(f"steps written: {made['step_bytes'] / 2**30:.3f} GiB a step, changed per step "
           f"{', '.join(f'{f:.2%}' for f in made['changed_fraction'])}; step_4's delta {made['delta_bytes']} bytes",
           flush=True)
