@@ -76,13 +76,15 @@ class StoreChain:
 
 
 def is_store_delta(url: str) -> bool:
-    """True when URL's step folder holds a delta file (one HEAD request; a missing step is no delta)."""
+    """True when URL's step folder holds a delta file (one HEAD request).
+
+    Any failure says no: a missing step, bucket, credentials or store is then named by the full step's reading
+    (`open_checkpoint`), as for any URL, never by a delta file the user did not ask for.
+    """
     try:
         StoreSource(url.rstrip("/"), policy=_OPEN_POLICY).metadata(DELTA_FILE)
-    except LayerwiseError as exc:
-        if is_missing(exc):
-            return False
-        raise
+    except LayerwiseError:
+        return False
     return True
 
 
