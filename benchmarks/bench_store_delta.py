@@ -143,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
             s3.put_folder(f"run/{folder.name}", folder)
         s3.put_folder("full/step_4", work / "full" / "step_4")
         with ThrottleProxy(("127.0.0.1", s3.port), args.throttle) as proxy:
-            os.environ.update(s3.env(AWS_ENDPOINT_URL=proxy.endpoint, LAYERWISE_CACHE=str(work / "cache")))
+            # A store cache of this run's own: nothing kept by an earlier run of the same --work.
+            cache = tempfile.mkdtemp(prefix="bench-store-delta-cache-")
+            os.environ.update(s3.env(AWS_ENDPOINT_URL=proxy.endpoint, LAYERWISE_CACHE=cache))
             llm = start_here(str(work / "run" / "step_1"))
             try:
                 rows = measure(llm, layerwise_cli, proxy, f"s3://{BUCKET}")
