@@ -21,6 +21,7 @@ COMMIT = "a" * 40
     ("org/model", None, False, False, STREAM),  # running servers, watch, the Python API
     ("s3://bucket/run/step_2", "./base", True, False, STREAM),
     ("https://host/run/step_2", None, False, True, STREAM),
+    ("hf://org/run/step_2", None, False, False, STREAM),
 ])
 def test_each_kind_of_operation_gets_one_delivery(source, engine_model, in_process, bounded, expected):
     assert decide_delivery(source, engine_model=engine_model, in_process=in_process, bounded_disk=bounded) \

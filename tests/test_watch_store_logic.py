@@ -78,7 +78,7 @@ class Examined(StoreStep):
 
 def step_of(names: tuple[str, ...], *, etag: str = "e1", problem: str | None = None, calls=None) -> Examined:
     objects = tuple(sorted((n, f'"{etag}-{n}"', 1) for n in names))
-    return Examined("step_1", 1, f"{RUN}/step_1", objects, None, problem, calls)
+    return Examined("step_1", 1, f"{RUN}/step_1", objects, None, problem=problem, calls=calls)
 
 
 def test_auto_completeness_of_a_store_step_needs_its_check_to_pass_and_its_listing_to_settle():

@@ -118,9 +118,10 @@ def watch_command(
                            pause_lease_s=pause_lease, api_key=api_key, verify=verify,
                            allow_unchecked=allow_unchecked, timeout=timeout, atomic=atomic, revision=revision)
     from layerwise_cli.checkpoint.sources import looks_like_repo_id
+    from layerwise_cli.checkpoint.steps.hub_run import is_hub_run
     from layerwise_cli.checkpoint.store.objects import is_store_url
 
-    if not Path(root).is_dir() and not looks_like_repo_id(root) and not is_store_url(root):
+    if not Path(root).is_dir() and not looks_like_repo_id(root) and not is_store_url(root) and not is_hub_run(root):
         raise LayerwiseError("no such directory (the root the trainer writes steps into)", where=root)
     if marker != "auto" and ("/" in marker or marker in ("", ".", "..")):
         raise UsageError(f"--marker must be a file name or auto, not {marker!r}")

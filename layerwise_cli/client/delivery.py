@@ -9,7 +9,8 @@ One of four ways, chosen where the operation starts (`plan_operation`) and carri
 - `prefetch`: a Hub repo reloaded into an in-process engine started on another model: its commit's shards are
   fetched whole, by range over several connections, while the engine starts (`client/engine/prefetch.py`); the
   workers then find it in the cache.
-- `stream`: everything else, a URL (`s3://`, `gs://`, `az://`, `https://`), a Hub repo into running servers
+- `stream`: everything else, a URL (`s3://`, `gs://`, `az://`, `https://`), a Hub run's step (`hf://org/run/step_N`,
+  what the host's cache lacks), a Hub repo into running servers
   (`--url`, `watch`, the Python API) or with `--bounded-disk`: each worker fetches exactly the byte ranges it
   hands over, in layer order, a window ahead (`worker/stream/remote_stream.py`); what a commit's or a store's cache
   already holds is read from there.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from layerwise_cli.checkpoint.delta.hub_run import is_hub_step
 from layerwise_cli.checkpoint.hub.pin import HubPin, is_commit
 from layerwise_cli.checkpoint.sources import looks_like_repo_id
 from layerwise_cli.checkpoint.store.objects import is_store_url
@@ -38,7 +40,7 @@ def decide_delivery(source: str, *, engine_model: str | None, in_process: bool, 
             `--url`); False for running servers, `watch` and the Python API on an engine already up.
         bounded_disk: keep nothing on disk beyond what the reload hands over (`--bounded-disk`).
     """
-    if is_store_url(source):
+    if is_store_url(source) or is_hub_step(source):
         return STREAM
     if not looks_like_repo_id(source):
         return LOCAL

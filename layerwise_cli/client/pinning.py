@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from layerwise_cli.checkpoint.delta.hub_run import hub_step_commit, is_hub_step
 from layerwise_cli.checkpoint.hub.pin import HubPin, is_commit
 from layerwise_cli.checkpoint.sources import looks_like_repo_id, open_checkpoint, pin_source
-from layerwise_cli.checkpoint.store.objects import is_store_url
+from layerwise_cli.checkpoint.store.objects import display_url, is_store_url
+from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.worker.rpc import ReloadOptions
 
 
@@ -27,7 +29,10 @@ def pin_reload(source: str, options: ReloadOptions) -> tuple[ReloadOptions, HubP
     if is_store_url(source):
         # A URL source: every object pinned to the ETag read now (`etags:...`); a later step that finds another
         # refuses, naming the source.
-        return replace(options, revision=open_checkpoint(source, options.revision).revision), None
+        return replace(options, revision=store_revision(source, options.revision)), None
+    if is_hub_step(source):
+        # A step folder of a Hub run: the branch resolved to its commit, which pins the whole chain.
+        return replace(options, revision=hub_step_commit(source, options.revision)), None
     if not looks_like_repo_id(source):
         return options, None
     if is_commit(options.revision):
@@ -36,6 +41,21 @@ def pin_reload(source: str, options: ReloadOptions) -> tuple[ReloadOptions, HubP
     pin = pin_source(source, options.revision)
     assert pin is not None
     return replace(options, revision=pin.commit), pin
+
+
+def store_revision(url: str, revision: str | None) -> str:
+    """The pin of the step at URL: its objects' (`store_headers.store_pin`), or a delta step's whole chain's
+    (`delta.remote.store_step_pin`: headers only, nothing fetched); REVISION, when given, must equal it."""
+    from layerwise_cli.checkpoint.delta.remote import store_step_pin
+    from layerwise_cli.checkpoint.delta.source import MAX_CHAIN
+
+    pin = store_step_pin(url, MAX_CHAIN)
+    if pin is None:
+        return open_checkpoint(url, revision).revision
+    if revision is not None and pin != revision:
+        raise LayerwiseError(f"the chain's objects changed since this operation pinned them ({revision}, now {pin})",
+                             where=display_url(url))
+    return pin
 
 
 def pin_engine_args(model: str, args: list[str]) -> list[str]:

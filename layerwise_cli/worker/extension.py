@@ -80,7 +80,8 @@ class LayerwiseWorkerExtension:
                                 position=rank_position(self).to_dict(), traceback=traceback.format_exc()).to_json()
         return ReloadAnswer(ok=True, report=report.to_dict()).to_json()
 
-    def layerwise_preflight(self, source: str, revision: str | None = None, allow_partial: bool = False) -> dict:
+    def layerwise_preflight(self, source: str, revision: str | None = None, allow_partial: bool = False,
+                            delta_base_check: bool = True) -> dict:
         """Pre-flight SOURCE as a reload would (its headers, this rank's plan, the checks); change nothing.
 
         Also says where the weights this worker holds came from (`loaded_from`) and whether their headers can
@@ -91,6 +92,8 @@ class LayerwiseWorkerExtension:
         finds them (`remote_stream`). A sparse delta is read and checked here as the reload checks it: its
         positions, its new values, and that the engine holds its base (`reload_run.plan_run`).
         """
+        from layerwise_cli.checkpoint.delta.hub_run import is_hub_step
+        from layerwise_cli.checkpoint.delta.source import open_step
         from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
         from layerwise_cli.checkpoint.store.objects import is_store_url
         from layerwise_cli.worker.reload.reload_run import plan_run
@@ -98,8 +101,8 @@ class LayerwiseWorkerExtension:
         from layerwise_cli.worker.stream.rank_plan import rank_position
 
         try:
-            run = plan_run(self, source, ReloadOptions(revision=revision, allow_partial=allow_partial),
-                           records_of(self))
+            run = plan_run(self, source, ReloadOptions(revision=revision, allow_partial=allow_partial,
+                                                       delta_base_check=delta_base_check), records_of(self))
             try:
                 if run.remote is not None:
                     run.remote.check()
@@ -109,8 +112,8 @@ class LayerwiseWorkerExtension:
             planned = run.planned
             back, back_revision = loaded_from(self)
             try:
-                if is_store_url(back):
-                    open_checkpoint(back, back_revision)  # by range, at its pin: never downloaded
+                if is_store_url(back) or is_hub_step(back):
+                    open_step(back, back_revision)  # by range, at its pin (a delta's chain): never downloaded
                 else:
                     open_checkpoint(str(resolve_local(back, back_revision)))
                 back_error = None

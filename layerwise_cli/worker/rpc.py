@@ -199,9 +199,13 @@ class PreflightCall:
     source: str
     revision: str | None = None
     allow_partial: bool = False
+    # As `ReloadOptions.delta_base_check`: False for a reload that does not check a delta's base (`watch`).
+    delta_base_check: bool = True
 
     def kwargs(self) -> dict[str, Any]:
-        return {"source": self.source, "revision": self.revision, "allow_partial": self.allow_partial}
+        found = {"source": self.source, "revision": self.revision, "allow_partial": self.allow_partial}
+        # Sent only when off: a server of an earlier version, which always checks, still answers the usual call.
+        return found if self.delta_base_check else {**found, "delta_base_check": False}
 
 
 

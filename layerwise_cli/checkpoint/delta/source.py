@@ -12,25 +12,67 @@ from pathlib import Path
 
 from layerwise_cli.checkpoint.delta.buffers import RebuildBuffers
 from layerwise_cli.checkpoint.delta.format import Delta
+from layerwise_cli.checkpoint.delta.hub_run import is_hub_step, open_hub_step
 from layerwise_cli.checkpoint.delta.read import delta_file, read_delta
 from layerwise_cli.checkpoint.format.digests import checkpoint_digests, digests_metadata, tensor_digest
 from layerwise_cli.checkpoint.format.header import TensorEntry
 from layerwise_cli.checkpoint.format.layout import read_json
 from layerwise_cli.checkpoint.sources import Checkpoint, looks_like_repo_id, open_checkpoint
+from layerwise_cli.checkpoint.store.objects import display_url, is_store_url
 from layerwise_cli.errors import LayerwiseError
 
 
 def open_step(source: str, revision: str | None = None) -> Checkpoint:
-    """`open_checkpoint`, except that a local sparse delta is opened as the full step it rebuilds.
+    """`open_checkpoint`, except that a sparse delta (local, or a step folder by URL) is opened as the full step
+    it rebuilds.
 
     For the callers that read tensors through `Checkpoint.delta` (a reload, its pre-flight, `--verify`);
-    everything else opens a delta as the safetensors file it is.
+    everything else opens a delta as the safetensors file it is. A delta by URL (`delta.remote`) is read from
+    this host's store cache, its chain pinned as one (`revision` is that pin; REVISION, when given, must equal it).
     """
+    if is_store_url(source):
+        return open_store_step(source, revision)
+    if is_hub_step(source):
+        return open_hub_run_step(source, revision)
     if not looks_like_repo_id(source) and delta_file(source) is not None:
         if revision:
             raise LayerwiseError("--revision applies to Hub repo ids only", where=source)
         return open_delta_checkpoint(source)
     return open_checkpoint(source, revision)
+
+
+def open_store_step(url: str, revision: str | None = None) -> Checkpoint:
+    """The step at URL: a delta step's chain resolved (`remote.open_store_chain`) and opened as the full step it
+    rebuilds, from this host's copies; a full step as `open_checkpoint` reads it (by range, at REVISION).
+
+    The result's `revision` is the chain's pin, `pinned` every object of the chain, `kind` "store", and its
+    `local_dir` the full step's folder of links in the store cache: a reload reads it as a local run.
+    """
+    from layerwise_cli.checkpoint.delta.remote import open_store_chain
+
+    chain = open_store_chain(url, revision, MAX_CHAIN)
+    if chain is None:
+        return open_checkpoint(url, revision)
+    step = chain.base
+    for link in chain.links:
+        step = delta_over_base(link.delta, step, display_url(step.source), link.url)
+    assert step.delta is not None
+    return replace(step, kind="store", revision=chain.pin, pinned=chain.pinned,
+                   delta=replace(step.delta, fetched_bytes=chain.fetched_bytes))
+
+
+def open_hub_run_step(source: str, revision: str | None = None) -> Checkpoint:
+    """The step folder of a run pushed to a Hub repo (`hf://org/run/step_120`) at REVISION's commit, from the
+    Hub cache (`hub_run.open_hub_step`): a delta step opened as the full step it rebuilds, its chain read at the
+    same commit; a full step as its folder. `commit` and `revision` are the commit."""
+    base, deltas, fetched = open_hub_step(source, revision, MAX_CHAIN)
+    step = base
+    for i, delta in enumerate(deltas):
+        link = source if i == len(deltas) - 1 else str(delta.path.parent)
+        step = delta_over_base(delta, step, step.source, link)
+    if step.delta is None:
+        return replace(step, source=source)
+    return replace(step, delta=replace(step.delta, fetched_bytes=fetched))
 
 
 # Links a chain of deltas may have before its full step: beyond it, a loop (or a run that never wrote a full step).
@@ -47,6 +89,8 @@ class DeltaChain:
     """
 
     links: tuple[Delta, ...]
+    # The bytes fetched to open it (a chain by URL: its delta files, and a base this host did not hold).
+    fetched_bytes: int = 0
 
     @property
     def last(self) -> Delta:
@@ -121,25 +165,44 @@ def open_delta_checkpoint(path: str | Path, *, _links: int = 0) -> Checkpoint:
             is longer than `MAX_CHAIN` links (a loop).
     """
     delta = read_delta(path)
-    where = str(delta.path)
     if _links >= MAX_CHAIN:
         raise LayerwiseError(f"a chain of more than {MAX_CHAIN} deltas (a loop?): no full step at its start",
-                             where=where)
+                             where=str(delta.path))
     base_dir = base_directory(delta)
     if delta_file(base_dir) is not None:
         base = open_delta_checkpoint(base_dir, _links=_links + 1)
     else:
         base = open_checkpoint(str(base_dir))
+    return delta_over_base(delta, base, str(base_dir), str(path))
+
+
+def delta_over_base(delta: Delta, base: Checkpoint, base_where: str, source: str) -> Checkpoint:
+    """The full step DELTA rebuilds from BASE (a full step, or a delta opened as its step), as a `Checkpoint`.
+
+    Wherever the files came from (a local run, or a store's objects kept in this host's cache:
+    `delta.remote`), the rule is one: the base must hold exactly the delta's tensors, with the delta's base
+    digests where its headers carry digests, and each patched tensor's dtype and shape.
+
+    Args:
+        delta: the delta read (`read_delta`).
+        base: its base, opened.
+        base_where: how messages name the base (its directory or URL).
+        source: the `source` of the result (the delta step as the caller named it).
+
+    Raises:
+        LayerwiseError: the base is not the delta's base.
+    """
+    where = str(delta.path)
     names = {t.name: t for t in base.tensors}
     odd = sorted(set(names) ^ set(delta.base_digests))
     if odd:
-        raise LayerwiseError(f"its base {base_dir} is not the delta's base: tensor {odd[0]} is in only one of them",
-                             where=where)
+        raise LayerwiseError(f"its base {base_where} is not the delta's base: tensor {odd[0]} is in only one of "
+                             "them", where=where)
     claimed = checkpoint_digests(base.shards) or {}
     for name, digest in claimed.items():
         if digest != delta.base_digests[name]:
-            raise LayerwiseError(f"its base {base_dir} is not the delta's base: tensor {name} differs (header digest "
-                                 f"{digest}, the delta's base {delta.base_digests[name]})", where=where)
+            raise LayerwiseError(f"its base {base_where} is not the delta's base: tensor {name} differs (header "
+                                 f"digest {digest}, the delta's base {delta.base_digests[name]})", where=where)
     for name, patch in delta.patches.items():
         entry = names[name]
         if (entry.dtype, entry.shape) != (patch.dtype, patch.shape):
@@ -150,7 +213,7 @@ def open_delta_checkpoint(path: str | Path, *, _links: int = 0) -> Checkpoint:
     config_path = delta.path.parent / "config.json"
     config = read_json(config_path) if config_path.is_file() else base.config
     links = (base.delta.links if base.delta is not None else ()) + (delta,)
-    return replace(base, source=str(path), shards=shards, config=config, delta=DeltaChain(links))
+    return replace(base, source=source, shards=shards, config=config, delta=DeltaChain(links))
 
 
 def rebuilt_bytes(chain: DeltaChain, entry: TensorEntry, raw, where: str, buffers: RebuildBuffers | None = None):

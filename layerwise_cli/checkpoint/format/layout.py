@@ -62,8 +62,11 @@ def shard_file(folder: Path | None, name: str, where: str) -> Path:
         raise LayerwiseError(f"shard {name!r} cannot be resolved: {exc.strerror if isinstance(exc, OSError) else exc}",
                              where=where) from None
     inside = [root]
-    if root.parent.name == "snapshots":  # huggingface_hub's cache: snapshots/<commit>/f -> ../../blobs/<hash>
-        inside.append(root.parent.parent / "blobs")
+    # huggingface_hub's cache: snapshots/<commit>/f -> ../../blobs/<hash> (or a folder of the repo:
+    # snapshots/<commit>/step_120/f, a run pushed a folder per step).
+    snapshot = next((p for p in (root, *root.parents) if p.parent.name == "snapshots"), None)
+    if snapshot is not None:
+        inside.append(snapshot.parent.parent / "blobs")
     if not any(real == r or r in real.parents for r in inside):
         raise LayerwiseError(
             f"shard {name!r} resolves to {real}, outside the checkpoint directory {root}; refusing to read it",

@@ -14,6 +14,7 @@ import fnmatch
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
+from layerwise_cli.checkpoint.delta.format import DELTA_FILE
 from layerwise_cli.checkpoint.fetch.policy import FetchPolicy
 from layerwise_cli.checkpoint.format.layout import natural_key
 from layerwise_cli.checkpoint.steps.local import DEFAULT_PATTERNS, step_number
@@ -44,6 +45,8 @@ class StoreStep:
     url: str
     objects: Objects
     pinned: Objects | None = None
+    # A delta step's pin covers its whole chain (`delta.remote`): set by its check, None for a full step.
+    chain_pin: str | None = None
 
     @property
     def source(self) -> str:
@@ -53,6 +56,8 @@ class StoreStep:
     @property
     def revision(self) -> str | None:
         """The pin every target reads the step at (`etags:<16 hex>`), None until a check pinned it."""
+        if self.chain_pin is not None:
+            return self.chain_pin
         return None if self.pinned is None else store_pin({path: (etag, size) for path, etag, size in self.pinned})
 
     def names(self) -> list[str]:
@@ -70,6 +75,8 @@ class StoreStep:
         `model.safetensors`) are there, every header valid and as long as its object, the index naming exactly
         the tensors the shards hold (`read_store_headers`), and each object read still the one listed.
         """
+        if DELTA_FILE in self.names():
+            return self._examine_delta()
         try:
             found = read_store_headers(StoreSource(self.url, policy=_CHECK_POLICY))
         except LayerwiseError as exc:
@@ -80,6 +87,23 @@ class StoreStep:
             return f"{moved[0]} changed since it was listed", None
         pinned = tuple(sorted((path, etag, size) for path, (etag, size) in found.pinned.items()))
         return None, replace(self, pinned=pinned)
+
+    def _examine_delta(self) -> tuple[str | None, StoreStep | None]:
+        """`examine` for a delta step: its chain resolved (its base beside it, back to a full step) and pinned as
+        one; the step's own objects must be those listed."""
+        from layerwise_cli.checkpoint.delta.source import open_store_step
+
+        try:
+            step = open_store_step(self.url)
+        except LayerwiseError as exc:
+            return exc.what, None
+        prefix = f"{self.name}/"
+        own = {path[len(prefix):]: value for path, value in (step.pinned or {}).items() if path.startswith(prefix)}
+        moved = changed_objects(own, {path: (etag, size) for path, etag, size in self.objects})
+        if moved:
+            return f"{moved[0]} changed since it was listed", None
+        pinned = tuple(sorted((path, etag, size) for path, (etag, size) in own.items()))
+        return None, replace(self, pinned=pinned, chain_pin=step.revision)
 
     def excuse(self) -> tuple[str | None, bool]:
         """Why a failed reload of this step is not its fault, and whether it is gone for good.

@@ -97,3 +97,14 @@ class WatchEvent:
         if self.message:
             parts.append(f"({self.message})")
         return " ".join(p for p in parts if p)
+
+
+def off_chain(report: dict | None) -> str | None:
+    """The report's note that the server held no step of the delta's chain (it was given the chain's full step
+    and links: `delta_base.off_chain_note`), for the event's message; None otherwise."""
+    from layerwise_cli.worker.reload.delta_base import OFF_CHAIN_NOTE
+
+    report = report or {}
+    inner = report.get("report") if isinstance(report.get("report"), dict) else {}
+    notes = report.get("notes") or inner.get("notes") or []
+    return next((note for note in notes if isinstance(note, str) and note.startswith(OFF_CHAIN_NOTE)), None)

@@ -208,12 +208,18 @@ class HubSteps:
         return f"{self.ref.where}: no commit to load (skipped: {names or 'none'})"
 
 
-def refuse_folder_options(repo_id: str | None, options: WatchOptions) -> None:
-    """A local root's options given for a Hub root (REPO_ID), or `revision` for a local root (REPO_ID None): one
-    UsageError line.
+def refuse_folder_options(repo_id: str | None, options: WatchOptions, hub_run: bool = False) -> None:
+    """A local root's options given for a Hub root (REPO_ID), `--keep` for a Hub run (HUB_RUN), or `revision` for a
+    local root (REPO_ID None): one UsageError line.
 
-    `settle` is ignored for a Hub root (a commit is complete as pushed): harmless, so not refused.
+    `settle` is ignored for a Hub root (a commit is complete as pushed): harmless, so not refused. A Hub run
+    (HUB_RUN: `hf://org/run`, a folder per step) takes `--revision` (the branch it follows), not `--keep`.
     """
+    if hub_run:
+        if options.keep is not None:
+            raise UsageError("--keep applies to a local directory of steps or a URL prefix, not to a Hub run: "
+                             "watch deletes no folder of a Hub repo")
+        return
     if repo_id is None:
         if options.revision is not None:
             raise UsageError("--revision applies to a Hub repo id (org/name), not to a directory of steps or a URL "

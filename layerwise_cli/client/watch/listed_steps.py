@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from layerwise_cli.checkpoint.steps.hub_run import is_hub_run, list_hub_run_steps
 from layerwise_cli.checkpoint.steps.local import AUTO, COMPLETE, SETTLING, CompletenessTracker, StepDir, list_steps
 from layerwise_cli.checkpoint.steps.store import StoreStep, list_store_steps
 from layerwise_cli.checkpoint.store.objects import display_url, is_store_url
@@ -27,18 +28,23 @@ class ListedSteps:
     """A `StepSource` listed afresh at every poll: a local directory, or a URL prefix (`s3://bucket/run/`).
 
     Args:
-        root: the directory, or the URL (`s3://bucket/run/`, `gs://...`, `az://...`).
-        options: the watch's options (`patterns`, `marker`, `settle`, `keep`).
+        root: the directory, the URL (`s3://bucket/run/`, `gs://...`, `az://...`), or a Hub run (`hf://org/run`:
+            a folder per step, listed at the commit `options.revision` names now, `steps.hub_run`).
+        options: the watch's options (`patterns`, `marker`, `settle`, `keep`, `revision`).
         clock: the monotonic clock a step's settling is timed by.
     """
 
     heading_words = ("step", "complete")
 
     def __init__(self, root: str | Path, options: WatchOptions, clock: Callable[[], float] = time.monotonic) -> None:
-        self.url = str(root) if is_store_url(str(root)) else None
+        # A Hub run is listed as a URL prefix is: remote, polled, its failures reported and survived.
+        self.hub_run = str(root) if is_hub_run(str(root)) else None
+        self.revision = options.revision
+        self.url = str(root) if is_store_url(str(root)) or self.hub_run else None
         self.path = Path(root)
         self.remote = self.url is not None
-        self.where = display_url(self.url) if self.url is not None else str(root)
+        # How messages and the live view name the root (a URL without credentials).
+        self.where = display_url(self.url) if self.url is not None and not self.hub_run else str(root)
         self.patterns = tuple(options.patterns)
         self.marker = options.marker
         self._tracker = CompletenessTracker(options.marker, options.settle, clock)
@@ -54,6 +60,8 @@ class ListedSteps:
             LayerwiseError: one line naming the root: a directory missing or unreadable; a bucket missing, wrong
                 credentials, the store not reachable.
         """
+        if self.hub_run is not None:
+            return list_hub_run_steps(self.hub_run, self.revision, self.patterns)
         if self.url is not None:
             return list_store_steps(self.url, self.patterns)
         return list_steps(self.path, self.patterns)

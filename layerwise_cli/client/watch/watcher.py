@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from layerwise_cli.checkpoint.sources import looks_like_repo_id
+from layerwise_cli.checkpoint.steps.hub_run import is_hub_run
 from layerwise_cli.checkpoint.store.objects import is_store_url
 from layerwise_cli.client.servers.api import HOLDS_PREVIOUS
 from layerwise_cli.client.servers.fleet import all_or_nothing
@@ -44,8 +45,8 @@ def open_step_source(root: str | Path, options: WatchOptions, *, clock: Callable
             interval that is not positive, or a negative settle time.
     """
     hub = looks_like_repo_id(str(root))
-    refuse_folder_options(str(root) if hub else None, options)
-    interval = options.poll_interval(hub or is_store_url(str(root)))
+    refuse_folder_options(str(root) if hub else None, options, hub_run=is_hub_run(str(root)))
+    interval = options.poll_interval(hub or is_store_url(str(root)) or is_hub_run(str(root)))
     if interval <= 0 or options.settle < 0:
         raise UsageError("--interval must be positive and --settle not negative")
     if hub:
@@ -293,7 +294,8 @@ class Watcher:
             server.failures = 0
             server.wall_s, server.peak_bytes, server.error = outcome.wall_s, outcome.peak_bytes, None
             self._emit(ev.RELOAD_DONE, step=step.name, server=name, version=step.name, wall_s=outcome.wall_s,
-                       peak_bytes=outcome.peak_bytes, paused_s=outcome.paused_s, report=outcome.report)
+                       peak_bytes=outcome.peak_bytes, paused_s=outcome.paused_s, report=outcome.report,
+                       message=ev.off_chain(outcome.report))
             return
         server.error = outcome.error
         server.dirty = outcome.holds != HOLDS_PREVIOUS
@@ -352,4 +354,3 @@ class Watcher:
 
     def _refresh_state(self) -> None:
         self.state.show(self._servers)
-

@@ -117,12 +117,18 @@ def _open_source(source: str, revision: str | None):
     (REVISION), no folder."""
     from dataclasses import replace
 
+    from layerwise_cli.checkpoint.delta.hub_run import is_hub_step
     from layerwise_cli.checkpoint.delta.source import open_step
-    from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
+    from layerwise_cli.checkpoint.sources import resolve_local
     from layerwise_cli.checkpoint.store.objects import is_store_url
 
     if is_store_url(source):
-        return open_checkpoint(source, revision), None
+        # A delta step by URL is read from this host's copies of its chain (`delta.remote`), as a local one.
+        checkpoint = open_step(source, revision)
+        return checkpoint, checkpoint.local_dir if checkpoint.delta is not None else None
+    if is_hub_step(source):
+        checkpoint = open_step(source, revision)  # from the Hub cache at the commit: a folder here
+        return checkpoint, checkpoint.local_dir
     local = resolve_local(source, revision)
     checkpoint = replace(open_step(str(local)), source=source)
     # A delta is read from its base's files, through its patch.

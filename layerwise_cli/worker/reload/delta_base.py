@@ -120,6 +120,29 @@ def held_steps(delta: DeltaChain, engine_stream: list[PlannedTensor], records: L
     return {name: _held_step(delta, items, records.get(name)) for name, items in _groups(engine_stream).items()}
 
 
+# How a reload that does not check the base (`watch`) says the engine held no step of the delta's chain.
+OFF_CHAIN_NOTE = "the engine held no step of the delta's chain"
+
+
+def off_chain_note(delta: DeltaChain, engine_stream: list[PlannedTensor], records: LayerRecords) -> str | None:
+    """The note for an engine some of whose layers' records name no step of DELTA's chain (its full step, a
+    link's base, or the step itself): the server's weights are not on the chain, and it is given the chain's
+    full step and every link, rebuilt from their files; None when every layer holds a step of it."""
+    groups = _groups(engine_stream)
+    off = []
+    for name, items in groups.items():
+        record = records.get(name)
+        held = {_step_digest(delta, link, items) for link in range(len(delta.links))}
+        held.add(layer_digest({item.entry.name: delta.last.step_digests[item.entry.name] for item in items}))
+        if record is None or record.digest not in held:
+            off.append(name)
+    if not off:
+        return None
+    return (f"{OFF_CHAIN_NOTE} in {len(off)} of {len(groups)} layers (first {sorted(off)[0]}): given its full step "
+            f"({delta.links[0].base_location}, read from this host's copy) and its {len(delta.links)} link(s), every "
+            "tensor proved by the step's digests")
+
+
 def _groups(engine_stream: list[PlannedTensor]) -> dict[str, list[PlannedTensor]]:
     groups: dict[str, list[PlannedTensor]] = {}
     for item in engine_stream:

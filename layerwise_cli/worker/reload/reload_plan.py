@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from layerwise_cli.checkpoint.delta.hub_run import is_hub_step
 from layerwise_cli.checkpoint.delta.source import open_step
 from layerwise_cli.checkpoint.hub.pin import is_commit
 from layerwise_cli.checkpoint.sources import Checkpoint, looks_like_repo_id, open_checkpoint, pin_source, resolve_local
@@ -64,9 +65,15 @@ def plan_reload(worker, source: str, *, revision: str | None = None, allow_parti
     commit = hub_commit(source, revision)
     if is_store_url(source):
         # Never downloaded whole: read by range, pinned to the objects' ETags (REVISION: the pin the client
-        # read; objects changed since are refused). The folder is a name only; no file is opened in it.
-        checkpoint = open_checkpoint(source, revision)
+        # read; objects changed since are refused). The folder is a name only; no file is opened in it. A
+        # delta step is read from this host's store cache (`delta.remote`), its chain pinned as one.
+        checkpoint = open_step(source, revision)
         folder = Path(display_url(source))
+    elif is_hub_step(source):
+        # A step folder of a Hub run (`hf://org/run/step_120`), at the commit the client pinned: its chain
+        # from the Hub cache (`delta.hub_run`).
+        checkpoint = open_step(source, revision)
+        folder = checkpoint.local_dir
     elif commit is not None and stream:
         checkpoint = hub_checkpoint(source, commit)
         folder = checkpoint.local_dir or snapshot_folder(source, commit)

@@ -21,7 +21,12 @@ from layerwise_cli.planning.plan import BufferSimulation, Plan, PlannedTensor
 from layerwise_cli.report.progress import ProgressWriter
 from layerwise_cli.worker.proof.early_fingerprints import EarlyFingerprints
 from layerwise_cli.worker.reload.completion_check import Unloaded
-from layerwise_cli.worker.reload.delta_base import check_delta_base, held_steps, layers_holding_a_base
+from layerwise_cli.worker.reload.delta_base import (
+    check_delta_base,
+    held_steps,
+    layers_holding_a_base,
+    off_chain_note,
+)
 from layerwise_cli.worker.reload.delta_patch import DeltaPatch
 from layerwise_cli.worker.reload.probe import BufferProbe
 from layerwise_cli.worker.reload.reload_plan import PlannedReload, loaded_from, plan_reload
@@ -213,15 +218,7 @@ def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords 
     if delta is not None and records is not None and options.patch_in_place and not delta_patch_disabled():
         patch = DeltaPatch.plan(model, delta, skip.stream, held_steps(delta, engine_stream, records), records,
                                 skip.covers, derived, never=skip.rerun.hand_over | must_hand_over(model))
-    if delta is not None and options.delta_base_check:
-        held, _ = loaded_from(worker)
-        check_delta_base(planned.checkpoint, engine_stream, records, skip._fingerprints, held,
-                         proved_after=patch.proved_after if patch is not None else ())
-    elif patch is not None:
-        # No refusal (`watch`, a rollback): a layer is patched only where it is proved to hold a step of the
-        # chain, as the check proves every layer; the others are rebuilt from the base's files.
-        patch.keep_only(layers_holding_a_base(planned.checkpoint, engine_stream, records, skip._fingerprints,
-                                              patch.layers, proved_after=patch.proved_after))
+    settle_base(worker, planned, options, records, engine_stream, skip, patch)
     if patch is not None:
         take_out_patched(skip, patch)
     rank = getattr(worker, "rank", 0) or 0
@@ -239,6 +236,28 @@ def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords 
     for name in sorted(skip.skipped):
         run.progress.write({"event": "layer", "name": name, "skipped": True})
     return run
+
+
+def settle_base(worker, planned: PlannedReload, options: ReloadOptions, records: LayerRecords | None,
+                engine_stream: list[PlannedTensor], skip: LayerSkip, patch: DeltaPatch | None) -> None:
+    """A delta's base: refused unless the engine holds it (`check_delta_base`); or, without the check (`watch`, a
+    rollback, a fleet going back), the patch kept to the layers proved to hold a step of the chain, and a note
+    when the engine held no step of it (`off_chain_note`: it is given the chain's full step and links)."""
+    delta = planned.checkpoint.delta
+    if delta is None:
+        return
+    if options.delta_base_check:
+        held, _ = loaded_from(worker)
+        check_delta_base(planned.checkpoint, engine_stream, records, skip._fingerprints, held,
+                         proved_after=patch.proved_after if patch is not None else ())
+        return
+    if records is not None and (note := off_chain_note(delta, engine_stream, records)) is not None:
+        planned.notes.append(note)
+    if patch is not None:
+        # A layer is patched only where it is proved to hold a step of the chain, as the check proves every
+        # layer; the others are rebuilt from the base's files.
+        patch.keep_only(layers_holding_a_base(planned.checkpoint, engine_stream, records, skip._fingerprints,
+                                              patch.layers, proved_after=patch.proved_after))
 
 
 def take_out_patched(skip: LayerSkip, patch: DeltaPatch) -> None:

@@ -59,7 +59,7 @@ def build_report(run: ReloadRun) -> ReloadReport:
             read_bytes=stats.read_bytes + (patch.read_bytes if patch is not None else 0),
             disk_read_bytes=after - before if before is not None and after is not None else None,
             elsewhere_tensors=mine.elsewhere_tensors, elsewhere_bytes=mine.elsewhere_bytes,
-            fetched_bytes=run.remote.bytes_fetched if run.remote is not None else None,
+            fetched_bytes=fetched_bytes(run),
             patched_layers=len(patch.patched) if patch is not None else 0,
             patched_bytes=patch.read_bytes if patch is not None else 0),
         memory=Memory(
@@ -100,3 +100,14 @@ def build_report(run: ReloadRun) -> ReloadReport:
                           refreshed=[DerivedRefresh(**entry) for entry in run.refreshed]),
         layers=layer_reports(run),
     )
+
+
+def fetched_bytes(run) -> int | None:
+    """The bytes RUN fetched from a remote source: its stream's, or a delta by URL or in a Hub run's (its links,
+    and a base this host's cache did not hold); None for a local source."""
+    if run.remote is not None:
+        return run.remote.bytes_fetched
+    delta = run.planned.checkpoint.delta
+    if delta is not None and run.planned.checkpoint.kind in ("store", "hub"):
+        return delta.fetched_bytes
+    return None
