@@ -65,6 +65,12 @@ MemoryFractionOpt = Annotated[
                  help="vLLM gpu_memory_utilization (on CPU: the share of host memory for the KV cache; "
                  "default 0.1 there).", show_default=False),
 ]
+CpusOpt = Annotated[
+    str | None,
+    typer.Option("--cpus", help="On a CPU host, the CPU cores the engine's workers compute on (0-3, or 0|1 for "
+                 "one list per worker). Default: cores no other engine's worker on this host holds; when every "
+                 "core is taken, the least loaded, shared.", show_default=False),
+]
 OrderOpt = Annotated[
     Literal["layer", "file"],
     typer.Option("--order", help="layer: stream every parent layer's tensors together (default); "

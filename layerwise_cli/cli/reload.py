@@ -227,8 +227,9 @@ def start_engine_fetching(base: str, engine, pin, *, quiet: bool):
         prefetch = Prefetch(pin, open_checkpoint(pin.repo_id, pin.commit)).start()
         if not quiet:
             stderr.print(f"Fetching {pin} ({prefetch.total_bytes / 1e9:.2f} GB) while the engine starts ...")
+    engine, cores = _choose_cores(engine, quiet=quiet)
     if not quiet:
-        stderr.print(f"Starting vLLM on {base} ...")
+        stderr.print(f"Starting vLLM on {base}{cores} ...")
     try:
         llm = start_engine(base, engine)
     except BaseException:
@@ -242,3 +243,16 @@ def start_engine_fetching(base: str, engine, pin, *, quiet: bool):
             stop_engine(llm)
             raise
     return llm
+
+
+def _choose_cores(engine, *, quiet: bool):
+    """ENGINE with its CPU cores chosen (on a CPU host), and the start line's words about them."""
+    from layerwise_cli.engine_cpus import choose_cores
+    from layerwise_cli.engine_defaults import cuda_available
+
+    if cuda_available():
+        return engine, ""
+    choice = choose_cores(engine.tensor_parallel_size * engine.pipeline_parallel_size, requested=engine.cpus)
+    if choice.warning and not quiet:
+        stderr.print(f"[yellow]Warning:[/] {choice.warning}")
+    return replace(engine, cpus=choice.binding or engine.cpus), f" ({choice.said})"

@@ -10,6 +10,7 @@ import typer
 from rich.markup import escape
 
 from layerwise_cli.cli._options import (
+    CpusOpt,
     DataParallelOpt,
     DtypeOpt,
     EnforceEagerOpt,
@@ -51,6 +52,7 @@ def serve_command(
     quantization: QuantizationOpt = None,
     enforce_eager: EnforceEagerOpt = None,
     memory_fraction: MemoryFractionOpt = None,
+    cpus: CpusOpt = None,
     nnodes: Annotated[int, typer.Option("--nnodes", "-n", min=1, help="Nodes that run the engine's workers "
                                         "together (one engine across nodes, no Ray).")] = 1,
     node_rank: Annotated[int, typer.Option("--node-rank", "-r", min=0, help="This node's rank: 0 runs the API "
@@ -86,7 +88,7 @@ def serve_command(
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
             data_parallel_size=data_parallel_size, distributed_executor_backend=distributed_executor_backend,
             max_model_len=max_model_len, quantization=quantization, enforce_eager=enforce_eager,
-            memory_fraction=memory_fraction, extra=extra, on_gpu=cuda_available(), node=node)
+            memory_fraction=memory_fraction, extra=extra, on_gpu=cuda_available(), node=node, cpus=cpus)
 
     # A command line layerwise refuses is refused before the Hub is asked anything; then a repo id's revision
     # is resolved to the commit vLLM is handed.
@@ -97,11 +99,12 @@ def serve_command(
     if dry_run:
         sys.stdout.write(command.shown() + "\n")
         return
+    cores = f"; {escape(command.cores)}" if command.cores else ""
     if headless:
         stderr.print(f"Node {node_rank} of {nnodes}: running {escape(model)}'s workers for the engine led by "
-                     f"{escape(node.leader)} (headless: reload through node 0's URL)")
+                     f"{escape(node.leader)} (headless: reload through node 0's URL){cores}")
     else:
-        stderr.print(f"Serving {escape(model)} on http://{host}:{port} (reload it with: layerwise reload "
+        stderr.print(f"Serving {escape(model)} on http://{host}:{port}{cores} (reload it with: layerwise reload "
                      f"--weights-path NEW --url http://{host}:{port})")
     sys.stdout.flush()
     sys.stderr.flush()
