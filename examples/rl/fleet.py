@@ -67,7 +67,8 @@ class Fleet:
     def start_lines(self, index: int) -> list[str]:
         """The `Serving ...` lines server INDEX printed (one per start), naming its CPU cores."""
         text = Path(self.servers[index]._log.name).read_text(errors="replace")
-        return [line.strip() for line in text.splitlines() if line.startswith("Serving ")]
+        # Rich wraps the line at the console's width: joined again.
+        return [" ".join(found.split()) for found in re.findall(r"^Serving .*?\(reload it with", text, re.M | re.S)]
 
 
 def weight_version(url: str) -> str | None:

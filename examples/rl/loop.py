@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,7 @@ class LoopOptions:
         gap_s: traffic on each step before the trainer writes the next.
         threads: client threads.
         interval: seconds between two listings of the run by `watch`.
+        proof_steps: steps at which each server is verified and compared with a fresh engine (after the run).
     """
 
     steps: int = 6
@@ -41,6 +43,7 @@ class LoopOptions:
     gap_s: float = 1.0
     threads: int = 2
     interval: float = 0.2
+    proof_steps: tuple[int, ...] = ()
 
 
 class Run:
@@ -59,9 +62,13 @@ class Run:
         self.marks: list[dict] = []  # the loop's own events (faults, restarts), for the JSONL and the timeline
         self.watch: WatchProcess | None = None
         self.traffic: Traffic | None = None
+        self.samples: list = []
 
-    def mark(self, kind: str, **data) -> None:
-        self.marks.append({"event": kind, "time": time.time(), **data})
+    def mark(self, event: str, **data) -> None:
+        """Record one of the loop's own events, and say it on stderr."""
+        self.marks.append({"event": event, "time": time.time(), **data})
+        shown = " ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in data.items())
+        print(f"{time.strftime('%H:%M:%S')} {event} {shown}", file=sys.stderr, flush=True)
 
     def run(self) -> RunRecord:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -82,6 +89,10 @@ class Run:
                 self.one_step(step)
             time.sleep(self.options.gap_s)
         self.watch.finish(signal.SIGTERM)
+        if self.samples:
+            from examples.rl.proof import prove
+
+            self.checks += prove(self.samples, self.prompts)
         return self.record()
 
     def publish(self, step: int, tensors, *, nan: bool = False) -> Published:
@@ -112,11 +123,23 @@ class Run:
         if f.SERVER_KILL in faults:
             self.kill_server(pub)
         self.wait_served(nan=pub if pub.nan else None)
+        self.mark("step_served", step=self.good.name)
+        if step in self.options.proof_steps and not pub.nan:
+            self.take_sample(pub, tensors)
         if pub.nan:
             self.checks.append(f.check_nan(self.events(), self.traffic.answers, pub, before))
         if down is not None:
             self.checks.append(f.check_store_down(self.events(), down, time.time(), pub))
         time.sleep(self.options.gap_s)
+
+    def take_sample(self, pub: Published, tensors) -> None:
+        """Verify every server on PUB and keep what it holds, for the fresh engine after the run."""
+        from examples.rl.proof import sample, write_full_step
+
+        folder = write_full_step(self.out / "proof" / pub.name, tensors, self.trainer.config, self.trainer.start)
+        self.samples.append(sample(pub.step, pub.name, self.store.source_of(pub), folder, self.fleet.urls,
+                                   self.fleet.servers[0].model, self.prompts))
+        self.mark("step_sampled", step=pub.name)
 
     def kill_server(self, newest: Published) -> None:
         url = self.fleet.urls[KILLED]

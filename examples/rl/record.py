@@ -3,6 +3,7 @@ measured (the trainer's clock, the servers' answers and `/metrics`, `watch`'s ev
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -72,7 +73,7 @@ def percentiles(values: list[float]) -> dict:
     if not values:
         return {"p50": None, "p95": None, "n": 0}
     ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, round(0.95 * len(ordered) + 0.5) - 1))
+    rank = max(0, math.ceil(0.95 * len(ordered)) - 1)
     return {"p50": statistics.median(ordered), "p95": ordered[rank], "n": len(ordered)}
 
 

@@ -107,6 +107,10 @@ class LocalSteps:
         return Published(step, saved.directory.name, time.time(), took, saved.total_bytes, tensor_bytes(tensors),
                          "delta" if saved.delta is not None else "full", nan)
 
+    def source_of(self, pub: Published) -> tuple[str, str | None]:
+        """Where a reader finds step PUB, and at which revision (None: no revision)."""
+        return str(self.run / pub.name), None
+
     def publish_killed(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
         """The trainer killed halfway through writing STEP: what it leaves behind is never a step."""
         base = self.previous
@@ -189,6 +193,9 @@ class BucketSteps:
         self.names.steps[f"step_{step}"] = step
         return Published(step, f"step_{step}", time.time(), took, sent, tensor_bytes(tensors), "full", nan)
 
+    def source_of(self, pub: Published) -> tuple[str, str | None]:
+        return self.watch_root + pub.name, None
+
     def publish_killed(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
         """The trainer killed mid-upload: STEP's shards are in the bucket, its index and marker are not."""
         folder = _write_full(self.scratch / f"step_{step}", tensors, self.config, False)
@@ -228,6 +235,9 @@ class HubSteps:
         self.names.steps[commit] = step
         return Published(step, commit, time.time(), time.monotonic() - started, folder_bytes(folder),
                          tensor_bytes(tensors), "full", nan)
+
+    def source_of(self, pub: Published) -> tuple[str, str | None]:
+        return HUB_REPO, pub.name
 
     def publish_killed(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
         """The trainer killed before its push: the half-written folder never becomes a commit."""
