@@ -89,8 +89,9 @@ def run(args: argparse.Namespace):
     scratch = Path(tempfile.mkdtemp(prefix="rl-loop-", dir=args.scratch))
     trainer = make_trainer(args.size, scratch)
     schedule = faults.default_schedule(args.steps) if args.faults == "default" else faults.parse_schedule(args.faults)
+    proof = (args.steps,) if args.proof == "last" else tuple(int(x) for x in args.proof.split(",") if x.strip())
     options = LoopOptions(steps=args.steps, schedule=schedule, outage_s=args.outage, gap_s=args.gap,
-                          threads=args.threads)
+                          threads=args.threads, proof_steps=proof)
     with open_store(args.store, scratch, trainer) as store:
         fleet = Fleet(trainer.start, store.env)
         began = time.monotonic()
@@ -115,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="where steps go: local deltas, or full steps in a SeaweedFS bucket or the loopback Hub")
     parser.add_argument("--faults", default="default", help="FAULT@STEP,... (trainer_kill, server_kill, nan, "
                         "store_down), `default` (each once) or `none`")
+    parser.add_argument("--proof", default="last", help="steps at which each server is verified and compared with "
+                        "an engine started fresh on the full step, after the run (N,M,...; default: the last)")
     parser.add_argument("--outage", type=float, default=15.0, help="seconds the store is down (store_down)")
     parser.add_argument("--gap", type=float, default=1.0, help="seconds of traffic on each step before the next")
     parser.add_argument("--threads", type=int, default=2, help="client threads")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from examples.rl import faults as f
-from examples.rl.fleet import RESTART_TIMEOUT_S, Fleet
+from examples.rl.fleet import Fleet
 from examples.rl.loop import LoopOptions, Run
 from examples.rl.stores import BucketSteps, LocalSteps
 from examples.rl.trainers import DemoTrainer
@@ -75,19 +75,20 @@ def test_a_local_run_of_deltas_survives_a_trainer_killed_mid_save_a_server_kill_
     trainer = DemoTrainer()
     store = LocalSteps(tmp_path / "steps", trainer.config)
     schedule = {2: (f.TRAINER_KILL,), 3: (f.SERVER_KILL,), 4: (f.NAN,)}
-    record = Run(trainer, store, fleet, LoopOptions(steps=STEPS, schedule=schedule), tmp_path / "out",
-                 prompts()).run()
-    assert_run_held(record)
+    options = LoopOptions(steps=STEPS, schedule=schedule, proof_steps=(STEPS,))
+    record = Run(trainer, store, fleet, options, tmp_path / "out", prompts()).run()
+    assert_run_held(record)  # the proof at the last step included: both servers equal a fresh engine
+    assert sum(name.endswith("equals a fresh engine") for name in record.checks) == 2
     # Every step after the first is a delta against the step before, smaller than the step.
     assert all(r.kind == "delta" and r.written_bytes < r.full_bytes for r in record.steps[1:]), record.steps
-    # Both servers' start lines name their cores; the killed one started twice, within the bound.
+    # Both servers' start lines name their cores; the killed one started twice (how long its restart took, beside
+    # the other server under traffic, is in the check's detail: a timed bound would fail on a loaded CI machine).
     lines = record.start_lines
     assert all(line and all("CPU cores" in x for x in line) for line in lines.values()), lines
     assert len(lines[fleet.urls[1]]) == 2
     assert record.checks["killed server back on the newest step in one reload"].startswith("ok")
     # The answers moved from the products towards the sums.
     assert sums_share(tmp_path / "out", f"step_{STEPS}") > sums_share(tmp_path / "out", "step_1") + 0.3
-    assert RESTART_TIMEOUT_S == 120.0
 
 
 def test_a_bucket_run_survives_a_store_outage_a_partial_upload_and_a_nan_step(fleet, s3, tmp_path):

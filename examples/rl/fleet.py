@@ -15,8 +15,9 @@ import httpx
 from tests.support.server_support import SMALL, RunningServer
 
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
-# A restarted server must answer within this (the bound on a 2-core machine under traffic).
-RESTART_TIMEOUT_S = 120.0
+# A restarted server must answer within this; how long it took is in the run's record (on a 2-core machine shared
+# with other work, a start takes 30 s to minutes: a bound here would be a timed assertion).
+RESTART_TIMEOUT_S = 600.0
 START_TIMEOUT_S = 600.0
 
 

@@ -63,6 +63,7 @@ class Run:
         self.watch: WatchProcess | None = None
         self.traffic: Traffic | None = None
         self.samples: list = []
+        self.began = time.time()
 
     def mark(self, event: str, **data) -> None:
         """Record one of the loop's own events, and say it on stderr."""
@@ -73,6 +74,8 @@ class Run:
     def run(self) -> RunRecord:
         self.out.mkdir(parents=True, exist_ok=True)
         urls = self.fleet.urls
+        for index, url in enumerate(urls):
+            self.mark("server_started", server=url, line=(self.fleet.start_lines(index) or ["?"])[-1])
         # What the servers hold before the run (another run's step, when servers are shared): loaded, and counted.
         self.initial = {(url, weight_version(url)) for url in urls}
         for url in urls:
@@ -85,6 +88,8 @@ class Run:
         with Traffic(urls, model, self.prompts, threads=self.options.threads) as traffic:
             self.traffic = traffic
             self.wait_served()
+            # The run begins once every server holds step 0: earlier answers are another run's (shared servers).
+            self.began = time.time()
             for step in range(1, self.options.steps + 1):
                 self.one_step(step)
             time.sleep(self.options.gap_s)
@@ -148,7 +153,7 @@ class Run:
         took = self.fleet.kill_and_restart(KILLED)
         restarted = time.time()
         self.pauses.restarted(url)
-        self.mark("server_restarted", server=url, start_s=took)
+        self.mark("server_restarted", server=url, start_s=took, line=self.fleet.start_lines(KILLED)[-1])
         self.traffic.put_back(url)
         self.wait_served()
         self.checks.append(f.check_server_kill(self.events(), url, restarted, self.good, took))
@@ -188,10 +193,11 @@ class Run:
 
     def record(self) -> RunRecord:
         events = self.events()
-        answers = self.traffic.answers
+        answers = [a for a in self.traffic.answers if a.done >= self.began]
         self.checks.append(f.check_reloads_after_complete(events, self.published))
         self.checks.append(f.check_versions_loaded(events, answers, self.initial))
-        record = build_record(self.published, answers, self.traffic.failures, self.fleet.urls, self.store.step_of,
+        failures = [x for x in self.traffic.failures if x.time >= self.began]
+        record = build_record(self.published, answers, failures, self.fleet.urls, self.store.step_of,
                               self.pauses.pauses, self.reloads)
         checks = {c.name: ("ok: " if c.ok else "FAILED: ") + c.detail for c in self.checks}
         lines = {url: self.fleet.start_lines(i) for i, url in enumerate(self.fleet.urls)}

@@ -57,6 +57,9 @@ class DemoTrainer:
     def step(self) -> None:
         from layerwise_cli.demo.train import task_loss
 
+        # One thread, as the demo trains (tensors this small): beside busy-polling vLLM workers on a small
+        # host, torch's spinning thread pool made a step of milliseconds take a minute.
+        torch.set_num_threads(1)
         for _ in range(self.inner_steps):
             loss = task_loss(self.params, self.spec)
             self.optimizer.zero_grad(set_to_none=True)
