@@ -13,7 +13,9 @@ def _s(value: float | None) -> str:
 
 
 def _mb(value: int) -> str:
-    return f"{value / 2**20:.2f} MiB"
+    from layerwise_cli.units import human_bytes
+
+    return human_bytes(value)
 
 
 def render(record: RunRecord, console=None) -> None:
@@ -78,7 +80,10 @@ def timeline(events_path: Path, png: Path, step_of) -> Path:
         for r in rows:
             if r["event"] == "reload_done" and r.get("server") == url and r.get("paused_s"):
                 top.axvspan(r["time"] - t0 - r["paused_s"], r["time"] - t0, color=f"C{i}", alpha=0.25)
-    top.set_ylabel("step of each answer")
+    from matplotlib.ticker import MaxNLocator
+
+    top.yaxis.set_major_locator(MaxNLocator(integer=True))
+    top.set_ylabel("step of each answer\n(dotted: a step saved; red: NaN)")
     top.legend(loc="upper left", fontsize=8)
     done = [r["time"] - t0 for r in rows if r["event"] == "answer"]
     if done:
