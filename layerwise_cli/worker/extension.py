@@ -106,7 +106,8 @@ class LayerwiseWorkerExtension:
         mark_loaded_from(self, source, report.placement.commit or asked.revision)
         return ReloadAnswer(ok=True, report=report.to_dict()).to_json()
 
-    def layerwise_preflight(self, source: str, revision: str | None = None, allow_partial: bool = False) -> dict:
+    def layerwise_preflight(self, source: str, revision: str | None = None, allow_partial: bool = False,
+                            delta_base_check: bool = True) -> dict:
         """Pre-flight SOURCE as a reload would (its headers, this rank's plan, the checks); change nothing.
 
         Also says where the weights this worker holds came from (`loaded_from`) and whether their headers can
@@ -115,7 +116,8 @@ class LayerwiseWorkerExtension:
         A Hub commit not yet on this machine is fetched here, before any server pauses: the tensors the reload
         will hand over (the layers its header digests skip are not), kept in the Hub cache, where the reload
         finds them (`hub_stream`). A sparse delta is read and checked here as the reload checks it: its
-        positions, its new values, and that the engine holds its base (`reload_run.plan_run`).
+        positions, its new values, and (unless DELTA_BASE_CHECK is off, as for `watch`'s reloads, which rebuild
+        it whatever the engine holds) that the engine holds its base (`reload_run.plan_run`).
         """
         from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
         from layerwise_cli.checkpoint.store import is_store_url
@@ -124,8 +126,8 @@ class LayerwiseWorkerExtension:
         from layerwise_cli.worker.stream.rank_plan import rank_position
 
         try:
-            run = plan_run(self, source, ReloadOptions(revision=revision, allow_partial=allow_partial),
-                           records_of(self))
+            run = plan_run(self, source, ReloadOptions(revision=revision, allow_partial=allow_partial,
+                                                       delta_base_check=delta_base_check), records_of(self))
             try:
                 if run.hub is not None:
                     run.hub.check()

@@ -179,15 +179,22 @@ class PreflightCall:
         source: a checkpoint directory or file the workers read, or a Hub repo id.
         revision: Hub revision for a repo id.
         allow_partial: accept a checkpoint that covers only some parameters.
+        delta_base_check: as `ReloadOptions.delta_base_check`: False when the reload it checks rebuilds a delta
+            whatever the engine holds (`watch`), so that the pre-flight does not refuse what the reload would load.
     """
 
     method: ClassVar[str] = PREFLIGHT
     source: str
     revision: str | None = None
     allow_partial: bool = False
+    delta_base_check: bool = True
 
     def kwargs(self) -> dict[str, Any]:
-        return {"source": self.source, "revision": self.revision, "allow_partial": self.allow_partial}
+        kwargs = {"source": self.source, "revision": self.revision, "allow_partial": self.allow_partial}
+        if not self.delta_base_check:
+            # Sent only when off: an older extension does not take it.
+            kwargs["delta_base_check"] = False
+        return kwargs
 
 
 
