@@ -66,9 +66,12 @@ def _stalled(tensors: dict[str, torch.Tensor], ready):
     yield from items[len(items) // 2:]
 
 
-def killed_midway(write, tensors: dict[str, torch.Tensor]) -> None:
-    """Run WRITE(tensors, ready) in a child process and SIGKILL it once it says it is halfway (READY set)."""
-    context = multiprocessing.get_context("fork")
+def killed_midway(write, tensors, start: str = "fork") -> None:
+    """Run WRITE(tensors, ready) in a child process and SIGKILL it once it says it is halfway (READY set).
+
+    START: how the child starts (`spawn` for a WRITE that uses a library whose threads a fork loses, such as
+    obstore's runtime; then WRITE and TENSORS must pickle)."""
+    context = multiprocessing.get_context(start)
     ready = context.Event()
     child = context.Process(target=write, args=(tensors, ready), daemon=True)
     child.start()
@@ -169,20 +172,8 @@ class BucketSteps:
 
         return f"s3://{BUCKET}/{RUN}/"
 
-    def _upload(self, step: int, folder: Path, *, ready=None) -> int:
-        import obstore
-
-        store = self.s3.objects(f"{RUN}/step_{step}")
-        sent = 0
-        files = sorted(folder.iterdir(), key=lambda p: (p.suffix != ".safetensors", p.name))
-        for path in files:
-            if ready is not None and not path.name.endswith(".safetensors"):
-                ready.set()  # the shards are up, the index is not: killed here
-                time.sleep(3600)
-            obstore.put(store, path.name, path.read_bytes())
-            sent += path.stat().st_size if path.suffix == ".safetensors" else 0
-        obstore.put(store, MARKER, b"")
-        return sent
+    def _upload(self, step: int, folder: Path) -> int:
+        return upload_step(self.s3.endpoint, f"{RUN}/step_{step}", folder)
 
     def publish(self, step: int, tensors: dict[str, torch.Tensor], *, nan: bool = False) -> Published:
         started = time.monotonic()
@@ -199,7 +190,7 @@ class BucketSteps:
     def publish_killed(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
         """The trainer killed mid-upload: STEP's shards are in the bucket, its index and marker are not."""
         folder = _write_full(self.scratch / f"step_{step}", tensors, self.config, False)
-        killed_midway(lambda _tensors, ready: self._upload(step, folder, ready=ready), tensors)
+        killed_midway(_upload_then_stall, (self.s3.endpoint, f"{RUN}/step_{step}", folder), start="spawn")
 
     def outage(self, seconds: float) -> bool:
         """The store stopped for SECONDS, then started again (same data)."""
@@ -208,6 +199,34 @@ class BucketSteps:
         self.s3.start()
         return True
 
+
+
+def upload_step(endpoint: str, prefix: str, folder: Path, ready=None) -> int:
+    """Put FOLDER's files under PREFIX in the test SeaweedFS at ENDPOINT: shards, then the rest, the marker last.
+
+    READY: set once the shards are up, and the upload then stalls (where the loop's trainer is killed).
+    Returns the shard bytes sent.
+    """
+    import obstore
+    from obstore.store import S3Store
+
+    from tests.support.seaweed import ACCESS_KEY, BUCKET, SECRET_KEY
+
+    store = S3Store(BUCKET, prefix=prefix, endpoint=endpoint, access_key_id=ACCESS_KEY,
+                    secret_access_key=SECRET_KEY, region="us-east-1", client_options={"allow_http": True})
+    sent = 0
+    for path in sorted(folder.iterdir(), key=lambda p: (p.suffix != ".safetensors", p.name)):
+        if ready is not None and path.suffix != ".safetensors":
+            ready.set()  # the shards are up, the index is not: killed here
+            time.sleep(3600)
+        obstore.put(store, path.name, path.read_bytes())
+        sent += path.stat().st_size if path.suffix == ".safetensors" else 0
+    obstore.put(store, MARKER, b"")
+    return sent
+
+
+def _upload_then_stall(where: tuple[str, str, Path], ready) -> None:
+    upload_step(*where, ready=ready)
 
 
 class HubSteps:
