@@ -59,6 +59,7 @@ class Run:
         self.reloads: dict[tuple[str, int], float] = {}
         self.seen_events = 0
         self.checks: list[f.Check] = []
+        self.later: list = []  # (events, answers) -> Check, for the faults' outcomes once the run is over
         self.marks: list[dict] = []  # the loop's own events (faults, restarts), for the JSONL and the timeline
         self.watch: WatchProcess | None = None
         self.traffic: Traffic | None = None
@@ -131,10 +132,12 @@ class Run:
         self.mark("step_served", step=self.good.name)
         if step in self.options.proof_steps and not pub.nan:
             self.take_sample(pub, tensors)
+        # Checked at the end: `watch` logs a reload once its call returns, after the server answers with it.
         if pub.nan:
-            self.checks.append(f.check_nan(self.events(), self.traffic.answers, pub, before))
+            self.later.append(lambda events, answers: f.check_nan(events, answers, pub, before))
         if down is not None:
-            self.checks.append(f.check_store_down(self.events(), down, time.time(), pub))
+            up = time.time()
+            self.later.append(lambda events, answers: f.check_store_down(events, down, up, pub))
         time.sleep(self.options.gap_s)
 
     def take_sample(self, pub: Published, tensors) -> None:
@@ -156,7 +159,8 @@ class Run:
         self.mark("server_restarted", server=url, start_s=took, line=self.fleet.start_lines(KILLED)[-1])
         self.traffic.put_back(url)
         self.wait_served()
-        self.checks.append(f.check_server_kill(self.events(), url, restarted, self.good, took))
+        newest = self.good
+        self.later.append(lambda events, answers: f.check_server_kill(events, url, restarted, newest, took))
 
     def events(self) -> list[dict]:
         return list(self.watch.events)
@@ -194,6 +198,7 @@ class Run:
     def record(self) -> RunRecord:
         events = self.events()
         answers = [a for a in self.traffic.answers if a.done >= self.began]
+        self.checks += [check(events, answers) for check in self.later]
         self.checks.append(f.check_reloads_after_complete(events, self.published))
         self.checks.append(f.check_versions_loaded(events, answers, self.initial))
         failures = [x for x in self.traffic.failures if x.time >= self.began]
