@@ -94,6 +94,7 @@ class Run:
             for step in range(1, self.options.steps + 1):
                 self.one_step(step)
             time.sleep(self.options.gap_s)
+            self.take_events()
         self.watch.finish(signal.SIGTERM)
         if self.samples:
             from examples.rl.proof import prove
