@@ -122,6 +122,11 @@ def test_an_engine_without_records_is_refused_and_keeps_its_weights(llm, steps):
     message = str(info.value)
     assert "needs the engine to hold its base" in message and "no layerwise record" in message
     assert "\n" not in message and "rolled back" not in message
+    # A fleet's pre-flight refuses it too, but not for `watch`, whose reload rebuilds a delta whatever the engine
+    # holds: an RL run's servers, started on its first step, must take a delta step before any reload by layerwise.
+    assert not llm.collective_rpc("layerwise_preflight", args=(str(steps["AB"]),))[0]["ok"]
+    unchecked = llm.collective_rpc("layerwise_preflight", args=(str(steps["AB"]),), kwargs={"delta_base_check": False})
+    assert unchecked[0]["ok"], unchecked
     _assert_holds(llm, steps["A"])
 
 

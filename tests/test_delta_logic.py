@@ -437,3 +437,40 @@ def test_the_rl_step_benchmark_measures_more_change_at_higher_learning_rates():
     assert 0 < fractions[0] < fractions[1] < fractions[2]
     assert rows[0]["delta_over_full"] < rows[1]["delta_over_full"] <= 1.0
     assert rows[2]["layout"] == "whole"  # at 1e-3 nearly every value moves
+
+
+def _nan_chain(root: Path, repaired: bool) -> Path:
+    """step_0 full; step_1 a delta holding a NaN at element 3 of one tensor; step_2 a delta against step_1 that
+    rewrites that element (REPAIRED) or leaves it NaN (so not in its patch)."""
+    gen = torch.Generator().manual_seed(5)
+    step = {"model.layers.0.mlp.weight": torch.randn(64, 64, generator=gen).to(torch.bfloat16),
+            "model.norm.weight": torch.ones(64, dtype=torch.bfloat16)}
+    save_checkpoint(step.items(), root / "step_0")
+    nan = {k: v.clone() for k, v in step.items()}
+    nan["model.norm.weight"][3] = float("nan")
+    save_checkpoint(nan.items(), root / "step_1", base=root / "step_0", allow_nonfinite=True)
+    after = {k: changed_copy(v, 0.02, seed=7) for k, v in nan.items()}
+    after["model.norm.weight"][5] = 2.0
+    after["model.norm.weight"][3] = 1.5 if repaired else float("nan")
+    saved = save_checkpoint(after.items(), root / "step_2", base=root / "step_1", allow_nonfinite=not repaired)
+    assert saved.delta is not None
+    return root / "step_2"
+
+
+def test_a_step_that_rewrites_an_earlier_steps_nan_loads_through_its_chain(tmp_path):
+    # An RL run that wrote a NaN step goes on against it: the next step rebuilds finite, and must load.
+    from layerwise_cli.checkpoint.delta.source import open_step
+
+    opened = open_step(str(_nan_chain(tmp_path, repaired=True)))
+    opened.delta.refuse_nonfinite()
+    with pytest.raises(LayerwiseError, match=r"step_1.*model.norm.weight.*1 NaN"):
+        open_step(str(tmp_path / "step_1")).delta.refuse_nonfinite()
+
+
+def test_a_nan_an_earlier_link_leaves_in_the_step_is_refused(tmp_path):
+    from layerwise_cli.checkpoint.delta.source import open_step
+
+    step_2 = _nan_chain(tmp_path, repaired=False)
+    # The NaN stays where step_1 put it: step_2's patch does not hold it, and the rebuilt step would.
+    with pytest.raises(LayerwiseError, match=r"step_1.*model.norm.weight.*1 NaN.*no later step of its chain"):
+        open_step(str(step_2)).delta.refuse_nonfinite()

@@ -289,7 +289,7 @@ def test_a_cpu_another_vllm_worker_is_bound_to_is_never_spare():
     import subprocess
     import sys
 
-    from layerwise_cli.worker.stream.cpu_placement import bound_worker_cpus
+    from layerwise_cli.engine_cpus import bound_worker_cpus
 
     cpu = max(os.sched_getaffinity(0))
 

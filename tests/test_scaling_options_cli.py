@@ -19,6 +19,7 @@ def _error_lines(text: str) -> list[str]:
 @pytest.mark.usefixtures("local_some_model")
 def test_serve_passes_the_parallel_sizes_to_vllm_and_binds_a_core_per_worker(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr("layerwise_cli.engine_cpus.worker_cpu_holders", lambda **_: {})
     monkeypatch.setattr("os.cpu_count", lambda: 4)
     result = _invoke("serve", "some/model", "-pp", "2", "-tp", "2", "-dp", "2", "--dry-run")
     assert result.exit_code == 0, result.output
@@ -121,3 +122,13 @@ def test_the_engines_endpoint_answers_per_engine():
     assert answer.json() == {"engines": [[{"ok": True, "engine": 0}], [{"ok": True, "engine": 1}, "text"]]}
     assert calls == [("collective_rpc", "layerwise_ping", {"a": 1})]
     assert client.post(ENGINES_RPC_PATH, json=["no method"]).status_code == 400
+
+
+@pytest.mark.usefixtures("local_some_model")
+def test_serve_binds_the_cores_asked_for_and_refuses_a_list_that_is_not_one(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    result = _invoke("serve", "some/model", "--cpus", "1", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "VLLM_CPU_OMP_THREADS_BIND=1 " in result.stdout
+    result = _invoke("serve", "some/model", "--cpus", "one", "--dry-run")
+    assert result.exit_code == 2 and "--cpus 'one' is not a CPU list" in result.output

@@ -75,3 +75,10 @@ def test_the_diagnostic_switches_of_this_process_travel_with_the_options(monkeyp
     assert switched == rpc.ReloadOptions(all_layers=True, repairs=False)
     monkeypatch.setenv("LAYERWISE_NO_REPAIRS", "0")
     assert rpc.ReloadOptions().with_switches() == rpc.ReloadOptions()
+
+
+def test_a_preflight_sends_the_delta_base_check_only_when_off():
+    # An older extension's `layerwise_preflight` takes no such keyword: sent only when a caller turns it off
+    # (`watch`, whose reload rebuilds a delta whatever the engine holds).
+    assert "delta_base_check" not in rpc.PreflightCall(source="s").kwargs()
+    assert rpc.PreflightCall(source="s", delta_base_check=False).kwargs()["delta_base_check"] is False

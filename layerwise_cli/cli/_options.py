@@ -87,6 +87,12 @@ MemoryFractionOpt = Annotated[
                  help="vLLM's gpu_memory_utilization; on CPU the share of host memory for the KV cache (default "
                  "0.1 there).", show_default=False, rich_help_panel=ENGINE_PANEL),
 ]
+CpusOpt = Annotated[
+    str | None,
+    typer.Option("--cpus", help="On a CPU host, the CPU cores the engine's workers compute on (0-3, or 0|1 for "
+                 "one list per worker). Default: cores no other engine's worker on this host holds; when every "
+                 "core is taken, the least loaded, shared.", show_default=False, rich_help_panel=ENGINE_PANEL),
+]
 OrderOpt = Annotated[
     Literal["layer", "file"],
     typer.Option("--order", metavar="ORDER", help="layer: every parent layer's tensors together; file: the order "
@@ -120,6 +126,7 @@ class EngineFlags:
     quantization: QuantizationOpt = None
     enforce_eager: EnforceEagerOpt = None
     memory_fraction: MemoryFractionOpt = None
+    cpus: CpusOpt = None
 
     def given(self, ctx: typer.Context) -> list[str]:
         """The flags the user gave on the command line (a default value typed out counts as given)."""

@@ -91,11 +91,12 @@ def serve_command(
     if dry_run:
         sys.stdout.write(command.shown() + "\n")
         return
+    cores = f"; {escape(command.cores)}" if command.cores else ""
     if headless:
         stderr.print(f"Node {node_rank} of {nnodes}: running {escape(model)}'s workers for the engine led by "
-                     f"{escape(node.leader)} (headless: reload through node 0's URL)")
+                     f"{escape(node.leader)} (headless: reload through node 0's URL){cores}")
     else:
-        stderr.print(f"Serving {escape(model)} on http://{host}:{port} (reload it with: layerwise reload "
+        stderr.print(f"Serving {escape(model)} on http://{host}:{port}{cores} (reload it with: layerwise reload "
                      f"--weights-path NEW --url http://{host}:{port})")
     sys.stdout.flush()
     sys.stderr.flush()

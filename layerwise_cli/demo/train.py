@@ -67,6 +67,19 @@ def train(spec: Spec) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return tensors, record
 
 
+def task_loss(params: dict[str, torch.Tensor], spec: Spec) -> torch.Tensor:
+    """The loss `train` minimises: cross-entropy of the answer and EOS after every prompt of SPEC's task.
+
+    PARAMS are the model's tensors under their checkpoint names (a dense model's, as `train` returns them);
+    an RL example trains a demo model from one task towards the other with it (examples/rl/trainers.py).
+    """
+    import torch
+
+    ids = _training_batch(spec)
+    logits = _forward(params, ids[:, :-1], spec)[:, -2:]
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB_SIZE), ids[:, -2:].reshape(-1))
+
+
 def _training_batch(spec: Spec) -> torch.Tensor:
     """Rows `demo_prompt(a, b)`, answer, EOS for every a, b in 0..9, as token ids."""
     import torch

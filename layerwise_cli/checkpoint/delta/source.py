@@ -11,10 +11,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from layerwise_cli.checkpoint.delta.buffers import RebuildBuffers
-from layerwise_cli.checkpoint.delta.format import Delta
+from layerwise_cli.checkpoint.delta.format import VALUES_SUFFIX, WHOLE, WHOLE_SUFFIX, Delta
 from layerwise_cli.checkpoint.delta.hub_run import is_hub_step, open_hub_step
 from layerwise_cli.checkpoint.delta.read import delta_file, read_delta
 from layerwise_cli.checkpoint.format.digests import checkpoint_digests, digests_metadata, tensor_digest
+from layerwise_cli.checkpoint.format.finite import nonfinite_elements
 from layerwise_cli.checkpoint.format.header import TensorEntry
 from layerwise_cli.checkpoint.format.layout import read_json
 from layerwise_cli.checkpoint.sources import Checkpoint, looks_like_repo_id, open_checkpoint
@@ -130,9 +131,40 @@ class DeltaChain:
             link.validate()
 
     def refuse_nonfinite(self) -> None:
-        """Refuse a NaN or Inf among the values a rebuild takes from any link (`Delta.refuse_nonfinite`)."""
-        for link in self.links:
-            link.refuse_nonfinite()
+        """Refuse a NaN or Inf the rebuilt step would hold: among the last link's new values, or an earlier
+        link's that no later link rewrites (`Delta.refuse_nonfinite` names the link and tensor).
+
+        An RL run that wrote a NaN step goes on with a step written against it (the trainer's next save,
+        `base=` the step before): that step rebuilds through the NaN link, whose non-finite values its own
+        patch replaces. Refusing every link's NaN would refuse each later step of the run for good.
+        """
+        self.last.refuse_nonfinite()
+        for at, link in enumerate(self.links[:-1]):
+            try:
+                link.refuse_nonfinite()
+            except LayerwiseError as refusal:
+                if any(self._left_nonfinite(at, name) for name in link.patches):
+                    raise LayerwiseError(f"{refusal.what}; no later step of its chain rewrites them",
+                                         where=refusal.where) from None
+
+    def _left_nonfinite(self, at: int, name: str) -> bool:
+        """Whether link AT stores a NaN or Inf value of tensor NAME at a position no later link rewrites."""
+        import numpy as np
+
+        link = self.links[at]
+        patch = link.patches[name]
+        values = link.raw(name + (WHOLE_SUFFIX if patch.kind == WHOLE else VALUES_SUFFIX))
+        bad = nonfinite_elements(values, patch.dtype)
+        if bad is None or not bad.size:
+            return False
+        left = link.positions(name)[bad]
+        for later in self.links[at + 1:]:
+            rewrite = later.patches.get(name)
+            if rewrite is not None:
+                if rewrite.kind == WHOLE:
+                    return False
+                left = left[~np.isin(left, later.positions(name), assume_unique=True)]
+        return bool(left.size)
 
 
 def base_directory(delta: Delta) -> Path:

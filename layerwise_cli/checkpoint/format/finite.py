@@ -172,6 +172,19 @@ _BIT_PATTERNS = {
 }
 
 
+def nonfinite_elements(data, dtype: str):
+    """The indexes of the NaN and Inf elements of DATA (raw little-endian bytes of whole DTYPE elements), as int64;
+    None for a dtype without NaN or Inf to find."""
+    pattern = _BIT_PATTERNS.get(dtype)
+    if pattern is None:
+        return None
+    import numpy as np
+
+    width, mask, value, _ = pattern
+    x = np.frombuffer(data, dtype=f"<u{width}", count=len(data) // width)
+    return np.flatnonzero(np.bitwise_and(x, mask) == value).astype(np.int64)
+
+
 class ByteScan:
     """Non-finite counts of one tensor whose raw little-endian bytes arrive in chunks."""
 

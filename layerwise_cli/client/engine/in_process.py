@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from layerwise_cli import EXTENSION_CLS, vllm_compat
+from layerwise_cli.engine_cpus import BIND_ENV, choose_cores
 from layerwise_cli.engine_defaults import (
-    cpu_threads_binding,
     cuda_available,
     default_enforce_eager,
     default_memory_fraction,
@@ -18,6 +21,8 @@ from layerwise_cli.errors import LayerwiseError, UsageError
 from layerwise_cli.report.reload_report import ReloadReport, first_failure, merge_reports
 from layerwise_cli.report.verify_result import VerifyResult, merge_verify, verify_failure
 from layerwise_cli.worker.rpc import ReloadAnswer, ReloadCall, ReloadOptions, VerifyAnswer, VerifyCall
+
+logger = logging.getLogger("layerwise.engine")
 
 
 @dataclass
@@ -37,6 +42,10 @@ class EngineOptions:
         memory_fraction: vLLM's `gpu_memory_utilization` (on CPU: the share of
             host memory for the KV cache); None: 0.1 on CPU, vLLM's default on GPU.
         seed: vLLM's `seed`.
+        cpus: on a CPU host, the CPU cores the workers compute on (`0-3`, or
+            `0|1` for one list per worker); None: cores no other engine's
+            worker on this host holds (`engine_cpus.choose_cores`), unless
+            `VLLM_CPU_OMP_THREADS_BIND` is set.
         extra: any other `vllm.LLM` keyword arguments, passed as they are.
     """
 
@@ -49,6 +58,7 @@ class EngineOptions:
     enforce_eager: bool | None = None
     memory_fraction: float | None = None
     seed: int = 0
+    cpus: str | None = None
     extra: dict = field(default_factory=dict)
 
     def llm_kwargs(self) -> dict:
@@ -97,14 +107,13 @@ def start_engine(model: str, options: EngineOptions | None = None):
     refusal = executor_refusal(options.distributed_executor_backend, on_gpu)
     if refusal:
         raise LayerwiseError(refusal, where=model)
-    if workers > 1 and not on_gpu:
-        # vllm-cpu binds one OpenMP thread group per rank; without a binding
-        # it refuses to start on machines with a single NUMA node.
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_threads_binding(workers))
+    # vllm-cpu binds one OpenMP thread group per rank (without a binding it refuses several ranks on a
+    # single NUMA node), and with its own `auto` every single-rank engine on a host takes the same core.
+    binding = None if on_gpu else engine_cores(workers, options.cpus)
     from layerwise_cli.client.pinning import pin_engine_revision
     from layerwise_cli.engine_output import capture_engine_output, start_failure
 
-    with capture_engine_output() as output:
+    with capture_engine_output() as output, _bound_to(binding):
         try:
             from vllm import LLM
 
@@ -120,6 +129,36 @@ def start_engine(model: str, options: EngineOptions | None = None):
             return llm
     # The engine process logged why it failed; vLLM's exception here often says only "see root cause above".
     raise LayerwiseError(start_failure(failure, output.root_cause()), where=model) from failure
+
+
+def engine_cores(workers: int, cpus: str | None = None) -> str | None:
+    """The `VLLM_CPU_OMP_THREADS_BIND` a new engine of WORKERS ranks on this CPU host gets (None: the environment's).
+
+    Logs which cores (logger `layerwise.engine`, INFO) and, when every core is
+    taken by other engines' workers, a warning.
+    """
+    choice = choose_cores(workers, requested=cpus)
+    logger.info("vLLM engine: %s", choice.said)
+    if choice.warning:
+        logger.warning(choice.warning)
+    return choice.binding
+
+
+@contextlib.contextmanager
+def _bound_to(binding: str | None) -> Iterator[None]:
+    """VLLM_CPU_OMP_THREADS_BIND set to BINDING while an engine starts (its processes read it then), then restored."""
+    if binding is None:
+        yield
+        return
+    before = os.environ.get(BIND_ENV)
+    os.environ[BIND_ENV] = binding
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(BIND_ENV, None)
+        else:
+            os.environ[BIND_ENV] = before
 
 
 def stop_engine(llm) -> None:

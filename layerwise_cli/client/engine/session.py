@@ -17,6 +17,8 @@ from layerwise_cli.client.delivery import DOWNLOAD, PREFETCH, STREAM, decide_del
 from layerwise_cli.client.engine import in_process
 from layerwise_cli.client.engine.in_process import EngineOptions, reload, verify_engine
 from layerwise_cli.client.engine.prefetch import Prefetch
+from layerwise_cli.engine_cpus import choose_cores
+from layerwise_cli.engine_defaults import cuda_available
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.report.reload_report import ReloadReport
 from layerwise_cli.worker.rpc import ReloadOptions
@@ -197,7 +199,8 @@ def start_engine_fetching(base: str, engine: EngineOptions, pin: HubPin | None,
     if pin is not None:
         prefetch = Prefetch(pin, open_checkpoint(pin.repo_id, pin.commit)).start()
         on_status(f"Fetching {pin} ({prefetch.total_bytes / 1e9:.2f} GB) while the engine starts ...")
-    on_status(f"Starting vLLM on {base} ...")
+    engine, cores = engine_on_its_cores(engine, on_status)
+    on_status(f"Starting vLLM on {base}{cores} ...")
     try:
         llm = in_process.start_engine(base, engine)
     except BaseException:
@@ -211,3 +214,14 @@ def start_engine_fetching(base: str, engine: EngineOptions, pin: HubPin | None,
             in_process.stop_engine(llm)
             raise
     return llm
+
+
+def engine_on_its_cores(engine: EngineOptions, on_status: Callable[[str], None]) -> tuple[EngineOptions, str]:
+    """ENGINE with its CPU cores chosen on a CPU host (`engine_cpus.choose_cores`: cores no other engine's worker
+    holds, or `engine.cpus`), and the start line's words about them; a warning line when every core is taken."""
+    if cuda_available():
+        return engine, ""
+    choice = choose_cores(engine.tensor_parallel_size * engine.pipeline_parallel_size, requested=engine.cpus)
+    if choice.warning:
+        on_status(f"Warning: {choice.warning}")
+    return replace(engine, cpus=choice.binding or engine.cpus), f" ({choice.said})"

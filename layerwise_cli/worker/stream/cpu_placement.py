@@ -28,10 +28,10 @@ import os
 import threading
 import time
 
+from layerwise_cli.engine_cpus import bound_worker_cpus
+
 # `spare` (the default) moves the read-ahead thread off the engine's cores; `inherit` keeps it there.
 PLACEMENT_ENV = "LAYERWISE_READAHEAD_CPUS"
-# The process title vLLM gives its worker processes (`VLLM::Worker`, `VLLM::Worker_TP1`, ...).
-WORKER_TITLE = "VLLM::Worker"
 # Thread -> (when, spare CPUs): the scan of /proc takes about 1 ms; placements do not change from one call to the next.
 _CACHE: dict[int, tuple[float, frozenset[int]]] = {}
 _CACHE_S = 10.0
@@ -73,35 +73,6 @@ def _spare_now() -> set[int]:
     if spare:
         spare -= bound_worker_cpus(exclude=os.getpid())
     return spare
-
-
-def bound_worker_cpus(exclude: int | None = None, pids: list[int] | None = None) -> set[int]:
-    """The CPUs vLLM worker processes on this host (`VLLM::Worker...`, other than EXCLUDE) are bound to.
-
-    A worker whose affinity is every CPU of the host is not bound and counts
-    for nothing. Processes that cannot be read (gone, another user's) are
-    passed over. PIDS: only these processes (default: every one in /proc).
-    """
-    everything = set(range(os.cpu_count() or 1))
-    taken: set[int] = set()
-    if pids is None:
-        try:
-            pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
-        except OSError:
-            return taken
-    for pid in pids:
-        if pid == exclude:
-            continue
-        try:
-            with open(f"/proc/{pid}/comm") as handle:
-                if not handle.read().startswith(WORKER_TITLE):
-                    continue
-            cpus = os.sched_getaffinity(pid)
-        except OSError:
-            continue
-        if set(cpus) != everything:
-            taken |= set(cpus)
-    return taken
 
 
 def move_to(cpus: set[int]) -> list[int]:

@@ -1,0 +1,113 @@
+"""The loop's two `layerwise serve` servers: started one after the other (each takes cores the other's worker does
+not hold), killed and restarted, and their pause metrics read."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+from tests.support.server_support import SMALL, RunningServer
+
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+# A restarted server must answer within this; how long it took is in the run's record (on a 2-core machine shared
+# with other work, a start takes 30 s to minutes: a bound here would be a timed assertion).
+RESTART_TIMEOUT_S = 600.0
+START_TIMEOUT_S = 600.0
+
+
+@contextlib.contextmanager
+def cores_chosen_by_serve() -> Iterator[None]:
+    """No `VLLM_CPU_OMP_THREADS_BIND` in this process's environment while servers start: `layerwise serve`
+    chooses their cores (the test suite sets one per pytest worker)."""
+    before = os.environ.pop(BIND_ENV, None)
+    try:
+        yield
+    finally:
+        if before is not None:
+            os.environ[BIND_ENV] = before
+
+
+class Fleet:
+    """Two servers on MODEL, reading steps with ENV (the store's credentials)."""
+
+    def __init__(self, model: Path, env: dict[str, str], extra: list[str] | None = None) -> None:
+        self.servers = [RunningServer(model, env=env, extra=extra or SMALL, start_timeout=START_TIMEOUT_S)
+                        for _ in range(2)]
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    def start(self) -> Fleet:
+        # One after the other: the second sees the first's worker and takes other cores.
+        with cores_chosen_by_serve():
+            for server in self.servers:
+                server.start()
+        return self
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.__exit__(None, None, None)
+
+    def kill_and_restart(self, index: int) -> float:
+        """SIGKILL server INDEX's process group and start it again; the seconds until it answered."""
+        server = self.servers[index]
+        server.kill()
+        started = time.monotonic()
+        server._start_timeout = RESTART_TIMEOUT_S
+        with cores_chosen_by_serve():
+            server.start()
+        return time.monotonic() - started
+
+    def start_lines(self, index: int) -> list[str]:
+        """The `Serving ...` lines server INDEX printed (one per start), naming its CPU cores."""
+        text = Path(self.servers[index]._log.name).read_text(errors="replace")
+        # Rich wraps the line at the console's width: joined again.
+        return [" ".join(found.split()) for found in re.findall(r"^(Serving .*?) \(reload it with", text, re.M | re.S)]
+
+
+def weight_version(url: str) -> str | None:
+    try:
+        return httpx.get(f"{url}/weight_info", timeout=30).json()["weight_version"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
+
+
+_SUM = re.compile(r"^layerwise_pause_seconds_sum(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.M)
+
+
+def pause_total(url: str) -> float | None:
+    """The server's `layerwise_pause_seconds` histogram sum (every pause under a lease since it started)."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return None
+    found = _SUM.search(text)
+    return float(found.group(1)) if found else 0.0
+
+
+class PauseMeter:
+    """Per (server, step): how much the server's pause histogram grew for that step's reload."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, float] = {}
+        self.pauses: dict[tuple[str, int], float] = {}
+
+    def reloaded(self, url: str, step: int) -> None:
+        total = pause_total(url)
+        if total is None:
+            return
+        before = self.last.get(url, 0.0)
+        # A restarted server starts its histogram again.
+        self.pauses[(url, step)] = total - before if total >= before else total
+        self.last[url] = total
+
+    def restarted(self, url: str, fleet_total: bool = False) -> None:
+        """URL (re)started: its histogram counts from 0 (FLEET_TOTAL: from what it holds now, at a run's start)."""
+        self.last[url] = (pause_total(url) or 0.0) if fleet_total else 0.0

@@ -1,0 +1,275 @@
+"""Where the loop's trainer writes its steps: a local run folder (deltas), a SeaweedFS bucket or the loopback Hub.
+
+A local run folder gets each step as a delta against the one before (`save_checkpoint(..., base=previous)`).
+The bucket and the Hub get full steps for now: a delta's base must be read where the delta is, and remote
+deltas are not loaded yet; once they are, `BucketSteps` and `HubSteps` write them the same way.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from layerwise_cli import save_checkpoint
+
+MARKER = "STABLE"
+RUN = "run"
+HUB_REPO = "rl/run"
+
+
+@dataclass(frozen=True)
+class Published:
+    """One step the trainer wrote.
+
+    Attributes:
+        step: its number.
+        name: its name as `watch` reports it (the step folder's name, or the Hub commit).
+        saved_at: wall-clock time the trainer's save (and upload) returned.
+        save_s: how long the save (and upload) took.
+        written_bytes: tensor bytes written or uploaded (the delta's, for a delta).
+        full_bytes: the full step's tensor bytes.
+        kind: `delta` or `full`.
+        nan: the step holds a NaN (the loop's NaN fault).
+    """
+
+    step: int
+    name: str
+    saved_at: float
+    save_s: float
+    written_bytes: int
+    full_bytes: int
+    kind: str
+    nan: bool = False
+
+
+def tensor_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.suffix == ".safetensors")
+
+
+def _stalled(tensors: dict[str, torch.Tensor], ready):
+    """The tensors, then a stall halfway (a trainer gathering its shards); READY is set at the stall."""
+    items = list(tensors.items())
+    yield from items[: len(items) // 2]
+    ready.set()
+    time.sleep(3600)
+    yield from items[len(items) // 2:]
+
+
+def killed_midway(write, tensors, start: str = "fork") -> None:
+    """Run WRITE(tensors, ready) in a child process and SIGKILL it once it says it is halfway (READY set).
+
+    START: how the child starts (`spawn` for a WRITE that uses a library whose threads a fork loses, such as
+    obstore's runtime; then WRITE and TENSORS must pickle)."""
+    context = multiprocessing.get_context(start)
+    ready = context.Event()
+    child = context.Process(target=write, args=(tensors, ready), daemon=True)
+    child.start()
+    if not ready.wait(timeout=300):
+        child.kill()
+        raise RuntimeError("the trainer's save did not reach its halfway point in 300 s")
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(timeout=60)
+
+
+class LocalSteps:
+    """Steps in a local run folder, each a delta against the step written before it (the first one full)."""
+
+    kind = "local"
+
+    def __init__(self, root: Path, config: dict) -> None:
+        self.run = root / RUN
+        self.run.mkdir(parents=True, exist_ok=True)
+        self.config = config
+        self.previous: Path | None = None
+        self.env: dict[str, str] = {}
+        self.names = Names()
+        self.step_of = self.names.step_of
+
+    @property
+    def watch_root(self) -> str:
+        return str(self.run)
+
+    def publish(self, step: int, tensors: dict[str, torch.Tensor], *, nan: bool = False) -> Published:
+        started = time.monotonic()
+        saved = save_checkpoint(tensors.items(), self.run / f"step_{step}", config=self.config, marker=MARKER,
+                                base=self.previous, allow_nonfinite=nan)
+        took = time.monotonic() - started
+        self.previous = saved.directory
+        self.names.steps[saved.directory.name] = step
+        return Published(step, saved.directory.name, time.time(), took, saved.total_bytes, tensor_bytes(tensors),
+                         "delta" if saved.delta is not None else "full", nan)
+
+    def source_of(self, pub: Published) -> tuple[str, str | None]:
+        """Where a reader finds step PUB, and at which revision (None: no revision)."""
+        return str(self.run / pub.name), None
+
+    def publish_killed(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
+        """The trainer killed halfway through writing STEP: what it leaves behind is never a step."""
+        base = self.previous
+
+        def write(tensors, ready):
+            save_checkpoint(_stalled(tensors, ready), self.run / f"step_{step}", config=self.config, marker=MARKER,
+                            base=base)
+
+        killed_midway(write, tensors)
+
+    def outage(self, seconds: float) -> bool:
+        """A local folder has no outage to simulate: False."""
+        return False
+
+
+
+# The weight version vLLM gives an engine before any update: the weights the servers started on, step 0's.
+START_VERSION = "default"
+
+
+class Names:
+    """Weight version -> step number, for the steps this store published (vLLM's `default` -> 0)."""
+
+    def __init__(self) -> None:
+        self.steps: dict[str, int] = {}
+
+    def step_of(self, version: str | None) -> int | None:
+        """The step VERSION names; 0 for the weights the servers started on; None: not a step of this run."""
+        if version in (None, START_VERSION):
+            return 0
+        return self.steps.get(version)
+
+
+def _write_full(folder: Path, tensors: dict[str, torch.Tensor], config: dict, nan: bool) -> Path:
+    if folder.exists():
+        shutil.rmtree(folder)
+    return save_checkpoint(tensors.items(), folder, config=config, marker=None, allow_nonfinite=nan).directory
+
+
+class BucketSteps:
+    """Steps uploaded to a SeaweedFS bucket under `run/step_N/`, full for now, the marker last."""
+
+    kind = "seaweedfs"
+
+    def __init__(self, s3, scratch: Path, config: dict) -> None:
+        self.s3 = s3
+        self.scratch = scratch
+        self.config = config
+        self.env = s3.env()
+        self.names = Names()
+        self.step_of = self.names.step_of
+
+    @property
+    def watch_root(self) -> str:
+        from tests.support.seaweed import BUCKET
+
+        return f"s3://{BUCKET}/{RUN}/"
+
+    def _upload(self, step: int, folder: Path) -> int:
+        return upload_step(self.s3.endpoint, f"{RUN}/step_{step}", folder)
+
+    def publish(self, step: int, tensors: dict[str, torch.Tensor], *, nan: bool = False) -> Published:
+        started = time.monotonic()
+        folder = _write_full(self.scratch / f"step_{step}", tensors, self.config, nan)
+        sent = self._upload(step, folder)
+        took = time.monotonic() - started
+        shutil.rmtree(folder, ignore_errors=True)
+        self.names.steps[f"step_{step}"] = step
+        return Published(step, f"step_{step}", time.time(), took, sent, tensor_bytes(tensors), "full", nan)
+
+    def source_of(self, pub: Published) -> tuple[str, str | None]:
+        return self.watch_root + pub.name, None
+
+    def publish_killed(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
+        """The trainer killed mid-upload: STEP's shards are in the bucket, its index and marker are not."""
+        folder = _write_full(self.scratch / f"step_{step}", tensors, self.config, False)
+        killed_midway(_upload_then_stall, (self.s3.endpoint, f"{RUN}/step_{step}", folder), start="spawn")
+
+    def outage(self, seconds: float) -> bool:
+        """The store stopped for SECONDS, then started again (same data)."""
+        self.s3.stop()
+        time.sleep(seconds)
+        self.s3.start()
+        return True
+
+
+
+def upload_step(endpoint: str, prefix: str, folder: Path, ready=None) -> int:
+    """Put FOLDER's files under PREFIX in the test SeaweedFS at ENDPOINT: shards, then the rest, the marker last.
+
+    READY: set once the shards are up, and the upload then stalls (where the loop's trainer is killed).
+    Returns the shard bytes sent.
+    """
+    import obstore
+    from obstore.store import S3Store
+
+    from tests.support.seaweed import ACCESS_KEY, BUCKET, SECRET_KEY
+
+    store = S3Store(BUCKET, prefix=prefix, endpoint=endpoint, access_key_id=ACCESS_KEY,
+                    secret_access_key=SECRET_KEY, region="us-east-1", client_options={"allow_http": True})
+    sent = 0
+    for path in sorted(folder.iterdir(), key=lambda p: (p.suffix != ".safetensors", p.name)):
+        if ready is not None and path.suffix != ".safetensors":
+            ready.set()  # the shards are up, the index is not: killed here
+            time.sleep(3600)
+        obstore.put(store, path.name, path.read_bytes())
+        sent += path.stat().st_size if path.suffix == ".safetensors" else 0
+    obstore.put(store, MARKER, b"")
+    return sent
+
+
+def _upload_then_stall(where: tuple[str, str, Path], ready) -> None:
+    upload_step(*where, ready=ready)
+
+
+class HubSteps:
+    """Steps pushed to the loopback Hub as commits of `rl/run`'s main branch, full for now."""
+
+    kind = "hub"
+
+    def __init__(self, hub, scratch: Path, config: dict, start: Path) -> None:
+        self.hub = hub
+        self.scratch = scratch
+        self.config = config
+        self.names = Names()
+        self.step_of = self.names.step_of
+        hub.add_repo(HUB_REPO, start)
+        self.env = {"HF_ENDPOINT": hub.endpoint}
+
+    @property
+    def watch_root(self) -> str:
+        return HUB_REPO
+
+    def publish(self, step: int, tensors: dict[str, torch.Tensor], *, nan: bool = False) -> Published:
+        started = time.monotonic()
+        folder = _write_full(self.scratch / f"step_{step}", tensors, self.config, nan)
+        commit = self.hub.move_ref(HUB_REPO, "main", folder)
+        self.names.steps[commit] = step
+        return Published(step, commit, time.time(), time.monotonic() - started, folder_bytes(folder),
+                         tensor_bytes(tensors), "full", nan)
+
+    def source_of(self, pub: Published) -> tuple[str, str | None]:
+        return HUB_REPO, pub.name
+
+    def publish_killed(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
+        """The trainer killed before its push: the half-written folder never becomes a commit."""
+
+        def write(tensors, ready):
+            save_checkpoint(_stalled(tensors, ready), self.scratch / f"killed_{step}", config=self.config)
+
+        killed_midway(write, tensors)
+
+    def outage(self, seconds: float) -> bool:
+        """Every Hub request answered 503 for SECONDS."""
+        self.hub.outage = 503
+        time.sleep(seconds)
+        self.hub.outage = None
+        return True
+

@@ -1,0 +1,89 @@
+"""The RL loop's record and fault checks (examples/rl/record.py, faults.py) on hand-made runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from examples.rl import faults as f
+from examples.rl.record import build_record, percentiles
+from examples.rl.stores import Names, Published
+from examples.rl.traffic import Answer, Failure
+
+A, B = "http://a", "http://b"
+
+
+def pub(step: int, at: float, *, nan: bool = False, kind: str = "delta") -> Published:
+    return Published(step, f"step_{step}", at, 0.5, 100, 1000, kind, nan)
+
+
+def answer(server: str, sent: float, version: str) -> Answer:
+    return Answer(sent, sent + 0.1, server, (version,), "1 2 = ", "2")
+
+
+def names(*published: Published) -> Names:
+    found = Names()
+    found.steps.update({p.name: p.step for p in published})
+    return found
+
+
+def test_step_to_serve_is_the_first_answer_with_the_step_after_its_save():
+    steps = [pub(0, 0.0, kind="full"), pub(1, 10.0), pub(2, 20.0)]
+    answers = [answer(A, 1.0, "default"), answer(A, 10.5, "step_0"), answer(A, 11.0, "step_1"),
+               answer(A, 12.0, "step_1"), answer(B, 13.9, "step_1"), answer(A, 21.0, "step_2")]
+    record = build_record(steps, answers, [Failure(15.0, B, "x", retried=False)], [A, B], names(*steps).step_of,
+                          pauses={(A, 1): 0.25}, reloads={(A, 1): 0.2})
+    one = record.steps[1]
+    assert one.servers[0].serve_s == pytest.approx(1.1) and one.servers[1].serve_s == pytest.approx(4.0)
+    assert one.servers[0].paused_s == 0.25 and one.servers[1].paused_s is None
+    assert record.steps[2].servers[1].serve_s is None  # b never answered with step_2
+    assert (one.served, one.failed) == (4, 1)
+    assert record.answers_per_step == {0: 2, 1: 3, 2: 1}
+    # Staleness: the step_0 answer sent at 10.5 came when step_1 was the newest.
+    assert record.staleness == {0: 5, 1: 1}
+    assert record.figures()["bytes_over_full"]["p50"] == pytest.approx(0.1)
+
+
+def test_percentiles_are_nearest_rank():
+    assert percentiles([]) == {"p50": None, "p95": None, "n": 0}
+    values = [float(v) for v in range(1, 21)]
+    assert percentiles(values) == {"p50": 10.5, "p95": 19.0, "n": 20}
+
+
+def test_the_default_schedule_strikes_each_fault_once_and_a_schedule_reads_back():
+    assert sorted(fault for faults in f.default_schedule(6).values() for fault in faults) == sorted(f.FAULTS)
+    assert f.default_schedule(50)[33] == (f.NAN,)
+    assert f.parse_schedule("nan@4,server_kill@4") == {4: (f.NAN, f.SERVER_KILL)}
+    with pytest.raises(ValueError, match="FAULT@STEP"):
+        f.parse_schedule("oops@2")
+
+
+def test_an_answer_from_a_version_never_fully_loaded_fails_the_check():
+    events = [{"event": "reload_done", "server": A, "step": "step_1", "time": 1.0}]
+    assert f.check_versions_loaded(events, [answer(A, 2.0, "step_1"), answer(B, 2.0, "default")], set()).ok
+    assert not f.check_versions_loaded(events, [answer(B, 2.0, "step_1")], set()).ok
+    assert f.check_versions_loaded(events, [answer(B, 2.0, "old")], {(B, "old")}).ok
+
+
+def test_a_reload_before_its_step_was_written_fails_the_check():
+    steps = [pub(1, 10.0)]  # written from 9.5 to 10.0
+    assert f.check_reloads_after_complete([{"event": "reload_started", "step": "step_1", "time": 9.8}], steps).ok
+    assert not f.check_reloads_after_complete([{"event": "reload_started", "step": "step_1", "time": 5.0}],
+                                              steps).ok
+    assert not f.check_reloads_after_complete([{"event": "reload_started", "step": "step_9", "time": 20}],
+                                              steps).ok
+
+
+def test_the_nan_step_check_needs_a_refusal_and_no_load():
+    nan, before = pub(4, 40.0, nan=True), pub(3, 30.0)
+    refused = [{"event": "reload_failed", "step": "step_4", "time": 41.0, "message": "NaN"}]
+    assert f.check_nan(refused, [answer(A, 42.0, "step_3")], nan, before).ok
+    assert not f.check_nan([], [], nan, before).ok
+    assert not f.check_nan([*refused, {"event": "reload_done", "step": "step_4", "time": 43.0}], [], nan, before).ok
+
+
+def test_the_killed_server_must_come_back_on_the_newest_step_in_its_first_reload():
+    newest = pub(3, 30.0)
+    back = [{"event": "reload_done", "server": B, "step": "step_3", "time": 100.0}]
+    assert f.check_server_kill(back, B, 90.0, newest, 40.0).ok
+    twice = [{"event": "reload_done", "server": B, "step": "step_2", "time": 95.0}, *back]
+    assert not f.check_server_kill(twice, B, 90.0, newest, 40.0).ok
