@@ -8,6 +8,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from layerwise_cli.checkpoint.delta.encode import VERSION
 from layerwise_cli.checkpoint.delta.format import DELTA_FILE, WHOLE_FRACTION
 from layerwise_cli.checkpoint.delta.read import delta_file
 from layerwise_cli.checkpoint.format.layout import is_weight_file
@@ -38,7 +39,7 @@ _PATCHES = ".layerwise-patches"
 
 def write_delta(base: str | os.PathLike[str], new: str | os.PathLike[str], directory: str | os.PathLike[str], *,
                 marker: str | None = "STABLE", overwrite: bool = False,
-                whole_fraction: float = WHOLE_FRACTION) -> SavedCheckpoint:
+                whole_fraction: float = WHOLE_FRACTION, delta_format: int = VERSION) -> SavedCheckpoint:
     """Write NEW (a full checkpoint) into DIRECTORY as a delta against BASE, or as a full copy when it must be.
 
     The same rule as `save_checkpoint(..., base=BASE)`: a delta when BASE is proved (its header digests match
@@ -54,6 +55,8 @@ def write_delta(base: str | os.PathLike[str], new: str | os.PathLike[str], direc
         marker: the empty completion file created last (None: none).
         overwrite: replace an existing non-empty DIRECTORY of plain files.
         whole_fraction: a tensor with more than this fraction of its values changed is stored whole.
+        delta_format: the delta format's version: 2 (`checkpoint.delta.v2`), or 1 for engines running a layerwise
+            that reads only v1.
 
     Returns:
         What was written (`delta` set for a delta, `fallback` for a full copy).
@@ -76,7 +79,7 @@ def write_delta(base: str | os.PathLike[str], new: str | os.PathLike[str], direc
     try:
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}{_TMP_MARK}", dir=dst.parent))
-        delta, fallback = _delta_or_none(base, checkpoint, tmp, whole_fraction)
+        delta, fallback = _delta_or_none(base, checkpoint, tmp, whole_fraction, delta_format)
         _copy_files(checkpoint.local_dir, tmp, weights=delta is None)
         written = _figures(checkpoint)
         fsync_dir(tmp)
@@ -106,13 +109,14 @@ def _figures(checkpoint: Checkpoint):
     return OrderReport(plan, plan.simulate("file"), plan.simulate("layer"))
 
 
-def _delta_or_none(base, checkpoint: Checkpoint, tmp: Path, whole_fraction: float):
+def _delta_or_none(base, checkpoint: Checkpoint, tmp: Path, whole_fraction: float, version: int):
     """Write tmp/delta.safetensors; (summary, None), or (None, why) when NEW must be copied whole."""
     patches = tmp / _PATCHES
     fd = os.open(patches, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         try:
-            plan = plan_delta(open_base(base), checkpoint_tensors(checkpoint), fd, whole_fraction=whole_fraction)
+            plan = plan_delta(open_base(base), checkpoint_tensors(checkpoint), fd, whole_fraction=whole_fraction,
+                              version=version)
         except NoDelta as why:
             return None, str(why)
         write_delta_file(tmp, plan, fd)

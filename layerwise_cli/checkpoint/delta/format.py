@@ -62,6 +62,15 @@ from math import prod
 from pathlib import Path
 
 from layerwise_cli.checkpoint.delta.buffers import RebuildBuffers
+from layerwise_cli.checkpoint.delta.v2 import (
+    SPARSE,
+    BadChunk,
+    Chunk,
+    check_chunk,
+    chunk_keys,
+    decode_diffs,
+    decode_positions,
+)
 from layerwise_cli.checkpoint.format.header import DTYPE_SIZES, ShardHeader, TensorEntry
 from layerwise_cli.errors import LayerwiseError
 
@@ -75,6 +84,8 @@ BITMAP = "bitmap"
 INDEX = "index"
 WHOLE = "whole"
 KINDS = (BITMAP, INDEX, WHOLE)
+# The kinds of format v2 (`checkpoint.delta.v2`): a sparse patch in chunks, or the whole tensor as in v1.
+KINDS_V2 = (SPARSE, WHOLE)
 POSITIONS_SUFFIX = "::positions"
 VALUES_SUFFIX = "::values"
 WHOLE_SUFFIX = "::whole"
@@ -87,8 +98,9 @@ class TensorPatch:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    kind: str  # BITMAP, INDEX or WHOLE
+    kind: str  # BITMAP, INDEX or WHOLE (v1); SPARSE or WHOLE (v2)
     changed: int  # values that differ from the base (every value for WHOLE)
+    chunks: tuple[Chunk, ...] = ()  # SPARSE: its chunks, in order
 
     @property
     def numel(self) -> int:
@@ -98,6 +110,8 @@ class TensorPatch:
         """The names of this patch's entries in the file."""
         if self.kind == WHOLE:
             return (self.name + WHOLE_SUFFIX,)
+        if self.kind == SPARSE:
+            return tuple(key for index in range(len(self.chunks)) for key in chunk_keys(self.name, index))
         return (self.name + POSITIONS_SUFFIX, self.name + VALUES_SUFFIX)
 
 
@@ -112,6 +126,7 @@ class Delta:
         base_digests: tensor -> digest in the base, for every tensor of the step.
         step_digests: tensor -> digest in the full step the delta rebuilds, for every tensor.
         patches: tensor -> its patch, for the tensors that changed.
+        version: the format's version: 1 (positions and new values, raw) or 2 (`checkpoint.delta.v2`).
     """
 
     path: Path
@@ -120,6 +135,7 @@ class Delta:
     base_digests: Mapping[str, str]
     step_digests: Mapping[str, str]
     patches: Mapping[str, TensorPatch]
+    version: int = 1
     _entries: dict[str, TensorEntry] = field(default_factory=dict, repr=False, compare=False)
     _mapped: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
 
@@ -162,6 +178,8 @@ class Delta:
         n = patch.numel
         if patch.kind == WHOLE:
             return np.arange(n, dtype=np.int64)
+        if patch.kind == SPARSE:
+            return np.concatenate([positions for _, positions, _ in self.changes(name)])
         validated = self._mapped.setdefault("validated", set())
         raw = self.raw(name + POSITIONS_SUFFIX)
         if patch.kind == INDEX and name in validated:
@@ -219,27 +237,64 @@ class Delta:
         size = DTYPE_SIZES[patch.dtype]
         if base.size != patch.numel * size:
             self._bad(name, f"the base holds {base.size} bytes, the patch needs {patch.numel * size}")
-        positions = None if patch.kind == WHOLE else self.positions(name)
+        positions = None if patch.kind in (WHOLE, SPARSE) else self.positions(name)
         out = np.empty(base.size, dtype=np.uint8) if buffers is None else buffers.take(base.size)
-        if positions is None:
+        if patch.kind == WHOLE:
             np.copyto(out, self.raw(name + WHOLE_SUFFIX))
             return out
         np.copyto(out, base)
-        unsigned = unsigned_type(size)
-        out.view(unsigned)[positions] = self.raw(name + VALUES_SUFFIX).view(unsigned)
+        elements = out.view(unsigned_type(size))
+        if patch.kind == SPARSE:
+            for _, at, diffs in self.changes(name):
+                elements[at] += diffs  # modulo 2**bits: numpy's unsigned arithmetic wraps
+            return out
+        elements[positions] = self.raw(name + VALUES_SUFFIX).view(elements.dtype)
         return out
+
+    def changes(self, name: str):
+        """Each chunk of v2 patch NAME decoded, in order: (chunk, positions, differences of the bits).
+
+        Positions are int64 and strictly increasing; differences are new minus old bits modulo 2**bits, as the
+        unsigned integer type of the element's size.
+
+        Raises:
+            LayerwiseError: a chunk is corrupt, truncated or decodes to another count than its header's.
+        """
+        patch = self.patches[name]
+        unsigned = unsigned_type(DTYPE_SIZES[patch.dtype])
+        for index, chunk in enumerate(patch.chunks):
+            gaps, diffs = (self.raw(key) for key in chunk_keys(name, index))
+            try:
+                yield chunk, decode_positions(chunk, gaps), decode_diffs(chunk, diffs, unsigned)
+            except BadChunk as exc:
+                self._bad(name, f"chunk {index} (elements {chunk.start} to {chunk.end}): {exc}")
 
     def validate(self) -> None:
         """Check every patch's positions, as a reload does before it applies them (`positions`): an index read
-        whole; a bitmap's bits counted and its padding read, its positions decoded only when applied."""
+        whole; a bitmap's bits counted and its padding read, its positions decoded only when applied; a v2
+        chunk's frames read from their headers (whole, with the metadata's count), decoded only when applied."""
         for name, patch in self.patches.items():
-            if patch.kind == BITMAP:
+            if patch.kind == SPARSE:
+                self._check_chunks(name, patch)
+            elif patch.kind == BITMAP:
                 self._check_bitmap(name, self.raw(name + POSITIONS_SUFFIX))
             elif patch.kind == INDEX:
                 self.positions(name)
 
+    def _check_chunks(self, name: str, patch: TensorPatch) -> None:
+        """Every chunk of v2 patch NAME, from its frames' headers (`v2.check_chunk`; no decoding)."""
+        size = DTYPE_SIZES[patch.dtype]
+        for index, chunk in enumerate(patch.chunks):
+            try:
+                check_chunk(chunk, *(self.raw(key) for key in chunk_keys(name, index)), size)
+            except BadChunk as exc:
+                self._bad(name, f"chunk {index} (elements {chunk.start} to {chunk.end}): {exc}")
+
     def refuse_nonfinite(self) -> None:
         """Refuse the delta if a new value it stores (sparse or whole) is NaN or Inf: the reload's check, early.
+
+        A v2 sparse patch stores differences from the base, not values: a rebuilt tensor is checked when it is
+        handed over, a tensor patched in place as it is written (`delta_patch`).
 
         Raises:
             LayerwiseError: naming the file, the tensor and the counts.
@@ -247,6 +302,8 @@ class Delta:
         from layerwise_cli.checkpoint.format.finite import ByteScan
 
         for name, patch in sorted(self.patches.items()):
+            if patch.kind == SPARSE:
+                continue  # differences, not values: the new values are checked as they are applied
             scan = ByteScan(patch.dtype)
             scan.update(self.raw(name + (WHOLE_SUFFIX if patch.kind == WHOLE else VALUES_SUFFIX)))
             if scan.nan or scan.inf:
