@@ -137,11 +137,16 @@ def check_chunk(chunk: Chunk, gaps, diffs, element_size: int) -> None:
         BadChunk: a frame truncated or with bytes after it, or declaring another count of gaps or values.
     """
     gap_bytes, diff_bytes = _frame_content_size(gaps), _frame_content_size(diffs)
-    if gap_bytes < 2 * chunk.count or (gap_bytes - 2 * chunk.count) % 4:
-        raise BadChunk(f"its gaps decode to {gap_bytes} bytes, not {chunk.count} gaps")
+    _check_gap_bytes(gap_bytes, chunk)
     if diff_bytes != chunk.count * element_size:
         raise BadChunk(f"its values decode to {diff_bytes // element_size} differences, its header says "
                        f"{chunk.count}")
+
+
+def _check_gap_bytes(size: int, chunk: Chunk) -> None:
+    """SIZE decoded bytes of gaps can hold CHUNK's count of gaps: two bytes each, four more per escaped one."""
+    if size < 2 * chunk.count or (size - 2 * chunk.count) % 4:
+        raise BadChunk(f"its gaps decode to {size} bytes, not the {chunk.count} gaps its header says")
 
 
 def _decoded(frame, size: int) -> bytes:
@@ -168,8 +173,7 @@ def decode_positions(chunk: Chunk, gaps):
     import numpy as np
 
     declared = _frame_content_size(gaps)
-    if declared < 2 * chunk.count or (declared - 2 * chunk.count) % 4:
-        raise BadChunk(f"its gaps decode to {declared} bytes, not {chunk.count} gaps")
+    _check_gap_bytes(declared, chunk)
     raw = _decoded(gaps, declared)
     short = _unshuffled(raw, chunk.count, np.uint16)
     steps = short.astype(np.int64)

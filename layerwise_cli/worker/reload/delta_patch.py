@@ -46,6 +46,7 @@ import xxhash
 
 from layerwise_cli.checkpoint.delta.format import VALUES_SUFFIX, WHOLE, WHOLE_SUFFIX, Delta
 from layerwise_cli.checkpoint.delta.source import DeltaChain
+from layerwise_cli.checkpoint.delta.v2 import SPARSE
 from layerwise_cli.checkpoint.format.digests import TensorHasher, layer_digest
 from layerwise_cli.checkpoint.format.samples import sample_digest
 from layerwise_cli.errors import LayerwiseError
@@ -80,6 +81,8 @@ class DeltaPatch:
         fingerprints: each patched layer's state right after the patch (`prove_state`).
         checksums: (data pointer, bytes) -> the `layer_state` checksum of each host tensor the patch wrote whole,
             taken as its bytes were proved (`_prove_written`).
+        check_finite: refuse a NaN or Inf among the new values a v2 link's differences make (its values are
+            known only once added to the engine's: the reload then fails, and is rolled back).
     """
 
     sites: dict[str, list[PatchSite]] = field(default_factory=dict)
@@ -93,6 +96,7 @@ class DeltaPatch:
     proved_after: set[str] = field(default_factory=set)
     fingerprints: dict[str, object] = field(default_factory=dict)
     checksums: dict[tuple[int, int], int] = field(default_factory=dict)
+    check_finite: bool = True
 
     @property
     def layers(self) -> set[str]:
@@ -102,7 +106,7 @@ class DeltaPatch:
     @classmethod
     def plan(cls, model: torch.nn.Module, chain: DeltaChain, engine_stream: list[PlannedTensor],
              held: Mapping[str, int], records: LayerRecords, covers: Mapping[str, list[str]],
-             derived, never: Iterable[str] = ()) -> DeltaPatch:
+             derived, never: Iterable[str] = (), check_finite: bool = True) -> DeltaPatch:
         """Decide, before anything changes, which layers are patched in place and where each tensor lies.
 
         Args:
@@ -115,6 +119,7 @@ class DeltaPatch:
             covers: layer -> the modules whose state its record covers (itself, and modules sharing its storage).
             derived: the engine's derived buffers (`derived_state.DerivedState`).
             never: layers that must be handed to vLLM whatever holds.
+            check_finite: see `check_finite`.
         """
         modules = dict(model.named_modules())
         packed = getattr(model, "packed_modules_mapping", None) or {}
@@ -122,7 +127,7 @@ class DeltaPatch:
         for item in engine_stream:
             if item.parent is not None:
                 groups.setdefault(item.parent, []).append(item)
-        out, never = cls(), set(never)
+        out, never = cls(check_finite=check_finite), set(never)
         for layer, items in groups.items():
             links = chain.links[held[layer]:] if layer in held else ()
             patched = [item for item in items if any(item.entry.name in link.patches for link in links)]
@@ -219,9 +224,31 @@ class DeltaPatch:
                 values = link.raw(entry.name + WHOLE_SUFFIX)
                 as_integers.copy_(_on(region.device, values, as_integers.dtype))
                 continue
+            if patch.kind == SPARSE:
+                self._add_differences(link, entry.name, region, as_integers)
+                continue
             positions = _read_only(link.positions(entry.name))
             values = _on(region.device, link.raw(entry.name + VALUES_SUFFIX), as_integers.dtype)
             as_integers.index_put_((positions.to(region.device),), values)
+
+    def _add_differences(self, link: Delta, name: str, region: torch.Tensor, as_integers: torch.Tensor) -> None:
+        """Add v2 link LINK's differences of tensor NAME to the engine's bits at their positions, chunk by chunk.
+
+        Raises:
+            LayerwiseError: a chunk is corrupt (`Delta.changes`), or a new value is NaN or Inf (`check_finite`).
+        """
+        import numpy as np
+
+        signed = np.uint8 if as_integers.element_size() == 1 else np.dtype(f"i{as_integers.element_size()}")
+        for _, positions, diffs in link.changes(name):
+            at = torch.from_numpy(positions).to(region.device)
+            updated = as_integers[at].add_(torch.from_numpy(diffs.view(signed)).to(region.device))  # wraps
+            as_integers[at] = updated
+            if self.check_finite and region.dtype.is_floating_point:
+                values = updated.view(region.dtype)
+                if not torch.isfinite(values if values.element_size() > 1 else values.float()).all():
+                    raise LayerwiseError(f"tensor {name}: the delta's new values hold NaN or Inf; refusing to load "
+                                         "it (--allow-nonfinite loads it anyway)", where=str(link.path))
 
     def _prove_written(self, sites: list[PatchSite], modules: Mapping[str, torch.nn.Module],
                        links: tuple[Delta, ...], written=None) -> None:

@@ -211,7 +211,8 @@ def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords 
     patch = None
     if delta is not None and records is not None and options.patch_in_place and not delta_patch_disabled():
         patch = DeltaPatch.plan(model, delta, skip.stream, held_steps(delta, engine_stream, records), records,
-                                skip.covers, derived, never=skip.rerun.hand_over | must_hand_over(model))
+                                skip.covers, derived, never=skip.rerun.hand_over | must_hand_over(model),
+                                check_finite=not options.allow_nonfinite)
     if delta is not None and options.delta_base_check:
         held, _ = loaded_from(worker)
         check_delta_base(planned.checkpoint, engine_stream, records, skip._fingerprints, held,
