@@ -177,6 +177,13 @@ def test_a_corrupt_stream_is_refused_when_decoded(dtype_steps):
     corrupt(root / "delta", flip)
     read_delta(root / "delta").validate()
     assert "corrupt" in _refusal(root / "delta", when="apply")
+    # `inspect-order --scan` decodes every chunk: it finds it too.
+    from typer.testing import CliRunner
+
+    from layerwise_cli.cli.app import app
+
+    scanned = CliRunner().invoke(app, ["inspect-order", str(root / "delta"), "--scan"])
+    assert scanned.exit_code == 1 and "stream is corrupt" in scanned.stderr
 
 
 def test_unknown_codec_and_chunks_out_of_order_are_refused(dtype_steps):

@@ -4,8 +4,11 @@ The file
 --------
 A delta is one safetensors file, `delta.safetensors`, in a step directory of
 its own (beside `config.json` and the completion marker). Any safetensors tool
-opens it. For each tensor of the step that differs from the base (bit for
-bit) it holds either
+opens it. Two versions of the format are read (the metadata's `format` says
+which): v2, which layerwise writes, keeps each patched tensor's changes as
+zstd-compressed gaps and bit differences in chunks (`checkpoint.delta.v2`,
+kind `sparse`), or the whole tensor as below. Format v1, described here, holds
+for each tensor of the step that differs from the base (bit for bit) either
 
 - `<tensor>::positions` and `<tensor>::values`: where the tensor changed (in
   its flattened, row-major order) and the new values there, in the tensor's own
@@ -30,10 +33,11 @@ The metadata
 The header's `__metadata__` holds `format: pt` and `layerwise.delta`, a JSON
 object:
 
-    {"format": "layerwise-delta/v1",
+    {"format": "layerwise-delta/v1",      (v2: "layerwise-delta/v2", and "codec": "zstd")
      "base": {"location": "<the base step's directory>", "digests": {"<tensor>": "<digest>", ...}},
      "step": {"digests": {"<tensor>": "<digest>", ...}},
      "tensors": {"<tensor>": {"dtype": "BF16", "shape": [..], "kind": "index|bitmap|whole", "changed": k}, ...}}
+    (v2: "kind": "sparse|whole", and a sparse patch's "chunks": [[start, count], ...])
 
 `base.digests` and `step.digests` name every tensor of the step (the same
 names: a delta never adds, drops, reshapes or retypes a tensor), each with its

@@ -86,6 +86,15 @@ class DeltaChain:
         for link in self.links:
             link.validate()
 
+    def decode_chunks(self) -> None:
+        """Decode every v2 chunk of every link (`Delta.changes`): a corrupt stream is found here, not only when
+        applied (`inspect-order --scan`; a reload's pre-flight reads only the frames' headers)."""
+        for link in self.links:
+            for name, patch in link.patches.items():
+                if patch.kind == SPARSE:
+                    for _ in link.changes(name):
+                        pass
+
     def refuse_nonfinite(self) -> None:
         """Refuse a NaN or Inf among the values a rebuild takes from any link (`Delta.refuse_nonfinite`)."""
         for link in self.links:
