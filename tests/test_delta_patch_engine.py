@@ -130,11 +130,12 @@ def test_a_delta_patched_in_place_equals_fresh_engines_a_b_a_b(monkeypatch, tmp_
         stop_here(llm)
 
 
-def _corrupt_values(delta_dir, out):
-    """A copy of DELTA_DIR whose first sparse patch has its first new value changed (digests left as they were)."""
-    import shutil
+def _corrupt_values(steps, out):
+    """delta(A->B) in format v1 (raw new values: a v2 stream's checksum would refuse a changed byte as it is
+    decoded), its first sparse patch's first new value changed (digests left as they were)."""
+    from layerwise_cli.writer.delta_step import write_delta
 
-    shutil.copytree(delta_dir, out)
+    write_delta(steps["A"], steps["B"], out, marker=None, delta_format=1)
     path = out / "delta.safetensors"
     blob = bytearray(path.read_bytes())
     (n,) = struct.unpack("<Q", blob[:8])
@@ -156,7 +157,7 @@ def test_a_patch_that_does_not_give_the_step_fails_and_the_engine_is_rolled_back
     steps = _steps(tmp_path)
     fresh_a, fresh_b = _fresh(steps["A"]), _fresh(steps["B"])
     bad = tmp_path / "bad"
-    tensor = _corrupt_values(steps["AB"], bad)
+    tensor = _corrupt_values(steps, bad)
     llm = start_here(str(steps["A"]), _options())
     try:
         reload(llm, str(steps["A"]), all_layers=True)

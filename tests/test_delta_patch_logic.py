@@ -221,3 +221,24 @@ def test_a_fused_tensor_only_partly_patched_is_read_before_not_after(tmp_path):
     stream = _stream(checkpoint)
     patch = _plan(Model(a), checkpoint, _records(a, stream), stream)
     assert patch.layers == {QKV} and patch.proved_after == set()
+
+
+@pytest.mark.parametrize("spare", [set(), {0}])
+def test_decode_ahead_returns_each_call_in_order_and_raises_at_its_take(spare):
+    """`DecodeAhead` computes the next key while the current one is used (in a thread where a CPU is spare,
+    inline otherwise): the results are the calls', a call's error is raised when its key is taken."""
+    from layerwise_cli.worker.reload.decode_ahead import DecodeAhead
+
+    calls = []
+
+    def call(key):
+        calls.append(key)
+        if key == "bad":
+            raise LayerwiseError("tensor x: its zstd stream is corrupt (corrupt delta)")
+        return key * 2
+
+    with DecodeAhead(["a", "b", "bad"], call, spare) as ahead:
+        assert ahead.take("a") == "aa" and ahead.take("b") == "bb"
+        with pytest.raises(LayerwiseError, match="corrupt"):
+            ahead.take("bad")
+    assert calls == ["a", "b", "bad"]
