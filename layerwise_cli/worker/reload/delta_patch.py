@@ -50,6 +50,7 @@ from layerwise_cli.checkpoint.delta.v2 import SPARSE
 from layerwise_cli.checkpoint.format.digests import TensorHasher, layer_digest
 from layerwise_cli.checkpoint.format.header import DTYPE_SIZES
 from layerwise_cli.checkpoint.format.samples import sample_digest
+from layerwise_cli.engine_defaults import decode_ahead_disabled
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.planning.plan import PlannedTensor
 from layerwise_cli.worker.reload.decode_ahead import DecodeAhead
@@ -173,9 +174,11 @@ class DeltaPatch:
             LayerwiseError: a patched tensor does not hash to the step's digest (corrupt delta): the reload fails.
         """
         start = time.perf_counter()
+        inline = decode_ahead_disabled()
         try:
             with ProofThread(spare_cpus(), anywhere=not on_host) as proofs, \
-                    DecodeAhead(list(self.sites), self._decode_layer, spare_cpus(), anywhere=not on_host) as ahead:
+                    DecodeAhead(list(self.sites), self._decode_layer, set() if inline else spare_cpus(),
+                                anywhere=not (on_host or inline)) as ahead:
                 for layer, sites in self.sites.items():
                     decoded = ahead.take(layer)  # the next layer's v2 chunks decode meanwhile, beside the engine
                     records.drop(layer)
