@@ -12,10 +12,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from layerwise_cli.checkpoint.delta.format import VALUES_SUFFIX, WHOLE, WHOLE_SUFFIX, file_mapping
+from layerwise_cli.checkpoint.delta.format import VALUES_SUFFIX, WHOLE, WHOLE_SUFFIX, file_mapping, unsigned_type
 from layerwise_cli.checkpoint.delta.source import open_step
+from layerwise_cli.checkpoint.delta.v2 import SPARSE
 from layerwise_cli.checkpoint.format.header import DTYPE_SIZES
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.worker.reload.delta_patch import AS_INTEGERS
@@ -56,8 +58,11 @@ def patch_writes(source: str, device: torch.device) -> list[PatchWrite]:
             if patch.kind == WHOLE:
                 values, positions = delta.raw(entry.name + WHOLE_SUFFIX), None
             else:
-                values = delta.raw(entry.name + VALUES_SUFFIX)
-                positions = torch.from_numpy(delta.positions(entry.name).copy()).to(device)
+                found = delta.positions(entry.name)
+                # v2 stores differences: the values written are the base's plus them (decoded here, untimed).
+                values = (delta.apply(entry.name, base).view(unsigned_type(DTYPE_SIZES[patch.dtype]))[found]
+                          .view(np.uint8) if patch.kind == SPARSE else delta.raw(entry.name + VALUES_SUFFIX))
+                positions = torch.from_numpy(found.copy()).to(device)
             writes.append(PatchWrite(entry.name, target, positions,
                                      torch.from_numpy(values.copy()).view(as_integers).to(device)))
     return writes

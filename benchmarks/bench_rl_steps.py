@@ -6,8 +6,10 @@ for the noisy policy gradients of RL; Adam normalizes their scale away) and
 cast to bf16 after each step, as a trainer exports it. After WARMUP steps
 (the master weights are then off the bf16 grid, as in a run long under way),
 one more step is taken and measured: the fraction of bf16 values that
-changed, and the delta's bytes (`checkpoint.delta_encode.encode_patch`, the
-layout `save_checkpoint(base=...)` writes) over the full tensor's.
+changed, and the delta's bytes over the full tensor's, in format v2 (what
+`save_checkpoint(base=...)` and `layerwise delta` write: gaps and bit
+differences, zstd-compressed) and in format v1 (an int32 index or a bitmap,
+and the raw new values), both by `checkpoint.delta.encode.encode_patch`.
 
 Run: `python -m benchmarks.bench_rl_steps [--elements N] [--json]`. Synthetic
 gradients: the figures say what a step at these learning rates does to bf16
@@ -27,7 +29,8 @@ def measure(lr: float, elements: int, seed: int = 0, warmup: int = WARMUP) -> di
     """One learning rate: the changed fraction and the delta's size after WARMUP steps, for one more step.
 
     Returns:
-        `lr`, `changed_fraction`, `delta_over_full`, `layout` (index, bitmap or whole).
+        `lr`, `changed_fraction`, `delta_over_full` and `layout` (sparse or whole) of format v2, and
+        `v1_over_full` and `v1_layout` (index, bitmap or whole) of format v1.
     """
     import torch
 
@@ -50,10 +53,12 @@ def measure(lr: float, elements: int, seed: int = 0, warmup: int = WARMUP) -> di
     raw_before = before.view(torch.uint8).numpy()
     raw_after = after.view(torch.uint8).numpy()
     changed = int((before.view(torch.int16) != after.view(torch.int16)).sum())
-    encoded = encode_patch("w", "BF16", (elements,), raw_before, raw_after)
-    delta = encoded.nbytes if encoded is not None else 0
-    return {"lr": lr, "changed_fraction": changed / elements, "delta_over_full": delta / (2 * elements),
-            "layout": encoded.patch.kind if encoded is not None else None}
+    row = {"lr": lr, "changed_fraction": changed / elements}
+    for version, prefix in ((2, ""), (1, "v1_")):
+        encoded = encode_patch("w", "BF16", (elements,), raw_before, raw_after, version=version)
+        row[f"{prefix or 'delta_'}over_full"] = (encoded.nbytes if encoded is not None else 0) / (2 * elements)
+        row[f"{prefix}layout"] = encoded.patch.kind if encoded is not None else None
+    return row
 
 
 def main() -> None:
@@ -65,10 +70,11 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    print("| lr | values changed | delta / full bf16 | layout |")
-    print("| --- | --- | --- | --- |")
+    print("| lr | values changed | v2 / full bf16 | v2 layout | v1 / full bf16 | v1 layout | v2 / v1 |")
+    print("| --- | ---: | ---: | --- | ---: | --- | ---: |")
     for row in rows:
-        print(f"| {row['lr']:g} | {row['changed_fraction']:.2%} | {row['delta_over_full']:.3f} | {row['layout']} |")
+        print(f"| {row['lr']:g} | {row['changed_fraction']:.2%} | {row['delta_over_full']:.4f} | {row['layout']} | "
+              f"{row['v1_over_full']:.3f} | {row['v1_layout']} | {row['delta_over_full'] / row['v1_over_full']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,17 @@ def delta_patch_disabled() -> bool:
     return _switch_set(NO_DELTA_PATCH_ENV)
 
 
+# Diagnostic switch: `LAYERWISE_NO_DECODE_AHEAD=1` decodes a v2 delta's chunks on the engine's
+# thread as each layer is patched in place, instead of the next layer's in a second thread
+# beside it (`worker/reload/decode_ahead.py`): to compare. Read in the worker.
+NO_DECODE_AHEAD_ENV = "LAYERWISE_NO_DECODE_AHEAD"
+
+
+def decode_ahead_disabled() -> bool:
+    """Whether the diagnostic switch turns decoding a delta's chunks ahead off (in this process)."""
+    return _switch_set(NO_DECODE_AHEAD_ENV)
+
+
 # On CPU the KV cache takes this fraction of host memory (vLLM's GPU default, 0.9, would take the machine).
 CPU_MEMORY_FRACTION = 0.1
 

@@ -213,22 +213,42 @@ def _corrupt_copy(steps, name: str, edit) -> Path:
     return out
 
 
+def _sparse_patch(header) -> str:
+    """The first tensor a (v2) delta's header patches sparsely."""
+    meta = json.loads(header["__metadata__"]["layerwise.delta"])
+    return sorted(n for n, spec in meta["tensors"].items() if spec["kind"] == "sparse")[0]
+
+
 def test_a_corrupt_delta_is_refused_and_the_engine_keeps_its_weights(llm, steps):
+    """A chunk that decodes to another count than its header's, a truncated chunk, a truncated file: refused at
+    pre-flight, one line naming the file and the tensor, before the engine changes."""
     from layerwise_cli.errors import LayerwiseError
 
     _reload(llm, steps["A"], all_layers=True)
 
-    def out_of_range(header, data):
+    def one_more(header, data):
         meta = json.loads(header["__metadata__"]["layerwise.delta"])
-        name = next(n for n, spec in meta["tensors"].items() if spec["kind"] == "index")
-        end = header[name + "::positions"]["data_offsets"][1]
-        data[end - 4:end] = struct.pack("<i", 2**31 - 1)
+        spec = meta["tensors"][_sparse_patch(header)]
+        spec["chunks"][0][1] += 1
+        spec["changed"] += 1
+        header["__metadata__"]["layerwise.delta"] = json.dumps(meta)
 
-    bad = _corrupt_copy(steps, "out_of_range", out_of_range)
-    with pytest.raises(LayerwiseError) as info:
-        _reload(llm, bad)
-    assert "2147483647 is out of range" in str(info.value) and str(bad) in str(info.value)
-    assert "rolled back" not in str(info.value)
+    def cut(header, data):
+        entry = header[_sparse_patch(header) + "::diffs.0"]
+        begin, end = entry["data_offsets"]
+        del data[end - 3:end]
+        entry["data_offsets"], entry["shape"] = [begin, end - 3], [end - 3 - begin]
+        for key, value in header.items():
+            if key != "__metadata__" and value["data_offsets"][0] >= end:
+                value["data_offsets"] = [o - 3 for o in value["data_offsets"]]
+
+    for name, edit, what in (("another_count", one_more, "its header says"), ("cut_chunk", cut, "truncated")):
+        bad = _corrupt_copy(steps, name, edit)
+        with pytest.raises(LayerwiseError) as info:
+            _reload(llm, bad)
+        message = str(info.value)
+        assert what in message and str(bad) in message and "chunk 0" in message and "\n" not in message
+        assert "rolled back" not in message
     truncated = steps["root"] / "truncated"
     shutil.copytree(steps["AB"], truncated)
     path = truncated / "delta.safetensors"
@@ -244,8 +264,9 @@ def test_nan_in_the_new_values_is_refused(llm, steps):
     _reload(llm, steps["A"], all_layers=True)
     with pytest.raises(LayerwiseError) as info:
         _reload(llm, steps["NaN"])
-    assert "lm_head.weight" in str(info.value) and "1 NaN" in str(info.value)
-    assert "rolled back" not in str(info.value)
+    # A v2 delta stores differences from the base: the new value is known, and refused, as it is rebuilt (the
+    # reload is then rolled back to what the engine held).
+    assert "lm_head.weight" in str(info.value) and "NaN" in str(info.value)
     _assert_holds(llm, steps["A"])
 
 
@@ -276,8 +297,9 @@ def test_a_base_changed_on_disk_is_caught_by_its_digests(llm, steps):
     _assert_holds(llm, steps["A"])
 
 
-def test_a_value_that_does_not_rebuild_the_step_rolls_back_to_the_exact_step_held(llm, steps):
-    """A delta whose stored value was altered: caught by the step's digest mid-stream, rolled back.
+def test_a_corrupt_stream_rolls_back_to_the_exact_step_held(llm, steps):
+    """A delta whose compressed stream was altered (its frame still whole): caught by its checksum as it is
+    decoded, mid-stream, and rolled back.
 
     The engine held B through a delta (what it holds is that delta): the rollback rebuilds B from A plus the
     patch, whatever the engine holds by then, proved by the same digests.
@@ -287,16 +309,17 @@ def test_a_value_that_does_not_rebuild_the_step_rolls_back_to_the_exact_step_hel
     _reload(llm, steps["A"], all_layers=True)
     _reload(llm, steps["AB"])
 
-    def alter_a_value(header, data):
-        meta = json.loads(header["__metadata__"]["layerwise.delta"])
-        name = sorted(n for n, spec in meta["tensors"].items() if spec["kind"] == "index")[-1]
-        begin = header[name + "::values"]["data_offsets"][0]
-        data[begin] ^= 0x01  # the lowest mantissa bit of the first new value: still finite
+    def alter_a_byte(header, data):
+        # The largest frame: a byte in its last block, before its checksum, leaves its header whole.
+        begin, end = max((value["data_offsets"] for key, value in header.items() if key.endswith("::diffs.0")),
+                         key=lambda offsets: offsets[1] - offsets[0])
+        assert end - begin >= 16  # magic, frame and block headers, content, checksum: byte -5 is content
+        data[end - 5] ^= 0xFF
 
-    bad = _corrupt_copy({"root": steps["root"], "AB": steps["BA"]}, "altered", alter_a_value)
+    bad = _corrupt_copy({"root": steps["root"], "AB": steps["BA"]}, "altered", alter_a_byte)
     with pytest.raises(LayerwiseError) as info:
         _reload(llm, bad)
     message = str(info.value)
-    assert "do not hash to the step's digest" in message and "rolled back" in message
+    assert "stream is corrupt" in message and "rolled back" in message and str(bad) in message
     _assert_holds(llm, steps["B"])
 

@@ -23,6 +23,7 @@ from layerwise_cli.checkpoint.delta.format import (
     WHOLE,
 )
 from layerwise_cli.checkpoint.delta.read import delta_file, read_delta
+from layerwise_cli.checkpoint.delta.v2 import SPARSE
 from layerwise_cli.checkpoint.format.digests import checkpoint_digests, tensor_digest
 from layerwise_cli.checkpoint.sources import open_checkpoint
 from layerwise_cli.cli.app import app
@@ -75,14 +76,14 @@ def test_base_plus_delta_is_the_new_step_bit_for_bit(dtype, fraction, seed, rows
 
 def test_each_tensor_takes_the_smallest_layout():
     base = torch.randn(4096).to(torch.bfloat16)
-    kinds = {}
-    for fraction in (0.01, 0.1, 0.8):
+    kinds: dict[int, dict[float, str]] = {1: {}, 2: {}}
+    for version, fraction in ((v, f) for v in (1, 2) for f in (0.01, 0.1, 0.8)):
         new = changed_copy(base, fraction, 1)
-        encoded = encode_patch("w", "BF16", (4096,), raw(base), raw(new))
-        kinds[fraction] = encoded.patch.kind
+        encoded = encode_patch("w", "BF16", (4096,), raw(base), raw(new), version=version)
+        kinds[version][fraction] = encoded.patch.kind
         changed = int((raw(new).view(np.uint16) != raw(base).view(np.uint16)).sum())
         assert encoded.patch.changed == (4096 if encoded.patch.kind == WHOLE else changed)
-    assert kinds == {0.01: INDEX, 0.1: BITMAP, 0.8: WHOLE}
+    assert kinds == {1: {0.01: INDEX, 0.1: BITMAP, 0.8: WHOLE}, 2: {0.01: SPARSE, 0.1: SPARSE, 0.8: WHOLE}}
     assert encode_patch("w", "BF16", (4096,), raw(base), raw(base.clone())) is None
 
 
@@ -103,6 +104,16 @@ def steps(tmp_path):
     saved = save_checkpoint(new.items(), tmp_path / "step_2", base=tmp_path / "step_1")
     assert saved.delta is not None, saved.fallback
     return tmp_path / "step_1", tmp_path / "step_2", new
+
+
+@pytest.fixture
+def v1_steps(steps, tmp_path):
+    """The same steps, the delta written in format v1 (index positions): what an older layerwise wrote."""
+    base_dir, _, new = steps
+    save_checkpoint(new.items(), tmp_path / "full_2")
+    saved = write_delta(base_dir, tmp_path / "full_2", tmp_path / "v1_2", delta_format=1)
+    assert saved.delta is not None and read_delta(tmp_path / "v1_2").version == 1
+    return base_dir, tmp_path / "v1_2", new
 
 
 def test_save_with_a_base_writes_a_small_delta_with_both_steps_digests(steps):
@@ -198,7 +209,9 @@ def test_a_rebuilt_tensor_is_proved_by_the_step_s_digest_and_a_failure_says_what
 
     corrupt(tmp_path / "step_3", flip_first_value)
     step = open_step(str(tmp_path / "step_3"))
-    with pytest.raises(LayerwiseError, match="do not hash to the step's digest") as info:
+    # A v2 chunk's checksum fails as it is decoded (a v1 value would fail the step's digest): either way the
+    # link is named.
+    with pytest.raises(LayerwiseError, match=r"\(corrupt delta\)") as info:
         rebuilt_bytes(step.delta, entry, base[name], "base.safetensors")
     assert info.value.where == str(step.delta.links[-1].path)  # the second link, the one corrupted
 
@@ -240,8 +253,8 @@ def index_entry(header: dict) -> tuple[str, dict]:
     return name, header[name + "::positions"]
 
 
-def test_a_position_out_of_range_is_refused_naming_file_and_tensor(steps):
-    _, delta_dir, _ = steps
+def test_a_position_out_of_range_is_refused_naming_file_and_tensor(v1_steps):
+    _, delta_dir, _ = v1_steps
 
     def out_of_range(header, data):
         _, entry = index_entry(header)
@@ -258,8 +271,8 @@ def test_a_position_out_of_range_is_refused_naming_file_and_tensor(steps):
     assert "\n" not in message
 
 
-def test_positions_out_of_order_are_refused(steps):
-    _, delta_dir, _ = steps
+def test_positions_out_of_order_are_refused(v1_steps):
+    _, delta_dir, _ = v1_steps
 
     def swap(header, data):
         _, entry = index_entry(header)
@@ -278,7 +291,8 @@ def bitmap_step(tmp_path):
     base = {"w.weight": torch.randn(4099, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)}
     save_checkpoint(base.items(), tmp_path / "step_1")
     new = {"w.weight": changed_copy(base["w.weight"], 0.1, 5)}
-    saved = save_checkpoint(new.items(), tmp_path / "step_2", base=tmp_path / "step_1", marker=None)
+    save_checkpoint(new.items(), tmp_path / "full_2")
+    saved = write_delta(tmp_path / "step_1", tmp_path / "full_2", tmp_path / "step_2", marker=None, delta_format=1)
     assert saved.delta is not None and read_delta(tmp_path / "step_2").patches["w.weight"].kind == BITMAP
     return tmp_path / "step_2", base["w.weight"], new["w.weight"]
 
@@ -321,8 +335,8 @@ def test_a_truncated_delta_is_refused_naming_the_file(steps):
     assert str(path) in str(err.value) and "truncated" in str(err.value)
 
 
-def test_metadata_that_does_not_match_the_entries_is_refused(steps):
-    _, delta_dir, _ = steps
+def test_metadata_that_does_not_match_the_entries_is_refused(v1_steps):
+    _, delta_dir, _ = v1_steps
 
     def drop_values(header, data):
         name, _ = index_entry(header)
@@ -393,8 +407,8 @@ def test_inspect_order_describes_a_delta(steps, tmp_path):
     assert full["delta"] is None
 
 
-def test_inspect_order_scan_checks_a_delta_s_positions(steps):
-    _, delta_dir, _ = steps
+def test_inspect_order_scan_checks_a_delta_s_positions(v1_steps):
+    _, delta_dir, _ = v1_steps
 
     def out_of_range(header, data):
         _, entry = index_entry(header)
@@ -445,14 +459,20 @@ def _nan_chain(root: Path, repaired: bool) -> Path:
     gen = torch.Generator().manual_seed(5)
     step = {"model.layers.0.mlp.weight": torch.randn(64, 64, generator=gen).to(torch.bfloat16),
             "model.norm.weight": torch.ones(64, dtype=torch.bfloat16)}
+    from layerwise_cli.writer.delta_step import write_delta
+
     save_checkpoint(step.items(), root / "step_0")
     nan = {k: v.clone() for k, v in step.items()}
     nan["model.norm.weight"][3] = float("nan")
-    save_checkpoint(nan.items(), root / "step_1", base=root / "step_0", allow_nonfinite=True)
+    save_checkpoint(nan.items(), root / "full_1", allow_nonfinite=True)
+    # Format v1: its links store new values, which the chain checks before anything loads (a v2 link stores
+    # differences, checked as the rebuilt values are handed over or written).
+    write_delta(root / "step_0", root / "full_1", root / "step_1", marker=None, delta_format=1)
     after = {k: changed_copy(v, 0.02, seed=7) for k, v in nan.items()}
     after["model.norm.weight"][5] = 2.0
     after["model.norm.weight"][3] = 1.5 if repaired else float("nan")
-    saved = save_checkpoint(after.items(), root / "step_2", base=root / "step_1", allow_nonfinite=not repaired)
+    save_checkpoint(after.items(), root / "full_2", allow_nonfinite=not repaired)
+    saved = write_delta(root / "step_1", root / "full_2", root / "step_2", marker=None, delta_format=1)
     assert saved.delta is not None
     return root / "step_2"
 

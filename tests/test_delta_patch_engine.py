@@ -154,11 +154,12 @@ def test_a_delta_patched_in_place_equals_fresh_engines_a_b_a_b(engine, steps, fr
     _holds(llm, fresh_a)
 
 
-def _corrupt_values(delta_dir, out):
-    """A copy of DELTA_DIR whose first sparse patch has its first new value changed (digests left as they were)."""
-    import shutil
+def _corrupt_values(steps, out):
+    """delta(A->B) in format v1 (raw new values: a v2 stream's checksum would refuse a changed byte as it is
+    decoded), its first sparse patch's first new value changed (digests left as they were)."""
+    from layerwise_cli.writer.delta_step import write_delta
 
-    shutil.copytree(delta_dir, out)
+    write_delta(steps["A"], steps["B"], out, marker=None, delta_format=1)
     path = out / "delta.safetensors"
     blob = bytearray(path.read_bytes())
     (n,) = struct.unpack("<Q", blob[:8])
@@ -178,7 +179,7 @@ def test_a_patch_that_does_not_give_the_step_fails_and_the_engine_is_rolled_back
 
     llm, fresh_a, fresh_b = engine, fresh["A"], fresh["B"]
     bad = tmp_path / "bad"
-    tensor = _corrupt_values(steps["AB"], bad)
+    tensor = _corrupt_values(steps, bad)
     reload(llm, str(steps["A"]), all_layers=True)  # the records now say A
     _holds(llm, fresh_a)
     with pytest.raises(LayerwiseError) as info:

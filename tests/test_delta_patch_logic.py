@@ -221,3 +221,47 @@ def test_a_fused_tensor_only_partly_patched_is_read_before_not_after(tmp_path):
     stream = _stream(checkpoint)
     patch = _plan(Model(a), checkpoint, _records(a, stream), stream)
     assert patch.layers == {QKV} and patch.proved_after == set()
+
+
+@pytest.mark.parametrize("spare", [set(), {0}])
+def test_decode_ahead_returns_each_call_in_order_and_raises_at_its_take(spare):
+    """`DecodeAhead` computes the next key while the current one is used (in a thread where a CPU is spare,
+    inline otherwise): the results are the calls', a call's error is raised when its key is taken."""
+    from layerwise_cli.worker.reload.decode_ahead import DecodeAhead
+
+    calls = []
+
+    def call(key):
+        calls.append(key)
+        if key == "bad":
+            raise LayerwiseError("tensor x: its zstd stream is corrupt (corrupt delta)")
+        return key * 2
+
+    with DecodeAhead(["a", "b", "bad"], call, spare) as ahead:
+        assert ahead.take("a") == "aa" and ahead.take("b") == "bb"
+        with pytest.raises(LayerwiseError, match="corrupt"):
+            ahead.take("bad")
+    assert calls == ["a", "b", "bad"]
+
+
+@pytest.mark.parametrize("check_finite", [True, False])
+def test_a_v2_difference_that_makes_a_nan_is_refused_as_it_is_written(tmp_path, check_finite):
+    """A v2 patch stores differences: its new values are known once added to the engine's bits, and a NaN there
+    fails the patch (the reload is then rolled back), unless the NaN/Inf check is off (`--allow-nonfinite`)."""
+    a = _step(1)
+    b = {name: t.clone() for name, t in a.items()}
+    b[f"{ATTN}.o_proj.weight"].view(-1)[3] = float("nan")
+    save_checkpoint(a.items(), tmp_path / "A", marker=None)
+    save_checkpoint(b.items(), tmp_path / "AB", marker=None, base=tmp_path / "A", allow_nonfinite=True)
+    checkpoint = open_delta_checkpoint(tmp_path / "AB")
+    assert checkpoint.delta.last.patches[f"{ATTN}.o_proj.weight"].kind == "sparse"
+    model, stream = Model(a), _stream(checkpoint)
+    records = _records(a, stream)
+    patch = _plan(model, checkpoint, records, stream, check_finite=check_finite)
+    assert patch.layers == {OPROJ}
+    if check_finite:
+        with pytest.raises(LayerwiseError, match=rf"tensor {ATTN}\.o_proj\.weight: the delta's new values hold NaN"):
+            patch.apply(dict(model.named_modules()), records)
+    else:
+        patch.apply(dict(model.named_modules()), records)
+        assert model.model.layers[0].self_attn.o_proj.weight.view(-1)[3].isnan()

@@ -53,8 +53,8 @@ def sample(step: int, name: str, source: tuple[str, str | None], folder: Path, u
            prompts: list[str]) -> Sample:
     """Verify each server against SOURCE (the step as the servers read it: a path or URL, and a Hub commit or
     None), and take its fingerprints and answers."""
-    from layerwise_cli.client.servers.reload_servers import server_fingerprints
     from layerwise_cli.client.servers.api import ServerClient
+    from layerwise_cli.client.servers.reload_servers import server_fingerprints
 
     verified: dict[str, str] = {}
     for url in urls:

@@ -122,6 +122,8 @@ def render_report(report: ReloadReport, title: str = "Reload", top: int = 0) -> 
     summary.add_row("skipped", skipped_line(report))
     if report.volume.patched_layers:
         summary.add_row("patched", patched_line(report))
+    if report.volume.rebuilt_layers:
+        summary.add_row("rebuilt", rebuilt_line(report))
     if report.volume.fetched_bytes is not None:
         summary.add_row("fetched", f"{human_bytes(report.volume.fetched_bytes)} from "
                         f"{escape(source_label(report.placement))} by range (only the tensors handed over)")
@@ -153,6 +155,15 @@ def patched_line(report: ReloadReport) -> str:
     return (f"{volume.patched_layers} of {len(report.layers)} layers patched in place from the delta "
             f"({human_bytes(volume.patched_bytes)} read) in {human_seconds(report.timings.patch_s)}, each patched "
             "tensor proved by the step's digest")
+
+
+def rebuilt_line(report: ReloadReport) -> str:
+    """`105 of 227 layers rebuilt from the delta's base and loaded as in the full step (not patched in place: ...)`."""
+    volume = report.volume
+    why = f": {escape(volume.rebuilt_reason)}" if volume.rebuilt_reason else ""
+    return (f"{volume.rebuilt_layers} of {len(report.layers)} layers rebuilt from the delta's base and loaded as the "
+            f"full step's are (not patched in place{why}); those cost what the full step's reload does, plus the "
+            "rebuild")
 
 
 def in_place_line(report: ReloadReport) -> str:

@@ -79,8 +79,10 @@ def inspect_order_command(
     data = report.to_dict(top=top)
     delta = report.plan.checkpoint.delta
     if scan and delta is not None:
-        # A delta's own bytes: every position and every new value, as a reload's pre-flight reads them.
+        # A delta's own bytes: every position and every new value, as a reload's pre-flight reads them, and every
+        # v2 chunk decoded.
         delta.validate()
+        delta.decode_chunks()
         delta.refuse_nonfinite()
     scanned = _scan(report.plan.checkpoint, quiet=as_json) if scan and delta is None else None
     if scanned is not None:

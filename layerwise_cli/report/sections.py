@@ -93,6 +93,11 @@ class Volume:
         patched_layers: layers a sparse delta patched straight into the engine's tensors, not handed to vLLM
             (`layers[].patched`; merged: added up over the stages, as `bytes`).
         patched_bytes: the delta's bytes read for them (positions and values; in `read_bytes` too).
+        rebuilt_layers: a delta's changed layers that could not be patched in place: rebuilt from the base's
+            files and the patch, then loaded as a full step's layers are (handed to vLLM, its kernels rebuilt);
+            such a layer costs about what it does in the full step's reload, plus the rebuild.
+        rebuilt_reason: why the first of them could not be patched in place (None: none was rebuilt, or the
+            patch in place was off).
     """
 
     bytes: int
@@ -104,6 +109,8 @@ class Volume:
     fetched_bytes: int | None = None
     patched_layers: int = 0
     patched_bytes: int = 0
+    rebuilt_layers: int = 0
+    rebuilt_reason: str | None = None
 
     @classmethod
     def merged(cls, parts: Sequence[Volume], stages: Sequence[Volume]) -> Volume:
@@ -114,7 +121,9 @@ class Volume:
                    read_bytes=None if unmeasured else max(part.read_bytes for part in parts),
                    fetched_bytes=sum(fetched) if fetched else None,
                    patched_layers=sum(stage.patched_layers for stage in stages),
-                   patched_bytes=sum(stage.patched_bytes for stage in stages))
+                   patched_bytes=sum(stage.patched_bytes for stage in stages),
+                   rebuilt_layers=sum(stage.rebuilt_layers for stage in stages),
+                   rebuilt_reason=next((p.rebuilt_reason for p in parts if p.rebuilt_reason), None))
 
 
 @dataclass(frozen=True)

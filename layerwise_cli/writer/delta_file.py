@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from layerwise_cli.checkpoint.delta.encode import EncodedPatch, can_patch, delta_metadata, encode_patch
+from layerwise_cli.checkpoint.delta.encode import VERSION, EncodedPatch, can_patch, delta_metadata, encode_patch
 from layerwise_cli.checkpoint.delta.format import DELTA_FILE, WHOLE_FRACTION, TensorPatch, file_mapping
 from layerwise_cli.checkpoint.delta.source import open_step, rebuilt_bytes
 from layerwise_cli.checkpoint.format.digests import checkpoint_digests, tensor_digest
@@ -41,6 +41,7 @@ class SpilledDelta:
         full_bytes: the full step's tensor bytes.
         changed_values: values that differ from the base (stored whole or not).
         total_values: values in the step.
+        version: the delta format's version (`checkpoint.delta.encode.VERSION` unless asked otherwise).
     """
 
     base_location: str
@@ -51,6 +52,7 @@ class SpilledDelta:
     full_bytes: int
     changed_values: int
     total_values: int
+    version: int = VERSION
 
 
 _PATCHES = ".layerwise-patches"
@@ -96,7 +98,7 @@ class ShardBytes:
 
 
 def spill_delta(base: Checkpoint, new: Iterable[NewTensor], spill_fd: int, *,
-                whole_fraction: float = WHOLE_FRACTION) -> SpilledDelta:
+                whole_fraction: float = WHOLE_FRACTION, version: int = VERSION) -> SpilledDelta:
     """Compare each new tensor with the base's, bit for bit, and append its patch's bytes to SPILL_FD.
 
     The base's digests are proved from its bytes as they are read: a header digest that its bytes do not
@@ -106,7 +108,8 @@ def spill_delta(base: Checkpoint, new: Iterable[NewTensor], spill_fd: int, *,
         base: the base step (`open_base`).
         new: the new step's tensors, every one of them.
         spill_fd: a file open for writing, empty: receives the patches' bytes, one after another.
-        whole_fraction: see `checkpoint.delta.encode_patch`.
+        whole_fraction: see `checkpoint.delta.encode.encode_patch`.
+        version: the format to write: 2, or 1 for readers of older layerwise.
 
     Returns:
         The spilled delta, once every tensor was compared.
@@ -146,7 +149,7 @@ def spill_delta(base: Checkpoint, new: Iterable[NewTensor], spill_fd: int, *,
         step_digests[tensor.name] = tensor.digest
         full += entry.nbytes
         values += int(np.prod(entry.shape))
-        encoded = encode_patch(tensor.name, tensor.dtype, tensor.shape, old, tensor.data, whole_fraction)
+        encoded = encode_patch(tensor.name, tensor.dtype, tensor.shape, old, tensor.data, whole_fraction, version)
         if encoded is not None:
             placed = _spill_patch(encoded, spill_fd, offset)
             offset += encoded.nbytes
@@ -160,7 +163,7 @@ def spill_delta(base: Checkpoint, new: Iterable[NewTensor], spill_fd: int, *,
     if offset >= full:
         raise NoDelta(f"a delta ({offset} bytes) would not be smaller than the full step ({full} bytes)")
     return SpilledDelta(str(Path(base.source).absolute()), base_digests, step_digests, tuple(patches), offset, full,
-                     changed, values)
+                        changed, values, version)
 
 
 def _spill_patch(encoded: EncodedPatch, fd: int, offset: int) -> tuple[tuple[str, str, tuple[int, ...], int, int], ...]:
@@ -188,7 +191,7 @@ def write_delta_file(out: Path, delta: SpilledDelta, spill_fd: int) -> Path:
             sources.append((offset, nbytes))
             begin += nbytes
     metadata = delta_metadata(delta.base_location, delta.base_digests, delta.step_digests,
-                              [patch for patch, _ in delta.patches])
+                              [patch for patch, _ in delta.patches], delta.version)
     header = encode_header(entries, metadata)
     path = out / DELTA_FILE
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -247,9 +250,10 @@ def write_delta_from_spill(base, spilled: list[Spilled], spill: SpillFile, tmp: 
     return write_delta_against(base, tensors, tmp, whole_fraction)
 
 
-def write_delta_against(base, tensors: Iterable[NewTensor], out: Path,
-                        whole_fraction: float | None) -> tuple[DeltaSummary | None, str | None]:
-    """Write OUT/delta.safetensors of TENSORS against BASE; (summary, None), or (None, why) when a full step is due.
+def write_delta_against(base, tensors: Iterable[NewTensor], out: Path, whole_fraction: float | None, *,
+                        version: int = VERSION) -> tuple[DeltaSummary | None, str | None]:
+    """Write OUT/delta.safetensors of TENSORS against BASE in format VERSION; (summary, None), or (None, why) when a
+    full step is due.
 
     The patches are spilled to a file in OUT first (removed after), then written in the delta's order.
     """
@@ -258,7 +262,8 @@ def write_delta_against(base, tensors: Iterable[NewTensor], out: Path,
     try:
         try:
             delta = spill_delta(open_base(base), tensors, fd,
-                                whole_fraction=WHOLE_FRACTION if whole_fraction is None else whole_fraction)
+                                whole_fraction=WHOLE_FRACTION if whole_fraction is None else whole_fraction,
+                                version=version)
         except NoDelta as why:
             return None, str(why)
         write_delta_file(out, delta, fd)

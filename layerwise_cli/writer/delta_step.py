@@ -6,6 +6,7 @@ import os
 import time
 from pathlib import Path
 
+from layerwise_cli.checkpoint.delta.encode import VERSION
 from layerwise_cli.checkpoint.delta.format import WHOLE_FRACTION
 from layerwise_cli.checkpoint.delta.read import delta_file
 from layerwise_cli.checkpoint.format.layout import is_weight_file
@@ -28,7 +29,7 @@ from layerwise_cli.writer.spill import copy_range
 
 def write_delta(base: str | os.PathLike[str], new: str | os.PathLike[str], directory: str | os.PathLike[str], *,
                 marker: str | None = "STABLE", overwrite: bool = False,
-                whole_fraction: float = WHOLE_FRACTION) -> SavedCheckpoint:
+                whole_fraction: float = WHOLE_FRACTION, delta_format: int = VERSION) -> SavedCheckpoint:
     """Write NEW (a full checkpoint) into DIRECTORY as a delta against BASE, or as a full copy when it must be.
 
     The same rule as `save_checkpoint(..., base=BASE)`: a delta when BASE is proved (its header digests match
@@ -44,6 +45,8 @@ def write_delta(base: str | os.PathLike[str], new: str | os.PathLike[str], direc
         marker: the empty completion file created last (None: none).
         overwrite: replace an existing non-empty DIRECTORY of plain files.
         whole_fraction: a tensor with more than this fraction of its values changed is stored whole.
+        delta_format: the delta format's version: 2 (`checkpoint.delta.v2`), or 1 for engines running a layerwise
+            that reads only v1.
 
     Returns:
         What was written (`delta` set for a delta, `fallback` for a full copy).
@@ -66,7 +69,8 @@ def write_delta(base: str | os.PathLike[str], new: str | os.PathLike[str], direc
         with staging(dst) as tmp:
             out = tmp / "out"
             out.mkdir()
-            delta, fallback = write_delta_against(base, checkpoint_tensors(checkpoint), out, whole_fraction)
+            delta, fallback = write_delta_against(base, checkpoint_tensors(checkpoint), out, whole_fraction,
+                                                   version=delta_format)
             _copy_files(checkpoint.local_dir, out, weights=delta is None)
             written = _figures(checkpoint)
             replaced = put_in_place(out, dst, tmp, replace=overwrite, refusal=FILLED_UP)

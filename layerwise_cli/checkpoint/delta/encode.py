@@ -1,4 +1,5 @@
-"""Encode one step against its base as a delta's patches and metadata (the format: `checkpoint.delta`)."""
+"""Encode one step against its base as a delta's patches and metadata (the formats: `checkpoint.delta.format`, v1,
+and `checkpoint.delta.v2`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from layerwise_cli.checkpoint.delta.format import (
     unsigned_type,
 )
 from layerwise_cli.checkpoint.delta.read import index_dtype
+from layerwise_cli.checkpoint.delta.v2 import CODEC, FORMAT_V2, SPARSE, chunk_keys, encode_chunks
 from layerwise_cli.checkpoint.format.header import DTYPE_SIZES
 
 
@@ -40,8 +42,12 @@ def can_patch(dtype: str) -> bool:
     return dtype in DTYPE_SIZES
 
 
+# The format version writers write by default: v2 (`checkpoint.delta.v2`); v1 for readers of older layerwise.
+VERSION = 2
+
+
 def encode_patch(name: str, dtype: str, shape: tuple[int, ...], base, new,
-                 whole_fraction: float = WHOLE_FRACTION) -> EncodedPatch | None:
+                 whole_fraction: float = WHOLE_FRACTION, version: int = VERSION) -> EncodedPatch | None:
     """The patch that turns BASE into NEW (raw bytes of one tensor), or None when they are equal bit for bit.
 
     Args:
@@ -51,9 +57,11 @@ def encode_patch(name: str, dtype: str, shape: tuple[int, ...], base, new,
         base: its raw bytes in the base (any bytes-like object or uint8 array).
         new: its raw bytes in the new step.
         whole_fraction: above this fraction of changed values the tensor is stored whole.
+        version: the format: 2 (chunks of compressed gaps and differences) or 1.
 
     Returns:
-        The smallest of a bitmap patch, an index patch and the whole tensor (see the module docstring).
+        v2: a sparse patch, or the whole tensor where that is smaller or more than WHOLE_FRACTION changed; v1: the
+        smallest of a bitmap patch, an index patch and the whole tensor.
     """
     import numpy as np
 
@@ -68,6 +76,8 @@ def encode_patch(name: str, dtype: str, shape: tuple[int, ...], base, new,
     if changed == 0:
         return None
     numel = now.size
+    if version == 2:
+        return _encode_v2(name, dtype, tuple(shape), old, now, mask, whole_fraction)
     bitmap_bytes = (numel + 7) // 8
     index_type = index_dtype(numel)
     index_bytes = changed * DTYPE_SIZES[index_type]
@@ -87,14 +97,42 @@ def encode_patch(name: str, dtype: str, shape: tuple[int, ...], base, new,
     return EncodedPatch(patch, (entry, (name + VALUES_SUFFIX, dtype, (changed,), values)))
 
 
+def _encode_v2(name: str, dtype: str, shape: tuple[int, ...], old, now, mask, whole_fraction: float) -> EncodedPatch:
+    """The v2 patch of a tensor whose elements (unsigned integers) go from OLD to NOW, MASK where they differ."""
+    import numpy as np
+
+    positions = np.flatnonzero(mask)
+    changed, numel = positions.size, now.size
+    chunks = [] if changed > whole_fraction * numel else encode_chunks(positions, now[positions] - old[positions],
+                                                                        numel)
+    nbytes = sum(len(gaps) + len(diffs) for _, gaps, diffs in chunks)
+    if not chunks or nbytes >= now.nbytes:
+        patch = TensorPatch(name, dtype, shape, WHOLE, numel)
+        return EncodedPatch(patch, ((name + WHOLE_SUFFIX, dtype, shape, now.view(np.uint8)),))
+    entries = []
+    for index, (_, gaps, diffs) in enumerate(chunks):
+        for key, frame in zip(chunk_keys(name, index), (gaps, diffs), strict=True):
+            entries.append((key, "U8", (len(frame),), np.frombuffer(frame, dtype=np.uint8)))
+    patch = TensorPatch(name, dtype, shape, SPARSE, changed, tuple(chunk for chunk, _, _ in chunks))
+    return EncodedPatch(patch, tuple(entries))
+
+
 def delta_metadata(base_location: str, base_digests: Mapping[str, str], step_digests: Mapping[str, str],
-                   patches: list[TensorPatch]) -> dict[str, str]:
-    """The delta file's `__metadata__`: `format: pt` and `layerwise.delta` (see the module docstring)."""
+                   patches: list[TensorPatch], version: int = VERSION) -> dict[str, str]:
+    """The delta file's `__metadata__`: `format: pt` and `layerwise.delta` (see the module docstring; v2 adds the
+    codec, and each sparse patch's chunks as `[start, count]` pairs)."""
+
+    def described(p: TensorPatch) -> dict:
+        spec = {"dtype": p.dtype, "shape": list(p.shape), "kind": p.kind, "changed": p.changed}
+        if p.kind == SPARSE:
+            spec["chunks"] = [[chunk.start, chunk.count] for chunk in p.chunks]
+        return spec
+
     doc = {
-        "format": FORMAT,
+        "format": FORMAT_V2 if version == 2 else FORMAT,
+        **({"codec": CODEC} if version == 2 else {}),
         "base": {"location": base_location, "digests": dict(sorted(base_digests.items()))},
         "step": {"digests": dict(sorted(step_digests.items()))},
-        "tensors": {p.name: {"dtype": p.dtype, "shape": list(p.shape), "kind": p.kind, "changed": p.changed}
-                    for p in sorted(patches, key=lambda p: p.name)},
+        "tensors": {p.name: described(p) for p in sorted(patches, key=lambda p: p.name)},
     }
     return {"format": "pt", METADATA_KEY: json.dumps(doc, separators=(",", ":"), ensure_ascii=False)}

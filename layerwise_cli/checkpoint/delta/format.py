@@ -4,8 +4,11 @@ The file
 --------
 A delta is one safetensors file, `delta.safetensors`, in a step directory of
 its own (beside `config.json` and the completion marker). Any safetensors tool
-opens it. For each tensor of the step that differs from the base (bit for
-bit) it holds either
+opens it. Two versions of the format are read (the metadata's `format` says
+which): v2, which layerwise writes, keeps each patched tensor's changes as
+zstd-compressed gaps and bit differences in chunks (`checkpoint.delta.v2`,
+kind `sparse`), or the whole tensor as below. Format v1, described here, holds
+for each tensor of the step that differs from the base (bit for bit) either
 
 - `<tensor>::positions` and `<tensor>::values`: where the tensor changed (in
   its flattened, row-major order) and the new values there, in the tensor's own
@@ -30,10 +33,11 @@ The metadata
 The header's `__metadata__` holds `format: pt` and `layerwise.delta`, a JSON
 object:
 
-    {"format": "layerwise-delta/v1",
+    {"format": "layerwise-delta/v1",      (v2: "layerwise-delta/v2", and "codec": "zstd")
      "base": {"location": "<the base step's directory>", "digests": {"<tensor>": "<digest>", ...}},
      "step": {"digests": {"<tensor>": "<digest>", ...}},
      "tensors": {"<tensor>": {"dtype": "BF16", "shape": [..], "kind": "index|bitmap|whole", "changed": k}, ...}}
+    (v2: "kind": "sparse|whole", and a sparse patch's "chunks": [[start, count], ...])
 
 `base.digests` and `step.digests` name every tensor of the step (the same
 names: a delta never adds, drops, reshapes or retypes a tensor), each with its
@@ -62,6 +66,15 @@ from math import prod
 from pathlib import Path
 
 from layerwise_cli.checkpoint.delta.buffers import RebuildBuffers
+from layerwise_cli.checkpoint.delta.v2 import (
+    SPARSE,
+    BadChunk,
+    Chunk,
+    check_chunk,
+    chunk_keys,
+    decode_diffs,
+    decode_positions,
+)
 from layerwise_cli.checkpoint.format.header import DTYPE_SIZES, ShardHeader, TensorEntry
 from layerwise_cli.errors import LayerwiseError
 
@@ -75,6 +88,8 @@ BITMAP = "bitmap"
 INDEX = "index"
 WHOLE = "whole"
 KINDS = (BITMAP, INDEX, WHOLE)
+# The kinds of format v2 (`checkpoint.delta.v2`): a sparse patch in chunks, or the whole tensor as in v1.
+KINDS_V2 = (SPARSE, WHOLE)
 POSITIONS_SUFFIX = "::positions"
 VALUES_SUFFIX = "::values"
 WHOLE_SUFFIX = "::whole"
@@ -87,8 +102,9 @@ class TensorPatch:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    kind: str  # BITMAP, INDEX or WHOLE
+    kind: str  # BITMAP, INDEX or WHOLE (v1); SPARSE or WHOLE (v2)
     changed: int  # values that differ from the base (every value for WHOLE)
+    chunks: tuple[Chunk, ...] = ()  # SPARSE: its chunks, in order
 
     @property
     def numel(self) -> int:
@@ -98,6 +114,8 @@ class TensorPatch:
         """The names of this patch's entries in the file."""
         if self.kind == WHOLE:
             return (self.name + WHOLE_SUFFIX,)
+        if self.kind == SPARSE:
+            return tuple(key for index in range(len(self.chunks)) for key in chunk_keys(self.name, index))
         return (self.name + POSITIONS_SUFFIX, self.name + VALUES_SUFFIX)
 
 
@@ -112,6 +130,7 @@ class Delta:
         base_digests: tensor -> digest in the base, for every tensor of the step.
         step_digests: tensor -> digest in the full step the delta rebuilds, for every tensor.
         patches: tensor -> its patch, for the tensors that changed.
+        version: the format's version: 1 (positions and new values, raw) or 2 (`checkpoint.delta.v2`).
     """
 
     path: Path
@@ -120,6 +139,7 @@ class Delta:
     base_digests: Mapping[str, str]
     step_digests: Mapping[str, str]
     patches: Mapping[str, TensorPatch]
+    version: int = 1
     _entries: dict[str, TensorEntry] = field(default_factory=dict, repr=False, compare=False)
     _mapped: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
 
@@ -162,6 +182,8 @@ class Delta:
         n = patch.numel
         if patch.kind == WHOLE:
             return np.arange(n, dtype=np.int64)
+        if patch.kind == SPARSE:
+            return np.concatenate([positions for _, positions, _ in self.changes(name)])
         validated = self._mapped.setdefault("validated", set())
         raw = self.raw(name + POSITIONS_SUFFIX)
         if patch.kind == INDEX and name in validated:
@@ -219,27 +241,64 @@ class Delta:
         size = DTYPE_SIZES[patch.dtype]
         if base.size != patch.numel * size:
             self._bad(name, f"the base holds {base.size} bytes, the patch needs {patch.numel * size}")
-        positions = None if patch.kind == WHOLE else self.positions(name)
+        positions = None if patch.kind in (WHOLE, SPARSE) else self.positions(name)
         out = np.empty(base.size, dtype=np.uint8) if buffers is None else buffers.take(base.size)
-        if positions is None:
+        if patch.kind == WHOLE:
             np.copyto(out, self.raw(name + WHOLE_SUFFIX))
             return out
         np.copyto(out, base)
-        unsigned = unsigned_type(size)
-        out.view(unsigned)[positions] = self.raw(name + VALUES_SUFFIX).view(unsigned)
+        elements = out.view(unsigned_type(size))
+        if patch.kind == SPARSE:
+            for _, at, diffs in self.changes(name):
+                elements[at] += diffs  # modulo 2**bits: numpy's unsigned arithmetic wraps
+            return out
+        elements[positions] = self.raw(name + VALUES_SUFFIX).view(elements.dtype)
         return out
+
+    def changes(self, name: str):
+        """Each chunk of v2 patch NAME decoded, in order: (chunk, positions, differences of the bits).
+
+        Positions are int64 and strictly increasing; differences are new minus old bits modulo 2**bits, as the
+        unsigned integer type of the element's size.
+
+        Raises:
+            LayerwiseError: a chunk is corrupt, truncated or decodes to another count than its header's.
+        """
+        patch = self.patches[name]
+        unsigned = unsigned_type(DTYPE_SIZES[patch.dtype])
+        for index, chunk in enumerate(patch.chunks):
+            gaps, diffs = (self.raw(key) for key in chunk_keys(name, index))
+            try:
+                yield chunk, decode_positions(chunk, gaps), decode_diffs(chunk, diffs, unsigned)
+            except BadChunk as exc:
+                self._bad(name, f"chunk {index} (elements {chunk.start} to {chunk.end}): {exc}")
 
     def validate(self) -> None:
         """Check every patch's positions, as a reload does before it applies them (`positions`): an index read
-        whole; a bitmap's bits counted and its padding read, its positions decoded only when applied."""
+        whole; a bitmap's bits counted and its padding read, its positions decoded only when applied; a v2
+        chunk's frames read from their headers (whole, with the metadata's count), decoded only when applied."""
         for name, patch in self.patches.items():
-            if patch.kind == BITMAP:
+            if patch.kind == SPARSE:
+                self._check_chunks(name, patch)
+            elif patch.kind == BITMAP:
                 self._check_bitmap(name, self.raw(name + POSITIONS_SUFFIX))
             elif patch.kind == INDEX:
                 self.positions(name)
 
+    def _check_chunks(self, name: str, patch: TensorPatch) -> None:
+        """Every chunk of v2 patch NAME, from its frames' headers (`v2.check_chunk`; no decoding)."""
+        size = DTYPE_SIZES[patch.dtype]
+        for index, chunk in enumerate(patch.chunks):
+            try:
+                check_chunk(chunk, *(self.raw(key) for key in chunk_keys(name, index)), size)
+            except BadChunk as exc:
+                self._bad(name, f"chunk {index} (elements {chunk.start} to {chunk.end}): {exc}")
+
     def refuse_nonfinite(self) -> None:
         """Refuse the delta if a new value it stores (sparse or whole) is NaN or Inf: the reload's check, early.
+
+        A v2 sparse patch stores differences from the base, not values: a rebuilt tensor is checked when it is
+        handed over, a tensor patched in place as it is written (`delta_patch`).
 
         Raises:
             LayerwiseError: naming the file, the tensor and the counts.
@@ -247,6 +306,8 @@ class Delta:
         from layerwise_cli.checkpoint.format.finite import ByteScan
 
         for name, patch in sorted(self.patches.items()):
+            if patch.kind == SPARSE:
+                continue  # differences, not values: the new values are checked as they are applied
             scan = ByteScan(patch.dtype)
             scan.update(self.raw(name + (WHOLE_SUFFIX if patch.kind == WHOLE else VALUES_SUFFIX)))
             if scan.nan or scan.inf:

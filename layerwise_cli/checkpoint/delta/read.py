@@ -17,6 +17,7 @@ from layerwise_cli.checkpoint.delta.format import (
     DELTA_FILE,
     FORMAT,
     KINDS,
+    KINDS_V2,
     METADATA_KEY,
     POSITIONS_SUFFIX,
     VALUES_SUFFIX,
@@ -25,6 +26,7 @@ from layerwise_cli.checkpoint.delta.format import (
     Delta,
     TensorPatch,
 )
+from layerwise_cli.checkpoint.delta.v2 import CODEC, FORMAT_V2, MAX_SPAN, SPARSE, Chunk
 from layerwise_cli.checkpoint.format.header import DTYPE_SIZES, ShardHeader, read_shard_header
 from layerwise_cli.errors import LayerwiseError, describe_exception
 
@@ -74,9 +76,14 @@ def read_delta(path: str | os.PathLike[str]) -> Delta:
         doc = json.loads(raw)
     except ValueError:
         raise LayerwiseError(f"__metadata__ {METADATA_KEY} is not valid JSON", where=where) from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        found = doc.get("format") if isinstance(doc, dict) else None
-        raise LayerwiseError(f"delta format {found!r} is not {FORMAT!r} (written by another version?)", where=where)
+    found = doc.get("format") if isinstance(doc, dict) else None
+    if found not in (FORMAT, FORMAT_V2):
+        raise LayerwiseError(f"delta format {found!r} is not {FORMAT!r} or {FORMAT_V2!r} (written by another "
+                             "version?)", where=where)
+    version = 2 if found == FORMAT_V2 else 1
+    if version == 2 and doc.get("codec") != CODEC:
+        raise LayerwiseError(f"delta codec {doc.get('codec')!r} is not {CODEC!r} (written by another version?)",
+                             where=where)
     base, step, tensors = doc.get("base"), doc.get("step"), doc.get("tensors")
     if not isinstance(base, dict) or not isinstance(base.get("location"), str):
         raise LayerwiseError(f"__metadata__ {METADATA_KEY} has no base location", where=where)
@@ -87,9 +94,9 @@ def read_delta(path: str | os.PathLike[str]) -> Delta:
         raise LayerwiseError(f"tensor {odd}: in only one of the base's and the step's digests", where=where)
     if not isinstance(tensors, dict):
         raise LayerwiseError(f"__metadata__ {METADATA_KEY} has no \"tensors\" object", where=where)
-    patches = {name: _patch(name, spec, where) for name, spec in tensors.items()}
+    patches = {name: _patch(name, spec, where, version) for name, spec in tensors.items()}
     _check_entries(header, patches, base_digests, step_digests, where)
-    return Delta(file, header, base["location"], base_digests, step_digests, patches)
+    return Delta(file, header, base["location"], base_digests, step_digests, patches, version)
 
 
 def _digest_map(value: object, which: str, where: str) -> dict[str, str]:
@@ -101,7 +108,7 @@ def _digest_map(value: object, which: str, where: str) -> dict[str, str]:
     return dict(value)
 
 
-def _patch(name: str, spec: object, where: str) -> TensorPatch:
+def _patch(name: str, spec: object, where: str, version: int) -> TensorPatch:
     if not isinstance(spec, dict):
         raise LayerwiseError(f"tensor {name}: its entry in {METADATA_KEY} is not an object", where=where)
     dtype, shape, kind, changed = spec.get("dtype"), spec.get("shape"), spec.get("kind"), spec.get("changed")
@@ -110,21 +117,48 @@ def _patch(name: str, spec: object, where: str) -> TensorPatch:
     if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                             for d in shape)):
         raise LayerwiseError(f"tensor {name}: shape {shape!r} is not a list of non-negative integers", where=where)
-    if kind not in KINDS:
-        raise LayerwiseError(f"tensor {name}: kind {kind!r} is not one of {', '.join(KINDS)}", where=where)
+    kinds = KINDS_V2 if version == 2 else KINDS
+    if kind not in kinds:
+        raise LayerwiseError(f"tensor {name}: kind {kind!r} is not one of {', '.join(kinds)}", where=where)
     numel = prod(shape)
     if not (isinstance(changed, int) and not isinstance(changed, bool) and 0 < changed <= numel):
         raise LayerwiseError(f"tensor {name}: changed {changed!r} is not between 1 and its {numel} elements",
                              where=where)
     if kind == WHOLE and changed != numel:
         raise LayerwiseError(f"tensor {name}: stored whole, but changed {changed} of {numel}", where=where)
-    return TensorPatch(name, dtype, tuple(shape), kind, changed)
+    chunks = _chunks(name, spec.get("chunks"), numel, changed, where) if kind == SPARSE else ()
+    return TensorPatch(name, dtype, tuple(shape), kind, changed, chunks)
 
 
-def expected_entries(patch: TensorPatch) -> dict[str, tuple[str | tuple[str, ...], tuple[int, ...]]]:
-    """Each file entry of PATCH: key -> (dtype, or the dtypes allowed; shape)."""
+def _chunks(name: str, value: object, numel: int, changed: int, where: str) -> tuple[Chunk, ...]:
+    """A v2 sparse patch's chunks from the metadata's `[[start, count], ...]`: starts increasing and in range,
+    each count at least one and at most its span, the counts adding up to CHANGED."""
+    if not (isinstance(value, list) and value and all(
+            isinstance(pair, list) and len(pair) == 2
+            and all(isinstance(n, int) and not isinstance(n, bool) for n in pair) for pair in value)):
+        raise LayerwiseError(f"tensor {name}: chunks {value!r} is not a list of [start, count] pairs", where=where)
+    starts = [start for start, _ in value] + [numel]
+    chunks = tuple(Chunk(start, end, count) for (start, count), end in zip(value, starts[1:], strict=True))
+    for index, chunk in enumerate(chunks):
+        if not 0 <= chunk.start < chunk.end <= numel or chunk.end - chunk.start >= MAX_SPAN:
+            raise LayerwiseError(f"tensor {name}: chunk {index} spans elements {chunk.start} to {chunk.end} of "
+                                 f"{numel} (starts must increase, each span under {MAX_SPAN})", where=where)
+        if not 0 < chunk.count <= chunk.end - chunk.start:
+            raise LayerwiseError(f"tensor {name}: chunk {index} has {chunk.count} changes in "
+                                 f"{chunk.end - chunk.start} elements", where=where)
+    total = sum(chunk.count for chunk in chunks)
+    if total != changed:
+        raise LayerwiseError(f"tensor {name}: its chunks hold {total} changes, its header says {changed}",
+                             where=where)
+    return chunks
+
+
+def expected_entries(patch: TensorPatch) -> dict[str, tuple[str | tuple[str, ...], tuple[int, ...] | None]]:
+    """Each file entry of PATCH: key -> (dtype, or the dtypes allowed; shape, None for any one-dimensional)."""
     if patch.kind == WHOLE:
         return {patch.name + WHOLE_SUFFIX: (patch.dtype, patch.shape)}
+    if patch.kind == SPARSE:  # compressed streams: bytes, of a length only their frames know
+        return {key: ("U8", None) for key in patch.entry_keys()}
     if patch.kind == BITMAP:
         positions = ("U8", ((patch.numel + 7) // 8,))
     else:
@@ -151,9 +185,10 @@ def _check_entries(header: ShardHeader, patches: Mapping[str, TensorPatch], base
             entry = present.get(key)
             if entry is None:
                 raise LayerwiseError(f"tensor {name}: entry {key} is missing", where=where)
-            if entry.dtype != dtype or entry.shape != shape:
+            if entry.dtype != dtype or (entry.shape != shape if shape is not None else len(entry.shape) != 1):
+                expected = f"{dtype}{list(shape)}" if shape is not None else f"{dtype}[bytes]"
                 raise LayerwiseError(f"tensor {name}: entry {key} is {entry.dtype}{list(entry.shape)}, expected "
-                                     f"{dtype}{list(shape)}", where=where)
+                                     f"{expected}", where=where)
     extra = sorted(set(present) - wanted)
     if extra:
         raise LayerwiseError(f"entry {extra[0]} is not described by {METADATA_KEY}", where=where)

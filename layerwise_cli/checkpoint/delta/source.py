@@ -11,12 +11,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from layerwise_cli.checkpoint.delta.buffers import RebuildBuffers
-from layerwise_cli.checkpoint.delta.format import VALUES_SUFFIX, WHOLE, WHOLE_SUFFIX, Delta
+from layerwise_cli.checkpoint.delta.format import VALUES_SUFFIX, WHOLE, WHOLE_SUFFIX, Delta, unsigned_type
 from layerwise_cli.checkpoint.delta.hub_run import is_hub_step, open_hub_step
 from layerwise_cli.checkpoint.delta.read import delta_file, read_delta
-from layerwise_cli.checkpoint.format.digests import checkpoint_digests, digests_metadata, tensor_digest
+from layerwise_cli.checkpoint.delta.v2 import SPARSE
+from layerwise_cli.checkpoint.format.digests import TensorHasher, checkpoint_digests, digests_metadata, tensor_digest
 from layerwise_cli.checkpoint.format.finite import nonfinite_elements
-from layerwise_cli.checkpoint.format.header import TensorEntry
+from layerwise_cli.checkpoint.format.header import DTYPE_SIZES, TensorEntry
 from layerwise_cli.checkpoint.format.layout import read_json
 from layerwise_cli.checkpoint.sources import Checkpoint, looks_like_repo_id, open_checkpoint
 from layerwise_cli.checkpoint.store.objects import display_url, is_store_url
@@ -129,6 +130,15 @@ class DeltaChain:
         """Every link's positions (`Delta.validate`)."""
         for link in self.links:
             link.validate()
+
+    def decode_chunks(self) -> None:
+        """Decode every v2 chunk of every link (`Delta.changes`): a corrupt stream is found here, not only when
+        applied (`inspect-order --scan`; a reload's pre-flight reads only the frames' headers)."""
+        for link in self.links:
+            for name, patch in link.patches.items():
+                if patch.kind == SPARSE:
+                    for _ in link.changes(name):
+                        pass
 
     def refuse_nonfinite(self) -> None:
         """Refuse a NaN or Inf the rebuilt step would hold: among the last link's new values, or an earlier
@@ -268,13 +278,60 @@ def rebuilt_bytes(chain: DeltaChain, entry: TensorEntry, raw, where: str, buffer
     Raises:
         LayerwiseError: RAW is not the chain's base, a patch is corrupt, or a result is not its step's tensor.
     """
-    out = raw
-    for link in chain.links:
-        if entry.name in link.patches:  # otherwise its step digest is its base digest (`read_delta` checks it)
+    # Otherwise its step digest is its base digest (`read_delta` checks it).
+    patching = [link for link in chain.links if entry.name in link.patches]
+    if len(patching) == 1 and patching[0].patches[entry.name].kind == SPARSE:
+        out, digest = _rebuilt_in_one_pass(patching[0], entry, raw, buffers)
+    else:
+        out = raw
+        for link in patching:
             out = link.apply(entry.name, out, buffers)
-    if tensor_digest(entry.dtype, entry.shape, out) != chain.links[-1].step_digests[entry.name]:
+        digest = tensor_digest(entry.dtype, entry.shape, out)
+    if digest != chain.links[-1].step_digests[entry.name]:
         raise _why_not_the_step(chain, entry, raw, where)
     return out
+
+
+# Bytes copied, patched and hashed at a time by `_rebuilt_in_one_pass`: in cache for all three.
+_PASS_BLOCK = 1 << 20
+
+
+def _rebuilt_in_one_pass(link: Delta, entry: TensorEntry, raw, buffers: RebuildBuffers | None):
+    """LINK's v2 patch of ENTRY applied to RAW, and the result's digest, in one pass over memory: block by block,
+    each copied from RAW, its changes added, and hashed while it is in cache (instead of a copy, a patch and a
+    hash, each a pass of its own). Returns (the bytes, their digest)."""
+    import numpy as np
+
+    size = DTYPE_SIZES[entry.dtype]
+    if raw.size != entry.numel * size:
+        link.apply(entry.name, raw)  # refuses it, naming the sizes
+    out = np.empty(raw.size, dtype=np.uint8) if buffers is None else buffers.take(raw.size)
+    elements = out.view(unsigned_type(size))
+    hasher = TensorHasher(entry.dtype, entry.shape)
+    per_block = _PASS_BLOCK // size
+    done = 0  # elements copied and hashed
+    for chunk, positions, diffs in link.changes(entry.name):
+        cuts = np.searchsorted(positions, np.arange(chunk.start, chunk.end + per_block, per_block))
+        for index, start in enumerate(range(chunk.start, chunk.end, per_block)):
+            _copied_and_hashed(out, raw, hasher, done * size, start * size)  # unchanged elements before it
+            end = min(start + per_block, chunk.end)
+            np.copyto(out[start * size:end * size], raw[start * size:end * size])
+            lo, hi = cuts[index], cuts[index + 1]
+            elements[positions[lo:hi]] += diffs[lo:hi]  # modulo 2**bits: numpy's unsigned arithmetic wraps
+            hasher.update(out[start * size:end * size])
+            done = end
+    _copied_and_hashed(out, raw, hasher, done * size, raw.size)
+    return out, hasher.hexdigest()
+
+
+def _copied_and_hashed(out, raw, hasher: TensorHasher, begin: int, end: int) -> None:
+    """Bytes [BEGIN, END) of RAW copied into OUT and hashed, block by block."""
+    import numpy as np
+
+    for at in range(begin, end, _PASS_BLOCK):
+        stop = min(at + _PASS_BLOCK, end)
+        np.copyto(out[at:stop], raw[at:stop])
+        hasher.update(out[at:stop])
 
 
 def _why_not_the_step(chain: DeltaChain, entry: TensorEntry, raw, where: str) -> LayerwiseError:

@@ -46,10 +46,14 @@ import xxhash
 
 from layerwise_cli.checkpoint.delta.format import VALUES_SUFFIX, WHOLE, WHOLE_SUFFIX, Delta
 from layerwise_cli.checkpoint.delta.source import DeltaChain
+from layerwise_cli.checkpoint.delta.v2 import SPARSE
 from layerwise_cli.checkpoint.format.digests import TensorHasher, layer_digest
+from layerwise_cli.checkpoint.format.header import DTYPE_SIZES
 from layerwise_cli.checkpoint.format.samples import sample_digest
+from layerwise_cli.engine_defaults import decode_ahead_disabled
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.planning.plan import PlannedTensor
+from layerwise_cli.worker.reload.decode_ahead import DecodeAhead
 from layerwise_cli.worker.reload.patch_sites import PatchSite, find_site, not_patchable, stored
 from layerwise_cli.worker.reload.proof_thread import ProofThread, written_mark
 from layerwise_cli.worker.state.layer_records import LayerRecord, LayerRecords
@@ -80,6 +84,8 @@ class DeltaPatch:
         fingerprints: each patched layer's state right after the patch (`prove_state`).
         checksums: (data pointer, bytes) -> the `layer_state` checksum of each host tensor the patch wrote whole,
             taken as its bytes were proved (`_prove_written`).
+        check_finite: refuse a NaN or Inf among the new values a v2 link's differences make (its values are
+            known only once added to the engine's: the reload then fails, and is rolled back).
     """
 
     sites: dict[str, list[PatchSite]] = field(default_factory=dict)
@@ -93,6 +99,7 @@ class DeltaPatch:
     proved_after: set[str] = field(default_factory=set)
     fingerprints: dict[str, object] = field(default_factory=dict)
     checksums: dict[tuple[int, int], int] = field(default_factory=dict)
+    check_finite: bool = True
 
     @property
     def layers(self) -> set[str]:
@@ -102,7 +109,7 @@ class DeltaPatch:
     @classmethod
     def plan(cls, model: torch.nn.Module, chain: DeltaChain, engine_stream: list[PlannedTensor],
              held: Mapping[str, int], records: LayerRecords, covers: Mapping[str, list[str]],
-             derived, never: Iterable[str] = ()) -> DeltaPatch:
+             derived, never: Iterable[str] = (), check_finite: bool = True) -> DeltaPatch:
         """Decide, before anything changes, which layers are patched in place and where each tensor lies.
 
         Args:
@@ -115,6 +122,7 @@ class DeltaPatch:
             covers: layer -> the modules whose state its record covers (itself, and modules sharing its storage).
             derived: the engine's derived buffers (`derived_state.DerivedState`).
             never: layers that must be handed to vLLM whatever holds.
+            check_finite: see `check_finite`.
         """
         modules = dict(model.named_modules())
         packed = getattr(model, "packed_modules_mapping", None) or {}
@@ -122,7 +130,7 @@ class DeltaPatch:
         for item in engine_stream:
             if item.parent is not None:
                 groups.setdefault(item.parent, []).append(item)
-        out, never = cls(), set(never)
+        out, never = cls(check_finite=check_finite), set(never)
         for layer, items in groups.items():
             links = chain.links[held[layer]:] if layer in held else ()
             patched = [item for item in items if any(item.entry.name in link.patches for link in links)]
@@ -159,18 +167,23 @@ class DeltaPatch:
         Each layer's record is dropped before it is written (a failure leaves it to the rollback). A layer's proof
         runs in a second thread while the next layer is written (`proof_thread`): on a CPU beside the engine's where
         one is spare (`cpu_placement`), or, for a model not ON_HOST, wherever (the write is the device's, the
-        proof the host's). ON_LAYER is called for each layer once every proof passed.
+        proof the host's); so does decoding the next layer's v2 chunks (`decode_ahead`). ON_LAYER is called for
+        each layer once every proof passed.
 
         Raises:
             LayerwiseError: a patched tensor does not hash to the step's digest (corrupt delta): the reload fails.
         """
         start = time.perf_counter()
+        inline = decode_ahead_disabled()
         try:
-            with ProofThread(spare_cpus(), anywhere=not on_host) as proofs:
+            with ProofThread(spare_cpus(), anywhere=not on_host) as proofs, \
+                    DecodeAhead(list(self.sites), self._decode_layer, set() if inline else spare_cpus(),
+                                anywhere=not (on_host or inline)) as ahead:
                 for layer, sites in self.sites.items():
+                    decoded = ahead.take(layer)  # the next layer's v2 chunks decode meanwhile, beside the engine
                     records.drop(layer)
                     for site in sites:
-                        self._write(site, modules, self.links[layer])
+                        self._write(site, modules, self.links[layer], decoded)
                     self.patched.append(layer)
                     # Proved beside the engine's core while the next layer is written (one pass over memory each).
                     proofs.submit(layer, self._prove_written, sites, modules, self.links[layer],
@@ -206,11 +219,34 @@ class DeltaPatch:
                 raise LayerwiseError(f"layer {layer}: {changed} changed since layerwise loaded the delta's base "
                                      "into it (something else wrote the engine); it does not hold the base")
 
-    def _write(self, site: PatchSite, modules: Mapping[str, torch.nn.Module], links: tuple[Delta, ...]) -> None:
-        """Write every link's new values of SITE's tensor at their positions, in place."""
+    def _decode_layer(self, layer: str) -> dict[tuple[str, int], list]:
+        """Every v2 chunk LAYER's links patch, decoded: (tensor, link index) -> [(positions, differences)] as host
+        torch tensors (positions int64; differences in `AS_INTEGERS`' type of the element's size).
+
+        Raises:
+            LayerwiseError: a chunk is corrupt (`Delta.changes`).
+        """
+        import numpy as np
+
+        out = {}
+        for site in self.sites[layer]:
+            for index, link in enumerate(self.links[layer]):
+                patch = link.patches.get(site.entry.name)
+                if patch is None or patch.kind != SPARSE:
+                    continue
+                size = DTYPE_SIZES[site.entry.dtype]
+                signed = np.uint8 if size == 1 else np.dtype(f"i{size}")
+                out[(site.entry.name, index)] = [(torch.from_numpy(positions), torch.from_numpy(diffs.view(signed)))
+                                                 for _, positions, diffs in link.changes(site.entry.name)]
+        return out
+
+    def _write(self, site: PatchSite, modules: Mapping[str, torch.nn.Module], links: tuple[Delta, ...],
+               decoded: Mapping[tuple[str, int], list]) -> None:
+        """Write every link's new values of SITE's tensor at their positions, in place (DECODED: its v2 chunks,
+        `_decode_layer`)."""
         entry, region = site.entry, site.region(modules)
         as_integers = region.view(AS_INTEGERS[region.element_size()])
-        for link in links:
+        for index, link in enumerate(links):
             patch = link.patches.get(entry.name)
             if patch is None:
                 continue
@@ -219,9 +255,29 @@ class DeltaPatch:
                 values = link.raw(entry.name + WHOLE_SUFFIX)
                 as_integers.copy_(_on(region.device, values, as_integers.dtype))
                 continue
+            if patch.kind == SPARSE:
+                self._add_differences(decoded[(entry.name, index)], entry.name, link, region, as_integers)
+                continue
             positions = _read_only(link.positions(entry.name))
             values = _on(region.device, link.raw(entry.name + VALUES_SUFFIX), as_integers.dtype)
             as_integers.index_put_((positions.to(region.device),), values)
+
+    def _add_differences(self, chunks: list, name: str, link: Delta, region: torch.Tensor,
+                         as_integers: torch.Tensor) -> None:
+        """Add a v2 link's differences of tensor NAME (CHUNKS, decoded) to the engine's bits at their positions.
+
+        Raises:
+            LayerwiseError: a new value is NaN or Inf (`check_finite`).
+        """
+        for positions, diffs in chunks:
+            at = positions.to(region.device)
+            # One kernel, in place (measured: faster than a gather, an add and a scatter); integer sums wrap.
+            as_integers.index_add_(0, at, diffs.to(region.device))
+            if self.check_finite and region.dtype.is_floating_point:
+                values = as_integers.index_select(0, at).view(region.dtype)  # measured: 1.7 x faster than [at]
+                if not torch.isfinite(values if values.element_size() > 1 else values.float()).all():
+                    raise LayerwiseError(f"tensor {name}: the delta's new values hold NaN or Inf; refusing to load "
+                                         "it (--allow-nonfinite loads it anyway)", where=str(link.path))
 
     def _prove_written(self, sites: list[PatchSite], modules: Mapping[str, torch.nn.Module],
                        links: tuple[Delta, ...], written=None) -> None:

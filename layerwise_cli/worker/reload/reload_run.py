@@ -217,7 +217,8 @@ def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords 
     patch = None
     if delta is not None and records is not None and options.patch_in_place and not delta_patch_disabled():
         patch = DeltaPatch.plan(model, delta, skip.stream, held_steps(delta, engine_stream, records), records,
-                                skip.covers, derived, never=skip.rerun.hand_over | must_hand_over(model))
+                                skip.covers, derived, never=skip.rerun.hand_over | must_hand_over(model),
+                                check_finite=not options.allow_nonfinite)
     settle_base(worker, planned, options, records, engine_stream, skip, patch)
     if patch is not None:
         take_out_patched(skip, patch)

@@ -47,6 +47,10 @@ def build_report(run: ReloadRun) -> ReloadReport:
     patch_s = run.patch.seconds if run.patch is not None else 0.0
     before, after = run.disk_read_before, run.disk_read_after
     spot, patch = skip.spot, run.patch
+    # A delta's changed layers that were not patched in place: rebuilt from the base, handed to vLLM.
+    layers = layer_reports(run)
+    rebuilt = [layer.name for layer in layers if not layer.skipped and not layer.patched] \
+        if run.planned.checkpoint.delta is not None else []
     return ReloadReport(
         placement=Placement(source=run.source, commit=run.planned.commit, order=run.options.order,
                             mapping=plan.mapping.description,
@@ -61,7 +65,10 @@ def build_report(run: ReloadRun) -> ReloadReport:
             elsewhere_tensors=mine.elsewhere_tensors, elsewhere_bytes=mine.elsewhere_bytes,
             fetched_bytes=fetched_bytes(run),
             patched_layers=len(patch.patched) if patch is not None else 0,
-            patched_bytes=patch.read_bytes if patch is not None else 0),
+            patched_bytes=patch.read_bytes if patch is not None else 0,
+            rebuilt_layers=len(rebuilt), rebuilt_reason=next(
+                (patch.not_patched[name] for name in rebuilt if name in patch.not_patched), None)
+            if patch is not None else None),
         memory=Memory(
             peak_buffer_bytes=probe.peak,
             peak_tensor=probe.peak_tensor,
@@ -98,7 +105,7 @@ def build_report(run: ReloadRun) -> ReloadReport:
             unhashed_layers=stats.unhashed_layers),
         findings=Findings(notes=run.notes, unexpected=probe.unexpected,
                           refreshed=[DerivedRefresh(**entry) for entry in run.refreshed]),
-        layers=layer_reports(run),
+        layers=layers,
     )
 
 
