@@ -31,7 +31,7 @@ Attributes:
 
 from __future__ import annotations
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 # Pass as `LLM(..., worker_extension_cls=EXTENSION_CLS)` to make an engine reloadable.
 EXTENSION_CLS = "layerwise_cli.worker.extension.LayerwiseWorkerExtension"
 # `layerwise serve`'s endpoint answering a worker call from every data-parallel engine (server.engines_rpc).

@@ -10,7 +10,7 @@ the CPU's packed linear kernels) and its answers.
 - init, start, update, finish from a local step, a local delta step, a Hub step at its commit, an `s3://` step
   (with `verify`); `/weight_info` names each version, `/layerwise/update_report` holds each report;
   `/weight_checker` and `verify` agree (both say the engine holds A, both say it does not hold B);
-- an `s3://` delta step: expected to fail until remote deltas load (xfail, strict);
+- an `s3://` delta step (its base the step folder beside it in the bucket), equal to a fresh engine on B;
 - bad input (a missing source, a delta against the wrong base, NaN, an object rewritten mid-update, an unknown
   key): an error status, one line naming the source and what is wrong; the engine keeps its weights;
 - a client that dies between start and finish: the server serves again once the lease runs out;
@@ -199,8 +199,6 @@ def test_weight_checker_and_verify_agree(server, steps, fresh):
         assert verified.ok is holds, verified
 
 
-@pytest.mark.xfail(strict=True, reason="remote deltas: a sparse delta step under an s3:// prefix does not load yet "
-                   "(open_step opens a delta on this machine only); it passes once remote deltas land")
 def test_a_delta_step_in_s3_ends_equal_to_a_fresh_engine(server, steps, fresh):
     assert update(server, {"source": str(steps["A"])}, "A").status_code == 200
     answer = update(server, {"source": f"s3://{BUCKET}/run/AB", "verify": True}, "s3-delta")
