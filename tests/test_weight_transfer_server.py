@@ -91,8 +91,9 @@ def hub(steps):
 @pytest.fixture(scope="module")
 def s3(steps):
     with running_seaweed() as server:
-        server.put_folder("run/A", steps["A"])
-        server.put_folder("run/AB", steps["AB"])
+        # A run as a trainer uploads it: a delta's base is the step folder of its name beside it.
+        server.put_folder(f"run/{steps['A'].name}", steps["A"])
+        server.put_folder(f"run/{steps['AB'].name}", steps["AB"])
         yield server
 
 
@@ -168,7 +169,7 @@ def test_every_kind_of_step_through_the_routes_ends_equal_to_a_fresh_engine(serv
         ("local", {"source": str(steps["B"])}, "B"),
         ("local-delta", {"source": str(steps["BA"])}, "A"),  # delta(B -> A): the server holds B by its records
         ("hub", {"source": REPO, "revision": hub.commit}, "B"),
-        ("s3", {"source": f"s3://{BUCKET}/run/A", "verify": True}, "A"),
+        ("s3", {"source": f"s3://{BUCKET}/run/{steps['A'].name}", "verify": True}, "A"),
     ]
     for version, update_info, held in cases:
         answer = update(server, update_info, version)
@@ -201,7 +202,7 @@ def test_weight_checker_and_verify_agree(server, steps, fresh):
 
 def test_a_delta_step_in_s3_ends_equal_to_a_fresh_engine(server, steps, fresh):
     assert update(server, {"source": str(steps["A"])}, "A").status_code == 200
-    answer = update(server, {"source": f"s3://{BUCKET}/run/AB", "verify": True}, "s3-delta")
+    answer = update(server, {"source": f"s3://{BUCKET}/run/{steps['AB'].name}", "verify": True}, "s3-delta")
     assert answer.status_code == 200, answer.text
     assert weight_version(server) == "s3-delta"
     assert_holds(server, fresh["B"])
