@@ -45,6 +45,10 @@ HEAVY_FILES = {
     # watch file's Python-API engine, the data-parallel file's fresh engine; the reorder file's two engines
     # (its engine fixture measured alone: 53 s with processes of their own, 36 s in process).
     "test_watch_server.py": 155, "test_data_parallel_server.py": 115, "test_reorder_engine.py": 90,
+    # Measured alone on 2026-12-06 on the shared machine (load 5 to 15): the RL loop's two 6-step runs with one
+    # pair of servers (428 s), two servers following a delta chain by URL (470 s), vLLM's RL routes against one
+    # server (70 to 172 s). Left unlisted, they started last in a whole run and ran on alone.
+    "test_rl_loop_server.py": 428, "test_store_delta_server.py": 470, "test_weight_transfer_server.py": 170,
 }
 
 
