@@ -38,10 +38,6 @@ WORKER_WEIGHT_TRANSFER = PrivateSymbol(
     members=("load_model", "model_runner", "weight_transfer_engine", "update_weights", "finish_weight_update"),
     used_by="vllm_compat.worker_building_engine (the worker whose load_model builds the engine, found on the "
             "call stack: the engine is handed only the model)")
-ENGINE_CLIENT_WEIGHT_TRANSFER = PrivateSymbol(
-    "vllm.engine.protocol", "EngineClient", "class",
-    members=("start_weight_update", "finish_weight_update", "collective_rpc", "get_weight_version", "vllm_config"),
-    used_by="server/weight_transfer/routes.py (app.state.engine_client: the lease ends a session, the report)")
 VLLM_CONFIG_WEIGHT_TRANSFER = PrivateSymbol("vllm.config.vllm", "VllmConfig", "class",
                                             members=("weight_transfer_config",),
                                             used_by="server/weight_transfer/routes.py (is the backend layerwise?)")

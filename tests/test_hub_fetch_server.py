@@ -65,9 +65,10 @@ def shards(folder: Path) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in sorted(folder.glob("*.safetensors"))}
 
 
-def fetcher(pin: HubPin, ranges: list[ByteRange], cache: Path, **kwargs: object) -> RangeFetcher:
+def fetcher(pin: HubPin, ranges: list[ByteRange], cache: Path, *, policy: FetchPolicy = FAST,
+            token: str | None = None, **kwargs: object) -> RangeFetcher:
     options: dict = {"part_bytes": 64 << 10, "connections": 3, **kwargs}
-    return RangeFetcher(HubSource(pin, cache_dir=cache, policy=FAST), ranges, **options)
+    return RangeFetcher(HubSource(pin, cache_dir=cache, policy=policy, token=token), ranges, **options)
 
 
 def cache_of(hub: HubServer) -> Path:
