@@ -173,12 +173,10 @@ AUTHENTICATION_MIDDLEWARE = PrivateSymbol("vllm.entrypoints.serve.middleware.aut
                                           used_by="server/launch.py (replaced so the API key covers every path)")
 ATTACH_DEV_ROUTER = PrivateSymbol("vllm.entrypoints.serve.dev.rpc.api_router", "attach_router", "function",
                                   parameters=("app",), used_by="server/engines_rpc.py (wrapped)")
-ENGINE_CLIENT = PrivateSymbol("vllm.engine.protocol", "EngineClient", "class",
-                              members=("pause_generation", "resume_generation", "update_weight_version",
-                                       "start_weight_update", "finish_weight_update", "collective_rpc",
-                                       "get_weight_version", "vllm_config"),
-                              used_by="server/pause_lease.py, server/engines_rpc.py, server/weight_transfer/"
-                              "routes.py (app.state.engine_client)")
+ENGINE_CLIENT = PrivateSymbol("vllm.engine.protocol", "EngineClient", "class", members=(
+    "pause_generation", "resume_generation", "update_weight_version", "start_weight_update", "finish_weight_update",
+    "collective_rpc", "get_weight_version", "vllm_config"),
+    used_by="server/pause_lease.py, server/engines_rpc.py, server/weight_transfer/routes.py (app.state.engine_client)")
 CALL_UTILITY_ALL_ASYNC = PrivateSymbol("vllm.v1.engine.core_client", "AsyncMPClient", "class",
                                        members=("call_utility_all_async",),
                                        used_by="server/engines_rpc.py (engine_client.engine_core)")
