@@ -256,19 +256,15 @@ class DeltaPatch:
                 as_integers.copy_(_on(region.device, values, as_integers.dtype))
                 continue
             if patch.kind == SPARSE:
-                self._add_differences(decoded[(entry.name, index)], entry.name, link, region, as_integers,
-                                      last=not any(entry.name in later.patches for later in links[index + 1:]))
+                self._add_differences(decoded[(entry.name, index)], entry.name, link, region, as_integers)
                 continue
             positions = _read_only(link.positions(entry.name))
             values = _on(region.device, link.raw(entry.name + VALUES_SUFFIX), as_integers.dtype)
             as_integers.index_put_((positions.to(region.device),), values)
 
     def _add_differences(self, chunks: list, name: str, link: Delta, region: torch.Tensor,
-                         as_integers: torch.Tensor, *, last: bool = True) -> None:
+                         as_integers: torch.Tensor) -> None:
         """Add a v2 link's differences of tensor NAME (CHUNKS, decoded) to the engine's bits at their positions.
-
-        The new values are checked for NaN/Inf only in the LAST link that patches NAME: an earlier link's NaN that
-        a later link rewrites is no value of the step (an RL run goes on against a NaN step).
 
         Raises:
             LayerwiseError: a new value is NaN or Inf (`check_finite`).
@@ -277,7 +273,7 @@ class DeltaPatch:
             at = positions.to(region.device)
             # One kernel, in place (measured: faster than a gather, an add and a scatter); integer sums wrap.
             as_integers.index_add_(0, at, diffs.to(region.device))
-            if last and self.check_finite and region.dtype.is_floating_point:
+            if self.check_finite and region.dtype.is_floating_point:
                 values = as_integers.index_select(0, at).view(region.dtype)  # measured: 1.7 x faster than [at]
                 if not torch.isfinite(values if values.element_size() > 1 else values.float()).all():
                     raise LayerwiseError(f"tensor {name}: the delta's new values hold NaN or Inf; refusing to load "
