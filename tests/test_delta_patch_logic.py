@@ -265,3 +265,34 @@ def test_a_v2_difference_that_makes_a_nan_is_refused_as_it_is_written(tmp_path, 
     else:
         patch.apply(dict(model.named_modules()), records)
         assert model.model.layers[0].self_attn.o_proj.weight.view(-1)[3].isnan()
+
+
+@pytest.mark.parametrize("repaired", [(3, 7), (3,)])
+def test_a_chain_through_a_nan_link_loads_only_where_a_later_link_rewrites_every_nan(tmp_path, repaired):
+    """An RL run goes on after a refused NaN step: its next step is written against it. Patched in place through
+    both links, the rebuilt tensor holds the NaN link's values only where the later link did not rewrite them:
+    the chain loads when it rewrote every NaN, and is refused (naming the tensor) when one is left."""
+    name = f"{ATTN}.o_proj.weight"
+    a = _step(1)
+    nan = {key: t.clone() for key, t in a.items()}
+    nan[name].view(-1)[[3, 7]] = float("nan")
+    after = {key: t.clone() for key, t in nan.items()}
+    after[name].view(-1)[list(repaired)] = torch.tensor([0.5, -0.25][:len(repaired)], dtype=torch.bfloat16)
+    after[name].view(-1)[11] = 2.0  # the later step's own change
+    save_checkpoint(a.items(), tmp_path / "A", marker=None)
+    save_checkpoint(nan.items(), tmp_path / "B", marker=None, base=tmp_path / "A", allow_nonfinite=True)
+    save_checkpoint(after.items(), tmp_path / "C", marker=None, base=tmp_path / "B", allow_nonfinite=True)
+    checkpoint = open_delta_checkpoint(tmp_path / "C")
+    assert [link.patches[name].kind for link in checkpoint.delta.links] == ["sparse", "sparse"]
+    model, stream = Model(a), _stream(checkpoint)
+    records = _records(a, stream)
+    patch = _plan(model, checkpoint, records, stream)
+    assert patch.layers == {OPROJ} and len(patch.links[OPROJ]) == 2
+    weight = model.model.layers[0].self_attn.o_proj.weight
+    if len(repaired) == 2:
+        patch.apply(dict(model.named_modules()), records)
+        assert torch.equal(weight, after[name])
+    else:
+        with pytest.raises(LayerwiseError, match=rf"tensor {ATTN}\.o_proj\.weight: the delta's new values hold NaN"):
+            patch.apply(dict(model.named_modules()), records)
+        assert weight.view(-1)[7].isnan()

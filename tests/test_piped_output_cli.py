@@ -97,6 +97,7 @@ def test_only_the_known_harmless_vllm_lines_are_dropped(monkeypatch) -> None:
         quiet_force_kill,
         silence_rotary_reload_warning,
     )
+    from tests.support.log_levels import loggers_at
 
     seen: list[str] = []
 
@@ -105,32 +106,34 @@ def test_only_the_known_harmless_vllm_lines_are_dropped(monkeypatch) -> None:
             seen.append(record.getMessage())
 
     handler = Keep()
-    for name in (RELOAD_LOGGER, SHUTDOWN_LOGGER, KILL_TREE_LOGGER):
-        logging.getLogger(name).addHandler(handler)
-    try:
-        reload_logger = logging.getLogger(RELOAD_LOGGER)
-        silence_rotary_reload_warning()
-        installed = list(reload_logger.filters)
-        silence_rotary_reload_warning()
-        assert reload_logger.filters == installed  # idempotent
-        reload_logger.warning("%s: Failed to load weights", "RotaryEmbedding")
-        reload_logger.warning("%s: Failed to load weights", "MRotaryEmbedding")
-        reload_logger.warning("%s: Failed to load weights", "QKVParallelLinear")  # a real problem: kept
-        reload_logger.warning("something else")
-        shutdown_logger = logging.getLogger(SHUTDOWN_LOGGER)
-        kill = "[shutdown] Process manager: force killing remaining processes count=%d"
-        with quiet_force_kill():
-            shutdown_logger.warning(kill, 1)
-            # Then each process of the engine's tree, from another logger (vllm/utils/system_utils.py).
-            logging.getLogger(KILL_TREE_LOGGER).warning("[shutdown] force killing sub process %s pid %d",
-                                                        "VLLM::Worker", 4691)
-            shutdown_logger.warning("[shutdown] something else")
-        shutdown_logger.warning(kill, 2)  # outside a deliberate stop: kept
-        monkeypatch.setenv("LAYERWISE_DEBUG", "1")
-        reload_logger.warning("%s: Failed to load weights", "RotaryEmbedding")  # debugging shows everything
-    finally:
+    # vLLM holds its loggers at the level an earlier engine in this worker started with: WARNING here.
+    with loggers_at(logging.WARNING, RELOAD_LOGGER, SHUTDOWN_LOGGER, KILL_TREE_LOGGER):
         for name in (RELOAD_LOGGER, SHUTDOWN_LOGGER, KILL_TREE_LOGGER):
-            logging.getLogger(name).removeHandler(handler)
+            logging.getLogger(name).addHandler(handler)
+        try:
+            reload_logger = logging.getLogger(RELOAD_LOGGER)
+            silence_rotary_reload_warning()
+            installed = list(reload_logger.filters)
+            silence_rotary_reload_warning()
+            assert reload_logger.filters == installed  # idempotent
+            reload_logger.warning("%s: Failed to load weights", "RotaryEmbedding")
+            reload_logger.warning("%s: Failed to load weights", "MRotaryEmbedding")
+            reload_logger.warning("%s: Failed to load weights", "QKVParallelLinear")  # a real problem: kept
+            reload_logger.warning("something else")
+            shutdown_logger = logging.getLogger(SHUTDOWN_LOGGER)
+            kill = "[shutdown] Process manager: force killing remaining processes count=%d"
+            with quiet_force_kill():
+                shutdown_logger.warning(kill, 1)
+                # Then each process of the engine's tree, from another logger (vllm/utils/system_utils.py).
+                logging.getLogger(KILL_TREE_LOGGER).warning("[shutdown] force killing sub process %s pid %d",
+                                                            "VLLM::Worker", 4691)
+                shutdown_logger.warning("[shutdown] something else")
+            shutdown_logger.warning(kill, 2)  # outside a deliberate stop: kept
+            monkeypatch.setenv("LAYERWISE_DEBUG", "1")
+            reload_logger.warning("%s: Failed to load weights", "RotaryEmbedding")  # debugging shows everything
+        finally:
+            for name in (RELOAD_LOGGER, SHUTDOWN_LOGGER, KILL_TREE_LOGGER):
+                logging.getLogger(name).removeHandler(handler)
     assert seen == ["QKVParallelLinear: Failed to load weights", "something else", "[shutdown] something else",
                     "[shutdown] Process manager: force killing remaining processes count=2",
                     "RotaryEmbedding: Failed to load weights"]

@@ -535,21 +535,23 @@ def test_the_table_shows_skipped_layers(capsys):
 
 def test_only_the_warnings_of_skipped_layers_are_dropped(caplog):
     from layerwise_cli.vllm_logs import INPLACE_LOGGER, RELOAD_LOGGER, quiet_skipped_layer_warnings
+    from tests.support.log_levels import loggers_at
 
-    reload_log, inplace_log = logging.getLogger(RELOAD_LOGGER), logging.getLogger(INPLACE_LOGGER)
     caplog.set_level(logging.WARNING)
-    # vLLM's logging configuration (once vLLM is imported in this process, by an earlier test) stops its loggers'
-    # records at the `vllm` logger: caplog's handler is put on these two loggers themselves.
-    for log in (reload_log, inplace_log):
-        log.addHandler(caplog.handler)
-    with quiet_skipped_layer_warnings(lambda: Counter({"QKVParallelLinear": 1})):
+    # vLLM's logging configuration (once an engine started in this process, by an earlier test) stops its
+    # loggers' records at the `vllm` logger, at the level it was started with: the loggers are held at WARNING
+    # and caplog's handler is put on them themselves.
+    with loggers_at(logging.WARNING, RELOAD_LOGGER, INPLACE_LOGGER) as (reload_log, inplace_log):
+        for log in (reload_log, inplace_log):
+            log.addHandler(caplog.handler)
+        with quiet_skipped_layer_warnings(lambda: Counter({"QKVParallelLinear": 1})):
+            reload_log.warning("%s: Failed to load weights", "QKVParallelLinear")
+            reload_log.warning("%s: Failed to load weights", "QKVParallelLinear")  # one more than was skipped
+            reload_log.warning("%s: Failed to load weights", "RowParallelLinear")
+            inplace_log.warning("Following weights were not loaded from checkpoint: %s", {"x"})
         reload_log.warning("%s: Failed to load weights", "QKVParallelLinear")
-        reload_log.warning("%s: Failed to load weights", "QKVParallelLinear")  # one more than was skipped
-        reload_log.warning("%s: Failed to load weights", "RowParallelLinear")
-        inplace_log.warning("Following weights were not loaded from checkpoint: %s", {"x"})
-    reload_log.warning("%s: Failed to load weights", "QKVParallelLinear")
-    for log in (reload_log, inplace_log):
-        log.removeHandler(caplog.handler)
+        for log in (reload_log, inplace_log):
+            log.removeHandler(caplog.handler)
     # A record reaches caplog's handler once from the logger itself, and once more where it also propagates.
     messages = list(dict.fromkeys((id(record), record.getMessage()) for record in caplog.records))
     assert [message for _, message in messages] == ["QKVParallelLinear: Failed to load weights",

@@ -37,32 +37,28 @@ Nothing here is taken on a file's or a rule's word:
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
 import xxhash
 
-from layerwise_cli.checkpoint.delta.format import VALUES_SUFFIX, WHOLE, WHOLE_SUFFIX, Delta
+from layerwise_cli.checkpoint.delta.format import Delta
 from layerwise_cli.checkpoint.delta.source import DeltaChain
-from layerwise_cli.checkpoint.delta.v2 import SPARSE
 from layerwise_cli.checkpoint.format.digests import TensorHasher, layer_digest
-from layerwise_cli.checkpoint.format.header import DTYPE_SIZES
 from layerwise_cli.checkpoint.format.samples import sample_digest
 from layerwise_cli.engine_defaults import decode_ahead_disabled
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.planning.plan import PlannedTensor
 from layerwise_cli.worker.reload.decode_ahead import DecodeAhead
 from layerwise_cli.worker.reload.patch_sites import PatchSite, find_site, not_patchable, stored
+from layerwise_cli.worker.reload.patch_writes import decode_chunks, write_links
 from layerwise_cli.worker.reload.proof_thread import ProofThread, written_mark
 from layerwise_cli.worker.state.layer_records import LayerRecord, LayerRecords
 from layerwise_cli.worker.stream.cpu_placement import spare_cpus
 
 # The bytes hashed at a time when a patched tensor is proved: small enough to stay in cache for the second hash.
 _PROOF_CHUNK = 1 << 18
-# The integer type a patch writes elements of each size as (bit for bit, whatever the dtype).
-AS_INTEGERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass
@@ -84,8 +80,9 @@ class DeltaPatch:
         fingerprints: each patched layer's state right after the patch (`prove_state`).
         checksums: (data pointer, bytes) -> the `layer_state` checksum of each host tensor the patch wrote whole,
             taken as its bytes were proved (`_prove_written`).
-        check_finite: refuse a NaN or Inf among the new values a v2 link's differences make (its values are
-            known only once added to the engine's: the reload then fails, and is rolled back).
+        check_finite: refuse a NaN or Inf the chain leaves where a v2 link's differences were added (its values
+            are known only once added to the engine's: the reload then fails, and is rolled back;
+            `patch_writes`).
     """
 
     sites: dict[str, list[PatchSite]] = field(default_factory=dict)
@@ -220,64 +217,26 @@ class DeltaPatch:
                                      "into it (something else wrote the engine); it does not hold the base")
 
     def _decode_layer(self, layer: str) -> dict[tuple[str, int], list]:
-        """Every v2 chunk LAYER's links patch, decoded: (tensor, link index) -> [(positions, differences)] as host
-        torch tensors (positions int64; differences in `AS_INTEGERS`' type of the element's size).
+        """Every v2 chunk LAYER's links patch, decoded (`patch_writes.decode_chunks`).
 
         Raises:
             LayerwiseError: a chunk is corrupt (`Delta.changes`).
         """
-        import numpy as np
-
         out = {}
         for site in self.sites[layer]:
-            for index, link in enumerate(self.links[layer]):
-                patch = link.patches.get(site.entry.name)
-                if patch is None or patch.kind != SPARSE:
-                    continue
-                size = DTYPE_SIZES[site.entry.dtype]
-                signed = np.uint8 if size == 1 else np.dtype(f"i{size}")
-                out[(site.entry.name, index)] = [(torch.from_numpy(positions), torch.from_numpy(diffs.view(signed)))
-                                                 for _, positions, diffs in link.changes(site.entry.name)]
+            out.update(decode_chunks(site.entry.name, site.entry.dtype, self.links[layer]))
         return out
 
     def _write(self, site: PatchSite, modules: Mapping[str, torch.nn.Module], links: tuple[Delta, ...],
                decoded: Mapping[tuple[str, int], list]) -> None:
         """Write every link's new values of SITE's tensor at their positions, in place (DECODED: its v2 chunks,
-        `_decode_layer`)."""
-        entry, region = site.entry, site.region(modules)
-        as_integers = region.view(AS_INTEGERS[region.element_size()])
-        for index, link in enumerate(links):
-            patch = link.patches.get(entry.name)
-            if patch is None:
-                continue
-            self.read_bytes += link.patch_nbytes(entry.name)
-            if patch.kind == WHOLE:
-                values = link.raw(entry.name + WHOLE_SUFFIX)
-                as_integers.copy_(_on(region.device, values, as_integers.dtype))
-                continue
-            if patch.kind == SPARSE:
-                self._add_differences(decoded[(entry.name, index)], entry.name, link, region, as_integers)
-                continue
-            positions = _read_only(link.positions(entry.name))
-            values = _on(region.device, link.raw(entry.name + VALUES_SUFFIX), as_integers.dtype)
-            as_integers.index_put_((positions.to(region.device),), values)
-
-    def _add_differences(self, chunks: list, name: str, link: Delta, region: torch.Tensor,
-                         as_integers: torch.Tensor) -> None:
-        """Add a v2 link's differences of tensor NAME (CHUNKS, decoded) to the engine's bits at their positions.
+        `_decode_layer`).
 
         Raises:
-            LayerwiseError: a new value is NaN or Inf (`check_finite`).
+            LayerwiseError: the chain leaves a NaN or Inf where a v2 link wrote (`check_finite`).
         """
-        for positions, diffs in chunks:
-            at = positions.to(region.device)
-            # One kernel, in place (measured: faster than a gather, an add and a scatter); integer sums wrap.
-            as_integers.index_add_(0, at, diffs.to(region.device))
-            if self.check_finite and region.dtype.is_floating_point:
-                values = as_integers.index_select(0, at).view(region.dtype)  # measured: 1.7 x faster than [at]
-                if not torch.isfinite(values if values.element_size() > 1 else values.float()).all():
-                    raise LayerwiseError(f"tensor {name}: the delta's new values hold NaN or Inf; refusing to load "
-                                         "it (--allow-nonfinite loads it anyway)", where=str(link.path))
+        self.read_bytes += write_links(site.entry.name, site.region(modules), links, decoded,
+                                       check_finite=self.check_finite)
 
     def _prove_written(self, sites: list[PatchSite], modules: Mapping[str, torch.nn.Module],
                        links: tuple[Delta, ...], written=None) -> None:
@@ -371,23 +330,6 @@ def _changed_parts(before: object, after: object, written: set[str]) -> str | No
             continue  # written by the patch, in place: its bytes were proved against the step's digest
         return str(old[0])
     return None
-
-
-def _on(device: torch.device, raw, dtype: torch.dtype) -> torch.Tensor:
-    """RAW (a numpy uint8 view of the delta's file) as elements of DTYPE on DEVICE."""
-    tensor = _read_only(raw).view(dtype)
-    return tensor if device.type == "cpu" else tensor.to(device)
-
-
-def _read_only(array) -> torch.Tensor:
-    """ARRAY (a view of the delta file's read-only mapping) as a tensor, without a copy.
-
-    torch warns that it cannot mark a tensor read-only; these tensors are only ever read (the index and the
-    source of a copy), so the warning is silenced here, and only here.
-    """
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
-        return torch.from_numpy(array)
 
 
 def _host_bytes(region: torch.Tensor):
