@@ -88,8 +88,9 @@ class Run:
         model = self.fleet.servers[0].model
         with Traffic(urls, model, self.prompts, threads=self.options.threads) as traffic:
             self.traffic = traffic
-            self.wait_served()
-            # The run begins once every server holds step 0: earlier answers are another run's (shared servers).
+            # The run begins once every server holds step 0 (by its name: another run's newer step, on shared
+            # servers, may bear a later number); earlier answers are that run's.
+            self.wait_served(exact=True)
             self.began = time.time()
             for step in range(1, self.options.steps + 1):
                 self.one_step(step)
@@ -166,13 +167,15 @@ class Run:
     def events(self) -> list[dict]:
         return list(self.watch.events)
 
-    def wait_served(self, nan: Published | None = None) -> None:
-        """Until every server answers with the newest good step (and, for a NaN step, `watch` refused it)."""
+    def wait_served(self, nan: Published | None = None, *, exact: bool = False) -> None:
+        """Until every server answers with the newest good step or a later one (EXACT: that step, by name), and,
+        for a NaN step, `watch` refused it."""
         deadline = time.monotonic() + self.options.step_timeout_s
         target = self.store.step_of(self.good.name)
         while time.monotonic() < deadline:
             self.take_events()
-            held = [self.store.step_of(weight_version(url)) for url in self.fleet.urls]
+            versions = [weight_version(url) for url in self.fleet.urls]
+            held = [self.store.step_of(v) if not exact or v == self.good.name else None for v in versions]
             refused = nan is None or any(e.get("step") == nan.name and e["event"] in ("reload_failed", "step_skipped")
                                          for e in self.events())
             if refused and all(h is not None and h >= target for h in held):
