@@ -9,9 +9,8 @@ Two sizes:
   `benchmarks.bench_rl_steps` does: the figures RL teams compare.
 
 `--store` picks where the steps go: `local` (a run folder; each step a delta against the one before,
-`save_checkpoint(..., base=previous)`), `seaweedfs` (a SeaweedFS bucket started here) or `hub` (the loopback Hub
-started here). The bucket and the Hub get full steps for now: deltas there need remote delta bases, which do not
-load yet.
+`save_checkpoint(..., base=previous)`), `seaweedfs` (a SeaweedFS bucket started here; the same deltas, uploaded)
+or `hub` (the loopback Hub started here; full steps, each a commit of one branch).
 
 Faults (`--faults`, default each once): `trainer_kill` (the trainer SIGKILLed halfway through a save, then saving
 again: the incomplete step is never loaded), `server_kill` (a server SIGKILLed and restarted while the other
@@ -113,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=("learning", "figures"), default="learning")
     parser.add_argument("--steps", type=int, default=12, help="steps after step 0 (default 12)")
     parser.add_argument("--store", choices=("local", "seaweedfs", "hub"), default="local",
-                        help="where steps go: local deltas, or full steps in a SeaweedFS bucket or the loopback Hub")
+                        help="where steps go: deltas in a local folder or a SeaweedFS bucket, or full steps on the "
+                        "loopback Hub")
     parser.add_argument("--faults", default="default", help="FAULT@STEP,... (trainer_kill, server_kill, nan, "
                         "store_down), `default` (each once) or `none`")
     parser.add_argument("--proof", default="last", help="steps at which each server is verified and compared with "

@@ -1,6 +1,7 @@
 """The RL loop at CI size (examples/rl_loop.py): the demo's debug Qwen3 trained from *multiply* towards *add*,
-6 steps to a local run folder (deltas) and 6 to a SeaweedFS bucket (full steps), two `layerwise serve` servers
-kept on the newest step by `layerwise watch` under client traffic, with faults on a schedule.
+6 steps to a local run folder and 6 to a SeaweedFS bucket (each step a delta against the one before), two
+`layerwise serve` servers kept on the newest step by `layerwise watch` under client traffic, with faults on a
+schedule.
 
 One pair of servers serves both runs (started one after the other, with no CPU binding in the environment:
 `layerwise serve` gives each cores the other's worker does not hold, and says which). Each fault's outcome is
@@ -101,4 +102,6 @@ def test_a_bucket_run_survives_a_store_outage_a_partial_upload_and_a_nan_step(fl
                  prompts()).run()
     assert_run_held(record)
     assert record.checks["store outage reported and recovered"].startswith("ok")
-    assert all(r.kind == "full" for r in record.steps)
+    # Every step after the first is a delta against the step before, uploaded, smaller than the step: the servers
+    # load each through the chain in the bucket (its base beside it), the NaN step's successor included.
+    assert all(r.kind == "delta" and r.written_bytes < r.full_bytes for r in record.steps[1:]), record.steps

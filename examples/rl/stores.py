@@ -1,8 +1,9 @@
 """Where the loop's trainer writes its steps: a local run folder (deltas), a SeaweedFS bucket or the loopback Hub.
 
-A local run folder gets each step as a delta against the one before (`save_checkpoint(..., base=previous)`).
-The bucket and the Hub get full steps for now: a delta's base must be read where the delta is, and remote
-deltas are not loaded yet; once they are, `BucketSteps` and `HubSteps` write them the same way.
+A local run folder and the bucket get each step as a delta against the one before
+(`save_checkpoint(..., base=previous)`; the bucket's uploaded from the trainer's local copy of the run). The
+Hub gets full steps: its steps are commits of one branch, and a delta's base is found beside it as a step
+folder (a Hub run of step folders is `watch hf://…`, not this store).
 """
 
 from __future__ import annotations
@@ -154,14 +155,18 @@ def _write_full(folder: Path, tensors: dict[str, torch.Tensor], config: dict, na
 
 
 class BucketSteps:
-    """Steps uploaded to a SeaweedFS bucket under `run/step_N/`, full for now, the marker last."""
+    """Steps uploaded to a SeaweedFS bucket under `run/step_N/`, the marker last: each a delta against the step
+    uploaded before it (the first one full), written first to the trainer's local copy of the run (SCRATCH/run,
+    where the next delta finds its base), then uploaded; a reader finds a delta's base beside it in the bucket."""
 
     kind = "seaweedfs"
 
     def __init__(self, s3, scratch: Path, config: dict) -> None:
         self.s3 = s3
-        self.scratch = scratch
+        self.run = scratch / RUN
+        self.run.mkdir(parents=True, exist_ok=True)
         self.config = config
+        self.previous: Path | None = None
         self.env = s3.env()
         self.names = Names()
         self.step_of = self.names.step_of
@@ -172,24 +177,29 @@ class BucketSteps:
 
         return f"s3://{BUCKET}/{RUN}/"
 
-    def _upload(self, step: int, folder: Path) -> int:
-        return upload_step(self.s3.endpoint, f"{RUN}/step_{step}", folder)
+    def _write(self, step: int, tensors: dict[str, torch.Tensor], nan: bool):
+        folder = self.run / f"step_{step}"
+        if folder.exists():
+            shutil.rmtree(folder)  # the copy a killed upload left: written again
+        return save_checkpoint(tensors.items(), folder, config=self.config, marker=None, base=self.previous,
+                               allow_nonfinite=nan)
 
     def publish(self, step: int, tensors: dict[str, torch.Tensor], *, nan: bool = False) -> Published:
         started = time.monotonic()
-        folder = _write_full(self.scratch / f"step_{step}", tensors, self.config, nan)
-        sent = self._upload(step, folder)
+        saved = self._write(step, tensors, nan)
+        sent = upload_step(self.s3.endpoint, f"{RUN}/step_{step}", saved.directory)
         took = time.monotonic() - started
-        shutil.rmtree(folder, ignore_errors=True)
+        self.previous = saved.directory
         self.names.steps[f"step_{step}"] = step
-        return Published(step, f"step_{step}", time.time(), took, sent, tensor_bytes(tensors), "full", nan)
+        return Published(step, f"step_{step}", time.time(), took, sent, tensor_bytes(tensors),
+                         "delta" if saved.delta is not None else "full", nan)
 
     def source_of(self, pub: Published) -> tuple[str, str | None]:
         return self.watch_root + pub.name, None
 
     def publish_killed(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
-        """The trainer killed mid-upload: STEP's shards are in the bucket, its index and marker are not."""
-        folder = _write_full(self.scratch / f"step_{step}", tensors, self.config, False)
+        """The trainer killed mid-upload: STEP's weight files are in the bucket, the rest and the marker are not."""
+        folder = self._write(step, tensors, False).directory
         killed_midway(_upload_then_stall, (self.s3.endpoint, f"{RUN}/step_{step}", folder), start="spawn")
 
     def outage(self, seconds: float) -> bool:
@@ -198,7 +208,6 @@ class BucketSteps:
         time.sleep(seconds)
         self.s3.start()
         return True
-
 
 
 def upload_step(endpoint: str, prefix: str, folder: Path, ready=None) -> int:
