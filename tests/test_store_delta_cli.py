@@ -95,6 +95,42 @@ def test_a_delta_step_by_url_rebuilds_its_full_step_fetching_only_what_the_host_
     assert full.delta is None and full.local_dir is None
 
 
+def test_a_host_that_missed_two_steps_fetches_both_links_together_and_the_step_equals_its_full_step(
+        s3, run, env, monkeypatch) -> None:
+    import torch
+
+    from layerwise_cli.checkpoint.delta import remote
+    from layerwise_cli.checkpoint.delta.source import open_step
+    from layerwise_cli.planning.plan import PlannedTensor
+    from layerwise_cli.worker.stream.shard_reader import ShardReader
+
+    root, steps = run
+    url = _upload(s3, root, "missed")
+    together: list[int] = []
+    ahead = remote._fetch_missing_links
+    monkeypatch.setattr(remote, "_fetch_missing_links", lambda *a: together.append(ahead(*a)) or together[-1])
+    # A new host opens step_3 first: step_3's and step_2's files are fetched before the chain is read, at once
+    # (each link's base is named in its header, read by range); then the full step's shard.
+    third = open_step(f"{url}/step_3")
+    assert together == [_size(root, "step_2", "step_3")]
+    assert third.delta.fetched_bytes == _size(root, "step_1", "step_2", "step_3") - _size(root, "step_1",
+                                                                                         suffix=".json")
+    reader = ShardReader(third.local_dir, delta=third.delta)
+    for entry in third.tensors:
+        assert torch.equal(reader.read(PlannedTensor(entry, "x")), steps["step_3"][entry.name]), entry.name
+    # Kept: nothing is fetched ahead again.
+    assert open_step(f"{url}/step_3", third.revision).delta.fetched_bytes == 0 and together[-1] == 0
+
+
+def test_a_whole_file_fetch_spreads_over_the_connections() -> None:
+    from layerwise_cli.checkpoint.fetch.range_fetcher import MiB, range_requests, spread_parts, whole_files
+
+    # A 13 MB delta file over 4 connections: 4 parts, not one (at one connection's paced rate).
+    parts = range_requests(whole_files({"delta.safetensors": 13_000_000}), spread_parts(13_000_000, 4))
+    assert len(parts) == 4 and sum(p.size for p in parts) == 13_000_000
+    assert spread_parts(10, 4) == MiB and spread_parts(10 << 30, 4) == 16 * MiB
+
+
 def test_a_missing_or_deleted_base_is_one_line(s3, run, env) -> None:
     import obstore
 

@@ -30,7 +30,7 @@ from pathlib import Path, PurePosixPath
 from layerwise_cli.checkpoint.delta.format import DELTA_FILE, METADATA_KEY, Delta
 from layerwise_cli.checkpoint.delta.read import read_delta
 from layerwise_cli.checkpoint.fetch.policy import FetchPolicy
-from layerwise_cli.checkpoint.fetch.range_fetcher import RangeFetcher, whole_files
+from layerwise_cli.checkpoint.fetch.range_fetcher import RangeFetcher, spread_parts, whole_files
 from layerwise_cli.checkpoint.format.header import header_length, parse_header
 from layerwise_cli.checkpoint.format.layout import INDEX_NAME
 from layerwise_cli.checkpoint.sources import Checkpoint, open_checkpoint
@@ -41,6 +41,9 @@ from layerwise_cli.errors import LayerwiseError
 # Read in pre-flight, before anything is paused: a few quick retries, not a stream's patience.
 _OPEN_POLICY = FetchPolicy(stall_s=30.0, retries=2, backoff_s=0.5)
 CONFIG = "config.json"
+# Connections per object prefix fetching a chain's files (each link's own; links missing together are fetched
+# at the same time, `_fetch_missing_links`).
+CONNECTIONS = 4
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,7 @@ def open_store_chain(url: str, revision: str | None, max_links: int) -> StoreCha
     if not is_store_delta(url):
         return None
     links: list[StoreLink] = []
-    fetched = 0
+    fetched = _fetch_missing_links(url, max_links)
 
     def read_link(source: StoreSource) -> str:
         nonlocal fetched
@@ -143,6 +146,46 @@ def store_step_pin(url: str, max_links: int) -> str | None:
         return None
     pinned, _, _ = _walk(url, max_links, _base_location, lambda base_url, child: _remote_base(base_url, child))
     return store_pin(pinned)
+
+
+def _fetch_missing_links(url: str, max_links: int) -> int:
+    """Fetch at the same time the delta files of URL's chain this host's store cache lacks, newest first until
+    one is kept (a host that loaded the step before has the rest); the bytes fetched.
+
+    A host that missed several steps, or a new one, would otherwise fetch them one link after the other (each
+    link's base is named in its header): the chain's headers are read by range first, then the missing links
+    are fetched together, each over its own connections. Anything that fails here is left to the chain's
+    reading (`_walk`), which names it as it always does.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    missing: list[StoreSource] = []
+    step_url = url
+    try:
+        while len(missing) < max_links:
+            source = StoreSource(step_url, policy=_OPEN_POLICY)
+            if (missing and not _holds_delta(source, url)) or source.cached(DELTA_FILE) is not None:
+                break
+            missing.append(source)
+            step_url = beside(step_url, _base_location(source))
+    except LayerwiseError:
+        pass
+    if len(missing) < 2:
+        return 0  # one link: fetched as the chain is read
+
+    def fetch(source: StoreSource) -> int:
+        try:
+            return kept_folder(source, _link_files(source), {})[1]
+        except LayerwiseError:
+            return 0
+
+    with ThreadPoolExecutor(len(missing), thread_name_prefix="layerwise-links") as pool:
+        return sum(pool.map(fetch, missing))
+
+
+def _link_files(source: StoreSource) -> list[str]:
+    """The files of a delta step that a host keeps: the delta file, and its `config.json` when there."""
+    return [DELTA_FILE] + ([CONFIG] if _exists(source, CONFIG) else [])
 
 
 def _walk(url: str, max_links: int, read_link: Callable[[StoreSource], str],
@@ -212,8 +255,7 @@ def _holds_delta(source: StoreSource, child: str) -> bool:
 
 def _read_link(source: StoreSource) -> tuple[StoreLink, int]:
     """The delta of SOURCE's step, read from this host's kept copy (fetched whole first if not kept)."""
-    names = [DELTA_FILE] + ([CONFIG] if CONFIG in source.pinned else [])
-    folder, fetched = kept_folder(source, names, {})
+    folder, fetched = kept_folder(source, _link_files(source), {})
     try:
         delta = read_delta(folder / DELTA_FILE)
     except LayerwiseError as exc:
@@ -250,7 +292,9 @@ def kept_folder(source: StoreSource, names: list[str], written: dict[str, dict])
     missing = {name: size for name, size in sizes.items() if source.cached(name) is None}
     fetched = 0
     if missing:
-        with RangeFetcher(source, whole_files(missing), keep=True) as fetcher:
+        part_bytes = spread_parts(sum(missing.values()), CONNECTIONS)
+        with RangeFetcher(source, whole_files(missing), keep=True, connections=CONNECTIONS,
+                          part_bytes=part_bytes) as fetcher:
             fetcher.check()
             fetched = fetcher.bytes_fetched
     folder = store_cache_folder(source.url) / "snapshots" / store_pin(

@@ -309,3 +309,13 @@ def tensor_range(shard: ShardHeader, tensor: TensorEntry) -> ByteRange:
 def whole_files(sizes: dict[str, int]) -> list[ByteRange]:
     """Every byte of each file (name -> size), in the order given: fetch complete files, to be linked."""
     return [ByteRange(name, 0, size) for name, size in sizes.items()]
+
+
+def spread_parts(total_bytes: int, connections: int, *, floor: int = MiB, ceiling: int = 16 * MiB) -> int:
+    """A part size that gives each of CONNECTIONS a share of TOTAL_BYTES, between FLOOR and CEILING.
+
+    Whole files fetched at once (a delta file, a config) are often smaller than one default part: cut in parts
+    of the default size, a 13 MB delta file would cross one connection, at one connection's rate (a CDN or a
+    store paces each connection).
+    """
+    return max(floor, min(ceiling, -(-total_bytes // max(1, connections))))
