@@ -10,7 +10,7 @@ Two sizes:
 
 `--store` picks where the steps go: `local` (a run folder; each step a delta against the one before,
 `save_checkpoint(..., base=previous)`), `seaweedfs` (a SeaweedFS bucket started here; the same deltas, uploaded)
-or `hub` (the loopback Hub started here; full steps, each a commit of one branch).
+or `hub` (the loopback Hub started here; the same deltas, a step folder per push: `hf://rl/run/step_N`).
 
 Faults (`--faults`, default each once): `trainer_kill` (the trainer SIGKILLed halfway through a save, then saving
 again: the incomplete step is never loaded), `server_kill` (a server SIGKILLed and restarted while the other
@@ -58,7 +58,7 @@ def open_store(kind: str, scratch: Path, trainer) -> Iterator[object]:
         from tests.support.hub_server import HubServer
 
         with HubServer() as hub:
-            yield HubSteps(hub, scratch / "commits", trainer.config, trainer.start)
+            yield HubSteps(hub, scratch / "hub", trainer.config)
 
 
 def make_trainer(size: str, scratch: Path):
@@ -112,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=("learning", "figures"), default="learning")
     parser.add_argument("--steps", type=int, default=12, help="steps after step 0 (default 12)")
     parser.add_argument("--store", choices=("local", "seaweedfs", "hub"), default="local",
-                        help="where steps go: deltas in a local folder or a SeaweedFS bucket, or full steps on the "
-                        "loopback Hub")
+                        help="where the deltas go: a local run folder, a SeaweedFS bucket or the loopback Hub")
     parser.add_argument("--faults", default="default", help="FAULT@STEP,... (trainer_kill, server_kill, nan, "
                         "store_down), `default` (each once) or `none`")
     parser.add_argument("--proof", default="last", help="steps at which each server is verified and compared with "

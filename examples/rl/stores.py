@@ -1,9 +1,8 @@
 """Where the loop's trainer writes its steps: a local run folder (deltas), a SeaweedFS bucket or the loopback Hub.
 
-A local run folder and the bucket get each step as a delta against the one before
-(`save_checkpoint(..., base=previous)`; the bucket's uploaded from the trainer's local copy of the run). The
-Hub gets full steps: its steps are commits of one branch, and a delta's base is found beside it as a step
-folder (a Hub run of step folders is `watch hf://…`, not this store).
+Each step is a delta against the one before (`save_checkpoint(..., base=previous)`; the first in full), in a
+local run folder; the bucket and the Hub get the trainer's local copy of the run uploaded a step at a time (a
+step folder each, a delta's base the folder beside it).
 """
 
 from __future__ import annotations
@@ -52,10 +51,6 @@ class Published:
 
 def tensor_bytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.suffix == ".safetensors")
 
 
 def _stalled(tensors: dict[str, torch.Tensor], ready):
@@ -148,12 +143,6 @@ class Names:
         return self.steps.get(version)
 
 
-def _write_full(folder: Path, tensors: dict[str, torch.Tensor], config: dict, nan: bool) -> Path:
-    if folder.exists():
-        shutil.rmtree(folder)
-    return save_checkpoint(tensors.items(), folder, config=config, marker=None, allow_nonfinite=nan).directory
-
-
 class BucketSteps:
     """Steps uploaded to a SeaweedFS bucket under `run/step_N/`, the marker last: each a delta against the step
     uploaded before it (the first one full), written first to the trainer's local copy of the run (SCRATCH/run,
@@ -239,39 +228,58 @@ def _upload_then_stall(where: tuple[str, str, Path], ready) -> None:
 
 
 class HubSteps:
-    """Steps pushed to the loopback Hub as commits of `rl/run`'s main branch, full for now."""
+    """Steps pushed to the loopback Hub as a run of step folders in `rl/run` (`hf://rl/run/step_N`), each push a
+    commit of main holding every step so far (as `hf upload rl/run step_N step_N` after each step leaves them):
+    each step a delta against the one before (the first one full), written first to the trainer's local copy of
+    the run; a reader finds a delta's base folder beside it at the same commit."""
 
     kind = "hub"
 
-    def __init__(self, hub, scratch: Path, config: dict, start: Path) -> None:
+    def __init__(self, hub, scratch: Path, config: dict) -> None:
         self.hub = hub
         self.scratch = scratch
+        self.run = scratch / RUN
+        self.run.mkdir(parents=True, exist_ok=True)
         self.config = config
+        self.previous: Path | None = None
+        self.commits: dict[str, str] = {}  # step folder -> the commit that first held it
         self.names = Names()
         self.step_of = self.names.step_of
-        hub.add_repo(HUB_REPO, start)
+        hub.add_repo(HUB_REPO, self._snapshot())  # the run's repo, no step yet
         self.env = {"HF_ENDPOINT": hub.endpoint}
 
     @property
     def watch_root(self) -> str:
-        return HUB_REPO
+        return f"hf://{HUB_REPO}"
+
+    def _snapshot(self) -> Path:
+        """The run as pushed now, frozen: a commit's files never change (hard links; a step is never rewritten
+        in place, `save_checkpoint` renames a finished folder)."""
+        frozen = self.scratch / "commits" / f"{len(self.commits)}-{time.monotonic_ns()}"
+        shutil.copytree(self.run, frozen, copy_function=os.link)
+        return frozen
 
     def publish(self, step: int, tensors: dict[str, torch.Tensor], *, nan: bool = False) -> Published:
         started = time.monotonic()
-        folder = _write_full(self.scratch / f"step_{step}", tensors, self.config, nan)
-        commit = self.hub.move_ref(HUB_REPO, "main", folder)
-        self.names.steps[commit] = step
-        return Published(step, commit, time.time(), time.monotonic() - started, folder_bytes(folder),
-                         tensor_bytes(tensors), "full", nan)
+        saved = save_checkpoint(tensors.items(), self.run / f"step_{step}", config=self.config, marker=MARKER,
+                                base=self.previous, allow_nonfinite=nan)
+        name = saved.directory.name
+        self.commits[name] = self.hub.move_ref(HUB_REPO, "main", self._snapshot())
+        took = time.monotonic() - started
+        self.previous = saved.directory
+        self.names.steps[name] = step
+        return Published(step, name, time.time(), took, saved.total_bytes, tensor_bytes(tensors),
+                         "delta" if saved.delta is not None else "full", nan)
 
     def source_of(self, pub: Published) -> tuple[str, str | None]:
-        return HUB_REPO, pub.name
+        return f"{self.watch_root}/{pub.name}", self.commits[pub.name]
 
     def publish_killed(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
         """The trainer killed before its push: the half-written folder never becomes a commit."""
+        base, folder = self.previous, self.scratch / f"killed_{step}"
 
         def write(tensors, ready):
-            save_checkpoint(_stalled(tensors, ready), self.scratch / f"killed_{step}", config=self.config)
+            save_checkpoint(_stalled(tensors, ready), folder, config=self.config, marker=MARKER, base=base)
 
         killed_midway(write, tensors)
 
@@ -281,4 +289,3 @@ class HubSteps:
         time.sleep(seconds)
         self.hub.outage = None
         return True
-
