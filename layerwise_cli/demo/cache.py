@@ -13,6 +13,7 @@ from typing import Any
 from layerwise_cli.cache_root import cache_root
 from layerwise_cli.demo.recipe import BOS_ID, EOS_ID, PAD_ID, Spec, model_config, recipe_version, spec_for
 from layerwise_cli.demo.tokenizer import write_json, write_tokenizer
+from layerwise_cli.demo.train import train
 from layerwise_cli.errors import LayerwiseError
 
 _STAMP = "layerwise-demo.json"  # written last into the temp dir: its presence marks a complete build
@@ -93,8 +94,6 @@ def build_demo_checkpoint(name: str, out_dir: Path) -> dict[str, Any]:
 
 
 def _build(name: str, spec: Spec, out: Path) -> dict[str, Any]:
-    from layerwise_cli.demo.train import train  # noqa: PLC0415 - breaks an import cycle: demo.train imports demo.cache
-
     start = time.perf_counter()
     tensors, record = train(spec)
     from safetensors.torch import save_file  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
