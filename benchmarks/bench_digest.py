@@ -47,6 +47,7 @@ def bf16_bytes(nbytes: int, seed: int = 0) -> bytes:
 
 def _hashers() -> dict[str, Callable[[], object]]:
     import blake3  # noqa: PLC0415 - blake3: optional dependency (a dev tool)
+
     return {
         "xxh3-128": xxhash.xxh3_128,
         "blake3": blake3.blake3,

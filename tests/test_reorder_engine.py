@@ -63,6 +63,7 @@ def _shard_files(folder: Path) -> list[Path]:
 def _tensors(folder: Path) -> dict[str, tuple[str, tuple[int, ...], str]]:
     """Every tensor read with the safetensors library itself: name -> (dtype, shape, sha256 of its bytes)."""
     import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
+
     out = {}
     for path in _shard_files(folder):
         with safe_open(str(path), framework="pt") as f:

@@ -22,7 +22,6 @@ from layerwise_cli.checkpoint.format.layout import (
 )
 from layerwise_cli.checkpoint.hub.pin import HubPin, hub_error, pin_commit
 from layerwise_cli.checkpoint.hub.repo import cached_snapshot, download_checkpoint, offline, read_hub_headers
-from layerwise_cli.checkpoint.store.headers import PIN_PREFIX, read_store_headers
 from layerwise_cli.checkpoint.store.objects import StoreSource, display_url, is_store_url
 from layerwise_cli.errors import LayerwiseError, describe_exception
 
@@ -237,6 +236,8 @@ def _open_hub(repo_id: str, revision: str | None) -> Checkpoint:
 
 def _open_store(url: str, revision: str | None) -> Checkpoint:
     """Read a URL source's headers by range, each object pinned to its ETag (or to REVISION, a pin read before)."""
+    from layerwise_cli.checkpoint.store.headers import PIN_PREFIX, read_store_headers  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
+
     if revision and not revision.startswith(PIN_PREFIX):
         raise LayerwiseError("--revision applies to Hub repo ids only (a URL source is pinned to its objects' "
                              "ETags)", where=display_url(url))

@@ -11,7 +11,6 @@ from rich.table import Table
 from layerwise_cli.cli._options import OUTPUT_PANEL, JsonOpt
 from layerwise_cli.cli._output import handle_errors, print_json, stdout
 from layerwise_cli.units import human_bytes, human_seconds
-from layerwise_cli.writer.delta_step import write_delta
 
 
 @handle_errors
@@ -44,6 +43,8 @@ def delta_command(
 
     Loading a delta, chains, what is proved: docs/commands/delta.md and docs/deltas.md.
     """
+    from layerwise_cli.writer.delta_step import write_delta  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
+
     result = write_delta(base, new, out, marker=marker or None, overwrite=force, whole_fraction=whole_fraction)
     data = to_dict(result)
     if as_json:

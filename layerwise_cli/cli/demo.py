@@ -10,11 +10,6 @@ from rich.table import Table
 from layerwise_cli.cli._options import OUTPUT_PANEL, JsonOpt, OrderOpt
 from layerwise_cli.cli._output import handle_errors, print_json, stderr, stdout
 from layerwise_cli.cli._reload_view import render_report, run_with_progress
-from layerwise_cli.client.engine import in_process
-from layerwise_cli.client.engine.generate import greedy_answers
-from layerwise_cli.client.engine.in_process import EngineOptions
-from layerwise_cli.client.engine.session import reload_as
-from layerwise_cli.demo import demo_checkpoint, demo_prompt, expected_answer
 from layerwise_cli.errors import LayerwiseError, UsageError
 from layerwise_cli.report.progress import new_progress_path
 from layerwise_cli.vllm_logs import quiet_engine_notes
@@ -42,6 +37,11 @@ def demo_command(
 
     The output explained: docs/quickstart.md.
     """
+    from layerwise_cli.client.engine.generate import greedy_answers  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
+    from layerwise_cli.client.engine.in_process import EngineOptions, start_engine, stop_engine  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
+    from layerwise_cli.client.engine.session import reload_as  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
+    from layerwise_cli.demo import demo_checkpoint, demo_prompt, expected_answer  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
+
     try:
         asked = [tuple(int(x) for x in pair.split()) for pair in pairs.split(",")]
         if not asked or any(len(p) != 2 or not all(0 <= x <= 9 for x in p) for p in asked):
@@ -58,7 +58,7 @@ def demo_command(
     prompts = [demo_prompt(a, b) for a, b in asked]
     if not as_json:
         stderr.print(f"Starting vLLM on {first} ...")
-    llm = in_process.start_engine(paths[first], engine)
+    llm = start_engine(paths[first], engine)
     try:
         answers = {f"{first} (start)": greedy_answers(llm, prompts)}
         reports = []
@@ -70,7 +70,7 @@ def demo_command(
             reports.append(report)
             answers[f"after reloading {name}"] = greedy_answers(llm, prompts)
     finally:
-        in_process.stop_engine(llm)
+        stop_engine(llm)
     # Rendered once the engine is stopped, so that no engine log line lands inside the report.
     if not as_json:
         render_report(reports[0], title=f"Reload {second}")

@@ -10,7 +10,6 @@ from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
-from layerwise_cli.checkpoint.format.finite import scan_checkpoint
 from layerwise_cli.cli._options import (
     OUTPUT_PANEL,
     PROOF_PANEL,
@@ -22,8 +21,6 @@ from layerwise_cli.cli._options import (
 )
 from layerwise_cli.cli._output import handle_errors, print_json, stderr, stdout
 from layerwise_cli.errors import LayerwiseError
-from layerwise_cli.planning.chart import write_order_chart
-from layerwise_cli.planning.inspect import inspect_order
 from layerwise_cli.units import human_bytes, human_seconds, parse_size
 
 
@@ -78,6 +75,8 @@ def inspect_order_command(
             limit = parse_size(max_buffer)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--max-buffer") from None
+    from layerwise_cli.planning.inspect import inspect_order  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
+
     report = inspect_order(source, revision, mapping, tensor_parallel_size)
     data = report.to_dict(top=top)
     delta = report.plan.checkpoint.delta
@@ -99,6 +98,8 @@ def inspect_order_command(
         if scanned is not None:
             render_scan(scanned)
     if plot is not None:
+        from layerwise_cli.planning.chart import write_order_chart  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
+
         stderr.print(f"chart             {escape(str(write_order_chart(report, plot)))}", soft_wrap=True)
     if scanned is not None and scanned.digest_mismatches:
         first = scanned.digest_mismatches[0]
@@ -222,6 +223,8 @@ def render_delta(delta: dict, top: int) -> None:
 
 def _scan(checkpoint, quiet: bool):
     """Read every tensor and count NaN/Inf, with a progress bar on stderr unless quiet."""
+    from layerwise_cli.checkpoint.format.finite import scan_checkpoint  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
+
     if quiet:
         return scan_checkpoint(checkpoint)
     with Progress(TextColumn("scanning"), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),

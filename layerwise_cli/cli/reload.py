@@ -25,10 +25,6 @@ from layerwise_cli.cli._options import (
 )
 from layerwise_cli.cli._output import handle_errors, print_json, stderr
 from layerwise_cli.cli._reload_view import render_report, render_verify, run_with_progress, source_label
-from layerwise_cli.cli.reload_remote import reload_remote
-from layerwise_cli.client.engine.in_process import EngineOptions
-from layerwise_cli.client.engine.session import reload_in_process
-from layerwise_cli.client.servers.reload_servers import RemoteOptions
 from layerwise_cli.engine_defaults import cuda_available, executor_refusal
 from layerwise_cli.errors import LayerwiseError, UsageError
 from layerwise_cli.report.progress import new_progress_path
@@ -126,6 +122,9 @@ def reload_command(
                             allow_nonfinite=allow_nonfinite, all_layers=all_layers, allow_unchecked=allow_unchecked,
                             bounded_disk=bounded_disk)
     if url:
+        from layerwise_cli.cli.reload_remote import reload_remote  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
+        from layerwise_cli.client.servers.reload_servers import RemoteOptions  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
+
         if model is not None:
             raise UsageError("--model starts an engine in this process; with --url the servers already run")
         # In-process engine options, by source, not value: `--dtype auto` is refused too.
@@ -140,6 +139,9 @@ def reload_command(
     refuse_server_options({"--pause-mode": pause_mode, "--weight-version": weight_version, "--timeout": timeout,
                            "--pause-lease": pause_lease, "--atomic/--no-atomic": atomic},
                           engine.data_parallel_size)
+    from layerwise_cli.client.engine.in_process import EngineOptions  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
+    from layerwise_cli.client.engine.session import reload_in_process  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
+
     check_quantization(engine.quantization)
     refusal = executor_refusal(engine.distributed_executor_backend, cuda_available())
     if refusal:

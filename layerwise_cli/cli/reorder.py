@@ -20,8 +20,6 @@ from layerwise_cli.cli._options import (
 )
 from layerwise_cli.cli._output import handle_errors, print_json, report_error, stderr, stdout
 from layerwise_cli.errors import LayerwiseError
-from layerwise_cli.reorder.rewrite import reorder
-from layerwise_cli.reorder.signals import ReorderInterrupted
 from layerwise_cli.units import human_bytes, human_seconds, parse_size
 
 
@@ -79,6 +77,9 @@ def reorder_command(
     if allow_nonfinite and not verify:
         raise typer.BadParameter("only applies with --verify (which checks every tensor for NaN/Inf)",
                                  param_hint="--allow-nonfinite")
+    from layerwise_cli.reorder.rewrite import reorder  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
+    from layerwise_cli.reorder.signals import ReorderInterrupted  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
+
     try:
         if as_json:
             _quiet_hub_progress()

@@ -16,6 +16,7 @@ _SAFETENSORS_DTYPES = {"torch.bfloat16": "BF16", "torch.float32": "F32", "torch.
 def independent_digests(folder: Path) -> dict[str, str]:
     """Every tensor's digest from the bytes the safetensors library reads, hashed here with xxhash directly."""
     import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
+
     out = {}
     for path in sorted(folder.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:

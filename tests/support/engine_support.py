@@ -149,6 +149,7 @@ FRESH_DIR_ENV = "LAYERWISE_TEST_FRESH_DIR"
 def checkpoint_digest(checkpoint: Path) -> str:
     """SHA-256 of a checkpoint's content: `config.json` and every tensor by name, whatever the shards."""
     import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
+
     checkpoint = Path(checkpoint)
     digest = hashlib.sha256()
     config = checkpoint / "config.json" if checkpoint.is_dir() else checkpoint.parent / "config.json"

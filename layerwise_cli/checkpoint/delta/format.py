@@ -75,7 +75,6 @@ from layerwise_cli.checkpoint.delta.v2 import (
     decode_diffs,
     decode_positions,
 )
-from layerwise_cli.checkpoint.format.finite import ByteScan
 from layerwise_cli.checkpoint.format.header import DTYPE_SIZES, ShardHeader, TensorEntry
 from layerwise_cli.errors import LayerwiseError
 
@@ -304,6 +303,8 @@ class Delta:
         Raises:
             LayerwiseError: naming the file, the tensor and the counts.
         """
+        from layerwise_cli.checkpoint.format.finite import ByteScan  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
+
         for name, patch in sorted(self.patches.items()):
             if patch.kind == SPARSE:
                 continue  # differences, not values: the new values are checked as they are applied

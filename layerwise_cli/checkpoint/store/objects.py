@@ -23,7 +23,6 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from layerwise_cli.cache_root import cache_root
 from layerwise_cli.checkpoint.fetch.partial_blob import PartialBlob
 from layerwise_cli.checkpoint.fetch.policy import FetchPolicy
 from layerwise_cli.checkpoint.fetch.range_source import Write
@@ -185,6 +184,8 @@ class StoreSource:
 def store_cache_folder(url: str) -> Path:
     """Where the objects fetched from under URL are kept: `<cache_root>/store/<16 hex>`, one folder per prefix,
     named by a digest of its URL without credentials (`blobs/<cache_key>`, as the Hub cache lays out blobs)."""
+    from layerwise_cli.cache_root import cache_root  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
+
     digest = hashlib.sha256(display_url(url).encode()).hexdigest()[:16]
     return cache_root() / "store" / digest
 

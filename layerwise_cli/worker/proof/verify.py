@@ -250,6 +250,7 @@ def _verify_alias_buffers(model, state, source_tensors: dict[str, list], statuse
     engine holds. A buffer whose source is unknown is not checked (`skipped`).
     """
     from layerwise_cli.worker.proof.checksums import tensor_sha256  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
+
     layers = []
     for alias in state.aliases:
         origin = f"{alias.source}.{alias.parameter}"
