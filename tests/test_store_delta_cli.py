@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from layerwise_cli.checkpoint.delta import remote
 from layerwise_cli.checkpoint.delta.source import open_step
+from layerwise_cli.checkpoint.fetch.range_fetcher import MiB, range_requests, spread_parts, whole_files
 from layerwise_cli.checkpoint.format.digests import layer_digest
 from layerwise_cli.cli.app import app
 from layerwise_cli.client.pinning import store_revision
@@ -101,12 +103,9 @@ def test_a_delta_step_by_url_rebuilds_its_full_step_fetching_only_what_the_host_
 
 def test_a_host_that_missed_two_steps_fetches_both_links_together_and_the_step_equals_its_full_step(
         s3, run, env, monkeypatch) -> None:
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
-    from layerwise_cli.checkpoint.delta import remote
-    from layerwise_cli.checkpoint.delta.source import open_step
-    from layerwise_cli.planning.plan import PlannedTensor
-    from layerwise_cli.worker.stream.shard_reader import ShardReader
+    from layerwise_cli.worker.stream.shard_reader import ShardReader  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     root, steps = run
     url = _upload(s3, root, "missed")
@@ -127,8 +126,6 @@ def test_a_host_that_missed_two_steps_fetches_both_links_together_and_the_step_e
 
 
 def test_a_whole_file_fetch_spreads_over_the_connections() -> None:
-    from layerwise_cli.checkpoint.fetch.range_fetcher import MiB, range_requests, spread_parts, whole_files
-
     # A 13 MB delta file over 4 connections: 4 parts, not one (at one connection's paced rate).
     parts = range_requests(whole_files({"delta.safetensors": 13_000_000}), spread_parts(13_000_000, 4))
     assert len(parts) == 4 and sum(p.size for p in parts) == 13_000_000

@@ -25,6 +25,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 
@@ -158,8 +159,6 @@ def _fetch_missing_links(url: str, max_links: int) -> int:
     are fetched together, each over its own connections. Anything that fails here is left to the chain's
     reading (`_walk`), which names it as it always does.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
     missing: list[StoreSource] = []
     step_url = url
     try:
