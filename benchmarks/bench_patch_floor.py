@@ -20,7 +20,7 @@ from layerwise_cli.checkpoint.delta.source import open_step
 from layerwise_cli.checkpoint.delta.v2 import SPARSE
 from layerwise_cli.checkpoint.format.header import DTYPE_SIZES
 from layerwise_cli.errors import LayerwiseError
-from layerwise_cli.worker.reload.delta_patch import AS_INTEGERS
+from layerwise_cli.worker.reload.patch_writes import AS_INTEGERS
 
 
 @dataclass
