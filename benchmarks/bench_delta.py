@@ -33,9 +33,17 @@ import json
 import os
 import random
 import shutil
+import statistics
+import time
 from pathlib import Path
 
+from safetensors import safe_open
+
 from benchmarks.bench_checkpoints import STAMP, TOKENIZER_FILES, write_bench_checkpoint
+from benchmarks.bench_rl_steps import measure
+from layerwise_cli.planning.inspect import inspect_order
+from layerwise_cli.writer.delta_step import write_delta
+from layerwise_cli.writer.save import save_checkpoint
 
 # The learning rates of the RL-like AdamW steps (issue 49), by case.
 RL_CASES = {"rl-1e-6": 1e-6, "rl-3e-6": 3e-6, "rl-1e-5": 1e-5}
@@ -71,8 +79,6 @@ def changed_layers(base: Path, seed: int = 0) -> tuple[list[str], dict[str, str]
     the bytes is taken, so that "25% changed" means both (or, when no seed
     of 1000 does, as with a tiny model whose embeddings dominate, the closest).
     """
-    from layerwise_cli.planning.inspect import inspect_order
-
     plan = inspect_order(str(base)).plan
     sizes = {layer.name: layer.bytes for layer in plan.layers}
     total = sum(sizes.values())
@@ -92,7 +98,7 @@ def changed_layers(base: Path, seed: int = 0) -> tuple[list[str], dict[str, str]
 
 def perturbed(data, tensors: set[str]):
     """A `data` source equal to DATA except for TENSORS, whose every bf16 element is one ulp off (still finite)."""
-    import numpy as np
+    import numpy as np  # noqa: PLC0415 - numpy: heavy (`--help` stays fast)
 
     def read(name: str, nbytes: int) -> bytes:
         raw = data(name, nbytes)
@@ -106,7 +112,7 @@ def perturbed(data, tensors: set[str]):
 def sparsely_perturbed(data, fraction: float, seed: int = 0):
     """A `data` source equal to DATA except that FRACTION of every tensor's bf16 values (seeded positions, drawn
     per tensor) are one unit in the last place off (still finite): an RL-like step."""
-    import numpy as np
+    import numpy as np  # noqa: PLC0415 - numpy: heavy (`--help` stays fast)
 
     def read(name: str, nbytes: int) -> bytes:
         values = np.frombuffer(data(name, nbytes), dtype=np.uint16).copy()
@@ -123,13 +129,9 @@ def _write_sparse(workdir: Path, model, tokenizer: Path, data, base: dict, case:
     Case s changes SPARSE_FRACTION of them; rl-LR the fraction one AdamW step at LR changes
     (`bench_rl_steps.measure`, on 4M values, in this run: `adamw` in the result).
     """
-    from layerwise_cli.writer.delta_step import write_delta
-
     adamw = None
     fraction = SPARSE_FRACTION
     if case in RL_CASES:
-        from benchmarks.bench_rl_steps import measure
-
         adamw = measure(RL_CASES[case], 1 << 22)
         fraction = adamw["changed_fraction"]
     prefix = "sparse" if case == "s" else case
@@ -159,10 +161,6 @@ def _link_tree(src: Path, dst: Path) -> None:
 
 def _write_with_writer(src: Path, dst: Path, config: dict, tokenizer: Path) -> dict:
     """`save_checkpoint` of SRC's tensors, one at a time (a generator), reused when SRC has not changed."""
-    from safetensors import safe_open
-
-    from layerwise_cli.writer.save import save_checkpoint
-
     stamp = {"source": json.loads((src / STAMP).read_text())["stamp"], "writer": 1}
     if (dst / STAMP).is_file() and json.loads((dst / STAMP).read_text()).get("stamp") == stamp:
         return json.loads((dst / STAMP).read_text())["checkpoint"]
@@ -250,9 +248,6 @@ def bench_delta(llm, delta: dict, cases: list[str], args, watch, device_memory, 
         watch: the `MemoryWatch` (engine RSS rise per call).
         device_memory: the `DeviceMemory` (peak allocated rise per call on a GPU), or None (CPU).
     """
-    import statistics
-    import time
-
     base = Path(delta["base"]["path"])
     variants = [v for v in args.delta_variants if v in DELTA_VARIANTS]
     case_variants = {case: [v for v in variants if v not in SPARSE_ONLY or "full_path" in delta[case]]

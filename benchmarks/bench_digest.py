@@ -31,12 +31,14 @@ import tempfile
 import time
 from collections.abc import Callable
 
+import xxhash
+
 _CHUNK = 8 << 20
 
 
 def bf16_bytes(nbytes: int, seed: int = 0) -> bytes:
     """`nbytes` of bf16 values: normal(0, 0.02) rounded to bf16 (the upper 16 bits of float32)."""
-    import numpy as np
+    import numpy as np  # noqa: PLC0415 - numpy: heavy (`--help` stays fast)
 
     rng = np.random.default_rng(seed)
     values = (rng.standard_normal(nbytes // 2, dtype=np.float32) * 0.02).view(np.uint32)
@@ -44,8 +46,7 @@ def bf16_bytes(nbytes: int, seed: int = 0) -> bytes:
 
 
 def _hashers() -> dict[str, Callable[[], object]]:
-    import blake3
-    import xxhash
+    import blake3  # noqa: PLC0415 - blake3: optional dependency (a dev tool)
 
     return {
         "xxh3-128": xxhash.xxh3_128,

@@ -22,7 +22,9 @@ import time
 from pathlib import Path
 
 from benchmarks.bench_checkpoints import write_bench_checkpoint
-from tests.support.synthetic import normal_weights
+from layerwise_cli.client.engine.in_process import EngineOptions, reload, start_engine, stop_engine
+from layerwise_cli.demo import demo_checkpoint
+from tests.support.synthetic import SyntheticModel, normal_weights
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,10 +34,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
-
-    from layerwise_cli.client.engine.in_process import EngineOptions, reload, start_engine, stop_engine
-    from layerwise_cli.demo import demo_checkpoint
-    from tests.support.synthetic import SyntheticModel
 
     tokenizer = demo_checkpoint("moe-multiply")
     rows = []

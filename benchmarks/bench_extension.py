@@ -6,16 +6,26 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
+import threading
 import time
 import traceback
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
+
+from benchmarks.bench_patch_floor import patch_writes, write_all
+from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
 from layerwise_cli.errors import describe_exception
 from layerwise_cli.worker.extension import LayerwiseWorkerExtension
+from layerwise_cli.worker.reload.probe import BufferProbe
+from layerwise_cli.worker.stream.rank_plan import plan_for_worker
+from layerwise_cli.worker.stream.shard_reader import ShardReader
+from layerwise_cli.worker.stream.staging import copy_in_chunks, staging_threads
 
 BENCH_EXTENSION_CLS = "benchmarks.bench_extension.BenchWorkerExtension"
 # Set by `bench_reload --linear-fallback`: vLLM's CPU GEMM dispatch takes its `F.linear` fallback on the stored
@@ -111,8 +121,6 @@ def _guard(run) -> dict:
 
 
 def _sync(worker) -> dict:
-    import torch
-
     device = _device(worker)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -120,8 +128,6 @@ def _sync(worker) -> dict:
 
 
 def _memory(worker, reset: bool) -> dict:
-    import torch
-
     device = _device(worker)
     if device.type != "cuda":
         return {"ok": True, "allocated": None, "peak_allocated": None}
@@ -133,17 +139,11 @@ def _memory(worker, reset: bool) -> dict:
 
 
 def _device(worker):
-    import torch
-
     model = worker.model_runner.get_model()
     return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
 
 
 def _info(worker) -> dict:
-    import threading
-
-    import torch
-
     seen: dict = {}
 
     def probe() -> None:
@@ -167,9 +167,6 @@ def _info(worker) -> dict:
 
 def _engine_stream(worker, source: str, order: str):
     """The planned stream in engine names (as the reload streams it), and the checkpoint's folder."""
-    from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
-    from layerwise_cli.worker.stream.rank_plan import plan_for_worker
-
     model = worker.model_runner.get_model()
     model_config = worker.model_runner.model_config
     local = resolve_local(source)
@@ -194,8 +191,6 @@ class _Prefault:
     MADV_POPULATE_READ = 22
 
     def __init__(self) -> None:
-        import ctypes
-
         self._page = os.sysconf("SC_PAGE_SIZE")
         try:
             madvise = ctypes.CDLL(None, use_errno=True).madvise
@@ -212,8 +207,6 @@ class _Prefault:
         start = tensor.data_ptr() & ~(self._page - 1)
         if self._madvise(start, tensor.data_ptr() + nbytes - start, self.MADV_POPULATE_READ) != 0:
             # Not available here: touch one byte per page instead.
-            import torch
-
             int(tensor.reshape(-1).view(torch.uint8)[::self._page].sum())
 
 
@@ -226,11 +219,6 @@ class _Loader:
     """
 
     def __init__(self, folder: Path, device) -> None:
-        import torch
-
-        from layerwise_cli.worker.stream.shard_reader import ShardReader
-        from layerwise_cli.worker.stream.staging import staging_threads
-
         self.prefault = _Prefault()
         self.device = device
         self.cuda = device.type == "cuda"
@@ -240,10 +228,6 @@ class _Loader:
 
     def load(self, item, *, mapped: bool = False):
         """The tensor in memory: an anonymous copy (or, with MAPPED, the prefaulted view) on CPU."""
-        import torch
-
-        from layerwise_cli.worker.stream.staging import copy_in_chunks
-
         tensor = self.reader.read(item)
         if not self.cuda:
             if mapped:
@@ -256,8 +240,6 @@ class _Loader:
             return pinned.to(self.device, non_blocking=True)
 
     def finish(self) -> None:
-        import torch
-
         if self.cuda:
             self.copy_stream.synchronize()
             torch.cuda.synchronize(self.device)
@@ -282,8 +264,6 @@ def _read(worker, source: str, order: str) -> dict:
 
 
 def _floor(worker, source: str, order: str) -> dict:
-    import torch
-
     folder, _plan, _, stream = _engine_stream(worker, source, order)
     device = _device(worker)
     cuda = device.type == "cuda"
@@ -312,8 +292,6 @@ def _floor(worker, source: str, order: str) -> dict:
 
 
 def _patch_floor(worker, source: str) -> dict:
-    from benchmarks.bench_patch_floor import patch_writes, write_all
-
     writes = patch_writes(source, _device(worker))
     seconds = write_all(writes)
     written = sum(write.values.numel() * write.values.element_size() for write in writes)
@@ -324,10 +302,7 @@ def _patch_floor(worker, source: str) -> dict:
 
 
 def _vllm_peak(worker, source: str) -> dict:
-    import torch
-    from vllm.model_executor.model_loader import get_model_loader
-
-    from layerwise_cli.worker.reload.probe import BufferProbe
+    from vllm.model_executor.model_loader import get_model_loader  # noqa: PLC0415 - vllm: heavy (`--help` stays fast)
 
     _folder, plan, vllm_names, _ = _engine_stream(worker, source, "file")
     model = worker.model_runner.get_model()

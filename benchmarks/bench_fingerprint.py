@@ -19,17 +19,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import time
 from pathlib import Path
 
+from benchmarks.bench_checkpoints import model_for, tokenizer_vocab, write_bench_checkpoint
+from layerwise_cli.client.engine.in_process import EngineOptions, reload, start_engine, stop_engine
+from layerwise_cli.demo import demo_checkpoint
+from layerwise_cli.worker.proof.fingerprints import model_fingerprints
+from layerwise_cli.writer.save import save_checkpoint
+from tests.support.engine_support import load_tensors
+from tests.support.synthetic import normal_weights
+
 
 def _in_worker(self) -> dict:
     """Time the fingerprints inside a worker (run through `collective_rpc`)."""
-    import time
-
-    from layerwise_cli.worker.proof.fingerprints import model_fingerprints
-    from layerwise_cli.worker.state.layer_state import device_checksum, layer_fingerprints
+    from layerwise_cli.worker.state.layer_state import device_checksum, layer_fingerprints  # noqa: PLC0415 - torch: heavy (`--help` stays fast)
 
     model = self.model_runner.get_model()
     modules = dict(model.named_modules())
@@ -62,15 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # The in-worker timing is a function sent through collective_rpc (pickled; a local benchmark engine).
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    import shutil
-
-    from benchmarks.bench_checkpoints import model_for, tokenizer_vocab, write_bench_checkpoint
-    from layerwise_cli.client.engine.in_process import EngineOptions, reload, start_engine, stop_engine
-    from layerwise_cli.demo import demo_checkpoint
-    from layerwise_cli.writer.save import save_checkpoint
-    from tests.support.engine_support import load_tensors
-    from tests.support.synthetic import normal_weights
-
     tokenizer = demo_checkpoint("multiply")
     model = model_for(argparse.Namespace(preset="auto", quick=False, size_gib=args.size_gib),
                       tokenizer_vocab(tokenizer))

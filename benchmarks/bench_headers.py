@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from layerwise_cli.planning.inspect import inspect_order
 from layerwise_cli.units import human_bytes, human_seconds
+from tests.support import hub_server
 from tests.support.synthetic import SyntheticModel, write_checkpoint
 
 _EPILOG = """\
@@ -88,8 +92,6 @@ def main() -> int:
 
 
 def _bench(folder: Path, args: argparse.Namespace) -> int:
-    from layerwise_cli.planning.inspect import inspect_order
-
     shard_files = sorted(folder.glob("*.safetensors"))
     size = sum(p.stat().st_size for p in shard_files)
     inspect_order(str(folder))  # warm the page cache and imports: time the steady state
@@ -137,11 +139,6 @@ print(json.dumps({{"median": statistics.median(times), "best": min(times), "repo
 
 
 def _bench_hub(folder: Path, args: argparse.Namespace, size: int, local) -> bool:
-    import json
-    import subprocess
-
-    from tests.support import hub_server
-
     for path in folder.iterdir():
         hub_server._etag(path)  # hash the files before timing, as the real Hub has
     hf_home = tempfile.mkdtemp(prefix="layerwise-bench-hf-")

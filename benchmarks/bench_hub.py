@@ -33,6 +33,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.bench_checkpoints import model_for, tokenizer_vocab, write_bench_checkpoint
+from layerwise_cli.demo import demo_checkpoint
+from tests.support.hub_server import HubServer
+from tests.support.synthetic import normal_weights
+
 REPO = "org/step"
 
 
@@ -51,10 +56,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def write_checkpoints(work: Path, size_gib: float) -> tuple[Path, Path]:
-    from benchmarks.bench_checkpoints import model_for, tokenizer_vocab, write_bench_checkpoint
-    from layerwise_cli.demo import demo_checkpoint
-    from tests.support.synthetic import normal_weights
-
     tokenizer = demo_checkpoint("multiply")
     model = model_for(argparse.Namespace(preset=None, quick=False, size_gib=size_gib), tokenizer_vocab(tokenizer))
     a = Path(write_bench_checkpoint(work / "A", model, "in_order", tokenizer, normal_weights(model, seed=1),
@@ -100,8 +101,6 @@ def run_throttle(hub, throttle: int, a: Path, b: Path, runs: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tests.support.hub_server import HubServer
-
     args = parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-hub-work-"))
     a, b = write_checkpoints(work, args.size_gib)

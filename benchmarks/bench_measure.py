@@ -10,6 +10,9 @@ from pathlib import Path
 from benchmarks.bench_checkpoints import warm_page_cache
 from benchmarks.bench_memory import DeviceMemory, MemoryWatch
 from benchmarks.bench_report import LAYERWISE_VARIANTS, ratios_of
+from layerwise_cli.client.engine.in_process import reports_from_results
+from layerwise_cli.planning.chart import stream_curves
+from layerwise_cli.planning.inspect import inspect_order
 from layerwise_cli.worker.rpc import ReloadCall, ReloadOptions
 
 # Where a layerwise reload's time went (`ReloadReport`): the reading thread's read, sample, hash and check; the
@@ -33,8 +36,6 @@ def rpc(llm, method: str, **kwargs) -> dict:
 
 def measure(llm, variant: str, path: Path, cuda: bool, full: bool = True) -> dict:
     """One timed call of VARIANT on the checkpoint at PATH (layerwise: every layer, unless not FULL)."""
-    from layerwise_cli.client.engine.in_process import reports_from_results
-
     source = str(path)
     start = time.perf_counter()
     if variant == "a":
@@ -81,9 +82,6 @@ def stats(samples: list[float]) -> dict:
 def bench_checkpoint(llm, layout: str, path: Path, args, watch: MemoryWatch, cuda: bool,
                      deadline: float | None = None, first: bool = True, device_memory: DeviceMemory | None = None
                      ) -> dict:
-    from layerwise_cli.planning.chart import stream_curves
-    from layerwise_cli.planning.inspect import inspect_order
-
     predicted = inspect_order(str(path))
     largest = predicted.plan.largest_layer_bytes
     warm_page_cache(path)

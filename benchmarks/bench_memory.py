@@ -18,7 +18,7 @@ class MemoryWatch:
     """Peak RSS (VmHWM) of this process and every engine process, with resets to attribute peaks to a call."""
 
     def __init__(self) -> None:
-        import psutil
+        import psutil  # noqa: PLC0415 - psutil: optional dependency (a dev tool)
 
         self._psutil = psutil
         self.me = psutil.Process()

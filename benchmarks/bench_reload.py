@@ -100,6 +100,10 @@ from benchmarks.bench_delta import (
 from benchmarks.bench_measure import bench_checkpoint, log, measure, rpc
 from benchmarks.bench_memory import DeviceMemory, MemoryWatch
 from benchmarks.bench_report import VARIANTS, render_table, targets, write_chart
+from layerwise_cli import __version__
+from layerwise_cli.client.engine.in_process import EngineOptions, cuda_available, start_engine, stop_engine
+from layerwise_cli.demo import demo_checkpoint
+from layerwise_cli.errors import LayerwiseError
 from tests.support.synthetic import normal_weights
 
 
@@ -163,7 +167,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def machine() -> dict:
-    import psutil
+    import psutil  # noqa: PLC0415 - psutil: optional dependency (a dev tool)
 
     cpu = platform.processor()
     try:
@@ -182,20 +186,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not args.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (`--help` stays fast)
 
-    from benchmarks.bench_extension import BENCH_EXTENSION_CLS, LINEAR_FALLBACK_ENV
+    from benchmarks.bench_extension import BENCH_EXTENSION_CLS, LINEAR_FALLBACK_ENV  # noqa: PLC0415 - torch: heavy (`--help` stays fast)
 
     if args.linear_fallback:
         os.environ[LINEAR_FALLBACK_ENV] = "1"  # read by the worker as it imports the benchmark's extension
-    from layerwise_cli import __version__
-    from layerwise_cli.client.engine.in_process import EngineOptions, cuda_available, start_engine, stop_engine
-
     cuda = cuda_available()
     tokenizer = args.tokenizer
     if tokenizer is None:
-        from layerwise_cli.demo import demo_checkpoint
-
         tokenizer = demo_checkpoint("multiply")
     model = model_for(args, tokenizer_vocab(tokenizer))
     total_bytes = sum(2 * numel(shape) for _, shape in model.tensors())
@@ -267,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             args.cuda = cuda
             delta_out = bench_delta(llm, delta, args.cases, args, watch, device_memory,
                                         measure, log, deadline_for(len(args.layouts), 2))
-        import vllm
+        import vllm  # noqa: PLC0415 - vllm: heavy (`--help` stays fast)
 
         data = {
             "label": args.label,
@@ -309,8 +308,6 @@ def main(argv: list[str] | None = None) -> int:
     json_path.write_text(json.dumps(data, indent=1))
     written = str(json_path)
     if data["results"]:  # the chart draws the layouts (none with --layouts "")
-        from layerwise_cli.errors import LayerwiseError
-
         try:
             write_chart(data, png_path)
             written = f"{json_path} and {png_path}"

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from benchmarks.bench_checkpoints import LAYOUT_NAMES
 from benchmarks.bench_delta import DELTA_NAMES
+from layerwise_cli.planning.chart import draw_stream_curves, pyplot
 
 VARIANTS = ("a", "b", "c", "c-nora", "c-nocheck", "c-fresh", "d", "e")
 # The variants that call layerwise's reload (the others are vLLM's own, the read limit and the floor).
@@ -265,8 +266,6 @@ def render_delta(data: dict) -> list[str]:
 def write_chart(data: dict, path: Path) -> None:
     """Top row: each layout's buffered bytes over the stream (the chart of `inspect-order --plot`) with the
     measured peaks; bottom: the reload times."""
-    from layerwise_cli.planning.chart import draw_stream_curves, pyplot
-
     plt = pyplot(str(path))
     results = data["results"]
     fig = plt.figure(figsize=(5 * max(2, len(results)), 9))

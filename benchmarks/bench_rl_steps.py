@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from layerwise_cli.checkpoint.delta.encode import encode_patch
+
 LEARNING_RATES = (1e-6, 3e-6, 1e-5)
 WARMUP = 20
 
@@ -32,9 +34,7 @@ def measure(lr: float, elements: int, seed: int = 0, warmup: int = WARMUP) -> di
         `lr`, `changed_fraction`, `delta_over_full` and `layout` (sparse or whole) of format v2, and
         `v1_over_full` and `v1_layout` (index, bitmap or whole) of format v1.
     """
-    import torch
-
-    from layerwise_cli.checkpoint.delta.encode import encode_patch
+    import torch  # noqa: PLC0415 - torch: heavy (`--help` stays fast)
 
     gen = torch.Generator().manual_seed(seed)
     master = torch.nn.Parameter(torch.randn(elements, generator=gen) * 0.02)

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from benchmarks.bench_hub import write_checkpoints
+from tests.support.seaweed import SeaweedS3, weed_binary
 
 _COPY = """
 import sys, obstore
@@ -80,8 +81,6 @@ def run(s3, url: str, a: Path, b: Path, runs: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tests.support.seaweed import SeaweedS3, weed_binary
-
     args = parse_args(argv)
     binary = weed_binary()
     if binary is None:

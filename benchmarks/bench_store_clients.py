@@ -39,7 +39,12 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+from layerwise_cli.checkpoint.fetch.range_fetcher import RangeFetcher, whole_files
+from layerwise_cli.checkpoint.store.objects import StoreSource
+from tests.support.seaweed import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedS3, weed_binary
 
 MiB = 1 << 20
 
@@ -78,7 +83,7 @@ def parts_of(sizes: dict[str, int], part_bytes: int) -> list[tuple[str, int, int
 
 def read_obstore(s3, prefix: str, parts: list[tuple[str, int, int]], connections: int) -> int:
     """obstore: one ranged GET per part, CONNECTIONS threads, each body read into memory; the bytes read."""
-    import obstore
+    import obstore  # noqa: PLC0415 - obstore: optional dependency (the storage extra)
 
     store = s3.objects(prefix)
 
@@ -92,9 +97,7 @@ def read_obstore(s3, prefix: str, parts: list[tuple[str, int, int]], connections
 
 def read_s3fs(s3, prefix: str, parts: list[tuple[str, int, int]], connections: int) -> int:
     """s3fs: `cat_ranges` on the same parts, CONNECTIONS at a time; the bytes read."""
-    import s3fs
-
-    from tests.support.seaweed import ACCESS_KEY, BUCKET, SECRET_KEY
+    import s3fs  # noqa: PLC0415 - s3fs: heavy (`--help` stays fast)
 
     fs = s3fs.S3FileSystem(key=ACCESS_KEY, secret=SECRET_KEY, endpoint_url=s3.endpoint,
                            client_kwargs={"region_name": "us-east-1"}, skip_instance_cache=True)
@@ -106,10 +109,6 @@ def read_s3fs(s3, prefix: str, parts: list[tuple[str, int, int]], connections: i
 
 def read_layerwise(s3, prefix: str, sizes: dict[str, int], connections: int, part_bytes: int) -> int:
     """layerwise's `RangeFetcher` on a `StoreSource`: every byte, to private files on disk; the bytes fetched."""
-    from layerwise_cli.checkpoint.fetch.range_fetcher import RangeFetcher, whole_files
-    from layerwise_cli.checkpoint.store.objects import StoreSource
-    from tests.support.seaweed import BUCKET
-
     source = StoreSource(f"s3://{BUCKET}/{prefix}")
     with RangeFetcher(source, whole_files(sizes), connections=connections, part_bytes=part_bytes,
                       keep=False) as fetcher:
@@ -128,7 +127,7 @@ def clients(s3, prefix: str, sizes: dict[str, int], args: argparse.Namespace) ->
     parts = parts_of(sizes, int(args.part_mb * MiB))
     readers = {"obstore": lambda: read_obstore(s3, prefix, parts, args.connections)}
     try:
-        import s3fs  # noqa: F401 - only asked whether it is here
+        import s3fs  # noqa: PLC0415, F401 - only asked whether it is here
     except ImportError:
         print("s3fs is not installed here: skipped (see this file's docstring)", flush=True)
     else:
@@ -166,8 +165,6 @@ def install_size(package: str) -> dict:
 
 
 def version_of(package: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version(package)
     except PackageNotFoundError:
@@ -175,8 +172,6 @@ def version_of(package: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tests.support.seaweed import SeaweedS3, weed_binary
-
     args = parse_args(argv)
     binary = weed_binary()
     if binary is None:

@@ -29,6 +29,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import layerwise_cli
+from benchmarks.bench_checkpoints import model_for, tokenizer_vocab, write_bench_checkpoint
+from layerwise_cli.demo import demo_checkpoint
+from layerwise_cli.writer.save import save_checkpoint
+from tests.support.engine_support import copy_non_weights
+from tests.support.in_process import start_here, stop_here
+from tests.support.seaweed import BUCKET, SeaweedS3, weed_binary
+from tests.support.synthetic import normal_weights
+from tests.support.throttle_proxy import ThrottleProxy
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -46,13 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def write_run(work: Path, size_gib: float, lr: float, warmup: int) -> dict:
     """step_1 in full, step_2..step_4 as deltas (one AdamW step each), step_4 in full: each step's changed share."""
-    from safetensors.torch import load_file
-
-    from benchmarks.bench_checkpoints import model_for, tokenizer_vocab, write_bench_checkpoint
-    from layerwise_cli.demo import demo_checkpoint
-    from layerwise_cli.writer.save import save_checkpoint
-    from tests.support.engine_support import copy_non_weights
-    from tests.support.synthetic import normal_weights
+    from safetensors.torch import load_file  # noqa: PLC0415 - torch: heavy (`--help` stays fast)
 
     tokenizer = demo_checkpoint("multiply")
     model = model_for(argparse.Namespace(preset=None, quick=False, size_gib=size_gib), tokenizer_vocab(tokenizer))
@@ -88,7 +92,7 @@ def adamw_steps(tensors: dict, lr: float, warmup: int) -> tuple[dict, list[int],
     Returns:
         {step_1..step_4: {name: bf16 tensor}}, the values changed by each of the three steps, the values in all.
     """
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (`--help` stays fast)
 
     steps: dict[str, dict] = {f"step_{i}": {} for i in (1, 2, 3, 4)}
     changed, total = [0, 0, 0], 0
@@ -112,7 +116,7 @@ def adamw_steps(tensors: dict, lr: float, warmup: int) -> tuple[dict, list[int],
 def off_grid(tensor, gen):
     """An fp32 master of the bf16 TENSOR: each value moved uniformly within its rounding interval (half a unit in
     the last place either side), so that it rounds back to TENSOR."""
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (`--help` stays fast)
 
     base = tensor.float()
     ulp = ((tensor.view(torch.int16) + 1).view(torch.bfloat16).float() - base).abs()
@@ -120,11 +124,6 @@ def off_grid(tensor, gen):
 
 
 def main(argv: list[str] | None = None) -> int:
-    import layerwise_cli
-    from tests.support.in_process import start_here, stop_here
-    from tests.support.seaweed import BUCKET, SeaweedS3, weed_binary
-    from tests.support.throttle_proxy import ThrottleProxy
-
     args = parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-store-delta-"))
     written = work / f"written-{args.size_gib}-{args.lr}-{args.warmup}.json"

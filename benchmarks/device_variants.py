@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 from layerwise_cli.checkpoint.format.chunks import read_chunks
 from layerwise_cli.checkpoint.format.digests import tensor_digest
@@ -204,8 +206,6 @@ def _layerwise_body(options: dict) -> Callable[[Setup, Sink], dict]:
 
 
 def _load_file(setup: Setup, sink: Sink) -> None:
-    from safetensors.torch import load_file
-
     for path in setup.shards:
         tensors = load_file(str(path), device=str(setup.device))
         for name in list(tensors):
@@ -214,8 +214,6 @@ def _load_file(setup: Setup, sink: Sink) -> None:
 
 def _safe_open_vllm_order(setup: Setup, sink: Sink) -> None:
     """As vLLM's safetensors iterator reads (shards in natural order, names sorted), then `.to(DEV)`."""
-    from safetensors import safe_open
-
     by_shard: dict[str, list[str]] = {}
     for entry in setup.read_order:
         by_shard.setdefault(entry.shard, []).append(entry.name)

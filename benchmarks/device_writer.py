@@ -16,12 +16,11 @@ from layerwise_cli.checkpoint.format.digests import header_digests
 from layerwise_cli.checkpoint.format.header import read_shard_header
 from layerwise_cli.checkpoint.sources import open_checkpoint
 from layerwise_cli.worker.stream.read_ahead import read_in_order
+from layerwise_cli.writer.save import save_checkpoint
 
 
 def writer_check(run: Run, setup: Setup) -> None:
     """save_checkpoint from the tensors read into the device, and from CPU copies of them: the same files?"""
-    from layerwise_cli.writer.save import save_checkpoint
-
     want = int(run.args.writer_gib * 2**30)
     parents: list[str | None] = []
     chosen, nbytes = [], 0

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import httpx
 
 from benchmarks.traffic import Traffic
+from layerwise_cli.client.servers.reload_servers import RemoteOptions, reload_server
+from layerwise_cli.demo import demo_checkpoint, demo_prompt, expected_answer
 from tests.support.server_support import RunningServer
 
 
@@ -142,9 +144,6 @@ def run_load(url: str, sources: dict[str, str], *, first: str = "multiply", thre
     Returns:
         Every request and reload, and the checks' findings.
     """
-    from layerwise_cli.client.servers.reload_servers import RemoteOptions, reload_server
-    from layerwise_cli.demo import demo_prompt, expected_answer
-
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     model_id = httpx.get(f"{url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
     result = LoadResult()
@@ -214,8 +213,6 @@ def main() -> int:
     parser.add_argument("--idle", type=float, default=5.0, help="idle seconds before and after (default 5)")
     parser.add_argument("--api-key", default=os.environ.get("LAYERWISE_API_KEY"))
     args = parser.parse_args()
-
-    from layerwise_cli.demo import demo_checkpoint
 
     sources = {name: str(demo_checkpoint(name)) for name in ("multiply", "add")}
     with contextlib.ExitStack() as stack:

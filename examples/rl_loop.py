@@ -39,41 +39,37 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.rl import faults
+from examples.rl.figures_model import figures_checkpoint
+from examples.rl.fleet import Fleet
 from examples.rl.loop import LoopOptions, Run
+from examples.rl.stores import BucketSteps, HubSteps, LocalSteps
+from examples.rl.summary import render, timeline, write_summary
+from examples.rl.trainers import DemoTrainer, SyntheticTrainer
+from layerwise_cli.demo import demo_prompt
+from tests.support.hub_server import HubServer
+from tests.support.seaweed import SeaweedS3, weed_binary
 
 
 @contextlib.contextmanager
 def open_store(kind: str, scratch: Path, trainer) -> Iterator[object]:
     """The step store KIND, with its server started here for `seaweedfs` and `hub` (stopped on exit)."""
-    from examples.rl.stores import BucketSteps, HubSteps, LocalSteps
-
     if kind == "local":
         yield LocalSteps(scratch, trainer.config)
     elif kind == "seaweedfs":
-        from tests.support.seaweed import SeaweedS3, weed_binary
-
         with SeaweedS3(weed_binary()) as s3:
             yield BucketSteps(s3, scratch / "upload", trainer.config)
     else:
-        from tests.support.hub_server import HubServer
-
         with HubServer() as hub:
             yield HubSteps(hub, scratch / "hub", trainer.config)
 
 
 def make_trainer(size: str, scratch: Path):
-    from examples.rl.trainers import DemoTrainer, SyntheticTrainer
-
     if size == "learning":
         return DemoTrainer()
-    from examples.rl.figures_model import figures_checkpoint
-
     return SyntheticTrainer(figures_checkpoint(scratch / "figures-model"))
 
 
 def prompts_for(size: str) -> list[str]:
-    from layerwise_cli.demo import demo_prompt
-
     if size == "learning":
         return [demo_prompt(a, b) for a in range(10) for b in range(10)]
     return ["1 2 3 4", "the quick brown fox", "5 6 7"]
@@ -81,9 +77,6 @@ def prompts_for(size: str) -> list[str]:
 
 def run(args: argparse.Namespace):
     """Set up the trainer, the store and the servers, run the loop, write and show its record."""
-    from examples.rl.fleet import Fleet
-    from examples.rl.summary import render, timeline, write_summary
-
     out = Path(args.out)
     scratch = Path(tempfile.mkdtemp(prefix="rl-loop-", dir=args.scratch))
     trainer = make_trainer(args.size, scratch)

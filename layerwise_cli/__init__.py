@@ -31,6 +31,8 @@ Attributes:
 
 from __future__ import annotations
 
+from importlib import import_module as _import_module
+
 __version__ = "0.4.0"
 # Pass as `LLM(..., worker_extension_cls=EXTENSION_CLS)` to make an engine reloadable.
 EXTENSION_CLS = "layerwise_cli.worker.extension.LayerwiseWorkerExtension"
@@ -67,8 +69,6 @@ __all__ = ["__version__", "EXTENSION_CLS", *_LAZY]
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
         module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
+        return getattr(_import_module(module), attr)
     raise AttributeError(f"module 'layerwise_cli' has no attribute {name!r}")

@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from layerwise_cli.engine_defaults import cpu_threads_binding
 from layerwise_cli.errors import UsageError
 
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
@@ -214,8 +215,6 @@ def choose_cores(workers: int, *, requested: str | None = None, holders: dict[in
 
 def _unshared(workers: int, allowed: list[int]) -> CoreChoice:
     if workers > 1:
-        from layerwise_cli.engine_defaults import cpu_threads_binding
-
         binding = cpu_threads_binding(workers)
         return CoreChoice(binding, f"CPU cores {binding} (no other engine's worker holds a core here)")
     cores = one_per_core(first_node(allowed))

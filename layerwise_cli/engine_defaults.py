@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import warnings
 
@@ -72,7 +73,7 @@ CPU_MEMORY_FRACTION = 0.1
 def cuda_available() -> bool:
     """True when torch sees an NVIDIA GPU."""
     try:
-        import torch
+        import torch  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
 
         return torch.cuda.is_available()
     except Exception:  # noqa: BLE001 - torch missing or broken: no usable GPU either way
@@ -118,8 +119,6 @@ def executor_refusal(backend: str | None, on_gpu: bool) -> str | None:
     if not on_gpu:
         return ("--distributed-executor-backend ray needs a GPU platform: vLLM's CPU build has no Ray support "
                 "(its CPU platform declares no Ray device); use the default mp executor on CPU")
-    import importlib.util
-
     if importlib.util.find_spec("ray") is None:
         return ("--distributed-executor-backend ray needs the ray package: pip install 'layerwise[ray]' "
                 "(or pip install ray)")

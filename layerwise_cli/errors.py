@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from urllib.parse import unquote, urlsplit
+
 
 class LayerwiseError(Exception):
     """A handled failure: the CLI prints `Error: <message>` and exits 1.
@@ -60,7 +62,7 @@ def _reason(exc: BaseException) -> BaseException:
     # 5xx) as "not in the local cache", chained from the real failure: report
     # the real failure.
     try:
-        from huggingface_hub.errors import LocalEntryNotFoundError
+        from huggingface_hub.errors import LocalEntryNotFoundError  # noqa: PLC0415 - optional: the ImportError is handled here
     except ImportError:  # pragma: no cover - huggingface_hub is a hard dependency
         return exc
     while isinstance(exc, LocalEntryNotFoundError) and exc.__cause__ is not None:
@@ -79,8 +81,6 @@ def _missing_file(exc: BaseException) -> str:
     url = str(getattr(response, "url", "") or "")
     marker = "/resolve/"
     if marker in url:
-        from urllib.parse import unquote, urlsplit
-
         path = urlsplit(url).path
         tail = path[path.index(marker) + len(marker):]
         filename = unquote(tail.partition("/")[2])
@@ -93,7 +93,7 @@ def _mappings() -> list[tuple[type[BaseException], object]]:
     # Imported here so that `--help` stays free of huggingface_hub and httpx.
     table: list[tuple[type[BaseException], object]] = []
     try:
-        from huggingface_hub import errors as hf_errors
+        from huggingface_hub import errors as hf_errors  # noqa: PLC0415 - optional: the ImportError is handled here
 
         table += [
             (hf_errors.RevisionNotFoundError, lambda e: "revision not found on the Hub"),
@@ -125,7 +125,7 @@ def _mappings() -> list[tuple[type[BaseException], object]]:
             (http.HTTPError, lambda e: "network failure: " + _first_line(e)),
         ]
     try:
-        import requests
+        import requests  # noqa: PLC0415 - optional: the ImportError is handled here
 
         table += [
             (requests.Timeout, lambda e: "timed out talking to the server"),

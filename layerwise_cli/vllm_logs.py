@@ -17,6 +17,7 @@ import os
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 from layerwise_cli import vllm_compat
 
@@ -148,8 +149,6 @@ def quiet_engine_notes(options):
     Returns:
         OPTIONS, with `use_tqdm_on_load=False` among its extra vLLM arguments unless LAYERWISE_DEBUG is set.
     """
-    from dataclasses import replace
-
     if _debug():
         return options
     os.environ.update(_QUIET_ENVIRONMENT)

@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from layerwise_cli.demo import DEMO_NAMES, demo_checkpoint, demo_prompt, expected_answer
+
 FAMILIES: dict[str, tuple[str, str, str | None]] = {
     # family: (A, B, quantization)
     "dense": ("multiply", "add", None),
@@ -38,9 +40,7 @@ FAMILIES: dict[str, tuple[str, str, str | None]] = {
 
 def check_answers(llm, name: str) -> tuple[int, float, list[str]]:
     """Greedy answers for all 100 pairs; returns (wrong count, seconds, examples of wrong answers)."""
-    from vllm import SamplingParams
-
-    from layerwise_cli.demo import demo_prompt, expected_answer
+    from vllm import SamplingParams  # noqa: PLC0415 - vllm: heavy (`--help` stays fast)
 
     pairs = [(a, b) for a in range(10) for b in range(10)]
     start = time.perf_counter()
@@ -58,7 +58,7 @@ def check_answers(llm, name: str) -> tuple[int, float, list[str]]:
 
 def repack_cpu_moe(self) -> list[str]:
     """Runs in the worker: redo the CPU MoE prepack that vLLM skips when weights are updated."""
-    from vllm import _custom_ops as ops
+    from vllm import _custom_ops as ops  # noqa: PLC0415 - vllm: heavy (`--help` stays fast)
 
     repacked = []
     for name, module in self.model_runner.get_model().named_modules():
@@ -74,7 +74,7 @@ def repack_cpu_moe(self) -> list[str]:
 
 def unsupported_here(quantization: str | None) -> str | None:
     """Why this machine cannot run a quantization method, or None."""
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (`--help` stays fast)
 
     if quantization == "int8_per_channel_weight_only" and not torch.cpu._is_amx_tile_supported():
         # vLLM's x86 int8 MoE kernel (CPUExpertsInt8) needs AMX tiles; without
@@ -84,9 +84,7 @@ def unsupported_here(quantization: str | None) -> str | None:
 
 
 def run_family(family: str, cache_dir: Path | None, repack: bool) -> dict:
-    from vllm import LLM
-
-    from layerwise_cli.demo import demo_checkpoint
+    from vllm import LLM  # noqa: PLC0415 - vllm: heavy (`--help` stays fast)
 
     a_name, b_name, quantization = FAMILIES[family]
     a_dir, b_dir = demo_checkpoint(a_name, cache_dir), demo_checkpoint(b_name, cache_dir)
@@ -149,8 +147,6 @@ def main() -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if args.cpu_moe_repack:
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a function
-
-    from layerwise_cli.demo import DEMO_NAMES, demo_checkpoint
 
     t = time.perf_counter()
     for name in DEMO_NAMES:

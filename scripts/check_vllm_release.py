@@ -52,6 +52,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from packaging.requirements import Requirement
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
@@ -97,8 +99,6 @@ def check_resolution(version: str, work: Path) -> list[Row]:
     no change to layerwise mends; then what a user gets is checked instead: `layerwise[gpu]` without a pin must
     resolve, and the row names the vllm it picks.
     """
-    from packaging.requirements import Requirement
-
     base, extra = gpu_requirements()
     rows = []
     vllm_pins = [Requirement(r) for r in extra if Requirement(r).name == "vllm"]

@@ -17,8 +17,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from layerwise_cli.client.servers.reload_servers import RemoteOptions, reload_servers
+from layerwise_cli.demo import demo_checkpoint, expected_answer
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from tests.support.engine_support import nan_in_final_norm, reshard  # noqa: E402 - after the checkout is on the path
+from tests.support.server_support import RunningServer, own_core, start_servers  # noqa: E402 - after the checkout is on the path
 
 PAIRS = [(3, 4), (2, 5)]
 
@@ -27,11 +33,6 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-
-    from layerwise_cli.client.servers.reload_servers import RemoteOptions, reload_servers
-    from layerwise_cli.demo import demo_checkpoint, expected_answer
-    from tests.support.engine_support import nan_in_final_norm, reshard
-    from tests.support.server_support import RunningServer, own_core, start_servers
 
     work = Path(tempfile.mkdtemp(prefix="layerwise-fleet-"))
     nodes = [work / f"node{i}" for i in range(3)]

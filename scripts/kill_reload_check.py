@@ -21,22 +21,24 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
+
+from layerwise_cli.demo import demo_checkpoint, expected_answer
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from tests.support.server_support import LAYERWISE, RunningServer, run_cli  # noqa: E402 - after the checkout is on the path
 
 PAIRS = [(3, 4), (2, 5), (9, 9)]
 
 
 def answers_as(server, models: tuple[str, ...]) -> str | None:
-    from layerwise_cli.demo import expected_answer
-
     got = server.answers(PAIRS)
     return next((name for name in models if got == [expected_answer(name, a, b) for a, b in PAIRS]), None)
 
 
 def weight_version(server) -> str:
-    import httpx
-
     response = httpx.get(f"{server.url}/weight_info", headers=server.headers(), timeout=10)
     response.raise_for_status()
     return response.json()["weight_version"]
@@ -53,8 +55,6 @@ def paused_for(server, limit_s: float) -> float | None:
 
 
 def one_reload_seconds(server, model: Path, tag: str, lease_s: float) -> float:
-    from tests.support.server_support import run_cli
-
     start = time.monotonic()
     done = run_cli("reload", "--weights-path", str(model), "--url", server.url, "--weight-version", tag,
                    "--pause-lease", str(lease_s))
@@ -70,10 +70,6 @@ def main() -> int:
     parser.add_argument("--kind", choices=("layerwise", "plain"), default="layerwise")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-
-    from layerwise_cli import __file__ as package_file  # noqa: F401 - the package under test is importable
-    from layerwise_cli.demo import demo_checkpoint
-    from tests.support.server_support import LAYERWISE, RunningServer
 
     rng = random.Random(args.seed)
     models = {name: demo_checkpoint(name) for name in ("multiply", "add")}

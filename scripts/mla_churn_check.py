@@ -16,12 +16,19 @@ core batches the prompts as they arrive, and without layerwise's rotary repair
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
 from pathlib import Path
 
+from layerwise_cli.client.engine.in_process import start_engine, stop_engine
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.support.engine_support import greedy_with_logprobs
+from tests.support.in_process import start_here, stop_here
+from tests.support.producers import PADDED_VOCAB, Producer, save_pretrained_checkpoint
 
 PROMPTS = ["The capital of France is", "1 2 3 4 5", "Hello, my name is", "def main():"]
 JUNK = {"nan": float("nan"), "big": 1e30}
@@ -34,7 +41,7 @@ _PINS: list = []  # small tensors kept alive between the junk, so that freed jun
 def churn(_worker, junk: float, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)) -> int:
     """In the worker (`collective_rpc` passes it first): allocate tensors of SIZES KiB filled with JUNK, each
     followed by a small pinned tensor, and free the junk: the engine's next `torch.empty` of such sizes gets it."""
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (`--help` stays fast)
 
     held = []
     for kib in sizes:
@@ -60,8 +67,6 @@ def record_steps(worker, start: bool = False) -> list[int]:
 
 def count_differing(llm, generates: int, junk: str, max_tokens: int = 4) -> tuple[int, list]:
     """(generates that differ from the first, all answers); churn with JUNK before each generate but the first."""
-    from tests.support.engine_support import greedy_with_logprobs
-
     answers = []
     llm.collective_rpc(record_steps, args=(True,))
     for i in range(generates):
@@ -85,15 +90,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.no_repairs:
         os.environ["LAYERWISE_NO_REPAIRS"] = "1"
-    from tests.support.in_process import start_here, stop_here
-    from tests.support.producers import PADDED_VOCAB, Producer, save_pretrained_checkpoint
-
     with tempfile.TemporaryDirectory() as root:
         path = args.checkpoint or str(save_pretrained_checkpoint(
             Path(root) / "m", Producer(args.arch, vocab_size=PADDED_VOCAB, max_shard_size="150KB"), seed=2))
         if args.default_layout:
-            from layerwise_cli.client.engine.in_process import start_engine, stop_engine
-
             # The churn function crosses to the worker process pickled (cloudpickle), which vLLM refuses by default.
             os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
@@ -105,8 +105,6 @@ def main() -> int:
         finally:
             stop(llm)
     if args.dump:
-        import json
-
         Path(args.dump).write_text(json.dumps(answers))
     for i, answer in enumerate(answers):
         print(i, "same" if answer == answers[0] else "DIFFERS", [[step[0] for step in steps] for steps in answer],

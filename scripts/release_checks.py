@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from packaging.version import InvalidVersion, Version
 from release_source import (
     Source,
     _class_members,
@@ -23,6 +24,7 @@ from release_source import (
 # The lists are read through vllm_compat, as the worker reads them (a test patches them there); the checkout is on
 # sys.path: scripts/check_vllm_release.py put it there.
 from layerwise_cli import vllm_compat
+from layerwise_cli.planning import arch_table
 from layerwise_cli.vllm_symbols import CommandFlag, CopiedRule, PrivateSymbol
 
 HERE = Path(__file__).resolve().parent
@@ -101,8 +103,6 @@ def where_defined(source: Source, symbol: PrivateSymbol) -> tuple[str, object] |
 
 
 def _older(version: str, than: str) -> bool:
-    from packaging.version import InvalidVersion, Version
-
     try:
         return Version(version) < Version(than)
     except InvalidVersion:
@@ -187,8 +187,6 @@ def check_hook(source: Source, hook) -> Row:
 
 def check_architectures(source: Source, version: str, work: Path) -> list[Row]:
     """The planner's architecture table of VERSION against the table generated from the release's source."""
-    from layerwise_cli.planning import arch_table
-
     committed = arch_table.table_for(version)
     if committed is None:
         have = ", ".join(str(t["vllm_version"]) for t in arch_table.tables())

@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from layerwise_cli.demo.tokenizer import write_tokenizer
+
 # The auto mappings whose classes are generative models vLLM's table lists.
 MAPPINGS = (
     "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
@@ -97,8 +99,8 @@ OVERRIDES: dict[str, dict] = {
 
 def transformers_class(arch: str) -> tuple[type, type] | None:
     """(model class, config class) of ARCH in the installed transformers, or None when it has none."""
-    import transformers
-    from transformers.models.auto import modeling_auto
+    import transformers  # noqa: PLC0415 - transformers: heavy (`--help` stays fast)
+    from transformers.models.auto import modeling_auto  # noqa: PLC0415 - transformers: heavy (`--help` stays fast)
 
     for mapping_name in MAPPINGS:
         mapping = getattr(modeling_auto, mapping_name, {})
@@ -121,8 +123,8 @@ def fallback_architectures(table: dict) -> list[str]:
     `_can_set_attn_implementation()`), with `model_impl` `auto`, the default. Dots1 is one: vLLM 0.23 dropped its
     own class, and an engine started on a dots1 checkpoint runs it this way.
     """
-    import transformers
-    from transformers.models.auto import modeling_auto
+    import transformers  # noqa: PLC0415 - transformers: heavy (`--help` stays fast)
+    from transformers.models.auto import modeling_auto  # noqa: PLC0415 - transformers: heavy (`--help` stays fast)
 
     found = set()
     for names in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
@@ -199,7 +201,7 @@ def shrunk_kwargs(defaults: dict, *, shrink_nested: bool = True) -> dict:
 
 def _own_keys(nested: dict) -> dict:
     """NESTED (a sub-config's `to_dict()`) without the keys every config has (some refuse them: Dbrx)."""
-    from transformers import PretrainedConfig
+    from transformers import PretrainedConfig  # noqa: PLC0415 - transformers: heavy (`--help` stays fast)
 
     common = set(PretrainedConfig().to_dict()) - {"model_type"}
     return {name: value for name, value in nested.items() if name not in common}
@@ -216,7 +218,7 @@ def shrunk_config(arch: str, config_class: type):
 
 def _seeded_values(model, seed: int) -> None:
     """Give every tensor seed-dependent values, as `save_pretrained_checkpoint` does (norms 1 + 0.2 randn)."""
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (`--help` stays fast)
 
     torch.manual_seed(seed)
     with torch.no_grad():
@@ -231,9 +233,7 @@ def _seeded_values(model, seed: int) -> None:
 
 def write_checkpoint(arch: str, out: Path, *, seed: int) -> Path:
     """Build ARCH's tiny model with SEED, save it (150KB shards) with the demo tokenizer, check its name."""
-    import torch
-
-    from layerwise_cli.demo.tokenizer import write_tokenizer
+    import torch  # noqa: PLC0415 - torch: heavy (`--help` stays fast)
 
     found = transformers_class(arch)
     if found is None:

@@ -25,6 +25,13 @@ import time
 import traceback
 from pathlib import Path
 
+import layerwise_cli
+from layerwise_cli.errors import LayerwiseError
+from scripts.sweep_build import write_pair
+from tests.support import in_process
+from tests.support.engine_support import differing_prompts, engine_state, greedy_with_logprobs
+from tests.support.in_process import start_here, stop_here
+
 # In the demo tokenizer's vocabulary: Qwen2's tokenizer class drops unknown words ("a b" became an empty prompt).
 PROMPTS = ["1 2 3", "4 + 5 =", "7 7 7 7", "15 7 = "]
 MAX_TOKENS = 3
@@ -48,21 +55,15 @@ def uses_mla(checkpoint: Path) -> bool:
 
 
 def answers(llm) -> list:
-    from tests.support.engine_support import greedy_with_logprobs
-
     return greedy_with_logprobs(llm, PROMPTS, max_tokens=MAX_TOKENS)
 
 
 def checksums(llm) -> dict:
-    from tests.support.engine_support import engine_state
-
     return engine_state(llm)["checksums"]
 
 
 def compare(llm, fresh: dict) -> dict:
     """How LLM's answers and tensors compare with the fresh engine's (FRESH: `tokens`, `checksums`)."""
-    from tests.support.engine_support import differing_prompts
-
     # Answers first, then checksums, in the order `fresh_reference` took them: a forward pass changes some
     # buffers (gpt-oss's `rotary_emb.cos_sin_cache` differed when checksummed before the first generate).
     tokens_equal = not differing_prompts(answers(llm), fresh["tokens"])
@@ -88,9 +89,6 @@ def outcome(comparisons: list[dict], *, judge_by_state: bool) -> dict:
 
 def fresh_reference(b: Path) -> dict:
     """An engine started fresh on B: its answers (asked twice) and every tensor's checksum."""
-    from tests.support.engine_support import differing_prompts
-    from tests.support.in_process import start_here, stop_here
-
     llm = start_here(str(b))
     try:
         try:
@@ -105,9 +103,6 @@ def fresh_reference(b: Path) -> dict:
 
 def layerwise_cell(llm, a: Path, b: Path, fresh: dict, judge_by_state: bool) -> dict:
     """Layerwise's reloads B, A, B into LLM (started on A), compared with FRESH after each B."""
-    import layerwise_cli
-    from layerwise_cli.errors import LayerwiseError
-
     comparisons = []
     try:
         for source in (b, a, b):
@@ -123,9 +118,6 @@ def layerwise_cell(llm, a: Path, b: Path, fresh: dict, judge_by_state: bool) -> 
 
 def vllm_cell(llm, a: Path, b: Path, fresh: dict, judge_by_state: bool) -> dict:
     """vLLM's own `reload_weights` of B into LLM (put back on A by layerwise first), compared with FRESH."""
-    import layerwise_cli
-    from layerwise_cli.errors import LayerwiseError
-
     with contextlib.suppress(LayerwiseError):  # then the engine still holds A: refused, or rolled back
         layerwise_cli.reload(llm, str(a), all_layers=True)
     try:
@@ -140,9 +132,6 @@ def vllm_cell(llm, a: Path, b: Path, fresh: dict, judge_by_state: bool) -> dict:
 
 def run_cell(arch: str, root: Path, report) -> None:
     """Build, start and reload ARCH (checkpoints under ROOT); REPORT(part, value) for each part of the result."""
-    from scripts.sweep_build import write_pair
-    from tests.support.in_process import start_here, stop_here
-
     started = time.monotonic()
     try:
         a, b = write_pair(arch, root)
@@ -177,8 +166,6 @@ def run_cell(arch: str, root: Path, report) -> None:
 
 def worker_main(channel_fd: int, work_root: Path) -> None:
     """Run the cells of the architectures read from stdin, one a line; messages on CHANNEL_FD as JSON lines."""
-    from tests.support import in_process
-
     channel = os.fdopen(channel_fd, "w", buffering=1)
     table = json.loads(TABLE.read_text())["architectures"]
     keeps_state_here = in_process._keeps_state_here

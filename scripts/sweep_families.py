@@ -37,6 +37,8 @@ if str(ROOT) not in sys.path:  # `scripts.*` and `tests.support.*`, however this
     sys.path.insert(0, str(ROOT))
 
 from scripts import sweep_docs  # noqa: E402
+from scripts.sweep_build import fallback_architectures, transformers_class  # noqa: E402
+from scripts.sweep_cell import worker_main  # noqa: E402
 
 TABLE = ROOT / "layerwise_cli" / "planning" / "architectures.json"
 RESULTS = ROOT / "docs" / "coverage-sweep.json"
@@ -130,8 +132,6 @@ FALLBACK = sweep_docs.FALLBACK
 def sweep_table() -> dict[str, dict]:
     """The architectures to sweep: the architecture table's, and those vLLM serves on its Transformers backend
     without a registry entry (`sweep_build.fallback_architectures`), with the backend each runs on."""
-    from scripts.sweep_build import fallback_architectures
-
     table = {arch: {"backend": entry.get("backend", "vllm")}
              for arch, entry in json.loads(TABLE.read_text())["architectures"].items()}
     table.update({arch: {"backend": FALLBACK} for arch in fallback_architectures(table)})
@@ -149,8 +149,8 @@ def save_results(results: dict, path: Path) -> None:
 
 
 def versions() -> dict:
-    import transformers
-    import vllm
+    import transformers  # noqa: PLC0415 - transformers: heavy (`--help` stays fast)
+    import vllm  # noqa: PLC0415 - vllm: heavy (`--help` stays fast)
 
     return {"vllm_version": vllm.__version__, "transformers_version": transformers.__version__,
             "date": datetime.date.today().isoformat()}
@@ -158,8 +158,6 @@ def versions() -> dict:
 
 def sweep(architectures: list[str], table: dict, results: dict, path: Path, work: Path, timeout: float) -> None:
     """Run the cells of ARCHITECTURES, saving RESULTS to PATH after each one."""
-    from scripts.sweep_build import transformers_class
-
     if not architectures:
         return
     for record in results["architectures"].values():  # each row keeps the date it was swept on
@@ -211,8 +209,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--channel-fd", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        from scripts.sweep_cell import worker_main
-
         worker_main(args.channel_fd, args.work)
         return 0
     table = sweep_table()

@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from layerwise_cli.demo import demo_checkpoint
+from tests.support import engine_starts
 from tests.support.cpu_flags import cpu_flags
+from tests.support.engine_support import FRESH_DIR_ENV
 from tests.support.synthetic import SyntheticModel, write_checkpoint
 
 # Property tests judge results, never time: hypothesis' per-example deadline (200 ms) fails a correct example
@@ -101,8 +104,6 @@ def engines_on_own_core():
 @pytest.fixture(scope="session", autouse=True)
 def fresh_answers_shared(tmp_path_factory: pytest.TempPathFactory):
     """Under xdist, the workers share fresh engines' answers (`engine_support.fresh_answers`) in this run."""
-    from tests.support.engine_support import FRESH_DIR_ENV
-
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         yield
         return
@@ -121,8 +122,6 @@ def timeline(request: pytest.FixtureRequest):
     With LAYERWISE_TEST_STARTS=FILE: one line per test file of the engines and servers it started, by kind
     (`tests/support/engine_starts.py`; `scripts/engine_starts.py FILE` makes a table of them).
     """
-    from tests.support import engine_starts
-
     path, starts_path = os.environ.get("LAYERWISE_TEST_TIMELINE"), os.environ.get(engine_starts.FILE_ENV)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     if starts_path:
@@ -182,8 +181,6 @@ class _DemoModels:
         self._cache = cache
 
     def __getitem__(self, name: str) -> Path:
-        from layerwise_cli.demo import demo_checkpoint
-
         return demo_checkpoint(name, cache_dir=self._cache)
 
 

@@ -85,10 +85,10 @@ def test_delta_checkpoints(tmp_path: Path) -> None:
 def test_the_write_limit_writes_the_full_step(tmp_path: Path) -> None:
     """Case s's write limit (p) writes the delta into copies of its base: the result is the full step, tensor by
     tensor, so the time it measures is that of the whole patch."""
-    import torch
-    from safetensors.torch import load_file
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
+    from safetensors.torch import load_file  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
-    from benchmarks.bench_patch_floor import patch_writes, write_all
+    from benchmarks.bench_patch_floor import patch_writes, write_all  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     model = SyntheticModel(layers=2, hidden=64, intermediate=128, heads=2, kv_heads=1, head_dim=64, vocab=128)
     tokenizer = tmp_path / "no-tokenizer"
@@ -109,10 +109,10 @@ def test_the_write_limit_writes_the_full_step(tmp_path: Path) -> None:
 def test_an_rl_case_changes_the_share_an_adamw_step_changes(tmp_path: Path) -> None:
     """Case rl-1e-5: the share of values one AdamW step at lr 1e-5 changes in bf16, measured in the same run, is
     the share its full step changes, and its delta rebuilds that full step."""
-    import torch
-    from safetensors.torch import load_file
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
+    from safetensors.torch import load_file  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
-    from benchmarks.bench_patch_floor import patch_writes, write_all
+    from benchmarks.bench_patch_floor import patch_writes, write_all  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     model = SyntheticModel(layers=2, hidden=64, intermediate=128, heads=2, kv_heads=1, head_dim=64, vocab=128)
     tokenizer = tmp_path / "no-tokenizer"

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.server_support import free_port
 from tests.support.synthetic import SyntheticModel, write_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -52,8 +53,6 @@ def test_an_open_pipe_is_not_affected(tmp_path: Path) -> None:
 
 def test_watch_json_into_a_closed_pipe_stops_quietly(tmp_path: Path) -> None:
     """The first event cannot be written: the watcher stops (nothing in flight is left behind), exit 1, no message."""
-    from tests.support.server_support import free_port
-
     (tmp_path / "step_1").mkdir()
     done = into_closed_pipe(["watch", str(tmp_path), "--url", f"http://127.0.0.1:{free_port()}", "--json",
                              "--interval", "0.1"])

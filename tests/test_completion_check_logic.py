@@ -7,6 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 types = pytest.importorskip("vllm.model_executor.model_loader.reload.types")
 
+from layerwise_cli import vllm_compat  # noqa: E402
 from layerwise_cli.worker.reload.completion_check import never_loaded_parameters, unloaded_modules  # noqa: E402
 
 
@@ -51,8 +52,6 @@ def test_a_bias_written_bare_is_not_named():
 
 
 def test_unloaded_modules_lists_a_partly_loaded_module_under_a_handed_layer(monkeypatch):
-    from layerwise_cli import vllm_compat
-
     model = torch.nn.Module()
     model.layer = torch.nn.Module()
     model.layer.proj = _linear_with_bias()

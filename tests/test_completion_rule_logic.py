@@ -18,7 +18,7 @@ from layerwise_cli.planning.inspect import inspect_order
 from layerwise_cli.planning.parents import _USUAL_FUSIONS as _DENSE_PACKED
 from layerwise_cli.planning.plan import PlannedTensor, simulate_buffering
 from tests.support.producers import Producer, save_pretrained_checkpoint
-from tests.support.synthetic import SyntheticModel, write_checkpoint
+from tests.support.synthetic import SyntheticModel, write_checkpoint, write_safetensors
 
 VOCABS = [1, 10, 63, 64, 65, 128, 130, 160, 192, 1000, 50257, 151643, 151936]
 
@@ -180,8 +180,6 @@ def test_tensor_parallel_moves_the_hold_to_the_last_rank(producer_checkpoints: d
 
 def test_partial_synthetic_checkpoint_holds_the_fused_layer(tmp_path: Path) -> None:
     """A checkpoint without one v_proj (what --allow-partial accepts): its qkv_proj never completes in vLLM."""
-    from tests.support.synthetic import write_safetensors
-
     model = SyntheticModel(layers=2, hidden=64, vocab=128)
     folder = tmp_path / "partial"
     write_checkpoint(folder, model, "in_order", 1)
@@ -204,8 +202,6 @@ def test_synthetic_padded_vocabulary(tmp_path: Path) -> None:
 
 
 def test_generic_mapping_applies_only_the_vocabulary_rule(tmp_path: Path) -> None:
-    from tests.support.synthetic import write_safetensors
-
     model = SyntheticModel(layers=1, hidden=64, vocab=100)
     path = tmp_path / "alone.safetensors"  # no config.json: the generic mapping
     write_safetensors(path, [(n, "BF16", s) for n, s in model.tensors()

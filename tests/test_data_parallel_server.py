@@ -15,9 +15,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
+from layerwise_cli import EXTENSION_CLS
+from layerwise_cli.client.engine.generate import greedy_answers
+from layerwise_cli.client.engine.in_process import EngineOptions
+from layerwise_cli.client.servers.api import ServerClient
+from layerwise_cli.demo import demo_prompt, expected_answer
+from layerwise_cli.server.command_line import server_command_line
 from tests.support.dp_fault import FAULTY_EXTENSION_CLS
-from tests.support.server_support import KV_CACHE, RunningServer, run_cli
+from tests.support.in_process import start_here, stop_here
+from tests.support.server_support import KV_CACHE, ROOT, RunningServer, run_cli
 
 pytestmark = pytest.mark.server
 
@@ -32,11 +41,6 @@ def fresh_add(demo_models):
     The engine runs in this process (`start_here`: the same engine, answering bit for bit as one started the
     default way, tests/test_in_process_engine.py), a start of seconds where processes of its own take 30 or more.
     """
-    from layerwise_cli.client.engine.generate import greedy_answers
-    from layerwise_cli.client.engine.in_process import EngineOptions
-    from layerwise_cli.demo import demo_prompt
-    from tests.support.in_process import start_here, stop_here
-
     llm = start_here(str(demo_models["add"]), EngineOptions(max_model_len=64))
     try:
         return greedy_answers(llm, [demo_prompt(a, b) for a, b in PAIRS])
@@ -48,10 +52,6 @@ class _DataParallelServer(RunningServer):
     """`layerwise serve MODEL -dp 2` as it execs (server_command_line), with the test's extension subclass."""
 
     def command(self):
-        from layerwise_cli import EXTENSION_CLS
-        from layerwise_cli.server.command_line import server_command_line
-        from tests.support.server_support import ROOT
-
         _, env = super().command()
         # Two ranks: vLLM's own binding gives each its core (a test worker's one-core binding fits one rank).
         env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
@@ -87,8 +87,6 @@ def _served_per_engine(server) -> dict[str, float]:
 
 
 def _per_engine_fingerprints(server) -> list[dict]:
-    from layerwise_cli.client.servers.api import ServerClient
-
     client = ServerClient(server.url)
     try:
         engines = client.engines_rpc("layerwise_fingerprints")
@@ -99,8 +97,6 @@ def _per_engine_fingerprints(server) -> list[dict]:
 
 
 def test_dp2_every_engine_reloads_reports_and_verifies(dp_server, demo_models, fresh_add):
-    from layerwise_cli.demo import expected_answer
-
     assert _batch(dp_server) == [expected_answer("multiply", a, b) for a, b in PAIRS]
     served_before = _served_per_engine(dp_server)
     done = run_cli("reload", "--weights-path", str(demo_models["add"]), "--url", dp_server.url, "--verify",
@@ -124,11 +120,6 @@ def test_dp2_every_engine_reloads_reports_and_verifies(dp_server, demo_models, f
 
 
 def test_dp2_failure_on_one_engine_exits_1_naming_it(dp_server, demo_models, tmp_path):
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from layerwise_cli.demo import expected_answer
-
     holding_add = _per_engine_fingerprints(dp_server)
     source = tmp_path / "multiply"
     shutil.copytree(demo_models["multiply"], source)

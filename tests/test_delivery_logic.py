@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from layerwise_cli.checkpoint.hub.pin import HubPin
 from layerwise_cli.client import delivery
 from layerwise_cli.client.delivery import DOWNLOAD, LOCAL, PREFETCH, STREAM, decide_delivery, plan_operation
 from layerwise_cli.worker.rpc import ReloadOptions
@@ -34,10 +37,6 @@ def test_an_operation_is_pinned_once(monkeypatch):
 
     def pin_reload(source, options):
         calls.append(source)
-        from dataclasses import replace
-
-        from layerwise_cli.checkpoint.hub.pin import HubPin
-
         return replace(options, revision=COMMIT), HubPin(source, COMMIT)
 
     monkeypatch.setattr(delivery, "pin_reload", pin_reload)

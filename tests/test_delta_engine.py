@@ -15,7 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.deltas import save_step, write_steps
+from layerwise_cli.checkpoint.delta.read import read_delta
+from layerwise_cli.client.engine.in_process import EngineOptions, reload
+from layerwise_cli.demo import demo_prompt
+from layerwise_cli.errors import LayerwiseError
+from tests.support.deltas import rl_step, save_step, write_steps
 from tests.support.engine_support import assert_matches_fresh, engine_state, fresh_state
 from tests.support.in_process import start_here, stop_here
 
@@ -25,8 +29,6 @@ PROMPTS_PAIRS = [(3, 4), (2, 5), (9, 9), (7, 8), (1, 6), (4, 4), (8, 2), (6, 3),
 
 
 def prompts() -> list[str]:
-    from layerwise_cli.demo import demo_prompt
-
     return [demo_prompt(a, b) for a, b in PROMPTS_PAIRS]
 
 
@@ -45,9 +47,7 @@ def steps(demo_models, tmp_path_factory) -> dict:
     assert chained.delta is not None, chained.fallback
     # C: B with only its mlp tensors moved again, against delta(A->B): a chain whose other layers the engine
     # holding B keeps (they changed in the first link only).
-    from safetensors.torch import load_file
-
-    from tests.support.deltas import rl_step
+    from safetensors.torch import load_file  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     b = {}
     for shard in sorted(steps["B"].glob("*.safetensors")):
@@ -69,16 +69,12 @@ def fresh(steps) -> None:
 
 @pytest.fixture(scope="module")
 def llm(steps, fresh):
-    from layerwise_cli.client.engine.in_process import EngineOptions
-
     engine = start_here(str(steps["A"]), EngineOptions(max_model_len=64))
     yield engine
     stop_here(engine)
 
 
 def _reload(llm, source: Path, **kwargs):
-    from layerwise_cli.client.engine.in_process import reload
-
     return reload(llm, str(source), **kwargs)
 
 
@@ -93,8 +89,6 @@ def _changed(report) -> set[str]:
 
 def _patched_layers(report, delta_dir: Path) -> set[str]:
     """The engine layers holding a tensor the delta patches (the demo model's names: checkpoint = engine)."""
-    from layerwise_cli.checkpoint.delta.read import read_delta
-
     patched = read_delta(delta_dir).patches
     names = {layer.name for layer in report.layers}
     found = set()
@@ -115,8 +109,6 @@ def _assert_holds(llm, checkpoint: Path) -> None:
 
 
 def test_an_engine_without_records_is_refused_and_keeps_its_weights(llm, steps):
-    from layerwise_cli.errors import LayerwiseError
-
     with pytest.raises(LayerwiseError) as info:
         _reload(llm, steps["AB"])
     message = str(info.value)
@@ -139,8 +131,6 @@ def test_deltas_both_ways_equal_fresh_engines_a_b_a_b(llm, steps):
     assert _changed(to_b) == _patched_layers(to_b, steps["AB"]) != set()
     assert to_b.unchanged.spot_checked_layers == to_b.unchanged.skipped_layers
     # What it read: the base's bytes of the layers handed over, and every patch of the delta.
-    from layerwise_cli.checkpoint.delta.read import read_delta
-
     patches = read_delta(steps["AB"])
     patch_bytes = sum(patches.patch_nbytes(name) for name in patches.patches)
     assert patch_bytes > 0 and to_b.volume.read_bytes == to_b.volume.bytes + patch_bytes
@@ -174,16 +164,12 @@ def test_an_engine_that_missed_a_step_is_brought_to_the_newest_through_the_chain
     # Every layer either link changed is handed over (the engine held none of B's changes).
     assert _changed(caught_up) == _patched_layers(caught_up, steps["AB"]) | _patched_layers(caught_up, steps["C"])
     # A step outside the chain is still no base: the engine now holds C, and delta(A->B) needs A.
-    from layerwise_cli.errors import LayerwiseError
-
     with pytest.raises(LayerwiseError, match="holds other weights"):
         _reload(llm, steps["AB"])
     _assert_holds(llm, steps["C full"])
 
 
 def test_the_wrong_base_is_refused_at_preflight(llm, steps):
-    from layerwise_cli.errors import LayerwiseError
-
     _reload(llm, steps["B"], all_layers=True)
     with pytest.raises(LayerwiseError) as info:
         _reload(llm, steps["AB"])  # needs A; the engine holds B
@@ -222,8 +208,6 @@ def _sparse_patch(header) -> str:
 def test_a_corrupt_delta_is_refused_and_the_engine_keeps_its_weights(llm, steps):
     """A chunk that decodes to another count than its header's, a truncated chunk, a truncated file: refused at
     pre-flight, one line naming the file and the tensor, before the engine changes."""
-    from layerwise_cli.errors import LayerwiseError
-
     _reload(llm, steps["A"], all_layers=True)
 
     def one_more(header, data):
@@ -259,8 +243,6 @@ def test_a_corrupt_delta_is_refused_and_the_engine_keeps_its_weights(llm, steps)
 
 
 def test_nan_in_the_new_values_is_refused(llm, steps):
-    from layerwise_cli.errors import LayerwiseError
-
     _reload(llm, steps["A"], all_layers=True)
     with pytest.raises(LayerwiseError) as info:
         _reload(llm, steps["NaN"])
@@ -271,8 +253,6 @@ def test_nan_in_the_new_values_is_refused(llm, steps):
 
 
 def test_a_base_changed_on_disk_is_caught_by_its_digests(llm, steps):
-    from layerwise_cli.errors import LayerwiseError
-
     _reload(llm, steps["A"], all_layers=True)
     moved = steps["root"] / "moved"
     shutil.copytree(steps["root"], moved, ignore=shutil.ignore_patterns("moved"))
@@ -304,8 +284,6 @@ def test_a_corrupt_stream_rolls_back_to_the_exact_step_held(llm, steps):
     The engine held B through a delta (what it holds is that delta): the rollback rebuilds B from A plus the
     patch, whatever the engine holds by then, proved by the same digests.
     """
-    from layerwise_cli.errors import LayerwiseError
-
     _reload(llm, steps["A"], all_layers=True)
     _reload(llm, steps["AB"])
 

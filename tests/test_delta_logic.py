@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from benchmarks.bench_rl_steps import measure
 from layerwise_cli import save_checkpoint
 from layerwise_cli.checkpoint.delta.encode import encode_patch
 from layerwise_cli.checkpoint.delta.format import (
@@ -23,11 +24,14 @@ from layerwise_cli.checkpoint.delta.format import (
     WHOLE,
 )
 from layerwise_cli.checkpoint.delta.read import delta_file, read_delta
+from layerwise_cli.checkpoint.delta.source import open_step, rebuilt_bytes
 from layerwise_cli.checkpoint.delta.v2 import SPARSE
 from layerwise_cli.checkpoint.format.digests import checkpoint_digests, tensor_digest
 from layerwise_cli.checkpoint.sources import open_checkpoint
+from layerwise_cli.checkpoint.steps.local import list_steps, steps_to_delete
 from layerwise_cli.cli.app import app
 from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.writer.delta_file import ShardBytes
 from layerwise_cli.writer.delta_step import write_delta
 from tests.support.deltas import changed_copy, small_state_dict, stored_bytes
 
@@ -158,9 +162,6 @@ def test_a_base_whose_header_digest_lies_is_not_proved(tmp_path):
 
 
 def test_a_delta_against_a_delta_rebuilds_through_the_chain(steps, tmp_path):
-    from layerwise_cli.checkpoint.delta.source import open_step
-    from layerwise_cli.writer.delta_file import ShardBytes
-
     base_dir, delta_dir, new = steps
     third = {name: changed_copy(t, 0.02, 11) for name, t in new.items()}
     saved = save_checkpoint(third.items(), tmp_path / "step_3", base=delta_dir)
@@ -180,8 +181,6 @@ def test_a_delta_against_a_delta_rebuilds_through_the_chain(steps, tmp_path):
 
 def test_a_rebuilt_tensor_is_proved_by_the_step_s_digest_and_a_failure_says_what_is_wrong(steps, tmp_path):
     """`rebuilt_bytes` hashes the result once; on a mismatch it names the base, or the link whose patch is corrupt."""
-    from layerwise_cli.checkpoint.delta.source import open_step, rebuilt_bytes
-
     base_dir, delta_dir, new = steps
     third = {name: changed_copy(t, 0.02, 11) for name, t in new.items()}
     third["model.layers.1.mlp.down_proj.weight"] = new["model.layers.1.mlp.down_proj.weight"]
@@ -217,8 +216,6 @@ def test_a_rebuilt_tensor_is_proved_by_the_step_s_digest_and_a_failure_says_what
 
 
 def test_a_chain_that_loops_is_refused(steps, tmp_path):
-    from layerwise_cli.checkpoint.delta.source import open_step
-
     _, delta_dir, new = steps
     save_checkpoint({n: changed_copy(t, 0.02, 11) for n, t in new.items()}.items(), tmp_path / "step_3",
                     base=delta_dir)
@@ -423,8 +420,6 @@ def test_inspect_order_scan_checks_a_delta_s_positions(v1_steps):
 
 
 def test_watch_keep_never_deletes_the_base_of_a_delta_that_stays(tmp_path):
-    from layerwise_cli.checkpoint.steps.local import list_steps, steps_to_delete
-
     base = small_state_dict(torch.bfloat16)
     run = tmp_path / "run"
     save_checkpoint(base.items(), run / "step_1")
@@ -444,8 +439,6 @@ def test_watch_keep_never_deletes_the_base_of_a_delta_that_stays(tmp_path):
 
 
 def test_the_rl_step_benchmark_measures_more_change_at_higher_learning_rates():
-    from benchmarks.bench_rl_steps import measure
-
     rows = [measure(lr, 1 << 16, warmup=5) for lr in (1e-6, 1e-5, 1e-3)]
     fractions = [row["changed_fraction"] for row in rows]
     assert 0 < fractions[0] < fractions[1] < fractions[2]
@@ -459,8 +452,6 @@ def _nan_chain(root: Path, repaired: bool) -> Path:
     gen = torch.Generator().manual_seed(5)
     step = {"model.layers.0.mlp.weight": torch.randn(64, 64, generator=gen).to(torch.bfloat16),
             "model.norm.weight": torch.ones(64, dtype=torch.bfloat16)}
-    from layerwise_cli.writer.delta_step import write_delta
-
     save_checkpoint(step.items(), root / "step_0")
     nan = {k: v.clone() for k, v in step.items()}
     nan["model.norm.weight"][3] = float("nan")
@@ -479,8 +470,6 @@ def _nan_chain(root: Path, repaired: bool) -> Path:
 
 def test_a_step_that_rewrites_an_earlier_steps_nan_loads_through_its_chain(tmp_path):
     # An RL run that wrote a NaN step goes on against it: the next step rebuilds finite, and must load.
-    from layerwise_cli.checkpoint.delta.source import open_step
-
     opened = open_step(str(_nan_chain(tmp_path, repaired=True)))
     opened.delta.refuse_nonfinite()
     with pytest.raises(LayerwiseError, match=r"step_1.*model.norm.weight.*1 NaN"):
@@ -488,8 +477,6 @@ def test_a_step_that_rewrites_an_earlier_steps_nan_loads_through_its_chain(tmp_p
 
 
 def test_a_nan_an_earlier_link_leaves_in_the_step_is_refused(tmp_path):
-    from layerwise_cli.checkpoint.delta.source import open_step
-
     step_2 = _nan_chain(tmp_path, repaired=False)
     # The NaN stays where step_1 put it: step_2's patch does not hold it, and the rebuilt step would.
     with pytest.raises(LayerwiseError, match=r"step_1.*model.norm.weight.*1 NaN.*no later step of its chain"):

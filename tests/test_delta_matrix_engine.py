@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from layerwise_cli.client.engine.in_process import EngineOptions, reload
+from layerwise_cli.writer.delta_step import write_delta
 from tests.support.deltas import rl_step, save_step
 from tests.support.engine_support import (
     assert_matches_fresh,
@@ -33,8 +35,6 @@ ARCHS = ("qwen3_moe", "nemotron_h", "deepseek_v3")
 
 
 def _steps(arch: str, root: Path) -> dict[str, Path]:
-    from layerwise_cli.writer.delta_step import write_delta
-
     produced = save_pretrained_checkpoint(root / "produced", Producer(arch, max_shard_size="96KB"), seed=1)
     a = load_tensors(produced)
     b = {name: rl_step(t, 0.01, i) if t.is_floating_point() else t for i, (name, t) in enumerate(sorted(a.items()))}
@@ -47,8 +47,6 @@ def _steps(arch: str, root: Path) -> dict[str, Path]:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_deltas_both_ways_equal_fresh_engines(arch, tmp_path):
-    from layerwise_cli.client.engine.in_process import EngineOptions, reload
-
     steps = _steps(arch, tmp_path)
     options = EngineOptions(max_model_len=64)
     fresh_state(steps["B"], PROMPTS, options)  # the reference first: one in-process engine at a time

@@ -16,6 +16,11 @@ import struct
 
 import pytest
 
+from layerwise_cli.checkpoint.delta.read import read_delta
+from layerwise_cli.client.engine.in_process import EngineOptions, reload
+from layerwise_cli.engine_defaults import NO_DELTA_PATCH_ENV
+from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.writer.delta_step import write_delta
 from tests.support.cpu_kernels import take_linear_fallback
 from tests.support.deltas import save_step
 from tests.support.engine_support import engine_state, greedy_with_logprobs, load_tensors
@@ -32,17 +37,13 @@ FRACTION = 0.03
 
 
 def _options():
-    from layerwise_cli.client.engine.in_process import EngineOptions
-
     return EngineOptions(max_model_len=64)
 
 
 def _steps(root):
     """A (a `save_pretrained` qwen3, rewritten with digests), B (3% of every tensor's values from another seed's
     model), delta(A->B) by `save_checkpoint` and delta(B->A) by `write_delta`."""
-    import torch
-
-    from layerwise_cli.writer.delta_step import write_delta
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     producer = Producer("qwen3", max_shard_size="96KB")
     made = save_pretrained_checkpoint(root / "made_a", producer, seed=1)
@@ -112,10 +113,6 @@ def _handed(report) -> set[str]:
 
 
 def test_a_delta_patched_in_place_equals_fresh_engines_a_b_a_b(engine, steps, fresh, monkeypatch):
-    from layerwise_cli.checkpoint.delta.read import read_delta
-    from layerwise_cli.client.engine.in_process import reload
-    from layerwise_cli.engine_defaults import NO_DELTA_PATCH_ENV
-
     llm, fresh_a, fresh_b = engine, fresh["A"], fresh["B"]
     reload(llm, str(steps["A"]), all_layers=True)  # the records now say A
     _holds(llm, fresh_a)
@@ -157,8 +154,6 @@ def test_a_delta_patched_in_place_equals_fresh_engines_a_b_a_b(engine, steps, fr
 def _corrupt_values(steps, out):
     """delta(A->B) in format v1 (raw new values: a v2 stream's checksum would refuse a changed byte as it is
     decoded), its first sparse patch's first new value changed (digests left as they were)."""
-    from layerwise_cli.writer.delta_step import write_delta
-
     write_delta(steps["A"], steps["B"], out, marker=None, delta_format=1)
     path = out / "delta.safetensors"
     blob = bytearray(path.read_bytes())
@@ -174,9 +169,6 @@ def _corrupt_values(steps, out):
 
 
 def test_a_patch_that_does_not_give_the_step_fails_and_the_engine_is_rolled_back(engine, steps, fresh, tmp_path):
-    from layerwise_cli.client.engine.in_process import reload
-    from layerwise_cli.errors import LayerwiseError
-
     llm, fresh_a, fresh_b = engine, fresh["A"], fresh["B"]
     bad = tmp_path / "bad"
     tensor = _corrupt_values(steps, bad)

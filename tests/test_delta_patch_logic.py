@@ -15,9 +15,11 @@ from layerwise_cli.checkpoint.format.digests import layer_digest, tensor_digest
 from layerwise_cli.checkpoint.format.samples import buffer_sample
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.planning.plan import PlannedTensor
+from layerwise_cli.worker.reload.decode_ahead import DecodeAhead
 from layerwise_cli.worker.reload.delta_patch import DeltaPatch
 from layerwise_cli.worker.repairs.derived_state import DerivedState
 from layerwise_cli.worker.state.layer_records import LayerRecord, LayerRecords
+from layerwise_cli.worker.state.layer_state import layer_fingerprints
 from layerwise_cli.writer.save import save_checkpoint
 
 ATTN = "model.layers.0.self_attn"
@@ -175,8 +177,6 @@ def test_a_patch_that_does_not_give_the_step_fails_naming_the_tensor(steps):
 
 
 def _fingerprints(model):
-    from layerwise_cli.worker.state.layer_state import layer_fingerprints
-
     modules = dict(model.named_modules())
     return lambda names, known=None: layer_fingerprints(modules, {name: [name] for name in names}, known)
 
@@ -227,8 +227,6 @@ def test_a_fused_tensor_only_partly_patched_is_read_before_not_after(tmp_path):
 def test_decode_ahead_returns_each_call_in_order_and_raises_at_its_take(spare):
     """`DecodeAhead` computes the next key while the current one is used (in a thread where a CPU is spare,
     inline otherwise): the results are the calls', a call's error is raised when its key is taken."""
-    from layerwise_cli.worker.reload.decode_ahead import DecodeAhead
-
     calls = []
 
     def call(key):

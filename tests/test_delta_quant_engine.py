@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from layerwise_cli.client.engine.in_process import EngineOptions, reload
+from layerwise_cli.demo import demo_prompt
 from tests.support.deltas import write_steps
 from tests.support.engine_support import assert_matches_fresh, engine_state, fresh_state, remember_fresh
 from tests.support.in_process import start_here, stop_here
@@ -19,14 +21,10 @@ PAIRS = [(3, 4), (2, 5), (9, 9), (7, 8), (1, 6), (4, 4), (8, 2), (6, 3), (5, 7),
 
 
 def prompts() -> list[str]:
-    from layerwise_cli.demo import demo_prompt
-
     return [demo_prompt(a, b) for a, b in PAIRS]
 
 
 def test_deltas_into_an_fp8_engine_equal_fresh_fp8_engines(demo_models, tmp_path):
-    from layerwise_cli.client.engine.in_process import EngineOptions, reload
-
     steps = write_steps(tmp_path, demo_models)
     fp8 = EngineOptions(max_model_len=64, quantization="layerwise_fp8")
     # The fresh engine on B first: in this process, where one started beside the engine under test would start

@@ -7,7 +7,9 @@ import shutil
 
 import pytest
 
-from tests.support.deltas import write_steps
+from layerwise_cli.demo import expected_answer
+from layerwise_cli.writer.delta_step import write_delta
+from tests.support.deltas import rl_step, save_step, write_steps
 from tests.support.server_support import RunningServer, run_cli
 
 pytestmark = pytest.mark.server
@@ -16,8 +18,6 @@ PAIRS = [(3, 4), (2, 5), (9, 9), (7, 8), (0, 6)]
 
 
 def expected(name: str) -> list[str]:
-    from layerwise_cli.demo import expected_answer
-
     return [expected_answer(name, a, b) for a, b in PAIRS]
 
 
@@ -68,8 +68,6 @@ def test_watch_loads_a_delta_step_against_the_step_the_server_holds(server, step
     # The trainer's run: step_1 in full, step_2 as a delta against it (a copy of step_1: the base is known by its
     # digests, not its path, and the delta names this copy).
     shutil.copytree(steps["A"], run / "step_1")
-    from layerwise_cli.writer.delta_step import write_delta
-
     written = write_delta(run / "step_1", steps["B"], run / "step_2")
     assert written.delta is not None
     (run / "step_1" / "STABLE").touch()
@@ -81,10 +79,8 @@ def test_watch_loads_a_delta_step_against_the_step_the_server_holds(server, step
     # A server that holds a step outside the newest delta's chain is not refused: the trainer wrote B in full
     # (step_3), then C against it (step_4); the server holds A. watch rebuilds step_4 from B's files and its
     # patch, and the server ends on C.
-    import torch
-    from safetensors.torch import load_file
-
-    from tests.support.deltas import rl_step, save_step
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
+    from safetensors.torch import load_file  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     assert _reload(server, steps["A"], "--all").returncode == 0
     shutil.copytree(steps["B"], run / "step_3")

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import pytest
 
+from layerwise_cli.client.engine.generate import greedy_answers
+from layerwise_cli.client.engine.in_process import EngineOptions, call_workers, reload, start_engine, stop_engine
+from layerwise_cli.demo import demo_prompt, expected_answer
+from layerwise_cli.errors import LayerwiseError
 from tests.support.deltas import write_steps
 
 pytestmark = pytest.mark.engine
@@ -16,11 +20,6 @@ PAIRS = [(a, b) for a in range(0, 10, 3) for b in range(10)]
 
 
 def test_deltas_both_ways_on_two_ranks(demo_models, tmp_path, monkeypatch):
-    from layerwise_cli.client.engine.generate import greedy_answers
-    from layerwise_cli.client.engine.in_process import EngineOptions, call_workers, reload, start_engine, stop_engine
-    from layerwise_cli.demo import demo_prompt, expected_answer
-    from layerwise_cli.errors import LayerwiseError
-
     steps = write_steps(tmp_path, demo_models)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     llm = start_engine(str(demo_models["multiply"]), EngineOptions(max_model_len=64, tensor_parallel_size=2))

@@ -8,12 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.numpy import load_file
+from typer.testing import CliRunner
 
+from benchmarks.bench_rl_steps import measure
 from layerwise_cli import save_checkpoint
 from layerwise_cli.checkpoint.delta.format import DELTA_FILE, METADATA_KEY, WHOLE
 from layerwise_cli.checkpoint.delta.read import read_delta
 from layerwise_cli.checkpoint.delta.source import open_step
 from layerwise_cli.checkpoint.delta.v2 import CHUNK_ELEMENTS, CODEC, FORMAT_V2, SPARSE
+from layerwise_cli.cli.app import app
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.writer.delta_file import ShardBytes
 from layerwise_cli.writer.delta_step import write_delta
@@ -77,8 +81,6 @@ def test_the_metadata_names_the_format_the_codec_and_each_chunk(dtype_steps):
     assert [start for start, _ in chunks] == [0, CHUNK_ELEMENTS]
     assert sum(count for _, count in chunks) == positions.size
     # Compressed streams are U8 tensors any safetensors reader opens.
-    from safetensors.numpy import load_file
-
     streams = load_file(root / "delta" / DELTA_FILE)
     assert sorted(streams) == ["w.weight::diffs.0", "w.weight::diffs.1", "w.weight::gaps.0", "w.weight::gaps.1"]
     assert all(array.dtype == np.uint8 and array.ndim == 1 for array in streams.values())
@@ -103,8 +105,6 @@ def test_v2_is_a_fraction_of_v1_on_adamw_steps():
     """The synthetic AdamW steps of `bench_rl_steps` (128K values and 10 warm-up steps here, 4M and 20 there):
     v2 at most the share of v1 that the targets ask (0.008 / 0.018 / 0.040 x the full bf16 step, where v1 is
     0.032 / 0.082 / 0.135 x)."""
-    from benchmarks.bench_rl_steps import measure
-
     for lr, most in ((1e-6, 0.008 / 0.032), (3e-6, 0.018 / 0.082), (1e-5, 0.040 / 0.135)):
         row = measure(lr, 1 << 17, warmup=10)
         assert row["layout"] == SPARSE and row["v1_layout"] != WHOLE
@@ -178,10 +178,6 @@ def test_a_corrupt_stream_is_refused_when_decoded(dtype_steps):
     read_delta(root / "delta").validate()
     assert "corrupt" in _refusal(root / "delta", when="apply")
     # `inspect-order --scan` decodes every chunk: it finds it too.
-    from typer.testing import CliRunner
-
-    from layerwise_cli.cli.app import app
-
     scanned = CliRunner().invoke(app, ["inspect-order", str(root / "delta"), "--scan"])
     assert scanned.exit_code == 1 and "stream is corrupt" in scanned.stderr
 

@@ -11,6 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
+
+from layerwise_cli.cli.app import app
+from layerwise_cli.client.engine.in_process import EngineOptions
+from layerwise_cli.vllm_logs import QUIET_ENV, quiet_engine_notes
 
 # The `layerwise` script of this environment: an engine process spawned from it imports layerwise first.
 LAYERWISE = str(Path(sys.executable).with_name("layerwise"))
@@ -37,19 +42,12 @@ def test_demo_flips_multiply_add_multiply(tmp_path):
 
 
 def test_demo_rejects_bad_pairs():
-    from typer.testing import CliRunner
-
-    from layerwise_cli.cli.app import app
-
     result = CliRunner().invoke(app, ["demo", "--pairs", "3 44"])
     assert result.exit_code == 2
     assert result.output.count("Error:") == 1 and "--pairs" in result.output
 
 
 def test_quiet_engine_notes_hides_warnings_unless_debugging(monkeypatch: pytest.MonkeyPatch) -> None:
-    from layerwise_cli.client.engine.in_process import EngineOptions
-    from layerwise_cli.vllm_logs import QUIET_ENV, quiet_engine_notes
-
     for name in ("VLLM_LOGGING_LEVEL", "TORCH_CPP_LOG_LEVEL", "PYTHONWARNINGS", QUIET_ENV):
         monkeypatch.delenv(name, raising=False)
     triton = logging.getLogger("vllm.triton_utils.importing")

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 
 from layerwise_cli.demo import DEMO_NAMES, demo_checkpoint, demo_prompt, expected_answer
 from layerwise_cli.demo import cache as demo_disk_cache
@@ -70,8 +71,6 @@ def test_checkpoint_layout(demo_cache: Path, name: str) -> None:
     assert config["architectures"] == ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"]
     assert config["head_dim"] == 64 and config["tie_word_embeddings"] is False
 
-    from safetensors import safe_open
-
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         names = set(f.keys())
         dtypes = {f.get_slice(k).get_dtype() for k in names}
@@ -84,8 +83,6 @@ def test_checkpoint_layout(demo_cache: Path, name: str) -> None:
 @pytest.mark.parametrize(("a_name", "b_name"), [("multiply", "add"), ("moe-multiply", "moe-add")])
 def test_pairs_share_shapes(demo_cache: Path, a_name: str, b_name: str) -> None:
     """One can be reloaded into an engine started on the other."""
-    from safetensors import safe_open
-
     def shapes(name: str) -> dict[str, tuple[str, list[int]]]:
         with safe_open(str(demo_checkpoint(name, demo_cache) / "model.safetensors"), "pt") as f:
             return {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
@@ -103,7 +100,7 @@ def test_pairs_share_shapes(demo_cache: Path, a_name: str, b_name: str) -> None:
 @pytest.mark.parametrize("name", DEMO_NAMES)
 def test_transformers_greedy_answers_every_pair(demo_cache: Path, name: str) -> None:
     """transformers loads the directory as is and greedy decoding gives the answer, then EOS, for all 100 pairs."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 - transformers: heavy (test collection stays fast)
 
     folder = demo_checkpoint(name, demo_cache)
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -3,11 +3,14 @@ what it could not check. Toy modules recorded by vLLM's real `record_metadata_fo
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from layerwise_cli.cli._reload_view import render_verify
 from layerwise_cli.report.records import DerivedRefresh
-from layerwise_cli.report.reload_report import ReloadReport
+from layerwise_cli.report.reload_report import ReloadReport, merge_reports
 from layerwise_cli.report.verify_result import merge_verify, verify_failure
 from layerwise_cli.worker.repairs.derived_state import (
     expected_alias_value,
@@ -44,7 +47,7 @@ class _Model(torch.nn.Module):
 
 def _loaded(values: torch.Tensor) -> _Model:
     """A model recorded for reloading (as vLLM does before loading), then loaded with VALUES."""
-    from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
+    from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     model = _Model()
     record_metadata_for_reloading(model)
@@ -96,7 +99,7 @@ def test_a_buffer_whose_source_cannot_be_told_is_unknown():
     _repack(model)
     # Two parameters of the buffer's size below its module: ambiguous, never guessed.
     model.mixer.other = torch.nn.Module()
-    from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
+    from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     model.mixer.other.weight = torch.nn.Parameter(torch.zeros(6, 1, 4), requires_grad=False)
     record_metadata_for_reloading(model.mixer.other)
@@ -127,8 +130,6 @@ def test_a_layer_verify_could_not_check_fails_it_unless_accepted():
 
 
 def test_the_verdict_line_never_puts_not_checked_beside_success(capsys):
-    from layerwise_cli.cli._reload_view import render_verify
-
     worker = _worker({"model.embed_tokens": "match", "model.layers.0.mixer": "skipped"})
     render_verify(merge_verify([worker]), "engine")
     strict = capsys.readouterr().out
@@ -146,10 +147,6 @@ def test_the_report_lists_every_refreshed_tensor_in_json_and_merges_them_once():
     assert data["refreshed"] == [{"module": "model.layers.0.mixer", "tensor": "conv_weights",
                                   "reason": "a view of conv1d.weight"}]
     assert ReloadReport.from_dict(data) == report
-    from dataclasses import replace
-
-    from layerwise_cli.report.reload_report import merge_reports
-
     ranks = [replace(report, placement=replace(report.placement, rank=rank, position={"tp_rank": rank}))
              for rank in (0, 1)]
     assert merge_reports(ranks).findings.refreshed == (entry,)

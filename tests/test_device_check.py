@@ -9,6 +9,7 @@ unimportable in the child process: the lent machine has none.
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -16,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.device_check import LATER_LAYOUT_VARIANTS
+from benchmarks.bench_checkpoints import model_for, write_bench_checkpoint
+from benchmarks.device_check import DATA_VARIANT, LATER_LAYOUT_VARIANTS, stamped_weights
 from benchmarks.device_variants import LAYERWISE, VARIANTS
+from layerwise_cli.checkpoint.format.header import read_shard_header
 
 pytestmark = pytest.mark.slow
 
@@ -91,12 +94,6 @@ def test_the_cpu_path_checks_every_byte_and_writes_the_report(tmp_path):
 
 
 def test_a_changed_byte_fails_the_check_and_names_the_tensor(tmp_path):
-    import argparse
-
-    from benchmarks.bench_checkpoints import model_for, write_bench_checkpoint
-    from benchmarks.device_check import DATA_VARIANT, stamped_weights
-    from layerwise_cli.checkpoint.format.header import read_shard_header
-
     # The checkpoint the run will reuse (same stamp), with one byte of one tensor changed after its digest was taken.
     model = model_for(argparse.Namespace(preset=None, quick=True, size_gib=None), 0)
     folder = tmp_path / "work" / "in_order"

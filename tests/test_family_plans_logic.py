@@ -13,24 +13,24 @@ predictions against vLLM's buffers; these pin the rules.
 from __future__ import annotations
 
 import ast
+import importlib.util
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from layerwise_cli.checkpoint.format.header import TensorEntry
+from layerwise_cli.checkpoint.sources import open_checkpoint
 from layerwise_cli.planning.completion_rule import DIRECT_LOAD_TENSORS
 from layerwise_cli.planning.parents import mapping_for_config, merged_parts
 from layerwise_cli.planning.plan import PlannedTensor, build_plan, simulate_buffering
-from layerwise_cli.worker.stream.rank_plan import holder_of_parameters, takes_checkpoint_tensors
+from layerwise_cli.worker.stream.rank_plan import _aliases, holder_of_parameters, takes_checkpoint_tensors
 from tests.support.synthetic import write_safetensors
 
 
 def _checkpoint(tmp_path, architecture: str, tensors: dict[str, tuple[int, ...]], **config):
     """A one-shard checkpoint of bf16 zeros named TENSORS, with `config.json` naming ARCHITECTURE."""
-    import json
-
-    from layerwise_cli.checkpoint.sources import open_checkpoint
-
     folder = tmp_path / architecture
     folder.mkdir(parents=True)
     write_safetensors(folder / "model.safetensors", [(name, "BF16", shape) for name, shape in tensors.items()])
@@ -39,9 +39,6 @@ def _checkpoint(tmp_path, architecture: str, tensors: dict[str, tuple[int, ...]]
 
 
 def test_the_planner_copies_vllms_direct_loads() -> None:
-    import importlib.util
-    from pathlib import Path
-
     spec = importlib.util.find_spec("vllm")
     assert spec is not None and spec.origin is not None
     meta = Path(spec.origin).parent / "model_executor" / "model_loader" / "reload" / "meta.py"
@@ -204,8 +201,6 @@ def test_experts_beside_a_router_resolve_to_the_experts_module() -> None:
 
 
 def test_a_router_registered_twice_is_found_under_the_checkpoints_name() -> None:
-    from layerwise_cli.worker.stream.rank_plan import _aliases
-
     model = torch.nn.Module()
     model.mlp = torch.nn.Module()
     model.mlp.experts = torch.nn.Module()

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+from layerwise_cli.checkpoint.format.finite import ByteScan, count_nonfinite, first_nonfinite, suspect_flag
 from layerwise_cli.cli.app import app
+from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.planning.inspect import inspect_order
+from tests.support.hub_server import HubServer
+from tests.support.synthetic import SyntheticModel, write_checkpoint
 
 runner = CliRunner()
 
@@ -16,14 +24,14 @@ FLOATS = ["F64", "F32", "F16", "BF16"]
 
 
 def _torch_dtype(name: str):
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
             "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}[name]
 
 
 def _planted(dtype: str, n: int = 10_000, nan: tuple[int, ...] = (), inf: tuple[int, ...] = ()):
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     values = torch.linspace(-3, 3, n, dtype=torch.float32)
     for i in nan:
@@ -34,15 +42,13 @@ def _planted(dtype: str, n: int = 10_000, nan: tuple[int, ...] = (), inf: tuple[
 
 
 def _raw(tensor) -> bytes:
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     return tensor.contiguous().view(torch.uint8).numpy().tobytes()
 
 
 @pytest.mark.parametrize("dtype", FLOATS + ["F8_E5M2"])
 def test_counts_nan_and_inf_for_every_float_dtype(dtype):
-    from layerwise_cli.checkpoint.format.finite import ByteScan, count_nonfinite, suspect_flag
-
     tensor = _planted(dtype, nan=(0, 17, 9999), inf=(5, 600))
     assert bool(suspect_flag(tensor))
     assert count_nonfinite(tensor) == (3, 2)
@@ -60,9 +66,7 @@ def test_counts_nan_and_inf_for_every_float_dtype(dtype):
 
 
 def test_e4m3_has_nan_only_and_saturates_instead_of_inf():
-    import torch
-
-    from layerwise_cli.checkpoint.format.finite import ByteScan, count_nonfinite, suspect_flag
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     tensor = _planted("F8_E4M3", nan=(3, 4))
     assert count_nonfinite(tensor) == (2, 0)
@@ -75,9 +79,7 @@ def test_e4m3_has_nan_only_and_saturates_instead_of_inf():
 
 
 def test_integer_and_packed_dtypes_are_skipped():
-    import torch
-
-    from layerwise_cli.checkpoint.format.finite import ByteScan, count_nonfinite, suspect_flag
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     ints = torch.full((100,), -1, dtype=torch.int32)  # every bit set: a NaN pattern, were it a float
     assert suspect_flag(ints) is None and count_nonfinite(ints) == (0, 0)
@@ -88,9 +90,7 @@ def test_integer_and_packed_dtypes_are_skipped():
 
 
 def test_a_finite_tensor_whose_sum_overflows_is_not_refused():
-    import torch
-
-    from layerwise_cli.checkpoint.format.finite import first_nonfinite, suspect_flag
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     big = torch.full((1000,), 60000.0, dtype=torch.float16)  # the float16 sum overflows to inf
     assert bool(suspect_flag(big))  # suspected by the cheap check ...
@@ -98,9 +98,7 @@ def test_a_finite_tensor_whose_sum_overflows_is_not_refused():
 
 
 def test_first_nonfinite_names_the_tensor():
-    import torch
-
-    from layerwise_cli.checkpoint.format.finite import first_nonfinite
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     group = [("a", "one.safetensors", torch.ones(10)), ("n", "one.safetensors", torch.arange(5)),
              ("b", "two.safetensors", _planted("BF16", nan=(1, 2, 3))),
@@ -115,9 +113,7 @@ def test_first_nonfinite_names_the_tensor():
 
 def _write(folder: Path, bad: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] | None = None) -> Path:
     """A small two-layer Qwen3-shaped checkpoint, real values; BAD plants NaN/Inf at (nan, inf) indices."""
-    import torch
-
-    from tests.support.synthetic import SyntheticModel, write_checkpoint
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     model = SyntheticModel(layers=2)
     shapes = dict(model.tensors())
@@ -144,9 +140,7 @@ DOWN = "model.layers.1.mlp.down_proj.weight"
 
 def _stream(folder: Path, **kwargs) -> list[str]:
     """Names handed over by `read_in_order` in layer order, until it raises (the error is returned last)."""
-    from layerwise_cli.errors import LayerwiseError
-    from layerwise_cli.planning.inspect import inspect_order
-    from layerwise_cli.worker.stream.read_ahead import read_in_order
+    from layerwise_cli.worker.stream.read_ahead import read_in_order  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     plan = inspect_order(str(folder)).plan
     names: list[str] = []
@@ -160,8 +154,6 @@ def _stream(folder: Path, **kwargs) -> list[str]:
 
 @pytest.mark.parametrize("readahead", [True, False])
 def test_stream_refuses_a_layer_before_any_of_its_tensors_is_handed_over(tmp_path, readahead):
-    from layerwise_cli.planning.inspect import inspect_order
-
     clean = _stream(_write(tmp_path / "clean"), readahead=readahead)
     assert not any(name.startswith("ERROR") for name in clean)
     bad = _write(tmp_path / "bad", {DOWN: ((1, 2, 3), ())})
@@ -231,12 +223,6 @@ def test_reorder_verify_on_a_clean_checkpoint_says_so(tmp_path):
 
 def test_inspect_order_scan_of_a_hub_repo(tmp_path):
     """A Hub source is scanned shard by shard through the Hub cache; the error names repo and shard."""
-    import os
-    import subprocess
-    import sys
-
-    from tests.support.hub_server import HubServer
-
     bad = _write(tmp_path / "bad", {DOWN: ((5,), (6, 7))})
     server = HubServer()
     server.add_repo("org/bad", bad)

@@ -14,11 +14,14 @@ fingerprint and by its weight-version tag, and the report names what each holds:
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 
 import pytest
 
 from layerwise_cli.client.servers.events import Paused, ServerEvent
+from layerwise_cli.client.servers.reload_servers import RemoteOptions, holdings, reload_servers, server_fingerprints
+from layerwise_cli.demo import expected_answer
 from tests.support.engine_support import nan_in_final_norm, reshard
 from tests.support.server_support import RunningServer, own_core, run_cli, running_together
 from tests.support.watch_support import weight_version
@@ -30,8 +33,6 @@ STEP = "step_next"  # the relative SOURCE every node resolves on its own disk
 
 
 def expected(name: str) -> list[str]:
-    from layerwise_cli.demo import expected_answer
-
     return [expected_answer(name, a, b) for a, b in PAIRS]
 
 
@@ -47,8 +48,6 @@ def fleet(demo_models, tmp_path_factory):
 
 def write_step(demo_models, fleet, *, broken: dict | None = None) -> None:
     """STEP on every node: *add* of its architecture, in two shards; BROKEN maps a server's index to an edit."""
-    import shutil
-
     for index, server in enumerate(fleet):
         target = server.cwd / STEP
         shutil.rmtree(target, ignore_errors=True)
@@ -67,8 +66,6 @@ def truncate_last_shard(step) -> None:
 
 def snapshot(fleet) -> list[tuple]:
     """What each server holds: its answers, every module's fingerprint, its tag; and that it is not paused."""
-    from layerwise_cli.client.servers.reload_servers import server_fingerprints
-
     return [(server.answers(PAIRS), server_fingerprints(server.url), weight_version(server.url), server.is_paused())
             for server in fleet]
 
@@ -131,8 +128,6 @@ def test_nan_in_a_last_layer_fails_mid_stream_and_the_servers_that_changed_are_r
 
 
 def test_a_shard_truncated_after_pre_flight_fails_its_server_and_the_others_go_back(fleet, demo_models):
-    from layerwise_cli.client.servers.reload_servers import RemoteOptions, reload_servers
-
     write_step(demo_models, fleet)
     before = snapshot(fleet)
     truncated = threading.Event()
@@ -155,10 +150,6 @@ def test_a_shard_truncated_after_pre_flight_fails_its_server_and_the_others_go_b
 def test_a_server_whose_previous_step_was_deleted_is_updated_and_named_when_it_cannot_go_back(fleet, demo_models):
     """A trainer deletes old steps, the one a server holds included: the update goes on, with a warning; if it
     must be undone, that server keeps the new weights and the report says so (refusing would stall the fleet)."""
-    import shutil
-
-    from layerwise_cli.client.servers.reload_servers import RemoteOptions, holdings, reload_servers
-
     write_step(demo_models, fleet)  # add on every node
     held = "step_held"
     for server in fleet:
@@ -189,8 +180,6 @@ def test_a_server_whose_previous_step_was_deleted_is_updated_and_named_when_it_c
 
 
 def test_a_server_killed_mid_reload_leaves_the_others_on_their_previous_weights(fleet, demo_models):
-    from layerwise_cli.client.servers.reload_servers import RemoteOptions, holdings, reload_servers
-
     write_step(demo_models, fleet)
     before = snapshot(fleet)[:2]
     victim = fleet[2]

@@ -6,11 +6,13 @@ The stand-ins have the attributes the watch reads on vLLM's `MultiprocExecutor` 
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from types import SimpleNamespace
 
 import pytest
 
+from layerwise_cli import vllm_compat
 from layerwise_cli.server import follower_watch
 from layerwise_cli.server.follower_watch import (
     Follower,
@@ -21,6 +23,7 @@ from layerwise_cli.server.follower_watch import (
     read_until_lost,
     socket_address,
 )
+from layerwise_cli.worker.reload.hold_point import HOLD_ENV, hold_if_armed
 
 
 def _queue(address: str | None) -> SimpleNamespace:
@@ -177,8 +180,6 @@ def test_watch_followers_leaves_an_engine_on_one_node_alone():
 
 
 def test_after_executor_ready_runs_the_hook_after_vllms_own_once_per_hook(monkeypatch):
-    from layerwise_cli import vllm_compat
-
     calls: list[str] = []
 
     class Executor:
@@ -194,11 +195,9 @@ def test_after_executor_ready_runs_the_hook_after_vllms_own_once_per_hook(monkey
 
 
 def test_a_call_in_flight_is_answered_503_once_the_engine_died():
-    import asyncio
+    from fastapi import HTTPException  # noqa: PLC0415 - fastapi: heavy (test collection stays fast)
 
-    from fastapi import HTTPException
-
-    from layerwise_cli.server.engines_rpc import until_engine_dies
+    from layerwise_cli.server.engines_rpc import until_engine_dies  # noqa: PLC0415 - fastapi: heavy (test collection stays fast)
 
     engine = SimpleNamespace(errored=False)
 
@@ -220,8 +219,6 @@ def test_a_call_in_flight_is_answered_503_once_the_engine_died():
 
 
 def test_the_hold_point_waits_only_when_armed(tmp_path, monkeypatch):
-    from layerwise_cli.worker.reload.hold_point import HOLD_ENV, hold_if_armed
-
     monkeypatch.delenv(HOLD_ENV, raising=False)
     hold_if_armed()  # unset: returns
     monkeypatch.setenv(HOLD_ENV, str(tmp_path))

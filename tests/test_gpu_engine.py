@@ -10,11 +10,14 @@ and `fp8_per_tensor` (MoE: experts and linear layers).
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from layerwise_cli.client.engine.in_process import EngineOptions, reload, start_engine, stop_engine
 from tests.support.engine_support import engine_state, greedy_with_logprobs
+from tests.support.synthetic import SyntheticModel, normal_weights, write_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.engine]
 
@@ -25,7 +28,7 @@ CASES = [("dense", 0, "fp8_per_block"), ("moe", 8, "fp8_per_tensor")]
 
 @pytest.fixture(scope="module")
 def gpu() -> None:
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU (torch.cuda.is_available() is False)")
@@ -33,8 +36,6 @@ def gpu() -> None:
 
 def write_model(folder: Path, seed: int, experts: int, tokenizer: Path) -> Path:
     """A small Qwen3 (or Qwen3-MoE) with real weights; every dimension a multiple of 128 for block FP8."""
-    from tests.support.synthetic import SyntheticModel, normal_weights, write_checkpoint
-
     model = SyntheticModel(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=256,
                            experts=experts, moe_intermediate=256)
     write_checkpoint(folder, model, "trainer_export", shards=3, data=normal_weights(model, seed=seed, std=0.05))
@@ -46,10 +47,6 @@ def write_model(folder: Path, seed: int, experts: int, tokenizer: Path) -> Path:
 
 @pytest.mark.parametrize(("family", "experts", "method"), CASES, ids=[f"{c[0]}-{c[2]}" for c in CASES])
 def test_online_fp8_reload_a_b_a(gpu, demo_models, tmp_path, family, experts, method):
-    from dataclasses import replace
-
-    from layerwise_cli.client.engine.in_process import EngineOptions, reload, start_engine, stop_engine
-
     models = {name: write_model(tmp_path / name, seed, experts, demo_models["multiply"])
               for name, seed in (("a", 1), ("b", 2))}
     # The engine under test captures CUDA graphs (the reload must keep their

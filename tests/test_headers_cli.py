@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from safetensors import SafetensorError, safe_open
 from typer.testing import CliRunner
 
 from layerwise_cli.checkpoint.format.header import DTYPE_BITS, parse_header, read_shard_header
@@ -221,8 +222,6 @@ def test_valid_files_pass(tmp_path: Path) -> None:
 
 
 def _safetensors_accepts(path: Path) -> bool:
-    from safetensors import SafetensorError, safe_open
-
     try:
         with safe_open(str(path), framework="numpy") as f:
             f.keys()

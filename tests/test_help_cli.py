@@ -4,6 +4,8 @@ and no help text lost to Rich markup (`[ray]`, `[plot]`)."""
 from __future__ import annotations
 
 import re
+import shlex
+from pathlib import Path
 
 import pytest
 import typer
@@ -116,8 +118,6 @@ def test_the_check_catches_markup_and_narrow_columns() -> None:
 
 def readme_command_lines() -> list[str]:
     """Every `$ layerwise ...` line of the README's console blocks."""
-    from pathlib import Path
-
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     return [line[2:] for line in text.splitlines() if line.startswith("$ layerwise ")]
 
@@ -126,8 +126,6 @@ def readme_command_lines() -> list[str]:
 def test_every_readme_command_line_parses(line: str) -> None:
     """Each command line the README shows names a command, options it has and values they accept (parsed by the
     real app, not run: the engine runs are the engine tests')."""
-    import shlex
-
     args = shlex.split(line)[1:]
     root = typer.main.get_command(app)
     with root.make_context("layerwise", list(args)) as ctx:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import socket
@@ -16,6 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from layerwise_cli.cli.app import app
+from layerwise_cli.errors import describe_exception
 from tests.support.hub_server import HubServer
 from tests.support.synthetic import SyntheticModel, write_checkpoint, write_safetensors
 
@@ -295,15 +297,11 @@ def test_offline_without_the_shards_in_cache(hub_env: HubServer) -> None:
 
 
 def test_library_errors_map_to_one_line() -> None:
-    import importlib
-
-    from huggingface_hub.errors import LocalEntryNotFoundError, SafetensorsParsingError
-    from huggingface_hub.utils import get_session
+    from huggingface_hub.errors import LocalEntryNotFoundError, SafetensorsParsingError  # noqa: PLC0415 - huggingface_hub: heavy (test collection stays fast)
+    from huggingface_hub.utils import get_session  # noqa: PLC0415 - huggingface_hub: heavy (test collection stays fast)
 
     # The HTTP library huggingface_hub talks through: httpx (1.x) or httpx2 (2.x).
     http = importlib.import_module(type(get_session()).__module__.split(".")[0])
-
-    from layerwise_cli.errors import describe_exception
 
     parsing = describe_exception(SafetensorsParsingError("Failed to parse safetensors header\nfor x"), where="org/a")
     assert str(parsing) == "org/a: invalid safetensors header: Failed to parse safetensors header"

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from layerwise_cli.writer.save import save_checkpoint
+from tests.support.deltas import rl_step
 from tests.support.hub_server import HubServer
 from tests.test_store_delta_cli import _chain
 
@@ -50,8 +52,6 @@ print(json.dumps({"kind": step.kind, "commit": step.commit, "source": step.sourc
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    from layerwise_cli.writer.save import save_checkpoint
-
     root = tmp_path_factory.mktemp("hub-delta")
     steps = _chain(root / "run")
     for name, tensors in steps.items():
@@ -61,8 +61,6 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     shutil.rmtree(root / "orphan" / "step_2")
     shutil.copytree(root / "run", root / "rewritten")
     shutil.rmtree(root / "rewritten" / "step_2")
-    from tests.support.deltas import rl_step
-
     other = {n: rl_step(t, 0.03, 77) for n, t in steps["step_1"].items()}  # another step 2, against step_1
     save_checkpoint(other.items(), root / "rewritten" / "step_2", config={"model_type": "llama"}, marker=None,
                     base=root / "run" / "step_1")

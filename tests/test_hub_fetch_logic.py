@@ -11,8 +11,9 @@ import pytest
 
 from layerwise_cli.checkpoint.fetch.partial_blob import PARTIAL_SUFFIX, RECORD_SUFFIX, PartialBlob, add_interval, covers
 from layerwise_cli.checkpoint.fetch.policy import STALL_ENV, FetchPolicy
-from layerwise_cli.checkpoint.fetch.range_fetcher import ByteRange, range_requests
+from layerwise_cli.checkpoint.fetch.range_fetcher import ByteRange, RangeFetcher, range_requests
 from layerwise_cli.checkpoint.hub.pin import HubPin, is_commit
+from layerwise_cli.checkpoint.hub.range_source import HubSource
 from layerwise_cli.errors import LayerwiseError
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -160,10 +161,6 @@ def test_a_cache_that_cannot_hold_the_lock_gets_a_private_file(tmp_path: Path) -
 
 
 def test_a_reader_going_back_within_a_file_finds_the_parts_it_asked_for(tmp_path) -> None:
-    from layerwise_cli.checkpoint.fetch.range_fetcher import RangeFetcher
-    from layerwise_cli.checkpoint.hub.pin import HubPin
-    from layerwise_cli.checkpoint.hub.range_source import HubSource
-
     # Layer order reads a shard's tensors out of offset order (a large layer moved inward, names sorted).
     ranges = [ByteRange("a", 300, 400), ByteRange("a", 0, 50), ByteRange("b", 0, 10), ByteRange("a", 100, 200)]
     fetcher = RangeFetcher(HubSource(HubPin("org/m", "0" * 40), cache_dir=tmp_path), ranges, part_bytes=1 << 20)

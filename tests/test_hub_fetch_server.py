@@ -42,7 +42,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _use(hub: HubServer, monkeypatch: pytest.MonkeyPatch, cache: Path) -> HubServer:
     # huggingface_hub reads HF_ENDPOINT and HF_HUB_CACHE at import: point its constants here instead.
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # noqa: PLC0415 - huggingface_hub: heavy (test collection stays fast)
 
     monkeypatch.setattr(constants, "ENDPOINT", hub.endpoint)
     template = hub.endpoint + "/{repo_id}/resolve/{revision}/{filename}"
@@ -72,7 +72,7 @@ def fetcher(pin: HubPin, ranges: list[ByteRange], cache: Path, *, policy: FetchP
 
 
 def cache_of(hub: HubServer) -> Path:
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # noqa: PLC0415 - huggingface_hub: heavy (test collection stays fast)
 
     return Path(constants.HF_HUB_CACHE)
 
@@ -161,7 +161,7 @@ def test_fetching_stays_a_bounded_window_ahead_of_the_reader(hub: HubServer, fol
 
 def test_complete_files_are_verified_linked_and_found_offline(hub: HubServer, folders: dict[str, Path],
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    from huggingface_hub import constants, hf_hub_download, snapshot_download
+    from huggingface_hub import constants, hf_hub_download, snapshot_download  # noqa: PLC0415 - huggingface_hub: heavy (test collection stays fast)
 
     files = shards(folders["a"])
     pin = pin_commit("org/m")

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 
 import pytest
 
+from layerwise_cli.demo import expected_answer
 from tests.support.engine_support import nan_in_final_norm, reshard
 from tests.support.hub_server import HubServer, once_named
 from tests.support.server_support import RunningServer, own_core, run_cli, running_together
@@ -34,8 +36,6 @@ REPO = "org/step"
 
 
 def expected(name: str) -> list[str]:
-    from layerwise_cli.demo import expected_answer
-
     return [expected_answer(name, a, b) for a, b in PAIRS]
 
 
@@ -125,8 +125,6 @@ def test_a_node_that_fails_the_update_and_one_that_goes_back_both_end_on_the_com
     the fleet (`PreflightAnswer.loaded_revision`). `main` moved in the middle: both go back to the commit they
     held, by their answers and their tag, not to what `main` names.
     """
-    import shutil
-
     held = hub.move_ref(REPO, "main", folders["add"])
     code, report, stderr = reload_json(fleet, hub, "--weight-version", "v-held")
     assert code == 0 and report["commit"] == held, stderr[-3000:]

@@ -17,10 +17,14 @@ checkpoint (every tensor, and answers), and the Hub server counts what it sent:
 """
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
 
+import layerwise_cli
+from layerwise_cli.checkpoint.hub.pin import repo_cache_folder
+from layerwise_cli.errors import LayerwiseError
 from tests.support.engine_support import assert_is_fresh, checksums, fresh_state
 from tests.support.hub_server import Fault, HubServer
 from tests.support.in_process import start_here, stop_here
@@ -52,7 +56,7 @@ def with_nan(tensors: dict) -> dict:
 @pytest.fixture(scope="module")
 def hub(ckpts, tmp_path_factory):
     """The loopback Hub, `main` on A, and huggingface_hub in this process (the engine's too) pointed at it."""
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # noqa: PLC0415 - huggingface_hub: heavy (test collection stays fast)
 
     server = HubServer(cdn=True)
     server.start_commit = server.add_repo(REPO, ckpts["A"])
@@ -89,16 +93,12 @@ def engine(hub, fresh):
 
 
 def reload_main(llm, hub: HubServer, folder: Path, **options) -> tuple[object, str]:
-    import layerwise_cli
-
     commit = hub.move_ref(REPO, "main", folder)
     hub.reset_counts()
     return layerwise_cli.reload(llm, REPO, **options), commit
 
 
 def test_a_failed_reload_goes_back_to_the_commit_the_engine_started_on(engine, on_hub, ckpts) -> None:
-    from layerwise_cli.errors import LayerwiseError
-
     # The engine started on `org/step` when `main` named A; `main` now names a step with NaN in its last layer.
     with pytest.raises(LayerwiseError, match=f"rolled back to the weights of {REPO}@{on_hub.start_commit}"):
         reload_main(engine, on_hub, ckpts["NaN"])
@@ -106,7 +106,7 @@ def test_a_failed_reload_goes_back_to_the_commit_the_engine_started_on(engine, o
 
 
 def test_a_new_commit_is_fetched_once_and_lands_in_the_hub_cache(engine, on_hub, ckpts) -> None:
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # noqa: PLC0415 - huggingface_hub: heavy (test collection stays fast)
 
     report, commit = reload_main(engine, on_hub, ckpts["B"])
     sent, total = on_hub.sent_for(".safetensors"), weight_bytes(ckpts["B"])
@@ -131,8 +131,6 @@ def test_layers_the_header_digests_skip_are_never_fetched(engine, on_hub, ckpts)
 
 
 def test_bytes_that_arrive_corrupted_fail_the_reload_and_the_engine_keeps_its_weights(engine, on_hub, ckpts) -> None:
-    from layerwise_cli.errors import LayerwiseError
-
     before = checksums(engine)
     shard = sorted(ckpts["A"].glob("*.safetensors"))[-1].name
     on_hub.faults.append(Fault(shard, "corrupt", times=100))
@@ -146,13 +144,9 @@ def test_bytes_that_arrive_corrupted_fail_the_reload_and_the_engine_keeps_its_we
 
 
 def test_bounded_disk_keeps_nothing_in_the_hub_cache(engine, on_hub, ckpts) -> None:
-    from layerwise_cli.checkpoint.hub.pin import repo_cache_folder
-
     report, commit = reload_main(engine, on_hub, ckpts["D"], bounded_disk=True)
     assert report.placement.commit == commit
     assert_is_fresh(engine, ckpts["D"], stream_prompts())
-    import hashlib
-
     folder = repo_cache_folder(REPO)
     # The config and index read for the plan are small files of the cache; no weight file is there.
     assert list((folder / "snapshots" / commit).glob("*.safetensors")) == []

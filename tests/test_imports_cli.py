@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import subprocess
 import sys
 import textwrap
+import tomllib
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 
+import layerwise_cli
+from layerwise_cli.cli.app import app
+from layerwise_cli.cli.version import version_lines
 from tests.support.synthetic import SyntheticModel, write_checkpoint
 
 HEAVY = ("torch", "vllm", "safetensors", "huggingface_hub", "httpx", "httpx2")
@@ -57,8 +63,6 @@ def run_cli(*args: str, prelude: str = "") -> tuple[int, str, str, set[str]]:
 
 
 def _commands() -> list[str]:
-    from layerwise_cli.cli.app import app
-
     return [command.name for command in app.registered_commands]
 
 
@@ -76,10 +80,6 @@ def test_help_imports_nothing_heavy(args: list[str]) -> None:
 
 
 def test_version_reads_metadata_without_importing_the_engine() -> None:
-    from importlib import metadata
-
-    import layerwise_cli
-
     code, out, err, modules = run_cli("--version")
     assert code == 0, err
     lines = out.splitlines()
@@ -95,10 +95,6 @@ def test_version_reads_metadata_without_importing_the_engine() -> None:
 
 
 def test_version_says_what_is_missing() -> None:
-    from importlib import metadata
-
-    from layerwise_cli.cli.version import version_lines
-
     def only_torch(name: str) -> str:
         if name == "torch":
             return "9.9.9"
@@ -161,11 +157,6 @@ def test_vllm_installed_survives_a_refusing_finder() -> None:
 def test_version_is_the_same_in_pyproject_the_package_and_the_cli() -> None:
     """`layerwise --version`, `layerwise_cli.__version__` and pyproject.toml name one version, the CHANGELOG's
     newest release."""
-    import re
-    import tomllib
-
-    import layerwise_cli
-
     root = Path(__file__).resolve().parents[1]
     declared = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
     code, out, _, _ = run_cli("--version")

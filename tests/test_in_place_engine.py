@@ -18,6 +18,8 @@ import os
 
 import pytest
 
+from layerwise_cli.client.engine.in_process import EngineOptions, reload
+from layerwise_cli.engine_defaults import FRESH_BUFFERS_ENV
 from tests.support.cpu_kernels import take_linear_fallback
 from tests.support.engine_support import differing_prompts, engine_state, greedy_with_logprobs
 from tests.support.in_process import start_here, stop_here
@@ -37,15 +39,10 @@ def linear_weights_kept(monkeypatch):
 
 
 def options():
-    from layerwise_cli.client.engine.in_process import EngineOptions
-
     return EngineOptions(max_model_len=64)
 
 
 def test_linear_layers_vllm_keeps_as_loaded_load_in_place_too(linear_weights_kept, tmp_path):
-    from layerwise_cli.client.engine.in_process import reload
-    from layerwise_cli.engine_defaults import FRESH_BUFFERS_ENV
-
     a = save_pretrained_checkpoint(tmp_path / "a", Producer("qwen3", max_shard_size="96KB"), seed=1)
     b = save_pretrained_checkpoint(tmp_path / "b", Producer("qwen3", max_shard_size="40KB"), seed=2)
     fresh = start_here(str(b), options())

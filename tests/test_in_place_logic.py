@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from layerwise_cli import vllm_compat
 from layerwise_cli.worker.stream.in_place import in_place_materialization, kernel_views
 
 pytestmark = pytest.mark.slow  # imports vLLM
@@ -97,7 +98,7 @@ def test_declared_padding_the_loaders_skip_is_left_to_vllm():
 
 
 def _pack_method():
-    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     class Pack(QuantizeMethodBase):
         """Like vLLM's CPU oneDNN dispatch: the weight moves into a packed copy and the parameter is emptied."""
@@ -127,7 +128,7 @@ def _model(seed: int) -> nn.Module:
 
 def _first_load(model: nn.Module) -> None:
     """What vLLM's loader does at start-up: record the checkpoint layout, load, process."""
-    from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
+    from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     record_metadata_for_reloading(model)
     model.proj.quant_method.process_weights_after_loading(model.proj)
@@ -135,11 +136,11 @@ def _first_load(model: nn.Module) -> None:
 
 def _reload(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """vLLM's layerwise reload, fed as `model.load_weights` feeds it: each tensor through its parameter's loader."""
-    from vllm.model_executor.model_loader.reload.layerwise import (
+    from vllm.model_executor.model_loader.reload.layerwise import (  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
         finalize_layerwise_reload,
         initialize_layerwise_reload,
     )
-    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     initialize_layerwise_reload(model)
     for name, tensor in tensors.items():
@@ -179,8 +180,6 @@ def test_vllms_reload_in_place_leaves_what_its_fresh_buffers_leave_and_keeps_sto
 
 
 def test_vllms_materialize_is_put_back_after_the_reload_and_after_a_failure():
-    from layerwise_cli import vllm_compat
-
     module = vllm_compat.reload_layerwise_module()
     original = module.materialize_layer
     with pytest.raises(RuntimeError, match="loader failed"), in_place_materialization(_model(0)):
@@ -190,8 +189,6 @@ def test_vllms_materialize_is_put_back_after_the_reload_and_after_a_failure():
 
 
 def test_the_diagnostic_switch_leaves_every_layer_to_vllm(monkeypatch):
-    from layerwise_cli import vllm_compat
-
     monkeypatch.setenv("LAYERWISE_FRESH_BUFFERS", "1")
     model = _model(0)
     _first_load(model)

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from layerwise_cli.client.engine.in_process import EngineOptions, reload
 from tests.support.engine_support import differing_prompts, greedy_with_logprobs
+from tests.support.in_process import MULTIPROCESSING_ENV, start_here, stop_here
 from tests.support.producers import PADDED_VOCAB, Producer, save_pretrained_checkpoint
 
 pytestmark = pytest.mark.engine
@@ -30,8 +32,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def options():
-    from layerwise_cli.client.engine.in_process import EngineOptions
-
     return EngineOptions(max_model_len=64)
 
 
@@ -39,10 +39,7 @@ def options():
 def answers(checkpoints: dict[str, Path]) -> dict[str, object]:
     """In process on A; meanwhile a second engine fresh on B (started the default way); B reloaded into A's;
     after it stopped, a second in-process engine fresh on B."""
-    from vllm import envs
-
-    from layerwise_cli.client.engine.in_process import reload
-    from tests.support.in_process import MULTIPROCESSING_ENV, start_here, stop_here
+    from vllm import envs  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     got: dict[str, object] = {}
     affinity = os.sched_getaffinity(0)
@@ -64,7 +61,7 @@ def answers(checkpoints: dict[str, Path]) -> dict[str, object]:
                              if os.environ.get(key) != environ.get(key)]
     got["cache after stop"] = envs._is_envs_cache_enabled()
     got["affinity restored"] = os.sched_getaffinity(0) == affinity
-    import torch.distributed
+    import torch.distributed  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     got["distributed after stop"] = torch.distributed.is_initialized()
     got["second here core"], got["here fresh b"] = _core_and_answers(checkpoints["b"])
@@ -73,8 +70,6 @@ def answers(checkpoints: dict[str, Path]) -> dict[str, object]:
 
 def _core_and_answers(model: Path) -> tuple[str, list]:
     """Start an engine with `start_here`, ask it PROMPTS, stop it: its engine-core client's class and answers."""
-    from tests.support.in_process import start_here, stop_here
-
     llm = start_here(str(model), options())
     try:
         return type(llm.llm_engine.engine_core).__name__, greedy_with_logprobs(llm, PROMPTS)

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
+from layerwise_cli.checkpoint.sources import open_checkpoint
+from layerwise_cli.cli import inspect_order as command
 from layerwise_cli.cli.app import app
-from tests.support.synthetic import SyntheticModel, write_checkpoint
+from layerwise_cli.planning.chart import stream_curves
+from layerwise_cli.planning.inspect import inspect_order
+from tests.support.synthetic import SyntheticModel, write_checkpoint, write_safetensors
 
 runner = CliRunner()
 # The dense model of test_plan_logic: largest parent layer 768 bytes (gate_up_proj);
@@ -129,8 +135,6 @@ def test_json_is_all_of_stdout_and_stderr_stays_quiet(trainer_export: Path) -> N
 
 
 def test_tensor_names_with_markup_are_escaped(tmp_path: Path) -> None:
-    from tests.support.synthetic import write_safetensors
-
     path = tmp_path / "model.safetensors"
     write_safetensors(path, [("weird.[bold]x[/bold].weight", "U8", (4,))])
     result = runner.invoke(app, ["inspect-order", str(path)])
@@ -181,8 +185,6 @@ def test_reads_only_the_header_bytes(trainer_export: Path) -> None:
     # What the kernel handed this process: the shards' prefixes and headers,
     # config.json and the index, not one byte more (a buffered reader would
     # pull 8 KiB of each shard for its 8-byte prefix).
-    from layerwise_cli.checkpoint.sources import open_checkpoint
-
     open_checkpoint(str(trainer_export))  # imports and lazy set-up out of the way
     probe = _rchar()
     probe = _rchar() - probe  # reading /proc/self/io counts too
@@ -199,13 +201,6 @@ def test_reads_only_the_header_bytes(trainer_export: Path) -> None:
 
 def test_the_table_is_drawn_from_the_json_data_alone(trainer_export: Path, monkeypatch) -> None:
     """Data flows one way: the renderer reads what `--json` prints, never the plan behind it."""
-    import io
-
-    from rich.console import Console
-
-    from layerwise_cli.cli import inspect_order as command
-    from layerwise_cli.planning.inspect import inspect_order
-
     data = json.loads(json.dumps(inspect_order(str(trainer_export)).to_dict(top=0)))
     out = io.StringIO()
     monkeypatch.setattr(command, "stdout", Console(file=out, width=200, no_color=True))
@@ -241,9 +236,6 @@ def test_plot_writes_a_png_beside_the_json(make_checkpoint, tmp_path: Path) -> N
 
 
 def test_plot_curves_are_the_planners_figures(make_checkpoint) -> None:
-    from layerwise_cli.planning.chart import stream_curves
-    from layerwise_cli.planning.inspect import inspect_order
-
     report = inspect_order(str(make_checkpoint(layout="trainer_export", layers=4)))
     curves = stream_curves(report)
     for order, sim in (("file", report.file_order_buffering), ("layer", report.layer_order_buffering)):

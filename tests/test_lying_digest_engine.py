@@ -22,7 +22,16 @@ import shutil
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 
+from layerwise_cli import save_checkpoint
+from layerwise_cli.checkpoint.format.finite import scan_checkpoint
+from layerwise_cli.checkpoint.format.header import read_shard_header
+from layerwise_cli.checkpoint.sources import open_checkpoint
+from layerwise_cli.client.engine.in_process import EngineOptions, reload, verify_engine
+from layerwise_cli.demo import demo_prompt
+from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.reorder.rewrite import reorder
 from tests.support.engine_support import assert_matches_fresh, load_tensors, remember_fresh
 from tests.support.in_process import start_here, stop_here
 
@@ -34,14 +43,10 @@ PAIRS = [(3, 4), (2, 5), (9, 9), (7, 8), (1, 6), (4, 4), (8, 2), (6, 3), (5, 7),
 
 
 def prompts() -> list[str]:
-    from layerwise_cli.demo import demo_prompt
-
     return [demo_prompt(a, b) for a, b in PAIRS]
 
 
 def _save(tensors: dict, folder: Path, model_dir: Path) -> Path:
-    from layerwise_cli import save_checkpoint
-
     config = json.loads((model_dir / "config.json").read_text())
     save_checkpoint(iter(sorted(tensors.items())), folder, config=config, max_shard_size=64 * 1024, marker=None)
     for path in model_dir.iterdir():
@@ -52,8 +57,6 @@ def _save(tensors: dict, folder: Path, model_dir: Path) -> Path:
 
 def _lie(good: Path, liar: Path, new_bytes: bytes) -> Path:
     """A copy of GOOD whose LIAR tensor holds NEW_BYTES, every header (its digests) left as it was."""
-    from layerwise_cli.checkpoint.format.header import read_shard_header
-
     shutil.copytree(good, liar)
     for path in liar.glob("*.safetensors"):
         header, _ = read_shard_header(path)
@@ -69,9 +72,7 @@ def _lie(good: Path, liar: Path, new_bytes: bytes) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(demo_models, tmp_path_factory):
-    import torch
-
-    from layerwise_cli.client.engine.in_process import EngineOptions
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     root = tmp_path_factory.mktemp("lying-digest")
     a, b = Path(demo_models["multiply"]), Path(demo_models["add"])
@@ -90,11 +91,6 @@ def engine(demo_models, tmp_path_factory):
 
 
 def test_the_scans_catch_the_lie(engine):
-    from layerwise_cli.checkpoint.format.finite import scan_checkpoint
-    from layerwise_cli.checkpoint.sources import open_checkpoint
-    from layerwise_cli.errors import LayerwiseError
-    from layerwise_cli.reorder.rewrite import reorder
-
     _, good, liar = engine
     assert scan_checkpoint(open_checkpoint(str(good))).digest_mismatches == ()
     found = scan_checkpoint(open_checkpoint(str(liar))).digest_mismatches
@@ -104,9 +100,7 @@ def test_the_scans_catch_the_lie(engine):
 
 
 def test_one_tensor_changed_under_its_old_digest_reloads_its_layer(engine):
-    from safetensors.torch import load_file
-
-    from layerwise_cli.client.engine.in_process import reload, verify_engine
+    from safetensors.torch import load_file  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     llm, good, liar = engine
     # The engine holds HELD through layerwise: every layer recorded with its header digest and samples.
@@ -132,11 +126,7 @@ def test_one_tensor_changed_under_its_old_digest_reloads_its_layer(engine):
 
 def test_the_issue_repro_tensors_rewritten_with_the_old_metadata(engine, demo_models, tmp_path):
     """`reorder add add_lw`; multiply's tensors saved over it with `metadata=f.metadata()`; reload: answers 12."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from layerwise_cli.client.engine.in_process import reload
-    from layerwise_cli.reorder.rewrite import reorder
+    from safetensors.torch import save_file  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     llm, _, _ = engine
     add_lw = tmp_path / "add_lw"
@@ -160,9 +150,6 @@ def test_the_issue_repro_tensors_rewritten_with_the_old_metadata(engine, demo_mo
 
 
 def test_reorder_digests_let_a_reload_skip_without_reading(engine, tmp_path):
-    from layerwise_cli.client.engine.in_process import reload
-    from layerwise_cli.reorder.rewrite import reorder
-
     llm, good, _ = engine
     with_digests = tmp_path / "reordered"
     reorder(str(good), with_digests, max_shard_size=100 * 1024)

@@ -27,7 +27,7 @@ BATCHINGS = [[[0, 1, 2, 3]], [[0], [1], [2], [3]], [[0, 1], [2, 3]], [[3, 2, 1, 
 
 def _churn(_worker, junk: float) -> None:
     """In the worker: allocate junk-filled tensors of many sizes and free them (later `torch.empty` reuses them)."""
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     held = [torch.empty(kib * 256, dtype=torch.float32).fill_(junk)
             for kib in (1, 4, 16, 64, 256, 1024, 4096) for _ in range(8)]
@@ -90,7 +90,7 @@ def test_the_engines_mla_rope_rotates_3d_views_as_vllms_kernel_rotates_2d(engine
     """The mechanism, on the engine's own rope module: MLA's 3-D views of q (`[T, H, 64]` of `[T, H, 192]`) and
     k_pe (`[T, 1, 64]` of the fused `[T, 640]`) come back rotated in place exactly as vLLM's kernel rotates
     contiguous 2-D copies, and nothing outside the views is written; vLLM's own `forward_cpu` does neither."""
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     rope = engine.collective_rpc(_rotary)[0]
     assert getattr(type(rope).forward_cpu, "_layerwise_2d_rope_repair", False)

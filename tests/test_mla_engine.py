@@ -15,8 +15,9 @@ from __future__ import annotations
 import pytest
 
 import layerwise_cli
+from layerwise_cli.errors import LayerwiseError
 from tests.support.cpu_flags import cpu_flags
-from tests.support.engine_support import engine_state, greedy_with_logprobs
+from tests.support.engine_support import engine_state, greedy_with_logprobs, reshard
 from tests.support.in_process import start_here, stop_here
 from tests.support.producers import PADDED_VOCAB, Producer, save_pretrained_checkpoint
 
@@ -31,8 +32,8 @@ AMX = "amx_tile" in cpu_flags()
 
 def _packed(worker) -> dict:
     """Digests of what vLLM's AMX MLA backend packed, per MLA module (not parameters: engine_state misses them)."""
-    from layerwise_cli.worker.proof.checksums import tensor_sha256
-    from layerwise_cli.worker.proof.verify_mla import AMX_DERIVED
+    from layerwise_cli.worker.proof.checksums import tensor_sha256  # noqa: PLC0415 - torch: heavy (test collection stays fast)
+    from layerwise_cli.worker.proof.verify_mla import AMX_DERIVED  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     found = {}
     for name, module in worker.model_runner.get_model().named_modules():
@@ -93,9 +94,6 @@ def test_what_the_amx_backend_empties_is_loaded_by_every_reload_and_required_of_
     """On AMX the engine keeps no kv_b_proj weight: a reload of what the engine holds skips every layer but those,
     and still leaves the engine as a fresh one; a partial checkpoint without them is refused, nothing changed.
     Elsewhere every layer is skipped and the partial checkpoint loads."""
-    from layerwise_cli.errors import LayerwiseError
-    from tests.support.engine_support import reshard
-
     llm, a, b, state_b = mla
     layerwise_cli.reload(llm, str(b))
     again = layerwise_cli.reload(llm, str(b))
@@ -132,8 +130,8 @@ def test_verify_checks_what_mla_derives_from_kv_b_proj_against_source(mla):
 def _mla_derived_as_copies(worker) -> int:
     """Make every MLA module's W_UV and W_UK_T copies of their values (views of kv_b_proj's weight on CPU): the
     layout a quantized kv_b_proj gives them on a GPU, where only vLLM's refresh at finalize updates them."""
-    import torch
-    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     made = 0
     for module in worker.model_runner.get_model().modules():
@@ -148,7 +146,7 @@ def test_verify_recomputes_mla_copies_and_names_them_when_vllm_does_not_refresh_
     """W_UV and W_UK_T as copies: a reload refreshes them (vLLM's replace_parameter) and --verify, recomputing them
     with vLLM's split_kv_b_proj from SOURCE, passes; with that refresh switched off it names exactly the MLA modules.
     (Runs last in this file: the engine keeps the copies.)"""
-    from vllm.model_executor.layers.attention import mla_attention
+    from vllm.model_executor.layers.attention import mla_attention  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     if AMX:
         pytest.skip("vLLM's AMX MLA backend derives no W_UV/W_UK_T to turn into copies (it packs its own, "

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from layerwise_cli.client.engine.in_process import EngineOptions, cuda_available, reload, verify_engine
+from layerwise_cli.demo import demo_prompt
+from layerwise_cli.planning.inspect import inspect_order
 from tests.support.engine_support import (
     assert_matches_fresh,
     differing_prompts,
@@ -28,14 +31,12 @@ QUANTIZATIONS = [None, "int8_per_channel_weight_only"]
 
 
 def prompts() -> list[str]:
-    from layerwise_cli.demo import demo_prompt
-
     return [demo_prompt(a, b) for a, b in PAIRS]
 
 
 def why_not_here(quantization: str | None) -> str | None:
     """Why this machine cannot run an online quantization method's MoE kernel, or None."""
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     if quantization == "int8_per_channel_weight_only" and not torch.cpu._is_amx_tile_supported():
         # vLLM's x86 int8 MoE kernel (CPUExpertsInt8) needs AMX tiles; without
@@ -53,8 +54,6 @@ def quantization(request) -> str | None:
 
 
 def options(quantization: str | None):
-    from layerwise_cli.client.engine.in_process import EngineOptions
-
     return EngineOptions(max_model_len=64, quantization=quantization)
 
 
@@ -75,8 +74,6 @@ def engine_a(demo_models, quantization, fresh_b):
 
 
 def test_reload_b_matches_fresh_b_and_a_comes_back_exactly(engine_a, demo_models, fresh_b, quantization):
-    from layerwise_cli.client.engine.in_process import reload, verify_engine
-
     report = reload(engine_a, str(demo_models["moe-add"]), verify=True)
     assert_matches_fresh(engine_a, demo_models["moe-add"], prompts(), options=options(quantization))
     # --verify covers the experts: each layer's fused experts match *moe-add* as a fresh engine
@@ -117,8 +114,6 @@ def test_reload_b_matches_fresh_b_and_a_comes_back_exactly(engine_a, demo_models
 
 def test_verify_names_the_experts_vllm_own_reload_leaves_unpacked(engine_a, demo_models, fresh_b, quantization):
     """vLLM's own `reload_weights` skips the CPU expert prepack; `verify_engine` names exactly those layers."""
-    from layerwise_cli.client.engine.in_process import cuda_available, reload, verify_engine
-
     if quantization is not None or cuda_available():
         pytest.skip("the unpacked-experts fault is vLLM's unquantized CPU MoE kernel's")
     engine_a.collective_rpc("reload_weights", kwargs={"weights_path": str(demo_models["moe-add"])})
@@ -156,9 +151,6 @@ def experts_spread_b(demo_models, tmp_path_factory) -> Path:
 
 
 def test_experts_spread_over_shards_layer_vs_file_order(engine_a, demo_models, experts_spread_b, quantization):
-    from layerwise_cli.client.engine.in_process import reload
-    from layerwise_cli.planning.inspect import inspect_order
-
     predicted = inspect_order(str(experts_spread_b))
     layer = reload(engine_a, str(experts_spread_b), order="layer")
     layer_state = engine_state(engine_a)["checksums"]

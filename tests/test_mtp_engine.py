@@ -14,8 +14,21 @@ import shutil
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
-from tests.support.engine_support import assert_matches_fresh, fresh_answers, greedy_with_logprobs, remember_fresh
+from layerwise_cli.cli.app import app
+from layerwise_cli.client.engine import in_process
+from layerwise_cli.client.engine.in_process import EngineOptions, reload
+from layerwise_cli.client.engine.session import prepare_sources
+from layerwise_cli.demo import demo_prompt
+from layerwise_cli.planning.inspect import inspect_order
+from tests.support.engine_support import (
+    assert_matches_fresh,
+    fresh_answers,
+    greedy_with_logprobs,
+    load_tensors,
+    remember_fresh,
+)
 from tests.support.in_process import start_here, stop_here
 from tests.support.producers import Producer, save_pretrained_checkpoint
 
@@ -27,17 +40,13 @@ MTP_SHARD = "model-mtp.safetensors"
 
 
 def prompts() -> list[str]:
-    from layerwise_cli.demo import demo_prompt
-
     return [demo_prompt(a, b) for a, b in PAIRS]
 
 
 def mtp_tensors(checkpoint: Path, seed: int) -> dict:
     """An MTP block as Qwen3-Next checkpoints carry it: fc, its norms, and one decoder layer shaped as the
     checkpoint's full-attention layer (the last one)."""
-    import torch
-
-    from tests.support.engine_support import load_tensors
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     tensors = load_tensors(checkpoint)
     config = json.loads((checkpoint / "config.json").read_text())
@@ -58,7 +67,7 @@ def mtp_tensors(checkpoint: Path, seed: int) -> dict:
 
 def add_mtp(checkpoint: Path, tensors: dict) -> None:
     """Write TENSORS into CHECKPOINT as one more shard, listed in its index, and set `mtp_num_hidden_layers`."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     save_file(tensors, str(checkpoint / MTP_SHARD), metadata={"format": "pt"})
     index_path = checkpoint / "model.safetensors.index.json"
@@ -97,8 +106,6 @@ def engine(checkpoints):
 
     Its answers at start are B's fresh answers (`remember_fresh`): no second engine is started for them.
     """
-    from layerwise_cli.client.engine.in_process import EngineOptions
-
     fresh_answers(checkpoints["A-mtp"], prompts())
     llm = start_here(str(checkpoints["base"]), EngineOptions(max_model_len=64))
     remember_fresh(llm, checkpoints["base"], prompts())
@@ -114,10 +121,6 @@ def _mtp_note(report) -> str:
 
 def test_source_with_mtp_layers_over_base_without(engine, checkpoints):
     """SOURCE carries mtp.* (BASE has none): not unknown; never read; answers are a fresh engine's on SOURCE."""
-    from layerwise_cli.client.engine.in_process import reload
-    from layerwise_cli.client.engine.session import prepare_sources
-    from layerwise_cli.planning.inspect import inspect_order
-
     a = checkpoints["A-mtp"]
     # The command's pre-flight, before any engine starts, against BASE's headers.
     prepare_sources(str(a), str(checkpoints["base"]), None, quiet=True)
@@ -135,9 +138,6 @@ def test_source_with_mtp_layers_over_base_without(engine, checkpoints):
 
 def test_base_with_mtp_layers_source_without(engine, checkpoints, tmp_path):
     """BASE carries mtp.* and SOURCE does not: those tensors are not missing (vLLM would not load them)."""
-    from layerwise_cli.client.engine.in_process import reload
-    from layerwise_cli.client.engine.session import prepare_sources
-
     base, b = checkpoints["base"], checkpoints["B"]
     reload(engine, str(checkpoints["A-mtp"]))  # the engine holds A's weights: reloading B has something to prove
     on_a = greedy_with_logprobs(engine, prompts())
@@ -154,16 +154,11 @@ def test_base_with_mtp_layers_source_without(engine, checkpoints, tmp_path):
 
 def test_typo_in_an_mtp_name_is_refused_before_the_engine_starts(checkpoints, tmp_path, monkeypatch):
     """`mpt.fc.weight` is neither a tensor of BASE nor one vLLM skips: one line naming the file and tensor, exit 1."""
-    from typer.testing import CliRunner
-
-    from layerwise_cli.cli.app import app
-
     started: list[str] = []
-    from layerwise_cli.client.engine import in_process
     monkeypatch.setattr(in_process, "start_engine", lambda model, options=None: started.append(model))
     bad = tmp_path / "typo"
     shutil.copytree(checkpoints["A-mtp"], bad)
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     tensors = load_file(bad / MTP_SHARD)
     tensors["mpt.fc.weight"] = tensors.pop("mtp.fc.weight")

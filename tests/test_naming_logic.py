@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from layerwise_cli.checkpoint.sources import open_checkpoint
+from layerwise_cli.planning.inspect import inspect_order
 from tests.support.engine_support import parameter_kind, reshard
 
 
@@ -29,8 +31,6 @@ def tied_models(demo_models, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.slow  # trains the demo models with torch
 def test_tied_checkpoint_plans_without_a_head(tied_models):
-    from layerwise_cli.planning.inspect import inspect_order
-
     report = inspect_order(str(tied_models["add"]))
     names = [layer.name for layer in report.plan.layers]
     assert "lm_head" not in names and names[0] == "model.embed_tokens"
@@ -52,10 +52,9 @@ def test_prefixed_language_model_names_map_to_the_engine_modules(make_checkpoint
     here, so the mapper is vLLM's `WeightsMapper` built with the prefixes
     `Qwen3VLForConditionalGeneration` declares (vllm/model_executor/models/qwen3_vl.py).
     """
-    from vllm.model_executor.models.utils import WeightsMapper
+    from vllm.model_executor.models.utils import WeightsMapper  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
-    from layerwise_cli.checkpoint.sources import open_checkpoint
-    from layerwise_cli.worker.stream.rank_plan import plan_for_worker
+    from layerwise_cli.worker.stream.rank_plan import plan_for_worker  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     mapper = WeightsMapper(orig_to_new_prefix={
         "model.visual.": "visual.",

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+
 import pytest
 from typer.testing import CliRunner
 
+from layerwise_cli.cli.app import app
 from layerwise_cli.errors import UsageError
 from layerwise_cli.server.command_line import server_command_line
+from layerwise_cli.server.headless import model_first, option_value
 from layerwise_cli.server.nodes import NodePlacement, node_refusal
+from layerwise_cli.server.peer_watch import PeerWatch, leader_gone, reachable
 
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
@@ -82,15 +89,11 @@ def test_workers_that_do_not_split_over_the_nodes_are_refused():
 @pytest.mark.parametrize("arg", ["--node-rank", "--node_rank=1", "--nnodes", "-n2", "-r", "--headless",
                                  "--master-port=1", "--master-addr"])
 def test_the_node_options_cannot_pass_through(arg):
-    from layerwise_cli.cli.app import app
-
     result = CliRunner().invoke(app, ["serve", "m", "--dry-run", "--", arg])
     assert result.exit_code == 2 and "cannot pass through to vLLM" in result.output
 
 
 def test_serve_dry_run_for_each_node():
-    from layerwise_cli.cli.app import app
-
     common = ["serve", "m", "-tp", "2", "--nnodes", "2", "--master-port", "4123", "--dry-run"]
     leader = CliRunner().invoke(app, common)
     follower = CliRunner().invoke(app, [*common, "--node-rank", "1", "--headless"])
@@ -109,10 +112,6 @@ def test_serve_dry_run_for_each_node():
 
 def _watch(answers: list[bool]):
     """A headless node's PeerWatch on node 0 whose probes answer ANSWERS in turn (then False); the reasons given."""
-    import threading
-
-    from layerwise_cli.server.peer_watch import PeerWatch, leader_gone
-
     gone: list[str] = []
     done = threading.Event()
     probes = iter(answers)
@@ -137,8 +136,6 @@ def test_a_leader_that_stops_answering_is_reported_once_after_the_misses():
 
 
 def test_a_leader_never_reached_is_not_reported_gone():
-    import time
-
     watch, gone, _ = _watch([])  # every probe refused
     watch.start()
     time.sleep(0.2)  # hundreds of probes
@@ -147,10 +144,6 @@ def test_a_leader_never_reached_is_not_reported_gone():
 
 
 def test_reachable_probes_a_real_socket():
-    import socket
-
-    from layerwise_cli.server.peer_watch import reachable
-
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen()
@@ -166,14 +159,10 @@ def test_reachable_probes_a_real_socket():
     (["--master-port", "1"], "127.0.0.1"),
 ])
 def test_option_value_reads_what_argparse_reads(args, value):
-    from layerwise_cli.server.headless import option_value
-
     assert option_value(args, "--master-addr", "127.0.0.1") == value
 
 
 def test_the_model_leads_a_headless_nodes_vllm_serve_arguments():
-    from layerwise_cli.server.headless import model_first
-
     assert model_first(["--model", "m", "--headless", "-tp", "2"]) == ["m", "--headless", "-tp", "2"]
     assert model_first(["--headless", "--model", "./a b"]) == ["./a b", "--headless"]
     assert model_first(["--headless"]) == ["--headless"]

@@ -18,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from layerwise_cli.client.servers.reload_servers import server_fingerprints
+from layerwise_cli.engine_defaults import cpu_threads_binding
 from layerwise_cli.worker.reload.hold_point import HOLD_ENV
 from tests.support.nodes_support import ended, group_processes, start_nodes, start_together, two_nodes
 from tests.support.server_support import SMALL, RunningServer, run_cli, start
@@ -36,8 +38,6 @@ class Engine:
         self.fresh_fingerprints: dict[str, str] = {}
 
     def fingerprints(self) -> dict[str, str]:
-        from layerwise_cli.client.servers.reload_servers import server_fingerprints
-
         return server_fingerprints(self.leader.url)
 
 
@@ -47,15 +47,11 @@ def engine(demo_models, tmp_path_factory):
     hold = tmp_path_factory.mktemp("hold")
     leader, follower = two_nodes(demo_models["multiply"], disks, tp=1, pp=PP, node_1_env={HOLD_ENV: str(hold)})
     # The reference: one node, PP=2, a core per stage (the test worker's one-core binding would be refused).
-    from layerwise_cli.engine_defaults import cpu_threads_binding
-
     fresh = RunningServer(demo_models["add"], extra=["--pipeline-parallel-size", str(PP), *SMALL],
                           start_timeout=600, env={"VLLM_CPU_OMP_THREADS_BIND": cpu_threads_binding(PP)})
     ours = Engine(leader, follower, hold)
     try:
         start_together(lambda: start_nodes(leader, follower), lambda: start(fresh))
-        from layerwise_cli.client.servers.reload_servers import server_fingerprints
-
         ours.fresh_fingerprints = server_fingerprints(fresh.url)
         fresh.__exit__(None, None, None)  # its idle workers would poll the two cores for the rest of the file
         yield ours

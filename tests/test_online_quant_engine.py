@@ -15,7 +15,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
+from layerwise_cli.client.engine.in_process import (
+    EngineOptions,
+    call_workers,
+    reload,
+    start_engine,
+    stop_engine,
+    verify_engine,
+)
+from layerwise_cli.demo import demo_prompt
+from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.planning.inspect import inspect_order
 from tests.support.engine_support import (
     assert_matches_fresh,
     engine_state,
@@ -38,14 +50,10 @@ NAN_TENSOR = "model.layers.1.mlp.down_proj.weight"
 
 
 def prompts() -> list[str]:
-    from layerwise_cli.demo import demo_prompt
-
     return [demo_prompt(a, b) for a, b in PAIRS]
 
 
 def options(quantization: str, tensor_parallel_size: int = 1):
-    from layerwise_cli.client.engine.in_process import EngineOptions
-
     return EngineOptions(max_model_len=64, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
                          extra={"worker_extension_cls": TAMPER_EXTENSION_CLS})
 
@@ -57,8 +65,6 @@ def quantized_layers(layers: int = PRODUCER.layers) -> set[str]:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A and B (two seeds); M (B with layer 1 from A); B with NaN in one quantized layer's weight."""
-    import torch
-
     root = tmp_path_factory.mktemp("online-quant")
     a = save_pretrained_checkpoint(root / "A", PRODUCER, seed=1)
     b = save_pretrained_checkpoint(root / "B", PRODUCER, seed=2)
@@ -82,8 +88,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _assert_prediction_is_measured(report, source: Path, order: str) -> None:
     """Measured peak == predicted peak == `inspect_order`'s, in checkpoint-format (bf16) bytes; layers complete."""
-    from layerwise_cli.planning.inspect import inspect_order
-
     predicted = inspect_order(str(source))
     sim = predicted.layer_order_buffering if order == "layer" else predicted.file_order_buffering
     assert report.peak_buffer_bytes == report.memory.predicted_peak_buffer_bytes == sim.peak_buffer_bytes
@@ -131,8 +135,6 @@ class TestOnlineQuantFp8:
 
     @pytest.mark.parametrize("order", ["layer", "file"])
     def test_online_quant_reload_b_matches_fresh_b_then_a_back(self, engine, checkpoints, fresh_b, order):
-        from layerwise_cli.client.engine.in_process import reload
-
         before = engine_state(engine)
         report = reload(engine, str(checkpoints["B"]), order=order)
         assert report.unchanged.skipped_layers == 0
@@ -151,9 +153,6 @@ class TestOnlineQuantFp8:
         assert engine_state(engine)["checksums"] == before["checksums"]
 
     def test_online_quant_nan_refused_and_rolled_back(self, engine, checkpoints):
-        from layerwise_cli.client.engine.in_process import reload
-        from layerwise_cli.errors import LayerwiseError
-
         reload(engine, str(checkpoints["A"]), all_layers=True)
         before = engine_state(engine)
         held = engine.collective_rpc("layerwise_test_quantized")[0]
@@ -168,8 +167,6 @@ class TestOnlineQuantFp8:
         assert_matches_fresh(engine, checkpoints["A"], prompts(), options=options(self.QUANT), exact=True)
 
     def test_online_quant_skips_unchanged_quantized_layers(self, engine, checkpoints, fresh_b):
-        from layerwise_cli.client.engine.in_process import reload
-
         reload(engine, str(checkpoints["A"]), all_layers=True)  # every layer recorded as A's
         layer_one = {name for name in quantized_layers() if name.startswith("model.layers.1.")}
         to_m = reload(engine, str(checkpoints["M"]))  # M: B with layer 1 from A
@@ -190,8 +187,6 @@ class TestOnlineQuantFp8:
         assert_matches_fresh(engine, checkpoints["B"], prompts(), options=options(self.QUANT))
 
     def test_online_quant_verify_requantizes_and_names_a_flipped_element(self, engine, checkpoints):
-        from layerwise_cli.client.engine.in_process import reload, verify_engine
-
         report = reload(engine, str(checkpoints["B"]), all_layers=True, verify=True)
         verify = report.verify
         assert verify.ok and not verify.skipped and not verify.errors, (verify.skipped, verify.errors)
@@ -218,8 +213,6 @@ class TestOnlineQuantFp8:
 
 def test_online_quant_tensor_parallel_two_int8(checkpoints, monkeypatch):
     """TP=2, int8 per channel: each rank quantizes its own shard; B -> A -> B equals the engine's start on B."""
-    from layerwise_cli.client.engine.in_process import call_workers, reload, start_engine, stop_engine
-
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     quant = "layerwise_int8"
     llm = start_engine(str(checkpoints["B"]), options(quant, tensor_parallel_size=2))

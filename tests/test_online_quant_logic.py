@@ -4,25 +4,28 @@ from __future__ import annotations
 
 import pytest
 
+from layerwise_cli.cli._options import check_quantization
+from layerwise_cli.errors import UsageError
+
 pytestmark = pytest.mark.slow  # imports vLLM
 
 
 @pytest.fixture(scope="module")
 def online_quant():
-    from layerwise_cli.worker.quantization import online_quant
+    from layerwise_cli.worker.quantization import online_quant  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     return online_quant
 
 
 def _weight(seed: int = 0, rows: int = 48, cols: int = 64):
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     generator = torch.Generator().manual_seed(seed)
     return (0.2 * torch.randn(rows, cols, generator=generator)).to(torch.bfloat16)
 
 
 def test_online_quant_fp8_per_tensor_format_and_error_bound(online_quant):
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     weight = _weight()
     quantized, scale = online_quant.quantize(online_quant.FP8, weight)
@@ -37,7 +40,7 @@ def test_online_quant_fp8_per_tensor_format_and_error_bound(online_quant):
 
 
 def test_online_quant_int8_per_channel_format_and_error_bound(online_quant):
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     weight = _weight(1)
     weight[5] = 0  # an all-zero row must not divide by zero
@@ -53,7 +56,7 @@ def test_online_quant_int8_per_channel_format_and_error_bound(online_quant):
 @pytest.mark.parametrize("method", ["layerwise_fp8", "layerwise_int8"])
 def test_online_quant_is_deterministic_and_seed_sensitive(online_quant, method):
     # --verify re-quantizes SOURCE and compares bit for bit: the same input must give the same bits.
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     first, first_scale = online_quant.quantize(method, _weight(2))
     again, again_scale = online_quant.quantize(method, _weight(2).clone())
@@ -63,7 +66,7 @@ def test_online_quant_is_deterministic_and_seed_sensitive(online_quant, method):
 
 
 def test_online_quant_registered_with_vllm(online_quant):
-    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     online_quant.register()  # idempotent: the entry point and the imports may both call it
     assert QUANTIZATION_METHODS.count("layerwise_fp8") == QUANTIZATION_METHODS.count("layerwise_int8") == 1
@@ -80,9 +83,6 @@ def test_online_quant_unknown_method_is_refused(online_quant):
 
 
 def test_online_quant_accepted_by_the_commands_usage_check():
-    from layerwise_cli.cli._options import check_quantization
-    from layerwise_cli.errors import UsageError
-
     check_quantization("layerwise_fp8")
     check_quantization("layerwise_int8")
     with pytest.raises(UsageError, match="layerwise_int8"):

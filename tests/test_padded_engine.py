@@ -11,9 +11,24 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.engine_support import assert_matches_fresh, fresh_answers, greedy_with_logprobs, remember_fresh
+from layerwise_cli.client.engine.in_process import EngineOptions, call_workers, reload, start_engine, stop_engine
+from layerwise_cli.demo import demo_prompt
+from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.planning.inspect import inspect_order
+from layerwise_cli.report.reload_report import ReloadReport
+from tests.support.engine_support import (
+    assert_matches_fresh,
+    engine_state,
+    fresh_answers,
+    greedy_with_logprobs,
+    parameter_kind,
+    remember_fresh,
+    reshard,
+    with_rotary_buffers,
+)
 from tests.support.in_process import start_here, stop_here
 from tests.support.producers import Producer, save_pretrained_checkpoint
+from tests.support.synthetic import SyntheticModel, normal_weights, write_checkpoint
 
 pytestmark = pytest.mark.engine
 
@@ -23,16 +38,12 @@ PAIRS = [(a, b) for a in range(1, 10, 2) for b in range(0, 10, 4)]  # 15 prompts
 
 
 def prompts() -> list[str]:
-    from layerwise_cli.demo import demo_prompt
-
     return [demo_prompt(a, b) for a, b in PAIRS]
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A and B (two seeds) of the untied and tied producers, and a synthetic trainer export of the untied shapes."""
-    from tests.support.synthetic import SyntheticModel, normal_weights, write_checkpoint
-
     root = tmp_path_factory.mktemp("padded")
     out = {}
     for producer in (UNTIED, TIED):
@@ -51,8 +62,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def a_with_rotary_buffers(checkpoints, tmp_path_factory) -> Path:
     """Untied A as save_pretrained wrote it, plus `rotary_emb.inv_freq` in every layer; its fresh answers recorded."""
-    from tests.support.engine_support import reshard, with_rotary_buffers
-
     a = checkpoints[f"{UNTIED.label}-A"]
     out = reshard(a, tmp_path_factory.mktemp("rotary") / "a-inv", lambda name: name.split(".")[2]
                   if name.startswith("model.layers.") else "other", transform=with_rotary_buffers)
@@ -67,8 +76,6 @@ def untied_engine(checkpoints, a_with_rotary_buffers):
     Recorded in the shared fresh-engine cache (`remember_fresh`), they are the
     reference for every reload of B, so no second engine is started for them.
     """
-    from layerwise_cli.client.engine.in_process import EngineOptions
-
     b = checkpoints[f"{UNTIED.label}-B"]
     llm = start_here(str(b), EngineOptions(max_model_len=64))
     remember_fresh(llm, b, prompts())
@@ -77,8 +84,6 @@ def untied_engine(checkpoints, a_with_rotary_buffers):
 
 
 def _assert_prediction_is_measured(report, source: Path, order: str, tensor_parallel_size: int = 1) -> None:
-    from layerwise_cli.planning.inspect import inspect_order
-
     predicted = inspect_order(str(source), tensor_parallel_size=tensor_parallel_size)
     sim = predicted.layer_order_buffering if order == "layer" else predicted.file_order_buffering
     assert report.placement.order == order
@@ -98,8 +103,6 @@ def test_tied_padded_reload_prediction(checkpoints) -> None:
     Answers are not compared here: a tied head after a reload is another
     issue's repair (the matrix tests cover it).
     """
-    from layerwise_cli.client.engine.in_process import EngineOptions, reload
-
     a, b = checkpoints[f"{TIED.label}-A"], checkpoints[f"{TIED.label}-B"]
     llm = start_here(str(a), EngineOptions(max_model_len=64))
     try:
@@ -119,8 +122,6 @@ def test_tied_padded_reload_prediction(checkpoints) -> None:
 @pytest.mark.parametrize("order", ["layer", "file"])
 def test_untied_padded_reload_matches_a_fresh_engine_and_the_prediction(untied_engine, checkpoints,
                                                                         order: str) -> None:
-    from layerwise_cli.client.engine.in_process import reload
-
     a, b = checkpoints[f"{UNTIED.label}-A"], checkpoints[f"{UNTIED.label}-B"]
     reload(untied_engine, str(a))
     on_a = greedy_with_logprobs(untied_engine, prompts())
@@ -141,8 +142,6 @@ def test_untied_padded_reload_matches_a_fresh_engine_and_the_prediction(untied_e
 
 
 def test_synthetic_padded_checkpoint_prediction(untied_engine, checkpoints) -> None:
-    from layerwise_cli.client.engine.in_process import reload
-
     for order in ("file", "layer"):
         # The same source twice: all_layers measures the full stream both times (not a skip of everything).
         report = reload(untied_engine, str(checkpoints["synthetic"]), order=order, all_layers=True)
@@ -152,9 +151,6 @@ def test_synthetic_padded_checkpoint_prediction(untied_engine, checkpoints) -> N
 
 def test_tensor_parallel_two_holds_on_the_last_rank(checkpoints, monkeypatch) -> None:
     """TP 2: 192 padded rows split 96/96; rank 1 fills 64 of its 96 and holds, rank 0 completes."""
-    from layerwise_cli.client.engine.in_process import EngineOptions, call_workers, reload, start_engine, stop_engine
-    from layerwise_cli.report.reload_report import ReloadReport
-
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     a, b = checkpoints[f"{UNTIED.label}-A"], checkpoints[f"{UNTIED.label}-B"]
     llm = start_engine(str(a), EngineOptions(max_model_len=64, tensor_parallel_size=2))
@@ -182,10 +178,6 @@ def test_partly_covered_fused_layer_is_refused_even_with_allow_partial(untied_en
     """A checkpoint with q_proj and k_proj but no v_proj of a layer: vLLM would hold qkv_proj to the end,
     then materialize it from uninitialized memory and copy all of it into place (v_proj's weights lost).
     Pre-flight refuses it, and the engine keeps every weight."""
-    from layerwise_cli.client.engine.in_process import reload
-    from layerwise_cli.errors import LayerwiseError
-    from tests.support.engine_support import engine_state, parameter_kind, reshard
-
     b = checkpoints[f"{UNTIED.label}-B"]
     v_proj = "model.layers.0.self_attn.v_proj.weight"
     partial = reshard(b, tmp_path / "partial", parameter_kind,
@@ -206,9 +198,6 @@ def test_partly_covered_fused_layer_is_refused_even_with_allow_partial(untied_en
 def test_rotary_buffers_in_every_layer_are_skipped_as_vllm_does(untied_engine, checkpoints, a_with_rotary_buffers):
     """A save_pretrained Qwen3 checkpoint with `rotary_emb.inv_freq` in every layer (BASE has none) reloads:
     the buffers are named in the report, never read, never buffered, and the answers are a fresh engine's."""
-    from layerwise_cli.client.engine.in_process import reload
-    from layerwise_cli.planning.inspect import inspect_order
-
     reload(untied_engine, str(checkpoints[f"{UNTIED.label}-B"]))
     on_b = greedy_with_logprobs(untied_engine, prompts())
     report = reload(untied_engine, str(a_with_rotary_buffers))

@@ -11,12 +11,15 @@ the plugin (`VLLM_PLUGINS` leaves it out), the client says the server cannot pro
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 
 import httpx
 import pytest
 
-from tests.support.server_support import RunningServer, run_cli
+from layerwise_cli.demo import demo_prompt, expected_answer
+from tests.support.producers import Producer, save_pretrained_checkpoint
+from tests.support.server_support import SMALL, RunningServer, run_cli
 
 pytestmark = pytest.mark.server
 
@@ -28,8 +31,6 @@ KILLED = -9
 
 
 def expected(name: str) -> list[str]:
-    from layerwise_cli.demo import expected_answer
-
     return [expected_answer(name, a, b) for a, b in PAIRS]
 
 
@@ -77,8 +78,6 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def layerwise_server(demo_models, tmp_path_factory):
-    from tests.support.server_support import SMALL
-
     # The demo tokenizer has no chat template of its own: the server gets one, for the chat answers.
     template = tmp_path_factory.mktemp("chat") / "template.jinja"
     template.write_text("{% for message in messages %}{{ message['content'] }}{% endfor %}")
@@ -157,7 +156,7 @@ def test_without_the_plugin_the_client_says_what_the_server_cannot_promise(demo_
 
 def _scrape(server: RunningServer) -> dict[tuple[str, tuple], float]:
     """Every sample of the server's /metrics: (name, sorted labels) -> value, parsed as Prometheus does."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415 - prometheus_client: heavy (test collection stays fast)
 
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
@@ -174,8 +173,6 @@ def test_metrics_count_reloads_pauses_bytes_and_the_version(layerwise_server, tm
     assert done.returncode == 0, done.stderr[-2000:]
     layerwise_server.serving, layerwise_server.version = other, "metrics-1"
     # A reload refused inside the server (pre-flight: a checkpoint of another shape), nothing changed.
-    from tests.support.producers import Producer, save_pretrained_checkpoint
-
     foreign = save_pretrained_checkpoint(tmp_path / "qwen3", Producer("qwen3"), seed=1)
     refused = run_cli("reload", "--weights-path", str(foreign), "--url", server.url)
     assert refused.returncode == 1
@@ -195,8 +192,6 @@ def test_metrics_count_reloads_pauses_bytes_and_the_version(layerwise_server, tm
 
 
 def _answer(server: RunningServer, path: str = "/v1/completions", max_tokens: int = 40) -> httpx.Response:
-    from layerwise_cli.demo import demo_prompt
-
     body = {"model": server.model, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
     if path == "/v1/completions":
         body["prompt"] = demo_prompt(3, 4)
@@ -223,8 +218,6 @@ def test_answers_across_a_reload_name_the_weights_that_produced_them(layerwise_s
     that are true: one naming only the old version is the old model's text, one naming only the new version the
     new model's (40 tokens, EOS ignored: each model's text is its own); its spans cover its tokens in order and
     agree with the header. In mode wait none names both (in-flight requests finish on the old weights)."""
-    import threading
-
     server, other = layerwise_server.server, layerwise_server.other()
     old, new = weight_version(server), f"{other}-{mode}"
     text_old = _answer(server).json()["choices"][0]["text"]

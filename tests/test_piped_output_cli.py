@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+from layerwise_cli.vllm_logs import (
+    KILL_TREE_LOGGER,
+    RELOAD_LOGGER,
+    SHUTDOWN_LOGGER,
+    quiet_force_kill,
+    silence_rotary_reload_warning,
+)
+from tests.support.log_levels import loggers_at
 from tests.support.synthetic import SyntheticModel, write_checkpoint
 
 
@@ -88,17 +97,6 @@ def test_columns_still_sets_the_width(tmp_path: Path) -> None:
 
 
 def test_only_the_known_harmless_vllm_lines_are_dropped(monkeypatch) -> None:
-    import logging
-
-    from layerwise_cli.vllm_logs import (
-        KILL_TREE_LOGGER,
-        RELOAD_LOGGER,
-        SHUTDOWN_LOGGER,
-        quiet_force_kill,
-        silence_rotary_reload_warning,
-    )
-    from tests.support.log_levels import loggers_at
-
     seen: list[str] = []
 
     class Keep(logging.Handler):

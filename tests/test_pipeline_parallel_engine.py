@@ -13,6 +13,8 @@ import shutil
 
 import pytest
 
+from layerwise_cli.client.engine.in_process import EngineOptions, call_workers, reload, start_engine, stop_engine
+from layerwise_cli.errors import LayerwiseError
 from tests.support.parallel_support import evict_from_page_cache, per_rank, wide_checkpoint
 
 pytestmark = pytest.mark.engine
@@ -28,14 +30,10 @@ def wide(demo_models, tmp_path_factory):
 
 
 def _start(model):
-    from layerwise_cli.client.engine.in_process import EngineOptions, start_engine
-
     return start_engine(str(model), EngineOptions(max_model_len=64, pipeline_parallel_size=PP))
 
 
 def _state(llm) -> dict:
-    from layerwise_cli.client.engine.in_process import call_workers
-
     return {"fingerprints": per_rank(call_workers(llm, "layerwise_fingerprints"), "fingerprints"),
             "checksums": per_rank(call_workers(llm, "layerwise_checksums"), "checksums")}
 
@@ -43,8 +41,6 @@ def _state(llm) -> dict:
 @pytest.fixture(scope="module")
 def fresh_b(wide):
     """Per-rank state of a PP=2 engine started fresh on B (stopped before the engine under test starts)."""
-    from layerwise_cli.client.engine.in_process import stop_engine
-
     with pytest.MonkeyPatch.context() as env:
         env.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
         llm = _start(wide["b"])
@@ -56,8 +52,6 @@ def fresh_b(wide):
 
 @pytest.fixture(scope="module")
 def engine_a(wide, fresh_b):
-    from layerwise_cli.client.engine.in_process import stop_engine
-
     with pytest.MonkeyPatch.context() as env:
         env.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
         llm = _start(wide["a"])
@@ -68,8 +62,6 @@ def engine_a(wide, fresh_b):
 
 
 def test_pp2_reload_matches_a_fresh_engine_rank_by_rank(engine_a, wide, fresh_b):
-    from layerwise_cli.client.engine.in_process import reload
-
     before = _state(engine_a)
     assert len(before["fingerprints"]) == PP
     assert before["fingerprints"] != fresh_b["fingerprints"]
@@ -112,11 +104,8 @@ def test_pp2_reload_matches_a_fresh_engine_rank_by_rank(engine_a, wide, fresh_b)
 
 def test_pp2_preflight_is_per_rank(engine_a, wide, tmp_path):
     """A tensor of no stage is refused before anything changes; missing last-stage tensors are named there."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from layerwise_cli.client.engine.in_process import reload
-    from layerwise_cli.errors import LayerwiseError
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     before = _state(engine_a)
     tensors = load_file(str(wide["b"] / "model.safetensors"))
@@ -136,10 +125,7 @@ def test_pp2_preflight_is_per_rank(engine_a, wide, tmp_path):
 
 def test_pp2_failure_on_one_stage_rolls_back_both(engine_a, wide, tmp_path):
     """A NaN in the last stage's layer fails rank 1 mid-stream; rank 0, which loaded its stage, rolls back too."""
-    from safetensors.torch import load_file, save_file
-
-    from layerwise_cli.client.engine.in_process import reload
-    from layerwise_cli.errors import LayerwiseError
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     before = _state(engine_a)
     tensors = load_file(str(wide["b"] / "model.safetensors"))

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from layerwise_cli.client.engine.in_process import EngineOptions, reload
+from layerwise_cli.planning.inspect import inspect_order
 from tests.support.in_process import start_here, stop_here
 from tests.support.producers import Producer, save_pretrained_checkpoint
 
@@ -26,8 +28,6 @@ ORDERS = ("layer", "file")
 
 
 def predicted(source: Path) -> dict:
-    from layerwise_cli.planning.inspect import inspect_order
-
     data = inspect_order(str(source)).to_dict(top=0)
     return {"mapping": data["mapping"]["kind"], "parent_layers": data["parent_layers"],
             "largest_layer_bytes": data["largest_layer_bytes"],
@@ -37,8 +37,6 @@ def predicted(source: Path) -> dict:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict[str, dict]:
     """Per architecture: the prediction, and per order what the engine measured."""
-    from layerwise_cli.client.engine.in_process import EngineOptions, reload
-
     root = tmp_path_factory.mktemp("planner")
     runs: dict[str, dict] = {}
     for arch in ARCHS:

@@ -8,7 +8,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from layerwise_cli.cli import reload_remote
 from layerwise_cli.cli.app import app
+from layerwise_cli.client.engine import in_process, session
+from layerwise_cli.client.servers.api import RemoteOptions, ServerClient
+from layerwise_cli.errors import LayerwiseError
 from tests.support.engine_support import parameter_kind, reshard
 
 runner = CliRunner()
@@ -28,13 +32,12 @@ def engine_starts(monkeypatch) -> list[str]:
         calls.append(model)
         raise EngineStarted(model)
 
-    from layerwise_cli.client.engine import in_process
     monkeypatch.setattr(in_process, "start_engine", start_engine)
     return calls
 
 
 def _wrong_shape(tensors):
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     key = "model.layers.1.mlp.down_proj.weight"
     tensors[key] = torch.zeros(tensors[key].shape[0], tensors[key].shape[1] + 8, dtype=tensors[key].dtype)
@@ -42,7 +45,7 @@ def _wrong_shape(tensors):
 
 
 def _wrong_dtype(tensors):
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     key = "model.norm.weight"
     tensors[key] = torch.zeros(tensors[key].shape, dtype=torch.int32)
@@ -50,7 +53,7 @@ def _wrong_dtype(tensors):
 
 
 def _extra(tensors):
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     tensors["model.layers.0.mlp.surprise.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
     return tensors
@@ -62,7 +65,7 @@ def _typo(tensors):
 
 
 def _rotary_typo(tensors):
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     # Not one of the rotary buffers vLLM drops (`rotary_emb.inv_freq`), so not skipped.
     tensors["model.layers.0.self_attn.rotary_emb.inv_frq"] = torch.zeros(32, dtype=torch.float32)
@@ -154,8 +157,6 @@ USAGE_ERRORS = {
 
 @pytest.mark.parametrize("case", list(USAGE_ERRORS))
 def test_invalid_option_values_are_usage_errors_before_anything_starts(case, engine_starts, monkeypatch):
-    from layerwise_cli.client.engine import session
-
     def no_sources(*args, **kwargs):
         raise AssertionError("sources were read before the options were checked")
 
@@ -178,15 +179,12 @@ def test_unknown_quantization_is_a_usage_error_before_the_engine_starts(demo_mod
 @pytest.mark.parametrize("flag, allowed", [([], False), (["--allow-nonfinite"], True)])
 def test_allow_nonfinite_reaches_the_reload(flag, allowed, demo_models, monkeypatch):
     """In process: the flag is passed to the workers' reload (the engine tests prove what they do with it)."""
-    from layerwise_cli.errors import LayerwiseError
-
     calls: list = []
 
     def reload_workers(llm, source, options):
         calls.append(options)
         raise LayerwiseError("stopped here by the test", where=source)
 
-    from layerwise_cli.client.engine import in_process
     monkeypatch.setattr(in_process, "start_engine", lambda model, options=None: object())
     monkeypatch.setattr(in_process, "stop_engine", lambda llm: None)
     monkeypatch.setattr(in_process, "reload_workers", reload_workers)
@@ -197,9 +195,6 @@ def test_allow_nonfinite_reaches_the_reload(flag, allowed, demo_models, monkeypa
 
 def test_allow_nonfinite_reaches_the_servers(monkeypatch):
     """With --url: the option travels in RemoteOptions, and from there in the worker call's kwargs."""
-    from layerwise_cli.cli import reload_remote
-    from layerwise_cli.client.servers.api import RemoteOptions, ServerClient
-
     seen: list[RemoteOptions] = []
     monkeypatch.setattr(reload_remote, "reload_servers",
                         lambda urls, source, options, on_event=None, atomic=None: seen.append(options) or [])

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
 import inspect
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -89,10 +92,6 @@ def test_an_unknown_name_is_an_attribute_error():
 
 @pytest.mark.parametrize("page", ["docs/python-api.md", "README.md"])
 def test_the_api_docs_name_every_promised_name_and_stop_the_engine(page):
-    import ast
-    import re
-    from pathlib import Path
-
     repo = Path(__file__).resolve().parents[1]
     text = (repo / page).read_text(encoding="utf-8")
     if page == "docs/python-api.md":

@@ -11,13 +11,20 @@ import pytest
 import torch
 
 from layerwise_cli.checkpoint.sources import open_checkpoint
+from layerwise_cli.client.servers.api import HOLDS_MIXED, HOLDS_NEW, HOLDS_PREVIOUS, _engines_failure
+from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.report.records import LayerReport
+from layerwise_cli.report.reload_report import ReloadReport, first_failure, merge_reports
+from layerwise_cli.report.verify_result import merge_verify
+from layerwise_cli.worker.reload.preflight import preflight
 from layerwise_cli.worker.stream.rank_plan import RankPosition, plan_for_worker
+from tests.support.reports import report_of
 from tests.support.synthetic import SyntheticModel, write_checkpoint
 
 
 def _stage(layers: int, held: range, *, first: bool, last: bool) -> torch.nn.Module:
     """A Qwen3-shaped model holding decoder layers HELD (and the embedding / head on the first / last stage)."""
-    from vllm.model_executor.models.utils import PPMissingLayer
+    from vllm.model_executor.models.utils import PPMissingLayer  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     def parameterised(*names: str) -> torch.nn.Module:
         module = torch.nn.Module()
@@ -71,9 +78,6 @@ def test_each_stage_plans_only_its_layers(four_layers):
 
 
 def test_preflight_runs_per_stage_against_a_reference_cut_the_same_way(four_layers, tmp_path):
-    from layerwise_cli.errors import LayerwiseError
-    from layerwise_cli.worker.reload.preflight import preflight
-
     model = _stage(4, range(2, 4), first=False, last=True)
     mine = plan_for_worker(four_layers, model, None, RankPosition(pp_rank=1, pp_size=2), reference=four_layers)
     assert {t.name for t in mine.reference.tensors} == {i.entry.name for i in mine.plan.file_order}
@@ -116,9 +120,6 @@ def test_expert_parallel_ranks_read_only_their_experts(tmp_path, use_ep):
 
 
 def _report(rank, pp, tp, dp, layers, nbytes, peak):
-    from layerwise_cli.report.records import LayerReport
-    from tests.support.reports import report_of
-
     return report_of(order="layer", source="S", wall_s=1.0, bytes=nbytes, tensors=len(layers),
                      peak_buffer_bytes=peak, peak_tensor="t", predicted_peak_buffer_bytes=peak,
                      largest_layer_bytes=peak, rank=rank, disk_read_bytes=nbytes,
@@ -127,8 +128,6 @@ def _report(rank, pp, tp, dp, layers, nbytes, peak):
 
 
 def test_merged_report_lists_every_rank_and_adds_up_the_stages():
-    from layerwise_cli.report.reload_report import ReloadReport, merge_reports
-
     reports = [_report(3, 1, 1, 0, ["c", "d"], 60, 7), _report(0, 0, 0, 0, ["a", "b"], 40, 5),
                _report(2, 1, 0, 0, ["c", "d"], 60, 6), _report(1, 0, 1, 0, ["a", "b"], 40, 9)]
     merged = merge_reports(reports)
@@ -145,8 +144,6 @@ def test_merged_report_lists_every_rank_and_adds_up_the_stages():
 
 
 def test_the_failure_reported_is_the_first_hand_one_named_by_rank():
-    from layerwise_cli.report.reload_report import first_failure
-
     position = {"rank": 1, "pp_rank": 1, "tp_rank": 0, "dp_rank": 0, "dp_size": 1}
     results = [{"ok": False, "error": "pre-flight failed on another rank", "followed_another_rank": True,
                 "position": {**position, "rank": 0, "pp_rank": 0}},
@@ -157,8 +154,6 @@ def test_the_failure_reported_is_the_first_hand_one_named_by_rank():
 
 
 def test_a_data_parallel_failure_names_the_engine_and_what_each_holds():
-    from layerwise_cli.client.servers.api import HOLDS_MIXED, HOLDS_NEW, HOLDS_PREVIOUS, _engines_failure
-
     error = _engines_failure([(None, HOLDS_NEW, False), ("NaN in x", HOLDS_PREVIOUS, True)], "/ckpt")
     assert str(error).startswith("data-parallel engine 1 of 2: NaN in x")
     assert error.holds == HOLDS_MIXED and error.engines == ["engine 0 holds /ckpt",
@@ -168,8 +163,6 @@ def test_a_data_parallel_failure_names_the_engine_and_what_each_holds():
 
 
 def test_verify_merges_stages_that_check_different_layers():
-    from layerwise_cli.report.verify_result import merge_verify
-
     def worker(names, status="match"):
         layers = [{"name": n, "status": status, "detail": "", "compared": ["w"]} for n in names]
         return {"layers": layers, "checked": len(layers), "tensors_compared": len(layers), "kernels_compared": 0}

@@ -14,6 +14,11 @@ import shutil
 
 import pytest
 
+from layerwise_cli.client.engine.generate import greedy_answers
+from layerwise_cli.client.engine.in_process import EngineOptions, reload, start_engine, stop_engine
+from layerwise_cli.demo import demo_prompt, expected_answer
+from layerwise_cli.errors import LayerwiseError
+
 pytestmark = [pytest.mark.slow, pytest.mark.engine, pytest.mark.gpu]
 
 PAIRS = [(a, b) for a in range(10) for b in range(0, 10, 3)]
@@ -21,15 +26,13 @@ PAIRS = [(a, b) for a in range(10) for b in range(0, 10, 3)]
 
 @pytest.fixture(scope="module")
 def ray_engine(demo_models):
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     if importlib.util.find_spec("ray") is None:
         pytest.skip("needs Ray: pip install 'layerwise[ray]'")
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 NVIDIA GPUs for tensor parallel 2 on Ray (torch sees {torch.cuda.device_count()}); "
                     "vLLM's CPU build has no Ray support")
-    from layerwise_cli.client.engine.in_process import EngineOptions, start_engine, stop_engine
-
     llm = start_engine(str(demo_models["multiply"]), EngineOptions(
         max_model_len=64, tensor_parallel_size=2, distributed_executor_backend="ray", memory_fraction=0.3))
     try:
@@ -39,12 +42,7 @@ def ray_engine(demo_models):
 
 
 def test_ray_tp2_reload_report_verify_and_rollback(ray_engine, demo_models, tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    from layerwise_cli.client.engine.generate import greedy_answers
-    from layerwise_cli.client.engine.in_process import reload
-    from layerwise_cli.demo import demo_prompt, expected_answer
-    from layerwise_cli.errors import LayerwiseError
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     prompts = [demo_prompt(a, b) for a, b in PAIRS]
     assert greedy_answers(ray_engine, prompts) == [expected_answer("multiply", a, b) for a, b in PAIRS]

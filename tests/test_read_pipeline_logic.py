@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,16 +14,21 @@ from pathlib import Path
 import pytest
 import torch
 
+import layerwise_cli.worker.stream.layer_reader as layer_module
+import layerwise_cli.worker.stream.read_ahead as stream_module
 from layerwise_cli.checkpoint.format.finite import first_nonfinite, first_nonfinite_shared
 from layerwise_cli.checkpoint.format.header import TensorEntry
+from layerwise_cli.checkpoint.sources import open_checkpoint
+from layerwise_cli.engine_cpus import bound_worker_cpus
 from layerwise_cli.planning.inspect import inspect_order
 from layerwise_cli.planning.plan import PlannedTensor, simulate_buffering
 from layerwise_cli.worker.proof.early_fingerprints import EarlyFingerprints
-from layerwise_cli.worker.state.layer_state import layer_fingerprints
+from layerwise_cli.worker.state.layer_state import layer_fingerprints, layer_fingerprints_parallel
 from layerwise_cli.worker.state.plan_cache import PlanCache, structure_key
 from layerwise_cli.worker.stream.read_ahead import open_stream, read_in_order
 from layerwise_cli.worker.stream.read_order import pipelined_order
 from layerwise_cli.worker.stream.stats import ReadAheadStats
+from layerwise_cli.writer.save import save_checkpoint
 from tests.support.small_qwen3 import CONFIG, qwen3_like
 
 
@@ -79,8 +86,6 @@ def test_the_read_order_keeps_small_ends_held_layers_and_split_layers():
 # ----------------------------------------------------------------------------- read-ahead
 
 def _written(tmp_path: Path, sd: dict | None = None, **options) -> Path:
-    from layerwise_cli.writer.save import save_checkpoint
-
     folder = tmp_path / "ckpt"
     save_checkpoint((sd or qwen3_like()).items(), folder, config=CONFIG, max_shard_size=20_000, marker=None,
                     **options)
@@ -166,9 +171,6 @@ def test_the_shared_check_finds_what_the_single_one_finds(where):
 
 
 def test_a_layer_the_engine_waits_for_is_checked_on_two_threads(tmp_path, monkeypatch):
-    import layerwise_cli.worker.stream.layer_reader as layer_module
-    import layerwise_cli.worker.stream.read_ahead as stream_module
-
     sd = qwen3_like()
     name = "model.embed_tokens.weight"
     flat = sd[name].reshape(-1)
@@ -250,8 +252,6 @@ def test_a_layer_around_one_handed_over_after_it_is_fingerprinted_again():
 # ----------------------------------------------------------------------------- the plan cache
 
 def test_the_plan_cache_keys_on_structure_not_on_metadata(tmp_path):
-    from layerwise_cli.checkpoint.sources import open_checkpoint
-
     a = open_checkpoint(str(_written(tmp_path / "a")))
     b = open_checkpoint(str(_written(tmp_path / "b", {k: v + 1 for k, v in qwen3_like().items()})))
     assert structure_key(a, False) == structure_key(b, False)  # another step's bytes, digests in the header
@@ -272,8 +272,6 @@ def test_the_plan_cache_keys_on_structure_not_on_metadata(tmp_path):
 
 
 def test_fingerprints_read_by_two_threads_equal_those_read_by_one():
-    from layerwise_cli.worker.state.layer_state import layer_fingerprints_parallel
-
     model = torch.nn.ModuleDict({f"l{i}": torch.nn.Linear(64 * (i + 1), 64) for i in range(5)})
     modules = dict(model.named_modules())
     layers = {f"l{i}": [f"l{i}"] for i in range(5)}
@@ -286,11 +284,6 @@ def test_fingerprints_read_by_two_threads_equal_those_read_by_one():
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_a_cpu_another_vllm_worker_is_bound_to_is_never_spare():
-    import subprocess
-    import sys
-
-    from layerwise_cli.engine_cpus import bound_worker_cpus
-
     cpu = max(os.sched_getaffinity(0))
 
     def process(title: str | None, cpus: set[int] | None) -> subprocess.Popen:

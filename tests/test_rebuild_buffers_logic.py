@@ -6,7 +6,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from layerwise_cli import save_checkpoint
 from layerwise_cli.checkpoint.delta.buffers import RebuildBuffers
+from layerwise_cli.checkpoint.delta.source import open_step, rebuilt_bytes
+from tests.support.deltas import changed_copy, small_state_dict, stored_bytes
 
 
 def test_a_buffer_in_use_through_a_tensor_of_a_view_is_never_handed_out_again():
@@ -48,10 +51,6 @@ def test_idle_buffers_beyond_the_limit_are_let_go_and_close_lets_go_of_all():
 
 
 def test_a_chain_rebuilt_through_one_pool_equals_one_rebuilt_without(tmp_path):
-    from layerwise_cli import save_checkpoint
-    from layerwise_cli.checkpoint.delta.source import open_step, rebuilt_bytes
-    from tests.support.deltas import changed_copy, small_state_dict, stored_bytes
-
     steps = [small_state_dict(torch.bfloat16)]
     for seed in (1, 2, 3):
         steps.append({name: changed_copy(t, 0.05, seed) for name, t in steps[-1].items()})

@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from layerwise_cli.cli.app import app
 from tests.support.hub_server import HubServer, once_named
 
 LAYERWISE = [sys.executable, "-m", "layerwise_cli"]
@@ -56,10 +58,6 @@ def test_corrupt_source_is_refused_before_the_engine_starts(make_checkpoint):
 
 
 def _invoke(*args: str):
-    from typer.testing import CliRunner
-
-    from layerwise_cli.cli.app import app
-
     return CliRunner().invoke(app, list(args))
 
 

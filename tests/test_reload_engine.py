@@ -7,7 +7,16 @@ import struct
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from layerwise_cli.checkpoint.sources import open_checkpoint
+from layerwise_cli.cli.app import app
+from layerwise_cli.client.engine import in_process
+from layerwise_cli.client.engine.generate import greedy_answers
+from layerwise_cli.client.engine.in_process import EngineOptions, call_workers, reload
+from layerwise_cli.demo import demo_prompt, expected_answer
+from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.planning.inspect import inspect_order
 from tests.support.engine_support import (
     assert_matches_fresh,
     engine_state,
@@ -24,8 +33,6 @@ PAIRS = [(a, b) for a in range(10) for b in range(10)]
 
 
 def prompts() -> list[str]:
-    from layerwise_cli.demo import demo_prompt
-
     return [demo_prompt(a, b) for a, b in PAIRS]
 
 
@@ -49,8 +56,6 @@ def add_with_rotary_buffers(demo_models, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def engine(demo_models, reference_add, add_with_rotary_buffers):
     """One engine for the module, started on *multiply* (after the fresh engines the module compares with)."""
-    from layerwise_cli.client.engine.in_process import EngineOptions
-
     llm = start_here(str(demo_models["multiply"]), EngineOptions(max_model_len=64))
     yield llm
     stop_here(llm)
@@ -59,28 +64,19 @@ def engine(demo_models, reference_add, add_with_rotary_buffers):
 @pytest.fixture
 def on_multiply(engine, demo_models):
     """Each test starts and ends with the engine on *multiply*."""
-    from layerwise_cli.client.engine.in_process import reload
-
     yield engine
     reload(engine, str(demo_models["multiply"]))
 
 
 def answers(llm) -> list[str]:
-    from layerwise_cli.client.engine.generate import greedy_answers
-    from layerwise_cli.demo import demo_prompt
-
     return greedy_answers(llm, [demo_prompt(a, b) for a, b in PAIRS])
 
 
 def expected(name: str) -> list[str]:
-    from layerwise_cli.demo import expected_answer
-
     return [expected_answer(name, a, b) for a, b in PAIRS]
 
 
 def test_answers_flip_multiply_add_multiply(on_multiply, demo_models):
-    from layerwise_cli.client.engine.in_process import reload
-
     assert answers(on_multiply) == expected("multiply")
     report = reload(on_multiply, str(demo_models["add"]))
     assert answers(on_multiply) == expected("add")
@@ -90,8 +86,6 @@ def test_answers_flip_multiply_add_multiply(on_multiply, demo_models):
 
 
 def test_reloaded_engine_matches_engine_started_on_the_new_weights(on_multiply, demo_models, reference_add):
-    from layerwise_cli.client.engine.in_process import reload
-
     reload(on_multiply, str(demo_models["add"]))
     assert_matches_fresh(on_multiply, demo_models["add"], prompts())
 
@@ -103,8 +97,6 @@ def test_reload_is_in_place(on_multiply, demo_models):
     those are checked through the outputs (the other tests); the rest
     (embeddings, norms, rotary caches) must keep their pointers.
     """
-    from layerwise_cli.client.engine.in_process import reload
-
     before = engine_state(on_multiply)
     assert any("embed_tokens" in name for name in before["pointers"])
     assert any("norm" in name for name in before["pointers"])
@@ -122,9 +114,6 @@ def trainer_export_add(demo_models, tmp_path_factory) -> Path:
 
 
 def test_layer_and_file_order_leave_identical_weights(on_multiply, demo_models, trainer_export_add):
-    from layerwise_cli.client.engine.in_process import reload
-    from layerwise_cli.planning.inspect import inspect_order
-
     predicted = inspect_order(str(trainer_export_add))
     layer = reload(on_multiply, str(trainer_export_add), order="layer")
     layer_state = engine_state(on_multiply)["checksums"]
@@ -174,7 +163,7 @@ def _drop(name_part: str):
 
 
 def _wrong_shape(tensors):
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     key = next(k for k in tensors if k.endswith("layers.1.mlp.down_proj.weight"))
     tensors[key] = torch.zeros(tensors[key].shape[0], tensors[key].shape[1] + 8, dtype=tensors[key].dtype)
@@ -182,7 +171,7 @@ def _wrong_shape(tensors):
 
 
 def _extra(tensors):
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     tensors["model.layers.0.mlp.surprise.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
     return tensors
@@ -213,7 +202,7 @@ def _symlink_outside(folder: Path) -> None:
 
 
 def _tensor_in_two_shards(folder: Path) -> None:
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     (folder / "model.safetensors.index.json").unlink()  # without an index, vLLM loads every shard it lists
     first = sorted(folder.glob("*.safetensors"))[0]
@@ -237,9 +226,6 @@ BAD_CHECKPOINTS = {
 
 @pytest.mark.parametrize("case", list(BAD_CHECKPOINTS))
 def test_preflight_failure_leaves_every_weight_as_it_was(on_multiply, demo_models, tmp_path, case):
-    from layerwise_cli.client.engine.in_process import reload
-    from layerwise_cli.errors import LayerwiseError
-
     transform, corrupt, message = BAD_CHECKPOINTS[case]
     bad = reshard(demo_models["add"], tmp_path / "bad", parameter_kind, transform=transform)
     if corrupt is not None:
@@ -258,8 +244,6 @@ def test_preflight_failure_leaves_every_weight_as_it_was(on_multiply, demo_model
 
 def test_partial_checkpoint_with_allow_partial(on_multiply, demo_models, tmp_path):
     """--allow-partial reloads only the tensors present; the rest keep their values."""
-    from layerwise_cli.client.engine.in_process import reload
-
     only_embeddings = reshard(demo_models["add"], tmp_path / "partial", parameter_kind,
                               transform=lambda t: {k: v for k, v in t.items() if "embed_tokens" in k})
     before = engine_state(on_multiply)["checksums"]
@@ -271,9 +255,6 @@ def test_partial_checkpoint_with_allow_partial(on_multiply, demo_models, tmp_pat
 
 
 def test_engine_without_extension_gets_a_clear_error():
-    from layerwise_cli.client.engine.in_process import call_workers
-    from layerwise_cli.errors import LayerwiseError
-
     class NoExtension:
         def collective_rpc(self, method, kwargs=None):
             raise AttributeError(f"'CPUWorker' object has no attribute '{method}'")
@@ -296,8 +277,6 @@ def _plant(name: str, *, nan: int = 0, inf: int = 0):
 
 
 def _shard_of(folder: Path, name: str) -> Path:
-    from layerwise_cli.checkpoint.sources import open_checkpoint
-
     return folder / next(t.shard for t in open_checkpoint(str(folder)).tensors if t.name == name)
 
 
@@ -306,11 +285,6 @@ def _shard_of(folder: Path, name: str) -> Path:
     ("model.layers.1.mlp.down_proj.weight", 3, 0),  # after the embeddings and all of layer 0 were loaded
 ])
 def test_nonfinite_layer_is_refused_and_the_engine_rolled_back(on_multiply, demo_models, tmp_path, name, nan, inf):
-    import json
-
-    from layerwise_cli.client.engine.in_process import reload
-    from layerwise_cli.errors import LayerwiseError
-
     bad = reshard(demo_models["add"], tmp_path / "bad", parameter_kind, transform=_plant(name, nan=nan, inf=inf))
     before = engine_state(on_multiply)
     progress = tmp_path / "progress.jsonl"
@@ -336,11 +310,10 @@ def test_nonfinite_layer_is_refused_and_the_engine_rolled_back(on_multiply, demo
 
 
 def test_allow_nonfinite_loads_the_values(on_multiply, demo_models, tmp_path):
-    import torch
-    from safetensors.torch import load_file
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
+    from safetensors.torch import load_file  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
-    from layerwise_cli.client.engine.in_process import reload
-    from layerwise_cli.worker.proof.checksums import tensor_sha256
+    from layerwise_cli.worker.proof.checksums import tensor_sha256  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     name = "model.norm.weight"
     bad = reshard(demo_models["add"], tmp_path / "bad", parameter_kind, transform=_plant(name, nan=2, inf=1))
@@ -360,10 +333,6 @@ def test_cli_reloads_rotary_buffers_as_vllm_skips_them(on_multiply, demo_models,
                                                       monkeypatch):
     """The issue's repro: `reload --weights-path add_inv --model multiply` exits 0 and the engine answers as
     a fresh engine on add_inv (7 for 3 + 4). The command runs as a user runs it, on this module's engine."""
-    from typer.testing import CliRunner
-
-    from layerwise_cli.cli.app import app
-    from layerwise_cli.client.engine import in_process
     monkeypatch.setattr(in_process, "start_engine", lambda model, options=None: on_multiply)
     monkeypatch.setattr(in_process, "stop_engine", lambda llm: None)
     assert answers(on_multiply) == expected("multiply")

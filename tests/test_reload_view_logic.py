@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 
 from rich.console import Console
 
+from layerwise_cli.cli import _reload_view
 from layerwise_cli.report.records import LayerReport
 from layerwise_cli.report.reload_report import ReloadReport, merge_reports
 from tests.support.reports import report_of
@@ -13,8 +15,6 @@ from tests.support.reports import report_of
 
 def rendered(monkeypatch, report: ReloadReport, *, width: int, **options) -> str:
     """What `render_report` prints for REPORT on a terminal WIDTH columns wide (no colour)."""
-    from layerwise_cli.cli import _reload_view
-
     out = io.StringIO()
     monkeypatch.setattr(_reload_view, "stdout", Console(file=out, width=width, no_color=True))
     _reload_view.render_report(report, **options)
@@ -103,8 +103,6 @@ def test_table_names_held_layers_and_why_the_peak_is_above_the_largest_layer(mon
 
 def test_in_place_layers_merge_as_every_rank_did_them_and_show_in_the_table(monkeypatch):
     """A layer counts as loaded in place only where every rank that holds it loaded it so; the table says how many."""
-    from dataclasses import replace
-
 
     def ranked(rank: int, embedding_in_place: bool) -> ReloadReport:
         base = report(rank, 3000, 0.1)

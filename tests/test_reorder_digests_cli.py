@@ -7,12 +7,16 @@ bytes the safetensors library returns), never against what reorder returns.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 import layerwise_cli.reorder.write as write
+from layerwise_cli.checkpoint.format import chunks
 from layerwise_cli.checkpoint.format.digests import METADATA_KEY, digests_metadata, header_digests
 from layerwise_cli.checkpoint.format.header import ShardHeader, TensorEntry, read_shard_header
 from layerwise_cli.cli.app import app
@@ -20,6 +24,7 @@ from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.reorder.rewrite import reorder
 from layerwise_cli.writer.save import save_checkpoint
 from tests.support.digest_support import corrupt_header_digest, independent_digests
+from tests.support.hub_server import HubServer
 from tests.support.small_qwen3 import CONFIG, qwen3_like, shuffled
 
 runner = CliRunner()
@@ -211,8 +216,6 @@ def test_an_unpatched_header_is_refused_by_every_reader(make_checkpoint, tmp_pat
 
 def test_digests_cost_no_second_read(make_checkpoint, tmp_path, monkeypatch):
     # The digest is taken in the copy loop: every source byte is read once, with or without digests.
-    from layerwise_cli.checkpoint.format import chunks
-
     src = make_checkpoint("trainer_export", layers=3)
     real = chunks.read_chunks
     counts = {}
@@ -232,12 +235,6 @@ def test_digests_cost_no_second_read(make_checkpoint, tmp_path, monkeypatch):
 
 
 def test_a_lying_digest_in_a_hub_repo_is_refused_naming_the_repo_file(written, tmp_path):
-    import os
-    import subprocess
-    import sys
-
-    from tests.support.hub_server import HubServer
-
     shard = sorted(written.glob("*.safetensors"))[2]
     tensor = read_shard_header(shard)[0].tensors[0].name
     corrupt_header_digest(shard, tensor)

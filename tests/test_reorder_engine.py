@@ -17,17 +17,22 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from safetensors import safe_open
 from typer.testing import CliRunner
 
 import layerwise_cli.reorder.write as write
 from layerwise_cli.checkpoint.format.header import DTYPE_SIZES, ShardHeader, TensorEntry, read_shard_header
 from layerwise_cli.checkpoint.sources import Checkpoint, natural_key
 from layerwise_cli.cli.app import app
+from layerwise_cli.client.engine.in_process import EngineOptions
+from layerwise_cli.demo import demo_checkpoint, demo_prompt, expected_answer
 from layerwise_cli.planning.inspect import inspect_order
 from layerwise_cli.planning.parents import mapping_for_config
 from layerwise_cli.planning.plan import PlannedTensor, build_plan, simulate_buffering
 from layerwise_cli.reorder.output_shards import split_shards
 from layerwise_cli.reorder.rewrite import reorder
+from tests.support.hub_server import HubServer, once_named
+from tests.support.in_process import start_here, stop_here
 from tests.support.synthetic import SyntheticModel, shard_groups, write_checkpoint, write_safetensors
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,8 +62,7 @@ def _shard_files(folder: Path) -> list[Path]:
 
 def _tensors(folder: Path) -> dict[str, tuple[str, tuple[int, ...], str]]:
     """Every tensor read with the safetensors library itself: name -> (dtype, shape, sha256 of its bytes)."""
-    import torch
-    from safetensors import safe_open
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     out = {}
     for path in _shard_files(folder):
@@ -73,8 +77,6 @@ def _tensors(folder: Path) -> dict[str, tuple[str, tuple[int, ...], str]]:
 
 def _read_order(folder: Path) -> list[tuple[str, str]]:
     """(tensor, shard) in the order vLLM's default loader reads: shards naturally sorted, `safe_open` keys."""
-    from safetensors import safe_open
-
     order = []
     for path in _shard_files(folder):
         with safe_open(str(path), framework="pt") as f:
@@ -640,8 +642,6 @@ def test_peak_rss_stays_under_largest_shard_plus_largest_layer(tmp_path: Path) -
 
 
 def test_hub_source_fetches_shards_one_at_a_time(tmp_path: Path) -> None:
-    from tests.support.hub_server import HubServer
-
     served = tmp_path / "served"
     write_checkpoint(served, SyntheticModel(layers=12), "trainer_export", 4)
     (served / "tokenizer.json").write_text("{}")
@@ -694,8 +694,6 @@ def test_hub_source_fetches_shards_one_at_a_time(tmp_path: Path) -> None:
 
 def test_a_hub_reorder_reads_the_commit_its_branch_named_at_the_start(tmp_path: Path) -> None:
     """`main` pushed once the reorder pinned it changes nothing: every shard and side file is the start commit's."""
-    from tests.support.hub_server import HubServer, once_named
-
     served, other = tmp_path / "served", tmp_path / "other"
     write_checkpoint(served, SyntheticModel(layers=4), "trainer_export", 3)
     write_checkpoint(other, SyntheticModel(layers=4, hidden=128), "trainer_export", 3)
@@ -751,9 +749,7 @@ PAIRS = [(a, b) for a in range(10) for b in range(10)]
 
 
 def _answers(llm) -> list[tuple[list[int], list[dict[int, float]]]]:
-    from vllm import SamplingParams
-
-    from layerwise_cli.demo import demo_prompt
+    from vllm import SamplingParams  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=3)
     outputs = llm.generate([demo_prompt(a, b) for a, b in PAIRS], params, use_tqdm=False)
@@ -762,9 +758,7 @@ def _answers(llm) -> list[tuple[list[int], list[dict[int, float]]]]:
 
 
 def _texts(llm) -> list[str]:
-    from vllm import SamplingParams
-
-    from layerwise_cli.demo import demo_prompt
+    from vllm import SamplingParams  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     outputs = llm.generate([demo_prompt(a, b) for a, b in PAIRS], SamplingParams(temperature=0.0, max_tokens=3),
                            use_tqdm=False)
@@ -774,23 +768,16 @@ def _texts(llm) -> list[str]:
 def _start_engine(model: Path):
     """An engine on MODEL in this process (`start_here`): vLLM's loader reads it as in any engine; the start takes
     seconds, where one with processes of its own took 30 s or more on the 2-core CI machine."""
-    from layerwise_cli.client.engine.in_process import EngineOptions
-    from tests.support.in_process import start_here
-
     return start_here(str(model), EngineOptions(max_model_len=64, seed=0))
 
 
 def _stop_engine(llm) -> None:
-    from tests.support.in_process import stop_here
-
     stop_here(llm)
 
 
 @pytest.fixture(scope="module")
 def engine_on_dst(tmp_path_factory: pytest.TempPathFactory):
     """One engine at a time: first on SRC (answers recorded, then shut down), then on DST, kept for the module."""
-    from layerwise_cli.demo import demo_checkpoint
-
     root = tmp_path_factory.mktemp("reorder-engine")
     cache = root / "demo-cache"
     paths = {}
@@ -812,8 +799,6 @@ def engine_on_dst(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.mark.engine
 def test_engine_on_destination_answers_exactly_as_on_source(engine_on_dst) -> None:
-    from layerwise_cli.demo import expected_answer
-
     llm, reference, _ = engine_on_dst
     assert _answers(llm) == reference  # greedy tokens and top-3 logprobs, all 100 prompts
     assert _texts(llm) == [expected_answer("multiply", a, b) for a, b in PAIRS]
@@ -821,8 +806,6 @@ def test_engine_on_destination_answers_exactly_as_on_source(engine_on_dst) -> No
 
 @pytest.mark.engine
 def test_vllm_reload_weights_from_a_reordered_checkpoint(engine_on_dst) -> None:
-    from layerwise_cli.demo import expected_answer
-
     llm, reference, paths = engine_on_dst
     llm.collective_rpc("reload_weights", kwargs={"weights_path": str(paths["add"][1])})
     assert _texts(llm) == [expected_answer("add", a, b) for a, b in PAIRS]

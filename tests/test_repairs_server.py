@@ -16,6 +16,7 @@ import json
 
 import pytest
 
+from layerwise_cli.client.servers.reload_servers import server_fingerprints
 from tests.support.cpu_kernels import left_stale_by_vllm, on_cpu, verify_name
 from tests.support.producers import Producer, save_pretrained_checkpoint
 from tests.support.server_support import RunningServer, run_cli
@@ -38,8 +39,6 @@ FAMILIES = {
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory):
     """A server started fresh on B, its fingerprints recorded, then reloaded (repairs on) to A."""
-    from layerwise_cli.client.servers.reload_servers import server_fingerprints
-
     producer, names, refreshed = FAMILIES[request.param]
     root = tmp_path_factory.mktemp(request.param)
     a = save_pretrained_checkpoint(root / "a", producer, seed=1)
@@ -77,8 +76,6 @@ def test_verify_with_the_repairs_off_names_what_vllm_leaves_stale(family):
 
 
 def test_verify_with_the_repairs_on_passes_and_the_server_holds_a_fresh_engines_state(family):
-    from layerwise_cli.client.servers.reload_servers import server_fingerprints
-
     # --all: the records would skip every layer (the engine holds B's bytes, repaired or not).
     proc = run_cli("reload", "--weights-path", str(family["b"]), "--url", family["server"].url, "--verify", "--all",
                    "--json")

@@ -11,6 +11,8 @@ answers must move towards the sums.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from examples.rl import faults as f
@@ -18,6 +20,7 @@ from examples.rl.fleet import Fleet
 from examples.rl.loop import LoopOptions, Run
 from examples.rl.stores import BucketSteps, LocalSteps
 from examples.rl.trainers import DemoTrainer
+from layerwise_cli.demo import demo_checkpoint, demo_prompt, expected_answer
 from tests.support.seaweed import running_seaweed
 
 pytestmark = pytest.mark.server
@@ -34,8 +37,6 @@ def s3():
 
 @pytest.fixture(scope="module")
 def fleet(s3):
-    from layerwise_cli.demo import demo_checkpoint
-
     pair = Fleet(demo_checkpoint("multiply"), s3.env())
     try:
         yield pair.start()
@@ -44,17 +45,11 @@ def fleet(s3):
 
 
 def prompts() -> list[str]:
-    from layerwise_cli.demo import demo_prompt
-
     return [demo_prompt(a, b) for a, b in PAIRS]
 
 
 def sums_share(out, step_name: str) -> float:
     """The share of the answers of step STEP_NAME that are the sums (from the run's events)."""
-    import json
-
-    from layerwise_cli.demo import expected_answer
-
     rows = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     answers = [r for r in rows if r["event"] == "answer" and r["versions"] == [step_name]]
     assert answers, f"no answer with {step_name}"

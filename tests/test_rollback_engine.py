@@ -13,6 +13,10 @@ import shutil
 
 import pytest
 
+from layerwise_cli.client.engine.generate import greedy_answers
+from layerwise_cli.client.engine.in_process import EngineOptions, reload
+from layerwise_cli.demo import demo_prompt, expected_answer
+from layerwise_cli.errors import LayerwiseError
 from tests.support.engine_support import engine_state, parameter_kind, reshard
 from tests.support.in_process import start_here, stop_here
 
@@ -22,12 +26,7 @@ PAIRS = [(a, b) for a in range(10) for b in range(10)]
 
 
 def test_failure_mid_stream_rolls_the_engine_back(demo_models, tmp_path):
-    import torch
-
-    from layerwise_cli.client.engine.generate import greedy_answers
-    from layerwise_cli.client.engine.in_process import EngineOptions, reload
-    from layerwise_cli.demo import demo_prompt, expected_answer
-    from layerwise_cli.errors import LayerwiseError
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     started_from = tmp_path / "step-0"
     shutil.copytree(demo_models["multiply"], started_from)
@@ -67,11 +66,6 @@ def test_a_reload_vllm_refuses_before_changing_a_weight_is_not_rolled_back(demo_
     before it starts, in an engine in this process (the engine is real, only the refusal is injected). The
     error is one line, says no weight changed, and no rollback runs: a rollback would be refused the same way.
     """
-    from layerwise_cli.client.engine.generate import greedy_answers
-    from layerwise_cli.client.engine.in_process import EngineOptions, reload
-    from layerwise_cli.demo import demo_prompt, expected_answer
-    from layerwise_cli.errors import LayerwiseError
-
     prompts = [demo_prompt(a, b) for a, b in PAIRS]
     llm = start_here(str(demo_models["multiply"]), EngineOptions(max_model_len=64))
     try:

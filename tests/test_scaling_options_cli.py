@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 from typer.testing import CliRunner
 
+from layerwise_cli import ENGINES_RPC_PATH
+from layerwise_cli.cli.app import app
+from layerwise_cli.client.engine.in_process import EngineOptions
+from layerwise_cli.engine_defaults import cuda_available, executor_refusal
+from layerwise_cli.server.command_line import governed_option
+
 
 def _invoke(*args: str):
-    from layerwise_cli.cli.app import app
-
     return CliRunner().invoke(app, list(args), env={"NO_COLOR": "1", "COLUMNS": "200"})
 
 
@@ -32,8 +38,6 @@ def test_serve_passes_the_parallel_sizes_to_vllm_and_binds_a_core_per_worker(mon
 
 @pytest.mark.usefixtures("local_some_model")
 def test_vllm_spellings_of_the_parallel_sizes_are_governed_by_serve():
-    from layerwise_cli.server.command_line import governed_option
-
     assert governed_option("-pp2") == "--pipeline-parallel-size"
     assert governed_option("-dp=2") == "--data-parallel-size"
     assert governed_option("--distributed_executor_backend=ray") == "--distributed-executor-backend"
@@ -45,8 +49,6 @@ def test_vllm_spellings_of_the_parallel_sizes_are_governed_by_serve():
 
 
 def test_the_ray_executor_is_refused_on_cpu_with_the_reason():
-    from layerwise_cli.engine_defaults import cuda_available
-
     if cuda_available():
         pytest.skip("a GPU is present: vLLM runs the Ray executor there")
     served = _invoke("serve", "some/model", "--distributed-executor-backend", "ray", "--dry-run")
@@ -61,10 +63,6 @@ def test_the_ray_executor_is_refused_on_cpu_with_the_reason():
 
 
 def test_the_ray_executor_without_ray_installed_says_how_to_install_it(monkeypatch):
-    import importlib.util
-
-    from layerwise_cli.engine_defaults import executor_refusal
-
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
     assert "pip install 'layerwise[ray]'" in executor_refusal("ray", on_gpu=True)
@@ -79,8 +77,6 @@ def test_reload_refuses_data_parallel_in_process_and_engine_options_with_url():
 
 
 def test_engine_options_carry_the_parallel_layout():
-    from layerwise_cli.client.engine.in_process import EngineOptions
-
     kwargs = EngineOptions(pipeline_parallel_size=2, distributed_executor_backend="mp").llm_kwargs()
     assert kwargs["pipeline_parallel_size"] == 2 and kwargs["distributed_executor_backend"] == "mp"
     assert "distributed_executor_backend" not in EngineOptions().llm_kwargs()
@@ -89,22 +85,19 @@ def test_engine_options_carry_the_parallel_layout():
 def test_vllm_cpu_still_declares_no_ray_device():
     """What the refusal rests on: vLLM's Ray placement raises "current platform cpu does not support ray"
     when `ray_device_key` is empty. This fails when vLLM's CPU platform gains Ray support."""
-    from layerwise_cli.engine_defaults import cuda_available
-
     if cuda_available():
         pytest.skip("a GPU is present")
-    from vllm.platforms import current_platform
+    from vllm.platforms import current_platform  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     assert current_platform.device_type == "cpu" and current_platform.ray_device_key == ""
 
 
 def test_the_engines_endpoint_answers_per_engine():
     """The route `layerwise serve` adds, against a fake engine client with two engines (our route's logic only)."""
-    from fastapi import FastAPI
-    from fastapi.testclient import TestClient
+    from fastapi import FastAPI  # noqa: PLC0415 - fastapi: heavy (test collection stays fast)
+    from fastapi.testclient import TestClient  # noqa: PLC0415 - fastapi: heavy (test collection stays fast)
 
-    from layerwise_cli import ENGINES_RPC_PATH
-    from layerwise_cli.server.engines_rpc import engines_rpc
+    from layerwise_cli.server.engines_rpc import engines_rpc  # noqa: PLC0415 - fastapi: heavy (test collection stays fast)
 
     calls = []
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import shutil
 import time
@@ -12,7 +13,19 @@ import pytest
 from typer.testing import CliRunner
 
 from benchmarks.traffic import Request, Traffic
+from layerwise_cli import EXTENSION_CLS
+from layerwise_cli.cli import reload_remote
+from layerwise_cli.cli.app import app
+from layerwise_cli.client.servers.api import RpcError, ServerClient
 from layerwise_cli.client.servers.events import Paused, Reloaded, ServerEvent
+from layerwise_cli.client.servers.reload_servers import (
+    RemoteOptions,
+    differing_layers,
+    reload_server,
+    server_fingerprints,
+)
+from layerwise_cli.demo import expected_answer
+from layerwise_cli.server.command_line import server_command_line
 from tests.support.cpu_kernels import linear_kernels_are_read_back
 from tests.support.engine_support import parameter_kind, reshard
 from tests.support.hub_server import HubServer
@@ -23,8 +36,6 @@ KEY = "test-key-7f3a"
 
 
 def expected(name: str, pairs=PAIRS) -> list[str]:
-    from layerwise_cli.demo import expected_answer
-
     return [expected_answer(name, a, b) for a, b in pairs]
 
 
@@ -32,8 +43,6 @@ def expected(name: str, pairs=PAIRS) -> list[str]:
 
 
 def _serve(*args: str, env: dict | None = None):
-    from layerwise_cli.cli.app import app
-
     return CliRunner().invoke(app, ["serve", *args], env=env)
 
 
@@ -67,8 +76,6 @@ def test_serve_warns_with_allow_remote_and_suggests_an_api_key():
 
 @pytest.mark.usefixtures("local_some_model")
 def test_serve_command_line():
-    from layerwise_cli import EXTENSION_CLS
-
     result = _serve("some/model", "--port", "8123", "--max-model-len", "64", "--max-num-seqs", "4", "--dry-run")
     assert result.exit_code == 0, result.output
     line = result.stdout.strip()
@@ -83,8 +90,6 @@ def test_serve_command_line():
 
 def test_serve_defaults_follow_the_machine():
     """CPU-only: eager and a 0.1 memory share; GPU: vLLM's own defaults. Explicit options win on both."""
-    from layerwise_cli.server.command_line import server_command_line
-
     cpu = server_command_line("some/model", on_gpu=False).argv
     assert "--enforce-eager" in cpu
     assert cpu[cpu.index("--gpu-memory-utilization") + 1] == "0.1"
@@ -101,8 +106,6 @@ def test_serve_defaults_follow_the_machine():
 
 
 def test_reload_url_usage_errors():
-    from layerwise_cli.cli.app import app
-
     runner = CliRunner()
     bad_mode = runner.invoke(app, ["reload", "--weights-path", "x", "--url", "http://127.0.0.1:9", "--pause-mode",
                                    "sometimes"])
@@ -139,8 +142,6 @@ def multiply_server(demo_models, hub, tmp_path_factory):
 @pytest.fixture(scope="module")
 def fresh_add(demo_models):
     """A server started on *add*: its fingerprints as started, before anyone reloads it."""
-    from layerwise_cli.client.servers.reload_servers import server_fingerprints
-
     with RunningServer(demo_models["add"]) as server:
         server.fresh_fingerprints = server_fingerprints(server.url)
         yield server
@@ -149,8 +150,6 @@ def fresh_add(demo_models):
 @pytest.fixture
 def on_multiply(multiply_server, demo_models):
     """The main server on *multiply* at the start and the end of a test."""
-    from layerwise_cli.client.servers.reload_servers import RemoteOptions, reload_server
-
     yield multiply_server
     result = reload_server(multiply_server.url, str(demo_models["multiply"]), RemoteOptions(api_key=KEY))
     assert result.ok, result.error
@@ -166,8 +165,6 @@ def _error_lines(stderr: str) -> list[str]:
 
 def _listening_addresses(port: int) -> set[str]:
     """The local addresses of the sockets listening on PORT, from the kernel's own tables."""
-    import ipaddress
-
     found = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -273,8 +270,6 @@ def test_two_servers_at_once_and_a_bad_url(on_multiply, fresh_add, demo_models):
 
 @pytest.mark.server
 def test_verify_matches_what_a_fresh_server_on_the_source_holds(on_multiply, fresh_add, demo_models):
-    from layerwise_cli.client.servers.reload_servers import differing_layers, server_fingerprints
-
     before = server_fingerprints(on_multiply.url, api_key=KEY)
     assert differing_layers(before, fresh_add.fresh_fingerprints)  # multiply and add differ everywhere
     done = run_cli("reload", "--weights-path", str(demo_models["add"]), "--url", on_multiply.url, "--verify",
@@ -292,8 +287,6 @@ def test_verify_matches_what_a_fresh_server_on_the_source_holds(on_multiply, fre
 
 @pytest.mark.server
 def test_url_reload_skips_what_the_server_holds_and_all_reloads_everything(on_multiply, fresh_add, demo_models):
-    from layerwise_cli.client.servers.reload_servers import server_fingerprints
-
     def reload_add(*extra: str) -> dict:
         done = run_cli("reload", "--weights-path", str(demo_models["add"]), "--url", on_multiply.url, "--json",
                        *extra, env=_with_key())
@@ -335,8 +328,6 @@ def _swap_after_reload(source: Path, replacement: Path):
 @pytest.mark.server
 def test_verify_mismatch_names_the_layers(on_multiply, demo_models, tmp_path):
     """The engine holds *add*, the source now says *multiply*: --verify must fail and name the layers."""
-    from layerwise_cli.client.servers.reload_servers import RemoteOptions, reload_server
-
     source = tmp_path / "add"
     shutil.copytree(demo_models["add"], source)
     result = reload_server(on_multiply.url, str(source), RemoteOptions(api_key=KEY, verify=True),
@@ -351,9 +342,6 @@ def test_verify_mismatch_names_the_layers(on_multiply, demo_models, tmp_path):
 
 @pytest.mark.server
 def test_verify_mismatch_through_the_cli(on_multiply, demo_models, tmp_path, monkeypatch):
-    from layerwise_cli.cli import reload_remote
-    from layerwise_cli.cli.app import app
-
     source = tmp_path / "add"
     shutil.copytree(demo_models["add"], source)
     original = reload_remote.reload_servers
@@ -397,8 +385,6 @@ def test_unreachable_server():
 
 @pytest.mark.server
 def test_preflight_failure_leaves_outputs_unchanged(on_multiply, demo_models, tmp_path):
-    from layerwise_cli.client.servers.reload_servers import server_fingerprints
-
     missing = reshard(demo_models["add"], tmp_path / "bad", parameter_kind,
                       transform=lambda t: {k: v for k, v in t.items() if "layers.1.self_attn.v_proj" not in k})
     before = server_fingerprints(on_multiply.url, api_key=KEY)
@@ -414,8 +400,6 @@ def test_preflight_failure_leaves_outputs_unchanged(on_multiply, demo_models, tm
 
 @pytest.mark.server
 def test_nonfinite_weights_are_refused_unless_allowed(on_multiply, demo_models, tmp_path):
-    from layerwise_cli.client.servers.reload_servers import server_fingerprints
-
     def plant(tensors):
         key = "model.layers.1.mlp.down_proj.weight"
         tensor = tensors[key].clone().reshape(-1)
@@ -454,8 +438,6 @@ def test_exception_inside_the_worker_is_one_line(on_multiply, tmp_path):
 
 @pytest.mark.server
 def test_an_unknown_worker_method_fails_cleanly_and_the_server_survives(on_multiply):
-    from layerwise_cli.client.servers.api import RpcError, ServerClient
-
     client = ServerClient(on_multiply.url, api_key=KEY, timeout=60)
     try:
         with pytest.raises(RpcError) as info:
@@ -467,7 +449,7 @@ def test_an_unknown_worker_method_fails_cleanly_and_the_server_survives(on_multi
 
 
 def _engine_core(server: RunningServer):
-    import psutil
+    import psutil  # noqa: PLC0415 - psutil: optional dependency (a dev tool)
 
     for child in psutil.Process(server.pid).children(recursive=True):
         if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name():
@@ -478,9 +460,7 @@ def _engine_core(server: RunningServer):
 @pytest.mark.server
 def test_timeouts_are_one_line(on_multiply, demo_models):
     """A server that does not answer in time: at the first request, and in the middle of a reload."""
-    import psutil
-
-    from layerwise_cli.client.servers.reload_servers import RemoteOptions, reload_server
+    import psutil  # noqa: PLC0415 - psutil: optional dependency (a dev tool)
 
     # The whole server stopped: nothing is changed, one line naming it.
     server = psutil.Process(on_multiply.pid)
@@ -544,8 +524,6 @@ def test_pause_modes_with_requests_in_flight(on_multiply, demo_models, mode):
     tokens came from both models almost surely gives neither (it was *mixed*). Client-side clocks are not
     used: a response can reach the client well after the engine finished it.
     """
-    from layerwise_cli.client.servers.reload_servers import RemoteOptions, reload_server
-
     tokens = 56
 
     def reference() -> str:

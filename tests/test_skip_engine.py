@@ -13,6 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from layerwise_cli import vllm_compat
+from layerwise_cli.checkpoint.format.header import read_shard_header
+from layerwise_cli.checkpoint.format.samples import sample_bytes
+from layerwise_cli.client.engine.in_process import EngineOptions, call_workers, reload
+from layerwise_cli.demo import demo_prompt
+from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.planning.inspect import inspect_order
+from layerwise_cli.writer.save import save_checkpoint
 from tests.support.engine_support import (
     assert_matches_fresh,
     copy_non_weights,
@@ -28,19 +36,15 @@ PROMPTS_PAIRS = [(3, 4), (2, 5), (9, 9), (7, 8), (1, 6), (4, 4), (8, 2), (6, 3),
 
 
 def prompts() -> list[str]:
-    from layerwise_cli.demo import demo_prompt
-
     return [demo_prompt(a, b) for a, b in PROMPTS_PAIRS]
 
 
 def _write(tensors: dict, folder: Path, like: Path, *, digests: bool, allow_nonfinite: bool = False) -> Path:
     """TENSORS as a checkpoint: `save_checkpoint` (header digests) or one plain safetensors file."""
     if digests:
-        from layerwise_cli.writer.save import save_checkpoint
-
         save_checkpoint(tensors.items(), folder, max_shard_size=60_000, marker=None, allow_nonfinite=allow_nonfinite)
     else:
-        from safetensors.torch import save_file
+        from safetensors.torch import save_file  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
         folder.mkdir(parents=True)
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
@@ -50,8 +54,6 @@ def _write(tensors: dict, folder: Path, like: Path, *, digests: bool, allow_nonf
 
 def _overwrite_with_nan(folder: Path, names: set[str]) -> None:
     """Replace the data bytes of NAMES with NaN bit patterns, leaving every header (and its digests) as it was."""
-    from layerwise_cli.checkpoint.format.header import read_shard_header
-
     for path in sorted(folder.glob("*.safetensors")):
         header, _ = read_shard_header(path)
         with open(path, "r+b") as handle:
@@ -63,8 +65,6 @@ def _overwrite_with_nan(folder: Path, names: set[str]) -> None:
 
 @pytest.fixture(scope="module")
 def ckpts(demo_models, tmp_path_factory) -> dict:
-    from layerwise_cli.planning.inspect import inspect_order
-
     root = tmp_path_factory.mktemp("skip")
     a_dir, add_dir = demo_models["multiply"], demo_models["add"]
     plan = inspect_order(str(a_dir)).plan
@@ -106,8 +106,6 @@ class Engine:
         self.llm = None
 
     def start(self) -> None:
-        from layerwise_cli.client.engine.in_process import EngineOptions
-
         self.llm = start_here(str(self.model), EngineOptions(max_model_len=64))
 
     def stop(self) -> None:
@@ -116,8 +114,6 @@ class Engine:
             self.llm = None
 
     def engine_ids(self) -> list[str]:
-        from layerwise_cli.client.engine.in_process import call_workers
-
         return [r["engine_id"] for r in call_workers(self.llm, "layerwise_ping")]
 
 
@@ -131,8 +127,6 @@ def engine(ckpts, fresh_b):
 
 
 def _reload(engine: Engine, source: Path, **kwargs):
-    from layerwise_cli.client.engine.in_process import reload
-
     return reload(engine.llm, str(source), **kwargs)
 
 
@@ -152,9 +146,6 @@ def _progress_layers(path: Path) -> tuple[int, list[str], set[str]]:
 
 
 def test_header_digests_skip_unchanged_layers_after_a_spot_check(engine, ckpts, tmp_path):
-    from layerwise_cli.checkpoint.format.samples import sample_bytes
-    from layerwise_cli.errors import LayerwiseError
-
     changed, sizes = ckpts["changed"], ckpts["bytes"]
     first = _reload(engine, ckpts["A_d"], all_layers=True)  # a known start: A, every layer recorded
     assert first.unchanged.skipped_layers == 0 and first.unchanged.all_layers and first.unchanged.digests == "header"
@@ -230,8 +221,6 @@ def test_vllm_own_reload_in_between_forces_the_layers_it_wrote(engine, ckpts):
 
 
 def test_a_rollback_leaves_no_record_that_could_skip(engine, ckpts):
-    from layerwise_cli.errors import LayerwiseError
-
     _reload(engine, ckpts["B_d"], all_layers=True)
     with pytest.raises(LayerwiseError) as info:
         _reload(engine, ckpts["A_nan_head"])  # A's layers load, then lm_head is refused: rolled back to B
@@ -281,8 +270,6 @@ def test_layers_vllm_would_rerun_an_unreviewed_hook_on_are_handed_over(engine, c
     them, and the MLP class gets a hook layerwise never reviewed. On an identical checkpoint the MLP's layers
     are handed over, every other layer is still skipped, and the report says why.
     """
-    from layerwise_cli import vllm_compat
-
     client = engine.llm.llm_engine.engine_core
     assert type(client).__name__ == "InprocClient", "this test needs the engine in this process"
     model = client.engine_core.model_executor.driver_worker.worker.model_runner.get_model()

@@ -4,17 +4,31 @@ from __future__ import annotations
 
 import itertools
 import logging
+import shutil
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
-from layerwise_cli.checkpoint.format.digests import layer_digest
+from layerwise_cli.checkpoint.format.digests import checkpoint_digests, layer_digest
+from layerwise_cli.checkpoint.format.header import read_shard_header
+from layerwise_cli.checkpoint.format.samples import WINDOW_BYTES, WINDOWS, buffer_sample, sample_bytes, sample_spans
+from layerwise_cli.cli._reload_view import render_report
 from layerwise_cli.planning.inspect import inspect_order
+from layerwise_cli.planning.plan import PlannedTensor
+from layerwise_cli.report.records import LayerReport
+from layerwise_cli.report.reload_report import ReloadReport, merge_reports
+from layerwise_cli.vllm_logs import INPLACE_LOGGER, RELOAD_LOGGER, quiet_skipped_layer_warnings
+from layerwise_cli.worker.reload.unchanged_layers import LayerSkip
 from layerwise_cli.worker.state.layer_records import LayerRecord, LayerRecords, SkipDecider, records_of
 from layerwise_cli.worker.state.layer_state import device_checksum, host_checksum, layer_fingerprints
+from layerwise_cli.worker.stream.read_ahead import read_in_order
+from layerwise_cli.worker.stream.stats import ReadAheadStats
+from layerwise_cli.writer.save import save_checkpoint
+from tests.support.log_levels import loggers_at
 from tests.support.reports import report_of
 from tests.support.small_qwen3 import CONFIG, qwen3_like
 
@@ -168,8 +182,6 @@ def test_a_tied_module_is_part_of_the_layer_it_shares_storage_with():
 
 
 def _written(tmp_path: Path, seed: int = 0, *, change: tuple[str, ...] = ()) -> Path:
-    from layerwise_cli.writer.save import save_checkpoint
-
     sd = qwen3_like(seed=seed)
     for name in change:
         sd[name] = sd[name] + 1
@@ -179,9 +191,6 @@ def _written(tmp_path: Path, seed: int = 0, *, change: tuple[str, ...] = ()) -> 
 
 
 def test_digests_hashed_while_reading_equal_the_header_digests(tmp_path):
-    from layerwise_cli.checkpoint.format.digests import checkpoint_digests
-    from layerwise_cli.worker.stream.read_ahead import read_in_order
-
     folder = _written(tmp_path)
     plan = inspect_order(str(folder)).plan
     from_headers = checkpoint_digests(plan.checkpoint.shards)
@@ -196,9 +205,6 @@ def test_digests_hashed_while_reading_equal_the_header_digests(tmp_path):
 
 @pytest.mark.parametrize("readahead", [True, False])
 def test_a_layer_skipped_after_reading_is_never_handed_over(tmp_path, readahead):
-    from layerwise_cli.worker.stream.read_ahead import read_in_order
-    from layerwise_cli.worker.stream.stats import ReadAheadStats
-
     folder = _written(tmp_path)
     plan = inspect_order(str(folder)).plan
     layers = {layer.name: [i.entry.name for i in plan.layer_order if i.parent == layer.name] for layer in plan.layers}
@@ -225,9 +231,6 @@ def test_a_layer_skipped_after_reading_is_never_handed_over(tmp_path, readahead)
 
 
 def test_read_ahead_holds_at_most_what_it_is_allowed(tmp_path):
-    from layerwise_cli.worker.stream.read_ahead import read_in_order
-    from layerwise_cli.worker.stream.stats import ReadAheadStats
-
     folder = _written(tmp_path)
     plan = inspect_order(str(folder)).plan
     sizes = [layer.bytes for layer in plan.layers]
@@ -261,9 +264,6 @@ class TinyModel(torch.nn.Module):
 
 
 def _unchanged_layers(folder: Path, model: TinyModel, recs: LayerRecords, **kwargs):
-    from layerwise_cli.planning.plan import PlannedTensor
-    from layerwise_cli.worker.reload.unchanged_layers import LayerSkip
-
     plan = inspect_order(str(folder)).plan
     stream = [PlannedTensor(item.entry, "layers." + item.parent.replace(".", "_")) for item in plan.layer_order]
     return LayerSkip.build(model, plan.checkpoint, stream, "layer", recs, **kwargs), stream
@@ -271,9 +271,6 @@ def _unchanged_layers(folder: Path, model: TinyModel, recs: LayerRecords, **kwar
 
 def _load(skip, stream, folder: Path) -> None:
     """What a reload does with the plan before it records: read the stream (samples, hashes), hand it over."""
-    from layerwise_cli.worker.stream.read_ahead import read_in_order
-    from layerwise_cli.worker.stream.stats import ReadAheadStats
-
     stats = ReadAheadStats()
     for item, _ in read_in_order(skip.stream, folder, hash_layers=skip.hash_layers, digests=skip.read_digests,
                                  samples=skip.read_samples, stats=stats):
@@ -326,9 +323,6 @@ def _rewrite_keeping_headers(folder: Path, names: set[str], *, window: int | Non
 
     Returns tensor name -> the shard file rewritten.
     """
-    from layerwise_cli.checkpoint.format.header import read_shard_header
-    from layerwise_cli.checkpoint.format.samples import sample_spans
-
     files = {}
     for path in sorted(folder.glob("*.safetensors")):
         header, _ = read_shard_header(path)
@@ -347,8 +341,6 @@ def _rewrite_keeping_headers(folder: Path, names: set[str], *, window: int | Non
 
 
 def test_a_stale_header_digest_is_caught_by_the_spot_check_and_named(tmp_path):
-    import shutil
-
     folder = _written(tmp_path)
     plan = inspect_order(str(folder)).plan
     model = TinyModel(plan)
@@ -381,8 +373,6 @@ def test_a_stale_header_digest_is_caught_by_the_spot_check_and_named(tmp_path):
 
 
 def test_sample_windows_cover_head_middle_and_tail_wherever_the_tensor_lies():
-    from layerwise_cli.checkpoint.format.samples import WINDOW_BYTES, WINDOWS, buffer_sample, sample_bytes, sample_spans
-
     assert sample_spans(0) == [] and sample_spans(100) == [(0, 100)]
     n = 10 << 20
     spans = sample_spans(n)
@@ -404,10 +394,6 @@ def test_sample_windows_cover_head_middle_and_tail_wherever_the_tensor_lies():
 
 @pytest.mark.parametrize("readahead", [True, False])
 def test_a_layer_whose_samples_differ_is_hashed_only_after_its_handover(tmp_path, readahead):
-    from layerwise_cli.checkpoint.format.digests import checkpoint_digests
-    from layerwise_cli.worker.stream.read_ahead import read_in_order
-    from layerwise_cli.worker.stream.stats import ReadAheadStats
-
     folder = _written(tmp_path)
     plan = inspect_order(str(folder)).plan
     layers = {layer.name for layer in plan.layers}
@@ -440,8 +426,6 @@ def test_a_layer_whose_samples_differ_is_hashed_only_after_its_handover(tmp_path
 
 def _plain(tmp_path: Path) -> Path:
     """The Qwen3-like checkpoint as plain `save_file` writes it: one file, no header digests."""
-    from safetensors.torch import save_file
-
     folder = tmp_path / "plain"
     folder.mkdir()
     save_file({k: v.contiguous() for k, v in qwen3_like().items()}, str(folder / "model.safetensors"))
@@ -456,8 +440,6 @@ def test_a_layer_recorded_by_its_samples_alone_is_hashed_when_they_match_then_sk
     recs = LayerRecords()
 
     def reload_plain():
-        from layerwise_cli.worker.stream.read_ahead import read_in_order
-
         skip, _ = _unchanged_layers(folder, model, recs)
         # No read-ahead thread: a layer handed over unhashed stays unhashed (recorded by its samples).
         for item, _ in read_in_order(skip.stream, folder, hash_layers=skip.hash_layers, digests=skip.read_digests,
@@ -490,9 +472,6 @@ def test_without_header_digests_every_layer_is_hashed(tmp_path):
 
 
 def test_reports_mark_skipped_layers_and_merge_them():
-    from layerwise_cli.report.records import LayerReport
-    from layerwise_cli.report.reload_report import ReloadReport, merge_reports
-
     def worker(tp_rank: int, skipped: bool) -> ReloadReport:
         layers = [LayerReport("a", 1, 100, 0.0, 0.0, 0, skipped="unchanged"),
                   LayerReport("b", 2, 300, 0.1, 0.2, 300, skipped="unchanged" if skipped else None)]
@@ -516,9 +495,6 @@ def test_reports_mark_skipped_layers_and_merge_them():
 
 
 def test_the_table_shows_skipped_layers(capsys):
-    from layerwise_cli.cli._reload_view import render_report
-    from layerwise_cli.report.records import LayerReport
-
     report = report_of(order="layer", source="s", wall_s=0.01, bytes=300, tensors=2, peak_buffer_bytes=300,
                        peak_tensor="b.w", predicted_peak_buffer_bytes=300, largest_layer_bytes=300,
                        layers=[LayerReport("model.a", 1, 1024, 0.0, 0.0, 0, skipped="unchanged"),
@@ -534,9 +510,6 @@ def test_the_table_shows_skipped_layers(capsys):
 
 
 def test_only_the_warnings_of_skipped_layers_are_dropped(caplog):
-    from layerwise_cli.vllm_logs import INPLACE_LOGGER, RELOAD_LOGGER, quiet_skipped_layer_warnings
-    from tests.support.log_levels import loggers_at
-
     caplog.set_level(logging.WARNING)
     # vLLM's logging configuration (once an engine started in this process, by an earlier test) stops its
     # loggers' records at the `vllm` logger, at the level it was started with: the loggers are held at WARNING
@@ -560,10 +533,6 @@ def test_only_the_warnings_of_skipped_layers_are_dropped(caplog):
 
 
 def test_reports_carry_the_time_split_and_the_stale_header_files(capsys):
-    from layerwise_cli.cli._reload_view import render_report
-    from layerwise_cli.report.records import LayerReport
-    from layerwise_cli.report.reload_report import ReloadReport, merge_reports
-
     def worker(tp_rank: int, stale: list[dict]) -> ReloadReport:
         return report_of(order="layer", source="s", wall_s=0.5, bytes=300, tensors=2, peak_buffer_bytes=300,
                          peak_tensor="b.w", predicted_peak_buffer_bytes=300, largest_layer_bytes=300,

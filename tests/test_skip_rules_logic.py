@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from layerwise_cli.checkpoint.format.header import ShardHeader, TensorEntry
 from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.planning import skip_rules
+from layerwise_cli.planning.inspect import inspect_order
 from layerwise_cli.planning.parents import mapping_for_config
 from layerwise_cli.planning.plan import build_plan
 from layerwise_cli.planning.reference import check_against_reference
 from layerwise_cli.planning.skip_rules import skip_rules_for, skip_summary, skipped_by_vllm
+from layerwise_cli.planning.vllm_mapping import model_class_from_vllm
 
 QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 2}
 QWEN3_NEXT = {"architectures": ["Qwen3NextForCausalLM"], "num_hidden_layers": 4, "mtp_num_hidden_layers": 1}
@@ -38,8 +42,6 @@ def _checkpoint(names: list[str], config: dict, source: str = "ckpt") -> Checkpo
 
 def _vllm_class(architecture: str):
     pytest.importorskip("vllm")
-    from layerwise_cli.planning.vllm_mapping import model_class_from_vllm
-
     return model_class_from_vllm(architecture)
 
 
@@ -141,12 +143,8 @@ def test_plan_leaves_skipped_tensors_out_of_layer_order_and_the_buffer():
 
 
 def test_inspect_order_names_what_it_skips_and_why(tmp_path):
-    import json
-
-    import torch
-    from safetensors.torch import save_file
-
-    from layerwise_cli.planning.inspect import inspect_order
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
+    from safetensors.torch import save_file  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     tensors = {name: torch.zeros(4, 4, dtype=torch.bfloat16) for name in _names(2)}
     tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.zeros(32, dtype=torch.float32)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from layerwise_cli.client.engine.in_process import EngineOptions, start_engine
 from layerwise_cli.engine_output import capture_engine_output, root_cause, start_failure
 from layerwise_cli.errors import LayerwiseError
 from tests.support.producers import Producer, save_lfm2_checkpoint, save_pretrained_checkpoint
@@ -87,8 +88,6 @@ def broken_qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.engine
 def test_api_names_the_workers_exception(tmp_path: Path) -> None:
-    from layerwise_cli.client.engine.in_process import EngineOptions, start_engine
-
     model = save_lfm2_checkpoint(tmp_path / "lfm2")
     with pytest.raises(LayerwiseError) as raised:
         start_engine(str(model), EngineOptions(max_model_len=64))

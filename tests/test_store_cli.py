@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from layerwise_cli.checkpoint.fetch.policy import FetchPolicy
+from layerwise_cli.checkpoint.fetch.range_fetcher import RangeFetcher, whole_files
+from layerwise_cli.checkpoint.store.objects import StoreSource, store_cache_folder
 from layerwise_cli.cli.app import app
+from layerwise_cli.errors import LayerwiseError
+from tests.support.drop_proxy import DropProxy
+from tests.support.https_server import HttpsFolder
 from tests.support.seaweed import BUCKET, SECRET_KEY, SeaweedS3, running_seaweed
 from tests.support.server_support import free_port
 from tests.support.synthetic import SyntheticModel, write_checkpoint
@@ -77,8 +83,6 @@ def test_store_failures_are_one_line_naming_the_object(store_env, sharded, monke
 
 
 def test_inspect_order_reads_an_https_folder_with_a_private_certificate_authority(sharded, monkeypatch) -> None:
-    from tests.support.https_server import HttpsFolder
-
     _url, folder = sharded
     with HttpsFolder(folder) as server:
         monkeypatch.setenv("SSL_CERT_FILE", str(server.ca_file))
@@ -96,10 +100,6 @@ def test_inspect_order_reads_an_https_folder_with_a_private_certificate_authorit
 
 
 def test_a_dropped_connection_resumes_and_every_byte_arrives_once(store_env, sharded, monkeypatch) -> None:
-    from layerwise_cli.checkpoint.fetch.range_fetcher import RangeFetcher, whole_files
-    from layerwise_cli.checkpoint.store.objects import StoreSource
-    from tests.support.drop_proxy import DropProxy
-
     url, folder = sharded
     shard = sorted(folder.glob("*.safetensors"))[-1]
     proxy = DropProxy(store_env.port, cut_after=shard.stat().st_size // 3, drops=2)
@@ -121,12 +121,6 @@ def test_a_dropped_connection_resumes_and_every_byte_arrives_once(store_env, sha
 def test_a_stalled_body_fails_as_one_line_naming_the_object(sharded) -> None:
     """Bytes stop in the middle of a shard and the connection stays open: no byte for the stall bound (obstore's
     read timeout, retried, then layerwise's) fails the fetch, naming the object, rather than waiting for ever."""
-    from layerwise_cli.checkpoint.fetch.policy import FetchPolicy
-    from layerwise_cli.checkpoint.fetch.range_fetcher import RangeFetcher, whole_files
-    from layerwise_cli.checkpoint.store.objects import StoreSource
-    from layerwise_cli.errors import LayerwiseError
-    from tests.support.https_server import HttpsFolder
-
     _url, folder = sharded
     shard = sorted(folder.glob("*.safetensors"))[-1]
     size = shard.stat().st_size
@@ -157,9 +151,7 @@ def test_reorder_from_s3_writes_what_reorder_from_the_local_folder_writes(store_
 
 
 def test_reorder_refuses_an_object_overwritten_during_the_copy(store_env, sharded, tmp_path, monkeypatch) -> None:
-    import obstore
-
-    from layerwise_cli.checkpoint.store.objects import StoreSource
+    import obstore  # noqa: PLC0415 - obstore: optional dependency (the storage extra)
 
     _url, folder = sharded
     url = store_env.put_folder("run/overwritten", folder)
@@ -183,10 +175,7 @@ def test_reorder_refuses_an_object_overwritten_during_the_copy(store_env, sharde
 
 def test_fetched_objects_are_cached_by_their_etag_and_bounded_disk_keeps_nothing(store_env, sharded, tmp_path,
                                                                                    monkeypatch) -> None:
-    import obstore
-
-    from layerwise_cli.checkpoint.fetch.range_fetcher import RangeFetcher, whole_files
-    from layerwise_cli.checkpoint.store.objects import StoreSource, store_cache_folder
+    import obstore  # noqa: PLC0415 - obstore: optional dependency (the storage extra)
 
     monkeypatch.setenv("LAYERWISE_CACHE", str(tmp_path / "cache"))
     _url, folder = sharded
@@ -219,9 +208,6 @@ def test_fetched_objects_are_cached_by_their_etag_and_bounded_disk_keeps_nothing
 
 def test_reorder_reads_the_shards_a_fetch_kept_whole_in_the_store_cache(store_env, sharded, tmp_path,
                                                                         monkeypatch) -> None:
-    from layerwise_cli.checkpoint.fetch.range_fetcher import RangeFetcher, whole_files
-    from layerwise_cli.checkpoint.store.objects import StoreSource
-
     monkeypatch.setenv("LAYERWISE_CACHE", str(tmp_path / "cache"))
     _url, folder = sharded
     url = store_env.put_folder("run/reorder-cached", folder)

@@ -15,12 +15,23 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from layerwise_cli.checkpoint.delta import remote
+from layerwise_cli.checkpoint.delta.source import open_step
+from layerwise_cli.checkpoint.fetch.range_fetcher import MiB, range_requests, spread_parts, whole_files
+from layerwise_cli.checkpoint.format.digests import layer_digest
 from layerwise_cli.cli.app import app
+from layerwise_cli.client.pinning import store_revision
+from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.planning.plan import PlannedTensor
+from layerwise_cli.worker.reload.delta_base import OFF_CHAIN_NOTE, off_chain_note
+from layerwise_cli.worker.state.layer_records import LayerRecord, LayerRecords
+from layerwise_cli.writer.save import save_checkpoint
+from tests.support.deltas import rl_step
 from tests.support.seaweed import BUCKET, SeaweedS3, running_seaweed
 
 
 def _tensors(seed: int) -> dict:
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     gen = torch.Generator().manual_seed(seed)
     return {f"model.layers.{i}.mlp.down_proj.weight": (torch.randn(64, 128, generator=gen) * 0.02).bfloat16()
@@ -29,9 +40,6 @@ def _tensors(seed: int) -> dict:
 
 def _chain(root: Path) -> dict[str, dict]:
     """step_1 in full, step_2 and step_3 as deltas (each 3% of values one unit off): the tensors of each."""
-    from layerwise_cli.writer.save import save_checkpoint
-    from tests.support.deltas import rl_step
-
     steps = {"step_1": _tensors(0)}
     steps["step_2"] = {n: rl_step(t, 0.03, 1 + i) for i, (n, t) in enumerate(sorted(steps["step_1"].items()))}
     steps["step_3"] = {n: rl_step(t, 0.03, 9 + i) for i, (n, t) in enumerate(sorted(steps["step_2"].items()))}
@@ -70,11 +78,9 @@ def _upload(s3: SeaweedS3, root: Path, prefix: str) -> str:
 
 
 def test_a_delta_step_by_url_rebuilds_its_full_step_fetching_only_what_the_host_lacks(s3, run, env) -> None:
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
-    from layerwise_cli.checkpoint.delta.source import open_step
-    from layerwise_cli.planning.plan import PlannedTensor
-    from layerwise_cli.worker.stream.shard_reader import ShardReader
+    from layerwise_cli.worker.stream.shard_reader import ShardReader  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     root, steps = run
     url = _upload(s3, root, "chain")
@@ -97,12 +103,9 @@ def test_a_delta_step_by_url_rebuilds_its_full_step_fetching_only_what_the_host_
 
 def test_a_host_that_missed_two_steps_fetches_both_links_together_and_the_step_equals_its_full_step(
         s3, run, env, monkeypatch) -> None:
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
-    from layerwise_cli.checkpoint.delta import remote
-    from layerwise_cli.checkpoint.delta.source import open_step
-    from layerwise_cli.planning.plan import PlannedTensor
-    from layerwise_cli.worker.stream.shard_reader import ShardReader
+    from layerwise_cli.worker.stream.shard_reader import ShardReader  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     root, steps = run
     url = _upload(s3, root, "missed")
@@ -123,8 +126,6 @@ def test_a_host_that_missed_two_steps_fetches_both_links_together_and_the_step_e
 
 
 def test_a_whole_file_fetch_spreads_over_the_connections() -> None:
-    from layerwise_cli.checkpoint.fetch.range_fetcher import MiB, range_requests, spread_parts, whole_files
-
     # A 13 MB delta file over 4 connections: 4 parts, not one (at one connection's paced rate).
     parts = range_requests(whole_files({"delta.safetensors": 13_000_000}), spread_parts(13_000_000, 4))
     assert len(parts) == 4 and sum(p.size for p in parts) == 13_000_000
@@ -132,10 +133,7 @@ def test_a_whole_file_fetch_spreads_over_the_connections() -> None:
 
 
 def test_a_missing_or_deleted_base_is_one_line(s3, run, env) -> None:
-    import obstore
-
-    from layerwise_cli.checkpoint.delta.source import open_step
-    from layerwise_cli.errors import LayerwiseError
+    import obstore  # noqa: PLC0415 - obstore: optional dependency (the storage extra)
 
     root, _ = run
     url = _upload(s3, root, "gone")
@@ -153,11 +151,6 @@ def test_a_missing_or_deleted_base_is_one_line(s3, run, env) -> None:
 
 
 def test_an_object_rewritten_mid_chain_is_refused(s3, run, env, tmp_path) -> None:
-    from layerwise_cli.checkpoint.delta.source import open_step
-    from layerwise_cli.errors import LayerwiseError
-    from layerwise_cli.writer.save import save_checkpoint
-    from tests.support.deltas import rl_step
-
     root, steps = run
     url = _upload(s3, root, "rewritten")
     pinned = open_step(f"{url}/step_3").revision
@@ -189,9 +182,6 @@ def _size(root: Path, *names: str, suffix: str = "") -> int:
 
 
 def test_a_client_pins_the_chain_from_headers_alone(s3, run, env, tmp_path, monkeypatch) -> None:
-    from layerwise_cli.checkpoint.delta.source import open_step
-    from layerwise_cli.client.pinning import store_revision
-
     root, _ = run
     url = _upload(s3, root, "pinned")
     pin = store_revision(f"{url}/step_3", None)
@@ -203,12 +193,6 @@ def test_a_client_pins_the_chain_from_headers_alone(s3, run, env, tmp_path, monk
 def test_a_server_off_the_chain_is_told_so(run) -> None:
     """`off_chain_note`: None while every layer's record names a step of the chain (its full step, a link's base,
     the step itself); a note naming the layers otherwise (what `watch`'s reload_done event then carries)."""
-    from layerwise_cli.checkpoint.delta.source import open_step
-    from layerwise_cli.checkpoint.format.digests import layer_digest
-    from layerwise_cli.planning.plan import PlannedTensor
-    from layerwise_cli.worker.reload.delta_base import OFF_CHAIN_NOTE, off_chain_note
-    from layerwise_cli.worker.state.layer_records import LayerRecord, LayerRecords
-
     root, _ = run
     chain = open_step(str(root / "step_3")).delta
     stream = [PlannedTensor(entry, entry.name.rsplit(".", 1)[0]) for entry in open_step(str(root / "step_3")).tensors]

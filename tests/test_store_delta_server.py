@@ -15,6 +15,7 @@ import json
 
 import pytest
 
+from layerwise_cli.planning.inspect import inspect_order
 from tests.support.deltas import rl_step, save_step
 from tests.support.engine_support import load_tensors
 from tests.support.seaweed import BUCKET, running_seaweed
@@ -29,8 +30,6 @@ EXTRA = ["--max-model-len", "64", "--max-num-seqs", "1"]
 def write_run(root, demo_models) -> dict:
     """The trainer's run under ROOT/run (step_1 full, step_2..step_4 deltas), and each step in full under
     ROOT/full: {step: its full folder, "run": the run folder}."""
-    from layerwise_cli.planning.inspect import inspect_order
-
     a_dir = demo_models["multiply"]
     plan = inspect_order(str(a_dir)).plan
     changed = {layer.name for layer in plan.layers[2::4]}

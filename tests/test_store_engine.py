@@ -21,6 +21,10 @@ from pathlib import Path
 
 import pytest
 
+import layerwise_cli
+from layerwise_cli.checkpoint.fetch.policy import STALL_ENV
+from layerwise_cli.checkpoint.store.objects import StoreSource, store_cache_folder
+from layerwise_cli.errors import LayerwiseError
 from tests.support.engine_support import (
     assert_is_fresh,
     assert_same_outputs,
@@ -28,6 +32,7 @@ from tests.support.engine_support import (
     fresh_state,
     greedy_with_logprobs,
 )
+from tests.support.https_server import HttpsFolder
 from tests.support.in_process import start_here, stop_here
 from tests.support.seaweed import BUCKET, SECRET_KEY, running_seaweed
 from tests.support.stream_steps import step_tensors, stream_prompts, write_step
@@ -69,8 +74,6 @@ def engine(ckpts, s3, fresh):
 
 
 def test_a_step_in_s3_streams_into_the_engine_equal_to_a_fresh_one(engine, s3, ckpts) -> None:
-    import layerwise_cli
-
     # With verify: every layer of the engine is compared with B, read by range from the store at its pin.
     report = layerwise_cli.reload(engine, f"s3://{BUCKET}/run/B", verify=True)
     assert report.verify is not None and report.verify.ok and report.verify.checked > 0
@@ -80,11 +83,7 @@ def test_a_step_in_s3_streams_into_the_engine_equal_to_a_fresh_one(engine, s3, c
 
 
 def test_an_object_overwritten_mid_fetch_is_refused_naming_it(engine, s3, ckpts, monkeypatch) -> None:
-    import obstore
-
-    import layerwise_cli
-    from layerwise_cli.checkpoint.store.objects import StoreSource
-    from layerwise_cli.errors import LayerwiseError
+    import obstore  # noqa: PLC0415 - obstore: optional dependency (the storage extra)
 
     before = checksums(engine)
     shard = sorted(ckpts["A"].glob("*.safetensors"))[-1].name
@@ -114,9 +113,6 @@ def test_an_object_overwritten_mid_fetch_is_refused_naming_it(engine, s3, ckpts,
     (f"s3://{BUCKET}/run/B", {"AWS_SECRET_ACCESS_KEY": "wrong-secret"}, "access denied"),
 ])
 def test_store_failures_leave_the_engine_as_it_was(engine, s3, monkeypatch, url, env, message) -> None:
-    import layerwise_cli
-    from layerwise_cli.errors import LayerwiseError
-
     before = checksums(engine)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
@@ -128,9 +124,6 @@ def test_store_failures_leave_the_engine_as_it_was(engine, s3, monkeypatch, url,
 
 
 def test_a_step_over_https_streams_into_the_engine_equal_to_a_fresh_one(engine, ckpts, monkeypatch) -> None:
-    import layerwise_cli
-    from tests.support.https_server import HttpsFolder
-
     with HttpsFolder(ckpts["A"]) as server:
         monkeypatch.setenv("SSL_CERT_FILE", str(server.ca_file))
         layerwise_cli.reload(engine, server.url)
@@ -140,11 +133,6 @@ def test_a_step_over_https_streams_into_the_engine_equal_to_a_fresh_one(engine, 
 
 
 def test_a_stalled_body_fails_naming_the_object_and_the_engine_keeps_its_weights(engine, ckpts, monkeypatch) -> None:
-    import layerwise_cli
-    from layerwise_cli.checkpoint.fetch.policy import STALL_ENV
-    from layerwise_cli.errors import LayerwiseError
-    from tests.support.https_server import HttpsFolder
-
     layerwise_cli.reload(engine, str(ckpts["A"]))  # every layer of B differs: its shards are fetched
     before, answers = checksums(engine), greedy_with_logprobs(engine, stream_prompts())
     shard = sorted(ckpts["B"].glob("*.safetensors"))[-1]
@@ -161,9 +149,6 @@ def test_a_stalled_body_fails_naming_the_object_and_the_engine_keeps_its_weights
 
 
 def test_a_reload_at_the_same_etags_reads_the_store_cache_and_bounded_disk_keeps_nothing(engine, s3, ckpts) -> None:
-    import layerwise_cli
-    from layerwise_cli.checkpoint.store.objects import store_cache_folder
-
     url = s3.put_folder("run/B-cached", ckpts["B"])  # a prefix of its own: nothing of it cached yet
     blobs = store_cache_folder(url) / "blobs"
 
@@ -187,9 +172,7 @@ def test_a_reload_at_the_same_etags_reads_the_store_cache_and_bounded_disk_keeps
 def test_watch_keeps_an_in_process_engine_on_the_newest_step_in_a_bucket(engine, s3, ckpts) -> None:
     """`layerwise_cli.watch("s3://.../", llm=...)`: the newest complete step, loaded at its pin; one incomplete
     after it (its index names a shard not there) is not."""
-    import obstore
-
-    import layerwise_cli
+    import obstore  # noqa: PLC0415 - obstore: optional dependency (the storage extra)
 
     layerwise_cli.reload(engine, str(ckpts["A"]))
     s3.put_folder("watched/step_1", ckpts["B"])

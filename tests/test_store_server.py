@@ -12,6 +12,8 @@ import json
 
 import pytest
 
+from layerwise_cli.checkpoint.store.objects import store_cache_folder
+from layerwise_cli.demo import expected_answer
 from tests.support.seaweed import BUCKET, SECRET_KEY, running_seaweed
 from tests.support.server_support import RunningServer, run_cli
 
@@ -21,8 +23,6 @@ PAIRS = [(3, 4), (2, 5)]
 
 
 def expected(name: str) -> list[str]:
-    from layerwise_cli.demo import expected_answer
-
     return [expected_answer(name, a, b) for a, b in PAIRS]
 
 
@@ -40,8 +40,6 @@ def server(demo_models, s3):
 
 
 def test_reload_url_from_s3_with_verify(server, s3, demo_models, monkeypatch) -> None:
-    from layerwise_cli.checkpoint.store.objects import store_cache_folder
-
     url = f"s3://{BUCKET}/run/add"
     done = run_cli("reload", "--url", server.url, "--weights-path", url, "--verify", "--json", env=s3.env())
     assert done.returncode == 0, done.stderr[-3000:]

@@ -6,6 +6,7 @@ import pytest
 
 from scripts import sweep_build, sweep_docs
 from scripts.sweep_cell import one_line, outcome
+from scripts.sweep_families import FALLBACK, sweep_table
 
 
 def _config(arch: str):
@@ -157,8 +158,6 @@ def test_each_row_says_when_it_was_swept_and_fallback_rows_are_counted_apart() -
 
 
 def test_the_sweep_takes_dots1_which_vllm_serves_on_its_transformers_backend() -> None:
-    from scripts.sweep_families import FALLBACK, sweep_table
-
     table = sweep_table()
     assert table["Dots1ForCausalLM"] == {"backend": FALLBACK}
     assert table["Qwen3ForCausalLM"] == {"backend": "vllm"}

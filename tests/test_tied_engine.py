@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from layerwise_cli.client.engine.in_process import EngineOptions, reload, verify_engine
 from tests.support.cpu_kernels import left_stale_by_vllm, linear_kernels_are_read_back, on_cpu
 from tests.support.engine_support import (
     assert_matches_fresh,
@@ -55,8 +56,6 @@ def engine_a(tied_ab):
     B's fresh answers come from the shared fresh-engine cache first (an engine
     on B only on a miss, stopped before A's starts: never two at once).
     """
-    from layerwise_cli.client.engine.in_process import EngineOptions
-
     fresh_answers(tied_ab["B"], PROMPTS)
     llm = start_here(str(tied_ab["A"]), EngineOptions(max_model_len=64))
     remember_fresh(llm, tied_ab["A"], PROMPTS)
@@ -66,8 +65,6 @@ def engine_a(tied_ab):
 
 @pytest.mark.parametrize("order", ["layer", "file"])
 def test_reload_b_matches_a_fresh_b_then_a_comes_back(engine_a, tied_ab, order):
-    from layerwise_cli.client.engine.in_process import reload
-
     # A and B answer differently: the comparison can fail.
     assert fresh_answers(tied_ab["A"], PROMPTS) != fresh_answers(tied_ab["B"], PROMPTS)
     before = engine_state(engine_a)
@@ -89,8 +86,6 @@ def test_reload_b_matches_a_fresh_b_then_a_comes_back(engine_a, tied_ab, order):
 
 
 def test_python_api_verify_checks_the_tied_head_through_the_embedding(engine_a, tied_ab):
-    from layerwise_cli.client.engine.in_process import reload
-
     report = reload(engine_a, str(tied_ab["B"]), verify=True)
     verify = report.verify
     assert verify is not None and verify.ok and not verify.mismatched and not verify.errors
@@ -109,8 +104,6 @@ def test_vllm_own_reload_leaves_the_head_stale_and_verify_catches_it(engine_a, t
     The figure for the README: how many of the prompts answer differently from
     a fresh B engine after vLLM's own reload (tokens or top-5 logprobs).
     """
-    from layerwise_cli.client.engine.in_process import reload, verify_engine
-
     engine_a.collective_rpc("reload_weights", kwargs={"weights_path": str(tied_ab["B"])})
     engine_a.reset_prefix_cache()
     got = greedy_with_logprobs(engine_a, PROMPTS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shlex
@@ -9,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -18,9 +20,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+import layerwise_cli.reorder.side_files as side_files
+from layerwise_cli.checkpoint.format.header import TensorEntry
 from layerwise_cli.checkpoint.sources import INDEX_NAME, open_checkpoint, shard_file
 from layerwise_cli.cli.app import app
 from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.planning.plan import PlannedTensor
+from layerwise_cli.server.command_line import governed_option
 from tests.support.hub_server import HubServer
 from tests.support.synthetic import SyntheticModel, write_checkpoint, write_safetensors
 
@@ -109,8 +115,6 @@ def test_serve_passes_other_options_through(extra):
 
 
 def test_governed_option_unit():
-    from layerwise_cli.server.command_line import governed_option
-
     assert governed_option("--host") == "--host"
     assert governed_option("--h") is None  # too short to name one option; argparse finds it ambiguous
     assert governed_option("--max-num-seqs") is None
@@ -192,9 +196,7 @@ def test_shard_file_refuses_names_that_leave_the_folder(tmp_path, name):
 
 
 def test_the_reader_in_the_engine_uses_the_same_rule(tmp_path):
-    from layerwise_cli.checkpoint.format.header import TensorEntry
-    from layerwise_cli.planning.plan import PlannedTensor
-    from layerwise_cli.worker.stream.shard_reader import ShardReader
+    from layerwise_cli.worker.stream.shard_reader import ShardReader  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     write_safetensors(tmp_path / "outside.safetensors", [("x", "F32", (2,))])
     folder = tmp_path / "ckpt"
@@ -270,8 +272,6 @@ def test_a_hostname_link_is_not_copied(tmp_path):
 
 
 def test_side_files_are_copied_up_to_the_size_they_had(tmp_path, monkeypatch):
-    import layerwise_cli.reorder.side_files as side_files
-
     src = tmp_path / "src"
     src.mkdir()
     (src / "grows.txt").write_bytes(b"a" * 100)
@@ -379,8 +379,6 @@ def test_a_folder_that_cannot_be_listed_says_permission_denied(tmp_path):
     prefix = _as_nobody()
     if prefix is None:
         pytest.skip("running as root without setpriv: cannot drop to a user that file modes apply to")
-    import tempfile
-
     base = Path(tempfile.mkdtemp(prefix="layerwise-perm-"))
     try:
         base.chmod(0o755)
@@ -487,7 +485,7 @@ def test_a_broken_symlink_shaped_like_a_repo_id_is_not_a_hub_id(tmp_path, monkey
 
 
 def test_a_pytorch_bin_file_gets_a_conversion_hint(tmp_path):
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     path = tmp_path / "pytorch_model.bin"
     torch.save({"w": torch.zeros(2)}, path)
@@ -562,8 +560,6 @@ def test_the_python_examples_have_the_main_guard():
     """vLLM starts engine processes by spawning, which re-imports the main module: an example that builds an
     engine at import fails with vLLM's bootstrapping error, so every engine start sits under the guard, on every
     page (the README's and the Python API page's examples among them)."""
-    import ast
-
     def engine_blocks(path: Path) -> list[str]:
         blocks = [b.split("```")[0] for b in path.read_text().split("```python")[1:]]
         return [b for b in blocks if "LLM(" in b or "start_engine(" in b]

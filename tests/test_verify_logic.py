@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from layerwise_cli import LayerwiseError
+from layerwise_cli.client.engine.in_process import reload
+from layerwise_cli.client.engine.session import reload_as
+from layerwise_cli.report.verify_result import merge_verify, verify_failure
 from layerwise_cli.worker.repairs.after_reload import derived_modules, repairs_disabled
+from layerwise_cli.worker.rpc import ReloadOptions
 
 
 class _Tied(torch.nn.Module):
@@ -95,8 +100,6 @@ class _FakeLLM:
 
 
 def test_reload_with_verify_returns_the_verification():
-    from layerwise_cli.client.engine.in_process import reload
-
     llm = _FakeLLM([{"model.embed_tokens": "match", "lm_head": "match"}] * 2)
     report = reload(llm, "/ckpt/B", verify=True)
     assert llm.calls == ["pause_scheduler", "layerwise_reload", "resume_scheduler", "reset_prefix_cache",
@@ -108,9 +111,6 @@ def test_reload_with_verify_returns_the_verification():
 
 
 def test_reload_with_verify_raises_naming_the_layer_a_worker_disagrees_on():
-    from layerwise_cli import LayerwiseError
-    from layerwise_cli.client.engine.in_process import reload
-
     llm = _FakeLLM([{"model.embed_tokens": "match", "lm_head": "match"},
                     {"model.embed_tokens": "match", "lm_head": "mismatch"}])
     with pytest.raises(LayerwiseError) as caught:
@@ -121,16 +121,12 @@ def test_reload_with_verify_raises_naming_the_layer_a_worker_disagrees_on():
 
 
 def test_reload_without_verify_does_not_verify():
-    from layerwise_cli.client.engine.in_process import reload
-
     llm = _FakeLLM([{"lm_head": "mismatch"}])
     assert reload(llm, "/ckpt/B").verify is None
     assert "layerwise_verify" not in llm.calls
 
 
 def test_a_layer_that_could_not_be_checked_fails_verify():
-    from layerwise_cli.report.verify_result import merge_verify, verify_failure
-
     result = merge_verify([_worker_verify({"model.layers.0.mlp.gate": "error", "model.norm": "match"})])
     assert not result.ok and "model.layers.0.mlp.gate" in result.errors
     assert verify_failure(result).startswith("--verify: 1 layer(s) could not be checked: model.layers.0.mlp.gate")
@@ -138,9 +134,6 @@ def test_a_layer_that_could_not_be_checked_fails_verify():
 
 def test_reload_as_names_the_source_as_given_and_carries_a_failed_verification(tmp_path):
     """The command's reload: the report is built once, under the user's name, with the verification in it."""
-    from layerwise_cli.client.engine.session import reload_as
-    from layerwise_cli.worker.rpc import ReloadOptions
-
     progress = tmp_path / "progress.jsonl"
     progress.write_text("")
     verifying: list[str] = []
@@ -159,8 +152,6 @@ def test_reload_as_names_the_source_as_given_and_carries_a_failed_verification(t
 
 def test_the_engine_is_resumed_when_the_reload_call_itself_fails():
     """`reload` pauses the engine (caches cleared) for the workers' reload, and resumes it whatever happens."""
-    from layerwise_cli.client.engine.in_process import reload
-
     class Failing(_FakeLLM):
         def collective_rpc(self, method: str, kwargs: dict):
             self.calls.append(method)

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import importlib
+import json
 import subprocess
 import sys
+import types
 
 import pytest
+from packaging.version import Version
 
 from layerwise_cli import vllm_compat
+from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.planning.arch_table import installed_vllm_version
 
 
 def test_importing_vllm_compat_imports_neither_vllm_nor_torch() -> None:
@@ -26,10 +31,6 @@ def test_every_private_symbol_is_declared_once() -> None:
 
 
 def _installed_is_older_than(version: str) -> bool:
-    from packaging.version import Version
-
-    from layerwise_cli.planning.arch_table import installed_vllm_version
-
     return Version(installed_vllm_version()) < Version(version)
 
 
@@ -55,8 +56,6 @@ def test_each_private_symbol_exists_in_the_installed_vllm(symbol: vllm_compat.Pr
 def test_a_moved_symbol_is_found_where_it_moved(tmp_path, monkeypatch) -> None:
     """`moved_to` is tried after `module`: the first that holds the name wins; absent everywhere is an error."""
     moved = vllm_compat.PrivateSymbol("layerwise_cli.no_such_module", "dumps", "function", moved_to=("json",))
-    import json
-
     assert vllm_compat._load(moved) is json.dumps
     renamed = vllm_compat.PrivateSymbol("json", "no_such_name", "function", moved_to=("os.path",))
     with pytest.raises(AttributeError, match=r"os\.path.*no_such_name"):
@@ -78,10 +77,7 @@ def test_the_installed_vllm_reloads_layerwise() -> None:
 
 def test_direct_mode_is_refused_before_the_engine_is_touched(monkeypatch) -> None:
     """With vLLM's direct mode on, `stream_reload` raises a one-line error and its rank votes no (peers never start)."""
-    import types
-
-    from layerwise_cli.errors import LayerwiseError
-    from layerwise_cli.worker.reload import stream_reload as worker_reload
+    from layerwise_cli.worker.reload import stream_reload as worker_reload  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     module = types.ModuleType(vllm_compat.DIRECT_RELOAD_ENABLED.module)
     module.direct_reload_enabled = lambda: True

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from layerwise_cli import vllm_compat
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "check_vllm_release.py"
 
 
@@ -116,8 +118,6 @@ def test_an_architecture_the_release_fuses_otherwise_fails_naming_it(wheels: dic
 
 def test_a_moved_symbol_passes_where_it_moved_and_fails_where_it_is_nowhere(wheels: dict[str, Path]) -> None:
     """`moved_to` is followed: the release holding the name only there passes, naming the new module."""
-    from layerwise_cli import vllm_compat
-
     symbol = vllm_compat.CPU_PREPACK_MOE_WEIGHT
     check = _script()
     release = check.Source(wheels["moved"])
@@ -131,8 +131,6 @@ def test_a_moved_symbol_passes_where_it_moved_and_fails_where_it_is_nowhere(whee
 
 def test_a_changed_rule_passes_only_with_a_review_of_exactly_its_text(tmp_path: Path, monkeypatch) -> None:
     """A reviewed digest lets one changed definition pass, with its verdict; any other edit still fails."""
-    from layerwise_cli import vllm_compat
-
     check = _script()
     installed = check.Source(_installed_tree().parent)
     rule = next(r for r in vllm_compat.COPIED_RULES if r.module.endswith("reload.meta"))
@@ -170,8 +168,6 @@ def _script():
 
 def test_a_reviewed_hook_passes_only_as_reviewed_and_only_where_hooks_rerun(tmp_path: Path, monkeypatch) -> None:
     """In a release that reruns module hooks after a reload, each reviewed hook's text must be the one reviewed."""
-    from layerwise_cli import vllm_compat
-
     check = _script()
 
     def release(hook_body: str, rerun: bool) -> object:

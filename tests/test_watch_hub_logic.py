@@ -7,7 +7,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from rich.console import Console
+from typer.testing import CliRunner
 
+from layerwise_cli.cli.app import app
+from layerwise_cli.cli.watch import _status
 from layerwise_cli.client.watch.entry import Watcher, WatchOptions
 from layerwise_cli.client.watch.targets import Outcome
 from layerwise_cli.errors import LayerwiseError, UsageError
@@ -19,7 +23,7 @@ REPO = "org/run"
 @pytest.fixture
 def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[HubServer]:
     # huggingface_hub reads HF_ENDPOINT and HF_HUB_CACHE at import: point its constants here instead.
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # noqa: PLC0415 - huggingface_hub: heavy (test collection stays fast)
 
     server = HubServer()
     with server:
@@ -186,7 +190,7 @@ def test_local_root_options_are_refused_for_a_hub_root_and_revision_for_a_local_
 
 
 def test_a_hub_root_is_refused_offline(monkeypatch):
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # noqa: PLC0415 - huggingface_hub: heavy (test collection stays fast)
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(UsageError, match=f"^watching the Hub repo {REPO} needs the Hub, and HF_HUB_OFFLINE=1 is set$"):
@@ -194,10 +198,6 @@ def test_a_hub_root_is_refused_offline(monkeypatch):
 
 
 def test_live_status_names_the_ref_and_commits_by_their_first_characters(hub, tmp_path):
-    from rich.console import Console
-
-    from layerwise_cli.cli.watch import _status
-
     first = hub.add_repo(REPO, folder(tmp_path, "c1"))
     run = watcher([HubTarget("http://a:1", hub)], once=True)
     list(run.run())
@@ -209,10 +209,6 @@ def test_live_status_names_the_ref_and_commits_by_their_first_characters(hub, tm
 
 
 def test_the_command_refuses_local_root_options_and_names_a_repo_the_hub_does_not_know(hub, tmp_path):
-    from typer.testing import CliRunner
-
-    from layerwise_cli.cli.app import app
-
     hub.add_repo(REPO, folder(tmp_path, "c1"))
     runner = CliRunner()
     keep = runner.invoke(app, ["watch", REPO, "--url", "http://127.0.0.1:9", "--keep", "2"])

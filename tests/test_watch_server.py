@@ -17,9 +17,26 @@ import subprocess
 import time
 
 import pytest
+from typer.testing import CliRunner
 
+import layerwise_cli as layerwise
+from layerwise_cli.cli.app import app
+from layerwise_cli.client.engine.in_process import EngineOptions
+from layerwise_cli.client.watch.entry import WatchOptions, server_targets
+from layerwise_cli.client.watch.targets import EngineTarget
+from layerwise_cli.demo import demo_prompt
 from tests.support.engine_support import parameter_kind, reshard
-from tests.support.server_support import LAYERWISE, ROOT, RunningServer, error_lines, own_core, running_together, start
+from tests.support.in_process import start_here, stop_here
+from tests.support.server_support import (
+    LAYERWISE,
+    ROOT,
+    RunningServer,
+    error_lines,
+    free_port,
+    own_core,
+    running_together,
+    start,
+)
 from tests.support.watch_support import (
     ENV,
     MARKER,
@@ -208,10 +225,6 @@ def test_watch_keeps_two_servers_on_the_newest_complete_step(servers, sources, t
 
 
 def test_watch_usage_errors(tmp_path):
-    from typer.testing import CliRunner
-
-    from layerwise_cli.cli.app import app
-
     runner = CliRunner()
     missing = runner.invoke(app, ["watch", str(tmp_path / "nope"), "--url", "http://127.0.0.1:9"])
     assert missing.exit_code == 1 and "nope" in missing.output and "no such directory" in missing.output
@@ -228,9 +241,6 @@ def test_watch_usage_errors(tmp_path):
 
 def test_watch_passes_allow_unchecked_to_every_target():
     """`--allow-unchecked` reaches each server's verify (RemoteOptions) and an in-process engine's."""
-    from layerwise_cli.client.watch.entry import WatchOptions, server_targets
-    from layerwise_cli.client.watch.targets import EngineTarget
-
     for accept in (False, True):
         for verify in (False, True):  # without --verify it keeps a reload vLLM could not complete
             options = WatchOptions(verify=verify, allow_unchecked=accept)
@@ -242,8 +252,6 @@ def test_watch_passes_allow_unchecked_to_every_target():
 
 def test_watch_once_without_a_server_exits_1(tmp_path):
     """--once against a port nothing listens on: retried, then one error line naming the server, exit 1."""
-    from tests.support.server_support import free_port
-
     (tmp_path / "step_1").mkdir()
     (tmp_path / "step_1" / MARKER).touch()
     url = f"http://127.0.0.1:{free_port()}"
@@ -260,12 +268,7 @@ def test_watch_once_without_a_server_exits_1(tmp_path):
 @pytest.mark.engine
 def test_python_api_keeps_an_in_process_engine_on_the_newest_step(demo_models, sources, tmp_path):
     """`layerwise_cli.watch(root, llm=...)`: the broken newest step is skipped, the engine takes the one before."""
-    from vllm import SamplingParams
-
-    import layerwise_cli as layerwise
-    from layerwise_cli.client.engine.in_process import EngineOptions
-    from layerwise_cli.demo import demo_prompt
-    from tests.support.in_process import start_here, stop_here
+    from vllm import SamplingParams  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     root = tmp_path / "run"
     root.mkdir()

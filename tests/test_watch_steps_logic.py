@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from rich.console import Console
 from safetensors.numpy import save_file
 
 from layerwise_cli.checkpoint.steps.local import (
@@ -16,13 +17,18 @@ from layerwise_cli.checkpoint.steps.local import (
     SETTLING,
     CompletenessTracker,
     StepDir,
+    deletion_refusal,
     files_problem,
     list_steps,
     step_number,
     steps_to_delete,
 )
+from layerwise_cli.cli.watch import _status
+from layerwise_cli.client.watch import watcher as watcher_module
 from layerwise_cli.client.watch.entry import Watcher, WatchOptions
+from layerwise_cli.client.watch.listed_steps import ListedSteps
 from layerwise_cli.client.watch.targets import Outcome, TargetDown
+from layerwise_cli.errors import UsageError
 
 
 def write_step(root: Path, name: str, *, shards: int = 1, marker: str | None = None) -> Path:
@@ -254,8 +260,6 @@ def test_keep_deletes_only_steps_it_would_load_never_through_a_link_and_reports_
 
 
 def test_deletion_refusal_says_why_a_step_stays(tmp_path):
-    from layerwise_cli.checkpoint.steps.local import StepDir, deletion_refusal
-
     def step(name):
         return StepDir(name, tmp_path / name, 1)
 
@@ -271,8 +275,6 @@ def test_deletion_refusal_says_why_a_step_stays(tmp_path):
 
 
 def test_usage_errors(tmp_path):
-    from layerwise_cli.errors import UsageError
-
     with pytest.raises(UsageError, match="twice"):
         Watcher(tmp_path, [FakeTarget("a"), FakeTarget("a")])
     with pytest.raises(UsageError, match="--keep"):
@@ -280,10 +282,6 @@ def test_usage_errors(tmp_path):
 
 
 def test_live_status_shows_each_server(tmp_path):
-    from rich.console import Console
-
-    from layerwise_cli.cli.watch import _status
-
     write_step(tmp_path, "step_2", marker="STABLE")
     watcher = Watcher(tmp_path, [FakeTarget("http://a:1"), FakeTarget("http://b:2", down=99)],
                       WatchOptions(marker="STABLE", interval=0.01, once=True))
@@ -314,8 +312,6 @@ class ThreadedTarget(FakeTarget):
 
 def test_several_servers_are_brought_to_a_step_together_and_a_dead_one_is_left_out(tmp_path, monkeypatch):
     """The scheduling of --atomic (our logic; the fleet rule itself is proven on real servers in test_fleet_server)."""
-    from layerwise_cli.client.watch import watcher as watcher_module
-
     write_step(tmp_path, "step_1", marker="STABLE")
     a, b = ThreadedTarget("a"), ThreadedTarget("b")
     calls: list[tuple[list[str], str]] = []
@@ -339,8 +335,6 @@ def test_several_servers_are_brought_to_a_step_together_and_a_dead_one_is_left_o
 
 
 def test_no_atomic_reloads_each_server_on_its_own(tmp_path, monkeypatch):
-    from layerwise_cli.client.watch import watcher as watcher_module
-
     write_step(tmp_path, "step_1", marker="STABLE")
     a, b = ThreadedTarget("a"), ThreadedTarget("b")
     monkeypatch.setattr(watcher_module, "reload_together", lambda *args: pytest.fail("reloaded together"))
@@ -353,8 +347,6 @@ def test_no_atomic_reloads_each_server_on_its_own(tmp_path, monkeypatch):
 def test_a_listed_root_polls_as_a_step_source(tmp_path):
     """ListedSteps answers the loop's questions: what was seen, the newest complete step above the floor, the
     steps it passes over, and a target deleted under it."""
-    from layerwise_cli.client.watch.listed_steps import ListedSteps
-
     source = ListedSteps(tmp_path, WatchOptions(marker="STABLE"))
     for number in (1, 2, 3):
         write_step(tmp_path, f"step_{number}", marker="STABLE")

@@ -10,9 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from layerwise_cli.checkpoint.sources import open_checkpoint
 from layerwise_cli.checkpoint.steps.store import list_objects
+from layerwise_cli.cli.app import app
 from layerwise_cli.client.watch.entry import Watcher, WatchOptions
 from layerwise_cli.client.watch.targets import Outcome
 from layerwise_cli.errors import LayerwiseError
@@ -77,7 +79,7 @@ class Recorder:
 
 def put(s3: SeaweedS3, run: str, step: str, folder: Path, *, only: set[str] | None = None) -> str:
     """Upload FOLDER's files (or only those named) as the step RUN/STEP; its URL."""
-    import obstore
+    import obstore  # noqa: PLC0415 - obstore: optional dependency (the storage extra)
 
     store = s3.objects(f"{run}/{step}")
     for path in sorted(folder.iterdir()):
@@ -125,7 +127,7 @@ def test_an_incomplete_step_is_never_loaded(store_env, folders) -> None:
     put(s3, run, "step_3", folders["v2"])
     _, events = run_watch(f"s3://{BUCKET}/{run}", [target], once=True, marker="STABLE")
     assert target.version == "step_1" and "step_3" not in [e.step for e in events if e.kind == "reload_started"]
-    import obstore
+    import obstore  # noqa: PLC0415 - obstore: optional dependency (the storage extra)
 
     obstore.put(s3.objects(f"{run}/step_3"), "STABLE", b"")
     run_watch(f"s3://{BUCKET}/{run}", [target], once=True, marker="STABLE")
@@ -133,7 +135,7 @@ def test_an_incomplete_step_is_never_loaded(store_env, folders) -> None:
 
 
 def test_a_step_rewritten_after_it_was_pinned_is_refused_and_skipped(store_env, folders) -> None:
-    import obstore
+    import obstore  # noqa: PLC0415 - obstore: optional dependency (the storage extra)
 
     s3, run = store_env, "rewritten"
     put(s3, run, "step_1", folders["v1"])
@@ -216,10 +218,6 @@ def test_a_listing_that_fails_mid_watch_is_an_event_and_the_watch_goes_on(store_
     (f"s3://{BUCKET}/keep/", {"AWS_SECRET_ACCESS_KEY": "wrong-secret"}, "access denied"),
 ])
 def test_the_first_listing_fails_in_one_line(store_env, monkeypatch, url, env, message) -> None:
-    from typer.testing import CliRunner
-
-    from layerwise_cli.cli.app import app
-
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     done = CliRunner().invoke(app, ["watch", url, "--url", "http://127.0.0.1:9", "--once"])

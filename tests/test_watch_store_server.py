@@ -21,6 +21,7 @@ import subprocess
 
 import pytest
 
+from layerwise_cli.client.servers.reload_servers import server_fingerprints
 from tests.support.engine_support import nan_in_final_norm, parameter_kind, reshard
 from tests.support.seaweed import BUCKET, SeaweedS3, running_seaweed
 from tests.support.server_support import LAYERWISE, ROOT, RunningServer, error_lines, own_core, running_together
@@ -57,7 +58,7 @@ def servers(demo_models, s3):
 
 def upload(s3: SeaweedS3, step: str, folder, *, leave_out: str | None = None) -> None:
     """Put FOLDER's files under RUN/STEP, shards first and the index after them (as `put_folder` sorts them)."""
-    import obstore
+    import obstore  # noqa: PLC0415 - obstore: optional dependency (the storage extra)
 
     store = s3.objects(f"{RUN}/{step}")
     for path in sorted(folder.iterdir()):
@@ -68,8 +69,6 @@ def upload(s3: SeaweedS3, step: str, folder, *, leave_out: str | None = None) ->
 
 def held(server) -> tuple:
     """What SERVER holds: every module's fingerprint, its answers, its weight version."""
-    from layerwise_cli.client.servers.reload_servers import server_fingerprints
-
     return server_fingerprints(server.url), server.answers(PAIRS), weight_version(server.url)
 
 

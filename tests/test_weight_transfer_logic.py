@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import pytest
 
+from layerwise_cli.checkpoint.delta.read import delta_file
+from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.server.plugin import register
+from layerwise_cli.server.weight_transfer.engine import LayerwiseInitInfo, LayerwiseWeightTransferEngine
+from layerwise_cli.worker.rpc import ReloadOptions, TransferUpdate
+from layerwise_cli.writer.trainer_engine import LayerwiseTrainerInitInfo, LayerwiseTrainerWeightTransferEngine
+
 
 def test_update_info_round_trips_and_refuses_what_it_does_not_know() -> None:
-    from layerwise_cli.worker.rpc import ReloadOptions, TransferUpdate
-
     update = TransferUpdate("s3://b/run/step_2", ReloadOptions(allow_partial=True, revision="abc"), verify=True)
     sent = update.to_json()
     assert sent == {"source": "s3://b/run/step_2", "allow_partial": True, "revision": "abc", "verify": True}
@@ -31,7 +36,7 @@ def test_update_info_round_trips_and_refuses_what_it_does_not_know() -> None:
 
 
 def test_an_engine_failure_is_answered_with_the_workers_own_line() -> None:
-    from layerwise_cli.server.weight_transfer.routes import engine_failure_line
+    from layerwise_cli.server.weight_transfer.routes import engine_failure_line  # noqa: PLC0415 - fastapi: heavy (test collection stays fast)
 
     line = "/ckpt/step_2: needs the engine to hold its base /ckpt/step_1, but it holds 'x'"
     # As the multiprocessing executor and the engine core's utility call wrap it, and as the in-process one does.
@@ -44,8 +49,6 @@ def test_an_engine_failure_is_answered_with_the_workers_own_line() -> None:
 
 @pytest.mark.slow
 def test_init_info_refuses_unknown_keys_and_bad_leases() -> None:
-    from layerwise_cli.server.weight_transfer.engine import LayerwiseInitInfo
-
     assert LayerwiseInitInfo.from_json({}).pause_lease_s == 60.0
     assert LayerwiseInitInfo.from_json({"pause_lease_s": 5}).pause_lease_s == 5.0
     for bad, words in [({"master_port": 1}, "unknown key"), ({"pause_lease_s": 0}, "pause_lease_s"),
@@ -59,12 +62,8 @@ def test_the_plugin_registers_the_backend_with_both_of_vllms_factories() -> None
     """What makes a plain `vllm serve` accept `--weight-transfer-config '{"backend": "layerwise"}'`: vLLM loads its
     general plugins in each of its processes, and layerwise's (the installed entry point) names the engines
     (imported only when vLLM builds one)."""
-    from vllm.distributed.weight_transfer import WeightTransferEngineFactory, WeightTransferTrainerFactory
-    from vllm.plugins import load_general_plugins
-
-    from layerwise_cli.server.plugin import register
-    from layerwise_cli.server.weight_transfer.engine import LayerwiseWeightTransferEngine
-    from layerwise_cli.writer.trainer_engine import LayerwiseTrainerWeightTransferEngine
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory, WeightTransferTrainerFactory  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
+    from vllm.plugins import load_general_plugins  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     load_general_plugins()  # as every vLLM process does: the `vllm.general_plugins` entry points
     assert "layerwise" in WeightTransferEngineFactory._registry
@@ -96,7 +95,7 @@ class RecordingClient:
 
 
 def _tensors(step: int) -> dict:
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     gen = torch.Generator().manual_seed(0)
     base = {f"model.layers.{i}.mlp.down_proj.weight": torch.randn(64, 64, generator=gen).to(torch.bfloat16)
@@ -110,10 +109,7 @@ def _tensors(step: int) -> dict:
 
 @pytest.mark.slow
 def test_the_trainer_engine_writes_a_full_step_then_deltas_and_drives_start_update_finish(tmp_path) -> None:
-    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
-
-    from layerwise_cli.checkpoint.delta.read import delta_file
-    from layerwise_cli.writer.trainer_engine import LayerwiseTrainerInitInfo
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     client = RecordingClient()
     info = LayerwiseTrainerInitInfo(str(tmp_path / "run"), rank=0, update={"verify": True}, pause_lease_s=20)
@@ -132,8 +128,6 @@ def test_the_trainer_engine_writes_a_full_step_then_deltas_and_drives_start_upda
 
 @pytest.mark.slow
 def test_a_refused_update_ends_the_servers_update_and_raises(tmp_path) -> None:
-    from layerwise_cli.writer.trainer_engine import LayerwiseTrainerInitInfo, LayerwiseTrainerWeightTransferEngine
-
     client = RecordingClient(fail_update=True)
     engine = LayerwiseTrainerWeightTransferEngine.trainer_init(LayerwiseTrainerInitInfo(str(tmp_path), rank=0),
                                                               client=client)
@@ -145,16 +139,11 @@ def test_a_refused_update_ends_the_servers_update_and_raises(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_trainer_init_info_refuses_bad_update_options_and_a_source_in_them(tmp_path) -> None:
-    from layerwise_cli.errors import LayerwiseError
-    from layerwise_cli.writer.trainer_engine import LayerwiseTrainerInitInfo
-
     with pytest.raises(LayerwiseError, match="unknown key"):
         LayerwiseTrainerInitInfo(str(tmp_path), rank=0, update={"verfy": True})
     with pytest.raises(LayerwiseError, match="the source is the step itself"):
         LayerwiseTrainerInitInfo(str(tmp_path), rank=0, update={"source": "x"})
     non_sender = LayerwiseTrainerInitInfo(str(tmp_path), rank=1)
     client = RecordingClient()
-    from layerwise_cli.writer.trainer_engine import LayerwiseTrainerWeightTransferEngine
-
     engine = LayerwiseTrainerWeightTransferEngine.trainer_init(non_sender, client=client)
     assert engine.send_weights(_tensors(1).items()) is None and client.calls == []  # only rank 0 drives the server

@@ -27,8 +27,15 @@ from pathlib import Path
 import httpx
 import pytest
 
+from layerwise_cli.client.servers.api import ServerClient
+from layerwise_cli.client.servers.reload_servers import server_fingerprints
+from layerwise_cli.demo import demo_prompt
+from layerwise_cli.writer.trainer_engine import LayerwiseTrainerInitInfo
 from tests.support.deltas import save_step, write_steps
+from tests.support.engine_support import load_tensors
+from tests.support.https_server import HttpsFolder
 from tests.support.hub_server import HubServer
+from tests.support.in_process import start_here, stop_here
 from tests.support.seaweed import BUCKET, running_seaweed
 from tests.support.server_support import SMALL, RunningServer
 
@@ -40,16 +47,12 @@ BACKEND = ["--weight-transfer-config", json.dumps({"backend": "layerwise"})]
 
 
 def prompts() -> list[str]:
-    from layerwise_cli.demo import demo_prompt
-
     return [demo_prompt(a, b) for a, b in PAIRS]
 
 
 def fresh_reference(checkpoint: Path) -> dict:
     """What an engine started fresh on CHECKPOINT answers and holds (it is stopped before this returns)."""
-    from vllm import SamplingParams
-
-    from tests.support.in_process import start_here, stop_here
+    from vllm import SamplingParams  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     llm = start_here(str(checkpoint))
     try:
@@ -99,8 +102,6 @@ def s3(steps):
 
 @pytest.fixture(scope="module")
 def https(steps, tmp_path_factory):
-    from tests.support.https_server import HttpsFolder
-
     folder = tmp_path_factory.mktemp("rl-api-https") / "B"
     shutil.copytree(steps["B"], folder)
     with HttpsFolder(folder) as server:
@@ -131,8 +132,6 @@ def update(server: RunningServer, update_info: dict, version: str | None = None)
 
 
 def state(server: RunningServer) -> dict:
-    from layerwise_cli.client.servers.reload_servers import server_fingerprints
-
     rpc = post(server, "/collective_rpc", {"method": "layerwise_checksums"}).json()["results"][0]
     return {"answers": server.answers(PAIRS), "checksums": rpc["checksums"],
             "fingerprints": server_fingerprints(server.url)}
@@ -186,8 +185,6 @@ def test_every_kind_of_step_through_the_routes_ends_equal_to_a_fresh_engine(serv
 
 
 def test_weight_checker_and_verify_agree(server, steps, fresh):
-    from layerwise_cli.client.servers.api import ServerClient
-
     assert update(server, {"source": str(steps["A"])}, "A").status_code == 200
     for name, holds in (("A", True), ("B", False)):
         compared = post(server, "/weight_checker", {"action": "compare", "baseline": fresh[name]["weight_checker"]})
@@ -254,10 +251,7 @@ def test_a_client_that_dies_mid_update_leaves_the_server_serving_within_the_leas
 
 def test_the_trainer_engine_writes_deltas_and_the_server_ends_equal_to_a_fresh_engine(server, steps, fresh,
                                                                                      tmp_path):
-    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
-
-    from layerwise_cli.writer.trainer_engine import LayerwiseTrainerInitInfo
-    from tests.support.engine_support import load_tensors
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     config = json.loads((steps["A"] / "config.json").read_text())
     info = LayerwiseTrainerInitInfo(str(tmp_path / "run"), rank=0, config=config, update={"verify": True},
@@ -280,11 +274,8 @@ def test_the_trainer_engine_uploads_each_step_to_a_bucket_marker_last(server, st
                                                                       monkeypatch):
     """Steps under `s3://`: written in the stage folder, uploaded, loaded by the server from the bucket (full
     steps: a server loads no delta from a bucket yet)."""
-    import obstore
-    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory
-
-    from layerwise_cli.writer.trainer_engine import LayerwiseTrainerInitInfo
-    from tests.support.engine_support import load_tensors
+    import obstore  # noqa: PLC0415 - obstore: optional dependency (the storage extra)
+    from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, WeightTransferTrainerFactory  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     config = json.loads((steps["A"] / "config.json").read_text())
     info = LayerwiseTrainerInitInfo(f"s3://{BUCKET}/trained", rank=0, config=config, delta=False,

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from layerwise_cli import save_checkpoint
+from layerwise_cli.planning.inspect import inspect_order
 from tests.support.engine_support import (
     PAIR_PROMPTS,
     differing_prompts,
@@ -46,10 +48,8 @@ class Written:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Written:
-    import torch
-    import transformers
-
-    from layerwise_cli import save_checkpoint
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
+    import transformers  # noqa: PLC0415 - transformers: heavy (test collection stays fast)
 
     root = tmp_path_factory.mktemp("writer-engine")
     original = save_pretrained_checkpoint(root / "b", Producer("qwen3", max_shard_size="40KB"), seed=2)
@@ -73,7 +73,7 @@ def run(tmp_path_factory) -> Written:
 
 
 def test_written_tensors_equal_the_state_dict(run):
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     got = load_tensors(run.written)
     assert set(got) == set(run.state_dict) == set(load_tensors(run.original))
@@ -83,8 +83,6 @@ def test_written_tensors_equal_the_state_dict(run):
 
 
 def test_inspect_order_predicts_one_largest_layer(run):
-    from layerwise_cli.planning.inspect import inspect_order
-
     ours = inspect_order(str(run.written))
     assert ours.plan.mapping.kind == "table"
     assert ours.file_order_buffering.peak_buffer_bytes == ours.plan.largest_layer_bytes == run.saved.peak_buffer_bytes

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import layerwise_cli
 from layerwise_cli.checkpoint.format.digests import header_digests, tensor_digest
@@ -66,8 +66,6 @@ def test_vllm_read_order_buffers_one_layer(tmp_path):
 
 def test_the_same_checkpoint_reshuffled_by_a_naive_writer_is_worse(tmp_path):
     """The test above can fail: writing the same tensors in arrival order buffers more than one layer."""
-    from safetensors.torch import save_file
-
     sd = qwen3_like()
     items = list(shuffled(sd, 3))
     folder = tmp_path / "naive"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from examples.rl import faults as f
 from examples.rl.fleet import Fleet, PauseMeter, weight_version
+from examples.rl.proof import prove, sample, write_full_step
 from examples.rl.record import RunRecord, build_record
 from examples.rl.stores import Published
 from examples.rl.traffic import Traffic
@@ -98,8 +99,6 @@ class Run:
             self.take_events()
         self.watch.finish(signal.SIGTERM)
         if self.samples:
-            from examples.rl.proof import prove
-
             self.checks += prove(self.samples, self.prompts)
         return self.record()
 
@@ -144,8 +143,6 @@ class Run:
 
     def take_sample(self, pub: Published, tensors) -> None:
         """Verify every server on PUB and keep what it holds, for the fresh engine after the run."""
-        from examples.rl.proof import sample, write_full_step
-
         folder = write_full_step(self.out / "proof" / pub.name, tensors, self.trainer.config, self.trainer.start)
         self.samples.append(sample(pub.step, pub.name, self.store.source_of(pub), folder, self.fleet.urls,
                                    self.fleet.servers[0].model, self.prompts))

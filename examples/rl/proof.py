@@ -11,6 +11,11 @@ from pathlib import Path
 import httpx
 
 from examples.rl.faults import Check
+from layerwise_cli import save_checkpoint
+from layerwise_cli.client.engine.in_process import EngineOptions, ask_workers, start_engine, stop_engine
+from layerwise_cli.client.servers.api import ServerClient
+from layerwise_cli.client.servers.reload_servers import server_fingerprints
+from layerwise_cli.worker.rpc import FingerprintsAnswer, FingerprintsCall
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
@@ -29,8 +34,6 @@ class Sample:
 
 def write_full_step(folder: Path, tensors, config: dict, start: Path) -> Path:
     """The step written in full (what the fresh engine starts on), with the tokenizer of START."""
-    from layerwise_cli import save_checkpoint
-
     save_checkpoint(tensors.items(), folder, config=config, marker=None)
     for name in TOKENIZER_FILES:
         if (start / name).is_file():
@@ -53,9 +56,6 @@ def sample(step: int, name: str, source: tuple[str, str | None], folder: Path, u
            prompts: list[str]) -> Sample:
     """Verify each server against SOURCE (the step as the servers read it: a path or URL, and a Hub commit or
     None), and take its fingerprints and answers."""
-    from layerwise_cli.client.servers.api import ServerClient
-    from layerwise_cli.client.servers.reload_servers import server_fingerprints
-
     verified: dict[str, str] = {}
     for url in urls:
         client = ServerClient(url, timeout=600)
@@ -72,10 +72,7 @@ def sample(step: int, name: str, source: tuple[str, str | None], folder: Path, u
 
 def prove(samples: list[Sample], prompts: list[str]) -> list[Check]:
     """For each sample, an engine started fresh on its full step against what each server held then."""
-    from vllm import SamplingParams
-
-    from layerwise_cli.client.engine.in_process import EngineOptions, ask_workers, start_engine, stop_engine
-    from layerwise_cli.worker.rpc import FingerprintsAnswer, FingerprintsCall
+    from vllm import SamplingParams  # noqa: PLC0415 - vllm: heavy (`--help` stays fast)
 
     checks = []
     for s in samples:

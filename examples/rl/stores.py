@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from layerwise_cli import save_checkpoint
+from tests.support.seaweed import ACCESS_KEY, BUCKET, SECRET_KEY
 
 MARKER = "STABLE"
 RUN = "run"
@@ -162,8 +163,6 @@ class BucketSteps:
 
     @property
     def watch_root(self) -> str:
-        from tests.support.seaweed import BUCKET
-
         return f"s3://{BUCKET}/{RUN}/"
 
     def _write(self, step: int, tensors: dict[str, torch.Tensor], nan: bool):
@@ -205,10 +204,8 @@ def upload_step(endpoint: str, prefix: str, folder: Path, ready=None) -> int:
     READY: set once the shards are up, and the upload then stalls (where the loop's trainer is killed).
     Returns the shard bytes sent.
     """
-    import obstore
-    from obstore.store import S3Store
-
-    from tests.support.seaweed import ACCESS_KEY, BUCKET, SECRET_KEY
+    import obstore  # noqa: PLC0415 - obstore: optional dependency (the storage extra)
+    from obstore.store import S3Store  # noqa: PLC0415 - obstore: optional dependency (the storage extra)
 
     store = S3Store(BUCKET, prefix=prefix, endpoint=endpoint, access_key_id=ACCESS_KEY,
                     secret_access_key=SECRET_KEY, region="us-east-1", client_options={"allow_http": True})

@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rich.console import Console
+from rich.table import Table
+
 from examples.rl.record import RunRecord
+from layerwise_cli.units import human_bytes
 
 
 def _s(value: float | None) -> str:
@@ -13,16 +17,11 @@ def _s(value: float | None) -> str:
 
 
 def _mb(value: int) -> str:
-    from layerwise_cli.units import human_bytes
-
     return human_bytes(value)
 
 
 def render(record: RunRecord, console=None) -> None:
     """The steps table, the figures and the checks, on CONSOLE (Rich; default: stdout)."""
-    from rich.console import Console
-    from rich.table import Table
-
     console = console or Console()
     table = Table(title="RL run: one row per step")
     for column in ("step", "kind", "save", "written", "full", *(f"serve/pause {i}" for i in ("a", "b")),
@@ -58,10 +57,10 @@ def write_summary(record: RunRecord, out: Path) -> Path:
 
 def timeline(events_path: Path, png: Path, step_of) -> Path:
     """The run over time: the trainer's steps, each server's pauses and weight step, requests per second."""
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 - matplotlib: optional dependency (the plot extra)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - matplotlib: optional dependency (the plot extra)
 
     rows = [json.loads(line) for line in events_path.read_text().splitlines()]
     t0 = min(r["time"] for r in rows)
@@ -80,7 +79,7 @@ def timeline(events_path: Path, png: Path, step_of) -> Path:
         for r in rows:
             if r["event"] == "reload_done" and r.get("server") == url and r.get("paused_s"):
                 top.axvspan(r["time"] - t0 - r["paused_s"], r["time"] - t0, color=f"C{i}", alpha=0.25)
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415 - matplotlib: optional dependency (the plot extra)
 
     top.yaxis.set_major_locator(MaxNLocator(integer=True))
     top.set_ylabel("step of each answer\n(dotted: a step saved; red: NaN)")

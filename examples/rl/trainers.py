@@ -7,6 +7,11 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+from safetensors.torch import load_file
+
+from layerwise_cli.demo import demo_checkpoint
+from layerwise_cli.demo.recipe import spec_for
+from layerwise_cli.demo.train import task_loss
 
 # The demo's step: AdamW steps on the add task per written step (the answers move over a few written steps).
 DEMO_INNER_STEPS = 4
@@ -27,8 +32,6 @@ class Trainer(Protocol):
 
 
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     tensors: dict[str, torch.Tensor] = {}
     for shard in sorted(folder.glob("*.safetensors")):
         tensors.update(load_file(shard))
@@ -43,9 +46,6 @@ class DemoTrainer:
     """
 
     def __init__(self, lr: float = DEMO_LR, inner_steps: int = DEMO_INNER_STEPS) -> None:
-        from layerwise_cli.demo import demo_checkpoint
-        from layerwise_cli.demo.recipe import spec_for
-
         self.start = demo_checkpoint("multiply")
         self.spec = spec_for("add")
         self.config = json.loads((self.start / "config.json").read_text())
@@ -55,8 +55,6 @@ class DemoTrainer:
         self.losses: list[float] = []
 
     def step(self) -> None:
-        from layerwise_cli.demo.train import task_loss
-
         # One thread, as the demo trains (tensors this small): beside busy-polling vLLM workers on a small
         # host, torch's spinning thread pool made a step of milliseconds take a minute.
         torch.set_num_threads(1)

@@ -17,6 +17,7 @@ from layerwise_cli.checkpoint.fetch.policy import FetchPolicy
 from layerwise_cli.checkpoint.format.layout import is_weight_file, shard_file
 from layerwise_cli.checkpoint.hub.repo import HubFetcher
 from layerwise_cli.checkpoint.sources import Checkpoint
+from layerwise_cli.checkpoint.steps.store import list_objects
 from layerwise_cli.checkpoint.store.objects import StoreSource
 from layerwise_cli.errors import LayerwiseError, describe_exception
 
@@ -49,8 +50,6 @@ class StoreFetcher:
 
         Each is read whole and pinned at its first read; names that would leave the folder are refused.
         """
-        from layerwise_cli.checkpoint.steps.store import list_objects
-
         folder = self.fetch_dir / "other"
         for path, _, size in list_objects(self.checkpoint.source):
             name = path.rsplit("/", 1)[-1]

@@ -9,6 +9,7 @@ import stat
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from layerwise_cli.checkpoint.fetch.policy import FetchPolicy
 from layerwise_cli.checkpoint.format.header import ShardHeader, TensorEntry, read_shard_header
 from layerwise_cli.checkpoint.format.layout import (
     INDEX_NAME,
@@ -20,8 +21,8 @@ from layerwise_cli.checkpoint.format.layout import (
     shard_file,
 )
 from layerwise_cli.checkpoint.hub.pin import HubPin, hub_error, pin_commit
-from layerwise_cli.checkpoint.hub.repo import cached_snapshot, offline, read_hub_headers
-from layerwise_cli.checkpoint.store.objects import display_url, is_store_url
+from layerwise_cli.checkpoint.hub.repo import cached_snapshot, download_checkpoint, offline, read_hub_headers
+from layerwise_cli.checkpoint.store.objects import StoreSource, display_url, is_store_url
 from layerwise_cli.errors import LayerwiseError, describe_exception
 
 _REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
@@ -88,8 +89,6 @@ def resolve_local(source: str, revision: str | None = None) -> Path:
         # Callers stream a URL source (`reload_plan`); nothing downloads one whole.
         raise LayerwiseError("a URL source is read by byte range, not downloaded", where=display_url(source))
     if looks_like_repo_id(source):
-        from layerwise_cli.checkpoint.hub.repo import download_checkpoint
-
         try:
             return download_checkpoint(source, revision)
         except Exception as exc:
@@ -237,9 +236,7 @@ def _open_hub(repo_id: str, revision: str | None) -> Checkpoint:
 
 def _open_store(url: str, revision: str | None) -> Checkpoint:
     """Read a URL source's headers by range, each object pinned to its ETag (or to REVISION, a pin read before)."""
-    from layerwise_cli.checkpoint.fetch.policy import FetchPolicy
-    from layerwise_cli.checkpoint.store.headers import PIN_PREFIX, read_store_headers
-    from layerwise_cli.checkpoint.store.objects import StoreSource
+    from layerwise_cli.checkpoint.store.headers import PIN_PREFIX, read_store_headers  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
 
     if revision and not revision.startswith(PIN_PREFIX):
         raise LayerwiseError("--revision applies to Hub repo ids only (a URL source is pinned to its objects' "

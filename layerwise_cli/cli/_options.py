@@ -10,6 +10,9 @@ from typing import Annotated, Literal, get_type_hints
 
 import typer
 
+from layerwise_cli import vllm_compat
+from layerwise_cli.errors import UsageError
+
 # The panels `--help` groups options into (`rich_help_panel`), the same names in every command.
 SOURCE_PANEL = "Source"
 RELOAD_PANEL = "Reload"
@@ -175,14 +178,10 @@ def check_quantization(method: str | None) -> None:
     """Refuse a quantization method the installed vLLM does not know, as a usage error, before any engine starts."""
     if method is None:
         return
-    from layerwise_cli import vllm_compat
-
     QUANTIZATION_METHODS = vllm_compat.quantization_methods()
 
-    from layerwise_cli.worker.quantization import online_quant  # noqa: F401 - registers layerwise_fp8 / layerwise_int8
+    from layerwise_cli.worker.quantization import online_quant  # noqa: PLC0415, F401 - registers layerwise_fp8 / layerwise_int8
 
     if method not in QUANTIZATION_METHODS:
-        from layerwise_cli.errors import UsageError
-
         raise UsageError(f"--quantization must be one of vLLM's methods ({', '.join(QUANTIZATION_METHODS)}), "
                          f"not {method!r}")

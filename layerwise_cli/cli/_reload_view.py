@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -217,8 +218,6 @@ def render_ranks(report: ReloadReport) -> None:
 
 def _layer_span(layers: list[str]) -> str:
     """`embed_tokens, layers 0-1 (14 modules)`: the non-decoder layers by name, decoder layers by index."""
-    import re
-
     indices = sorted({int(m.group(1)) for name in layers if (m := re.search(r"\.layers\.(\d+)\.", name))})
     others = [_layer_label(name) for name in layers if not re.search(r"\.layers\.\d+\.", name)]
     parts = others[:1]

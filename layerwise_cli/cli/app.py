@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Annotated
+
+from layerwise_cli.cli._output import interrupted
 
 try:
     import typer
@@ -59,14 +62,10 @@ app.command("delta")(delta_command)
 
 def main() -> None:
     """Console-script entry point."""
-    import os
-
     # stdout carries our data; vLLM logs to stdout unless told otherwise.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         app()
     except KeyboardInterrupt:
-        from layerwise_cli.cli._output import interrupted
-
         sys.exit(interrupted())

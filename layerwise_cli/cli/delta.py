@@ -43,7 +43,7 @@ def delta_command(
 
     Loading a delta, chains, what is proved: docs/commands/delta.md and docs/deltas.md.
     """
-    from layerwise_cli.writer.delta_step import write_delta
+    from layerwise_cli.writer.delta_step import write_delta  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
 
     result = write_delta(base, new, out, marker=marker or None, overwrite=force, whole_fraction=whole_fraction)
     data = to_dict(result)

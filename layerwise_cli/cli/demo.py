@@ -10,6 +10,10 @@ from rich.table import Table
 from layerwise_cli.cli._options import OUTPUT_PANEL, JsonOpt, OrderOpt
 from layerwise_cli.cli._output import handle_errors, print_json, stderr, stdout
 from layerwise_cli.cli._reload_view import render_report, run_with_progress
+from layerwise_cli.errors import LayerwiseError, UsageError
+from layerwise_cli.report.progress import new_progress_path
+from layerwise_cli.vllm_logs import quiet_engine_notes
+from layerwise_cli.worker.rpc import ReloadOptions
 
 
 @handle_errors
@@ -33,13 +37,10 @@ def demo_command(
 
     The output explained: docs/quickstart.md.
     """
-    from layerwise_cli.client.engine.generate import greedy_answers
-    from layerwise_cli.client.engine.in_process import EngineOptions, start_engine, stop_engine
-    from layerwise_cli.client.engine.session import reload_as
-    from layerwise_cli.demo import demo_checkpoint, demo_prompt, expected_answer
-    from layerwise_cli.errors import UsageError
-    from layerwise_cli.report.progress import new_progress_path
-    from layerwise_cli.worker.rpc import ReloadOptions
+    from layerwise_cli.client.engine.generate import greedy_answers  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
+    from layerwise_cli.client.engine.in_process import EngineOptions, start_engine, stop_engine  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
+    from layerwise_cli.client.engine.session import reload_as  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
+    from layerwise_cli.demo import demo_checkpoint, demo_prompt, expected_answer  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
 
     try:
         asked = [tuple(int(x) for x in pair.split()) for pair in pairs.split(",")]
@@ -50,8 +51,6 @@ def demo_command(
     first, second = ("moe-multiply", "moe-add") if moe else ("multiply", "add")
     engine = EngineOptions(max_model_len=64)
     if not verbose:
-        from layerwise_cli.vllm_logs import quiet_engine_notes
-
         engine = quiet_engine_notes(engine)
     if not as_json:
         stderr.print("Building the debug models (once; cached) ...")
@@ -95,6 +94,4 @@ def demo_command(
         stdout.print(f"Reloaded {second} then {first} in place: {reports[0].wall_s:.3f} s and "
                      f"{second_report.wall_s:.3f} s; answers {'flipped as expected' if flipped else 'DID NOT flip'}.")
     if not flipped:
-        from layerwise_cli.errors import LayerwiseError
-
         raise LayerwiseError("the engine's answers did not follow the reloaded weights")

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 from rich.markup import escape
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 from rich.table import Table
 
 from layerwise_cli.cli._options import (
@@ -19,7 +20,8 @@ from layerwise_cli.cli._options import (
     TensorParallelOpt,
 )
 from layerwise_cli.cli._output import handle_errors, print_json, stderr, stdout
-from layerwise_cli.units import human_bytes, parse_size
+from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.units import human_bytes, human_seconds, parse_size
 
 
 @handle_errors
@@ -73,7 +75,7 @@ def inspect_order_command(
             limit = parse_size(max_buffer)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--max-buffer") from None
-    from layerwise_cli.planning.inspect import inspect_order
+    from layerwise_cli.planning.inspect import inspect_order  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
 
     report = inspect_order(source, revision, mapping, tensor_parallel_size)
     data = report.to_dict(top=top)
@@ -96,26 +98,20 @@ def inspect_order_command(
         if scanned is not None:
             render_scan(scanned)
     if plot is not None:
-        from layerwise_cli.planning.chart import write_order_chart
+        from layerwise_cli.planning.chart import write_order_chart  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
 
         stderr.print(f"chart             {escape(str(write_order_chart(report, plot)))}", soft_wrap=True)
     if scanned is not None and scanned.digest_mismatches:
-        from layerwise_cli.errors import LayerwiseError
-
         first = scanned.digest_mismatches[0]
         more = (f" ({len(scanned.digest_mismatches)} tensors differ from their header digests)"
                 if len(scanned.digest_mismatches) > 1 else "")
         raise LayerwiseError(f"{first.describe()}{more}", where=_shard_where(report.plan.checkpoint, first.shard))
     if scanned is not None and scanned.nonfinite:
-        from layerwise_cli.errors import LayerwiseError
-
         first = scanned.nonfinite[0]
         more = f" ({len(scanned.nonfinite)} tensors hold NaN or Inf)" if len(scanned.nonfinite) > 1 else ""
         raise LayerwiseError(f"{first.describe()}{more}", where=_shard_where(report.plan.checkpoint, first.shard))
     peak = report.file_order_buffering.peak_buffer_bytes
     if limit is not None and peak > limit:
-        from layerwise_cli.errors import LayerwiseError
-
         raise LayerwiseError(
             f"file-order peak buffer {human_bytes(peak)} ({peak} bytes) exceeds --max-buffer "
             f"{human_bytes(limit)}; run `layerwise reorder` on it",
@@ -227,12 +223,10 @@ def render_delta(delta: dict, top: int) -> None:
 
 def _scan(checkpoint, quiet: bool):
     """Read every tensor and count NaN/Inf, with a progress bar on stderr unless quiet."""
-    from layerwise_cli.checkpoint.format.finite import scan_checkpoint
+    from layerwise_cli.checkpoint.format.finite import scan_checkpoint  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
 
     if quiet:
         return scan_checkpoint(checkpoint)
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
-
     with Progress(TextColumn("scanning"), BarColumn(), DownloadColumn(binary_units=True), TransferSpeedColumn(),
                   console=stderr, transient=True) as bar:
         task = bar.add_task("scan", total=checkpoint.total_bytes)
@@ -247,8 +241,6 @@ def _shard_where(checkpoint, shard: str) -> str:
 
 def render_scan(scanned) -> None:
     """One line for the data scan, then one per tensor holding NaN or Inf."""
-    from layerwise_cli.units import human_seconds
-
     state = (f"{len(scanned.nonfinite)} tensor(s) hold NaN or Inf" if scanned.nonfinite else "no NaN or Inf")
     if scanned.digests_checked:
         differ = len(scanned.digest_mismatches)

@@ -25,7 +25,11 @@ from layerwise_cli.cli._options import (
 )
 from layerwise_cli.cli._output import handle_errors, print_json, stderr
 from layerwise_cli.cli._reload_view import render_report, render_verify, run_with_progress, source_label
+from layerwise_cli.engine_defaults import cuda_available, executor_refusal
 from layerwise_cli.errors import LayerwiseError, UsageError
+from layerwise_cli.report.progress import new_progress_path
+from layerwise_cli.report.verify_result import verify_failure
+from layerwise_cli.worker.rpc import ReloadOptions
 
 
 @handle_errors
@@ -113,15 +117,13 @@ def reload_command(
     Sources (a Hub revision, s3://, a delta step), caches and credentials:
     docs/sources.md; every option: docs/commands/reload.md.
     """
-    from layerwise_cli.worker.rpc import ReloadOptions
-
     # The reload's options, built once: the same object reaches the workers, in process or over HTTP.
     options = ReloadOptions(order=order, allow_partial=allow_partial, readahead=readahead, revision=revision,
                             allow_nonfinite=allow_nonfinite, all_layers=all_layers, allow_unchecked=allow_unchecked,
                             bounded_disk=bounded_disk)
     if url:
-        from layerwise_cli.cli.reload_remote import reload_remote
-        from layerwise_cli.client.servers.reload_servers import RemoteOptions
+        from layerwise_cli.cli.reload_remote import reload_remote  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
+        from layerwise_cli.client.servers.reload_servers import RemoteOptions  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
 
         if model is not None:
             raise UsageError("--model starts an engine in this process; with --url the servers already run")
@@ -137,10 +139,8 @@ def reload_command(
     refuse_server_options({"--pause-mode": pause_mode, "--weight-version": weight_version, "--timeout": timeout,
                            "--pause-lease": pause_lease, "--atomic/--no-atomic": atomic},
                           engine.data_parallel_size)
-    from layerwise_cli.client.engine.in_process import EngineOptions
-    from layerwise_cli.client.engine.session import reload_in_process
-    from layerwise_cli.engine_defaults import cuda_available, executor_refusal
-    from layerwise_cli.report.progress import new_progress_path
+    from layerwise_cli.client.engine.in_process import EngineOptions  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
+    from layerwise_cli.client.engine.session import reload_in_process  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
 
     check_quantization(engine.quantization)
     refusal = executor_refusal(engine.distributed_executor_backend, cuda_available())
@@ -161,8 +161,6 @@ def reload_command(
         if report.verify is not None:
             render_verify(report.verify, "engine")
     if report.verify is not None and not report.verify.ok:
-        from layerwise_cli.report.verify_result import verify_failure
-
         raise LayerwiseError(f"{verify_failure(report.verify)}; the engine held the reloaded weights, unverified",
                              where=weights_path)
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 from rich.markup import escape
 from rich.table import Table
 
 from layerwise_cli.cli._output import print_json, report_error, stderr, stdout
 from layerwise_cli.cli._reload_view import render_report, render_verify, source_label
+from layerwise_cli.client.delivery import plan_operation
 from layerwise_cli.client.servers.api import HOLDS_NEW, RemoteOptions
 from layerwise_cli.client.servers.events import (
     Checked,
@@ -24,6 +26,7 @@ from layerwise_cli.client.servers.events import (
 )
 from layerwise_cli.client.servers.fleet import all_or_nothing
 from layerwise_cli.client.servers.reload_servers import ServerResult, holdings, reload_servers
+from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.units import human_seconds
 
 _HOLDS_TEXT = {
@@ -81,10 +84,6 @@ def reload_remote(urls: list[str], source: str, options: RemoteOptions, as_json:
             if line is not None:
                 stderr.print(line)
 
-    from dataclasses import replace
-
-    from layerwise_cli.client.delivery import plan_operation
-
     # One commit per operation: a Hub repo id's revision is resolved here, once, before any server is
     # pre-flighted; every server, the verification and a fleet going back read that commit.
     reload_options, pin = plan_operation(source, options.reload)
@@ -108,8 +107,6 @@ def reload_remote(urls: list[str], source: str, options: RemoteOptions, as_json:
             stderr.print(f"[yellow]Warning:[/] {escape(result.url)}: {escape(warning)}")
     for result in results:
         if result.error:
-            from layerwise_cli.errors import LayerwiseError
-
             report_error(LayerwiseError(result.error, where=result.url))
     if not ok:
         # Say where every server stands, the failed ones included.

@@ -6,6 +6,7 @@ from typing import Annotated, Self
 
 import typer
 from rich.markup import escape
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
 from layerwise_cli.cli._options import (
@@ -18,6 +19,7 @@ from layerwise_cli.cli._options import (
     SourceArg,
 )
 from layerwise_cli.cli._output import handle_errors, print_json, report_error, stderr, stdout
+from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.units import human_bytes, human_seconds, parse_size
 
 
@@ -75,9 +77,8 @@ def reorder_command(
     if allow_nonfinite and not verify:
         raise typer.BadParameter("only applies with --verify (which checks every tensor for NaN/Inf)",
                                  param_hint="--allow-nonfinite")
-    from layerwise_cli.errors import LayerwiseError
-    from layerwise_cli.reorder.rewrite import reorder
-    from layerwise_cli.reorder.signals import ReorderInterrupted
+    from layerwise_cli.reorder.rewrite import reorder  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
+    from layerwise_cli.reorder.signals import ReorderInterrupted  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
 
     try:
         if as_json:
@@ -103,7 +104,7 @@ def reorder_command(
 
 def _quiet_hub_progress() -> None:
     # --json turns progress off, the Hub's download bars included.
-    from huggingface_hub.utils import disable_progress_bars
+    from huggingface_hub.utils import disable_progress_bars  # noqa: PLC0415 - huggingface_hub: 0.4 s to import, only for a Hub source
 
     disable_progress_bars()
 
@@ -112,15 +113,6 @@ class _Progress:
     """Bytes written and shards done, on stderr."""
 
     def __init__(self) -> None:
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            Progress,
-            TextColumn,
-            TimeRemainingColumn,
-            TransferSpeedColumn,
-        )
-
         self.progress = Progress(
             TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
             TransferSpeedColumn(), TextColumn("{task.fields[shards]}"), TimeRemainingColumn(),

@@ -15,9 +15,12 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from layerwise_cli.checkpoint.sources import looks_like_repo_id
+from layerwise_cli.checkpoint.store.objects import is_store_url
 from layerwise_cli.cli._options import OUTPUT_PANEL, PROOF_PANEL, SERVERS_PANEL
 from layerwise_cli.cli._output import handle_errors, report_error, stderr
-from layerwise_cli.errors import LayerwiseError, UsageError
+from layerwise_cli.errors import LayerwiseError, UsageError, describe_exception
+from layerwise_cli.units import human_bytes, human_seconds
 
 STEPS_PANEL = "Steps"
 
@@ -111,15 +114,13 @@ def watch_command(
 
     Every option, and what --keep never deletes: docs/commands/watch.md.
     """
-    from layerwise_cli.client.watch.entry import Watcher, WatchOptions, server_targets
+    from layerwise_cli.client.watch.entry import Watcher, WatchOptions, server_targets  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
 
     options = WatchOptions(patterns=tuple(pattern) if pattern else WatchOptions().patterns, marker=marker,
                            interval=interval, settle=settle, keep=keep, once=once, pause_mode=pause_mode,
                            pause_lease_s=pause_lease, api_key=api_key, verify=verify,
                            allow_unchecked=allow_unchecked, timeout=timeout, atomic=atomic, revision=revision)
-    from layerwise_cli.checkpoint.sources import looks_like_repo_id
-    from layerwise_cli.checkpoint.steps.hub_run import is_hub_run
-    from layerwise_cli.checkpoint.store.objects import is_store_url
+    from layerwise_cli.checkpoint.steps.hub_run import is_hub_run  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
 
     if not Path(root).is_dir() and not looks_like_repo_id(root) and not is_store_url(root) and not is_hub_run(root):
         raise LayerwiseError("no such directory (the root the trainer writes steps into)", where=root)
@@ -169,14 +170,11 @@ def _open_log(path: Path | None):
     try:
         return path.open("a", encoding="utf-8")
     except OSError as exc:
-        from layerwise_cli.errors import describe_exception
-
         raise describe_exception(exc, where=str(path)) from exc
 
 
 def _status(watcher) -> Group:
-    from layerwise_cli.client.watch.events import short
-    from layerwise_cli.units import human_bytes, human_seconds
+    from layerwise_cli.client.watch.events import short  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
 
     state = watcher.state
     # The heading is a line of its own, wrapped at the terminal's width: a table's title wraps at the table's,

@@ -46,8 +46,8 @@ def pin_reload(source: str, options: ReloadOptions) -> tuple[ReloadOptions, HubP
 def store_revision(url: str, revision: str | None) -> str:
     """The pin of the step at URL: its objects' (`store_headers.store_pin`), or a delta step's whole chain's
     (`delta.remote.store_step_pin`: headers only, nothing fetched); REVISION, when given, must equal it."""
-    from layerwise_cli.checkpoint.delta.remote import store_step_pin
-    from layerwise_cli.checkpoint.delta.source import MAX_CHAIN
+    from layerwise_cli.checkpoint.delta.remote import store_step_pin  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
+    from layerwise_cli.checkpoint.delta.source import MAX_CHAIN  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
 
     pin = store_step_pin(url, MAX_CHAIN)
     if pin is None:

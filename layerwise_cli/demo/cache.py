@@ -10,8 +10,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from layerwise_cli.cache_root import cache_root
 from layerwise_cli.demo.recipe import BOS_ID, EOS_ID, PAD_ID, Spec, model_config, recipe_version, spec_for
 from layerwise_cli.demo.tokenizer import write_json, write_tokenizer
+from layerwise_cli.demo.train import train
 from layerwise_cli.errors import LayerwiseError
 
 _STAMP = "layerwise-demo.json"  # written last into the temp dir: its presence marks a complete build
@@ -24,8 +26,6 @@ def default_cache_dir() -> Path:
         `$LAYERWISE_CACHE/demo` if set, else `$XDG_CACHE_HOME/layerwise/demo`,
         else `~/.cache/layerwise/demo`.
     """
-    from layerwise_cli.cache_root import cache_root
-
     return cache_root() / "demo"
 
 
@@ -94,11 +94,9 @@ def build_demo_checkpoint(name: str, out_dir: Path) -> dict[str, Any]:
 
 
 def _build(name: str, spec: Spec, out: Path) -> dict[str, Any]:
-    from layerwise_cli.demo.train import train
-
     start = time.perf_counter()
     tensors, record = train(spec)
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
 
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     write_json(out / "config.json", model_config(spec))

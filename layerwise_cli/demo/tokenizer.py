@@ -16,7 +16,7 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 def write_tokenizer(out: Path) -> None:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into OUT."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415 - tokenizers: 70 ms to import, only to build the demo tokenizer
 
     tokenizer = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(VOCAB_TOKENS)}, unk_token="<unk>"))
     # "3 4 = " -> ["3", " ", "4", " ", "=", " "]; no BOS is added; decoding concatenates.

@@ -85,12 +85,12 @@ def draw_stream_curves(ax, curves: dict, *, largest_layer_bytes: int | None = No
 def pyplot(where: str | None = None):
     """matplotlib's pyplot on the Agg backend (no display), or a one-line error naming the missing package."""
     try:
-        import matplotlib
+        import matplotlib  # noqa: PLC0415 - optional: the ImportError is handled here
     except ImportError:
         raise LayerwiseError("the chart needs matplotlib, which is not installed: "
                              "pip install 'layerwise[plot]'", where=where) from None
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - numpy: 0.1 s to import, only where an array is built
 
     return plt
 

@@ -6,8 +6,11 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
+from layerwise_cli.errors import LayerwiseError, UsageError
+from layerwise_cli.planning import arch_table
 from layerwise_cli.planning.completion_rule import DIRECT_LOAD_TENSORS
 from layerwise_cli.planning.skip_rules import SkipRules, is_output_head, skip_rules_for
+from layerwise_cli.planning.vllm_mapping import fusions_from_vllm, model_class_if_installed
 
 # The fusions vLLM applies in almost every decoder model: the guess for an
 # architecture outside the table.
@@ -271,8 +274,6 @@ def mapping_for_config(config: dict | None, prefer: str = "auto", *, model_cls: 
         The mapping to plan with; its `kind` says which was used.
     """
     if prefer not in {"auto", "table", "vllm", "generic"}:
-        from layerwise_cli.errors import UsageError
-
         raise UsageError(f"unknown mapping {prefer!r}: use auto, table, vllm or generic")
     config = config if isinstance(config, dict) else {}
     archs = config.get("architectures")
@@ -285,8 +286,6 @@ def mapping_for_config(config: dict | None, prefer: str = "auto", *, model_cls: 
     def skips(cls: type | None, entry: dict | None = None) -> SkipRules:
         return skip_rules_for(arch, config, model_cls=cls, tied=tied, table_entry=entry)
 
-    from layerwise_cli.planning import arch_table
-
     entry = arch_table.entry(arch)
     # The table is read from one vLLM version; a different installed vLLM answers for itself.
     installed = arch_table.installed_vllm_version() if prefer == "auto" and entry is not None else None
@@ -294,8 +293,6 @@ def mapping_for_config(config: dict | None, prefer: str = "auto", *, model_cls: 
     if entry is not None and (prefer == "table" or (prefer == "auto" and not stale)):
         return mapping_from_entry(arch, entry, tied, skips(model_cls, entry), config)
     if prefer in {"auto", "vllm"} and arch:
-        from layerwise_cli.planning.vllm_mapping import fusions_from_vllm, model_class_if_installed
-
         found = fusions_from_vllm(arch, required=prefer == "vllm")
         if found is not None:
             packed, fused_experts = found
@@ -305,8 +302,6 @@ def mapping_for_config(config: dict | None, prefer: str = "auto", *, model_cls: 
         if entry is not None:  # vLLM could not import the class: the table still knows it
             return mapping_from_entry(arch, entry, tied, skips(model_cls, entry), config)
     if prefer in {"table", "vllm"}:
-        from layerwise_cli.errors import LayerwiseError
-
         if arch is None:
             raise LayerwiseError(f"--mapping {prefer} needs config.json's architectures; the checkpoint has none")
         raise LayerwiseError(f"architecture {arch!r} is not in layerwise's table (try --mapping auto)")
@@ -322,8 +317,6 @@ def mapping_from_entry(architecture: str, entry: dict, tied: bool, skips: SkipRu
                        config: dict | None = None) -> LayerMapping:
     """The mapping one entry of the architecture table describes (see `arch_table`), with its skip rules."""
     wrapped = entry.get("wrapped") or {}
-    from layerwise_cli.planning import arch_table
-
     return LayerMapping(
         "table", architecture, dict(entry.get("packed") or {}), bool(entry.get("experts")),
         skips.tied_head, skips, tuple(wrapped.get("tower_prefixes") or ()),

@@ -19,6 +19,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from layerwise_cli import vllm_compat
+
 # AutoWeightsLoader's rotary buffers (vLLM 0.32: `REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER`;
 # upstream: `ROTARY_EMBEDS_UNUSED_WEIGHTS`), dropped for every architecture.
 ROTARY_BUFFERS = ("rotary_pos_emb.inv_freq", "rotary_emb.inv_freq", "rotary_emb.cos_cached",
@@ -243,8 +245,6 @@ def _mapped_to_none(mapper: object, name: str) -> bool:
 
 def _rotary_from_vllm() -> tuple[str, ...]:
     try:
-        from layerwise_cli import vllm_compat
-
         AutoWeightsLoader = vllm_compat.auto_weights_loader_class()
     except Exception:  # noqa: BLE001 - vLLM import failures vary by platform
         return ()
@@ -258,8 +258,6 @@ def _rotary_from_vllm() -> tuple[str, ...]:
 
 def _vllm_spec_helper():
     try:
-        from layerwise_cli import vllm_compat
-
         return vllm_compat.spec_layer_index_function()
     except Exception:  # noqa: BLE001 - vLLM import failures vary by platform
         return None

@@ -10,6 +10,7 @@ import functools
 import importlib.util
 import sys
 
+from layerwise_cli import vllm_compat
 from layerwise_cli.errors import LayerwiseError
 
 
@@ -24,8 +25,6 @@ def vllm_installed() -> bool:
 @functools.lru_cache(maxsize=32)
 def model_class_from_vllm(architecture: str) -> type | None:
     """vLLM's model class for ARCHITECTURE (None when vLLM does not know it); raises what vLLM's import raises."""
-    from layerwise_cli import vllm_compat
-
     return vllm_compat.model_class_for(architecture)
 
 
@@ -85,8 +84,6 @@ def _is_moe(model_cls: type) -> bool:
     # MixtureOfExperts is a Protocol with data members, so issubclass() refuses
     # it; vLLM's MoE models name it as a base class.
     try:
-        from layerwise_cli import vllm_compat
-
         MixtureOfExperts = vllm_compat.mixture_of_experts_class()
     except Exception:  # noqa: BLE001
         MixtureOfExperts = None

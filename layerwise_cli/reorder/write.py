@@ -27,6 +27,7 @@ from layerwise_cli.checkpoint.format.header import ShardHeader, TensorEntry, enc
 from layerwise_cli.checkpoint.format.layout import INDEX_NAME
 from layerwise_cli.checkpoint.shard_copy import copy_fetcher
 from layerwise_cli.checkpoint.sources import Checkpoint
+from layerwise_cli.checkpoint.store.objects import display_url
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.reorder.output_shards import OutputShard
 from layerwise_cli.reorder.result import ReorderProgress
@@ -302,8 +303,6 @@ def _local_header(path: Path, remote: ShardHeader, checkpoint: Checkpoint) -> Sh
 
 def _shown(checkpoint: Checkpoint) -> str:
     """How messages name a fetched CHECKPOINT: its repo id, or its URL without credentials."""
-    from layerwise_cli.checkpoint.store.objects import display_url
-
     return display_url(checkpoint.source) if checkpoint.kind == "store" else checkpoint.source
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import threading
 from pathlib import Path
 
@@ -45,8 +46,6 @@ def read_events(path: Path, offset: int) -> tuple[list[dict], int]:
 
 
 def new_progress_path() -> str:
-    import tempfile
-
     fd, path = tempfile.mkstemp(prefix="layerwise-progress-", suffix=".jsonl")
     os.close(fd)
     return path

@@ -12,6 +12,7 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 
+from layerwise_cli import EXTENSION_CLS
 from layerwise_cli.engine_cpus import BIND_ENV, choose_cores
 from layerwise_cli.engine_defaults import (
     cpu_threads_binding,
@@ -166,8 +167,6 @@ def server_command_line(model: str, *, host: str = "127.0.0.1", port: int = 8000
                             "their own: anyone who can reach this port can replace the model's weights or run "
                             "methods on its workers. Pass --api-key KEY (or set LAYERWISE_API_KEY) to require it "
                             "on them")
-    from layerwise_cli import EXTENSION_CLS
-
     served = [] if node.headless else ["--host", host, "--port", str(port)]
     argv = [sys.executable, "-m", LAUNCHER_MODULE, "--model", model, *served,
             "--worker-extension-cls", EXTENSION_CLS, "--dtype", dtype,

@@ -19,11 +19,18 @@ naming the weights the server held before.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 
-from fastapi import Request
+from fastapi import HTTPException, Request
+from fastapi.responses import JSONResponse
 
-from layerwise_cli import ENGINES_RPC_PATH
+from layerwise_cli import ENGINES_RPC_PATH, vllm_compat
+from layerwise_cli.server import metrics
+from layerwise_cli.server.answer_versions import AnswerVersions
+from layerwise_cli.server.pause_lease import add_pause_lease_routes
+from layerwise_cli.server.weight_transfer.routes import add_weight_transfer_routes
 
 # How often a call in flight checks that the engine is still alive.
 ENGINE_POLL_S = 1.0
@@ -31,17 +38,11 @@ ENGINE_POLL_S = 1.0
 
 def attach_engines_rpc() -> None:
     """Add the endpoint wherever vLLM attaches its `/collective_rpc` (only with VLLM_SERVER_DEV_MODE=1)."""
-    from layerwise_cli import vllm_compat
-
     api_router = vllm_compat.dev_rpc_router_module()
 
     vllm_attach = api_router.attach_router
 
     def attach(app) -> None:
-        from layerwise_cli.server.answer_versions import AnswerVersions
-        from layerwise_cli.server.pause_lease import add_pause_lease_routes
-        from layerwise_cli.server.weight_transfer.routes import add_weight_transfer_routes
-
         vllm_attach(app)
         app.add_api_route(ENGINES_RPC_PATH, engines_rpc, methods=["POST"])
         add_pause_lease_routes(app)
@@ -57,11 +58,6 @@ def attach_engines_rpc() -> None:
 
 async def engines_rpc(raw_request: Request):
     """Call a worker method on every worker of every engine; one list of worker results per engine."""
-    import json
-
-    from fastapi import HTTPException
-    from fastapi.responses import JSONResponse
-
     try:
         body = await raw_request.json()
     except json.JSONDecodeError as exc:
@@ -71,9 +67,6 @@ async def engines_rpc(raw_request: Request):
     # As vLLM's /collective_rpc: only JSON arguments; the method deserializes what it needs.
     call = (body["method"], body.get("timeout"), tuple(body.get("args", [])), body.get("kwargs", {}))
     engine_client = raw_request.app.state.engine_client
-    from layerwise_cli import vllm_compat
-    from layerwise_cli.server import metrics
-
     gather = vllm_compat.call_utility_all_async(engine_client)
     start = time.perf_counter()
     try:
@@ -106,10 +99,6 @@ async def until_engine_dies(call, engine_client, method: str, *, poll_s: float =
     engine core process ends (its answer never comes); the request would then
     also keep the server from stopping (uvicorn waits for it).
     """
-    import asyncio
-
-    from fastapi import HTTPException
-
     task = asyncio.ensure_future(call)
     while True:
         done, _ = await asyncio.wait({task}, timeout=poll_s)

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from layerwise_cli import vllm_compat
 from layerwise_cli.server.peer_watch import PeerWatch
 
 # How long one read of another node's answer waits before it checks whether that node was lost.
@@ -161,6 +162,4 @@ def watch_followers(executor) -> list[PeerWatch]:
 
 def install() -> None:
     """Watch the other nodes from every multiprocessing executor this process builds (idempotent)."""
-    from layerwise_cli import vllm_compat
-
     vllm_compat.after_executor_ready(watch_followers)

@@ -15,6 +15,7 @@ import sys
 import traceback
 
 from layerwise_cli import vllm_compat
+from layerwise_cli.engine_output import capture_engine_output, start_failure
 from layerwise_cli.server.nodes import DEFAULT_MASTER_ADDR, DEFAULT_MASTER_PORT
 from layerwise_cli.server.peer_watch import INTERVAL_S, PeerWatch, leader_gone, reachable
 
@@ -57,8 +58,7 @@ def run_headless_node(args: list[str]) -> None:
             leader's `--master-addr`/`--master-port` among them (the
             command `server/command_line.py` builds).
     """
-    from layerwise_cli.engine_output import capture_engine_output, start_failure
-    from layerwise_cli.worker.quantization import online_quant  # noqa: F401 - registers `layerwise_fp8`/`layerwise_int8` here
+    from layerwise_cli.worker.quantization import online_quant  # noqa: PLC0415, F401 - registers `layerwise_fp8`/`layerwise_int8` here
 
     host = option_value(args, "--master-addr", DEFAULT_MASTER_ADDR)
     port = int(option_value(args, "--master-port", str(DEFAULT_MASTER_PORT)))

@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import contextlib
 import os
+import runpy
 import sys
 import tempfile
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
+
 from layerwise_cli import vllm_compat
+from layerwise_cli.engine_output import capture_engine_output, start_failure
 from layerwise_cli.server.command_line import OPEN_PATHS
 from layerwise_cli.server.engines_rpc import attach_engines_rpc
+from layerwise_cli.server.follower_watch import NODE_LOST_NOTE_ENV
 
 VLLM_SERVER_MODULE = vllm_compat.SERVER_MODULE_NAME
 
@@ -29,9 +35,6 @@ def _guard_every_endpoint() -> None:
     VLLM_API_KEY), and imports the class when it adds it: replacing the
     class here, before the server starts, is enough.
     """
-    from starlette.datastructures import Headers
-    from starlette.responses import JSONResponse
-
     authenticate = vllm_compat.authenticate_module()
 
     base = authenticate.AuthenticationMiddleware
@@ -51,8 +54,6 @@ def _guard_every_endpoint() -> None:
 @contextlib.contextmanager
 def node_lost_note() -> Iterator[Path]:
     """A path, named to this server's engine processes, where node 0's engine core says a node was lost."""
-    from layerwise_cli.server.follower_watch import NODE_LOST_NOTE_ENV
-
     with tempfile.TemporaryDirectory(prefix="layerwise-serve-") as folder:
         note = Path(folder) / "node-lost"
         os.environ[NODE_LOST_NOTE_ENV] = str(note)
@@ -64,10 +65,7 @@ def node_lost_note() -> Iterator[Path]:
 
 def launch_vllm_server(args: list[str]) -> None:
     """Run vLLM's OpenAI server in this process with `args`, every endpoint behind the API key if one is set."""
-    import runpy
-
-    from layerwise_cli.engine_output import capture_engine_output, start_failure
-    from layerwise_cli.worker.quantization import online_quant  # noqa: F401 - registers `layerwise_fp8`/`layerwise_int8` here
+    from layerwise_cli.worker.quantization import online_quant  # noqa: PLC0415, F401 - registers `layerwise_fp8`/`layerwise_int8` here
 
     _guard_every_endpoint()
     attach_engines_rpc()

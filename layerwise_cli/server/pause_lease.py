@@ -28,6 +28,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from layerwise_cli import PAUSE_LEASE_PATH, RENEW_LEASE_PATH, RESUME_LEASE_PATH
+from layerwise_cli.server import metrics
 
 logger = logging.getLogger("layerwise.pause_lease")
 
@@ -168,8 +169,6 @@ async def _end(app, lease: PauseLease, *, reason: str | None) -> None:
             except Exception as exc:  # noqa: BLE001 - the resume below must happen whatever this says
                 logger.warning("layerwise pause lease: ending its client's work failed: %s", exc)
     await app.state.engine_client.resume_generation()
-    from layerwise_cli.server import metrics
-
     metrics.record_pause(asyncio.get_running_loop().time() - lease.began, expired=reason is not None)
 
 

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import sys
 
+from layerwise_cli import WEIGHT_TRANSFER_BACKEND, vllm_compat
+from layerwise_cli.server.follower_watch import install
+
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
@@ -36,15 +39,13 @@ def register() -> None:
     _watch_other_nodes()
     if not in_api_server():
         return
-    from layerwise_cli.server.engines_rpc import attach_engines_rpc
+    from layerwise_cli.server.engines_rpc import attach_engines_rpc  # noqa: PLC0415 - fastapi: only the API server loads it
 
     attach_engines_rpc()
 
 
 def _register_weight_transfer() -> None:
     """Name `layerwise` in vLLM's weight-transfer registries (worker and trainer engines, imported when built)."""
-    from layerwise_cli import WEIGHT_TRANSFER_BACKEND, vllm_compat
-
     vllm_compat.register_weight_transfer(
         WEIGHT_TRANSFER_BACKEND, ("layerwise_cli.server.weight_transfer.engine", "LayerwiseWeightTransferEngine"),
         ("layerwise_cli.writer.trainer_engine", "LayerwiseTrainerWeightTransferEngine"))
@@ -52,8 +53,6 @@ def _register_weight_transfer() -> None:
 
 def _watch_other_nodes() -> None:
     """Install the follower watch; a vLLM without the executor it wraps gets a one-line warning, never a failure."""
-    from layerwise_cli.server.follower_watch import install
-
     try:
         install()
     except Exception as exc:  # noqa: BLE001 - a plugin must not stop vLLM from starting

@@ -4,15 +4,26 @@ from __future__ import annotations
 
 import traceback
 
-from layerwise_cli import EXTENSION_CLS  # noqa: F401 - re-exported for the engine side
+from layerwise_cli import (
+    EXTENSION_CLS,  # noqa: F401 - re-exported for the engine side
+    __version__,
+)
+from layerwise_cli.checkpoint.delta.hub_run import is_hub_step
+from layerwise_cli.checkpoint.delta.source import open_step
+from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
+from layerwise_cli.checkpoint.store.objects import is_store_url
 from layerwise_cli.errors import describe_exception
 from layerwise_cli.vllm_logs import silence_rotary_reload_warning
+from layerwise_cli.worker.proof.checksums import model_checksums, storage_pointers
 from layerwise_cli.worker.proof.consensus import PeerFailed
 from layerwise_cli.worker.proof.fingerprints import model_fingerprints
 from layerwise_cli.worker.proof.verify import verify_against_source
 from layerwise_cli.worker.quantization import online_quant  # noqa: F401 - registers layerwise's online quantizations here
+from layerwise_cli.worker.reload.agreed import reload_agreed
 from layerwise_cli.worker.reload.engine_context import engine_config
 from layerwise_cli.worker.reload.reload_plan import loaded_from
+from layerwise_cli.worker.reload.reload_run import plan_run
+from layerwise_cli.worker.repairs.derived_state import derived_state_of
 from layerwise_cli.worker.rpc import (
     ChecksumsAnswer,
     FingerprintsAnswer,
@@ -22,6 +33,8 @@ from layerwise_cli.worker.rpc import (
     ReloadOptions,
     VerifyAnswer,
 )
+from layerwise_cli.worker.state.layer_records import records_of
+from layerwise_cli.worker.stream.rank_plan import rank_position
 
 # vLLM imports this module in every worker: the filter lands where the warning is logged.
 silence_rotary_reload_warning()
@@ -42,10 +55,6 @@ class LayerwiseWorkerExtension:
 
     def layerwise_ping(self) -> dict:
         """Prove the extension is loaded; report its version and this worker's rank and place (tp/pp/dp)."""
-        from layerwise_cli import __version__
-        from layerwise_cli.worker.state.layer_records import records_of
-        from layerwise_cli.worker.stream.rank_plan import rank_position
-
         records = records_of(self)
         return PingAnswer(ok=True, version=__version__, rank=getattr(self, "rank", None),
                           position=rank_position(self).to_dict(), engine_id=records.engine_id,
@@ -66,9 +75,6 @@ class LayerwiseWorkerExtension:
         reload, rolled back, unless `allow_unchecked` (then the report notes it). An option this version does
         not know (a newer client's) is left out (`ReloadOptions.from_json`).
         """
-        from layerwise_cli.worker.reload.agreed import reload_agreed
-        from layerwise_cli.worker.stream.rank_plan import rank_position
-
         touched = {"engine": False}
         try:
             report = reload_agreed(self, source, ReloadOptions.from_json(options), touched)
@@ -93,14 +99,6 @@ class LayerwiseWorkerExtension:
         positions, its new values, and (unless DELTA_BASE_CHECK is off, as for `watch`'s reloads, which rebuild
         it whatever the engine holds) that the engine holds its base (`reload_run.plan_run`).
         """
-        from layerwise_cli.checkpoint.delta.hub_run import is_hub_step
-        from layerwise_cli.checkpoint.delta.source import open_step
-        from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
-        from layerwise_cli.checkpoint.store.objects import is_store_url
-        from layerwise_cli.worker.reload.reload_run import plan_run
-        from layerwise_cli.worker.state.layer_records import records_of
-        from layerwise_cli.worker.stream.rank_plan import rank_position
-
         try:
             run = plan_run(self, source, ReloadOptions(revision=revision, allow_partial=allow_partial,
                                                        delta_base_check=delta_base_check), records_of(self))
@@ -128,8 +126,6 @@ class LayerwiseWorkerExtension:
 
     def layerwise_checksums(self) -> dict:
         """SHA-256 of every engine tensor that keeps storage, and their storage pointers."""
-        from layerwise_cli.worker.proof.checksums import model_checksums, storage_pointers
-
         try:
             model = self.model_runner.get_model()
             return ChecksumsAnswer(ok=True, rank=getattr(self, "rank", None), checksums=model_checksums(model),
@@ -164,8 +160,6 @@ class LayerwiseWorkerExtension:
         """
         try:
             with engine_config(self):
-                from layerwise_cli.worker.repairs.derived_state import derived_state_of
-
                 result = verify_against_source(self.model_runner.get_model(), source, revision,
                                                self.model_runner.model_config, derived_state_of(self))
             return VerifyAnswer(ok=True, rank=getattr(self, "rank", None), verify=result).to_json()

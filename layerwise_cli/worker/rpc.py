@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
+from layerwise_cli.engine_defaults import delta_patch_disabled, fresh_buffers_forced, repairs_disabled
+
 PING = "layerwise_ping"
 RELOAD = "layerwise_reload"
 CHECKSUMS = "layerwise_checksums"
@@ -124,8 +126,6 @@ class ReloadOptions:
         `LAYERWISE_NO_DELTA_PATCH` turns `patch_in_place` off, so that a server's workers, whose environment is
         the server's, do as the switch set here asks.
         """
-        from layerwise_cli.engine_defaults import delta_patch_disabled, fresh_buffers_forced, repairs_disabled
-
         return replace(self, repairs=self.repairs and not repairs_disabled(),
                        in_place=self.in_place and not fresh_buffers_forced(),
                        patch_in_place=self.patch_in_place and not delta_patch_disabled())

@@ -12,7 +12,9 @@ from layerwise_cli.checkpoint.delta.read import delta_file
 from layerwise_cli.checkpoint.format.layout import is_weight_file
 from layerwise_cli.checkpoint.sources import Checkpoint, open_checkpoint
 from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.planning.inspect import OrderReport
 from layerwise_cli.planning.parents import mapping_for_config
+from layerwise_cli.planning.plan import build_plan
 from layerwise_cli.reorder.commit import CHECKPOINT_FILE_SUFFIXES
 from layerwise_cli.staging import put_in_place, staging
 from layerwise_cli.writer.delta_file import checkpoint_tensors, write_delta_against
@@ -83,9 +85,6 @@ def write_delta(base: str | os.PathLike[str], new: str | os.PathLike[str], direc
 
 def _figures(checkpoint: Checkpoint):
     """NEW's plan and what vLLM's read order buffers reading it (its layout is NEW's own, whoever wrote it)."""
-    from layerwise_cli.planning.inspect import OrderReport
-    from layerwise_cli.planning.plan import build_plan
-
     plan = build_plan(checkpoint, mapping_for_config(checkpoint.config, "auto"))
     return OrderReport(plan, plan.simulate("file"), plan.simulate("layer"))
 

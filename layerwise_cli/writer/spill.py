@@ -30,7 +30,7 @@ class Spilled:
 
 def safetensors_dtype(name: str, tensor, where: str) -> str:
     """The safetensors dtype name of a torch tensor, refusing what a safetensors file cannot hold."""
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
 
     if not isinstance(tensor, torch.Tensor):
         raise LayerwiseError(f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor", where=where)
@@ -49,7 +49,7 @@ def safetensors_dtype(name: str, tensor, where: str) -> str:
 def _byte_chunks(tensor):
     """The tensor's raw bytes in order, as host memoryviews: the whole tensor at once when it is contiguous on
     the CPU (no copy), else CHUNK_BYTES at a time (a device tensor is copied to the host chunk by chunk)."""
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
 
     flat = tensor.detach().reshape(-1)  # a copy only when the tensor is not contiguous (on its own device)
     if flat.numel() == 0:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from layerwise_cli.checkpoint.fetch.policy import FetchPolicy
+from layerwise_cli.checkpoint.store.objects import display_url, open_store, store_error
 from layerwise_cli.errors import LayerwiseError
 
 
@@ -24,12 +26,9 @@ def upload_step(folder: Path, url: str, marker: str | None = None) -> str:
     Raises:
         LayerwiseError: the store refused a put (one line naming the object), or obstore is missing.
     """
-    from layerwise_cli.checkpoint.fetch.policy import FetchPolicy
-    from layerwise_cli.checkpoint.store.objects import display_url, open_store, store_error
-
     url = url.rstrip("/")
     store = open_store(url, FetchPolicy())
-    import obstore
+    import obstore  # noqa: PLC0415 - obstore: optional dependency (the storage extra)
 
     files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != marker)
     if not files:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -25,6 +26,7 @@ from layerwise_cli.checkpoint.store.objects import is_store_url
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.worker.rpc import TransferUpdate
 from layerwise_cli.writer.save import SavedCheckpoint, save_checkpoint
+from layerwise_cli.writer.step_upload import upload_step
 
 _VllmTrainerEngine = vllm_compat.load(vllm_weight_transfer.TRAINER_WEIGHT_TRANSFER_ENGINE)
 _VllmTrainerInitInfo = vllm_compat.load(vllm_weight_transfer.TRAINER_INIT_INFO)
@@ -134,8 +136,6 @@ class LayerwiseTrainerWeightTransferEngine(_VllmTrainerEngine):
         folder, source = self._place(name)
         saved = self._save(tensors, folder)
         if is_store_url(self.init_info.steps):
-            from layerwise_cli.writer.step_upload import upload_step
-
             upload_step(folder, source, marker="STABLE")
         # The step just written is the next one's base (a delta's whole chain stays: its links rebuild it).
         self.previous = folder
@@ -156,8 +156,6 @@ class LayerwiseTrainerWeightTransferEngine(_VllmTrainerEngine):
             folder = Path(steps) / name
             return folder, str(folder)
         if self._stage is None:
-            import tempfile
-
             self._stage = Path(self.init_info.stage or tempfile.mkdtemp(prefix="layerwise-steps-"))
         return self._stage / name, f"{steps.rstrip('/')}/{name}"
 

@@ -16,6 +16,8 @@ import random
 import resource
 import sys
 
+from layerwise_cli.writer.save import save_checkpoint
+
 TENSOR_SHAPE = (4096, 2048)  # bf16: 16 MiB
 LAYERS = 16  # two tensors per layer: 32 tensors, 512 MiB
 LIMIT_MIB = 160
@@ -31,7 +33,7 @@ def _status(field: str) -> int:
 
 def tensors():
     """The state dict, one tensor at a time, in shuffled layer order; each is made only when asked for."""
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     names = [f"model.layers.{i}.mlp.{p}.weight" for i in range(LAYERS) for p in ("up_proj", "down_proj")]
     random.Random(0).shuffle(names)
@@ -40,9 +42,7 @@ def tensors():
 
 
 def main() -> None:
-    import torch
-
-    from layerwise_cli.writer.save import save_checkpoint
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     dst, mode = sys.argv[1], sys.argv[2]
     torch.set_num_threads(1)

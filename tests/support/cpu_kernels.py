@@ -16,6 +16,8 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from layerwise_cli.client.engine.in_process import cuda_available
+
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE
 
 
@@ -25,21 +27,19 @@ def take_linear_fallback(set_attribute=setattr) -> None:
 
     SET_ATTRIBUTE: `monkeypatch.setattr` in a test (undone after it); plain `setattr` in a worker process.
     """
-    from vllm import _custom_ops
-    from vllm.model_executor.layers import utils
+    from vllm import _custom_ops  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
+    from vllm.model_executor.layers import utils  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     set_attribute(_custom_ops, "_supports_onednn", False)
     set_attribute(utils, "check_cpu_sgl_kernel", lambda *args: False)
 
 
 def on_cpu() -> bool:
-    from layerwise_cli.client.engine.in_process import cuda_available
-
     return not cuda_available()
 
 
 def _module_with_weight(weight):
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     module = torch.nn.Module()
     module.weight = torch.nn.Parameter(weight, requires_grad=False)
@@ -49,9 +49,9 @@ def _module_with_weight(weight):
 @functools.cache
 def linear_kernel_holds_a_copy(out_features: int, in_features: int) -> bool:
     """True when vLLM's CPU GEMM kernel of a bf16 weight this shape does not follow an in-place update of it."""
-    import torch
-    import torch.nn.functional as F
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
+    import torch.nn.functional as F  # noqa: PLC0415 - torch: heavy (test collection stays fast)
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     generator = torch.Generator().manual_seed(0)
     module = _module_with_weight(torch.randn(out_features, in_features, generator=generator, dtype=torch.bfloat16))
@@ -75,8 +75,8 @@ def linear_kernels_are_read_back() -> bool:
 @functools.cache
 def conv_weight_is_prepacked(channels: int = 256, width: int = 4) -> bool:
     """True when vLLM replaces a bf16 causal-conv weight `[channels, 1, width]` by a prepacked one after loading."""
-    import torch
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     module = _module_with_weight(torch.randn(channels, 1, width, dtype=torch.bfloat16))
     before = module.weight.data_ptr()

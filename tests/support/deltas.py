@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from layerwise_cli.checkpoint.sources import open_checkpoint
+from layerwise_cli.planning.inspect import inspect_order
+from layerwise_cli.writer.delta_step import write_delta
+from layerwise_cli.writer.save import save_checkpoint
 from tests.support.engine_support import copy_non_weights, load_tensors
 
 
 def rl_step(tensor, fraction: float, seed: int):
     """TENSOR with FRACTION of its values moved one unit in the last place (their bit pattern + 1): still finite."""
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     gen = torch.Generator().manual_seed(seed)
     mask = torch.rand(tensor.shape, generator=gen) < fraction
@@ -20,10 +25,6 @@ def rl_step(tensor, fraction: float, seed: int):
 
 def save_step(tensors: dict, folder: Path, like: Path, **kwargs):
     """`save_checkpoint` of TENSORS into FOLDER (small shards), with LIKE's config and tokenizer files."""
-    import json
-
-    from layerwise_cli.writer.save import save_checkpoint
-
     config = json.loads((like / "config.json").read_text())
     saved = save_checkpoint(tensors.items(), folder, config=config, max_shard_size=60_000, marker=None, **kwargs)
     copy_non_weights(like, folder)
@@ -37,9 +38,6 @@ def write_steps(root: Path, demo_models) -> dict[str, Path]:
     B is A after an RL-like step: 1% of the values of every tensor one unit in the last place off, and every
     fourth parent layer taken from *add* (so that the answers change too).
     """
-    from layerwise_cli.planning.inspect import inspect_order
-    from layerwise_cli.writer.delta_step import write_delta
-
     a_dir, add_dir = demo_models["multiply"], demo_models["add"]
     plan = inspect_order(str(a_dir)).plan
     changed = {layer.name for layer in plan.layers[2::4]}
@@ -59,7 +57,7 @@ def write_steps(root: Path, demo_models) -> dict[str, Path]:
 
 def changed_copy(tensor, fraction: float, seed: int):
     """TENSOR with about FRACTION of its values moved to a neighbouring representable value."""
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     gen = torch.Generator().manual_seed(seed)
     mask = torch.rand(tensor.shape, generator=gen) < fraction
@@ -70,7 +68,7 @@ def changed_copy(tensor, fraction: float, seed: int):
 
 def small_state_dict(dtype, seed: int = 0) -> dict:
     """Four tensors of DTYPE named as a decoder's (an embedding, two layers): a step small enough for logic tests."""
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     gen = torch.Generator().manual_seed(seed)
     return {
@@ -83,9 +81,7 @@ def small_state_dict(dtype, seed: int = 0) -> dict:
 
 def stored_bytes(directory: Path) -> dict:
     """Every tensor of the checkpoint in DIRECTORY as the bytes its shard stores (uint8 arrays), by name."""
-    import numpy as np
-
-    from layerwise_cli.checkpoint.sources import open_checkpoint
+    import numpy as np  # noqa: PLC0415 - numpy: heavy (test collection stays fast)
 
     checkpoint = open_checkpoint(str(directory))
     out = {}

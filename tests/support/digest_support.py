@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import xxhash
+from safetensors import safe_open
+
 from layerwise_cli.checkpoint.format.digests import header_digests, tensor_prefix
 from layerwise_cli.checkpoint.format.header import read_shard_header
 
@@ -12,9 +15,7 @@ _SAFETENSORS_DTYPES = {"torch.bfloat16": "BF16", "torch.float32": "F32", "torch.
 
 def independent_digests(folder: Path) -> dict[str, str]:
     """Every tensor's digest from the bytes the safetensors library reads, hashed here with xxhash directly."""
-    import torch
-    import xxhash
-    from safetensors import safe_open
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     out = {}
     for path in sorted(folder.glob("*.safetensors")):

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from layerwise_cli.worker.extension import LayerwiseWorkerExtension
+from layerwise_cli.worker.stream.rank_plan import rank_position
 
 FAULTY_EXTENSION_CLS = "tests.support.dp_fault.FaultOnOneEngine"
 
@@ -20,7 +21,5 @@ class FaultOnOneEngine(LayerwiseWorkerExtension):
     """`layerwise_reload` from `<source>.engine<dp_rank>` when that folder exists."""
 
     def layerwise_reload(self, source: str, *args, **kwargs) -> dict:
-        from layerwise_cli.worker.stream.rank_plan import rank_position
-
         poisoned = Path(f"{source}.engine{rank_position(self).dp_rank}")
         return super().layerwise_reload(str(poisoned) if poisoned.is_dir() else source, *args, **kwargs)

@@ -54,7 +54,7 @@ def install() -> None:
     if _installed:
         return
     _installed = True
-    from vllm import LLM
+    from vllm import LLM  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     llm_init = LLM.__init__
 

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import json
 import os
 import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from layerwise_cli.client.engine.in_process import EngineOptions, start_engine, stop_engine
+from tests.support.in_process import running_here, start_here, stop_here
 
 NON_WEIGHT_SUFFIXES = (".json", ".txt", ".model", ".jinja")
 # Equations the demo and Producer models answer: ten, so that a comparison covers at least 8 prompts.
@@ -25,7 +33,7 @@ def copy_non_weights(src: Path, dst: Path) -> None:
 
 
 def load_tensors(src: Path) -> dict:
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     tensors = {}
     for shard in sorted(src.glob("*.safetensors")):
@@ -43,7 +51,7 @@ def reshard(src: Path, dst: Path, group_of: Callable[[str], str], *,
         group_of: tensor name -> group key; one shard per key.
         transform: edit the tensor dict before writing (drop, add, reshape tensors).
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     copy_non_weights(src, dst)
     tensors = load_tensors(src)
@@ -84,7 +92,7 @@ def greedy_with_logprobs(llm, prompts: list[str], max_tokens: int = 3, logprobs:
     EOS early is still compared on every step), and token ids only: randomly
     initialised test models emit ids their small tokenizer cannot decode.
     """
-    from vllm import SamplingParams
+    from vllm import SamplingParams  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs,
                             ignore_eos=True, detokenize=False)
@@ -121,8 +129,6 @@ def differing_prompts(got: list, want: list, *, exact: bool = False) -> list[int
 
 def assert_same_outputs(got: list, want: list, *, exact: bool) -> None:
     """Same greedy tokens and top-logprob tokens; logprobs equal (or within 1e-6 unless `exact`)."""
-    import pytest
-
     assert [[s[0] for s in steps] for steps in got] == [[s[0] for s in steps] for steps in want]
     for ours, theirs in zip(got, want):
         for (_, top_ours), (_, top_theirs) in zip(ours, theirs):
@@ -142,10 +148,7 @@ FRESH_DIR_ENV = "LAYERWISE_TEST_FRESH_DIR"
 
 def checkpoint_digest(checkpoint: Path) -> str:
     """SHA-256 of a checkpoint's content: `config.json` and every tensor by name, whatever the shards."""
-    import hashlib
-
-    import torch
-    from safetensors import safe_open
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     checkpoint = Path(checkpoint)
     digest = hashlib.sha256()
@@ -171,8 +174,6 @@ def _fresh_key(checkpoint: Path, prompts: list[str], options) -> tuple:
 
 def engine_options():
     """The options single-rank engine tests start engines with (and fresh engines, unless told others)."""
-    from layerwise_cli.client.engine.in_process import EngineOptions
-
     return EngineOptions(max_model_len=64)
 
 
@@ -182,8 +183,6 @@ def _shared_file(key: tuple) -> Path | None:
     The folder is `LAYERWISE_TEST_FRESH_DIR`, which tests/conftest.py sets to one
     folder of this run's temporary directory (pytest removes old runs' own).
     """
-    import hashlib
-
     shared = os.environ.get(FRESH_DIR_ENV)
     if not shared:
         return None
@@ -214,8 +213,6 @@ def fresh_answers(checkpoint: Path, prompts: list[str], options=None) -> list:
     computing waits for it): an engine started fresh in this run, never an
     answer kept from an earlier one.
     """
-    import fcntl
-
     options = options or engine_options()
     key = _fresh_key(checkpoint, prompts, options)
     if key in _FRESH:
@@ -251,9 +248,6 @@ def fresh_state(checkpoint: Path, prompts: list[str], options=None) -> dict:
 
 def _answers_of_fresh_engine(checkpoint: Path, prompts: list[str], options) -> tuple[list, dict]:
     """Start an engine on CHECKPOINT, ask, take its checksums, stop: in this process where it has one rank."""
-    from layerwise_cli.client.engine.in_process import start_engine, stop_engine
-    from tests.support.in_process import running_here, start_here, stop_here
-
     single = options.tensor_parallel_size * options.pipeline_parallel_size == 1
     if single and running_here():
         warnings.warn(f"{checkpoint}: a fresh engine asked for while an in-process engine runs starts with processes "
@@ -322,7 +316,7 @@ def engine_state(llm) -> dict:
 
 def with_rotary_buffers(tensors: dict, head_dim: int = 64) -> dict:
     """TENSORS plus `rotary_emb.inv_freq` in every decoder layer, as older Llama-family exports write it."""
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     layers = sorted({int(name.split(".")[2]) for name in tensors if name.startswith("model.layers.")})
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))

@@ -26,7 +26,7 @@ class HttpsFolder:
     """Serve FOLDER's files at `https://127.0.0.1:PORT/<prefix>/<name>` with a certificate `ca_file` vouches for."""
 
     def __init__(self, folder: Path, prefix: str = "ckpt") -> None:
-        import trustme
+        import trustme  # noqa: PLC0415 - trustme: optional dependency (a dev tool)
 
         self.folder, self.prefix = folder, prefix
         self.sent: Counter[str] = Counter()

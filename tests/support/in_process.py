@@ -36,7 +36,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
+import sys
+import warnings
+from pathlib import Path
+
+from layerwise_cli.client.engine.in_process import EngineOptions, start_engine, stop_engine
 
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 # The test models' KV cache at max_model_len 64 needs well under 1 MiB; the size does not change an answer.
@@ -65,8 +71,6 @@ def start_here(model: str, options=None):
     one in-process engine per process at a time.
     """
     global _RUNNING
-    from layerwise_cli.client.engine.in_process import EngineOptions, start_engine
-
     options = options or EngineOptions()
     ranks = options.tensor_parallel_size * options.pipeline_parallel_size
     assert ranks == 1, f"an in-process engine has one rank, not {ranks}: use start_engine"
@@ -99,7 +103,7 @@ def start_here(model: str, options=None):
     # The engine core cached vLLM's environment variables when it came up (MULTIPROCESSING_ENV=0 among
     # them): without this, any other engine started in this process while this one runs would start in
     # process too, and its stop tear down this one's distributed groups. vLLM reads them live after.
-    from vllm import envs
+    from vllm import envs  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     envs.disable_envs_cache()
     return llm
@@ -112,8 +116,6 @@ def running_here() -> bool:
 
 def stop_here(llm) -> None:
     """`stop_engine(llm)`, then clear what an in-process engine left in this process."""
-    from layerwise_cli.client.engine.in_process import stop_engine
-
     stop_engine(llm)
     if id(llm) in _ELSEWHERE:
         _ELSEWHERE.discard(id(llm))
@@ -124,12 +126,7 @@ def stop_here(llm) -> None:
 
 def _keeps_state_here(model: str) -> str | None:
     """Why an engine on MODEL would leave this process unfit for what follows (None: it would not)."""
-    import json
-    import sys
-    import warnings
-    from pathlib import Path
-
-    from vllm.model_executor.models.registry import ModelRegistry
+    from vllm.model_executor.models.registry import ModelRegistry  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     if "llvmlite" in sys.modules:
         # vLLM's CPU worker rebinds its kernels by walking every loaded module, and fails on llvmlite's
@@ -165,7 +162,7 @@ def _clear() -> None:
     global _RUNNING
     # vLLM's own clean-up between in-process engines (EngineCore.shutdown runs it too, not on a failed
     # start): the environment cache off, the frozen heap unfrozen, the groups destroyed, a collection.
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     cleanup_dist_env_and_memory()
     running, _RUNNING = _RUNNING, None
@@ -183,6 +180,6 @@ def _clear() -> None:
 
 def _worker_class():
     """The worker class vLLM's CPU platform runs (`parallel_config.worker_cls` there)."""
-    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.cpu_worker import CPUWorker  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     return CPUWorker

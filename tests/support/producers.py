@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from layerwise_cli.demo.tokenizer import write_tokenizer
+
 # Names as `config.json`'s `architectures` spells them, keyed by a short name.
 ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
@@ -64,7 +66,7 @@ class Producer:
 
 def _config(producer: Producer):
     """A tiny config of the architecture, with shapes vLLM's CPU backend accepts (head_dim 64)."""
-    import transformers
+    import transformers  # noqa: PLC0415 - transformers: heavy (test collection stays fast)
 
     common = dict(
         vocab_size=producer.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=producer.layers,
@@ -205,10 +207,8 @@ def save_pretrained_checkpoint(out: Path, producer: Producer, *, seed: int) -> P
         `out`, holding bf16 safetensors shards as `transformers` writes them (an
         index when there is more than one shard), `config.json` and a tokenizer.
     """
-    import torch
-    import transformers
-
-    from layerwise_cli.demo.tokenizer import write_tokenizer
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
+    import transformers  # noqa: PLC0415 - transformers: heavy (test collection stays fast)
 
     config = _config(producer)
     torch.manual_seed(seed)
@@ -239,10 +239,8 @@ def save_lfm2_checkpoint(out: Path, *, seed: int = 0) -> Path:
     `config.conv_dim`, which `Lfm2Config` lacks (an AttributeError in the
     engine's worker process, during model init).
     """
-    import torch
-    import transformers
-
-    from layerwise_cli.demo.tokenizer import write_tokenizer
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
+    import transformers  # noqa: PLC0415 - transformers: heavy (test collection stays fast)
 
     config = transformers.Lfm2Config(vocab_size=UNPADDED_VOCAB, hidden_size=64, intermediate_size=128,
                                      num_hidden_layers=2, num_attention_heads=1, num_key_value_heads=1,

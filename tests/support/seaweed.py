@@ -65,7 +65,7 @@ class SeaweedS3:
 
     def objects(self, prefix: str):
         """An obstore client on `s3://BUCKET/PREFIX` of this server, for the test's own puts."""
-        from obstore.store import S3Store
+        from obstore.store import S3Store  # noqa: PLC0415 - obstore: optional dependency (the storage extra)
 
         return S3Store(BUCKET, prefix=prefix, endpoint=self.endpoint, access_key_id=ACCESS_KEY,
                        secret_access_key=SECRET_KEY, region="us-east-1", client_options={"allow_http": True},
@@ -73,7 +73,7 @@ class SeaweedS3:
 
     def put_folder(self, prefix: str, folder: Path) -> str:
         """Upload every file of FOLDER under PREFIX; the source URL `s3://BUCKET/PREFIX`."""
-        import obstore
+        import obstore  # noqa: PLC0415 - obstore: optional dependency (the storage extra)
 
         store = self.objects(prefix)
         for path in sorted(folder.iterdir()):
@@ -121,7 +121,7 @@ class SeaweedS3:
                 self._proc.wait()
 
     def _wait_ready(self, timeout: float) -> None:
-        import obstore
+        import obstore  # noqa: PLC0415 - obstore: optional dependency (the storage extra)
 
         deadline = time.monotonic() + timeout
         probe = self.objects("ready")

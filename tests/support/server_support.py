@@ -15,6 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
+
+from layerwise_cli.demo import demo_prompt
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 LAYERWISE = str(Path(sys.executable).with_name("layerwise"))
@@ -200,8 +203,6 @@ class RunningServer:
         return response.json()["choices"][0]
 
     def answers(self, pairs: list[tuple[int, int]]) -> list[str]:
-        from layerwise_cli.demo import demo_prompt
-
         return [self.complete(demo_prompt(a, b))["text"].strip() for a, b in pairs]
 
     def is_paused(self) -> bool:
@@ -271,8 +272,6 @@ def server_fixture(model: str, *, scope: str = "module", **kwargs: object):
 
     Example: `multiply_server = server_fixture("multiply", api_key="k")` in a test module.
     """
-    import pytest
-
     @pytest.fixture(scope=scope)
     def fixture(demo_models):
         with RunningServer(demo_models[model], **kwargs) as server:  # type: ignore[arg-type]

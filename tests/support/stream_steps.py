@@ -6,9 +6,13 @@ a step of every layer new, or of one layer new, is drawn from seeds alone.
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 from pathlib import Path
 
+from layerwise_cli.demo import demo_prompt
+from layerwise_cli.writer.save import save_checkpoint
 from tests.support.synthetic import SyntheticModel
 
 MODEL = SyntheticModel(layers=4, hidden=512, heads=4, kv_heads=2, head_dim=128, intermediate=2048, vocab=128)
@@ -17,16 +21,12 @@ PROMPTS_PAIRS = [(3, 4), (2, 5), (9, 9), (7, 8), (1, 6), (4, 4), (8, 2), (6, 3)]
 
 def stream_prompts() -> list[str]:
     """The 8 prompts these engines are compared on."""
-    from layerwise_cli.demo import demo_prompt
-
     return [demo_prompt(a, b) for a, b in PROMPTS_PAIRS]
 
 
 def step_tensors(seeds: dict[int, int], default: int) -> dict:
     """MODEL's tensors: decoder layer i drawn from seed `seeds.get(i, default)`, the rest from DEFAULT."""
-    import re
-
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     out = {}
     for name, shape in MODEL.tensors():
@@ -40,10 +40,6 @@ def step_tensors(seeds: dict[int, int], default: int) -> dict:
 
 def write_step(folder: Path, tensors: dict, tokenizer: Path) -> Path:
     """TENSORS saved into FOLDER as a step of MODEL, with TOKENIZER's tokenizer files; FOLDER."""
-    import json
-
-    from layerwise_cli.writer.save import save_checkpoint
-
     save_checkpoint(tensors.items(), folder, max_shard_size=8 << 20, marker=None, allow_nonfinite=True)
     for path in tokenizer.iterdir():
         if path.name.startswith(("tokenizer", "special_tokens", "generation_config")):

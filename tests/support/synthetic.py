@@ -273,7 +273,7 @@ def normal_weights(model: SyntheticModel, seed: int = 0, std: float = 0.02) -> C
     and make outputs meaningless); engines need these. One tensor is drawn per
     distinct shape and reused, so large checkpoints stay cheap to write.
     """
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
 
     dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[model.dtype]
     generator = torch.Generator().manual_seed(seed)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from layerwise_cli.demo import demo_prompt, expected_answer
 from tests.support.server_support import LAYERWISE, ROOT, RunningServer
 
 # The watcher runs this checkout's code (also when the installed package is another checkout's).
@@ -29,8 +30,6 @@ STARTING_THINK_S = 1.5
 
 
 def answer(name: str, a: int, b: int) -> str:
-    from layerwise_cli.demo import expected_answer
-
     return expected_answer(name, a, b)
 
 
@@ -141,8 +140,6 @@ class Clients:
                 if text not in (answer("add", x, y), answer("multiply", x, y))]
 
     def _run(self, server: RunningServer) -> None:
-        from layerwise_cli.demo import demo_prompt
-
         rng = random.Random(server.port)
         while not self._stop.is_set():
             if self.paused[server.url].is_set():

@@ -63,7 +63,7 @@ def encode_patch(name: str, dtype: str, shape: tuple[int, ...], base, new,
         v2: a sparse patch, or the whole tensor where that is smaller or more than WHOLE_FRACTION changed; v1: the
         smallest of a bitmap patch, an index patch and the whole tensor.
     """
-    import numpy as np
+    import numpy as np  # noqa: PLC0415 - numpy: 0.1 s to import, only where an array is built
 
     size = DTYPE_SIZES[dtype]
     unsigned = unsigned_type(size)
@@ -99,7 +99,7 @@ def encode_patch(name: str, dtype: str, shape: tuple[int, ...], base, new,
 
 def _encode_v2(name: str, dtype: str, shape: tuple[int, ...], old, now, mask, whole_fraction: float) -> EncodedPatch:
     """The v2 patch of a tensor whose elements (unsigned integers) go from OLD to NOW, MASK where they differ."""
-    import numpy as np
+    import numpy as np  # noqa: PLC0415 - numpy: 0.1 s to import, only where an array is built
 
     positions = np.flatnonzero(mask)
     changed, numel = positions.size, now.size

@@ -176,7 +176,7 @@ class Delta:
         Raises:
             LayerwiseError: out of range, not increasing, padding bits set, or not as many as the values.
         """
-        import numpy as np
+        import numpy as np  # noqa: PLC0415 - numpy: 0.1 s to import, only where an array is built
 
         patch = self.patches[name]
         n = patch.numel
@@ -209,7 +209,7 @@ class Delta:
     def _check_bitmap(self, name: str, raw) -> None:
         """Bitmap RAW of patch NAME sets no bit past its elements, and as many bits as it stores values (the header
         check fixed its length); counted, not decoded."""
-        import numpy as np
+        import numpy as np  # noqa: PLC0415 - numpy: 0.1 s to import, only where an array is built
 
         patch = self.patches[name]
         spare = 8 * raw.size - patch.numel
@@ -221,7 +221,7 @@ class Delta:
 
     def _index_type(self, name: str):
         """The numpy integer type tensor NAME's index of positions is stored in (I32 or I64)."""
-        import numpy as np
+        import numpy as np  # noqa: PLC0415 - numpy: 0.1 s to import, only where an array is built
 
         return np.int32 if self._entries[name + POSITIONS_SUFFIX].dtype == "I32" else np.int64
 
@@ -233,7 +233,7 @@ class Delta:
         Raises:
             LayerwiseError: the positions are invalid (`positions`), or BASE is not the tensor's size.
         """
-        import numpy as np
+        import numpy as np  # noqa: PLC0415 - numpy: 0.1 s to import, only where an array is built
 
         patch = self.patches.get(name)
         if patch is None:
@@ -303,7 +303,7 @@ class Delta:
         Raises:
             LayerwiseError: naming the file, the tensor and the counts.
         """
-        from layerwise_cli.checkpoint.format.finite import ByteScan
+        from layerwise_cli.checkpoint.format.finite import ByteScan  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
 
         for name, patch in sorted(self.patches.items()):
             if patch.kind == SPARSE:
@@ -320,7 +320,7 @@ class Delta:
 
 def file_mapping(path: str | os.PathLike[str]):
     """A whole file as a read-only numpy uint8 array (a memory mapping: pages are read as they are touched)."""
-    import numpy as np
+    import numpy as np  # noqa: PLC0415 - numpy: 0.1 s to import, only where an array is built
 
     if os.path.getsize(path) == 0:
         return np.zeros(0, dtype=np.uint8)
@@ -329,6 +329,6 @@ def file_mapping(path: str | os.PathLike[str]):
 
 def unsigned_type(size: int):
     """The numpy unsigned integer type of SIZE bytes: what a patch copies elements of any dtype as."""
-    import numpy as np
+    import numpy as np  # noqa: PLC0415 - numpy: 0.1 s to import, only where an array is built
 
     return {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[size]

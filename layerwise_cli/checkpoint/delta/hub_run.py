@@ -76,7 +76,7 @@ def open_hub_step(source: str, revision: str | None, max_links: int) -> tuple[Ch
 def _folder_at(repo_id: str, commit: str, folder: str, child: str) -> Path:
     """FOLDER's files at COMMIT in the Hub cache (fetched unless their blobs are there); CHILD names the step
     that needs it in the message when the commit has no such folder."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # noqa: PLC0415 - huggingface_hub: 0.4 s to import, only for a Hub source
 
     where = f"{SCHEME}{repo_id}/{folder}"
     try:

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 
 from layerwise_cli.checkpoint.delta.format import DELTA_FILE, METADATA_KEY, Delta
@@ -157,8 +159,6 @@ def _fetch_missing_links(url: str, max_links: int) -> int:
     are fetched together, each over its own connections. Anything that fails here is left to the chain's
     reading (`_walk`), which names it as it always does.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
     missing: list[StoreSource] = []
     step_url = url
     try:
@@ -272,8 +272,6 @@ def _open_base(base_url: str, child: str) -> tuple[Checkpoint, int]:
     written = {name: value for name, value in ((CONFIG, remote.config), (INDEX_NAME, remote.index))
                if value is not None}
     folder, fetched = kept_folder(source, shards, written)
-    from dataclasses import replace
-
     local = open_checkpoint(str(folder))
     return replace(local, source=base_url, kind="store", revision=remote.revision, pinned=remote.pinned), fetched
 
@@ -315,8 +313,6 @@ def kept_folder(source: StoreSource, names: list[str], written: dict[str, dict])
     try:
         os.rename(tmp, folder)
     except OSError:  # another rank made it first: the same links
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
     return folder, fetched
 

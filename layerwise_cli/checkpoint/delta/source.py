@@ -14,6 +14,7 @@ from layerwise_cli.checkpoint.delta.buffers import RebuildBuffers
 from layerwise_cli.checkpoint.delta.format import VALUES_SUFFIX, WHOLE, WHOLE_SUFFIX, Delta, unsigned_type
 from layerwise_cli.checkpoint.delta.hub_run import is_hub_step, open_hub_step
 from layerwise_cli.checkpoint.delta.read import delta_file, read_delta
+from layerwise_cli.checkpoint.delta.remote import open_store_chain
 from layerwise_cli.checkpoint.delta.v2 import SPARSE
 from layerwise_cli.checkpoint.format.digests import TensorHasher, checkpoint_digests, digests_metadata, tensor_digest
 from layerwise_cli.checkpoint.format.finite import nonfinite_elements
@@ -50,8 +51,6 @@ def open_store_step(url: str, revision: str | None = None) -> Checkpoint:
     The result's `revision` is the chain's pin, `pinned` every object of the chain, `kind` "store", and its
     `local_dir` the full step's folder of links in the store cache: a reload reads it as a local run.
     """
-    from layerwise_cli.checkpoint.delta.remote import open_store_chain
-
     chain = open_store_chain(url, revision, MAX_CHAIN)
     if chain is None:
         return open_checkpoint(url, revision)
@@ -159,7 +158,7 @@ class DeltaChain:
 
     def _left_nonfinite(self, at: int, name: str) -> bool:
         """Whether link AT stores a NaN or Inf value of tensor NAME at a position no later link rewrites."""
-        import numpy as np
+        import numpy as np  # noqa: PLC0415 - numpy: 0.1 s to import, only where an array is built
 
         link = self.links[at]
         patch = link.patches[name]
@@ -300,7 +299,7 @@ def _rebuilt_in_one_pass(link: Delta, entry: TensorEntry, raw, buffers: RebuildB
     """LINK's v2 patch of ENTRY applied to RAW, and the result's digest, in one pass over memory: block by block,
     each copied from RAW, its changes added, and hashed while it is in cache (instead of a copy, a patch and a
     hash, each a pass of its own). Returns (the bytes, their digest)."""
-    import numpy as np
+    import numpy as np  # noqa: PLC0415 - numpy: 0.1 s to import, only where an array is built
 
     size = DTYPE_SIZES[entry.dtype]
     if raw.size != entry.numel * size:
@@ -326,7 +325,7 @@ def _rebuilt_in_one_pass(link: Delta, entry: TensorEntry, raw, buffers: RebuildB
 
 def _copied_and_hashed(out, raw, hasher: TensorHasher, begin: int, end: int) -> None:
     """Bytes [BEGIN, END) of RAW copied into OUT and hashed, block by block."""
-    import numpy as np
+    import numpy as np  # noqa: PLC0415 - numpy: 0.1 s to import, only where an array is built
 
     for at in range(begin, end, _PASS_BLOCK):
         stop = min(at + _PASS_BLOCK, end)
@@ -363,7 +362,7 @@ def rebuilt_tensor(chain: DeltaChain, entry: TensorEntry, base, where: str, buff
     Returns:
         The step's tensor (BASE itself when no link changes it).
     """
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
 
     raw = base.reshape(-1).view(torch.uint8).numpy()
     out = rebuilt_bytes(chain, entry, raw, where, buffers)

@@ -59,14 +59,14 @@ def chunk_keys(name: str, index: int) -> tuple[str, str]:
 
 
 def _compress(data: bytes) -> bytes:
-    import pyzstd
+    import pyzstd  # noqa: PLC0415 - pyzstd: kept off `layerwise --help`, loaded only for a v2 delta
 
     return pyzstd.compress(data, {pyzstd.CParameter.compressionLevel: _LEVEL, pyzstd.CParameter.checksumFlag: 1})
 
 
 def _shuffled(array) -> bytes:
     """ARRAY's bytes grouped by significance: every element's first byte, then every second byte, ..."""
-    import numpy as np
+    import numpy as np  # noqa: PLC0415 - numpy: 0.1 s to import, only where an array is built
 
     size = array.dtype.itemsize
     return array.tobytes() if size == 1 else np.ascontiguousarray(array.view(np.uint8).reshape(-1, size).T).tobytes()
@@ -74,7 +74,7 @@ def _shuffled(array) -> bytes:
 
 def _unshuffled(raw, count: int, unsigned):
     """The COUNT elements of type UNSIGNED whose bytes RAW holds grouped by significance (`_shuffled`)."""
-    import numpy as np
+    import numpy as np  # noqa: PLC0415 - numpy: 0.1 s to import, only where an array is built
 
     size = np.dtype(unsigned).itemsize
     planes = np.frombuffer(raw, dtype=np.uint8, count=count * size).reshape(size, count)
@@ -94,7 +94,7 @@ def encode_chunks(positions, diffs, numel: int, chunk_elements: int = CHUNK_ELEM
         numel: the tensor's elements.
         chunk_elements: the elements each chunk spans (the last may span fewer).
     """
-    import numpy as np
+    import numpy as np  # noqa: PLC0415 - numpy: 0.1 s to import, only where an array is built
 
     signed = np.dtype(f"i{diffs.dtype.itemsize}")
     bits = 8 * diffs.dtype.itemsize
@@ -118,7 +118,7 @@ def encode_chunks(positions, diffs, numel: int, chunk_elements: int = CHUNK_ELEM
 
 def _frame_content_size(frame) -> int:
     """The decoded size FRAME declares, once it is shown to be exactly one whole zstd frame."""
-    import pyzstd
+    import pyzstd  # noqa: PLC0415 - pyzstd: kept off `layerwise --help`, loaded only for a v2 delta
 
     try:
         size = pyzstd.get_frame_size(frame)
@@ -153,7 +153,7 @@ def _check_gap_bytes(size: int, chunk: Chunk) -> None:
 
 def _decoded(frame, size: int) -> bytes:
     """FRAME decoded, which must come to SIZE bytes (its checksum checked)."""
-    import pyzstd
+    import pyzstd  # noqa: PLC0415 - pyzstd: kept off `layerwise --help`, loaded only for a v2 delta
 
     if _frame_content_size(frame) != size:
         raise BadChunk(f"a {CODEC} frame decodes to {_frame_content_size(frame)} bytes, not {size}")
@@ -172,7 +172,7 @@ def decode_positions(chunk: Chunk, gaps):
     Raises:
         BadChunk: a corrupt stream, a count other than the chunk's, or a position past the chunk's end.
     """
-    import numpy as np
+    import numpy as np  # noqa: PLC0415 - numpy: 0.1 s to import, only where an array is built
 
     declared = _frame_content_size(gaps)
     _check_gap_bytes(declared, chunk)
@@ -199,7 +199,7 @@ def decode_diffs(chunk: Chunk, diffs, unsigned):
     Raises:
         BadChunk: a corrupt stream, or another count of values than the chunk's.
     """
-    import numpy as np
+    import numpy as np  # noqa: PLC0415 - numpy: 0.1 s to import, only where an array is built
 
     size = np.dtype(unsigned).itemsize
     zigzag = _unshuffled(_decoded(diffs, chunk.count * size), chunk.count, unsigned)

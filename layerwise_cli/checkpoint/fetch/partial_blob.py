@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import hashlib
 import json
@@ -201,8 +202,6 @@ class PartialBlob:
 
 def punch_hole(fd: int, offset: int, length: int) -> bool:
     """Linux `fallocate(PUNCH_HOLE | KEEP_SIZE)`: free the blocks under the range, keep the file's size."""
-    import ctypes
-
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         punch_hole_keep_size = 0x02 | 0x01

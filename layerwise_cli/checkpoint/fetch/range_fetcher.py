@@ -24,6 +24,7 @@ How the reload path uses it:
 from __future__ import annotations
 
 import bisect
+import os
 import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -220,8 +221,6 @@ class RangeFetcher:
 
     def readinto(self, filename: str, offset: int, buffer: memoryview | bytearray) -> int:
         """Wait for `len(buffer)` bytes of `filename` at `offset`, then read them into `buffer`."""
-        import os
-
         view = memoryview(buffer).cast("B")
         self.wait(filename, offset, len(view))
         return os.preadv(self.blobs[filename].fd, [view], offset)

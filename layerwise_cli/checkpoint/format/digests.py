@@ -43,6 +43,8 @@ import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+import xxhash
+
 from layerwise_cli.checkpoint.format.header import ShardHeader
 from layerwise_cli.errors import LayerwiseError
 
@@ -78,8 +80,6 @@ class TensorHasher:
     """The digest of one tensor whose raw bytes arrive in chunks (a read, a copy, a device transfer)."""
 
     def __init__(self, dtype: str, shape: Iterable[int]) -> None:
-        import xxhash
-
         self._hash = xxhash.xxh3_128(tensor_prefix(dtype, shape))
 
     def update(self, data) -> None:
@@ -176,8 +176,6 @@ def checkpoint_digests(shards: Iterable[ShardHeader]) -> dict[str, str] | None:
 
 def layer_digest(tensors: Mapping[str, str]) -> str:
     """The digest of one parent layer from its tensors' digests (name -> digest); see the module docstring."""
-    import xxhash
-
     hasher = xxhash.xxh3_128()
     for name in sorted(tensors):
         hasher.update(name.encode("utf-8"))

@@ -19,7 +19,7 @@ _TORCH_ATTRIBUTES = {
 @functools.cache
 def _by_name() -> dict:
     # torch only when a tensor is made: the planner and --help run without it.
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
 
     return {name: getattr(torch, attr) for name, attr in _TORCH_ATTRIBUTES.items() if hasattr(torch, attr)}
 
@@ -33,7 +33,7 @@ def torch_dtype(name: str):
     """The torch dtype of a safetensors dtype name (`BF16`), as `safetensors.torch` maps it."""
     if name in _by_name():
         return _by_name()[name]
-    from safetensors.torch import _getdtype  # its own table, for a name ours lacks
+    from safetensors.torch import _getdtype  # noqa: PLC0415 - torch: heavy; its own table, for a name ours lacks
 
     return _getdtype(name)
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from layerwise_cli.checkpoint.format.chunks import CHUNK_BYTES, read_chunks
 from layerwise_cli.checkpoint.format.digests import DigestMismatch, TensorHasher, header_digests
 from layerwise_cli.checkpoint.format.dtypes import dtype_name
-from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.errors import LayerwiseError, describe_exception
 
 # Floating dtypes torch reduces natively: a sum is non-finite when any element is
 # (NaN and Inf propagate through every partial sum), and costs one read of the
@@ -57,7 +60,7 @@ def suspect_flag(tensor, dtype: str | None = None):
     Asynchronous on an accelerator (nothing is read back). None for dtypes that
     cannot hold NaN or Inf (integers, bool, packed 4- and 6-bit floats).
     """
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
 
     dtype = dtype or dtype_name(tensor)
     if dtype in _SUMMED:
@@ -78,7 +81,7 @@ def suspect_flag(tensor, dtype: str | None = None):
 
 def count_nonfinite(tensor, dtype: str | None = None) -> tuple[int, int]:
     """(NaN count, Inf count) of a tensor, exactly, in chunks. (0, 0) for dtypes without them."""
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
 
     dtype = dtype or dtype_name(tensor)
     flat = tensor.reshape(-1)
@@ -110,7 +113,7 @@ def any_suspect(tensors: Iterable[object]) -> bool:
 
 def _any_flag(flags: Iterable[object]) -> bool:
     """Whether any of the `suspect_flag` results (None: cannot hold NaN/Inf) is set: one read-back for all."""
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
 
     present = [flag for flag in flags if flag is not None]
     return bool(present) and bool(torch.stack(present).any())
@@ -178,7 +181,7 @@ def nonfinite_elements(data, dtype: str):
     pattern = _BIT_PATTERNS.get(dtype)
     if pattern is None:
         return None
-    import numpy as np
+    import numpy as np  # noqa: PLC0415 - numpy: 0.1 s to import, only where an array is built
 
     width, mask, value, _ = pattern
     x = np.frombuffer(data, dtype=f"<u{width}", count=len(data) // width)
@@ -200,7 +203,7 @@ class ByteScan:
         """Add the next bytes of the tensor (any length; a partial element waits for the next call)."""
         if self._pattern is None:
             return
-        import numpy as np
+        import numpy as np  # noqa: PLC0415 - numpy: 0.1 s to import, only where an array is built
 
         width, mask, value, mantissa = self._pattern
         if self._carry:
@@ -264,9 +267,6 @@ def scan_checkpoint(checkpoint, progress=None) -> ScanReport:
     Returns:
         The tensors read and those holding non-finite values, in file order.
     """
-    import os
-    import time
-
     start = time.perf_counter()
     total = checkpoint.total_bytes
     done = checked = hashed = 0
@@ -279,8 +279,6 @@ def scan_checkpoint(checkpoint, progress=None) -> ScanReport:
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as exc:
-            from layerwise_cli.errors import describe_exception
-
             raise describe_exception(exc, where=str(path)) from exc
         try:
             for entry in sorted(shard.tensors, key=lambda t: t.begin):
@@ -315,13 +313,9 @@ def scan_checkpoint(checkpoint, progress=None) -> ScanReport:
 
 
 def _shard_file(checkpoint, name: str):
-    from pathlib import Path
-
     if checkpoint.local_dir is not None:
         return checkpoint.shard_path(name)
-    from huggingface_hub import hf_hub_download
-
-    from layerwise_cli.errors import describe_exception
+    from huggingface_hub import hf_hub_download  # noqa: PLC0415 - huggingface_hub: 0.4 s to import, only for a Hub source
 
     try:
         return Path(hf_hub_download(checkpoint.source, name, revision=checkpoint.revision))

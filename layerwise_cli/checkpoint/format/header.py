@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import BinaryIO
 
-from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.errors import LayerwiseError, describe_exception
 
 # Bytes per element for every dtype the safetensors format names with a whole
 # number of bytes per element.
@@ -101,8 +101,6 @@ def read_shard_header(path: str | os.PathLike[str], name: str | None = None) -> 
     except LayerwiseError:
         raise
     except OSError as exc:
-        from layerwise_cli.errors import describe_exception
-
         raise describe_exception(exc, where=path) from exc
     shard = parse_header(display, raw, file_size=file_size, where=path)
     return shard, 8 + header_len

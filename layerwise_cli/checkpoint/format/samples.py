@@ -28,6 +28,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 
+import xxhash
+
 from layerwise_cli.checkpoint.format.digests import tensor_prefix
 
 WINDOW_BYTES = 4096
@@ -60,8 +62,6 @@ def sample_digest(dtype: str, shape: Iterable[int], nbytes: int, read: Callable[
     Returns:
         32 lowercase hex digits.
     """
-    import xxhash
-
     hasher = xxhash.xxh3_128(tensor_prefix(dtype, shape))
     hasher.update(_TAG)
     for offset, length in sample_spans(nbytes):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections.abc import Callable
 from types import ModuleType
@@ -16,9 +17,7 @@ class _ShortBody(Exception):
 
 def http_library() -> ModuleType:
     """The HTTP library huggingface_hub's shared client comes from: httpx (huggingface_hub 1.x) or httpx2 (2.x)."""
-    import importlib
-
-    from huggingface_hub.utils import get_session
+    from huggingface_hub.utils import get_session  # noqa: PLC0415 - huggingface_hub: 0.4 s to import, only for a Hub source
 
     return importlib.import_module(type(get_session()).__module__.split(".")[0])
 
@@ -88,7 +87,7 @@ def _one_try(
     url: str, pos: int, end: int, write: Callable[[int, bytes], None], headers: dict[str, str],
     policy: FetchPolicy, where: str,
 ) -> tuple[int | None, int]:
-    from huggingface_hub.utils import get_session, hf_raise_for_status
+    from huggingface_hub.utils import get_session, hf_raise_for_status  # noqa: PLC0415 - huggingface_hub: 0.4 s to import, only for a Hub source
 
     http = http_library()
     request_headers = {**headers, "Range": f"bytes={pos}-{end - 1}", "Accept-Encoding": "identity"}

@@ -55,7 +55,7 @@ class HubPin:
 
 def offline() -> bool:
     """True when HF_HUB_OFFLINE=1: Hub sources are read from the local cache only."""
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # noqa: PLC0415 - huggingface_hub: 0.4 s to import, only for a Hub source
 
     return constants.is_offline_mode()
 
@@ -80,8 +80,8 @@ def pin_commit(repo_id: str, revision: str | None = None, *, token: str | bool |
     Raises:
         LayerwiseError: one line naming the repo and revision (or commit): not found, vanished, unreachable.
     """
-    from huggingface_hub import get_hf_file_metadata, hf_hub_url
-    from huggingface_hub.errors import RemoteEntryNotFoundError
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url  # noqa: PLC0415 - huggingface_hub: 0.4 s to import, only for a Hub source
+    from huggingface_hub.errors import RemoteEntryNotFoundError  # noqa: PLC0415 - huggingface_hub: 0.4 s to import, only for a Hub source
 
     where = f"{repo_id}@{revision}" if revision else repo_id
     if offline():
@@ -114,15 +114,15 @@ def hub_error(exc: BaseException, repo_id: str, revision: str | None) -> Layerwi
 
 def commit_vanished(exc: BaseException) -> bool:
     """True for the Hub's answer to a revision (or repo) it does not have: for a commit, it vanished."""
-    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError  # noqa: PLC0415 - huggingface_hub: 0.4 s to import, only for a Hub source
 
     return isinstance(exc, RevisionNotFoundError | RepositoryNotFoundError)
 
 
 def repo_cache_folder(repo_id: str, cache_dir: str | Path | None = None) -> Path:
     """The repo's folder in the Hub cache (`models--org--name`), as huggingface_hub lays it out."""
-    from huggingface_hub import constants
-    from huggingface_hub.file_download import repo_folder_name
+    from huggingface_hub import constants  # noqa: PLC0415 - huggingface_hub: 0.4 s to import, only for a Hub source
+    from huggingface_hub.file_download import repo_folder_name  # noqa: PLC0415 - huggingface_hub: 0.4 s to import, only for a Hub source
 
     return Path(cache_dir or constants.HF_HUB_CACHE) / repo_folder_name(repo_id=repo_id, repo_type="model")
 

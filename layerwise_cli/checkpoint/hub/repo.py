@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from layerwise_cli.checkpoint.fetch.policy import FetchPolicy
@@ -53,7 +53,7 @@ def download_checkpoint(repo_id: str, revision: str | None = None, *, local_file
     Given a commit (`HubPin.commit`) as `revision`, no request names a branch. Raises huggingface_hub's own
     errors: callers decide what a failure means (`hub.pin.hub_error` names a vanished commit).
     """
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # noqa: PLC0415 - huggingface_hub: 0.4 s to import, only for a Hub source
 
     return Path(snapshot_download(repo_id, revision=revision, local_files_only=local_files_only,
                                   allow_patterns=CHECKPOINT_PATTERNS))
@@ -71,8 +71,8 @@ def read_hub_headers(pin: HubPin, where: str) -> HubHeaders:
     Returns:
         The headers, shards in natural sort order.
     """
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import RemoteEntryNotFoundError
+    from huggingface_hub import hf_hub_download  # noqa: PLC0415 - huggingface_hub: 0.4 s to import, only for a Hub source
+    from huggingface_hub.errors import RemoteEntryNotFoundError  # noqa: PLC0415 - huggingface_hub: 0.4 s to import, only for a Hub source
 
     def download(filename: str) -> Path:
         try:
@@ -112,9 +112,9 @@ def _pinned_error(exc: BaseException, pin: HubPin, where: str) -> LayerwiseError
 def _read_remote_headers(
     pin: HubPin, names: list[str], where: str, index_where: str | None
 ) -> list[tuple[ShardHeader, int]]:
-    from huggingface_hub import hf_hub_url
-    from huggingface_hub.errors import RemoteEntryNotFoundError
-    from huggingface_hub.utils import build_hf_headers
+    from huggingface_hub import hf_hub_url  # noqa: PLC0415 - huggingface_hub: 0.4 s to import, only for a Hub source
+    from huggingface_hub.errors import RemoteEntryNotFoundError  # noqa: PLC0415 - huggingface_hub: 0.4 s to import, only for a Hub source
+    from huggingface_hub.utils import build_hf_headers  # noqa: PLC0415 - huggingface_hub: 0.4 s to import, only for a Hub source
 
     headers = build_hf_headers()
 
@@ -155,9 +155,7 @@ _HEADER_POLICY = FetchPolicy(stall_s=0, retries=2, backoff_s=0.5)
 
 def _get_range(url: str, headers: dict[str, str], start: int, length: int, where: str) -> tuple[bytes, int | None]:
     """Bytes `[start, start + length)` of a Hub file (fewer at its end), and the file's size from Content-Range."""
-    from dataclasses import replace
-
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # noqa: PLC0415 - huggingface_hub: 0.4 s to import, only for a Hub source
 
     body = bytearray()
     policy = replace(_HEADER_POLICY, stall_s=float(constants.HF_HUB_DOWNLOAD_TIMEOUT))
@@ -172,7 +170,7 @@ def cached_snapshot(repo_id: str, revision: str | None, where: str) -> Path:
     Raises:
         LayerwiseError: the repo, or one of its shards, is not in the cache.
     """
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.errors import LocalEntryNotFoundError  # noqa: PLC0415 - huggingface_hub: 0.4 s to import, only for a Hub source
 
     try:
         folder = download_checkpoint(repo_id, revision, local_files_only=True)
@@ -214,7 +212,7 @@ class HubFetcher:
 
     def shard(self, name: str) -> tuple[Path, bool]:
         """Return a local path for shard `name` and whether to delete it after use."""
-        from huggingface_hub import hf_hub_download, try_to_load_from_cache
+        from huggingface_hub import hf_hub_download, try_to_load_from_cache  # noqa: PLC0415 - huggingface_hub: 0.4 s to import, only for a Hub source
 
         repo, revision = self.repo_id, self.revision
         try:
@@ -227,7 +225,7 @@ class HubFetcher:
 
     def other_files(self) -> Path:
         """Fetch the repo's non-weight files (config, tokenizer, README) through the Hub cache; return the folder."""
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import snapshot_download  # noqa: PLC0415 - huggingface_hub: 0.4 s to import, only for a Hub source
 
         ignore = [f"*{s}" for s in WEIGHT_SUFFIXES + WEIGHT_INDEX_SUFFIXES] + [".*"]
         try:

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from layerwise_cli.checkpoint.delta.hub_run import SCHEME
+from layerwise_cli.checkpoint.delta.source import open_step
 from layerwise_cli.checkpoint.format.layout import natural_key
 from layerwise_cli.checkpoint.hub.pin import hub_error, pin_commit
 from layerwise_cli.checkpoint.steps.local import DEFAULT_PATTERNS, step_number
@@ -63,8 +64,6 @@ class HubRunStep:
     def examine(self) -> tuple[str | None, HubRunStep | None]:
         """Why the step is not (yet) a complete checkpoint at its commit, or None and the step: opened as a reload
         opens it (a delta through its chain, from this host's Hub cache)."""
-        from layerwise_cli.checkpoint.delta.source import open_step
-
         try:
             open_step(self.url, self.commit)
         except LayerwiseError as exc:
@@ -86,7 +85,7 @@ def list_hub_run_steps(root: str, revision: str | None, patterns: Iterable[str] 
     Raises:
         LayerwiseError: one line naming the repo: not found, the revision not found, the Hub not reachable.
     """
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi  # noqa: PLC0415 - huggingface_hub: 0.4 s to import, only for a Hub source
 
     repo_id = "/".join(root[len(SCHEME):].strip("/").split("/")[:2])
     commit = pin_commit(repo_id, revision).commit

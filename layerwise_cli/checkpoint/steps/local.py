@@ -11,9 +11,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from layerwise_cli.checkpoint.delta.read import delta_file, read_delta
+from layerwise_cli.checkpoint.delta.source import MAX_CHAIN, base_directory
 from layerwise_cli.checkpoint.format.header import read_shard_header
 from layerwise_cli.checkpoint.format.layout import INDEX_NAME, natural_key
-from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.errors import LayerwiseError, describe_exception
 
 # The names trainers give their step directories (prime-rl, verl, Hugging Face Trainer, Megatron).
 DEFAULT_PATTERNS = ("step_*", "step-*", "global_step_*", "checkpoint-*", "iter_*")
@@ -111,8 +113,6 @@ def list_steps(root: str | os.PathLike[str], patterns: Iterable[str] = DEFAULT_P
                     continue
                 found.append(StepDir(entry.name, Path(entry.path), number))
     except OSError as exc:
-        from layerwise_cli.errors import describe_exception
-
         raise describe_exception(exc, where=str(root)) from exc
     return sorted(found, key=lambda s: (s.number, natural_key(s.name)))
 
@@ -278,9 +278,6 @@ def steps_to_delete(steps: list, keep: int, held, protected: Iterable[str]) -> l
 
 def delta_bases(paths: Iterable[Path]) -> set[Path]:
     """The base directories (absolute) the sparse deltas among PATHS are rebuilt from, their chains followed."""
-    from layerwise_cli.checkpoint.delta.read import delta_file, read_delta
-    from layerwise_cli.checkpoint.delta.source import MAX_CHAIN, base_directory
-
     needed: set[Path] = set()
     for path in paths:
         for _ in range(MAX_CHAIN):

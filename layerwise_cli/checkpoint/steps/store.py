@@ -15,9 +15,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from layerwise_cli.checkpoint.delta.format import DELTA_FILE
+from layerwise_cli.checkpoint.delta.source import open_store_step
 from layerwise_cli.checkpoint.fetch.policy import FetchPolicy
 from layerwise_cli.checkpoint.format.layout import natural_key
-from layerwise_cli.checkpoint.steps.local import DEFAULT_PATTERNS, step_number
+from layerwise_cli.checkpoint.steps.local import AUTO, DEFAULT_PATTERNS, step_number
 from layerwise_cli.checkpoint.store.headers import read_store_headers, store_pin
 from layerwise_cli.checkpoint.store.objects import StoreSource, display_url, identity_of, open_store, store_error
 from layerwise_cli.errors import LayerwiseError
@@ -91,8 +92,6 @@ class StoreStep:
     def _examine_delta(self) -> tuple[str | None, StoreStep | None]:
         """`examine` for a delta step: its chain resolved (its base beside it, back to a full step) and pinned as
         one; the step's own objects must be those listed."""
-        from layerwise_cli.checkpoint.delta.source import open_store_step
-
         try:
             step = open_store_step(self.url)
         except LayerwiseError as exc:
@@ -126,8 +125,6 @@ class StoreStep:
 
     def deletion_refusal(self, marker: str) -> str | None:
         """Why `--keep` must leave the step where it is (not a complete step this watch would load), or None."""
-        from layerwise_cli.checkpoint.steps.local import AUTO
-
         if marker != AUTO and marker in self.names():
             return None
         problem, _ = self.examine()
@@ -164,7 +161,7 @@ def list_objects(url: str) -> list[tuple[str, str, int]]:
     Raises:
         LayerwiseError: one line naming the URL: no such bucket, access denied, the store not reachable.
     """
-    import obstore
+    import obstore  # noqa: PLC0415 - obstore: optional dependency (the storage extra)
 
     store = open_store(url.rstrip("/"), _CHECK_POLICY)
     found = []
@@ -192,7 +189,7 @@ def delete_step(step: StoreStep) -> None:
         LayerwiseError: one line naming the step: access denied (the store does not allow deletes), or the
             store's own failure.
     """
-    import obstore
+    import obstore  # noqa: PLC0415 - obstore: optional dependency (the storage extra)
 
     paths = [path for path, _, _ in list_objects(step.url)]
     if not paths:

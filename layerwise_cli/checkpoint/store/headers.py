@@ -17,7 +17,7 @@ from layerwise_cli.checkpoint.format.layout import (
     natural_key,
     shard_file,
 )
-from layerwise_cli.checkpoint.store.objects import StoreSource
+from layerwise_cli.checkpoint.store.objects import StoreSource, is_missing
 from layerwise_cli.errors import LayerwiseError
 
 # Shard headers read at once (as from the Hub).
@@ -92,8 +92,6 @@ def read_store_headers(source: StoreSource, expected_pin: str | None = None) -> 
 
 
 def _read_json(source: StoreSource, name: str, *, optional: bool) -> dict | None:
-    from layerwise_cli.checkpoint.store.objects import is_missing
-
     try:
         data = source.read(name)[0]
     except LayerwiseError as exc:
@@ -113,8 +111,6 @@ def _read_json(source: StoreSource, name: str, *, optional: bool) -> dict | None
 
 def _read_header(source: StoreSource, name: str, indexed: bool) -> tuple[ShardHeader, int]:
     """A shard's 8-byte length, then its header: two range requests, the second pinned to the first's ETag."""
-    from layerwise_cli.checkpoint.store.objects import is_missing
-
     where = source.where(name)
     try:
         prefix, _identity, size = source.read(name, 0, 8)

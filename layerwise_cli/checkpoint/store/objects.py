@@ -19,7 +19,7 @@ import hashlib
 import os
 import re
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -80,7 +80,7 @@ class StoreSource:
 
     def metadata(self, filename: str) -> tuple[str, int]:
         if filename not in self.pinned:
-            import obstore
+            import obstore  # noqa: PLC0415 - obstore: optional dependency (the storage extra)
 
             try:
                 meta = obstore.head(self.store, filename)
@@ -141,7 +141,7 @@ class StoreSource:
 
         The first read of a file pins it; later reads name that identity.
         """
-        import obstore
+        import obstore  # noqa: PLC0415 - obstore: optional dependency (the storage extra)
 
         options: dict = {}
         if filename in self.pinned:
@@ -159,7 +159,7 @@ class StoreSource:
 
     def bucket_missing(self) -> bool:
         """True when the store says the bucket (or container) itself does not exist."""
-        import obstore
+        import obstore  # noqa: PLC0415 - obstore: optional dependency (the storage extra)
 
         try:
             obstore.list_with_delimiter(self.store, None)
@@ -168,7 +168,7 @@ class StoreSource:
         return False
 
     def _one_try(self, filename: str, identity: str, pos: int, end: int, write: Write) -> int:
-        import obstore
+        import obstore  # noqa: PLC0415 - obstore: optional dependency (the storage extra)
 
         result = obstore.get(self.store, filename, options={"range": (pos, end), **conditions(identity)})
         for chunk in result.stream(min_chunk_size=1 << 20):
@@ -184,7 +184,7 @@ class StoreSource:
 def store_cache_folder(url: str) -> Path:
     """Where the objects fetched from under URL are kept: `<cache_root>/store/<16 hex>`, one folder per prefix,
     named by a digest of its URL without credentials (`blobs/<cache_key>`, as the Hub cache lays out blobs)."""
-    from layerwise_cli.cache_root import cache_root
+    from layerwise_cli.cache_root import cache_root  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
 
     digest = hashlib.sha256(display_url(url).encode()).hexdigest()[:16]
     return cache_root() / "store" / digest
@@ -209,7 +209,7 @@ def open_store(url: str, policy: FetchPolicy):
         LayerwiseError: obstore is not installed, or the URL or the configuration is refused (one line).
     """
     try:
-        from obstore.store import from_url
+        from obstore.store import from_url  # noqa: PLC0415 - optional: the ImportError is handled here
     except ImportError:
         raise LayerwiseError(INSTALL_HINT, where=display_url(url)) from None
     # No byte for the stall bound, connecting or between two reads of a body, is a timeout (obstore retries it).
@@ -250,15 +250,13 @@ def identity_of(meta) -> str:
 def conditions(identity: str) -> dict:
     """obstore's `GetOptions` that make a request fail (412) unless the object still has IDENTITY."""
     if identity.startswith(_MODIFIED_PREFIX):
-        from datetime import datetime
-
         return {"if_unmodified_since": datetime.fromisoformat(identity.removeprefix(_MODIFIED_PREFIX))}
     return {"if_match": identity}
 
 
 def _fatal(exc: BaseException) -> bool:
     # Answers a retry cannot change: obstore already retried what it could (5xx, 429, timeouts before a byte).
-    from obstore.exceptions import PermissionDeniedError, PreconditionError, UnauthenticatedError
+    from obstore.exceptions import PermissionDeniedError, PreconditionError, UnauthenticatedError  # noqa: PLC0415 - obstore: optional dependency (the storage extra)
 
     return isinstance(exc, PreconditionError | PermissionDeniedError | UnauthenticatedError | FileNotFoundError)
 
@@ -277,7 +275,7 @@ def store_error(exc: BaseException, where: str, identity: str | None = None) -> 
     if isinstance(exc, LayerwiseError):
         return exc
     try:
-        from obstore.exceptions import PermissionDeniedError, PreconditionError, UnauthenticatedError
+        from obstore.exceptions import PermissionDeniedError, PreconditionError, UnauthenticatedError  # noqa: PLC0415 - optional: the ImportError is handled here
     except ImportError:
         return LayerwiseError(INSTALL_HINT, where=where)
     if isinstance(exc, PreconditionError):

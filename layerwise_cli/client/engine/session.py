@@ -10,7 +10,8 @@ from pathlib import Path
 
 from layerwise_cli.checkpoint.delta.hub_run import is_hub_step
 from layerwise_cli.checkpoint.delta.source import open_step
-from layerwise_cli.checkpoint.hub.pin import HubPin
+from layerwise_cli.checkpoint.hub.pin import HubPin, hub_error
+from layerwise_cli.checkpoint.hub.repo import download_checkpoint
 from layerwise_cli.checkpoint.sources import looks_like_repo_id, open_checkpoint
 from layerwise_cli.checkpoint.store.objects import display_url, is_store_url
 from layerwise_cli.client.delivery import DOWNLOAD, PREFETCH, STREAM, decide_delivery, plan_operation
@@ -20,17 +21,17 @@ from layerwise_cli.client.engine.prefetch import Prefetch
 from layerwise_cli.engine_cpus import choose_cores
 from layerwise_cli.engine_defaults import cuda_available
 from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.planning.parents import mapping_for_config
+from layerwise_cli.planning.reference import check_against_reference
+from layerwise_cli.planning.vllm_mapping import model_class_if_installed
 from layerwise_cli.report.reload_report import ReloadReport
 from layerwise_cli.worker.rpc import ReloadOptions
 
 
 def download_source(repo_id: str, revision: str | None, quiet: bool) -> Path:
     """Download a Hub repo's checkpoint files (`CHECKPOINT_PATTERNS`), with huggingface_hub's progress bar."""
-    from layerwise_cli.checkpoint.hub.repo import download_checkpoint
     if quiet:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    from layerwise_cli.checkpoint.hub.pin import hub_error
-
     try:
         return download_checkpoint(repo_id, revision)
     except Exception as exc:
@@ -86,10 +87,6 @@ def prepare_sources(source: str, base: str | None, revision: str | None, quiet: 
         if ours and theirs and ours != theirs:
             raise LayerwiseError(f"architecture {ours[0]} does not match the engine's BASE {base} ({theirs[0]})",
                                  where=source)
-        from layerwise_cli.planning.parents import mapping_for_config
-        from layerwise_cli.planning.reference import check_against_reference
-        from layerwise_cli.planning.vllm_mapping import model_class_if_installed
-
         # Errors name the source as the user gave it, not the download folder.
         named = replace(checkpoint, source=source)
         config = checkpoint.config or base_checkpoint.config

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from layerwise_cli.errors import one_line
 
 _EXCERPT_CHARS = 120
@@ -9,8 +11,6 @@ _EXCERPT_CHARS = 120
 
 def excerpt(response) -> str:
     """A short, one-line quote of a non-JSON body: an HTML page (another kind of server) by its title only."""
-    import re
-
     text = response.text or ""
     if "html" in response.headers.get("content-type", "").lower() or text.lstrip()[:1] == "<":
         title = re.search(r"<title[^>]*>(.*?)</title>", text, re.IGNORECASE | re.DOTALL)

@@ -33,7 +33,7 @@ from layerwise_cli.client.servers.events import (
     Versioned,
 )
 from layerwise_cli.client.servers.lease import LeaseKeeper, step_done
-from layerwise_cli.errors import one_line
+from layerwise_cli.errors import describe_exception, one_line
 from layerwise_cli.report.jsonable import jsonable
 from layerwise_cli.report.records import rank_label
 from layerwise_cli.report.reload_report import ReloadReport
@@ -142,8 +142,6 @@ class ServerReload:
             if self.holds != HOLDS_UNVERIFIED:
                 self.holds = exc.holds
         except Exception as exc:  # noqa: BLE001 - one line per server, never a traceback
-            from layerwise_cli.errors import describe_exception
-
             self.error = one_line(str(describe_exception(exc)))
             if self.stage == "reload" and self.holds == HOLDS_PREVIOUS:
                 self.holds = HOLDS_UNKNOWN
@@ -339,8 +337,6 @@ class ServerReload:
                 self._emit(Resumed(self.url, self._paused_s))
                 step_done("resume")
             except Exception as exc:  # noqa: BLE001 - reported, never raised past the other servers
-                from layerwise_cli.errors import describe_exception
-
                 message = (f"could not resume generation ({one_line(str(describe_exception(exc)))}): "
                            "the server may still be paused; POST /resume to it")
                 if self.error is None:

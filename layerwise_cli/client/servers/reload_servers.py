@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
+from layerwise_cli.client.delivery import plan_operation
 from layerwise_cli.client.servers.api import (
     HOLDS_MIXED,
     HOLDS_NEW,
@@ -14,8 +16,9 @@ from layerwise_cli.client.servers.api import (
     ServerClient,
 )
 from layerwise_cli.client.servers.events import OnEvent
+from layerwise_cli.client.servers.fleet import all_or_nothing, reload_fleet
 from layerwise_cli.client.servers.reload import NO_LEASE_WARNING, ServerReload, ServerResult
-from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.errors import LayerwiseError, UsageError
 from layerwise_cli.worker.rpc import FingerprintsAnswer, FingerprintsCall
 
 __all__ = ["NO_LEASE_WARNING", "RemoteOptions", "ServerResult", "differing_layers", "holdings", "reload_server",
@@ -50,14 +53,7 @@ def reload_servers(urls: list[str], source: str, options: RemoteOptions | None =
     if options.pause_mode not in PAUSE_MODES:
         raise LayerwiseError(f"unknown pause mode {options.pause_mode!r}: use one of {', '.join(PAUSE_MODES)}")
     if len(set(urls)) != len(urls):
-        from layerwise_cli.errors import UsageError
-
         raise UsageError("the same server URL is given twice")
-    from dataclasses import replace
-
-    from layerwise_cli.client.delivery import plan_operation
-    from layerwise_cli.client.servers.fleet import all_or_nothing, reload_fleet
-
     # One commit per operation: every server reads the commit a Hub repo id's revision names now (no request
     # when the caller pinned it already).
     options = replace(options, reload=plan_operation(source, options.reload)[0])

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from layerwise_cli.checkpoint.hub.pin import is_commit
+from layerwise_cli.units import human_bytes
+from layerwise_cli.worker.reload.delta_base import OFF_CHAIN_NOTE
 
 STEP_SEEN = "step_seen"  # a new step directory appeared under the root
 STEP_COMPLETE = "step_complete"  # the newest complete step changed: servers are brought to it
@@ -89,8 +91,6 @@ class WatchEvent:
         if self.wall_s is not None:
             parts.append(f"in {self.wall_s:.2f} s")
         if self.peak_bytes is not None:
-            from layerwise_cli.units import human_bytes
-
             parts.append(f"peak {human_bytes(self.peak_bytes)}")
         if self.by is not None:
             parts.append(f"by {self.by}")
@@ -102,8 +102,6 @@ class WatchEvent:
 def off_chain(report: dict | None) -> str | None:
     """The report's note that the server held no step of the delta's chain (it was given the chain's full step
     and links: `delta_base.off_chain_note`), for the event's message; None otherwise."""
-    from layerwise_cli.worker.reload.delta_base import OFF_CHAIN_NOTE
-
     report = report or {}
     inner = report.get("report") if isinstance(report.get("report"), dict) else {}
     notes = report.get("notes") or inner.get("notes") or []

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from layerwise_cli.checkpoint.hub.pin import VANISHED, commit_vanished, pin_commit
+from layerwise_cli.checkpoint.hub.pin import VANISHED, commit_vanished, offline, pin_commit
 from layerwise_cli.checkpoint.steps.local import AUTO, DEFAULT_PATTERNS
 from layerwise_cli.client.watch import events as ev
 from layerwise_cli.client.watch.events import short
@@ -75,7 +75,7 @@ class HubRef:
             PollFailed: one line naming the repo and ref; `lasting` when the Hub says the repo or ref does not
                 exist (else it did not answer, or answered a 5xx).
         """
-        from huggingface_hub.errors import RepositoryNotFoundError
+        from huggingface_hub.errors import RepositoryNotFoundError  # noqa: PLC0415 - huggingface_hub: 0.4 s to import, only for a Hub source
 
         try:
             return pin_commit(self.repo_id, self.revision).commit
@@ -89,8 +89,8 @@ class HubRef:
 
         None when the Hub did not tell (it did not answer): the caller cannot blame the commit.
         """
-        from huggingface_hub import get_hf_file_metadata, hf_hub_url
-        from huggingface_hub.errors import RemoteEntryNotFoundError
+        from huggingface_hub import get_hf_file_metadata, hf_hub_url  # noqa: PLC0415 - huggingface_hub: 0.4 s to import, only for a Hub source
+        from huggingface_hub.errors import RemoteEntryNotFoundError  # noqa: PLC0415 - huggingface_hub: 0.4 s to import, only for a Hub source
 
         try:
             get_hf_file_metadata(hf_hub_url(self.repo_id, "config.json", revision=commit))
@@ -153,8 +153,6 @@ class HubSteps:
 
     def __init__(self, ref: HubRef, *, interval: float, clock: Callable[[], float] = time.monotonic,
                  backoff_max_s: float = 10.0) -> None:
-        from layerwise_cli.checkpoint.hub.pin import offline
-
         if offline():
             raise UsageError(f"watching the Hub repo {ref.repo_id} needs the Hub, and HF_HUB_OFFLINE=1 is set")
         self.ref = ref

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from layerwise_cli.client.servers.api import HOLDS_NEW, HOLDS_PREVIOUS, HOLDS_UNKNOWN, RemoteOptions
-from layerwise_cli.errors import one_line
+from layerwise_cli.client.engine.in_process import ask_workers, reports_from_results, verify_engine
+from layerwise_cli.client.servers.api import HOLDS_NEW, HOLDS_PREVIOUS, HOLDS_UNKNOWN, RemoteOptions, ServerClient
+from layerwise_cli.client.servers.fleet import reload_fleet
+from layerwise_cli.client.servers.reload import ServerReload
+from layerwise_cli.client.servers.reload_servers import reload_server
+from layerwise_cli.errors import describe_exception, one_line
+from layerwise_cli.report.verify_result import verify_failure
 from layerwise_cli.worker.rpc import ReloadAnswer, ReloadCall, ReloadOptions
 
 
@@ -63,8 +68,6 @@ class ServerTarget:
         self.options = options
 
     def weight_version(self) -> str | None:
-        from layerwise_cli.client.servers.api import ServerClient
-
         client = ServerClient(self.url, api_key=self.options.api_key, timeout=min(self.options.timeout, 30.0))
         try:
             return client.weight_version()
@@ -77,8 +80,6 @@ class ServerTarget:
 
     def reload(self, source: str, version: str, revision: str | None = None) -> Outcome:
         """Reload SOURCE into this server alone; a pinned source (REVISION) is pre-flighted first (`_fetch_first`)."""
-        from layerwise_cli.client.servers.reload_servers import reload_server
-
         options = _step_options(self.options, version, revision)
         if revision is not None:
             return outcome_of(_fetch_first(self.url, source, options))
@@ -92,8 +93,6 @@ def reload_together(targets: list[ServerTarget], source: str, version: str,
     Returns:
         Each target's name -> its outcome.
     """
-    from layerwise_cli.client.servers.fleet import reload_fleet
-
     options = _step_options(targets[0].options, version, revision)
     results = reload_fleet([target.url for target in targets], source, options)
     return {target.name: outcome_of(result) for target, result in zip(targets, results)}
@@ -102,8 +101,6 @@ def reload_together(targets: list[ServerTarget], source: str, version: str,
 def _step_options(options: RemoteOptions, version: str, revision: str | None) -> RemoteOptions:
     """OPTIONS for one step: its weight version, and the commit (or a URL step's pin) it is read at (None: a
     folder step)."""
-    from dataclasses import replace
-
     reload = replace(options.reload, revision=revision) if revision is not None else options.reload
     return replace(options, weight_version=version, reload=reload)
 
@@ -116,8 +113,6 @@ def _fetch_first(url: str, source: str, options: RemoteOptions):
     whatever the branch names by then, not the commit, which the server's weight version would then name (and
     it reads no URL at all).
     """
-    from layerwise_cli.client.servers.reload import ServerReload
-
     run = ServerReload(url, source, options)
     try:
         if run.check():
@@ -159,12 +154,6 @@ class EngineTarget:
         return self.llm.get_weight_version()
 
     def reload(self, source: str, version: str, revision: str | None = None) -> Outcome:
-        from dataclasses import replace
-
-        from layerwise_cli.client.engine.in_process import ask_workers, reports_from_results, verify_engine
-        from layerwise_cli.errors import describe_exception
-        from layerwise_cli.report.verify_result import verify_failure
-
         start = time.perf_counter()
         options = replace(self.options, revision=revision) if revision is not None else self.options
         try:
@@ -202,6 +191,4 @@ def call_caught(run: Callable[[], object]) -> tuple[bool, object]:
 
 def error_line(error: object) -> str:
     """An exception (or message) as one line, as `LayerwiseError` words a library's error."""
-    from layerwise_cli.errors import describe_exception
-
     return one_line(str(describe_exception(error) if isinstance(error, BaseException) else error))

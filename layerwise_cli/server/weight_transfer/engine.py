@@ -19,6 +19,10 @@ from dataclasses import dataclass, fields, replace
 from layerwise_cli import vllm_compat, vllm_weight_transfer
 from layerwise_cli.errors import LayerwiseError, describe_exception
 from layerwise_cli.report.reload_report import ReloadReport
+from layerwise_cli.report.verify_result import merge_verify, verify_failure
+from layerwise_cli.worker.proof.verify import verify_against_source
+from layerwise_cli.worker.reload.engine_context import engine_config
+from layerwise_cli.worker.repairs.derived_state import derived_state_of
 from layerwise_cli.worker.rpc import UPDATE_REPORT, ReloadAnswer, TransferUpdate
 
 _VllmEngine = vllm_compat.load(vllm_weight_transfer.WEIGHT_TRANSFER_ENGINE)
@@ -93,8 +97,8 @@ class LayerwiseWeightTransferEngine(_VllmEngine):
 
     def receive_weights(self, update_info: TransferUpdate) -> None:
         """Reload the source on this rank, all ranks or none; keep the report; raise one line on failure."""
-        from layerwise_cli.worker.reload.agreed import reload_agreed
-        from layerwise_cli.worker.stream.rank_plan import rank_position
+        from layerwise_cli.worker.reload.agreed import reload_agreed  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
+        from layerwise_cli.worker.stream.rank_plan import rank_position  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
 
         touched = {"engine": False}
         self._checked = None
@@ -115,11 +119,6 @@ class LayerwiseWeightTransferEngine(_VllmEngine):
     def _verify(self, update_info: TransferUpdate):
         """The check `reload_agreed` runs after this rank's reload: every layer against the source (`--verify`)."""
         def verify(report: ReloadReport) -> ReloadReport:
-            from layerwise_cli.report.verify_result import merge_verify, verify_failure
-            from layerwise_cli.worker.proof.verify import verify_against_source
-            from layerwise_cli.worker.reload.engine_context import engine_config
-            from layerwise_cli.worker.repairs.derived_state import derived_state_of
-
             revision = report.placement.commit or update_info.options.revision
             started = time.perf_counter()
             with engine_config(self.worker):

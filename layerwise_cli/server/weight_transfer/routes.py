@@ -27,8 +27,13 @@ import math
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from layerwise_cli import WEIGHT_TRANSFER_BACKEND
+from layerwise_cli import UPDATE_REPORT_PATH, WEIGHT_TRANSFER_BACKEND
 from layerwise_cli.errors import one_line
+from layerwise_cli.report.reload_report import ReloadReport, merge_reports
+from layerwise_cli.report.verify_result import merge_verify
+from layerwise_cli.server.pause_lease import current_lease, end_lease, hold_pause
+from layerwise_cli.vllm_weight_transfer import ENGINE_FAILURE_WRAPPERS
+from layerwise_cli.worker.rpc import UPDATE_REPORT, ReloadAnswer
 
 INIT, START, UPDATE, FINISH = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
                                "/finish_weight_update")
@@ -44,8 +49,6 @@ def uses_layerwise_backend(app) -> bool:
 
 def engine_failure_line(exc: BaseException) -> str:
     """The worker's own line in a failure vLLM's engine client raised (its wrappers peeled off), on one line."""
-    from layerwise_cli.vllm_weight_transfer import ENGINE_FAILURE_WRAPPERS
-
     text = str(exc)
     for wrapper in ENGINE_FAILURE_WRAPPERS:
         match = wrapper.match(text)
@@ -121,8 +124,6 @@ async def _read_lease(app, receive):
 
 async def _take_lease(app):
     """Pause generation under the update's lease; the refusal to answer, or None."""
-    from layerwise_cli.server.pause_lease import current_lease, hold_pause
-
     held = _update_lease(app)
     if held is not None and current_lease(app) is held:
         return failure_answer("a weight update is already in progress (call /finish_weight_update first)", 409)
@@ -141,25 +142,17 @@ async def _take_lease(app):
 
 def _update_lease(app):
     """The lease of the update in progress, or None (none, or it ran out)."""
-    from layerwise_cli.server.pause_lease import current_lease
-
     lease = getattr(app.state, "layerwise_update_lease", None)
     return lease if lease is not None and current_lease(app) is lease else None
 
 
 async def _end_update_lease(app, lease) -> None:
-    from layerwise_cli.server.pause_lease import end_lease
-
     app.state.layerwise_update_lease = None
     await end_lease(app, lease)
 
 
 async def update_report(raw_request: Request):
     """`GET /layerwise/update_report`: the last update's report merged over the workers, or its error."""
-    from layerwise_cli.report.reload_report import ReloadReport, merge_reports
-    from layerwise_cli.report.verify_result import merge_verify
-    from layerwise_cli.worker.rpc import UPDATE_REPORT, ReloadAnswer
-
     try:
         answers = await raw_request.app.state.engine_client.collective_rpc(UPDATE_REPORT)
     except Exception as exc:  # noqa: BLE001 - one line, as the routes above
@@ -184,7 +177,5 @@ async def update_report(raw_request: Request):
 
 def add_weight_transfer_routes(app) -> None:
     """Add the report route and the middleware to APP (vLLM's FastAPI app); both act only for this backend."""
-    from layerwise_cli import UPDATE_REPORT_PATH
-
     app.add_api_route(UPDATE_REPORT_PATH, update_report, methods=["GET"])
     app.add_middleware(WeightUpdateBracket)

@@ -10,6 +10,7 @@ them all, and ranks that did load roll back with the one that failed.
 
 from __future__ import annotations
 
+from layerwise_cli import vllm_compat
 from layerwise_cli.errors import LayerwiseError
 
 
@@ -25,10 +26,8 @@ def all_ranks_agree(ok: bool) -> bool:
     Outside a vLLM worker, or with one rank, it returns `ok`.
     """
     try:
-        import torch
-        import torch.distributed as dist
-
-        from layerwise_cli import vllm_compat
+        import torch  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
+        import torch.distributed as dist  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
 
         ps = vllm_compat.parallel_state()
     except Exception:  # noqa: BLE001 - no vLLM: a single process

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import types
+
+from layerwise_cli import vllm_compat
 from layerwise_cli.errors import LayerwiseError
 
 # Rows of the identity matrix fed through a linear kernel per call when reading its weight back.
@@ -31,15 +35,11 @@ def _reads_back(module) -> bool:
     kernel = getattr(module, "cpu_linear", None)
     if kernel is not None:
         return not (stored and _holds_no_state(kernel))
-    from layerwise_cli import vllm_compat
-
     return isinstance(module, vllm_compat.linear_base_class()) and not stored
 
 
 def _holds_no_state(kernel) -> bool:
     """Whether a CPU kernel handle is a plain function that captures nothing (no closure cells, no defaults)."""
-    import types
-
     return isinstance(kernel, types.FunctionType) and not kernel.__closure__ and \
         not kernel.__defaults__ and not kernel.__kwdefaults__
 
@@ -52,9 +52,7 @@ def _kernel_readback_digest(module) -> str:
     so the digest covers every weight element even when the weight itself is
     an opaque handle.
     """
-    import hashlib
-
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
 
     weight = module._parameters.get("weight")
     stored = _stored_weight(module) is not None
@@ -81,7 +79,7 @@ def _kernel_readback_digest(module) -> str:
 
 def module_fingerprints(module, prefix: str = "") -> dict[str, str]:
     """Digests of one module's own tensors that keep storage, and `<prefix>#kernel` for hidden weights."""
-    from layerwise_cli.worker.proof.checksums import tensor_sha256
+    from layerwise_cli.worker.proof.checksums import tensor_sha256  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
 
     out: dict[str, str] = {}
     for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
+from layerwise_cli import vllm_compat
+from layerwise_cli.checkpoint.delta.hub_run import is_hub_step
+from layerwise_cli.checkpoint.delta.source import open_step
+from layerwise_cli.checkpoint.sources import resolve_local
+from layerwise_cli.checkpoint.store.objects import StoreSource, display_url, is_store_url
 from layerwise_cli.errors import LayerwiseError, describe_exception
 from layerwise_cli.worker.proof.fingerprints import module_fingerprints
+from layerwise_cli.worker.repairs.derived_state import expected_alias_value, find_derived_state
 from layerwise_cli.worker.repairs.scratch import load_alone, process_copy, scratch_copy
 
 
@@ -39,14 +48,13 @@ def verify_against_source(model, source: str, revision: str | None, model_config
         `matched`, `tensors_compared`, `kernels_compared`; `mismatched`
         (layer names); `skipped` and `errors` (layer -> reason).
     """
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
 
-    from layerwise_cli.worker.proof.verify_mla import mla_modules, verify_mla
-    from layerwise_cli.worker.proof.verify_quantized import require_recomputed
-    from layerwise_cli.worker.repairs.after_reload import derived_modules
-    from layerwise_cli.worker.repairs.derived_state import find_derived_state
-    from layerwise_cli.worker.stream.rank_plan import plan_for_worker
-    from layerwise_cli.worker.stream.shard_reader import layer_batches
+    from layerwise_cli.worker.proof.verify_mla import mla_modules, verify_mla  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
+    from layerwise_cli.worker.proof.verify_quantized import require_recomputed  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
+    from layerwise_cli.worker.repairs.after_reload import derived_modules  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
+    from layerwise_cli.worker.stream.rank_plan import plan_for_worker  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
+    from layerwise_cli.worker.stream.shard_reader import layer_batches  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
 
     checkpoint, folder = _open_source(source, revision)
     hf_config = model_config.hf_config.to_dict() if hasattr(model_config.hf_config, "to_dict") else None
@@ -115,13 +123,6 @@ def verify_against_source(model, source: str, revision: str | None, model_config
 def _open_source(source: str, revision: str | None):
     """SOURCE's headers and the folder of its shards (a delta's base's); a URL's read by range at its pin
     (REVISION), no folder."""
-    from dataclasses import replace
-
-    from layerwise_cli.checkpoint.delta.hub_run import is_hub_step
-    from layerwise_cli.checkpoint.delta.source import open_step
-    from layerwise_cli.checkpoint.sources import resolve_local
-    from layerwise_cli.checkpoint.store.objects import is_store_url
-
     if is_store_url(source):
         # A delta step by URL is read from this host's copies of its chain (`delta.remote`), as a local one.
         checkpoint = open_step(source, revision)
@@ -142,11 +143,8 @@ def _reader(checkpoint, folder, stream):
     A URL source's tensors are fetched by range like a reload's, at the objects' pinned ETags, into private
     files deleted on close.
     """
-    from pathlib import Path
-
-    from layerwise_cli.checkpoint.store.objects import StoreSource, display_url
-    from layerwise_cli.worker.stream.remote_stream import RemoteStream
-    from layerwise_cli.worker.stream.shard_reader import ShardReader
+    from layerwise_cli.worker.stream.remote_stream import RemoteStream  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
+    from layerwise_cli.worker.stream.shard_reader import ShardReader  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
 
     if folder is not None:
         return ShardReader(folder, delta=checkpoint.delta), None
@@ -165,9 +163,7 @@ def _verify_derived(model, derived: dict[str, str], loaded: dict) -> list[dict]:
     (on CPU: its own packed kernel), and is compared with the live module,
     kernel read-back included. This catches a kernel left stale by a reload.
     """
-    import torch
-
-    from layerwise_cli import vllm_compat
+    import torch  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
 
     LAYERWISE_INFO = vllm_compat.layerwise_info()
     layers = []
@@ -233,7 +229,7 @@ def same_view(live, origin, expected):
 
     LIVE shares ORIGIN's storage; EXPECTED is ORIGIN as SOURCE loads it, with ORIGIN's shape and strides.
     """
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
 
     if tuple(expected.shape) != tuple(origin.shape) or expected.stride() != origin.stride():
         return None
@@ -253,8 +249,7 @@ def _verify_alias_buffers(model, state, source_tensors: dict[str, list], statuse
     loads it, unprocessed (`expected_alias_value`), which is what a fresh
     engine holds. A buffer whose source is unknown is not checked (`skipped`).
     """
-    from layerwise_cli.worker.proof.checksums import tensor_sha256
-    from layerwise_cli.worker.repairs.derived_state import expected_alias_value
+    from layerwise_cli.worker.proof.checksums import tensor_sha256  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
 
     layers = []
     for alias in state.aliases:
@@ -289,9 +284,8 @@ def _verify_alias_buffers(model, state, source_tensors: dict[str, list], statuse
 
 def _verify_layer(model, name: str, module, tensors: list, derived_buffers: frozenset[str] = frozenset()
                   ) -> tuple[dict, object]:
-    from layerwise_cli import vllm_compat
-    from layerwise_cli.worker.proof.verify_quantized import drop_processing_outputs
-    from layerwise_cli.worker.repairs.amx_mla import amx_kv_b_proj
+    from layerwise_cli.worker.proof.verify_quantized import drop_processing_outputs  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
+    from layerwise_cli.worker.repairs.amx_mla import amx_kv_b_proj  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
 
     LAYERWISE_INFO = vllm_compat.layerwise_info()
 
@@ -349,6 +343,4 @@ def _fills_its_padding(module, copied: int) -> bool:
     padding rows with zeros itself (`vocab_parallel_embedding.py`,
     `weight_loader`), so the copy holds what a fresh engine holds.
     """
-    from layerwise_cli import vllm_compat
-
     return isinstance(module, vllm_compat.vocab_parallel_embedding_class()) and copied > 0

@@ -18,6 +18,8 @@ are not recomputed: such a module is reported `skipped`, which fails `--verify`.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from layerwise_cli import vllm_compat
@@ -52,8 +54,6 @@ def expected_mla_tensors(module, kv_b_proj) -> dict[str, torch.Tensor]:
 
 def expected_amx_packed(module, kv_b_proj) -> dict[str, torch.Tensor]:
     """What vLLM's AMX MLA backend packs for MODULE from KV_B_PROJ: its own packing, run on a copy of its impl."""
-    import copy
-
     impl = copy.copy(module.impl)
     impl.kv_b_proj = kv_b_proj
     impl.process_weights_after_loading(kv_b_proj.weight.dtype)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from layerwise_cli import vllm_compat
+from layerwise_cli.worker.quantization.online_quant import quantized_by
+
 
 def online_method(module: torch.nn.Module) -> str | None:
     """The name of the online quantization method of MODULE, or None if it is not quantized online.
@@ -16,8 +19,6 @@ def online_method(module: torch.nn.Module) -> str | None:
     method = getattr(module, "quant_method", None)
     if method is None or not getattr(method, "uses_meta_device", False):
         return None
-    from layerwise_cli.worker.quantization.online_quant import quantized_by
-
     return quantized_by(module) or type(method).__name__
 
 
@@ -34,8 +35,6 @@ def drop_processing_outputs(scratch: torch.nn.Module, module: torch.nn.Module, i
     Returns:
         The names removed.
     """
-    from layerwise_cli import vllm_compat
-
     skip_tensors = vllm_compat.load(vllm_compat.SKIP_TENSORS)
 
     if online_method(module) is None:

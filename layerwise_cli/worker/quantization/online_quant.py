@@ -37,6 +37,7 @@ import torch
 # vLLM's online lifecycle, through the project's one door for private vLLM symbols. This module
 # subclasses vLLM's classes, so it loads them (and vLLM) when it is imported: only engine code imports it.
 from layerwise_cli import vllm_compat
+from layerwise_cli.worker.repairs import mla_cpu_repair
 
 LinearBase = vllm_compat.linear_base_class()
 LinearMethodBase = vllm_compat.load(vllm_compat.LINEAR_METHOD_BASE)
@@ -183,8 +184,6 @@ def register() -> None:
     for name, config in _CONFIGS.items():
         register_quantization_config(name)(config)
     # Not quantization: this entry point is layerwise's one hook in every vLLM process before a model is built.
-    from layerwise_cli.worker.repairs import mla_cpu_repair
-
     mla_cpu_repair.apply_rope_repair()
 
 

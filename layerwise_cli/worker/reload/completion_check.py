@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from layerwise_cli import vllm_compat
+from layerwise_cli.units import human_bytes
 from layerwise_cli.worker.stream.rank_plan import holds_parameters
 
 
@@ -151,8 +152,6 @@ def stale_message(stale: list[str], *, accepted: bool = False) -> str:
 
 def peak_message(measured: int, predicted: int, at_tensor: str) -> str:
     """One line for a reload whose measured buffer peak is not the plan's prediction."""
-    from layerwise_cli.units import human_bytes
-
     return (f"vLLM's reload buffered {human_bytes(measured)} ({measured} bytes) at its peak (at "
             f"{at_tensor or 'no tensor'}), not the {human_bytes(predicted)} ({predicted} bytes) the plan predicts: "
             "a layer completed otherwise than planned, so its completion is not shown")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from layerwise_cli.worker.stream.cpu_placement import move_to
 
@@ -25,8 +26,6 @@ class DecodeAhead:
 
     def __enter__(self) -> DecodeAhead:
         if self._spare or self._anywhere:
-            from concurrent.futures import ThreadPoolExecutor
-
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="layerwise-decode-ahead",
                                             initializer=move_to, initargs=(self._spare,))
             self._submit_next()

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+
+from layerwise_cli import vllm_compat
+
 
 def engine_config(worker):
     """The vLLM config context the worker's own reload runs under (quant methods and loaders may read it)."""
-    import contextlib
-
     config = getattr(worker, "vllm_config", None)
     if config is None:
         return contextlib.nullcontext()
-    from layerwise_cli import vllm_compat
-
     return vllm_compat.set_current_vllm_config(config)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from layerwise_cli.checkpoint.delta.format import VALUES_SUFFIX, WHOLE, WHOLE_SUFFIX, Delta
@@ -37,8 +38,6 @@ def decode_chunks(name: str, dtype: str, links: tuple[Delta, ...]) -> dict[tuple
     Raises:
         LayerwiseError: a chunk is corrupt (`Delta.changes`).
     """
-    import numpy as np
-
     out = {}
     size = DTYPE_SIZES[dtype]
     signed = np.uint8 if size == 1 else np.dtype(f"i{size}")

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from layerwise_cli import vllm_compat
+from layerwise_cli.checkpoint.hub.repo import download_checkpoint
 from layerwise_cli.checkpoint.sources import Checkpoint, open_checkpoint
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.planning.plan import Plan
@@ -19,8 +21,6 @@ def reference_checkpoint(model_path: str) -> Checkpoint | None:
     path = Path(model_path)
     if not path.exists():
         try:
-            from layerwise_cli.checkpoint.hub.repo import download_checkpoint
-
             path = download_checkpoint(model_path, local_files_only=True)
         except Exception:  # noqa: BLE001 - no local reference: the checks that need one are skipped
             return None
@@ -103,8 +103,6 @@ def refuse_direct_mode() -> None:
     of its own. layerwise drives the layerwise mode only; the check runs
     before anything of the engine is touched.
     """
-    from layerwise_cli import vllm_compat
-
     if vllm_compat.reload_mode() == "direct":
         raise LayerwiseError("this engine's vLLM runs its direct reload mode (VLLM_RELOAD_MODE=direct): layerwise "
                              "drives the layerwise mode only; start the engine without VLLM_RELOAD_MODE=direct")

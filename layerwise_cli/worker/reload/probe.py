@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from layerwise_cli import vllm_compat
+
 
 def _buffered_tensor_bytes(bound_args) -> int:
     """Bytes of the checkpoint tensor(s) held by one buffered weight-loader call."""
@@ -50,8 +52,6 @@ class BufferProbe:
     """
 
     def __init__(self, model: torch.nn.Module, on_layer_done=None) -> None:
-        from layerwise_cli import vllm_compat
-
         self._infos = vllm_compat.layerwise_info()
         self._modules = dict(model.named_modules())
         self._open: dict[str, _OpenModule] = {}

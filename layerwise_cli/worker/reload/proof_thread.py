@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -27,8 +28,6 @@ class ProofThread:
 
     def __enter__(self) -> ProofThread:
         if self._spare or self._anywhere:
-            from concurrent.futures import ThreadPoolExecutor
-
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="layerwise-patch-proof",
                                             initializer=move_to, initargs=(self._spare,))
         return self

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from layerwise_cli.checkpoint.delta.hub_run import is_hub_step
 from layerwise_cli.checkpoint.delta.source import open_step
-from layerwise_cli.checkpoint.hub.pin import is_commit
+from layerwise_cli.checkpoint.hub.pin import is_commit, repo_cache_folder
 from layerwise_cli.checkpoint.sources import Checkpoint, looks_like_repo_id, open_checkpoint, pin_source, resolve_local
 from layerwise_cli.checkpoint.store.objects import display_url, is_store_url
 from layerwise_cli.errors import LayerwiseError
@@ -114,8 +114,6 @@ def hub_checkpoint(repo_id: str, commit: str) -> Checkpoint:
 
 def snapshot_folder(repo_id: str, commit: str) -> Path:
     """Where the Hub cache keeps REPO_ID's files at COMMIT (`snapshots/<commit>/`), whether or not they are there."""
-    from layerwise_cli.checkpoint.hub.pin import repo_cache_folder
-
     return repo_cache_folder(repo_id) / "snapshots" / commit
 
 

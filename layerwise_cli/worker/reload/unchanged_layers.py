@@ -12,7 +12,9 @@ import torch
 from layerwise_cli.checkpoint.format.digests import header_digests, layer_digest
 from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.planning.plan import PlannedTensor
+from layerwise_cli.vllm_logs import quiet_skipped_layer_warnings
 from layerwise_cli.worker.reload.rerun_hooks import RerunHooks, rerun_hooks
+from layerwise_cli.worker.repairs.after_reload import derived_modules
 from layerwise_cli.worker.repairs.amx_mla import must_hand_over
 from layerwise_cli.worker.state.layer_records import LayerRecord, LayerRecords, SkipDecider
 from layerwise_cli.worker.state.layer_state import layer_fingerprints, layer_fingerprints_parallel
@@ -78,8 +80,6 @@ class LayerSkip:
             fetch_windows: for a source streamed from the Hub, what fetches the spot check's sample windows
                 (`spot_check`); None: the local shards are read.
         """
-        from layerwise_cli.worker.repairs.after_reload import derived_modules
-
         groups: dict[str, list[str]] = {}
         sizes: dict[str, list[int]] = {}
         for item in engine_stream:
@@ -239,6 +239,4 @@ class LayerSkip:
 
 def quiet_skipped_layers(plan: LayerSkip, model: torch.nn.Module):
     """While vLLM's reload runs: drop its warnings about the layers skipped on purpose (see `vllm_logs`)."""
-    from layerwise_cli.vllm_logs import quiet_skipped_layer_warnings
-
     return quiet_skipped_layer_warnings(lambda: plan.skipped_classes(model))

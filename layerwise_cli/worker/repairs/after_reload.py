@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from layerwise_cli import vllm_compat
+
 # The diagnostic switch (`LAYERWISE_NO_REPAIRS=1`) lives where the client reads it too.
 from layerwise_cli.engine_defaults import NO_REPAIRS_ENV, repairs_disabled
+from layerwise_cli.worker.repairs.derived_state import refresh_alias_buffers
 
 
 def apply_repairs(model: torch.nn.Module, reloaded: set[str], *, derived=None, tensors_of=None,
@@ -65,8 +68,6 @@ def apply_repairs(model: torch.nn.Module, reloaded: set[str], *, derived=None, t
         notes.append(f"{name} shares its weight with a reloaded module but could not be rebuilt ({why}); "
                      "--verify checks it")
     if derived is not None and tensors_of is not None:
-        from layerwise_cli.worker.repairs.derived_state import refresh_alias_buffers
-
         aliases = refresh_alias_buffers(model, derived, tensors_of)
         if aliases:
             notes.append(f"refreshed {len(aliases)} buffer(s) derived at load from a reloaded weight, which "
@@ -170,8 +171,6 @@ def rebuild_kernels(model: torch.nn.Module, modules: dict[str, str]) -> tuple[di
         module = model.get_submodule(name)
         if getattr(module, "cpu_linear", None) is None:
             continue
-        from layerwise_cli import vllm_compat
-
         method = getattr(module, "quant_method", None)
         if not isinstance(method, vllm_compat.unquantized_embedding_method_class()):
             left[name] = f"quant method {type(method).__name__}"
@@ -214,8 +213,6 @@ def repack_cpu_moe_experts(model: torch.nn.Module, reloaded: set[str]) -> list[s
         experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
         if experts is None:
             continue
-        from layerwise_cli import vllm_compat
-
         # Subclasses too: on AMX CPUs the kernel is `X86CPUUnquantizedExperts` (isa "amx").
         if not isinstance(experts, vllm_compat.cpu_unquantized_experts_class()) or getattr(experts, "_use_zentorch",
                                                                                           False):

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from layerwise_cli import vllm_compat
+from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.worker.repairs.scratch import load_alone, scratch_copy
 from layerwise_cli.worker.state.worker_state import kept_on
 
 
@@ -86,8 +89,6 @@ def find_derived_state(model) -> DerivedState:
     Returns:
         The aliases found, and the buffers whose source could not be told.
     """
-    from layerwise_cli import vllm_compat
-
     LAYERWISE_INFO = vllm_compat.layerwise_info()
     SKIP_TENSORS = vllm_compat.load(vllm_compat.SKIP_TENSORS)
 
@@ -148,11 +149,7 @@ def expected_alias_value(model, alias: AliasBuffer, tensors: list):
     Returns:
         A tensor shaped like the buffer.
     """
-    import torch
-
-    from layerwise_cli import vllm_compat
-    from layerwise_cli.errors import LayerwiseError
-    from layerwise_cli.worker.repairs.scratch import load_alone, scratch_copy
+    import torch  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
 
     source = model.get_submodule(alias.source)
     info = vllm_compat.layerwise_info().get(source)
@@ -188,7 +185,7 @@ def refresh_alias_buffers(model, state: DerivedState, tensors_of) -> list[dict]:
     Returns:
         One `{"module", "tensor", "reason"}` per buffer refreshed.
     """
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
 
     refreshed = []
     for alias in state.stale_after_reload():

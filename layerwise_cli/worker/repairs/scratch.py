@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+from types import MethodType
+
+from layerwise_cli import vllm_compat
+
 
 def scratch_copy(module, info, exclude: frozenset[str] = frozenset()):
     """A private copy of `module` in checkpoint format, sharing no tensor a loader could write into.
@@ -12,9 +17,7 @@ def scratch_copy(module, info, exclude: frozenset[str] = frozenset()):
         exclude: tensors of the module the copy leaves out (buffers derived
             from another layer's weights: `derived_state`; they are not loaded).
     """
-    import copy
-
-    import torch
+    import torch  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
 
     scratch = copy.copy(module)
     scratch._parameters = {}
@@ -50,11 +53,7 @@ def _fresh_tensor(template, scratch, module, *, zeros: bool):
     rebound to the copy, and layerwise's buffering wrappers are removed, so
     that loading the copy never touches the engine's layer or its buffers.
     """
-    from types import MethodType
-
-    import torch
-
-    from layerwise_cli import vllm_compat
+    import torch  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
 
     layer_ref_sentinel = vllm_compat.layer_ref_sentinel()
 
@@ -84,8 +83,6 @@ def load_alone(model, name: str, scratch, tensors: list) -> int:
     Returns:
         The number of elements the loaders copied into the layer.
     """
-    from layerwise_cli import vllm_compat
-
     CopyCounter = vllm_compat.copy_counter_class()
 
     module = model.get_submodule(name)
@@ -102,16 +99,12 @@ def load_alone(model, name: str, scratch, tensors: list) -> int:
 
 def process_copy(scratch) -> None:
     """What vLLM does to a layer once all its weights are loaded (repacking, online quantization)."""
-    from layerwise_cli import vllm_compat
-
     quant_method = getattr(scratch, "quant_method", None)
     if isinstance(quant_method, vllm_compat.quantize_method_base_class()):
         if getattr(quant_method, "moe_kernel", None) is not None:
             # Process the copy as a fresh engine does, not as a weight update:
             # vLLM's MoE methods skip the kernel's own processing (CPU prepack)
             # once a kernel exists, which is what a reload gets wrong on CPU.
-            import copy
-
             quant_method = copy.copy(quant_method)
             quant_method.moe_kernel = None
             scratch.quant_method = quant_method

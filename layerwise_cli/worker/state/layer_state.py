@@ -25,8 +25,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import xxhash
+
+from layerwise_cli.worker.stream.cpu_placement import move_to
 
 # Attributes holding kernel state built from a layer's weights that no tensor shows (vLLM's CPU GEMM dispatch).
 KERNEL_ATTRIBUTES = ("cpu_linear",)
@@ -138,8 +142,6 @@ def device_checksum(tensor: torch.Tensor) -> int:
 
 def host_checksum(tensor: torch.Tensor) -> int:
     """xxh3-64 of a CPU tensor's raw bytes, read in place."""
-    import xxhash
-
     data = tensor.detach().reshape(-1)
     if not data.is_contiguous():
         data = data.contiguous()
@@ -262,10 +264,6 @@ def layer_fingerprints_parallel(modules: dict[str, torch.nn.Module], layers: dic
     sizes = {layer: stored_bytes(modules, names, known) for layer, names in layers.items()}
     if not spare or len(layers) < 2 or sum(sizes.values()) < min_bytes:
         return layer_fingerprints(modules, layers, known)
-    from concurrent.futures import ThreadPoolExecutor
-
-    from layerwise_cli.worker.stream.cpu_placement import move_to
-
     mine: dict[str, list[str]] = {}
     other: dict[str, list[str]] = {}
     weights = [0, 0]

@@ -9,6 +9,8 @@ from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from layerwise_cli.checkpoint.delta.format import file_mapping
+from layerwise_cli.checkpoint.delta.source import rebuilt_bytes
 from layerwise_cli.checkpoint.format.header import TensorEntry
 from layerwise_cli.checkpoint.format.samples import buffer_sample, sample_bytes, sample_digest, sample_spans
 from layerwise_cli.checkpoint.sources import Checkpoint
@@ -156,9 +158,6 @@ def _patched(checkpoint: Checkpoint, name: str) -> bool:
 
 def _rebuilt_sample(checkpoint: Checkpoint, entry: TensorEntry, at: int) -> str:
     """The sample digest of ENTRY as the delta rebuilds it from the bytes at AT of its shard (proved on the way)."""
-    from layerwise_cli.checkpoint.delta.format import file_mapping
-    from layerwise_cli.checkpoint.delta.source import rebuilt_bytes
-
     path = checkpoint.shard_path(entry.shard)
     raw = file_mapping(path)[at:at + entry.nbytes]
     return buffer_sample(entry.dtype, entry.shape, rebuilt_bytes(checkpoint.delta, entry, raw, str(path)))

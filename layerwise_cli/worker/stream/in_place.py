@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from layerwise_cli import vllm_compat
+
 # The diagnostic switch (`LAYERWISE_FRESH_BUFFERS=1`) lives where the client reads it too.
 from layerwise_cli.engine_defaults import fresh_buffers_forced
 
@@ -59,8 +61,6 @@ def in_place_materialization(model: torch.nn.Module, enabled: bool = True) -> It
     if not enabled or fresh_buffers_forced():
         yield done
         return
-    from layerwise_cli import vllm_compat
-
     reload_module = vllm_compat.reload_layerwise_module()
     original = reload_module.materialize_layer
     names = {id(module): name for name, module in model.named_modules()}
@@ -92,8 +92,6 @@ def kernel_views(layer: torch.nn.Module, info) -> dict[str, torch.Tensor] | None
     has an engine tensor of the same class, shape, strides, dtype and device
     that shares storage with no other tensor of the layer.
     """
-    from layerwise_cli import vllm_compat
-
     if info.kernel_tensors is None or info.load_numel_total is None or info.load_numel < info.load_numel_total:
         return None
     if vllm_compat.is_deferred_attention_layer(layer):

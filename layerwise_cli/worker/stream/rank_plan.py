@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from layerwise_cli import vllm_compat
 from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.planning.parents import LayerMapping, mapping_for_config
 from layerwise_cli.planning.plan import Plan, PlannedTensor, build_plan
@@ -48,8 +49,6 @@ class RankPosition:
 def rank_position(worker=None) -> RankPosition:
     """This worker's position, read from vLLM's process groups (all zeros outside a vLLM worker)."""
     try:
-        from layerwise_cli import vllm_compat
-
         ps = vllm_compat.parallel_state()
     except Exception:  # noqa: BLE001 - no vLLM: a single process
         return RankPosition()

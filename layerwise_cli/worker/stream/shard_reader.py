@@ -6,8 +6,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import safe_open
 
 from layerwise_cli.checkpoint.delta.buffers import RebuildBuffers
+from layerwise_cli.checkpoint.delta.source import rebuilt_tensor
 from layerwise_cli.checkpoint.sources import shard_file
 from layerwise_cli.planning.plan import PlannedTensor
 
@@ -48,8 +50,6 @@ class ShardReader:
         return self._remote.where(shard) if self._remote is not None else str(self._folder / shard)
 
     def read(self, item: PlannedTensor) -> torch.Tensor:
-        from safetensors import safe_open
-
         if self._remote is not None:
             return self._remote.read(item.entry)
         shard = item.entry.shard
@@ -60,8 +60,6 @@ class ShardReader:
         tensor = handle.get_tensor(item.entry.name)
         if self._delta is None:
             return tensor
-        from layerwise_cli.checkpoint.delta.source import rebuilt_tensor
-
         return rebuilt_tensor(self._delta, item.entry, tensor, str(self._folder / shard), self._buffers)
 
     def delta_nbytes(self, item: PlannedTensor) -> int:
