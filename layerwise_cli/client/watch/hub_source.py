@@ -31,11 +31,12 @@ class HubStepSource:
     remote = True
     heading_words = ("commit", "target")
 
-    def __init__(self, repo_id: str, options: WatchOptions, *, interval: float,
-                 clock: Callable[[], float] = time.monotonic, backoff_max_s: float = 10.0) -> None:
+    def __init__(self, repo_id: str, options: WatchOptions, *, clock: Callable[[], float] = time.monotonic,
+                 backoff_max_s: float = 10.0) -> None:
         self.ref = HubRef(repo_id, options.revision)
         self.where = self.ref.where
-        self.steps = HubSteps(self.ref, interval=interval, clock=clock, backoff_max_s=backoff_max_s)
+        self.interval = options.poll_interval(self.remote)
+        self.steps = HubSteps(self.ref, interval=self.interval, clock=clock, backoff_max_s=backoff_max_s)
 
     def open(self) -> None:
         """Nothing to read first: the first poll says whether the repo and ref exist."""

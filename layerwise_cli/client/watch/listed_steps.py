@@ -43,6 +43,7 @@ class ListedSteps:
         self.url = str(root) if is_store_url(str(root)) or self.hub_run else None
         self.path = Path(root)
         self.remote = self.url is not None
+        self.interval = options.poll_interval(self.remote)
         # How messages and the live view name the root (a URL without credentials).
         self.where = display_url(self.url) if self.url is not None and not self.hub_run else str(root)
         self.patterns = tuple(options.patterns)

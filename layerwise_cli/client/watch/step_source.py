@@ -47,12 +47,14 @@ class StepSource(Protocol):
     Attributes:
         where: how messages and the live view name the root (a URL without credentials, `org/name@ref`).
         remote: polled over a network (a URL prefix, the Hub): the slower default poll interval.
+        interval: seconds between two polls (`WatchOptions.poll_interval` for this kind of root).
         heading_words: what the live view's heading calls the newest step and the target (`step`, `complete`;
             a Hub ref's `commit`, `target`).
     """
 
     where: str
     remote: bool
+    interval: float
     heading_words: tuple[str, str]
 
     def open(self) -> None:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 from layerwise_cli.checkpoint.sources import looks_like_repo_id
 from layerwise_cli.checkpoint.steps.hub_run import is_hub_run
-from layerwise_cli.checkpoint.store.objects import is_store_url
 from layerwise_cli.client.servers.api import HOLDS_PREVIOUS
 from layerwise_cli.client.servers.fleet import all_or_nothing
 from layerwise_cli.client.watch import events as ev
@@ -46,11 +45,10 @@ def open_step_source(root: str | Path, options: WatchOptions, *, clock: Callable
     """
     hub = looks_like_repo_id(str(root))
     refuse_folder_options(str(root) if hub else None, options, hub_run=is_hub_run(str(root)))
-    interval = options.poll_interval(hub or is_store_url(str(root)) or is_hub_run(str(root)))
-    if interval <= 0 or options.settle < 0:
+    if (options.interval is not None and options.interval <= 0) or options.settle < 0:
         raise UsageError("--interval must be positive and --settle not negative")
     if hub:
-        return HubStepSource(str(root), options, interval=interval, clock=clock, backoff_max_s=_BACKOFF_MAX_S)
+        return HubStepSource(str(root), options, clock=clock, backoff_max_s=_BACKOFF_MAX_S)
     return ListedSteps(root, options, clock)
 
 
@@ -73,7 +71,7 @@ class Watcher:
             raise UsageError(f"--keep must be at least 1, not {self.options.keep}")
         self.source = open_step_source(root, self.options, clock=clock)
         self.where = self.source.where
-        self.interval = self.options.poll_interval(self.source.remote)
+        self.interval = self.source.interval
         self._servers = {t.name: ServerState(t) for t in targets}
         self._clock = clock
         self._wall = wall
