@@ -26,8 +26,11 @@ from layerwise_cli.checkpoint.steps.local import (
 from layerwise_cli.cli.watch import _status
 from layerwise_cli.client.watch import watcher as watcher_module
 from layerwise_cli.client.watch.entry import Watcher, WatchOptions
+from layerwise_cli.client.watch.hub_source import HubStepSource
 from layerwise_cli.client.watch.listed_steps import ListedSteps
+from layerwise_cli.client.watch.options import HUB_INTERVAL_S, LOCAL_INTERVAL_S
 from layerwise_cli.client.watch.targets import Outcome, TargetDown
+from layerwise_cli.client.watch.watcher import open_step_source
 from layerwise_cli.errors import UsageError
 
 
@@ -363,3 +366,14 @@ def test_a_listed_root_polls_as_a_step_source(tmp_path):
     assert gone.target_gone and gone.target is None
     assert gone.events == [("step_deleted", {"step": "step_3", "by": "other"})]
     assert source.once_failure({}, tries=3, settling=False).startswith(f"{tmp_path}: no complete step")
+
+
+def test_the_poll_interval_is_the_sources_own_and_a_bad_one_is_refused(tmp_path):
+    assert open_step_source(tmp_path, WatchOptions()).interval == LOCAL_INTERVAL_S
+    remote = [open_step_source(root, WatchOptions()) for root in ("s3://bucket/run/", "hf://org/run", "org/name")]
+    assert [s.interval for s in remote] == [HUB_INTERVAL_S] * 3 and isinstance(remote[-1], HubStepSource)
+    assert remote[-1].steps.interval == HUB_INTERVAL_S
+    assert open_step_source(tmp_path, WatchOptions(interval=0.25)).interval == 0.25
+    for bad in (WatchOptions(interval=0), WatchOptions(settle=-1)):
+        with pytest.raises(UsageError, match="--interval must be positive"):
+            open_step_source(tmp_path, bad)
