@@ -476,6 +476,34 @@ def test_a_step_that_rewrites_an_earlier_steps_nan_loads_through_its_chain(tmp_p
         open_step(str(tmp_path / "step_1")).delta.refuse_nonfinite()
 
 
+@pytest.mark.parametrize("repaired", [True, False])
+def test_a_v2_chain_through_a_nan_step_with_sparse_patches_is_checked_by_what_it_rebuilds(tmp_path, repaired):
+    """The RL loop's NaN step written as v2 against the step before: the NaN tensor changed whole (every value,
+    as AdamW changes a norm), the others sparse (differences, no stored values). The next step, written
+    against it, rewrites the norm: the chain loads; when it leaves the NaN, it is refused, naming the NaN step."""
+    gen = torch.Generator().manual_seed(5)
+    step = {"model.layers.0.mlp.weight": torch.randn(64, 64, generator=gen).to(torch.bfloat16),
+            "model.norm.weight": torch.ones(64, dtype=torch.bfloat16)}
+    save_checkpoint(step.items(), tmp_path / "step_0")
+    nan = {"model.layers.0.mlp.weight": changed_copy(step["model.layers.0.mlp.weight"], 0.02, seed=3),
+           "model.norm.weight": torch.full((64,), 1.25, dtype=torch.bfloat16)}
+    nan["model.norm.weight"][3] = float("nan")
+    save_checkpoint(nan.items(), tmp_path / "step_1", base=tmp_path / "step_0", allow_nonfinite=True)
+    after = {"model.layers.0.mlp.weight": changed_copy(nan["model.layers.0.mlp.weight"], 0.02, seed=4),
+             "model.norm.weight": torch.full((64,), 1.5, dtype=torch.bfloat16)}
+    if not repaired:
+        after["model.norm.weight"][3] = float("nan")
+    save_checkpoint(after.items(), tmp_path / "step_2", base=tmp_path / "step_1", allow_nonfinite=not repaired)
+    chain = open_step(str(tmp_path / "step_2")).delta
+    kinds = [{name: patch.kind for name, patch in link.patches.items()} for link in chain.links]
+    assert kinds[0] == {"model.layers.0.mlp.weight": "sparse", "model.norm.weight": "whole"}, kinds
+    if repaired:
+        chain.refuse_nonfinite()
+    else:
+        with pytest.raises(LayerwiseError, match=r"model.norm.weight.*1 NaN"):
+            chain.refuse_nonfinite()
+
+
 def test_a_nan_an_earlier_link_leaves_in_the_step_is_refused(tmp_path):
     step_2 = _nan_chain(tmp_path, repaired=False)
     # The NaN stays where step_1 put it: step_2's patch does not hold it, and the rebuilt step would.

@@ -87,17 +87,19 @@ class Run:
             self.store.watch_root, *(a for u in urls for a in ("--url", u)), "--marker", "STABLE", "--settle", "0",
             "--interval", str(self.options.interval), "--log", str(self.out / "watch.jsonl"), env=self.store.env)
         model = self.fleet.servers[0].model
-        with Traffic(urls, model, self.prompts, threads=self.options.threads) as traffic:
-            self.traffic = traffic
-            # The run begins once every server holds step 0 (by its name: another run's newer step, on shared
-            # servers, may bear a later number); earlier answers are that run's.
-            self.wait_served(exact=True)
-            self.began = time.time()
-            for step in range(1, self.options.steps + 1):
-                self.one_step(step)
-            time.sleep(self.options.gap_s)
-            self.take_events()
-        self.watch.finish(signal.SIGTERM)
+        try:
+            with Traffic(urls, model, self.prompts, threads=self.options.threads) as traffic:
+                self.traffic = traffic
+                # The run begins once every server holds step 0 (by its name: another run's newer step, on
+                # shared servers, may bear a later number); earlier answers are that run's.
+                self.wait_served(exact=True)
+                self.began = time.time()
+                for step in range(1, self.options.steps + 1):
+                    self.one_step(step)
+                time.sleep(self.options.gap_s)
+                self.take_events()
+        finally:
+            self.watch.finish(signal.SIGTERM)  # also when the run failed: a watch left behind polls on
         if self.samples:
             self.checks += prove(self.samples, self.prompts)
         return self.record()
