@@ -19,7 +19,7 @@ from layerwise_cli.planning.inspect import inspect_order
 from tests.support.deltas import rl_step, save_step
 from tests.support.engine_support import load_tensors
 from tests.support.seaweed import BUCKET, running_seaweed
-from tests.support.server_support import RunningServer, run_cli
+from tests.support.server_support import RunningServer, own_core, run_cli, running_together
 
 pytestmark = pytest.mark.server
 
@@ -72,10 +72,10 @@ def hosts(tmp_path_factory) -> list:
 
 @pytest.fixture(scope="module")
 def servers(demo_models, s3, hosts):
-    with RunningServer(demo_models["multiply"], env=s3.env(LAYERWISE_CACHE=str(hosts[0])), extra=EXTRA,
-                       start_timeout=600) as x, \
-            RunningServer(demo_models["multiply"], env=s3.env(LAYERWISE_CACHE=str(hosts[1])), extra=EXTRA,
-                          start_timeout=600) as y:
+    # Started at once, each on a core of its own (their start-ups overlap).
+    with running_together([RunningServer(demo_models["multiply"], extra=EXTRA, start_timeout=600,
+                                         env=s3.env(LAYERWISE_CACHE=str(host), **own_core(i)))
+                           for i, host in enumerate(hosts)]) as (x, y):
         yield x, y
 
 
