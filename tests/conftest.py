@@ -20,38 +20,23 @@ from tests.support.synthetic import SyntheticModel, write_checkpoint
 settings.register_profile("layerwise", deadline=None)
 settings.load_profile("layerwise")
 
-# Seconds each of the slowest test files took in two xdist workers on a 2-core AVX-512 AMD EPYC (2026-12-02, 20 min in
-# all). Under xdist the files start heaviest first (and the rest in collection order), so that no long file is
-# left to run alone at the end. Order only: no test depends on it.
+# Seconds each test file of 40 s or more took in a whole run in two xdist workers on this 2-core AMD EPYC
+# (2026-12-07, 46 min in all, other work beside it; `LAYERWISE_TEST_STARTS`, `scripts/engine_starts.py`). Under
+# xdist the files start heaviest first (and the rest in collection order), so that no long file is left to run
+# alone at the end. Order only: no test depends on it.
 HEAVY_FILES = {
-    "test_serve_server.py": 251, "test_equivalence_engine.py": 242,
-    "test_start_failure_server.py": 134, "test_repairs_server.py": 133,
-    "test_planner_engine.py": 124, "test_pipeline_parallel_engine.py": 106,
-    "test_padded_engine.py": 97, "test_online_quant_engine.py": 74, "test_bench_quick.py": 70, "test_reload_cli.py": 70,
-    "test_demo_models_logic.py": 61, "test_traffic_server.py": 56, "test_demo_cli.py": 49,
-    "test_in_process_engine.py": 49, "test_arch_table.py": 46, "test_tensor_parallel_engine.py": 45,
-    "test_moe_engine.py": 39,
-    # Measured alone on 2026-12-04 (two servers started twice): 260 s.
-    "test_hub_fleet_server.py": 260,
-    # Measured alone on 2026-12-05, beside other work (a two-node engine and a fresh TP=2 engine, then a lone node 0):
-    # 255 s.
-    "test_nodes_server.py": 255,
-    # Measured alone on 2026-12-05: a two-node PP=2 engine beside a fresh PP=2 engine, then node 1 killed: 125 s.
-    "test_nodes_pp_server.py": 125,
-    # Measured alone on 2026-12-05: an engine and two fresh ones (S3 and HTTPS); one server.
-    "test_store_server.py": 40,
-    # Measured alone on 2026-12-06 beside heavy other work: 261 s while its two fresh engines started beside the
-    # running one (with processes of their own, 154 s of it), 111 s with them started first, in process.
-    "test_store_engine.py": 111,
-    # Estimates (2026-12-06), not measured in a whole run: the 2026-12-02 figure less about 30 s for each engine
-    # that used to start with processes of its own and now starts in the test's process (`start_here`): the
-    # watch file's Python-API engine, the data-parallel file's fresh engine; the reorder file's two engines
-    # (its engine fixture measured alone: 53 s with processes of their own, 36 s in process).
-    "test_watch_server.py": 155, "test_data_parallel_server.py": 115, "test_reorder_engine.py": 90,
-    # Measured alone on 2026-12-06 on the shared machine (load 5 to 15): the RL loop's two 6-step runs with one
-    # pair of servers (428 s), two servers following a delta chain by URL (470 s), vLLM's RL routes against one
-    # server (70 to 172 s). Left unlisted, they started last in a whole run and ran on alone.
-    "test_rl_loop_server.py": 428, "test_store_delta_server.py": 470, "test_weight_transfer_server.py": 170,
+    "test_store_delta_server.py": 516, "test_equivalence_engine.py": 508, "test_rl_loop_server.py": 470,
+    "test_pause_lease_server.py": 279, "test_serve_server.py": 248, "test_nodes_server.py": 212,
+    "test_repairs_server.py": 197, "test_start_failure_server.py": 183, "test_watch_server.py": 179,
+    "test_hub_fleet_server.py": 144, "test_data_parallel_server.py": 136, "test_pipeline_parallel_engine.py": 136,
+    "test_moe_engine.py": 127, "test_delta_tp_engine.py": 127, "test_fleet_server.py": 124,
+    "test_nodes_pp_server.py": 102, "test_reload_cli.py": 89, "test_planner_engine.py": 86,
+    "test_untrusted_cli.py": 86, "test_store_engine.py": 81, "test_delta_server.py": 80,
+    "test_weight_transfer_server.py": 70, "test_watch_store_server.py": 57, "test_demo_models_logic.py": 53,
+    "test_arch_table.py": 53, "test_padded_engine.py": 52, "test_in_process_engine.py": 50,
+    "test_delta_matrix_engine.py": 49, "test_reorder_engine.py": 47, "test_store_server.py": 46,
+    "test_traffic_server.py": 45, "test_hub_cli.py": 44, "test_bench_quick.py": 42,
+    "test_online_quant_engine.py": 40,
 }
 
 
