@@ -79,16 +79,45 @@ def killed_midway(write, tensors, start: str = "fork") -> None:
     child.join(timeout=60)
 
 
+class RunFolder:
+    """The trainer's own copy of its run: step N in `ROOT/step_N`, each a delta against the step saved before it
+    (the first in full), as a trainer calls `save_checkpoint(..., base=previous)`. Every store keeps one."""
+
+    def __init__(self, root: Path, config: dict, marker: str | None) -> None:
+        self.root = root
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.config = config
+        self.marker = marker
+        self.previous: Path | None = None
+
+    def write(self, step: int, tensors: dict[str, torch.Tensor], *, nan: bool = False):
+        """Write STEP against the last saved step (over a copy a killed upload left); the next base is unchanged."""
+        return save_checkpoint(tensors.items(), self.root / f"step_{step}", config=self.config, marker=self.marker,
+                               base=self.previous, allow_nonfinite=nan, overwrite=True)
+
+    def save(self, step: int, tensors: dict[str, torch.Tensor], *, nan: bool = False):
+        """Write STEP, and make it the next step's base."""
+        saved = self.write(step, tensors, nan=nan)
+        self.previous = saved.directory
+        return saved
+
+
+def published(step: int, name: str, started: float, sent: int, tensors: dict[str, torch.Tensor], saved,
+              nan: bool) -> Published:
+    """What the trainer's save of STEP (SAVED, started at monotonic STARTED, SENT bytes) published as NAME."""
+    return Published(step, name, time.time(), time.monotonic() - started, sent, tensor_bytes(tensors),
+                     "delta" if saved.delta is not None else "full", nan)
+
+
 class LocalSteps:
     """Steps in a local run folder, each a delta against the step written before it (the first one full)."""
 
     kind = "local"
 
     def __init__(self, root: Path, config: dict) -> None:
-        self.run = root / RUN
-        self.run.mkdir(parents=True, exist_ok=True)
+        self.folder = RunFolder(root / RUN, config, MARKER)
+        self.run = self.folder.root
         self.config = config
-        self.previous: Path | None = None
         self.env: dict[str, str] = {}
         self.names = Names()
         self.step_of = self.names.step_of
@@ -99,13 +128,9 @@ class LocalSteps:
 
     def publish(self, step: int, tensors: dict[str, torch.Tensor], *, nan: bool = False) -> Published:
         started = time.monotonic()
-        saved = save_checkpoint(tensors.items(), self.run / f"step_{step}", config=self.config, marker=MARKER,
-                                base=self.previous, allow_nonfinite=nan)
-        took = time.monotonic() - started
-        self.previous = saved.directory
+        saved = self.folder.save(step, tensors, nan=nan)
         self.names.steps[saved.directory.name] = step
-        return Published(step, saved.directory.name, time.time(), took, saved.total_bytes, tensor_bytes(tensors),
-                         "delta" if saved.delta is not None else "full", nan)
+        return published(step, saved.directory.name, started, saved.total_bytes, tensors, saved, nan)
 
     def source_of(self, pub: Published) -> tuple[str, str | None]:
         """Where a reader finds step PUB, and at which revision (None: no revision)."""
@@ -113,7 +138,7 @@ class LocalSteps:
 
     def publish_killed(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
         """The trainer killed halfway through writing STEP: what it leaves behind is never a step."""
-        base = self.previous
+        base = self.folder.previous
 
         def write(tensors, ready):
             save_checkpoint(_stalled(tensors, ready), self.run / f"step_{step}", config=self.config, marker=MARKER,
@@ -153,10 +178,7 @@ class BucketSteps:
 
     def __init__(self, s3, scratch: Path, config: dict) -> None:
         self.s3 = s3
-        self.run = scratch / RUN
-        self.run.mkdir(parents=True, exist_ok=True)
-        self.config = config
-        self.previous: Path | None = None
+        self.folder = RunFolder(scratch / RUN, config, None)
         self.env = s3.env()
         self.names = Names()
         self.step_of = self.names.step_of
@@ -165,29 +187,19 @@ class BucketSteps:
     def watch_root(self) -> str:
         return f"s3://{BUCKET}/{RUN}/"
 
-    def _write(self, step: int, tensors: dict[str, torch.Tensor], nan: bool):
-        folder = self.run / f"step_{step}"
-        if folder.exists():
-            shutil.rmtree(folder)  # the copy a killed upload left: written again
-        return save_checkpoint(tensors.items(), folder, config=self.config, marker=None, base=self.previous,
-                               allow_nonfinite=nan)
-
     def publish(self, step: int, tensors: dict[str, torch.Tensor], *, nan: bool = False) -> Published:
         started = time.monotonic()
-        saved = self._write(step, tensors, nan)
+        saved = self.folder.save(step, tensors, nan=nan)
         sent = upload_step(self.s3.endpoint, f"{RUN}/step_{step}", saved.directory)
-        took = time.monotonic() - started
-        self.previous = saved.directory
         self.names.steps[f"step_{step}"] = step
-        return Published(step, f"step_{step}", time.time(), took, sent, tensor_bytes(tensors),
-                         "delta" if saved.delta is not None else "full", nan)
+        return published(step, f"step_{step}", started, sent, tensors, saved, nan)
 
     def source_of(self, pub: Published) -> tuple[str, str | None]:
         return self.watch_root + pub.name, None
 
     def publish_killed(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
         """The trainer killed mid-upload: STEP's weight files are in the bucket, the rest and the marker are not."""
-        folder = self._write(step, tensors, False).directory
+        folder = self.folder.write(step, tensors).directory
         killed_midway(_upload_then_stall, (self.s3.endpoint, f"{RUN}/step_{step}", folder), start="spawn")
 
     def outage(self, seconds: float) -> bool:
@@ -235,10 +247,7 @@ class HubSteps:
     def __init__(self, hub, scratch: Path, config: dict) -> None:
         self.hub = hub
         self.scratch = scratch
-        self.run = scratch / RUN
-        self.run.mkdir(parents=True, exist_ok=True)
-        self.config = config
-        self.previous: Path | None = None
+        self.folder = RunFolder(scratch / RUN, config, MARKER)
         self.commits: dict[str, str] = {}  # step folder -> the commit that first held it
         self.names = Names()
         self.step_of = self.names.step_of
@@ -253,30 +262,26 @@ class HubSteps:
         """The run as pushed now, frozen: a commit's files never change (hard links; a step is never rewritten
         in place, `save_checkpoint` renames a finished folder)."""
         frozen = self.scratch / "commits" / f"{len(self.commits)}-{time.monotonic_ns()}"
-        shutil.copytree(self.run, frozen, copy_function=os.link)
+        shutil.copytree(self.folder.root, frozen, copy_function=os.link)
         return frozen
 
     def publish(self, step: int, tensors: dict[str, torch.Tensor], *, nan: bool = False) -> Published:
         started = time.monotonic()
-        saved = save_checkpoint(tensors.items(), self.run / f"step_{step}", config=self.config, marker=MARKER,
-                                base=self.previous, allow_nonfinite=nan)
+        saved = self.folder.save(step, tensors, nan=nan)
         name = saved.directory.name
         self.commits[name] = self.hub.move_ref(HUB_REPO, "main", self._snapshot())
-        took = time.monotonic() - started
-        self.previous = saved.directory
         self.names.steps[name] = step
-        return Published(step, name, time.time(), took, saved.total_bytes, tensor_bytes(tensors),
-                         "delta" if saved.delta is not None else "full", nan)
+        return published(step, name, started, saved.total_bytes, tensors, saved, nan)
 
     def source_of(self, pub: Published) -> tuple[str, str | None]:
         return f"{self.watch_root}/{pub.name}", self.commits[pub.name]
 
     def publish_killed(self, step: int, tensors: dict[str, torch.Tensor]) -> None:
         """The trainer killed before its push: the half-written folder never becomes a commit."""
-        base, folder = self.previous, self.scratch / f"killed_{step}"
+        base, folder, config = self.folder.previous, self.scratch / f"killed_{step}", self.folder.config
 
         def write(tensors, ready):
-            save_checkpoint(_stalled(tensors, ready), folder, config=self.config, marker=MARKER, base=base)
+            save_checkpoint(_stalled(tensors, ready), folder, config=config, marker=MARKER, base=base)
 
         killed_midway(write, tensors)
 
