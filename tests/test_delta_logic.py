@@ -161,6 +161,27 @@ def test_a_base_whose_header_digest_lies_is_not_proved(tmp_path):
     assert saved.delta is None and "cannot be proved" in saved.fallback
 
 
+def test_a_delta_against_a_base_another_tool_wrote_out_of_layer_order_is_written(tmp_path):
+    # The base's shards are another writer's (safetensors, last layer first): their order is theirs to answer for,
+    # and a delta rebuilds that layout; only shards save_checkpoint writes itself are held to layer order.
+    from safetensors.torch import save_file  # noqa: PLC0415 - only this test writes shards by hand
+
+    base = small_state_dict(torch.bfloat16)
+    names = sorted(base, reverse=True)  # layers.1, layers.0, embed: later layers first
+    (tmp_path / "base").mkdir()
+    weight_map = {}
+    for i, part in enumerate((names[:2], names[2:])):
+        shard = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({name: base[name] for name in part}, str(tmp_path / "base" / shard))
+        weight_map.update(dict.fromkeys(part, shard))
+    (tmp_path / "base" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    new = {name: changed_copy(t, 0.01 if t.numel() > 100 else 0.2, 3) for name, t in base.items()}
+    saved = save_checkpoint(new.items(), tmp_path / "step_1", base=tmp_path / "base")
+    assert saved.delta is not None, saved.fallback
+    got = rebuilt(tmp_path / "step_1", tmp_path / "base")
+    assert all(np.array_equal(got[name], raw(t)) for name, t in new.items())
+
+
 def test_a_delta_against_a_delta_rebuilds_through_the_chain(steps, tmp_path):
     base_dir, delta_dir, new = steps
     third = {name: changed_copy(t, 0.02, 11) for name, t in new.items()}

@@ -179,8 +179,10 @@ def save_checkpoint(
                 })
             if config_dict is not None:
                 _write_json(out / "config.json", config_dict)
-            # A delta rebuilds the base's layout: its figures are the base's plan's.
-            written = _check_written(Path(delta.base) if delta is not None else out, layer_mapping, where)
+            # A delta rebuilds the base's layout: its figures are the base's plan's, and its order the base's
+            # writer's, whatever wrote it (only shards written here are held to layer order).
+            written = (_check_written(out, layer_mapping, where) if delta is None
+                       else _written_order(Path(delta.base), layer_mapping))
             replaced = put_in_place(out, dst, tmp, replace=overwrite, refusal=FILLED_UP)
         marker_path = _write_marker(dst, marker) if marker else None
     except OSError as exc:
@@ -310,10 +312,15 @@ def _write_json(path: Path, doc: dict) -> None:
         os.close(fd)
 
 
-def _check_written(out: Path, layer_mapping, where: str):
-    """Re-read the written headers and re-plan them: vLLM's read order must buffer no more than layer order."""
-    plan = build_plan(open_step(str(out)), layer_mapping)  # a delta base: the step it rebuilds
-    report = OrderReport(plan, plan.simulate("file"), plan.simulate("layer"))
+def _written_order(folder: Path, layer_mapping) -> OrderReport:
+    """The order report of the checkpoint in FOLDER (a delta's base: the step it rebuilds)."""
+    plan = build_plan(open_step(str(folder)), layer_mapping)
+    return OrderReport(plan, plan.simulate("file"), plan.simulate("layer"))
+
+
+def _check_written(out: Path, layer_mapping, where: str) -> OrderReport:
+    """Re-read the shards written to OUT and re-plan them: vLLM's read order must buffer no more than layer order."""
+    report = _written_order(out, layer_mapping)
     file_peak = report.file_order_buffering.peak_buffer_bytes
     layer_peak = report.layer_order_buffering.peak_buffer_bytes
     if file_peak > layer_peak:
