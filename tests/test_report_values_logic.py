@@ -28,7 +28,7 @@ FLAT_KEYS = {
     "sample_s", "check_s", "handover_s", "vllm_s", "hashed_after_handover", "unhashed_layers", "hash_wait_s",
     "reader_cpus", "spot_checked_layers", "spot_check_bytes", "spot_check_s", "stale_header_digests", "refreshed",
     "in_place_layers", "in_place_bytes", "patched_layers", "patched_bytes", "rebuilt_layers", "rebuilt_reason",
-    "patch_s",
+    "patch_s", "plan_s",
     "gb_per_s", "peak_over_largest_layer", "matches_prediction",
 }
 

@@ -199,6 +199,9 @@ class Timings:
             hashing the layers handed over before any hash (`UnchangedLayers.hashed_after_handover`).
         patch_s: seconds a sparse delta took to patch its layers in place and prove them against the step's
             digests (`Volume.patched_layers`), before the first tensor is handed to vLLM (inside `wall_s`).
+        plan_s: seconds of the plan phase before it (outside `wall_s`, the engine not yet touched): SOURCE
+            opened, planned for the rank, pre-flighted, what to skip decided, a delta checked, the ranks' vote.
+            Inside a server's pause unless the pre-flight before it prepared it (`worker/state/prepared.py`).
     """
 
     wall_s: float
@@ -213,6 +216,7 @@ class Timings:
     spot_check_s: float = 0.0
     hash_wait_s: float = 0.0
     patch_s: float = 0.0
+    plan_s: float = 0.0
 
     @classmethod
     def merged(cls, parts: Sequence[Timings]) -> Timings:

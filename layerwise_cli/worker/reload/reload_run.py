@@ -124,7 +124,8 @@ class ReloadRun:
     # `after_vllm.py`: the repairs' notes and what they refreshed (`after_reload`).
     repair_notes: list[str] = field(default_factory=list)
     refreshed: list[dict] = field(default_factory=list)
-    # `stream_reload`: the clock and the disk counter around the engine's change.
+    # `stream_reload`: the plan phase's seconds, the clock and the disk counter around the engine's change.
+    plan_s: float = 0.0
     start: float = 0.0
     end: float = 0.0
     disk_read_before: int | None = None

@@ -91,7 +91,8 @@ def build_report(run: ReloadRun) -> ReloadReport:
             fingerprint_s=skip.fingerprint_s + (early.seconds if early is not None else 0.0),
             spot_check_s=spot.seconds if spot is not None else 0.0,
             hash_wait_s=run.hash_wait_s,
-            patch_s=patch_s),
+            patch_s=patch_s,
+            plan_s=run.plan_s),
         unchanged=UnchangedLayers(
             all_layers=run.options.all_layers,
             digests=skip.digest_source(),

@@ -68,7 +68,9 @@ def stream_reload(worker, source: str, options: ReloadOptions | None = None, *,
         LayerwiseError: pre-flight failed (nothing changed), or the reload failed or could not be shown
             complete (the caller rolls back); `PeerFailed` when another rank's pre-flight failed.
     """
+    planning = time.perf_counter()
     run = plan_and_vote(worker, source, options or ReloadOptions(), records, agree)
+    run.plan_s = time.perf_counter() - planning
     try:
         if on_engine_touched is not None:
             on_engine_touched()
