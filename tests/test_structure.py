@@ -1,9 +1,10 @@
 """The project's shape: small modules and functions, one name per idea, test files named for what they drive.
 
 Modules: none over 400 lines in the package, its scripts and its benchmarks.
-Functions of the package: no body over 80 lines, counted from the first
-statement after the docstring to the body's last line (a docstring or a
-comment is never shortened to fit). Names: no public top-level function or
+Functions of the package: none over 80 lines besides its docstring, counted
+from the `def` line (the signature included: a command's options are
+declared once, as `Annotated` aliases) to the last line, less the docstring's
+lines (a docstring is never shortened to fit; a comment counts). Names: no public top-level function or
 class defined in two modules of the package (vLLM's plugin entry points,
 `register`, and the CLI's `render` are alike on purpose), and no two modules
 outside `cli/` with one file name. Test files: docs/development.md's rule. The map in
@@ -22,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "layerwise_cli"
 MAX_LINES = 400
-MAX_BODY_LINES = 80
+MAX_FUNCTION_LINES = 80  # besides its docstring
 SHARED_NAMES = {"register", "render"}  # one per plugin entry point / per command, by design
 TEST_KINDS = ("_logic", "_cli", "_engine", "_server", "_venv")
 # Tests of the repository's own tools, named for the tool (docs/development.md).
@@ -36,13 +37,13 @@ def _package_modules() -> dict[str, ast.Module]:
             for path in sorted(PACKAGE.rglob("*.py"))}
 
 
-def _body_lines(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
-    """Lines from the first statement after the docstring to the end of the body (0 for a docstring alone)."""
-    body = function.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-            and isinstance(body[0].value.value, str):
-        body = body[1:]
-    return body[-1].end_lineno - body[0].lineno + 1 if body else 0
+def _lines_besides_docstring(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Lines from the `def` line (decorators aside) to the function's last, less its docstring's lines."""
+    lines = function.end_lineno - function.lineno + 1
+    first = function.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        lines -= first.end_lineno - first.lineno + 1
+    return lines
 
 
 def test_no_module_of_the_package_scripts_or_benchmarks_is_over_400_lines() -> None:
@@ -52,19 +53,21 @@ def test_no_module_of_the_package_scripts_or_benchmarks_is_over_400_lines() -> N
     assert {name: n for name, n in sizes.items() if n > MAX_LINES} == {}
 
 
-def test_no_function_body_of_the_package_is_over_80_lines() -> None:
+def test_no_function_of_the_package_is_over_80_lines_besides_its_docstring() -> None:
     found = {}
     for name, module in _package_modules().items():
         for node in ast.walk(module):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _body_lines(node) > MAX_BODY_LINES:
-                found[f"{name}:{node.lineno} {node.name}"] = _body_lines(node)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                    and _lines_besides_docstring(node) > MAX_FUNCTION_LINES:
+                found[f"{name}:{node.lineno} {node.name}"] = _lines_besides_docstring(node)
     assert found == {}
 
 
-def test_the_body_count_starts_after_the_docstring() -> None:
-    source = 'def f():\n    """Doc\n\n    more.\n    """\n    a = 1\n\n    return a\n\n\ndef g():\n    """Only."""\n'
-    f, g = ast.parse(source).body
-    assert (_body_lines(f), _body_lines(g)) == (3, 0)
+def test_the_count_takes_the_signature_and_leaves_out_the_docstring() -> None:
+    source = ('@decorated\ndef f(\n    a: int,\n) -> int:\n    """Doc\n\n    more.\n    """\n    # why\n    b = a\n\n'
+              '    return b\n\n\ndef g():\n    """Only."""\n\n\ndef h(a):\n    return a\n')
+    f, g, h = ast.parse(source).body
+    assert (_lines_besides_docstring(f), _lines_besides_docstring(g), _lines_besides_docstring(h)) == (7, 1, 2)
 
 
 def test_no_public_function_or_class_is_defined_in_two_modules() -> None:

@@ -110,6 +110,12 @@ BoundedDiskOpt = Annotated[
     bool, typer.Option("--bounded-disk", help="For a Hub repo or a URL: fetch only the tensors handed over, into "
                        "files deleted afterwards; nothing is cached.", rich_help_panel=SOURCE_PANEL)
 ]
+# The key of the servers a command reloads (`reload --url`, `watch`); `serve` takes its own, the key it requires.
+ServersApiKeyOpt = Annotated[
+    str | None,
+    typer.Option("--api-key", envvar="LAYERWISE_API_KEY", show_envvar=True, show_default=False, metavar="KEY",
+                 rich_help_panel=SERVERS_PANEL, help="The servers' API key, sent as a bearer token."),
+]
 
 
 @dataclass(frozen=True)

@@ -69,24 +69,12 @@ def inspect_order_command(
 
     Every kind of source: docs/sources.md; every option: docs/commands/inspect-order.md.
     """
-    limit = None
-    if max_buffer is not None:
-        try:
-            limit = parse_size(max_buffer)
-        except ValueError as exc:
-            raise typer.BadParameter(str(exc), param_hint="--max-buffer") from None
+    limit = _parse_limit(max_buffer)
     from layerwise_cli.planning.inspect import inspect_order  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
 
     report = inspect_order(source, revision, mapping, tensor_parallel_size)
     data = report.to_dict(top=top)
-    delta = report.plan.checkpoint.delta
-    if scan and delta is not None:
-        # A delta's own bytes: every position and every new value, as a reload's pre-flight reads them, and every
-        # v2 chunk decoded.
-        delta.validate()
-        delta.decode_chunks()
-        delta.refuse_nonfinite()
-    scanned = _scan(report.plan.checkpoint, quiet=as_json) if scan and delta is None else None
+    scanned = _scan_data(report, quiet=as_json) if scan else None
     if scanned is not None:
         data["scan"] = scanned.to_dict()
     if as_json:
@@ -101,6 +89,45 @@ def inspect_order_command(
         from layerwise_cli.planning.chart import write_order_chart  # noqa: PLC0415 - `--help` stays fast: loaded when the command runs
 
         stderr.print(f"chart             {escape(str(write_order_chart(report, plot)))}", soft_wrap=True)
+    _refuse_findings(report, scanned, limit, source)
+
+
+def _parse_limit(max_buffer: str | None) -> int | None:
+    """--max-buffer in bytes (None: not given); a size that does not parse is a usage error."""
+    if max_buffer is None:
+        return None
+    try:
+        return parse_size(max_buffer)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--max-buffer") from None
+
+
+def _scan_data(report, *, quiet: bool):
+    """--scan: read the checkpoint's tensor data; the scan's findings, or None for a delta.
+
+    A delta's own bytes are checked in place, and a failure raised at once;
+    a full checkpoint's findings are returned for the report and
+    `_refuse_findings`.
+    """
+    delta = report.plan.checkpoint.delta
+    if delta is not None:
+        # A delta's own bytes: every position and every new value, as a reload's pre-flight reads them, and every
+        # v2 chunk decoded.
+        delta.validate()
+        delta.decode_chunks()
+        delta.refuse_nonfinite()
+        return None
+    return _scan(report.plan.checkpoint, quiet=quiet)
+
+
+def _refuse_findings(report, scanned, limit: int | None, source: str) -> None:
+    """Exit 1, once the report is shown, on what the scan found or a file-order peak over --max-buffer.
+
+    Raises:
+        LayerwiseError: the first tensor whose bytes differ from their header
+            digest, else the first holding NaN or Inf (with how many more),
+            else the peak over LIMIT.
+    """
     if scanned is not None and scanned.digest_mismatches:
         first = scanned.digest_mismatches[0]
         more = (f" ({len(scanned.digest_mismatches)} tensors differ from their header digests)"
@@ -117,7 +144,6 @@ def inspect_order_command(
             f"{human_bytes(limit)}; run `layerwise reorder` on it",
             where=source,
         )
-
 
 def render(data: dict, top: int) -> None:
     """Print the summary and the per-layer table on stdout, from the JSON data alone (`OrderReport.to_dict`)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from layerwise_cli.checkpoint.format.digests import METADATA_KEY
@@ -18,13 +19,13 @@ from layerwise_cli.checkpoint.sources import Checkpoint, open_checkpoint
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.planning.inspect import OrderReport
 from layerwise_cli.planning.parents import mapping_for_config
-from layerwise_cli.planning.plan import build_plan
+from layerwise_cli.planning.plan import Plan, build_plan
 from layerwise_cli.reorder.commit import check_destination, check_written
-from layerwise_cli.reorder.output_shards import DEFAULT_MAX_SHARD_SIZE, split_shards
+from layerwise_cli.reorder.output_shards import DEFAULT_MAX_SHARD_SIZE, OutputShard, split_shards
 from layerwise_cli.reorder.result import ReorderProgress, ReorderResult
 from layerwise_cli.reorder.side_files import copy_other_files
 from layerwise_cli.reorder.signals import ReorderInterrupted, signals_raise
-from layerwise_cli.reorder.write import write_index, write_shards
+from layerwise_cli.reorder.write import CopyResult, write_index, write_shards
 from layerwise_cli.staging import put_in_place, staging
 
 
@@ -96,6 +97,38 @@ def reorder(
     shards = split_shards(plan, max_shard_size)
     metadata, conflicts = _merged_metadata(checkpoint)
 
+    written = _write_checked(checkpoint, plan, shards, metadata, dst, force=force, verify=verify, progress=progress,
+                             allow_nonfinite=allow_nonfinite, digests=digests)
+    return ReorderResult(
+        source=checkpoint.source, revision=checkpoint.revision, destination=dst, max_shard_size=max_shard_size,
+        before=before, after=written.after, shards=shards, bytes_written=written.copy.bytes_written,
+        files_copied=written.files_copied, files_skipped=written.files_skipped, verified=verify,
+        replaced=written.replaced, seconds=time.perf_counter() - started, metadata_conflicts=conflicts,
+        nonfinite=written.nonfinite, digests=digests, source_digests_checked=written.copy.source_digests_checked,
+    )
+
+
+@dataclass(frozen=True)
+class _Written:
+    """What the staged rewrite wrote, checked and put in place."""
+
+    copy: CopyResult
+    after: OrderReport  # the order vLLM reads the written checkpoint in
+    files_copied: list[str]
+    files_skipped: list[str]  # with why
+    nonfinite: list[NonFinite]  # found with `verify` and `allow_nonfinite`
+    replaced: bool  # an existing destination was replaced
+
+
+def _write_checked(checkpoint: Checkpoint, plan: Plan, shards: list[OutputShard], metadata: dict[str, str], dst: Path,
+                   *, force: bool, verify: bool, progress: Callable[[ReorderProgress], None] | None,
+                   allow_nonfinite: bool, digests: bool) -> _Written:
+    """Write SHARDS and the side files in a staging directory beside DST, check them, and rename them into place.
+
+    SIGINT/SIGTERM remove the staging directory and raise `ReorderInterrupted`; one that arrives while the
+    finished checkpoint is being swapped in waits for the swap, then raises it with `committed=True`. A failed
+    write is a `LayerwiseError` and puts nothing in place.
+    """
     with signals_raise() as guard:
         try:
             with staging(dst, hold=guard.hold) as tmp:
@@ -118,13 +151,8 @@ def reorder(
         if guard.pending is not None:
             # The signal came while the finished checkpoint was being swapped in: it is in place.
             raise ReorderInterrupted(guard.pending, committed=True)
-    return ReorderResult(
-        source=checkpoint.source, revision=checkpoint.revision, destination=dst, max_shard_size=max_shard_size,
-        before=before, after=after, shards=shards, bytes_written=copy.bytes_written, files_copied=copied,
-        files_skipped=skipped, verified=verify, replaced=replaced, seconds=time.perf_counter() - started,
-        metadata_conflicts=conflicts, nonfinite=nonfinite, digests=digests,
-        source_digests_checked=copy.source_digests_checked,
-    )
+    return _Written(copy=copy, after=after, files_copied=copied, files_skipped=skipped, nonfinite=nonfinite,
+                    replaced=replaced)
 
 
 def _merged_metadata(checkpoint: Checkpoint) -> tuple[dict[str, str], list[str]]:

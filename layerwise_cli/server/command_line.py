@@ -151,22 +151,56 @@ def server_command_line(model: str, *, host: str = "127.0.0.1", port: int = 8000
     if refusal:
         raise UsageError(refusal, where="layerwise serve")
     local_workers = node.local_workers(tensor_parallel_size * pipeline_parallel_size)
+    warnings = _exposure_warnings(host, allow_remote=allow_remote, api_key=api_key, headless=node.headless)
+    argv = _vllm_argv(model, host=host, port=port, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+                      pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
+                      distributed_executor_backend=distributed_executor_backend, max_model_len=max_model_len,
+                      quantization=quantization, enforce_eager=enforce_eager, memory_fraction=memory_fraction,
+                      extra=extra, on_gpu=on_gpu, node=node)
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    if api_key and not node.headless:
+        # In the environment, not on the command line, where `ps` shows it.
+        env["VLLM_API_KEY"] = api_key
+    cores = None
+    if not on_gpu:
+        cores = _bind_cores(env, warnings, local_workers, data_parallel_size, cpus)
+    return ServerCommandLine(argv=argv, env=env, warnings=tuple(warnings), cores=cores)
+
+
+def _exposure_warnings(host: str, *, allow_remote: bool, api_key: str | None, headless: bool) -> list[str]:
+    """What binding HOST exposes, as warnings to print; refuse a non-loopback host without `allow_remote`.
+
+    A headless node serves nothing, so it exposes nothing.
+    """
     warnings: list[str] = []
-    if not is_loopback(host) and not node.headless:
-        if not allow_remote:
-            raise UsageError(f"--host {host} would let other machines reach the reload endpoints ({DEV_ENDPOINTS}), "
-                             "which carry no authentication of their own: pass --allow-remote to bind it anyway, "
-                             "with --api-key")
-        if api_key:
-            warnings.append(f"binding {host}: other machines can reach this server; every endpoint but "
-                            f"{', '.join(OPEN_PATHS)} requires the API key (layerwise serve extends vLLM's key "
-                            "check, which covers only /v1, to the reload endpoints); the traffic is plain HTTP: "
-                            "put TLS in front of it")
-        else:
-            warnings.append(f"binding {host}: the reload endpoints ({DEV_ENDPOINTS}) carry no authentication of "
-                            "their own: anyone who can reach this port can replace the model's weights or run "
-                            "methods on its workers. Pass --api-key KEY (or set LAYERWISE_API_KEY) to require it "
-                            "on them")
+    if is_loopback(host) or headless:
+        return warnings
+    if not allow_remote:
+        raise UsageError(f"--host {host} would let other machines reach the reload endpoints ({DEV_ENDPOINTS}), "
+                         "which carry no authentication of their own: pass --allow-remote to bind it anyway, "
+                         "with --api-key")
+    if api_key:
+        warnings.append(f"binding {host}: other machines can reach this server; every endpoint but "
+                        f"{', '.join(OPEN_PATHS)} requires the API key (layerwise serve extends vLLM's key "
+                        "check, which covers only /v1, to the reload endpoints); the traffic is plain HTTP: "
+                        "put TLS in front of it")
+    else:
+        warnings.append(f"binding {host}: the reload endpoints ({DEV_ENDPOINTS}) carry no authentication of "
+                        "their own: anyone who can reach this port can replace the model's weights or run "
+                        "methods on its workers. Pass --api-key KEY (or set LAYERWISE_API_KEY) to require it "
+                        "on them")
+    return warnings
+
+
+def _vllm_argv(model: str, *, host: str, port: int, dtype: str, tensor_parallel_size: int,
+               pipeline_parallel_size: int, data_parallel_size: int, distributed_executor_backend: str | None,
+               max_model_len: int | None, quantization: str | None, enforce_eager: bool | None,
+               memory_fraction: float | None, extra: list[str], on_gpu: bool, node: NodePlacement) -> list[str]:
+    """The launcher's argv: layerwise serve's own settings as vLLM options, then EXTRA as it is.
+
+    Parallel sizes of 1 and unset options stay off the line; the eager and memory-fraction defaults are added
+    only where EXTRA does not set them itself.
+    """
     served = [] if node.headless else ["--host", host, "--port", str(port)]
     argv = [sys.executable, "-m", LAUNCHER_MODULE, "--model", model, *served,
             "--worker-extension-cls", EXTENSION_CLS, "--dtype", dtype,
@@ -187,15 +221,7 @@ def server_command_line(model: str, *, host: str = "127.0.0.1", port: int = 8000
     fraction = default_memory_fraction(memory_fraction, on_gpu)
     if fraction is not None and not any(a.startswith("--gpu-memory-utilization") for a in extra):
         argv += ["--gpu-memory-utilization", str(fraction)]
-    argv += extra
-    env = {"VLLM_SERVER_DEV_MODE": "1"}
-    if api_key and not node.headless:
-        # In the environment, not on the command line, where `ps` shows it.
-        env["VLLM_API_KEY"] = api_key
-    cores = None
-    if not on_gpu:
-        cores = _bind_cores(env, warnings, local_workers, data_parallel_size, cpus)
-    return ServerCommandLine(argv=argv, env=env, warnings=tuple(warnings), cores=cores)
+    return argv + extra
 
 
 def _bind_cores(env: dict[str, str], warnings: list[str], local_workers: int, data_parallel_size: int,

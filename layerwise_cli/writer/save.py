@@ -160,25 +160,10 @@ def save_checkpoint(
         with staging(dst) as tmp:
             out = tmp / "out"
             out.mkdir()
-            spill = SpillFile(tmp / _SPILL, where)
-            delta = fallback = None
-            try:
-                spilled = _spill_all(named_tensors, spill, where, allow_nonfinite)
-                if base is not None:
-                    delta, fallback = write_delta_from_spill(base, spilled, spill, out, whole_fraction)
-                if delta is None:
-                    shards = _write_shards(spilled, config_dict, layer_mapping, max_shard_size, spill, out)
-            finally:
-                spill.close()
-                os.unlink(spill.path)
-            if delta is None:
-                _write_json(out / INDEX_NAME, {
-                    "metadata": {"total_size": sum(s.nbytes for s in spilled)},
-                    "weight_map": {entry.name: shard.name for shard in shards
-                                   for entry in sorted(shard.tensors, key=lambda t: t.name)},
-                })
-            if config_dict is not None:
-                _write_json(out / "config.json", config_dict)
+            contents = _write_contents(named_tensors, out, tmp, where, config_dict=config_dict,
+                                       layer_mapping=layer_mapping, max_shard_size=max_shard_size,
+                                       allow_nonfinite=allow_nonfinite, base=base, whole_fraction=whole_fraction)
+            delta = contents.delta
             # A delta rebuilds the base's layout: its figures are the base's plan's, and its order the base's
             # writer's, whatever wrote it (only shards written here are held to layer order).
             written = (_check_written(out, layer_mapping, where) if delta is None
@@ -187,8 +172,50 @@ def save_checkpoint(
         marker_path = _write_marker(dst, marker) if marker else None
     except OSError as exc:
         raise LayerwiseError(f"cannot write: {exc.strerror or exc}; nothing was put in place", where=where) from None
-    return _saved(dst, [] if delta is not None else [s.name for s in shards], len(spilled), written,
-                  (delta, fallback), marker_path, replaced, started)
+    return _saved(dst, contents.shard_names, contents.tensors, written, (delta, contents.fallback), marker_path,
+                  replaced, started)
+
+
+@dataclass(frozen=True)
+class _Contents:
+    """What `_write_contents` wrote into the staging directory, before the check and the rename into place."""
+
+    tensors: int
+    shard_names: list[str]  # in layer order; empty for a delta (its one file is `DELTA_FILE`)
+    delta: DeltaSummary | None
+    fallback: str | None  # why a full step was written although a base was given
+
+
+def _write_contents(named_tensors: Iterable[tuple[str, object]], out: Path, tmp: Path, where: str, *,
+                    config_dict: dict | None, layer_mapping, max_shard_size: int, allow_nonfinite: bool,
+                    base: str | os.PathLike[str] | None, whole_fraction: float | None) -> _Contents:
+    """Spill NAMED_TENSORS into TMP, then write into OUT the step's shards and index, or its delta against BASE.
+
+    `config.json` is written too when there is a config. The spill file is
+    removed whatever happens; OUT is left for the caller to check and put in
+    place.
+    """
+    spill = SpillFile(tmp / _SPILL, where)
+    delta = fallback = None
+    try:
+        spilled = _spill_all(named_tensors, spill, where, allow_nonfinite)
+        if base is not None:
+            delta, fallback = write_delta_from_spill(base, spilled, spill, out, whole_fraction)
+        if delta is None:
+            shards = _write_shards(spilled, config_dict, layer_mapping, max_shard_size, spill, out)
+    finally:
+        spill.close()
+        os.unlink(spill.path)
+    if delta is None:
+        _write_json(out / INDEX_NAME, {
+            "metadata": {"total_size": sum(s.nbytes for s in spilled)},
+            "weight_map": {entry.name: shard.name for shard in shards
+                           for entry in sorted(shard.tensors, key=lambda t: t.name)},
+        })
+    if config_dict is not None:
+        _write_json(out / "config.json", config_dict)
+    return _Contents(tensors=len(spilled), shard_names=[] if delta is not None else [s.name for s in shards],
+                     delta=delta, fallback=fallback)
 
 
 def _saved(dst: Path, shard_names: list[str], tensors: int, written: OrderReport,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from layerwise_cli import vllm_compat
@@ -48,60 +48,87 @@ def verify_against_source(model, source: str, revision: str | None, model_config
         `matched`, `tensors_compared`, `kernels_compared`; `mismatched`
         (layer names); `skipped` and `errors` (layer -> reason).
     """
-    import torch  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
-
     from layerwise_cli.worker.proof.verify_mla import mla_modules, verify_mla  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
-    from layerwise_cli.worker.proof.verify_quantized import require_recomputed  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
     from layerwise_cli.worker.repairs.after_reload import derived_modules  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
     from layerwise_cli.worker.stream.rank_plan import plan_for_worker  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
-    from layerwise_cli.worker.stream.shard_reader import layer_batches  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
 
     checkpoint, folder = _open_source(source, revision)
     hf_config = model_config.hf_config.to_dict() if hasattr(model_config.hf_config, "to_dict") else None
     # Only the layers this rank holds (its pipeline stage, its experts): other ranks check theirs.
     stream = plan_for_worker(checkpoint, model, hf_config).engine_stream("layer")
-    modules = dict(model.named_modules())
     reader, fetch = _reader(checkpoint, folder, stream)
-    layers: list[dict] = []
     # Modules SOURCE does not name whose weights are another layer's (a tied head), and the
     # private copies of those layers loaded from SOURCE, kept only for them.
     derived_state = derived if derived is not None else find_derived_state(model)
-    alias_sources = {alias.source for alias in derived_state.aliases}
     parents = {item.parent for item in stream if item.parent is not None}
     # MLA's W_UV and W_UK_T are recomputed from kv_b_proj as vLLM derives them (views or copies alike).
     mla = mla_modules(model, parents)
     derived = {name: origin for name, origin in derived_modules(model, parents).items() if name not in mla}
-    loaded: dict[str, object] = {}
-    source_tensors: dict[str, list] = {}
-    statuses: dict[str, str] = {}
     try:
-        for batch in layer_batches(stream):
-            parent = batch[0].parent
-            if parent is None:
-                continue
-            tensors = [(item.entry.name, reader.read(item)) for item in batch]
-            try:
-                with torch.no_grad():
-                    entry, scratch = _verify_layer(model, parent, modules.get(parent), tensors,
-                                                   derived_state.on_module(parent))
-                entry = require_recomputed(entry, modules.get(parent))
-                layers.append(entry)
-                statuses[parent] = entry["status"]
-                if parent in alias_sources:
-                    source_tensors[parent] = tensors
-                if scratch is not None and (parent in derived.values() or parent in mla.values()):
-                    loaded[parent] = scratch
-            except Exception as exc:  # noqa: BLE001 - the layer is reported as not checkable, with why
-                layers.append(require_recomputed({"name": parent, "status": "error", "compared": [], "detail":
-                                                  f"could not be loaded alone: {describe_exception(exc)}"},
-                                                 modules.get(parent)))
+        checked = _check_layers(model, stream, reader, derived_state, keep=set(derived.values()) | set(mla.values()))
     finally:
         reader.close()
         if fetch is not None:
             fetch.close()
-    layers.extend(_verify_derived(model, derived, loaded))
-    layers.extend(verify_mla(model, mla, loaded))
-    layers.extend(_verify_alias_buffers(model, derived_state, source_tensors, statuses))
+    layers = checked.layers
+    layers.extend(_verify_derived(model, derived, checked.loaded))
+    layers.extend(verify_mla(model, mla, checked.loaded))
+    layers.extend(_verify_alias_buffers(model, derived_state, checked.source_tensors, checked.statuses))
+    return _summary(source, layers)
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """What the layer-by-layer pass found: an entry per parent layer, and what the later checks need of it."""
+
+    layers: list[dict] = field(default_factory=list)
+    statuses: dict[str, str] = field(default_factory=dict)  # parent layer -> its status, for those loaded alone
+    # parent layer -> SOURCE's tensors of it, for the buffers derived at load from one of its parameters
+    source_tensors: dict[str, list] = field(default_factory=dict)
+    # parent layer -> its private copy loaded from SOURCE, for the modules derived from it (a tied head, MLA)
+    loaded: dict[str, object] = field(default_factory=dict)
+
+
+def _check_layers(model, stream, reader, derived_state, keep: set[str]) -> _Checked:
+    """Load each parent layer of STREAM alone from READER (SOURCE), in layer order, and compare it with the live one.
+
+    A layer that cannot be loaded alone is reported `error`, with why. KEEP
+    names the layers whose private copies the derived and MLA checks need
+    afterwards; the others are dropped as soon as they are compared.
+    """
+    import torch  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
+
+    from layerwise_cli.worker.proof.verify_quantized import require_recomputed  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
+    from layerwise_cli.worker.stream.shard_reader import layer_batches  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
+
+    modules = dict(model.named_modules())
+    alias_sources = {alias.source for alias in derived_state.aliases}
+    checked = _Checked()
+    for batch in layer_batches(stream):
+        parent = batch[0].parent
+        if parent is None:
+            continue
+        tensors = [(item.entry.name, reader.read(item)) for item in batch]
+        try:
+            with torch.no_grad():
+                entry, scratch = _verify_layer(model, parent, modules.get(parent), tensors,
+                                               derived_state.on_module(parent))
+            entry = require_recomputed(entry, modules.get(parent))
+            checked.layers.append(entry)
+            checked.statuses[parent] = entry["status"]
+            if parent in alias_sources:
+                checked.source_tensors[parent] = tensors
+            if scratch is not None and parent in keep:
+                checked.loaded[parent] = scratch
+        except Exception as exc:  # noqa: BLE001 - the layer is reported as not checkable, with why
+            checked.layers.append(require_recomputed({"name": parent, "status": "error", "compared": [], "detail":
+                                                      f"could not be loaded alone: {describe_exception(exc)}"},
+                                                     modules.get(parent)))
+    return checked
+
+
+def _summary(source: str, layers: list[dict]) -> dict:
+    """`verify_against_source`'s answer: LAYERS, and the counts and names drawn from their statuses."""
     matched = [layer for layer in layers if layer["status"] == "match"]
     return {
         "source": source,
@@ -117,7 +144,6 @@ def verify_against_source(model, source: str, revision: str | None, model_config
         "tensors_compared": sum(sum(1 for key in layer["compared"] if key != "#kernel") for layer in layers),
         "kernels_compared": sum(sum(1 for key in layer["compared"] if key == "#kernel") for layer in layers),
     }
-
 
 
 def _open_source(source: str, revision: str | None):
