@@ -185,6 +185,9 @@ def test_metrics_count_reloads_pauses_bytes_and_the_version(layerwise_server, tm
     assert grew("layerwise_reloads_total", (("result", "refused"),)) == 1
     assert grew("layerwise_reload_seconds_count") == 2 and grew("layerwise_reload_seconds_sum") > 0
     assert grew("layerwise_pause_seconds_count") == 2
+    # The drain is the first part of each pause: never longer than the pause it began.
+    assert grew("layerwise_pause_drain_seconds_count") == 2
+    assert 0 < grew("layerwise_pause_drain_seconds_sum") <= grew("layerwise_pause_seconds_sum")
     assert grew("layerwise_read_bytes_total") > 0
     assert after[("layerwise_weight_version", (("version", "metrics-1"),))] == 1
     assert not any(name == "layerwise_weight_version" and dict(labels).get("version") != "metrics-1" and value

@@ -43,6 +43,27 @@ def test_step_to_serve_is_the_first_answer_with_the_step_after_its_save():
     assert record.figures()["bytes_over_full"]["p50"] == pytest.approx(0.1)
 
 
+def test_the_pause_splits_into_its_drain_and_the_rest_each_against_the_fleet_s_slowest_apply():
+    steps = [pub(0, 0.0, kind="full"), pub(1, 10.0), pub(2, 20.0)]
+    pauses = {(A, 1): 1.0, (B, 1): 1.2, (A, 2): 0.6, (B, 2): 0.5}
+    drains = {(A, 1): 0.2, (B, 1): 0.1, (A, 2): 0.1, (B, 2): 0.05}
+    applies = {(A, 1): 0.5, (B, 1): 0.8, (A, 2): 0.45, (B, 2): 0.4}
+    record = build_record(steps, [], [], [A, B], names(*steps).step_of, pauses=pauses, reloads=applies,
+                          drains=drains)
+    one = record.steps[1]
+    assert one.apply_s == 0.8 and one.servers[1].stopped_s == pytest.approx(1.1)
+    figures = record.figures()
+    assert figures["apply_s"]["n"] == 2 and figures["drain_s"]["n"] == 4
+    # A's pause at step 1 covers B's slower apply: 1.0 / 0.8, not 1.0 / 0.5.
+    ratios = sorted([1.0 / 0.8, 1.2 / 0.8, 0.6 / 0.45, 0.5 / 0.45])
+    assert figures["pause_over_apply"]["p50"] == pytest.approx((ratios[1] + ratios[2]) / 2)
+    stopped = sorted([0.8 / 0.8, 1.1 / 0.8, 0.5 / 0.45, 0.45 / 0.45])
+    assert figures["stopped_over_apply"]["p95"] == pytest.approx(stopped[-1])
+    # Without the drain histogram (an older server), the stopped part is unknown, not the whole pause.
+    bare = build_record(steps, [], [], [A, B], names(*steps).step_of, pauses=pauses, reloads=applies)
+    assert bare.steps[1].servers[0].stopped_s is None and bare.figures()["stopped_over_apply"]["n"] == 0
+
+
 def test_percentiles_are_nearest_rank():
     assert percentiles([]) == {"p50": None, "p95": None, "n": 0}
     values = [float(v) for v in range(1, 21)]

@@ -80,35 +80,38 @@ def weight_version(url: str) -> str | None:
         return None
 
 
-_SUM = re.compile(r"^layerwise_pause_seconds_sum(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.M)
+_SUM = re.compile(r"^(layerwise_pause(?:_drain)?_seconds)_sum(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.M)
 
 
-def pause_total(url: str) -> float | None:
-    """The server's `layerwise_pause_seconds` histogram sum (every pause under a lease since it started)."""
+def pause_totals(url: str) -> tuple[float, float] | None:
+    """The server's `layerwise_pause_seconds` and `layerwise_pause_drain_seconds` histogram sums (every pause
+    under a lease since it started); None when it does not answer."""
     try:
         text = httpx.get(f"{url}/metrics", timeout=30).text
     except httpx.HTTPError:
         return None
-    found = _SUM.search(text)
-    return float(found.group(1)) if found else 0.0
+    sums = {name: float(value) for name, value in _SUM.findall(text)}
+    return sums.get("layerwise_pause_seconds", 0.0), sums.get("layerwise_pause_drain_seconds", 0.0)
 
 
 class PauseMeter:
-    """Per (server, step): how much the server's pause histogram grew for that step's reload."""
+    """Per (server, step): how much the server's pause and drain histograms grew for that step's reload."""
 
     def __init__(self) -> None:
-        self.last: dict[str, float] = {}
+        self.last: dict[str, tuple[float, float]] = {}
         self.pauses: dict[tuple[str, int], float] = {}
+        self.drains: dict[tuple[str, int], float] = {}
 
     def reloaded(self, url: str, step: int) -> None:
-        total = pause_total(url)
-        if total is None:
+        totals = pause_totals(url)
+        if totals is None:
             return
-        before = self.last.get(url, 0.0)
-        # A restarted server starts its histogram again.
-        self.pauses[(url, step)] = total - before if total >= before else total
-        self.last[url] = total
+        before = self.last.get(url, (0.0, 0.0))
+        # A restarted server starts its histograms again.
+        grew = [now - then if now >= then else now for now, then in zip(totals, before)]
+        self.pauses[(url, step)], self.drains[(url, step)] = grew
+        self.last[url] = totals
 
     def restarted(self, url: str, fleet_total: bool = False) -> None:
-        """URL (re)started: its histogram counts from 0 (FLEET_TOTAL: from what it holds now, at a run's start)."""
-        self.last[url] = (pause_total(url) or 0.0) if fleet_total else 0.0
+        """URL (re)started: its histograms count from 0 (FLEET_TOTAL: from what they hold now, at a run's start)."""
+        self.last[url] = (pause_totals(url) or (0.0, 0.0)) if fleet_total else (0.0, 0.0)

@@ -195,7 +195,9 @@ class Run:
                 if step is not None:
                     self.pauses.reloaded(event["server"], step)
                     if event.get("wall_s") is not None:
-                        self.reloads[(event["server"], step)] = event["wall_s"]
+                        # The apply: the reload's plan phase and wall time in the server.
+                        report = (event.get("report") or {}).get("report") or {}
+                        self.reloads[(event["server"], step)] = event["wall_s"] + (report.get("plan_s") or 0.0)
         self.seen_events = len(events)
 
     def record(self) -> RunRecord:
@@ -206,7 +208,7 @@ class Run:
         self.checks.append(f.check_versions_loaded(events, answers, self.initial))
         failures = [x for x in self.traffic.failures if x.time >= self.began]
         record = build_record(self.published, answers, failures, self.fleet.urls, self.store.step_of,
-                              self.pauses.pauses, self.reloads)
+                              self.pauses.pauses, self.reloads, self.pauses.drains)
         checks = {c.name: ("ok: " if c.ok else "FAILED: ") + c.detail for c in self.checks}
         lines = {url: self.fleet.start_lines(i) for i, url in enumerate(self.fleet.urls)}
         record = RunRecord(record.steps, record.answers_per_step, record.staleness, checks, lines)

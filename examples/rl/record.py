@@ -20,13 +20,22 @@ class ServerStep:
         serve_s: from the trainer's save returning to the server's first answer with this step; None: it never
             answered with it (passed over, refused, or down).
         paused_s: what the server's `layerwise_pause_seconds` histogram grew by for this step's reload.
-        reload_s: the reload's wall time in the server (`watch`'s reload_done event).
+        reload_s: the apply: the reload's time in the server with the step's bytes on its host (`watch`'s
+            reload_done report: its plan phase and its wall time).
+        drain_s: the first part of the pause (`layerwise_pause_drain_seconds`): the in-flight requests
+            finishing (pause mode `wait`: served, new ones held).
     """
 
     server: str
     serve_s: float | None
     paused_s: float | None
     reload_s: float | None
+    drain_s: float | None = None
+
+    @property
+    def stopped_s(self) -> float | None:
+        """The pause less its drain: the time the server generated nothing."""
+        return None if self.paused_s is None or self.drain_s is None else self.paused_s - self.drain_s
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,12 @@ class StepRecord:
     served: int  # requests answered while this step was the newest
     failed: int  # requests that got no answer in that time (from a server that was in)
 
+    @property
+    def apply_s(self) -> float | None:
+        """The step's apply: its slowest server's (None when no server reported one)."""
+        applied = [s.reload_s for s in self.servers if s.reload_s is not None]
+        return max(applied) if applied else None
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -59,13 +74,26 @@ class RunRecord:
     start_lines: dict[str, list[str]] = field(default_factory=dict)  # server -> its start lines (CPU cores)
 
     def figures(self) -> dict:
-        """Step-to-serve and pause per step (p50, p95), bytes per step against the full step, pause per step."""
-        serve = [s.serve_s for r in self.steps for s in r.servers if s.serve_s is not None and r.step > 0]
-        pause = [s.paused_s for r in self.steps for s in r.servers if s.paused_s is not None and r.step > 0]
-        saves = [r.save_s for r in self.steps if r.step > 0]
-        written = [r.written_bytes / r.full_bytes for r in self.steps if r.step > 0 and r.full_bytes]
+        """Step-to-serve and pause per step (p50, p95), bytes per step against the full step, the pause's drain
+        and the rest (stopped), and both against the step's apply.
+
+        The apply of a step is its slowest server's (`ServerStep.reload_s`): an all-or-nothing fleet resumes
+        every server together, once the last one has applied it.
+        """
+        later = [r for r in self.steps if r.step > 0]
+        serve = [s.serve_s for r in later for s in r.servers if s.serve_s is not None]
+        pause = [s.paused_s for r in later for s in r.servers if s.paused_s is not None]
+        saves = [r.save_s for r in later]
+        written = [r.written_bytes / r.full_bytes for r in later if r.full_bytes]
+        paused = [(s, r.apply_s) for r in later for s in r.servers if s.paused_s is not None and r.apply_s]
         return {"serve_s": percentiles(serve), "pause_s": percentiles(pause), "save_s": percentiles(saves),
-                "bytes_over_full": percentiles(written)}
+                "bytes_over_full": percentiles(written),
+                "drain_s": percentiles([s.drain_s for s, _ in paused if s.drain_s is not None]),
+                "stopped_s": percentiles([s.stopped_s for s, _ in paused if s.stopped_s is not None]),
+                "apply_s": percentiles([r.apply_s for r in later if r.apply_s]),
+                "pause_over_apply": percentiles([s.paused_s / apply for s, apply in paused]),
+                "stopped_over_apply": percentiles([s.stopped_s / apply for s, apply in paused
+                                                   if s.stopped_s is not None])}
 
 
 def percentiles(values: list[float]) -> dict:
@@ -88,7 +116,8 @@ def newest_at(published: list[Published], when: float) -> int:
 
 
 def build_record(published: list[Published], answers: list[Answer], failures: list[Failure], urls: list[str],
-                 step_of, pauses: dict[tuple[str, int], float], reloads: dict[tuple[str, int], float]) -> RunRecord:
+                 step_of, pauses: dict[tuple[str, int], float], reloads: dict[tuple[str, int], float],
+                 drains: dict[tuple[str, int], float] | None = None) -> RunRecord:
     """The run's record from what the loop measured.
 
     Args:
@@ -98,7 +127,8 @@ def build_record(published: list[Published], answers: list[Answer], failures: li
         urls: the servers.
         step_of: weight version -> step number (the store's naming).
         pauses: (server, step) -> paused seconds from the server's metrics.
-        reloads: (server, step) -> the reload's wall seconds from `watch`.
+        reloads: (server, step) -> the apply's seconds (the reload's plan and wall time) from `watch`.
+        drains: (server, step) -> the pause's drain seconds from the server's metrics.
     """
     tagged = answer_steps(answers, step_of)
     first: dict[tuple[str, int], float] = {}
@@ -111,7 +141,7 @@ def build_record(published: list[Published], answers: list[Answer], failures: li
         until = published[index + 1].saved_at if index + 1 < len(published) else float("inf")
         servers = tuple(
             ServerStep(url, _since(first.get((url, pub.step)), pub.saved_at), pauses.get((url, pub.step)),
-                       reloads.get((url, pub.step)))
+                       reloads.get((url, pub.step)), (drains or {}).get((url, pub.step)))
             for url in urls)
         served = sum(1 for a in answers if pub.saved_at <= a.done < until)
         failed = sum(1 for f in failures if not f.retried and pub.saved_at <= f.time < until)

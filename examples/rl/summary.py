@@ -34,8 +34,11 @@ def render(record: RunRecord, console=None) -> None:
                       str(row.served), str(row.failed))
     console.print(table)
     figures = record.figures()
-    for name, label in (("serve_s", "step-to-serve"), ("pause_s", "pause per step"), ("save_s", "trainer's save"),
-                        ("bytes_over_full", "bytes per step / full step")):
+    for name, label in (("serve_s", "step-to-serve"), ("pause_s", "pause per step"),
+                        ("drain_s", "  of which the drain (in-flight requests finishing)"),
+                        ("stopped_s", "  of which stopped (nothing generated)"), ("apply_s", "apply per step"),
+                        ("pause_over_apply", "pause / apply"), ("stopped_over_apply", "stopped / apply"),
+                        ("save_s", "trainer's save"), ("bytes_over_full", "bytes per step / full step")):
         value = figures[name]
         if value["n"]:
             console.print(f"{label}: p50 {value['p50']:.3f}, p95 {value['p95']:.3f} (n={value['n']})")

@@ -13,6 +13,7 @@ vLLM's own `/update_weight_version` is not seen here.
 | `layerwise_reloads_total{result}` | counter | by result: `ok`, `refused`, `rolled_back`, `failed` |
 | `layerwise_reload_seconds` | histogram | a reload's wall time inside the server |
 | `layerwise_pause_seconds` | histogram | a pause under a lease, from the pause to its end |
+| `layerwise_pause_drain_seconds` | histogram | its first part: in-flight requests finishing (`wait`) |
 | `layerwise_pause_leases_expired_total` | counter | leases that ended because their client stopped renewing |
 | `layerwise_read_bytes_total` | counter | checkpoint bytes read by the workers (summed over workers) |
 | `layerwise_skipped_layers_total` | counter | layers left as they were, unchanged (summed over workers) |
@@ -42,6 +43,9 @@ def _metrics():
                                     buckets=SECONDS_BUCKETS),
         "pause_seconds": Histogram("layerwise_pause_seconds", "Seconds generation stayed paused under a lease",
                                    buckets=SECONDS_BUCKETS),
+        "pause_drain_seconds": Histogram("layerwise_pause_drain_seconds",
+                                         "Seconds of each pause spent letting in-flight requests finish (mode wait)",
+                                         buckets=SECONDS_BUCKETS),
         "leases_expired": Counter("layerwise_pause_leases_expired",
                                   "Pause leases that ended because their client stopped renewing them"),
         "read_bytes": Counter("layerwise_read_bytes", "Checkpoint bytes read by layerwise reloads"),
@@ -92,9 +96,11 @@ def record_version(version: str) -> None:
     gauge.labels(version=version).set(1)
 
 
-def record_pause(seconds: float, *, expired: bool) -> None:
-    """A pause under a lease that lasted SECONDS; EXPIRED: it ended because its client stopped renewing it."""
+def record_pause(seconds: float, *, expired: bool, drain_s: float = 0.0) -> None:
+    """A pause under a lease that lasted SECONDS, the first DRAIN_S of them letting the in-flight requests finish
+    (mode `wait`: they were served, new ones held); EXPIRED: it ended because its client stopped renewing it."""
     metrics = _metrics()
     metrics["pause_seconds"].observe(seconds)
+    metrics["pause_drain_seconds"].observe(drain_s)
     if expired:
         metrics["leases_expired"].inc()

@@ -45,6 +45,7 @@ class PauseLease:
     deadline: float
     lease_s: float
     began: float = 0.0  # when the pause was asked for (the event loop's clock)
+    drain_s: float = 0.0  # how long vLLM's pause took: the in-flight requests finishing (mode wait)
     expiry: asyncio.Task | None = field(default=None, repr=False)
     # Run when the lease runs out, before the resume (the weight-transfer backend ends its client's update).
     on_expiry: Callable[[], Awaitable[None]] | None = field(default=None, repr=False)
@@ -104,6 +105,7 @@ async def hold_pause(app, mode: str, lease_s: float, *, on_expiry: Callable[[], 
     lease.expiry = asyncio.create_task(_expire(app, lease))
     try:
         await app.state.engine_client.pause_generation(mode=mode)
+        lease.drain_s = loop.time() - lease.began
     except Exception as exc:  # noqa: BLE001 - answered as one line; the lease goes with the failed pause
         await _end(app, lease, reason=f"the pause failed: {exc}")
         return None, _error(500, f"failed to pause generation: {exc}")
@@ -169,7 +171,8 @@ async def _end(app, lease: PauseLease, *, reason: str | None) -> None:
             except Exception as exc:  # noqa: BLE001 - the resume below must happen whatever this says
                 logger.warning("layerwise pause lease: ending its client's work failed: %s", exc)
     await app.state.engine_client.resume_generation()
-    metrics.record_pause(asyncio.get_running_loop().time() - lease.began, expired=reason is not None)
+    metrics.record_pause(asyncio.get_running_loop().time() - lease.began, expired=reason is not None,
+                         drain_s=lease.drain_s)
 
 
 def add_pause_lease_routes(app) -> None:

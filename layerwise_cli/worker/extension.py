@@ -21,7 +21,7 @@ from layerwise_cli.worker.proof.verify import verify_against_source
 from layerwise_cli.worker.quantization import online_quant  # noqa: F401 - registers layerwise's online quantizations here
 from layerwise_cli.worker.reload.agreed import reload_agreed
 from layerwise_cli.worker.reload.engine_context import engine_config
-from layerwise_cli.worker.reload.reload_plan import loaded_from
+from layerwise_cli.worker.reload.reload_plan import loaded_from, prepare_for_reload
 from layerwise_cli.worker.reload.reload_run import plan_run
 from layerwise_cli.worker.repairs.derived_state import derived_state_of
 from layerwise_cli.worker.rpc import (
@@ -109,6 +109,10 @@ class LayerwiseWorkerExtension:
                 if run.remote is not None:
                     run.remote.close()
             planned = run.planned
+            # Opened, fetched, checked (and a delta the reload would rebuild, rebuilt) now, while the server
+            # serves: the reload at this pin takes it.
+            prepare_for_reload(self, source, revision, planned,
+                               rebuilds=run.patch is None or bool(run.patch.not_patched))
             back, back_revision = loaded_from(self)
             try:
                 if is_store_url(back) or is_hub_step(back):

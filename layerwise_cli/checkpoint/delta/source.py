@@ -7,7 +7,7 @@ link proved by its digests.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from layerwise_cli.checkpoint.delta.buffers import RebuildBuffers
@@ -92,6 +92,9 @@ class DeltaChain:
     links: tuple[Delta, ...]
     # The bytes fetched to open it (a chain by URL: its delta files, and a base this host did not hold).
     fetched_bytes: int = 0
+    # The checks it passed (`validate`, `refuse_nonfinite`): a pinned chain a pre-flight checked is not decoded
+    # again by the reload that takes it (`worker/state/prepared.py`).
+    passed: set[str] = field(default_factory=set, compare=False, repr=False)
 
     @property
     def last(self) -> Delta:
@@ -127,8 +130,11 @@ class DeltaChain:
 
     def validate(self) -> None:
         """Every link's positions (`Delta.validate`)."""
+        if "validate" in self.passed:
+            return
         for link in self.links:
             link.validate()
+        self.passed.add("validate")
 
     def decode_chunks(self) -> None:
         """Decode every v2 chunk of every link (`Delta.changes`): a corrupt stream is found here, not only when
@@ -147,6 +153,8 @@ class DeltaChain:
         `base=` the step before): that step rebuilds through the NaN link, whose non-finite values its own
         patch replaces. Refusing every link's NaN would refuse each later step of the run for good.
         """
+        if "refuse_nonfinite" in self.passed:
+            return
         self.last.refuse_nonfinite()
         for at, link in enumerate(self.links[:-1]):
             try:
@@ -155,6 +163,7 @@ class DeltaChain:
                 if any(self._left_nonfinite(at, name) for name in link.patches):
                     raise LayerwiseError(f"{refusal.what}; no later step of its chain rewrites them",
                                          where=refusal.where) from None
+        self.passed.add("refuse_nonfinite")
 
     def _left_nonfinite(self, at: int, name: str) -> bool:
         """Whether link AT stores a NaN or Inf value of tensor NAME at a position no later link rewrites."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from layerwise_cli.checkpoint.delta.hub_run import is_hub_step
+from layerwise_cli.checkpoint.delta.rebuilt_step import write_rebuilt_step
 from layerwise_cli.checkpoint.delta.source import open_step
 from layerwise_cli.checkpoint.hub.pin import is_commit, repo_cache_folder
 from layerwise_cli.checkpoint.sources import Checkpoint, looks_like_repo_id, open_checkpoint, pin_source, resolve_local
@@ -18,6 +19,7 @@ from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.worker.reload.preflight import preflight, reference_checkpoint, refuse_direct_mode
 from layerwise_cli.worker.repairs.amx_mla import missing_message
 from layerwise_cli.worker.state.plan_cache import plan_cache_of, structure_key
+from layerwise_cli.worker.state.prepared import prepared_folder, prepared_of
 from layerwise_cli.worker.stream.rank_plan import RankPosition, WorkerPlan, plan_for_worker, rank_position
 
 _LOADED_FROM = "_layerwise_loaded_from"
@@ -67,12 +69,14 @@ def plan_reload(worker, source: str, *, revision: str | None = None, allow_parti
         # Never downloaded whole: read by range, pinned to the objects' ETags (REVISION: the pin the client
         # read; objects changed since are refused). The folder is a name only; no file is opened in it. A
         # delta step is read from this host's store cache (`delta.remote`), its chain pinned as one.
-        checkpoint = open_step(source, revision)
-        folder = Path(display_url(source))
+        checkpoint = opened_step(worker, source, revision)
+        # A step the pre-flight rebuilt is read from its files here (`prepare_for_reload`).
+        rebuilt = checkpoint.delta is None and checkpoint.local_dir is not None
+        folder = checkpoint.local_dir if rebuilt else Path(display_url(source))
     elif is_hub_step(source):
         # A step folder of a Hub run (`hf://org/run/step_120`), at the commit the client pinned: its chain
         # from the Hub cache (`delta.hub_run`).
-        checkpoint = open_step(source, revision)
+        checkpoint = opened_step(worker, source, revision)
         folder = checkpoint.local_dir
     elif commit is not None and stream:
         checkpoint = hub_checkpoint(source, commit)
@@ -97,6 +101,28 @@ def plan_reload(worker, source: str, *, revision: str | None = None, allow_parti
     if missing is not None:
         raise LayerwiseError(f"{source}: {missing}")
     return PlannedReload(folder, checkpoint, position, mine, notes, commit)
+
+
+def prepare_for_reload(worker, source: str, revision: str | None, planned: PlannedReload, rebuilds: bool) -> None:
+    """Keep SOURCE as this pre-flight opened and checked it, for the reload at the same pin (`state/prepared.py`).
+
+    A delta step the reload would rebuild (REBUILDS: some of its layers cannot be patched in place) is rebuilt
+    here, once, into a full step's files on this host: the reload then reads those, inside a server's pause,
+    and decodes nothing. Only for an engine of one rank (each rank of a larger one would rebuild the whole step).
+    """
+    if not revision or not (is_store_url(source) or is_hub_step(source)):
+        return
+    checkpoint = planned.checkpoint
+    position = planned.position
+    if checkpoint.delta is not None and rebuilds and position.tp_size * position.pp_size == 1:
+        checkpoint = write_rebuilt_step(checkpoint, prepared_folder())
+    prepared_of(worker).keep(source, revision, checkpoint)
+
+
+def opened_step(worker, source: str, revision: str | None) -> Checkpoint:
+    """SOURCE (a URL, or a Hub run's step) at the pin REVISION: as the pre-flight before this reload opened and
+    checked it (`state/prepared.py`), else opened now (`open_step`)."""
+    return prepared_of(worker).take(source, revision) or open_step(source, revision)
 
 
 def hub_checkpoint(repo_id: str, commit: str) -> Checkpoint:
