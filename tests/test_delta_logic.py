@@ -182,6 +182,21 @@ def test_a_delta_against_a_base_another_tool_wrote_out_of_layer_order_is_written
     assert all(np.array_equal(got[name], raw(t)) for name, t in new.items())
 
 
+def test_a_chain_at_max_chain_links_starts_again_with_a_full_step(tmp_path):
+    tensors = small_state_dict(torch.bfloat16)
+    save_checkpoint(tensors.items(), tmp_path / "step_0")
+    kinds = []
+    for i in range(1, 5):
+        tensors = {name: changed_copy(t, 0.01 if t.numel() > 100 else 0.2, i) for name, t in tensors.items()}
+        saved = save_checkpoint(tensors.items(), tmp_path / f"step_{i}", base=tmp_path / f"step_{i - 1}",
+                                max_chain=2)
+        kinds.append("delta" if saved.delta is not None else saved.fallback)
+    assert kinds[:2] == ["delta", "delta"] and kinds[3] == "delta"
+    assert "chain of 2 deltas" in kinds[2] and "max_chain 2" in kinds[2]
+    assert delta_file(tmp_path / "step_3") is None  # the new chain's full step
+    assert len(open_step(str(tmp_path / "step_4")).delta.links) == 1
+
+
 def test_a_delta_against_a_delta_rebuilds_through_the_chain(steps, tmp_path):
     base_dir, delta_dir, new = steps
     third = {name: changed_copy(t, 0.02, 11) for name, t in new.items()}

@@ -81,8 +81,8 @@ def test_a_kept_step_is_taken_once_at_its_pin_and_only_while_fresh(chain, monkey
     kept.keep("s3://b/run/step_3", "etags:1", step)
     assert kept.take("s3://b/run/step_3", "etags:2") is None  # another pin
     assert kept.take("s3://b/run/step_3", "etags:1") is None  # the mismatch took it
-    kept.keep("s3://b/run/step_3", "etags:1", step)
-    assert kept.take("s3://b/run/step_3", "etags:1") is step
+    kept.keep("s3://b/run/step_3", "etags:1", step, ("a note",))
+    assert kept.take("s3://b/run/step_3", "etags:1") == (step, ("a note",))
     assert kept.take("s3://b/run/step_3", "etags:1") is None  # once
     kept.keep("s3://b/run/step_3", "etags:1", step)
     clock = iter([0.0])

@@ -77,6 +77,15 @@ def open_base(base: str | os.PathLike[str]) -> Checkpoint:
         raise NoDelta(f"the base cannot be read: {exc}") from None
 
 
+def _within_chain(base: Checkpoint, max_chain: int | None) -> Checkpoint:
+    """BASE, unless a delta against it would make its chain longer than MAX_CHAIN links (`NoDelta`)."""
+    links = len(base.delta.links) if base.delta is not None else 0
+    if max_chain is not None and links >= max_chain:
+        raise NoDelta(f"its base is the end of a chain of {links} deltas (max_chain {max_chain}): a full step "
+                      "starts a new chain")
+    return base
+
+
 class ShardBytes:
     """Raw tensor bytes out of a checkpoint's shard files, each file mapped once."""
 
@@ -238,22 +247,30 @@ class DeltaSummary:
     full_bytes: int
 
 
+# Links `save_checkpoint` lets a chain grow to before it writes a full step: every reload that rebuilds a step
+# (a new host, a server catching up, the CPU's packed linear layers) decodes each link of its chain, and every
+# open of a chain by URL names each link's objects. A full step every few steps keeps both bounded.
+MAX_CHAIN_WRITTEN = 8
+
+
 def write_delta_from_spill(base, spilled: list[Spilled], spill: SpillFile, tmp: Path,
-                 whole_fraction: float | None) -> tuple[DeltaSummary | None, str | None]:
+                           whole_fraction: float | None,
+                           max_chain: int | None = None) -> tuple[DeltaSummary | None, str | None]:
     """Write TMP/delta.safetensors against BASE from the spilled tensors; (None, why) when a full step is due.
 
-    SPILLED: `save_checkpoint`'s tensors as they lie in SPILL (with their digests).
+    SPILLED: `save_checkpoint`'s tensors as they lie in SPILL (with their digests). MAX_CHAIN: the most links
+    the new delta's chain may have (None: no bound below the readers' `MAX_CHAIN`).
     """
     mapped = file_mapping(spill.path)
     tensors = (NewTensor(s.name, s.dtype, s.shape, mapped[s.offset:s.offset + s.nbytes], s.digest)
                for s in spilled)
-    return write_delta_against(base, tensors, tmp, whole_fraction)
+    return write_delta_against(base, tensors, tmp, whole_fraction, max_chain=max_chain)
 
 
 def write_delta_against(base, tensors: Iterable[NewTensor], out: Path, whole_fraction: float | None, *,
-                        version: int = VERSION) -> tuple[DeltaSummary | None, str | None]:
+                        version: int = VERSION, max_chain: int | None = None) -> tuple[DeltaSummary | None, str | None]:
     """Write OUT/delta.safetensors of TENSORS against BASE in format VERSION; (summary, None), or (None, why) when a
-    full step is due.
+    full step is due (MAX_CHAIN: BASE is already that many links from its chain's full step).
 
     The patches are spilled to a file in OUT first (removed after), then written in the delta's order.
     """
@@ -261,7 +278,7 @@ def write_delta_against(base, tensors: Iterable[NewTensor], out: Path, whole_fra
     fd = os.open(patches_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         try:
-            delta = spill_delta(open_base(base), tensors, fd,
+            delta = spill_delta(_within_chain(open_base(base), max_chain), tensors, fd,
                                 whole_fraction=WHOLE_FRACTION if whole_fraction is None else whole_fraction,
                                 version=version)
         except NoDelta as why:

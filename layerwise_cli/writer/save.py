@@ -21,7 +21,7 @@ from layerwise_cli.planning.plan import build_plan
 from layerwise_cli.reorder.output_shards import DEFAULT_MAX_SHARD_SIZE, split_shards
 from layerwise_cli.reorder.write import shard_header
 from layerwise_cli.staging import fsync_dir, put_in_place, staging
-from layerwise_cli.writer.delta_file import DeltaSummary, write_delta_from_spill
+from layerwise_cli.writer.delta_file import MAX_CHAIN_WRITTEN, DeltaSummary, write_delta_from_spill
 from layerwise_cli.writer.spill import Spilled, SpillFile, copy_range, write_all
 
 _SPILL = ".layerwise-spill"
@@ -77,6 +77,7 @@ def save_checkpoint(
     mapping: str = "auto",
     base: str | os.PathLike[str] | None = None,
     whole_fraction: float | None = None,
+    max_chain: int | None = MAX_CHAIN_WRITTEN,
 ) -> SavedCheckpoint:
     """Write tensors as a safetensors checkpoint in layer order, with digests, atomically, marker last.
 
@@ -136,6 +137,9 @@ def save_checkpoint(
             written and `fallback` says why. The delta's metadata holds the full step's digests.
         whole_fraction: with BASE, a tensor with more than this fraction of its values changed is stored
             whole (None: `checkpoint.delta.WHOLE_FRACTION`, one half).
+        max_chain: with BASE, the most deltas a chain may hold: when BASE is a delta already that many links
+            from its chain's full step, the full step is written (a new chain starts; `fallback` says so).
+            Every reload that rebuilds a step decodes each link of its chain. None: no bound but the readers'.
 
     Returns:
         What was written and what vLLM's loader will buffer reading it.
@@ -162,7 +166,8 @@ def save_checkpoint(
             out.mkdir()
             contents = _write_contents(named_tensors, out, tmp, where, config_dict=config_dict,
                                        layer_mapping=layer_mapping, max_shard_size=max_shard_size,
-                                       allow_nonfinite=allow_nonfinite, base=base, whole_fraction=whole_fraction)
+                                       allow_nonfinite=allow_nonfinite, base=base, whole_fraction=whole_fraction,
+                                       max_chain=max_chain)
             delta = contents.delta
             # A delta rebuilds the base's layout: its figures are the base's plan's, and its order the base's
             # writer's, whatever wrote it (only shards written here are held to layer order).
@@ -188,7 +193,8 @@ class _Contents:
 
 def _write_contents(named_tensors: Iterable[tuple[str, object]], out: Path, tmp: Path, where: str, *,
                     config_dict: dict | None, layer_mapping, max_shard_size: int, allow_nonfinite: bool,
-                    base: str | os.PathLike[str] | None, whole_fraction: float | None) -> _Contents:
+                    base: str | os.PathLike[str] | None, whole_fraction: float | None,
+                    max_chain: int | None) -> _Contents:
     """Spill NAMED_TENSORS into TMP, then write into OUT the step's shards and index, or its delta against BASE.
 
     `config.json` is written too when there is a config. The spill file is
@@ -200,7 +206,7 @@ def _write_contents(named_tensors: Iterable[tuple[str, object]], out: Path, tmp:
     try:
         spilled = _spill_all(named_tensors, spill, where, allow_nonfinite)
         if base is not None:
-            delta, fallback = write_delta_from_spill(base, spilled, spill, out, whole_fraction)
+            delta, fallback = write_delta_from_spill(base, spilled, spill, out, whole_fraction, max_chain)
         if delta is None:
             shards = _write_shards(spilled, config_dict, layer_mapping, max_shard_size, spill, out)
     finally:

@@ -16,6 +16,7 @@ from layerwise_cli.checkpoint.hub.pin import is_commit, repo_cache_folder
 from layerwise_cli.checkpoint.sources import Checkpoint, looks_like_repo_id, open_checkpoint, pin_source, resolve_local
 from layerwise_cli.checkpoint.store.objects import display_url, is_store_url
 from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.worker.reload.delta_base import OFF_CHAIN_NOTE
 from layerwise_cli.worker.reload.preflight import preflight, reference_checkpoint, refuse_direct_mode
 from layerwise_cli.worker.repairs.amx_mla import missing_message
 from layerwise_cli.worker.state.plan_cache import plan_cache_of, structure_key
@@ -65,18 +66,19 @@ def plan_reload(worker, source: str, *, revision: str | None = None, allow_parti
     model = worker.model_runner.get_model()
     model_config = worker.model_runner.model_config
     commit = hub_commit(source, revision)
+    prepared_notes: tuple[str, ...] = ()
     if is_store_url(source):
         # Never downloaded whole: read by range, pinned to the objects' ETags (REVISION: the pin the client
         # read; objects changed since are refused). The folder is a name only; no file is opened in it. A
         # delta step is read from this host's store cache (`delta.remote`), its chain pinned as one.
-        checkpoint = opened_step(worker, source, revision)
+        checkpoint, prepared_notes = opened_step(worker, source, revision)
         # A step the pre-flight rebuilt is read from its files here (`prepare_for_reload`).
         rebuilt = checkpoint.delta is None and checkpoint.local_dir is not None
         folder = checkpoint.local_dir if rebuilt else Path(display_url(source))
     elif is_hub_step(source):
         # A step folder of a Hub run (`hf://org/run/step_120`), at the commit the client pinned: its chain
         # from the Hub cache (`delta.hub_run`).
-        checkpoint = opened_step(worker, source, revision)
+        checkpoint, prepared_notes = opened_step(worker, source, revision)
         folder = checkpoint.local_dir
     elif commit is not None and stream:
         checkpoint = hub_checkpoint(source, commit)
@@ -100,7 +102,7 @@ def plan_reload(worker, source: str, *, revision: str | None = None, allow_parti
     missing = missing_message(model, {item.parent for item in mine.engine_stream("layer") if item.parent})
     if missing is not None:
         raise LayerwiseError(f"{source}: {missing}")
-    return PlannedReload(folder, checkpoint, position, mine, notes, commit)
+    return PlannedReload(folder, checkpoint, position, mine, [*notes, *prepared_notes], commit)
 
 
 def prepare_for_reload(worker, source: str, revision: str | None, planned: PlannedReload, rebuilds: bool) -> None:
@@ -112,17 +114,19 @@ def prepare_for_reload(worker, source: str, revision: str | None, planned: Plann
     """
     if not revision or not (is_store_url(source) or is_hub_step(source)):
         return
-    checkpoint = planned.checkpoint
+    checkpoint, notes = planned.checkpoint, ()
     position = planned.position
     if checkpoint.delta is not None and rebuilds and position.tp_size * position.pp_size == 1:
         checkpoint = write_rebuilt_step(checkpoint, prepared_folder())
-    prepared_of(worker).keep(source, revision, checkpoint)
+        # The rebuilt step is a full step: what the chain told about the engine is said here, once.
+        notes = tuple(note for note in planned.notes if note.startswith(OFF_CHAIN_NOTE))
+    prepared_of(worker).keep(source, revision, checkpoint, notes)
 
 
-def opened_step(worker, source: str, revision: str | None) -> Checkpoint:
-    """SOURCE (a URL, or a Hub run's step) at the pin REVISION: as the pre-flight before this reload opened and
-    checked it (`state/prepared.py`), else opened now (`open_step`)."""
-    return prepared_of(worker).take(source, revision) or open_step(source, revision)
+def opened_step(worker, source: str, revision: str | None) -> tuple[Checkpoint, tuple[str, ...]]:
+    """SOURCE (a URL, or a Hub run's step) at the pin REVISION, and the notes its preparation left: as the
+    pre-flight before this reload opened and checked it (`state/prepared.py`), else opened now (`open_step`)."""
+    return prepared_of(worker).take(source, revision) or (open_step(source, revision), ())
 
 
 def hub_checkpoint(repo_id: str, commit: str) -> Checkpoint:

@@ -40,6 +40,7 @@ class _Kept:
     source: str
     revision: str
     checkpoint: Checkpoint
+    notes: tuple[str, ...]
     at: float
 
 
@@ -49,16 +50,18 @@ class Prepared:
     def __init__(self) -> None:
         self._kept: _Kept | None = None
 
-    def keep(self, source: str, revision: str | None, checkpoint: Checkpoint) -> None:
-        """Keep CHECKPOINT, opened from SOURCE at the pin REVISION (nothing is kept without a pin)."""
-        self._kept = _Kept(source, revision, checkpoint, time.monotonic()) if revision else None
+    def keep(self, source: str, revision: str | None, checkpoint: Checkpoint, notes: tuple[str, ...] = ()) -> None:
+        """Keep CHECKPOINT, opened from SOURCE at the pin REVISION (nothing is kept without a pin), with the NOTES
+        the reload's report is to carry (what the pre-flight found that the prepared step no longer shows)."""
+        self._kept = _Kept(source, revision, checkpoint, tuple(notes), time.monotonic()) if revision else None
 
-    def take(self, source: str, revision: str | None) -> Checkpoint | None:
-        """The step kept for SOURCE at REVISION, once; None when there is none, another, or it is too old."""
+    def take(self, source: str, revision: str | None) -> tuple[Checkpoint, tuple[str, ...]] | None:
+        """The step kept for SOURCE at REVISION and its notes, once; None when there is none, another, or it is
+        too old."""
         kept, self._kept = self._kept, None
         if kept is None or not revision or (kept.source, kept.revision) != (source, revision):
             return None
-        return kept.checkpoint if time.monotonic() - kept.at <= KEEP_S else None
+        return (kept.checkpoint, kept.notes) if time.monotonic() - kept.at <= KEEP_S else None
 
 
 def prepared_of(worker) -> Prepared:
