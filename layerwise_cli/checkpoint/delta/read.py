@@ -31,6 +31,9 @@ from layerwise_cli.checkpoint.format.header import DTYPE_SIZES, ShardHeader, rea
 from layerwise_cli.errors import LayerwiseError, describe_exception
 
 _HEX = frozenset("0123456789abcdef")
+# A delta read from a store or the Hub by range has its header asked for in one request up to this size (70 KB
+# for a 0.4 GiB Qwen3-architecture model's delta); a longer header takes a second request.
+HEADER_RANGE = 256 * 1024
 
 
 def delta_file(path: str | os.PathLike[str]) -> Path | None:
@@ -50,6 +53,21 @@ def delta_file(path: str | os.PathLike[str]) -> Path | None:
     except LayerwiseError:
         return candidate if candidate.name == DELTA_FILE else None  # a damaged delta is refused by `read_delta`
     return candidate if METADATA_KEY in header.metadata else None
+
+
+def base_location_of(header: ShardHeader, where: str) -> str:
+    """The base location a delta's header names (from its metadata alone: what a chain's walk follows).
+
+    Raises:
+        LayerwiseError: the header has no delta metadata with a base location (not a delta).
+    """
+    try:
+        location = json.loads(header.metadata[METADATA_KEY])["base"]["location"]
+    except (KeyError, TypeError, ValueError):
+        raise LayerwiseError(f"not a delta: its header has no {METADATA_KEY} base location", where=where) from None
+    if not isinstance(location, str):
+        raise LayerwiseError(f"not a delta: its header has no {METADATA_KEY} base location", where=where)
+    return location
 
 
 def read_delta(path: str | os.PathLike[str]) -> Delta:

@@ -29,11 +29,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 
-from layerwise_cli.checkpoint.delta.format import DELTA_FILE, METADATA_KEY, Delta
-from layerwise_cli.checkpoint.delta.read import read_delta
+from layerwise_cli.checkpoint.delta.format import DELTA_FILE, Delta
+from layerwise_cli.checkpoint.delta.read import HEADER_RANGE, base_location_of, read_delta
 from layerwise_cli.checkpoint.fetch.policy import FetchPolicy
 from layerwise_cli.checkpoint.fetch.range_fetcher import RangeFetcher, spread_parts, whole_files
-from layerwise_cli.checkpoint.format.header import header_length, parse_header
+from layerwise_cli.checkpoint.format.header import read_header_by_range
 from layerwise_cli.checkpoint.format.layout import INDEX_NAME
 from layerwise_cli.checkpoint.sources import Checkpoint, open_checkpoint
 from layerwise_cli.checkpoint.store.headers import PIN_PREFIX, store_pin
@@ -47,9 +47,6 @@ CONFIG = "config.json"
 # at the same time, `_Links`), and the links fetched at once.
 CONNECTIONS = 4
 _LINK_FETCHES = 8
-# A delta's header is read in one range request up to this size (70 KB for a 0.4 GiB Qwen3-architecture
-# model's delta; a longer one takes a second request).
-HEADER_READ = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -237,22 +234,16 @@ def _walk(first: StoreSource, max_links: int, read_link: Callable[[StoreSource],
 
 def _base_location(source: StoreSource) -> str:
     """The base location SOURCE's delta names, from its header read by range (never its patches): one request
-    for a header within `HEADER_READ` bytes, a second for the rest of a longer one."""
+    for a header within `HEADER_RANGE` bytes, a second for the rest of a longer one."""
     where = source.where(DELTA_FILE)
     size = source.metadata(DELTA_FILE)[1]
-    first = source.read(DELTA_FILE, 0, min(size, HEADER_READ))[0] if size else b""
-    length = header_length(first[:8], size, where)
-    raw = first[8:8 + length]
-    if len(raw) < length:
-        raw += source.read(DELTA_FILE, 8 + len(raw), 8 + length)[0]
-    header = parse_header(DELTA_FILE, raw, file_size=size, where=where)
-    try:
-        location = json.loads(header.metadata[METADATA_KEY])["base"]["location"]
-    except (KeyError, TypeError, ValueError):
-        raise LayerwiseError(f"not a delta: its header has no {METADATA_KEY} base location", where=where) from None
-    if not isinstance(location, str):
-        raise LayerwiseError(f"not a delta: its header has no {METADATA_KEY} base location", where=where)
-    return location
+
+    def read_range(start: int, end: int) -> tuple[bytes, int]:
+        end = min(end, size)
+        return (source.read(DELTA_FILE, start, end)[0] if end > start else b""), size
+
+    header, _ = read_header_by_range(read_range, DELTA_FILE, where, HEADER_RANGE)
+    return base_location_of(header, where)
 
 
 def _remote_base(base_url: str, child: str) -> Checkpoint:
