@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import textwrap
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from layerwise_cli.checkpoint.delta.format import DELTA_FILE
-from layerwise_cli.checkpoint.delta.read import HEADER_RANGE
+from layerwise_cli.checkpoint.delta.read import first_header_read
 from layerwise_cli.writer.save import save_checkpoint
 from tests.support.deltas import rl_step
 from tests.support.hub_server import HubServer
@@ -95,8 +96,11 @@ def _size(folder: Path, suffix: str = ".safetensors") -> int:
 
 
 def _header_read(folder: Path) -> int:
-    """The bytes of FOLDER's delta a host without it reads by range to learn its base (its first request)."""
-    return min((folder / DELTA_FILE).stat().st_size, HEADER_RANGE)
+    """The bytes of FOLDER's delta a host without it reads by range to learn its base: the first request's, and
+    the rest of the header when it is longer."""
+    file = folder / DELTA_FILE
+    length = struct.unpack("<Q", file.read_bytes()[:8])[0]
+    return max(first_header_read(file.stat().st_size), 8 + length)
 
 
 def test_a_delta_step_in_a_hub_run_rebuilds_its_full_step_at_one_commit(hub, run, tmp_path) -> None:

@@ -21,7 +21,7 @@ from dataclasses import replace
 from pathlib import Path, PurePosixPath
 
 from layerwise_cli.checkpoint.delta.format import DELTA_FILE, Delta
-from layerwise_cli.checkpoint.delta.read import HEADER_RANGE, base_location_of, read_delta
+from layerwise_cli.checkpoint.delta.read import base_location_of, first_header_read, read_delta
 from layerwise_cli.checkpoint.format.header import read_header_by_range, read_shard_header
 from layerwise_cli.checkpoint.hub.pin import hub_error, pin_commit, repo_cache_folder
 from layerwise_cli.checkpoint.hub.repo import read_hub_range
@@ -99,7 +99,7 @@ def _chain_folders(repo_id: str, commit: str, files: dict[str, tuple[int, str | 
 def _base_of(repo_id: str, commit: str, files: dict[str, tuple[int, str | None]], folder: str) -> str:
     """The base location FOLDER's delta names: its header read from this host's copy (this commit's, or its blob
     kept by an earlier commit's download), else by range at COMMIT, one request for most headers
-    (`HEADER_RANGE`)."""
+    (`first_header_read`)."""
     from huggingface_hub import hf_hub_url  # noqa: PLC0415 - huggingface_hub: 0.4 s to import, only for a Hub source
     from huggingface_hub.utils import build_hf_headers  # noqa: PLC0415 - huggingface_hub: 0.4 s to import, only for a Hub source
 
@@ -117,7 +117,7 @@ def _base_of(repo_id: str, commit: str, files: dict[str, tuple[int, str | None]]
             url, headers = hf_hub_url(repo_id, path, revision=commit), build_hf_headers()
             header, _ = read_header_by_range(
                 lambda start, end: read_hub_range(url, headers, start, end - start, where), DELTA_FILE, where,
-                min(max(size, 8), HEADER_RANGE))
+                first_header_read(size))
         return base_location_of(header, where)
     except Exception:  # noqa: BLE001 - the delta's own reading names what is wrong with it, as it always has
         return read_delta(_fetched(repo_id, commit, [folder]) / folder).base_location

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 
 from layerwise_cli.checkpoint.delta.format import DELTA_FILE, Delta
-from layerwise_cli.checkpoint.delta.read import HEADER_RANGE, base_location_of, read_delta
+from layerwise_cli.checkpoint.delta.read import base_location_of, first_header_read, read_delta
 from layerwise_cli.checkpoint.fetch.policy import FetchPolicy
 from layerwise_cli.checkpoint.fetch.range_fetcher import RangeFetcher, spread_parts, whole_files
 from layerwise_cli.checkpoint.format.header import read_header_by_range
@@ -234,7 +234,7 @@ def _walk(first: StoreSource, max_links: int, read_link: Callable[[StoreSource],
 
 def _base_location(source: StoreSource) -> str:
     """The base location SOURCE's delta names, from its header read by range (never its patches): one request
-    for a header within `HEADER_RANGE` bytes, a second for the rest of a longer one."""
+    for most headers, a second for the rest of a longer one (`first_header_read`)."""
     where = source.where(DELTA_FILE)
     size = source.metadata(DELTA_FILE)[1]
 
@@ -242,7 +242,7 @@ def _base_location(source: StoreSource) -> str:
         end = min(end, size)
         return (source.read(DELTA_FILE, start, end)[0] if end > start else b""), size
 
-    header, _ = read_header_by_range(read_range, DELTA_FILE, where, HEADER_RANGE)
+    header, _ = read_header_by_range(read_range, DELTA_FILE, where, first_header_read(size))
     return base_location_of(header, where)
 
 
