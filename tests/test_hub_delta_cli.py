@@ -12,13 +12,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
 
+from layerwise_cli.checkpoint.delta.format import DELTA_FILE
+from layerwise_cli.checkpoint.delta.read import first_header_read
 from layerwise_cli.writer.save import save_checkpoint
 from tests.support.deltas import rl_step
 from tests.support.hub_server import HubServer
@@ -91,19 +95,63 @@ def _size(folder: Path, suffix: str = ".safetensors") -> int:
     return sum(p.stat().st_size for p in folder.iterdir() if p.name.endswith(suffix))
 
 
+def _header_read(folder: Path) -> int:
+    """The bytes of FOLDER's delta a host without it reads by range to learn its base: the first request's, and
+    the rest of the header when it is longer."""
+    file = folder / DELTA_FILE
+    length = struct.unpack("<Q", file.read_bytes()[:8])[0]
+    return max(first_header_read(file.stat().st_size), 8 + length)
+
+
 def test_a_delta_step_in_a_hub_run_rebuilds_its_full_step_at_one_commit(hub, run, tmp_path) -> None:
     root = run["root"]
     hub.reset_counts()
     second = open_in_fresh_python(hub, tmp_path, "hf://org/run/step_2", root / "full" / "step_2")
     assert second["equal"] and second["links"] == 1 and second["kind"] == "hub" and len(second["commit"]) == 40
-    assert hub.sent_for(".safetensors") == _size(root / "run" / "step_1") + _size(root / "run" / "step_2")
+    # The full step and step_2's delta file, and step_2's header read by range first to learn its base.
+    assert hub.sent_for(".safetensors") == _size(root / "run" / "step_1") + _size(root / "run" / "step_2") + \
+        _header_read(root / "run" / "step_2")
     hub.reset_counts()
-    # The same host (its Hub cache) a step later: only step_3's delta file crosses the network.
+    # The same host (its Hub cache) a step later: only step_3's delta file (and its header) crosses the network;
+    # step_2's header is read from this host's copy.
     third = open_in_fresh_python(hub, tmp_path, "hf://org/run/step_3", root / "full" / "step_3", second["commit"])
     assert third["equal"] and third["links"] == 2 and third["source"] == "hf://org/run/step_3"
-    assert hub.sent_for(".safetensors") == _size(root / "run" / "step_3")
+    assert hub.sent_for(".safetensors") == _size(root / "run" / "step_3") + _header_read(root / "run" / "step_3")
+    hub.reset_counts()
+    # Again at the same commit (another rank, a check, a rollback): nothing crosses the network.
+    again = open_in_fresh_python(hub, tmp_path, "hf://org/run/step_3", root / "full" / "step_3", second["commit"])
+    assert again["equal"] and again["fetched"] == 0 and hub.sent_for(".safetensors") == 0
     full = open_in_fresh_python(hub, tmp_path, "hf://org/run/step_1", root / "full" / "step_1")
     assert full["equal"] and full["links"] == 0
+
+
+def test_a_host_that_missed_two_steps_fetches_both_delta_files_at_the_same_time(hub, run, tmp_path) -> None:
+    root = run["root"]
+    assert open_in_fresh_python(hub, tmp_path, "hf://org/run/step_1", root / "full" / "step_1")["equal"]
+    # Each delta file's download waits until the other file's has begun: fetched one after the other (a retry of
+    # the same file included), they never meet.
+    begun, met, cond = set(), [], threading.Condition()
+
+    def hold(filename: str, range_header: str | None) -> None:
+        if filename.endswith(f"/{DELTA_FILE}") and range_header is None:
+            with cond:
+                begun.add(filename)
+                cond.notify_all()
+                if cond.wait_for(lambda: len(begun) >= 2, timeout=20):
+                    met.append(filename)
+
+    hub.reset_counts()
+    hub.before_body = hold
+    try:
+        third = open_in_fresh_python(hub, tmp_path, "hf://org/run/step_3", root / "full" / "step_3")
+    finally:
+        hub.before_body = None
+    assert sorted(met) == [f"step_{n}/{DELTA_FILE}" for n in (2, 3)], met
+    assert third["equal"] and third["links"] == 2
+    # The two delta files, each after its header read by range; the full step kept.
+    assert third["fetched"] == _size(root / "run" / "step_2") + _size(root / "run" / "step_3")
+    assert hub.sent_for(".safetensors") == third["fetched"] + sum(_header_read(root / "run" / f"step_{n}")
+                                                                  for n in (2, 3))
 
 
 def test_a_base_missing_from_the_commit_is_one_line(hub, run, tmp_path) -> None:

@@ -10,12 +10,16 @@ are one line each.
 from __future__ import annotations
 
 import json
+import struct
+import threading
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from layerwise_cli.checkpoint.delta import remote
+from layerwise_cli.checkpoint.delta.format import DELTA_FILE
+from layerwise_cli.checkpoint.delta.read import first_header_read
 from layerwise_cli.checkpoint.delta.source import open_step
 from layerwise_cli.checkpoint.fetch.range_fetcher import MiB, range_requests, spread_parts, whole_files
 from layerwise_cli.checkpoint.format.digests import layer_digest
@@ -109,20 +113,86 @@ def test_a_host_that_missed_two_steps_fetches_both_links_together_and_the_step_e
 
     root, steps = run
     url = _upload(s3, root, "missed")
-    together: list[int] = []
-    ahead = remote._fetch_missing_links
-    monkeypatch.setattr(remote, "_fetch_missing_links", lambda *a: together.append(ahead(*a)) or together[-1])
-    # A new host opens step_3 first: step_3's and step_2's files are fetched before the chain is read, at once
-    # (each link's base is named in its header, read by range); then the full step's shard.
+    # Each missing link's fetch waits until the other's has started: fetched one after the other, they never meet.
+    both = threading.Barrier(2, timeout=30)
+    read_link, met = remote._read_link, []
+
+    def meeting(source):
+        if threading.current_thread().name.startswith("layerwise-links"):
+            both.wait()
+            met.append(source.url)
+        return read_link(source)
+
+    monkeypatch.setattr(remote, "_read_link", meeting)
+    # A new host opens step_3 first: step_3's and step_2's files are fetched at once while the walk reads each
+    # link's base from its header by range; then the full step's shard.
     third = open_step(f"{url}/step_3")
-    assert together == [_size(root, "step_2", "step_3")]
+    assert sorted(met) == [f"{url}/step_2", f"{url}/step_3"]
     assert third.delta.fetched_bytes == _size(root, "step_1", "step_2", "step_3") - _size(root, "step_1",
                                                                                          suffix=".json")
     reader = ShardReader(third.local_dir, delta=third.delta)
     for entry in third.tensors:
         assert torch.equal(reader.read(PlannedTensor(entry, "x")), steps["step_3"][entry.name]), entry.name
-    # Kept: nothing is fetched ahead again.
-    assert open_step(f"{url}/step_3", third.revision).delta.fetched_bytes == 0 and together[-1] == 0
+    # Kept: nothing is fetched again (a link kept is read at once, in the walk: no fetch thread meets the barrier).
+    both.abort()
+    assert open_step(f"{url}/step_3", third.revision).delta.fetched_bytes == 0
+
+
+def _counted(monkeypatch) -> list[tuple[str, str, tuple[int, int] | None]]:
+    """The requests obstore sends from now on, as (HEAD or GET, `<step folder>/<file>`, the range read)."""
+    import obstore  # noqa: PLC0415 - obstore: optional dependency (the storage extra)
+
+    sent: list[tuple[str, str, tuple[int, int] | None]] = []
+    head, get = obstore.head, obstore.get
+
+    def named(store, path: str) -> str:
+        return f"{store.prefix.rstrip('/').rsplit('/', 1)[-1]}/{path}"
+
+    def counted_head(store, path, *args, **kwargs):
+        sent.append(("HEAD", named(store, path), None))
+        return head(store, path, *args, **kwargs)
+
+    def counted_get(store, path, *args, options=None, **kwargs):
+        sent.append(("GET", named(store, path), (options or {}).get("range")))
+        return get(store, path, *args, options=options, **kwargs)
+
+    monkeypatch.setattr(obstore, "head", counted_head)
+    monkeypatch.setattr(obstore, "get", counted_get)
+    return sent
+
+
+def test_a_chain_is_walked_once_each_object_asked_about_once(s3, run, env, monkeypatch) -> None:
+    from collections import Counter  # noqa: PLC0415 - only here
+
+    root, _ = run
+    url = _upload(s3, root, "walked")
+    open_step(f"{url}/step_1")  # nothing kept: a full step by URL is read by range
+    sent = _counted(monkeypatch)
+    open_step(f"{url}/step_3")
+    # A host missing both links: each link's delta file and config asked about once (HEAD), its header read by
+    # range once (in one request, or two when the first does not hold it all) and the file fetched once (these
+    # files fit in one part each); step_1 is the full step (no delta there), its headers read once and its
+    # shard fetched.
+    deltas = [(op, name) for op, name, _ in sent if name.endswith(DELTA_FILE)]
+    assert Counter(deltas) == {("HEAD", f"step_{i}/{DELTA_FILE}"): 1 for i in (1, 2, 3)} | {
+        ("GET", f"step_{i}/{DELTA_FILE}"): 1 + _header_requests(root / f"step_{i}" / DELTA_FILE) for i in (2, 3)}, sent
+    assert all(n == 1 for (op, _), n in Counter((op, name) for op, name, _ in sent if op == "HEAD").items()), sent
+    sent.clear()
+    pin = open_step(f"{url}/step_3").revision
+    # A host holding every link: a HEAD of each link's delta file and config.json, of step_1's missing delta
+    # file, and step_1's headers (its config, index, shard header): nothing of a link is read again.
+    heads = sorted(name for op, name, _ in sent if op == "HEAD")
+    assert heads == sorted([f"step_{i}/{name}" for i in (2, 3) for name in (DELTA_FILE, "config.json")]
+                           + [f"step_1/{DELTA_FILE}"]), sent
+    assert [name for op, name, _ in sent if op == "GET" and not name.startswith("step_1/")] == [], sent
+    sent.clear()
+    assert open_step(f"{url}/step_3", pin).revision == pin and len(sent) == 9, sent
+
+
+def _header_requests(file: Path) -> int:
+    """The range requests that read FILE's header: one when the first holds it all (`first_header_read`)."""
+    length = struct.unpack("<Q", file.read_bytes()[:8])[0]
+    return 1 if 8 + length <= first_header_read(file.stat().st_size) else 2
 
 
 def test_a_whole_file_fetch_spreads_over_the_connections() -> None:

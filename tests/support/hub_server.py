@@ -109,6 +109,9 @@ class HubServer:
     faults: list[Fault] = field(default_factory=list)
     # Called with each request once it is answered (a test moves a ref from here, mid-operation).
     on_request: Callable[[_Request], None] | None = None
+    # Called with a file's path in the repo and the Range header (None: the whole file) before its bytes are
+    # sent, in the request's own thread (a test holds one download until another has begun).
+    before_body: Callable[[str, str | None], None] | None = None
     bytes_sent: Counter = field(default_factory=Counter)  # URL path -> body bytes sent
     requests: list[_Request] = field(default_factory=list)
     registry_reads: int = 0  # GET /api/agent-harnesses (huggingface_hub's user agent), left out of `requests`
@@ -392,6 +395,8 @@ def _make_handler(hub: HubServer, *, storage_only: bool) -> type[BaseHTTPRequest
                 headers["Content-Range"] = f"bytes {start}-{end}/{size}"
             length = max(0, end - start + 1)
             body = b""
+            if not head and hub.before_body is not None:
+                hub.before_body(filename, range_header)
             if not head:
                 with open(path, "rb") as f:
                     f.seek(start)

@@ -25,15 +25,15 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 
-from layerwise_cli.checkpoint.delta.format import DELTA_FILE, METADATA_KEY, Delta
-from layerwise_cli.checkpoint.delta.read import read_delta
+from layerwise_cli.checkpoint.delta.format import DELTA_FILE, Delta
+from layerwise_cli.checkpoint.delta.read import base_location_of, first_header_read, read_delta
 from layerwise_cli.checkpoint.fetch.policy import FetchPolicy
 from layerwise_cli.checkpoint.fetch.range_fetcher import RangeFetcher, spread_parts, whole_files
-from layerwise_cli.checkpoint.format.header import header_length, parse_header
+from layerwise_cli.checkpoint.format.header import read_header_by_range
 from layerwise_cli.checkpoint.format.layout import INDEX_NAME
 from layerwise_cli.checkpoint.sources import Checkpoint, open_checkpoint
 from layerwise_cli.checkpoint.store.headers import PIN_PREFIX, store_pin
@@ -44,8 +44,9 @@ from layerwise_cli.errors import LayerwiseError
 _OPEN_POLICY = FetchPolicy(stall_s=30.0, retries=2, backoff_s=0.5)
 CONFIG = "config.json"
 # Connections per object prefix fetching a chain's files (each link's own; links missing together are fetched
-# at the same time, `_fetch_missing_links`).
+# at the same time, `_Links`), and the links fetched at once.
 CONNECTIONS = 4
+_LINK_FETCHES = 8
 
 
 @dataclass(frozen=True)
@@ -80,21 +81,26 @@ class StoreChain:
         return store_pin(self.pinned)
 
 
-def is_store_delta(url: str) -> bool:
-    """True when URL's step folder holds a delta file (one HEAD request).
+def _delta_step(url: str) -> StoreSource | None:
+    """URL's step folder, its delta file's identity read (one HEAD request), or None when it holds none.
 
     Any failure says no: a missing step, bucket, credentials or store is then named by the full step's reading
     (`open_checkpoint`), as for any URL, never by a delta file the user did not ask for.
     """
     try:
-        StoreSource(url.rstrip("/"), policy=_OPEN_POLICY).metadata(DELTA_FILE)
+        source = StoreSource(url, policy=_OPEN_POLICY)
+        source.metadata(DELTA_FILE)
     except LayerwiseError:
-        return False
-    return True
+        return None
+    return source
 
 
 def open_store_chain(url: str, revision: str | None, max_links: int) -> StoreChain | None:
     """Resolve the delta step at URL into its chain, or None when URL is not a delta step (a full step).
+
+    The chain is walked once: a link this host keeps is read from its copy; one it lacks is fetched whole in
+    the background while its base is read from its header by range, so the links a host missed are fetched at
+    the same time, each over its own connections (`_Links`).
 
     Args:
         url: the step's URL (`s3://bucket/run/step_120`).
@@ -106,31 +112,72 @@ def open_store_chain(url: str, revision: str | None, max_links: int) -> StoreCha
             delta that cannot be read, a chain that loops, objects changed since REVISION was read.
     """
     url = url.rstrip("/")
-    if not is_store_delta(url):
+    first = _delta_step(url)
+    if first is None:
         return None
-    links: list[StoreLink] = []
-    fetched = _fetch_missing_links(url, max_links)
-
-    def read_link(source: StoreSource) -> str:
-        nonlocal fetched
-        link, n = _read_link(source)
-        links.append(link)
-        fetched += n
-        return link.delta.base_location
+    pool = ThreadPoolExecutor(_LINK_FETCHES, thread_name_prefix="layerwise-links")
+    links = _Links(pool)
+    fetched = 0
 
     def open_base(base_url: str, child: str) -> Checkpoint:
         nonlocal fetched
-        base, n = _open_base(base_url, child)
-        fetched += n
+        base, fetched = _open_base(base_url, child)
         return base
 
-    pinned, base, base_url = _walk(url, max_links, read_link, open_base)
-    chain = StoreChain(tuple(reversed(links)), base, base_url, pinned, fetched)
+    try:
+        pinned, base, base_url = _walk(first, max_links, links.meet, open_base)
+        read = links.read()
+    finally:
+        # A walk that failed: the fetches not started are dropped, those under way end (each file kept whole).
+        pool.shutdown(wait=True, cancel_futures=True)
+    chain = StoreChain(tuple(reversed([link for link, _ in read])), base, base_url, pinned,
+                       fetched + sum(n for _, n in read))
     if revision is not None and chain.pin != revision:
         raise LayerwiseError(f"the chain's objects changed since this operation pinned them ({revision}, now "
                              f"{chain.pin}), and the store keeps no earlier version to read: refused",
                              where=display_url(url))
     return chain
+
+
+class _Links:
+    """The links of one chain, as its walk meets them (newest first), each read from this host's copy.
+
+    A link the store cache keeps is read at once. One it lacks has its files fetched whole in POOL
+    (`kept_folder`, over its own connections) while its base is read from its header by range: the walk goes
+    on to the next link meanwhile, so links missing together are fetched at the same time, and `read` waits
+    for them.
+    """
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self.pool = pool
+        self._met: dict[str, tuple[Future, str]] = {}  # step URL -> (its link being read, its base location)
+        self._order: list[Future] = []
+
+    def meet(self, source: StoreSource) -> str:
+        """SOURCE's link, read or being fetched; its base location (where the walk goes next)."""
+        if source.url in self._met:  # a loop, met again: the walk's count of links stops it, never `read`
+            return self._met[source.url][1]
+        if source.cached(DELTA_FILE) is not None:
+            future: Future = Future()
+            future.set_result(_read_link(source))
+            location = future.result()[0].delta.base_location
+        else:
+            future = self.pool.submit(_read_link, source)
+            try:
+                location = _base_location(source)
+            except LayerwiseError:  # the delta's own reading names what is wrong with it, as it always has
+                location = future.result()[0].delta.base_location
+        self._met[source.url] = (future, location)
+        self._order.append(future)
+        return location
+
+    def read(self) -> list[tuple[StoreLink, int]]:
+        """Each link met (newest first) and the bytes fetched for it, once its fetch is done.
+
+        Raises:
+            LayerwiseError: a link's files could not be fetched or kept, or its delta cannot be read.
+        """
+        return [future.result() for future in self._order]
 
 
 def store_step_pin(url: str, max_links: int) -> str | None:
@@ -143,44 +190,11 @@ def store_step_pin(url: str, max_links: int) -> str | None:
     Raises:
         LayerwiseError: as `open_store_chain`.
     """
-    url = url.rstrip("/")
-    if not is_store_delta(url):
+    first = _delta_step(url.rstrip("/"))
+    if first is None:
         return None
-    pinned, _, _ = _walk(url, max_links, _base_location, lambda base_url, child: _remote_base(base_url, child))
+    pinned, _, _ = _walk(first, max_links, _base_location, lambda base_url, child: _remote_base(base_url, child))
     return store_pin(pinned)
-
-
-def _fetch_missing_links(url: str, max_links: int) -> int:
-    """Fetch at the same time the delta files of URL's chain this host's store cache lacks, newest first until
-    one is kept (a host that loaded the step before has the rest); the bytes fetched.
-
-    A host that missed several steps, or a new one, would otherwise fetch them one link after the other (each
-    link's base is named in its header): the chain's headers are read by range first, then the missing links
-    are fetched together, each over its own connections. Anything that fails here is left to the chain's
-    reading (`_walk`), which names it as it always does.
-    """
-    missing: list[StoreSource] = []
-    step_url = url
-    try:
-        while len(missing) < max_links:
-            source = StoreSource(step_url, policy=_OPEN_POLICY)
-            if (missing and not _holds_delta(source, url)) or source.cached(DELTA_FILE) is not None:
-                break
-            missing.append(source)
-            step_url = beside(step_url, _base_location(source))
-    except LayerwiseError:
-        pass
-    if len(missing) < 2:
-        return 0  # one link: fetched as the chain is read
-
-    def fetch(source: StoreSource) -> int:
-        try:
-            return kept_folder(source, _link_files(source), {})[1]
-        except LayerwiseError:
-            return 0
-
-    with ThreadPoolExecutor(len(missing), thread_name_prefix="layerwise-links") as pool:
-        return sum(pool.map(fetch, missing))
 
 
 def _link_files(source: StoreSource) -> list[str]:
@@ -188,14 +202,19 @@ def _link_files(source: StoreSource) -> list[str]:
     return [DELTA_FILE] + ([CONFIG] if _exists(source, CONFIG) else [])
 
 
-def _walk(url: str, max_links: int, read_link: Callable[[StoreSource], str],
+def _walk(first: StoreSource, max_links: int, read_link: Callable[[StoreSource], str],
           open_base: Callable[[str, str], Checkpoint]) -> tuple[dict[str, tuple[str, int]], Checkpoint, str]:
-    """Follow URL's chain: READ_LINK each delta step (giving its base location), OPEN_BASE the full step at its
-    start; every object read, named by `<step folder>/<file>`, the full step, and its URL."""
+    """Follow the chain of FIRST's delta step: READ_LINK each delta step (giving its base location), OPEN_BASE
+    the full step at its start; every object read, named by `<step folder>/<file>`, the full step, and its URL.
+
+    Each object is asked about once (a HEAD of each link's delta file and `config.json`, then the full step's
+    headers); READ_LINK reads the rest from the same source, pinned.
+    """
     pinned: dict[str, tuple[str, int]] = {}
-    step_url, child, links = url, url, 0
+    url = step_url = child = first.url
+    links = 0
+    source = first
     while True:
-        source = StoreSource(step_url, policy=_OPEN_POLICY)
         if links and not _holds_delta(source, child):
             break
         if links >= max_links:
@@ -207,24 +226,24 @@ def _walk(url: str, max_links: int, read_link: Callable[[StoreSource], str],
         pinned.update(_named(step_url, {name: source.metadata(name) for name in (DELTA_FILE, CONFIG)
                                         if name in source.pinned}))
         child, step_url = step_url, beside(step_url, location)
+        source = StoreSource(step_url, policy=_OPEN_POLICY)
     base = open_base(step_url, child)
     pinned.update(_named(step_url, base.pinned or {}))
     return pinned, base, step_url
 
 
 def _base_location(source: StoreSource) -> str:
-    """The base location SOURCE's delta names, from its header read by range (never its patches)."""
+    """The base location SOURCE's delta names, from its header read by range (never its patches): one request
+    for most headers, a second for the rest of a longer one (`first_header_read`)."""
     where = source.where(DELTA_FILE)
-    prefix, _, size = source.read(DELTA_FILE, 0, 8)
-    length = header_length(prefix, size, where)
-    header = parse_header(DELTA_FILE, source.read(DELTA_FILE, 8, 8 + length)[0], file_size=size, where=where)
-    try:
-        location = json.loads(header.metadata[METADATA_KEY])["base"]["location"]
-    except (KeyError, TypeError, ValueError):
-        raise LayerwiseError(f"not a delta: its header has no {METADATA_KEY} base location", where=where) from None
-    if not isinstance(location, str):
-        raise LayerwiseError(f"not a delta: its header has no {METADATA_KEY} base location", where=where)
-    return location
+    size = source.metadata(DELTA_FILE)[1]
+
+    def read_range(start: int, end: int) -> tuple[bytes, int]:
+        end = min(end, size)
+        return (source.read(DELTA_FILE, start, end)[0] if end > start else b""), size
+
+    header, _ = read_header_by_range(read_range, DELTA_FILE, where, first_header_read(size))
+    return base_location_of(header, where)
 
 
 def _remote_base(base_url: str, child: str) -> Checkpoint:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from math import prod
 from typing import BinaryIO
@@ -163,6 +163,27 @@ def header_length(prefix: bytes, file_size: int | None, where: str) -> int:
     if header_len > MAX_HEADER_BYTES:
         raise LayerwiseError(f"header length {header_len} exceeds the 100 MB limit", where=where)
     return header_len
+
+
+def read_header_by_range(read_range: Callable[[int, int], tuple[bytes, int | None]], name: str, where: str,
+                         first_bytes: int) -> tuple[ShardHeader, int]:
+    """A file's header read by range: its first FIRST_BYTES in one request (the whole header of most files), the
+    rest of a longer header in a second; the header and the header bytes (8 + its length).
+
+    Args:
+        read_range: bytes `[start, end)` of the file (fewer at its end) and the file's size (None: unknown).
+        name: the file's name in the header.
+        where: the file or URL to name in errors.
+        first_bytes: how much the first request asks for (at least 8).
+    """
+    first, size = read_range(0, first_bytes)
+    length = header_length(first[:8], size, where)
+    raw = first[8:8 + length]
+    if len(raw) < length:
+        raw += read_range(8 + len(raw), 8 + length)[0]
+    if len(raw) < length:
+        raise LayerwiseError(f"truncated: the server sent {len(raw)} of the {length} header bytes", where=where)
+    return parse_header(name, raw, file_size=size, where=where), 8 + length
 
 
 def parse_header(name: str, raw: bytes, *, file_size: int | None, where: str | None = None) -> ShardHeader:

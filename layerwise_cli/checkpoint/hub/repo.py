@@ -27,7 +27,7 @@ from layerwise_cli.checkpoint.hub.pin import HubPin, commit_vanished, hub_error,
 from layerwise_cli.errors import LayerwiseError, describe_exception
 
 __all__ = ["CHECKPOINT_PATTERNS", "HubFetcher", "HubHeaders", "cached_snapshot", "download_checkpoint", "offline",
-           "read_hub_headers"]
+           "read_hub_headers", "read_hub_range"]
 
 # The files of a repo that layerwise downloads (every `snapshot_download` here uses this one list): the
 # weights, their index and config (`*.json`), and the tokenizer, because a downloaded source is also what an
@@ -141,9 +141,9 @@ def _read_remote_headers(
 
 def _read_remote_header(url: str, headers: dict[str, str], name: str, where: str) -> tuple[ShardHeader, int]:
     """Fetch exactly a shard's 8-byte length and its header: two range requests, no tensor data."""
-    prefix, file_size = _get_range(url, headers, 0, 8, where)
+    prefix, file_size = read_hub_range(url, headers, 0, 8, where)
     header_len = header_length(prefix, file_size, where)
-    raw = _get_range(url, headers, 8, header_len, where)[0] if header_len else b""
+    raw = read_hub_range(url, headers, 8, header_len, where)[0] if header_len else b""
     if len(raw) < header_len:
         raise LayerwiseError(f"truncated: the server sent {len(raw)} of the {header_len} header bytes", where=where)
     return parse_header(name, raw, file_size=file_size, where=where), 8 + header_len
@@ -153,7 +153,8 @@ def _read_remote_header(url: str, headers: dict[str, str], name: str, where: str
 _HEADER_POLICY = FetchPolicy(stall_s=0, retries=2, backoff_s=0.5)
 
 
-def _get_range(url: str, headers: dict[str, str], start: int, length: int, where: str) -> tuple[bytes, int | None]:
+def read_hub_range(url: str, headers: dict[str, str], start: int, length: int,
+                   where: str) -> tuple[bytes, int | None]:
     """Bytes `[start, start + length)` of a Hub file (fewer at its end), and the file's size from Content-Range."""
     from huggingface_hub import constants  # noqa: PLC0415 - huggingface_hub: 0.4 s to import, only for a Hub source
 
