@@ -181,12 +181,12 @@ class ServerReload:
             step_done(self.stage)
         return not self.failed
 
-    def preflight(self, *, fleet: bool = True) -> bool:
+    def preflight(self) -> bool:
         """Ask every worker whether SOURCE would reload cleanly, and where what it holds came from. Nothing changes.
 
         Refuses a server without layerwise's worker extension (it can be neither pre-flighted nor reloaded
         back). One whose previous weights are no longer readable there (a trainer deleted that step) passes,
-        with a warning: it keeps the new weights if another server fails (FLEET; alone, there is no other).
+        with a warning: it keeps the new weights if another server fails.
 
         A pinned step by URL or from a Hub run is also prepared by it while the server serves: opened, checked,
         a delta rebuilt where the reload would rebuild it (`worker/state/prepared.py`), so that the pause
@@ -219,12 +219,11 @@ class ServerReload:
                 # Not refused: a trainer deletes old steps, the one a fleet holds included, and refusing would
                 # stall the fleet for good. Said now, and again if it must go back.
                 self.back_missing = back_error
-                if fleet:
-                    self.warnings.append(f"it could not be reloaded back if another server failed: {back_error}")
+                self.warnings.append(f"it could not be reloaded back if another server failed: {back_error}")
             else:
                 self.back = backs.pop()
             # A Hub source held at a commit goes back to that commit; a local path only to what it holds now.
-            if fleet and self.back == (self.source, self.options.reload.revision) and not is_commit(self.back[1]):
+            if self.back == (self.source, self.options.reload.revision) and not is_commit(self.back[1]):
                 self.warnings.append(f"its weights came from {self.source} itself: had another server failed, it "
                                      "could only have been reloaded back to what that path holds now")
             self._emit(Preflighted(self.url, self.back[0] if self.back else None))

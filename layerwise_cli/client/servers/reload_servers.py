@@ -5,8 +5,6 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from layerwise_cli.checkpoint.delta.hub_run import is_hub_step
-from layerwise_cli.checkpoint.store.objects import is_store_url
 from layerwise_cli.client.delivery import plan_operation
 from layerwise_cli.client.servers.api import (
     HOLDS_MIXED,
@@ -85,19 +83,11 @@ def reload_server(url: str, source: str, options: RemoteOptions | None = None,
     """
     run = ServerReload(url, source, options or RemoteOptions(), on_event)
     try:
-        # A pinned step by URL or from a Hub run is pre-flighted first, as a fleet's is: the worker prepares it
-        # (opened, checked, a delta rebuilt) while the server serves, and the pause holds only the apply.
-        if run.check() and (run.method != "layerwise" or not prepared_remotely(source)
-                            or run.preflight(fleet=False)):
+        if run.check():
             run.change()
     finally:
         result = run.finish()
     return result
-
-
-def prepared_remotely(source: str) -> bool:
-    """Whether a server's pre-flight prepares SOURCE for its reload: a step by URL, or a Hub run's step."""
-    return is_store_url(source) or is_hub_step(source)
 
 
 def holdings(results: list[ServerResult], source: str) -> list[str]:
