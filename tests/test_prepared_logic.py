@@ -68,6 +68,26 @@ def test_a_link_that_does_not_rebuild_its_step_leaves_the_folder_as_it_was(chain
     assert not folder.with_name("step" + rebuilt_step._PARTIAL).exists()
 
 
+def test_a_rebuilt_nan_is_refused_before_any_pause_naming_the_step_and_tensor(chain):
+    tensors = small_state_dict(torch.bfloat16)
+    broken = dict(tensors)
+    weight = tensors["model.layers.1.mlp.down_proj.weight"].clone()
+    weight[3, 5] = float("nan")  # one value of a large tensor: a sparse patch, differences and no values
+    broken["model.layers.1.mlp.down_proj.weight"] = weight
+    save_checkpoint(tensors.items(), chain / "nan_run" / "step_1")
+    saved = save_checkpoint(broken.items(), chain / "nan_run" / "step_2", base=chain / "nan_run" / "step_1",
+                            allow_nonfinite=True)
+    assert saved.delta is not None
+    step = open_step(str(chain / "nan_run" / "step_2"))
+    with pytest.raises(LayerwiseError) as refused:
+        write_rebuilt_step(step, chain / "prepared" / "step")
+    message = str(refused.value)
+    assert "nan_run/step_2" in message and "model.layers.1.mlp.down_proj.weight has 1 NaN" in message
+    assert not (chain / "prepared" / "step").exists()
+    # A reload that loads NaN anyway (--allow-nonfinite) gets the step prepared as it is.
+    assert write_rebuilt_step(step, chain / "prepared" / "step", check_finite=False).delta is None
+
+
 def test_a_full_step_is_not_rebuilt(chain):
     with pytest.raises(LayerwiseError, match="not a delta step"):
         write_rebuilt_step(open_step(str(chain / "run" / "step_1")), chain / "prepared" / "step")

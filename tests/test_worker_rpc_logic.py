@@ -82,3 +82,6 @@ def test_a_preflight_sends_the_delta_base_check_only_when_off():
     # (`watch`, whose reload rebuilds a delta whatever the engine holds).
     assert "delta_base_check" not in rpc.PreflightCall(source="s").kwargs()
     assert rpc.PreflightCall(source="s", delta_base_check=False).kwargs()["delta_base_check"] is False
+    # Sent only when on: a server of an earlier version still answers the usual call.
+    assert "allow_nonfinite" not in rpc.PreflightCall(source="s").kwargs()
+    assert rpc.PreflightCall(source="s", allow_nonfinite=True).kwargs()["allow_nonfinite"] is True

@@ -87,7 +87,7 @@ class LayerwiseWorkerExtension:
         return ReloadAnswer(ok=True, report=report.to_dict()).to_json()
 
     def layerwise_preflight(self, source: str, revision: str | None = None, allow_partial: bool = False,
-                            delta_base_check: bool = True) -> dict:
+                            delta_base_check: bool = True, allow_nonfinite: bool = False) -> dict:
         """Pre-flight SOURCE as a reload would (its headers, this rank's plan, the checks); change nothing.
 
         Also says where the weights this worker holds came from (`loaded_from`) and whether their headers can
@@ -101,7 +101,8 @@ class LayerwiseWorkerExtension:
         """
         try:
             run = plan_run(self, source, ReloadOptions(revision=revision, allow_partial=allow_partial,
-                                                       delta_base_check=delta_base_check), records_of(self))
+                                                       delta_base_check=delta_base_check,
+                                                       allow_nonfinite=allow_nonfinite), records_of(self))
             try:
                 if run.remote is not None:
                     run.remote.check()
@@ -112,7 +113,8 @@ class LayerwiseWorkerExtension:
             # Opened, fetched, checked (and a delta the reload would rebuild, rebuilt) now, while the server
             # serves: the reload at this pin takes it.
             prepare_for_reload(self, source, revision, planned,
-                               rebuilds=run.patch is None or bool(run.patch.not_patched))
+                               rebuilds=run.patch is None or bool(run.patch.not_patched),
+                               check_finite=not allow_nonfinite)
             back, back_revision = loaded_from(self)
             try:
                 if is_store_url(back) or is_hub_step(back):

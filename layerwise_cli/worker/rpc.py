@@ -195,6 +195,8 @@ class PreflightCall:
         allow_partial: accept a checkpoint that covers only some parameters.
         delta_base_check: as `ReloadOptions.delta_base_check`: False when the reload it checks rebuilds a delta
             whatever the engine holds (`watch`), so that the pre-flight does not refuse what the reload would load.
+        allow_nonfinite: as `ReloadOptions.allow_nonfinite`: the step a pre-flight prepares is refused for a
+            NaN or Inf value unless the reload would load it anyway.
     """
 
     method: ClassVar[str] = PREFLIGHT
@@ -203,11 +205,17 @@ class PreflightCall:
     allow_partial: bool = False
     # As `ReloadOptions.delta_base_check`: False for a reload that does not check a delta's base (`watch`).
     delta_base_check: bool = True
+    # As `ReloadOptions.allow_nonfinite`: True when the reload it checks loads NaN/Inf values.
+    allow_nonfinite: bool = False
 
     def kwargs(self) -> dict[str, Any]:
         found = {"source": self.source, "revision": self.revision, "allow_partial": self.allow_partial}
-        # Sent only when off: a server of an earlier version, which always checks, still answers the usual call.
-        return found if self.delta_base_check else {**found, "delta_base_check": False}
+        # Each sent only when not the default: a server of an earlier version still answers the usual call.
+        if not self.delta_base_check:
+            found["delta_base_check"] = False
+        if self.allow_nonfinite:
+            found["allow_nonfinite"] = True
+        return found
 
 
 

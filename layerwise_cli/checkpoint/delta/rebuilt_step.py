@@ -17,6 +17,7 @@ from pathlib import Path
 
 from layerwise_cli.checkpoint.delta.buffers import RebuildBuffers
 from layerwise_cli.checkpoint.delta.source import DeltaChain, rebuilt_bytes
+from layerwise_cli.checkpoint.format.finite import ByteScan, NonFinite, refusal
 from layerwise_cli.checkpoint.format.header import encode_header
 from layerwise_cli.checkpoint.format.layout import INDEX_NAME
 from layerwise_cli.checkpoint.sources import Checkpoint, open_checkpoint
@@ -25,8 +26,12 @@ from layerwise_cli.errors import LayerwiseError, describe_exception
 _PARTIAL = ".partial"
 
 
-def write_rebuilt_step(step: Checkpoint, folder: Path) -> Checkpoint:
+def write_rebuilt_step(step: Checkpoint, folder: Path, *, check_finite: bool = True) -> Checkpoint:
     """Write the full step STEP rebuilds (a delta step as `open_step` opens it) into FOLDER, and open it.
+
+    With CHECK_FINITE, every rebuilt tensor is checked for NaN and Inf as it is written, as a reload checks
+    what it reads: a step that holds one is refused here, naming the step and the tensor (a server's
+    pre-flight then refuses it before any server pauses).
 
     FOLDER is filled under a temporary name beside it and renamed into place, so that it holds a whole step or
     nothing; whatever was there is replaced.
@@ -35,8 +40,8 @@ def write_rebuilt_step(step: Checkpoint, folder: Path) -> Checkpoint:
         The step read from FOLDER, with STEP's `source`, `kind`, `revision`, `pinned` and `commit`, and no delta.
 
     Raises:
-        LayerwiseError: STEP is not a delta step, a tensor does not rebuild to the step's digest, or FOLDER
-            cannot be written (each naming the file).
+        LayerwiseError: STEP is not a delta step, a tensor does not rebuild to the step's digest or holds NaN or
+            Inf, or FOLDER cannot be written (each naming the file or the step).
     """
     chain = step.delta
     if not isinstance(chain, DeltaChain):
@@ -48,7 +53,7 @@ def write_rebuilt_step(step: Checkpoint, folder: Path) -> Checkpoint:
         buffers = RebuildBuffers()
         try:
             for shard in step.shards:
-                _write_shard(step, shard, chain, partial / shard.name, buffers)
+                _write_shard(step, shard, chain, partial / shard.name, buffers, check_finite)
         finally:
             buffers.close()
         _write_json(partial / INDEX_NAME, {"metadata": {"total_size": step.total_bytes}, "weight_map": {
@@ -67,8 +72,10 @@ def write_rebuilt_step(step: Checkpoint, folder: Path) -> Checkpoint:
                    pinned=step.pinned, commit=step.commit)
 
 
-def _write_shard(step: Checkpoint, shard, chain: DeltaChain, path: Path, buffers: RebuildBuffers) -> None:
-    """One shard of the step: the header (the step's digests), then each tensor rebuilt at its offset."""
+def _write_shard(step: Checkpoint, shard, chain: DeltaChain, path: Path, buffers: RebuildBuffers,
+                 check_finite: bool) -> None:
+    """One shard of the step: the header (the step's digests), then each tensor rebuilt at its offset (and,
+    with CHECK_FINITE, refused if it holds NaN or Inf)."""
     import numpy as np  # noqa: PLC0415 - numpy: 0.1 s to import, only where an array is built
 
     source = step.shard_path(shard)
@@ -78,8 +85,18 @@ def _write_shard(step: Checkpoint, shard, chain: DeltaChain, path: Path, buffers
         out.write(header)
         for entry in sorted(shard.tensors, key=lambda t: t.begin):
             raw = data[shard.data_start + entry.begin:shard.data_start + entry.end]
+            rebuilt = rebuilt_bytes(chain, entry, raw, str(source), buffers)
+            if check_finite:
+                _refuse_nonfinite(entry, rebuilt, step.source)
             out.seek(len(header) + entry.begin)
-            out.write(memoryview(rebuilt_bytes(chain, entry, raw, str(source), buffers)))
+            out.write(memoryview(rebuilt))
+
+
+def _refuse_nonfinite(entry, data, where: str) -> None:
+    scan = ByteScan(entry.dtype)
+    scan.update(data)
+    if scan.found:
+        raise refusal(NonFinite(entry.name, entry.shard, scan.nan, scan.inf), where)
 
 
 def _write_json(path: Path, doc: dict) -> None:

@@ -202,7 +202,8 @@ class ServerReload:
                                    "was changed (start it with `layerwise serve`, or pass --no-atomic)")
             engines = self.client.ask(PreflightCall(source=self.source, revision=self.options.reload.revision,
                                                     allow_partial=self.options.reload.allow_partial,
-                                                    delta_base_check=self.options.reload.delta_base_check))
+                                                    delta_base_check=self.options.reload.delta_base_check,
+                                                    allow_nonfinite=self.options.reload.allow_nonfinite))
             answers = [PreflightAnswer.from_json(r) for workers in engines for r in workers]
             failure = next((a for a in answers if not a.ok), None)
             if failure is not None or not answers:

@@ -105,19 +105,24 @@ def plan_reload(worker, source: str, *, revision: str | None = None, allow_parti
     return PlannedReload(folder, checkpoint, position, mine, [*notes, *prepared_notes], commit)
 
 
-def prepare_for_reload(worker, source: str, revision: str | None, planned: PlannedReload, rebuilds: bool) -> None:
+def prepare_for_reload(worker, source: str, revision: str | None, planned: PlannedReload, rebuilds: bool,
+                       check_finite: bool = True) -> None:
     """Keep SOURCE as this pre-flight opened and checked it, for the reload at the same pin (`state/prepared.py`).
 
     A delta step the reload would rebuild (REBUILDS: some of its layers cannot be patched in place) is rebuilt
     here, once, into a full step's files on this host: the reload then reads those, inside a server's pause,
-    and decodes nothing. Only for an engine of one rank (each rank of a larger one would rebuild the whole step).
+    and decodes nothing; with CHECK_FINITE, a NaN or Inf it rebuilds is refused here, before any pause. Only
+    for an engine of one rank (each rank of a larger one would rebuild the whole step).
+
+    Raises:
+        LayerwiseError: the step does not rebuild, or holds NaN or Inf (CHECK_FINITE).
     """
     if not revision or not (is_store_url(source) or is_hub_step(source)):
         return
     checkpoint, notes = planned.checkpoint, ()
     position = planned.position
     if checkpoint.delta is not None and rebuilds and position.tp_size * position.pp_size == 1:
-        checkpoint = write_rebuilt_step(checkpoint, prepared_folder())
+        checkpoint = write_rebuilt_step(checkpoint, prepared_folder(), check_finite=check_finite)
         # The rebuilt step is a full step: what the chain told about the engine is said here, once.
         notes = tuple(note for note in planned.notes if note.startswith(OFF_CHAIN_NOTE))
     prepared_of(worker).keep(source, revision, checkpoint, notes)
