@@ -205,7 +205,6 @@ class PreflightCall:
     allow_partial: bool = False
     # As `ReloadOptions.delta_base_check`: False for a reload that does not check a delta's base (`watch`).
     delta_base_check: bool = True
-    # As `ReloadOptions.allow_nonfinite`: True when the reload it checks loads NaN/Inf values.
     allow_nonfinite: bool = False
 
     def kwargs(self) -> dict[str, Any]:
@@ -216,7 +215,6 @@ class PreflightCall:
         if self.allow_nonfinite:
             found["allow_nonfinite"] = True
         return found
-
 
 
 @dataclass(frozen=True)
