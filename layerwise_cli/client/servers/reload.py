@@ -253,7 +253,7 @@ class ServerReload:
             self.report = (self.client.layerwise_reload(self.source, options) if self.method == "layerwise"
                            else self.client.vllm_reload(self.source, options.weight_version))
             self.holds = HOLDS_NEW
-            self._reset_prefix_cache()
+            self._reset_prefix_cache_unless_cleared()
             self._emit(Reloaded(self.url, self.report))
             step_done(self.stage)
 
@@ -277,7 +277,7 @@ class ServerReload:
             self.changed_ok = True
         return self.changed_ok
 
-    def _reset_prefix_cache(self) -> None:
+    def _reset_prefix_cache_unless_cleared(self) -> None:
         """Drop the KV blocks computed with the previous weights, unless the pause did: vLLM's pause (`wait`,
         `abort`) clears the caches once the engine is idle, and nothing ran since while layerwise's lease held it
         (without the lease, anyone may have resumed it meanwhile). One round trip less inside the pause."""
@@ -315,7 +315,7 @@ class ServerReload:
                            reload=replace(self.options.reload, revision=revision, all_layers=False,
                                           allow_partial=True, allow_nonfinite=True, delta_base_check=False))
             self.client.layerwise_reload(source, back)
-            self._reset_prefix_cache()
+            self._reset_prefix_cache_unless_cleared()
             if self.options.verify:
                 checked = self.client.verify(source, revision, allow_unchecked=self.options.reload.allow_unchecked)
                 if not checked.ok:
