@@ -108,3 +108,19 @@ def test_the_killed_server_must_come_back_on_the_newest_step_in_its_first_reload
     assert f.check_server_kill(back, B, 90.0, newest, 40.0).ok
     twice = [{"event": "reload_done", "server": B, "step": "step_2", "time": 95.0}, *back]
     assert not f.check_server_kill(twice, B, 90.0, newest, 40.0).ok
+
+
+def test_the_killed_servers_first_reload_counts_from_watch_seeing_it_back():
+    # Killed at 90; `watch` tried it while down (not reached), saw it back at 120, and reloaded it at 125, before
+    # the loop's own health check returned (at 130, on a loaded machine): the reload at 125 is the one that counts.
+    newest = pub(3, 30.0)
+    down = [{"event": "reload_failed", "server": B, "step": "step_3", "time": 91.0},
+            {"event": "server_down", "server": B, "time": 91.0},
+            {"event": "server_back", "server": B, "time": 120.0}]
+    caught_up = [*down, {"event": "reload_done", "server": B, "step": "step_3", "time": 125.0},
+                 {"event": "reload_failed", "server": B, "step": "step_4", "time": 140.0}]
+    assert f.check_server_kill(caught_up, B, 90.0, newest, 40.0).ok
+    refused = [*down, {"event": "reload_failed", "server": B, "step": "step_3", "time": 125.0}]
+    assert not f.check_server_kill(refused, B, 90.0, newest, 40.0).ok
+    other = [{**e, "server": A} for e in caught_up]
+    assert not f.check_server_kill(other, B, 90.0, newest, 40.0).ok

@@ -71,11 +71,17 @@ def check_versions_loaded(events: list[dict], answers: list[Answer], initial: se
                  f"{len(answers)} answers" if not wrong else f"{len(wrong)} answers, such as {wrong[:2]}")
 
 
-def check_server_kill(events: list[dict], server: str, restarted: float, newest: Published,
-                      started_s: float) -> Check:
-    """The killed server, restarted, came up and caught up with the newest step in one reload."""
-    after = sorted((e for e in events if e.get("server") == server and e["time"] >= restarted
-                    and e["event"] in ("reload_done", "reload_failed")), key=lambda e: e["time"])
+def check_server_kill(events: list[dict], server: str, killed: float, newest: Published, started_s: float) -> Check:
+    """The killed server, restarted, came up and caught up with the newest step in one reload.
+
+    Counted from the kill, not from the restart's return: `watch` may see the server answer, and reload it, before
+    the loop's own health check does (a loaded machine). Reloads that failed because the killed server did not
+    answer are `watch` noticing it down; the first reload after `watch` saw it back is the one that counts."""
+    mine = [e for e in events if e.get("server") == server and e["time"] >= killed]
+    back = [e["time"] for e in mine if e["event"] == "server_back"]
+    since = back[0] if back else killed
+    after = sorted((e for e in mine if e["time"] >= since and e["event"] in ("reload_done", "reload_failed")),
+                   key=lambda e: e["time"])
     first = after[0] if after else None
     ok = first is not None and first["event"] == "reload_done" and first["step"] == newest.name
     return Check("killed server back on the newest step in one reload", ok,

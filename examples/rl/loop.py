@@ -154,14 +154,14 @@ class Run:
         url = self.fleet.urls[KILLED]
         self.traffic.take_out(url)
         self.mark("server_killed", server=url)
+        killed = time.time()
         took = self.fleet.kill_and_restart(KILLED)
-        restarted = time.time()
         self.pauses.restarted(url)
         self.mark("server_restarted", server=url, start_s=took, line=self.fleet.start_lines(KILLED)[-1])
         self.traffic.put_back(url)
         self.wait_served()
         newest = self.good
-        self.later.append(lambda events, answers: f.check_server_kill(events, url, restarted, newest, took))
+        self.later.append(lambda events, answers: f.check_server_kill(events, url, killed, newest, took))
 
     def events(self) -> list[dict]:
         return list(self.watch.events)
