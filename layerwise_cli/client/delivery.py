@@ -20,10 +20,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from layerwise_cli.checkpoint.delta.hub_run import is_hub_step
+from layerwise_cli.checkpoint.delta.source import is_remote_step
 from layerwise_cli.checkpoint.hub.pin import HubPin, is_commit
 from layerwise_cli.checkpoint.sources import looks_like_repo_id
-from layerwise_cli.checkpoint.store.objects import is_store_url
 from layerwise_cli.client.pinning import pin_reload
 from layerwise_cli.worker.rpc import DELIVERIES, ReloadOptions
 
@@ -40,7 +39,7 @@ def decide_delivery(source: str, *, engine_model: str | None, in_process: bool, 
             `--url`); False for running servers, `watch` and the Python API on an engine already up.
         bounded_disk: keep nothing on disk beyond what the reload hands over (`--bounded-disk`).
     """
-    if is_store_url(source) or is_hub_step(source):
+    if is_remote_step(source):
         return STREAM
     if not looks_like_repo_id(source):
         return LOCAL

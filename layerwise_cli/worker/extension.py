@@ -8,10 +8,8 @@ from layerwise_cli import (
     EXTENSION_CLS,  # noqa: F401 - re-exported for the engine side
     __version__,
 )
-from layerwise_cli.checkpoint.delta.hub_run import is_hub_step
-from layerwise_cli.checkpoint.delta.source import open_step
+from layerwise_cli.checkpoint.delta.source import is_remote_step, open_step
 from layerwise_cli.checkpoint.sources import open_checkpoint, resolve_local
-from layerwise_cli.checkpoint.store.objects import is_store_url
 from layerwise_cli.errors import describe_exception
 from layerwise_cli.vllm_logs import silence_rotary_reload_warning
 from layerwise_cli.worker.proof.checksums import model_checksums, storage_pointers
@@ -117,7 +115,7 @@ class LayerwiseWorkerExtension:
                                check_finite=not allow_nonfinite)
             back, back_revision = loaded_from(self)
             try:
-                if is_store_url(back) or is_hub_step(back):
+                if is_remote_step(back):
                     open_step(back, back_revision)  # by range, at its pin (a delta's chain): never downloaded
                 else:
                     open_checkpoint(str(resolve_local(back, back_revision)))

@@ -25,6 +25,13 @@ from layerwise_cli.checkpoint.store.objects import display_url, is_store_url
 from layerwise_cli.errors import LayerwiseError
 
 
+def is_remote_step(source: str) -> bool:
+    """Whether SOURCE is a step read by range at a pin, perhaps the last link of a delta chain: a store URL or a
+    Hub run's step (`hf://org/run/step_120`). `open_step` opens it in place, from this host's copies of what it
+    fetched; nothing is downloaded whole."""
+    return is_store_url(source) or is_hub_step(source)
+
+
 def open_step(source: str, revision: str | None = None) -> Checkpoint:
     """`open_checkpoint`, except that a sparse delta (local, or a step folder by URL) is opened as the full step
     it rebuilds.

@@ -8,8 +8,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from layerwise_cli.checkpoint.delta.hub_run import is_hub_step
-from layerwise_cli.checkpoint.delta.source import open_step
+from layerwise_cli.checkpoint.delta.source import is_remote_step, open_step
 from layerwise_cli.checkpoint.hub.pin import HubPin, hub_error
 from layerwise_cli.checkpoint.hub.repo import download_checkpoint
 from layerwise_cli.checkpoint.sources import looks_like_repo_id, open_checkpoint
@@ -66,9 +65,8 @@ def prepare_sources(source: str, base: str | None, revision: str | None, quiet: 
                              "reload streams the URL", where=display_url(source))
     if delivery in (PREFETCH, STREAM):
         # A URL or a Hub run's step may be a delta: opened as the full step it rebuilds (`open_step`).
-        remote_step = is_store_url(source) or is_hub_step(source)
         worker_source = source
-        checkpoint = open_step(source, revision) if remote_step else open_checkpoint(source, revision)
+        checkpoint = open_step(source, revision) if is_remote_step(source) else open_checkpoint(source, revision)
     else:
         worker_source = str(download_source(source, revision, quiet)) if delivery == DOWNLOAD else source
         checkpoint = open_step(worker_source)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from layerwise_cli.checkpoint.delta.hub_run import is_hub_step
 from layerwise_cli.checkpoint.delta.rebuilt_step import write_rebuilt_step
-from layerwise_cli.checkpoint.delta.source import open_step
+from layerwise_cli.checkpoint.delta.source import is_remote_step, open_step
 from layerwise_cli.checkpoint.hub.pin import is_commit, repo_cache_folder
 from layerwise_cli.checkpoint.sources import Checkpoint, looks_like_repo_id, open_checkpoint, pin_source, resolve_local
 from layerwise_cli.checkpoint.store.objects import display_url, is_store_url
@@ -117,7 +117,7 @@ def prepare_for_reload(worker, source: str, revision: str | None, planned: Plann
     Raises:
         LayerwiseError: the step does not rebuild, or holds NaN or Inf (CHECK_FINITE).
     """
-    if not revision or not (is_store_url(source) or is_hub_step(source)):
+    if not revision or not is_remote_step(source):
         return
     checkpoint, notes = planned.checkpoint, ()
     position = planned.position
