@@ -43,19 +43,31 @@ class CoreChoice:
         said: the start line's words, naming the cores ("CPU cores 1 (CPU 0 is
             held by another engine's worker)").
         warning: one line when every core was taken and the new engine shares some; else None.
+        processes: the CPUs every process of the new engine may run on (its
+            server, engine core and workers), when other engines' workers hold
+            some cores and others are free: the free ones. A process that
+            starts on a core a busy worker holds can wait there for minutes:
+            importing torch, MKL pins the importing thread to each allowed CPU
+            in turn to count cores, and on this 2-core VM a server restarted
+            beside a busy one sat in that call for over 10 minutes. None: leave
+            the processes' affinity as it is.
     """
 
     binding: str | None
     said: str
     warning: str | None = None
+    processes: tuple[int, ...] | None = None
 
 
 def worker_cpu_holders(exclude: int | None = None, pids: list[int] | None = None) -> dict[int, int]:
     """CPU -> how many vLLM worker processes on this host (`VLLM::Worker...`, other than EXCLUDE) are bound to it.
 
     A worker whose affinity is every CPU of the host is not bound and counts
-    for nothing. Processes that cannot be read (gone, another user's) are
-    passed over. PIDS: only these processes (default: every one in /proc).
+    for nothing, and neither does a dead one (a zombie its parent has not
+    reaped yet: a server killed and restarted at once leaves its worker so for
+    a while, and counting it had the restart share the busy server's core).
+    Processes that cannot be read (gone, another user's) are passed over.
+    PIDS: only these processes (default: every one in /proc).
     """
     everything = set(range(os.cpu_count() or 1))
     holders: dict[int, int] = {}
@@ -71,6 +83,8 @@ def worker_cpu_holders(exclude: int | None = None, pids: list[int] | None = None
             with open(f"/proc/{pid}/comm") as handle:
                 if not handle.read().startswith(WORKER_TITLE):
                     continue
+            if _is_dead(pid):
+                continue
             cpus = os.sched_getaffinity(pid)
         except OSError:
             continue
@@ -78,6 +92,13 @@ def worker_cpu_holders(exclude: int | None = None, pids: list[int] | None = None
             for cpu in cpus:
                 holders[cpu] = holders.get(cpu, 0) + 1
     return holders
+
+
+def _is_dead(pid: int) -> bool:
+    """Whether process PID has exited (a zombie, or being torn down): its state in /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as handle:
+        state = handle.read().rsplit(")", 1)[1].split()[0]
+    return state in ("Z", "X")
 
 
 def bound_worker_cpus(exclude: int | None = None, pids: list[int] | None = None) -> set[int]:
@@ -204,7 +225,8 @@ def choose_cores(workers: int, *, requested: str | None = None, holders: dict[in
     whose = f"CPU {format_cpu_list(held)} {'is' if len(held) == 1 else 'are'} held by other engines' workers"
     if len(free) >= workers:
         binding = _split(free, workers)
-        return CoreChoice(binding, f"CPU cores {binding} ({whose})")
+        unheld = tuple(cpu for cpu in allowed if cpu not in holders)
+        return CoreChoice(binding, f"CPU cores {binding} ({whose})", processes=unheld)
     shared = sorted(sorted(allowed, key=lambda cpu: (holders.get(cpu, 0), cpu))[:workers])
     binding = _split(shared, workers) if len(shared) >= workers else "|".join(str(shared[0]) for _ in range(workers))
     load = ", ".join(f"CPU {cpu}: {holders.get(cpu, 0)}" for cpu in allowed)

@@ -32,6 +32,9 @@ def test_a_single_worker_takes_a_core_no_other_engine_holds():
     # On a larger host it takes every free core; several workers split them.
     assert _choose(1, {0: 1, 1: 1}, list(range(2, 8)) + [0, 1]).binding == "2-7"
     assert _choose(2, {0: 1, 1: 1}, list(range(6))).binding == "2-3|4-5"
+    # The new engine's processes (its server, engine core, workers) stay off the held cores too.
+    assert choice.processes == (1,)
+    assert _choose(1, {0: 1, 1: 1}, list(range(8))).processes == (2, 3, 4, 5, 6, 7)
 
 
 def test_with_no_core_held_a_single_worker_gets_what_vllm_auto_would_pick():
@@ -41,6 +44,7 @@ def test_with_no_core_held_a_single_worker_gets_what_vllm_auto_would_pick():
     if len(cpus) > 1:
         assert parse_cpu_list(choice.binding)[-1] < cpus[-1]
     assert choice.said.startswith(f"CPU cores {choice.binding} (no other engine's worker holds a core here)")
+    assert choice.processes is None  # nothing to keep off
 
 
 def test_with_no_core_held_several_workers_split_the_host(monkeypatch):
@@ -53,6 +57,7 @@ def test_every_core_taken_shares_the_least_loaded_and_says_so_in_one_line():
     assert choice.binding == "1"
     assert choice.warning is not None and "\n" not in choice.warning
     assert "CPU 0: 2, CPU 1: 1" in choice.warning and "--cpus" in choice.warning
+    assert choice.processes is None  # no core is free: the processes may run anywhere, as the workers share
     # A tie goes to the lower CPU; two workers on two taken cores get one each.
     assert _choose(1, {0: 1, 1: 1}, [0, 1]).binding == "0"
     assert _choose(2, {0: 1, 1: 1}, [0, 1]).binding == "0|1"
@@ -66,6 +71,8 @@ def test_the_users_choice_wins_and_a_binding_in_the_environment_is_kept():
     assert _choose(2, {}, [0, 1], requested="1|0").binding == "1|0"
     kept = _choose(1, {0: 1}, [0, 1], environ={BIND_ENV: "0"})
     assert kept.binding is None and kept.said == f"CPU cores 0 ({BIND_ENV})"
+    # The user's cores are the workers'; the processes' affinity is left as the user set it.
+    assert _choose(1, {0: 3}, [0, 1], requested="1").processes is None and kept.processes is None
 
 
 @pytest.mark.parametrize("bad", ["x", "0-", "0|1|2", "1-a"])

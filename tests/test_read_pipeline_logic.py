@@ -282,6 +282,11 @@ def test_fingerprints_read_by_two_threads_equal_those_read_by_one():
     assert layer_fingerprints_parallel(modules, layers, set()) == one
 
 
+def _state(pid: int) -> str:
+    """Process PID's state letter in /proc (R, S, Z, ...)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_a_cpu_another_vllm_worker_is_bound_to_is_never_spare():
     cpu = max(os.sched_getaffinity(0))
@@ -307,6 +312,13 @@ def test_a_cpu_another_vllm_worker_is_bound_to_is_never_spare():
         assert bound_worker_cpus(exclude=worker.pid, pids=[worker.pid]) == set()
         assert bound_worker_cpus(pids=[other.pid, unbound.pid]) == set()
         assert cpu in bound_worker_cpus()  # the scan of every process finds it too
+        # Killed and not reaped yet (a zombie, as a crashed server's worker is for a while): it holds nothing.
+        worker.kill()
+        deadline = time.monotonic() + 10
+        while _state(worker.pid) != "Z" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _state(worker.pid) == "Z"
+        assert bound_worker_cpus(pids=[worker.pid]) == set()
     finally:
         for started in (worker, other, unbound):
             started.kill()

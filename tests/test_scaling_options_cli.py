@@ -37,6 +37,24 @@ def test_serve_passes_the_parallel_sizes_to_vllm_and_binds_a_core_per_worker(mon
 
 
 @pytest.mark.usefixtures("local_some_model")
+def test_serve_beside_a_busy_engine_keeps_all_its_processes_off_that_engines_cores(monkeypatch):
+    # A server restarted beside a busy one: its worker computes on CPU 1, and its API server and engine core
+    # start there too (`layerwise serve` sets its own affinity before it becomes the server; vLLM's processes
+    # inherit it), never on the core the busy worker holds.
+    if cuda_available():
+        pytest.skip("a GPU is present: serve binds no CPU cores there")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr("layerwise_cli.engine_cpus.worker_cpu_holders", lambda **_: {0: 1})
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    result = _invoke("serve", "some/model", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "VLLM_CPU_OMP_THREADS_BIND=1 taskset -c 1 " in result.stdout
+    # With no core held there is nothing to keep off.
+    monkeypatch.setattr("layerwise_cli.engine_cpus.worker_cpu_holders", lambda **_: {})
+    assert "taskset" not in _invoke("serve", "some/model", "--dry-run").stdout
+
+
+@pytest.mark.usefixtures("local_some_model")
 def test_vllm_spellings_of_the_parallel_sizes_are_governed_by_serve():
     assert governed_option("-pp2") == "--pipeline-parallel-size"
     assert governed_option("-dp=2") == "--data-parallel-size"

@@ -101,4 +101,6 @@ def serve_command(
     sys.stdout.flush()
     sys.stderr.flush()
     env = {**os.environ, **command.env}
+    if command.cpus:
+        os.sched_setaffinity(0, command.cpus)  # the server, its engine core and workers: off other engines' cores
     os.execvpe(command.argv[0], command.argv, env)

