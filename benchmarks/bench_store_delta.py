@@ -4,46 +4,63 @@ Run (an engine shares this machine's cores: take the lock):
 
     flock /tmp/layerwise-engine.lock .venv/bin/python -m benchmarks.bench_store_delta --size-gib 0.2 \\
         --throttle 12e6 --out /tmp/bench-store-delta
+    ... --stores hub ...     # one store alone (default: s3,hub, both in the same run)
 
 It writes a synthetic Qwen3-architecture checkpoint (real bf16 values) as `step_1`, then three AdamW steps
 (`--lr`, default 3e-6: about 3% of bf16 values change per step, `bench_rl_steps`) saved with
-`save_checkpoint(base=...)` as deltas `step_2`..`step_4`, and `step_4` again in full. Both go to SeaweedFS
-(`tests/support/seaweed.py`) behind a proxy that paces each connection's replies to `--throttle` bytes/s, as a
-CDN limits each connection. One in-process engine, started on `step_1`, loads `s3://.../run/step_1` (every
-layer: the host's store cache then holds it), then the deltas `step_2` and `step_3`; then, timed, the same
-step two ways from the same state (the engine on `step_3`):
+`save_checkpoint(base=...)` as deltas `step_2`..`step_4`, and `step_4` again in full. Each store of `--stores`
+(default both, in one run) serves them, each connection paced to `--throttle` bytes/s, as a CDN limits each
+connection (`benchmarks/served_run.py`):
 
-    full    `reload(llm, "s3://.../full/step_4")`: the full step by URL
-    delta   `reload(llm, "s3://.../run/step_4")`: the delta by URL (its chain's full step from the cache)
+    s3   SeaweedFS (`tests/support/seaweed.py`) behind a pacing proxy: `s3://ckpts/run/step_N`, and the full
+         step as `s3://ckpts/full/step_4`; an empty store cache of the run's own
+    hub  the loopback Hub (`tests/support/hub_server.py`, LFS bytes from its CDN origin behind a 302, as in
+         `bench_hub`): the run pushed to `org/run` a commit per step (`hf://org/run/step_N`), the full step as
+         `hf://org/full/step_4`; `HF_ENDPOINT` pointing at it, an empty Hub cache of the run's own
 
-The figures are each reload's wall time and the bytes the proxy sent (the store's replies: headers, shards,
-delta files) and the report's `fetched_bytes`.
+One in-process engine, started on `step_1` (local), takes both stores' steps in turn. For each store it loads
+that store's `step_1` (every layer: the host's cache then holds it), then the deltas `step_2` and `step_3` (on
+the Hub, each at the commit that pushed it, as a host that followed the run did); then, timed, step 4 two ways
+from the same state (the engine on `step_3`):
+
+    full    `reload(llm, ".../full/step_4")`: the full step by URL
+    delta   `reload(llm, ".../run/step_4")`: the delta by URL (its chain's full step from the host's cache; on
+            the Hub at the commit `main` names, the one that pushed step_4)
+
+Each row's figures: the reload's wall time, the bytes the store sent meanwhile (s3: every byte the proxy relayed,
+headers, shards and delta files; hub: the body of every reply of both origins), the report's `fetched_bytes`
+(None for the full step from the Hub: the report counts a Hub run's fetch for a delta step only), and whether
+the engine then holds step 4's tensors (`verify_engine` against the local full step_4, untimed). results.json
+holds a section per store (`s3`, `hub`); the summary prints a line per store. `--quick` writes a 4-layer model
+of a few MB instead, for the test (`tests/test_bench_quick.py`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import layerwise_cli
 from benchmarks.bench_checkpoints import model_for, tokenizer_vocab, write_bench_checkpoint
+from benchmarks.served_run import STORES, ServedRun
 from layerwise_cli.demo import demo_checkpoint
 from layerwise_cli.writer.save import save_checkpoint
 from tests.support.engine_support import copy_non_weights
 from tests.support.in_process import start_here, stop_here
-from tests.support.seaweed import BUCKET, SeaweedS3, weed_binary
 from tests.support.synthetic import normal_weights
-from tests.support.throttle_proxy import ThrottleProxy
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-gib", type=float, default=0.2, help="checkpoint size (default 0.2)")
     parser.add_argument("--throttle", type=float, default=12e6, help="bytes per second per connection")
+    parser.add_argument("--stores", default=",".join(STORES),
+                        help=f"the stores to serve the run from, comma separated (default {','.join(STORES)})")
+    parser.add_argument("--quick", action="store_true", help="a 4-layer model of a few MB (for the test)")
     parser.add_argument("--lr", type=float, default=3e-6, help="AdamW learning rate (default 3e-6)")
     parser.add_argument("--warmup", type=int, default=2, help="AdamW steps before step_1 (default 2)")
     parser.add_argument("--work", type=Path, default=None,
@@ -51,15 +68,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "options are used again); default: a temporary folder")
     parser.add_argument("--write-only", action="store_true", help="write the steps into --work, start no engine")
     parser.add_argument("--out", type=Path, required=True, help="folder for results.json")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.stores = [name.strip() for name in args.stores.split(",") if name.strip()]
+    unknown = sorted(set(args.stores) - set(STORES))
+    if unknown or not args.stores:
+        parser.error(f"--stores: {', '.join(unknown) or 'none'} (one or more of {', '.join(STORES)})")
+    return args
 
 
-def write_run(work: Path, size_gib: float, lr: float, warmup: int) -> dict:
+def write_run(work: Path, size_gib: float, lr: float, warmup: int, quick: bool = False) -> dict:
     """step_1 in full, step_2..step_4 as deltas (one AdamW step each), step_4 in full: each step's changed share."""
     from safetensors.torch import load_file  # noqa: PLC0415 - torch: heavy (`--help` stays fast)
 
     tokenizer = demo_checkpoint("multiply")
-    model = model_for(argparse.Namespace(preset=None, quick=False, size_gib=size_gib), tokenizer_vocab(tokenizer))
+    model = model_for(argparse.Namespace(preset=None, quick=quick, size_gib=size_gib), tokenizer_vocab(tokenizer))
     first = Path(write_bench_checkpoint(work / "A", model, "in_order", tokenizer, normal_weights(model, seed=1),
                                         shards=5, variant="delta-A")["path"])
     config = json.loads((first / "config.json").read_text())
@@ -126,58 +148,69 @@ def off_grid(tensor, gen):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-store-delta-"))
-    written = work / f"written-{args.size_gib}-{args.lr}-{args.warmup}.json"
+    written = work / f"written-{'quick' if args.quick else args.size_gib}-{args.lr}-{args.warmup}.json"
     if written.is_file():
         made = json.loads(written.read_text())
     else:
-        made = write_run(work, args.size_gib, args.lr, args.warmup)
+        made = write_run(work, args.size_gib, args.lr, args.warmup, args.quick)
         written.write_text(json.dumps(made))
     if args.write_only:
         return 0
     print(f"steps written: {made['step_bytes'] / 2**30:.3f} GiB a step, changed per step "
           f"{', '.join(f'{f:.2%}' for f in made['changed_fraction'])}; step_4's delta {made['delta_bytes']} bytes",
           flush=True)
-    with SeaweedS3(weed_binary()) as s3:
-        for folder in sorted((work / "run").iterdir()):
-            s3.put_folder(f"run/{folder.name}", folder)
-        s3.put_folder("full/step_4", work / "full" / "step_4")
-        with ThrottleProxy(("127.0.0.1", s3.port), args.throttle) as proxy:
-            # A store cache of this run's own: nothing kept by an earlier run of the same --work.
-            cache = tempfile.mkdtemp(prefix="bench-store-delta-cache-")
-            os.environ.update(s3.env(AWS_ENDPOINT_URL=proxy.endpoint, LAYERWISE_CACHE=cache))
-            llm = start_here(str(work / "run" / "step_1"))
-            try:
-                rows = measure(llm, layerwise_cli, proxy, f"s3://{BUCKET}")
-            finally:
-                stop_here(llm)
-    result = {"size_gib": args.size_gib, "throttle_bytes_per_s": args.throttle, "lr": args.lr, **made, **rows,
-              "delta_over_full_wall": rows["delta"]["wall_s"] / rows["full"]["wall_s"]}
-    print(f"throttle {args.throttle / 1e6:g} MB/s per connection: full step by URL {rows['full']['wall_s']:.2f} s "
-          f"({rows['full']['sent']} bytes sent), delta step by URL {rows['delta']['wall_s']:.2f} s "
-          f"({rows['delta']['sent']} bytes sent): {result['delta_over_full_wall']:.3f} x", flush=True)
+    sections = measure_stores(work, args.stores, args.throttle)
+    result = {"size_gib": "quick" if args.quick else args.size_gib, "throttle_bytes_per_s": args.throttle,
+              "lr": args.lr, **made, **sections}
+    for name, rows in sections.items():
+        print(summary_line(name, rows, args.throttle), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(result, indent=1))
     return 0
 
 
-def measure(llm, api, proxy, bucket: str) -> dict:
-    """From the engine on step_3 each time: the full step_4 by URL, then (back on step_3) its delta by URL."""
-    def timed(url: str) -> dict:
-        sent, start = proxy.sent, time.perf_counter()
-        report = api.reload(llm, url)
-        return {"wall_s": time.perf_counter() - start, "sent": proxy.sent - sent,
-                "fetched_bytes": report.volume.fetched_bytes, "patched_layers": report.volume.patched_layers}
+def measure_stores(work: Path, stores: list[str], throttle: float) -> dict[str, dict]:
+    """Each of STORES serving WORK's run, all opened before the one in-process engine starts (huggingface_hub,
+    which vLLM imports, reads its endpoint at import); the engine on `step_1`. Returns a section per store."""
+    with ExitStack() as opened:
+        served = {name: opened.enter_context(STORES[name](work, throttle)) for name in stores}
+        llm = start_here(str(work / "run" / "step_1"))
+        try:
+            return {name: measure(llm, layerwise_cli, run, work / "full" / "step_4") for name, run in served.items()}
+        finally:
+            stop_here(llm)
+
+
+def measure(llm, api, served: ServedRun, full_step: Path) -> dict:
+    """From the engine on step_3 each time: the full step_4 by URL, then (back on step_3) its delta by URL; each
+    checked against FULL_STEP, the full step_4's local folder, after it was timed."""
+    def timed(source: str) -> dict:
+        sent, start = served.sent(), time.perf_counter()
+        report = api.reload(llm, source)
+        row = {"wall_s": time.perf_counter() - start, "sent": served.sent() - sent,
+               "fetched_bytes": report.volume.fetched_bytes, "patched_layers": report.volume.patched_layers}
+        check = api.verify_engine(llm, str(full_step))
+        return {**row, "on_step_4": check.ok, "verified_layers": check.matched}
 
     def to_step_3() -> None:
-        api.reload(llm, f"{bucket}/run/step_1", all_layers=True)
-        api.reload(llm, f"{bucket}/run/step_2")
-        api.reload(llm, f"{bucket}/run/step_3")
+        for name in ("step_1", "step_2", "step_3"):
+            api.reload(llm, served.step(name), revision=served.pins.get(name), all_layers=name == "step_1")
 
     to_step_3()
-    full = timed(f"{bucket}/full/step_4")
+    full = timed(served.full)
     to_step_3()
-    delta = timed(f"{bucket}/run/step_4")
-    return {"full": full, "delta": delta}
+    delta = timed(served.step("step_4"))
+    return {"full": full, "delta": delta, "delta_over_full_wall": delta["wall_s"] / full["wall_s"],
+            "delta_over_full_sent": delta["sent"] / full["sent"]}
+
+
+def summary_line(store: str, rows: dict, throttle: float) -> str:
+    """One store's figures in a line: each way's wall time and bytes sent, and the delta's share of each."""
+    full, delta = rows["full"], rows["delta"]
+    ended = "both on step_4" if full["on_step_4"] and delta["on_step_4"] else "NOT both on step_4 (see results.json)"
+    return (f"{store}: throttle {throttle / 1e6:g} MB/s per connection: full step by URL {full['wall_s']:.2f} s "
+            f"({full['sent']} bytes sent), delta step by URL {delta['wall_s']:.2f} s ({delta['sent']} bytes sent): "
+            f"{rows['delta_over_full_wall']:.3f} x wall, {rows['delta_over_full_sent']:.3f} x bytes; {ended}")
 
 
 if __name__ == "__main__":

