@@ -24,7 +24,7 @@ class HeadlessNode(RunningServer):
     def start(self) -> HeadlessNode:
         argv, env = self.command()
         self._proc = subprocess.Popen(argv, env=env, cwd=self.cwd, stdout=self._log, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
+                                      process_group=0)  # as RunningServer: a group of its own, the run's session
         return self
 
     def exited(self, within: float) -> int | None:

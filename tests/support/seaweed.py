@@ -107,7 +107,7 @@ class SeaweedS3:
     def start(self) -> None:
         """Start `weed mini` (again, after `stop`: the same ports, data and identities); return once it answers."""
         self._proc = subprocess.Popen(self._argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.root,
-                                      start_new_session=True)
+                                      process_group=0)  # as RunningServer: a group of its own, the run's session
         self._wait_ready(120.0)
 
     def stop(self) -> None:
