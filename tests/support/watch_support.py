@@ -23,10 +23,6 @@ PAIRS = [(a, b) for a in range(10) for b in range(10)]
 # Between a client's answer and its next request: requests still overlap every pause, and the servers leave
 # the 2-core CI machine some room.
 THINK_S = 0.05
-# While a server starts next to one in use: a vLLM CPU worker busy-polls for 1 s after each request, and a server
-# restarted next to one answering every THINK_S took 2 to 5 minutes to start here, where two started together
-# without traffic took 40 s.
-STARTING_THINK_S = 1.5
 
 
 def answer(name: str, a: int, b: int) -> str:
@@ -106,7 +102,6 @@ class Clients:
         self.answers: list[tuple[str, int, int, str]] = []
         self.failures: list[str] = []
         self.paused = {s.url: threading.Event() for s in servers}  # set: leave that server alone
-        self.think = {s.url: THINK_S for s in servers}  # seconds between an answer and the next request
         self.idle = {s.url: threading.Event() for s in servers}  # set: paused, and no request in flight
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(s,), daemon=True) for s in servers]
@@ -130,10 +125,6 @@ class Clients:
         self.idle[server.url].clear()
         self.paused[server.url].clear()
 
-    def slow(self, server: RunningServer, think: float | None) -> None:
-        """Send to SERVER every THINK seconds (None: as usual again)."""
-        self.think[server.url] = THINK_S if think is None else think
-
     def wrong(self) -> list[tuple[str, int, int, str]]:
         """Answers that are neither add's nor multiply's."""
         return [(url, x, y, text) for url, x, y, text in self.answers
@@ -150,7 +141,7 @@ class Clients:
             try:
                 text = server.complete(demo_prompt(a, b), timeout=120)["text"].strip()
                 self.answers.append((server.url, a, b, text))
-                time.sleep(self.think[server.url])
+                time.sleep(THINK_S)
             except Exception as exc:  # noqa: BLE001 - recorded, asserted on
                 self.failures.append(f"{time.strftime('%H:%M:%S')} {server.url}: {type(exc).__name__}: {exc}")
 
