@@ -221,11 +221,11 @@ def choose_cores(workers: int, *, requested: str | None = None, holders: dict[in
     held = sorted(cpu for cpu in allowed if holders.get(cpu))
     if not held:
         return _unshared(workers, allowed)
-    free = one_per_core([cpu for cpu in allowed if cpu not in holders])
+    unheld = tuple(cpu for cpu in allowed if cpu not in holders)
+    free = one_per_core(list(unheld))
     whose = f"CPU {format_cpu_list(held)} {'is' if len(held) == 1 else 'are'} held by other engines' workers"
     if len(free) >= workers:
         binding = _split(free, workers)
-        unheld = tuple(cpu for cpu in allowed if cpu not in holders)
         return CoreChoice(binding, f"CPU cores {binding} ({whose})", processes=unheld)
     shared = sorted(sorted(allowed, key=lambda cpu: (holders.get(cpu, 0), cpu))[:workers])
     binding = _split(shared, workers) if len(shared) >= workers else "|".join(str(shared[0]) for _ in range(workers))
