@@ -83,7 +83,7 @@ def run(args: argparse.Namespace):
     schedule = faults.default_schedule(args.steps) if args.faults == "default" else faults.parse_schedule(args.faults)
     proof = (args.steps,) if args.proof == "last" else tuple(int(x) for x in args.proof.split(",") if x.strip())
     options = LoopOptions(steps=args.steps, schedule=schedule, outage_s=args.outage, gap_s=args.gap,
-                          threads=args.threads, proof_steps=proof)
+                          threads=args.threads, proof_steps=proof, pause_mode=args.pause_mode)
     with open_store(args.store, scratch, trainer) as store:
         fleet = Fleet(trainer.start, store.env)
         began = time.monotonic()
@@ -113,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outage", type=float, default=15.0, help="seconds the store is down (store_down)")
     parser.add_argument("--gap", type=float, default=1.0, help="seconds of traffic on each step before the next")
     parser.add_argument("--threads", type=int, default=2, help="client threads")
+    parser.add_argument("--pause-mode", choices=("wait", "keep"), default="wait",
+                        help="how watch pauses the servers: wait (in-flight requests finish first) or keep (they "
+                        "are frozen and go on with the new weights: no drain inside the pause)")
     parser.add_argument("--out", default="rl-run", help="folder for events.jsonl, summary.json, timeline.png")
     parser.add_argument("--scratch", default=None, help="where the run's steps are written (default: a temp dir)")
     args = parser.parse_args(argv)

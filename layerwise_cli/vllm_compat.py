@@ -33,7 +33,7 @@ from layerwise_cli.vllm_symbols import (
     CPU_PREPACK_MOE_WEIGHT,
     CPU_UNQUANTIZED_EXPERTS,
     DIRECT_RELOAD_ENABLED,
-    ENGINE_CORE_PAUSE,
+    ENGINE_CORE,
     ENGINE_CORE_SHUTDOWN,
     FINALIZE_LAYERWISE_PROCESSING,
     FINALIZE_MODEL_WEIGHTS,
@@ -340,6 +340,27 @@ def call_utility_all_async(engine_client):
     return getattr(getattr(engine_client, "engine_core", None), CALL_UTILITY_ALL_ASYNC.members[0], None)
 
 
+def call_utility_async(engine_client):
+    """The server's engine client's utility call to its (first) engine core, or None (an engine in this process)."""
+    return getattr(getattr(engine_client, "engine_core", None), CALL_UTILITY_ALL_ASYNC.members[1], None)
+
+
+def add_engine_core_method(name: str, function) -> None:
+    """Give vLLM's engine core a utility method NAME (FUNCTION, called with the core as `self`), once per process.
+
+    Only where the engine core's module is already imported (the engine core's process: vLLM loads the general
+    plugins from `EngineCore.__init__`); the API server and the workers never call it.
+    """
+    module = sys.modules.get(ENGINE_CORE.module)
+    engine_core = getattr(module, ENGINE_CORE.name, None)
+    if engine_core is not None and not hasattr(engine_core, name):
+        setattr(engine_core, name, function)
+
+
+(ENGINE_CORE_PAUSE, ENGINE_CORE_RESUME, ENGINE_CORE_COLLECTIVE_RPC, ENGINE_CORE_RESET_PREFIX_CACHE,
+ ENGINE_CORE_GET_VERSION, ENGINE_CORE_SET_VERSION) = ENGINE_CORE.members
+
+
 def register_weight_transfer(name: str, engine: tuple[str, str], trainer: tuple[str, str]) -> None:
     """Register NAME in vLLM's weight-transfer registries: ENGINE and TRAINER, each (module, class), lazily (once)."""
     for factory, (module, cls) in ((WEIGHT_TRANSFER_FACTORY, engine), (WEIGHT_TRANSFER_TRAINER_FACTORY, trainer)):
@@ -376,12 +397,12 @@ def pause_engine_core(llm) -> None:
     On vLLM 0.34 with its extensible KV cache (the CUDA default) this is what
     marks the cache reclaimable, so that the reload may borrow its memory.
     """
-    _engine_core_call(llm, ENGINE_CORE_PAUSE.members[0], "abort", True)
+    _engine_core_call(llm, ENGINE_CORE_PAUSE, "abort", True)
 
 
 def resume_engine_core(llm) -> None:
     """Resume what `pause_engine_core` paused."""
-    _engine_core_call(llm, ENGINE_CORE_PAUSE.members[1])
+    _engine_core_call(llm, ENGINE_CORE_RESUME)
 
 
 def _engine_core_call(llm, method: str, *args) -> Any:

@@ -175,18 +175,22 @@ ATTACH_DEV_ROUTER = PrivateSymbol("vllm.entrypoints.serve.dev.rpc.api_router", "
                                   parameters=("app",), used_by="server/engines_rpc.py (wrapped)")
 ENGINE_CLIENT = PrivateSymbol("vllm.engine.protocol", "EngineClient", "class", members=(
     "pause_generation", "resume_generation", "update_weight_version", "start_weight_update", "finish_weight_update",
-    "collective_rpc", "get_weight_version", "vllm_config"),
+    "collective_rpc", "get_weight_version", "vllm_config", "reset_prefix_cache"),
     used_by="server/pause_lease.py, server/engines_rpc.py, server/weight_transfer/routes.py (app.state.engine_client)")
 CALL_UTILITY_ALL_ASYNC = PrivateSymbol("vllm.v1.engine.core_client", "AsyncMPClient", "class",
-                                       members=("call_utility_all_async",),
+                                       members=("call_utility_all_async", "call_utility_async"),
                                        used_by="server/engines_rpc.py (engine_client.engine_core)")
 ENGINE_CORE_SHUTDOWN = PrivateSymbol("vllm.v1.engine.core_client", "SyncMPClient", "class", members=("shutdown",),
                                      used_by="client/engine/in_process.py stop_engine (llm.llm_engine.engine_core)")
-ENGINE_CORE_PAUSE = PrivateSymbol("vllm.v1.engine.core", "EngineCore", "class",
-                                  members=("pause_scheduler", "resume_scheduler"),
-                                  used_by="client/engine/in_process.py (pauses an in-process engine, caches "
-                                  "cleared, around a reload: vLLM 0.34's extensible KV cache lends its memory "
-                                  "to the reload then)")
+# vLLM's engine core: the scheduler's pause around an in-process reload, and the utility methods the reload's own
+# utility call chains (`server/versioned_rpc.py`: a utility call is `getattr(engine_core, name)(*args)` between two
+# scheduler steps, so the call, the reset and the version run with no step between them).
+ENGINE_CORE = PrivateSymbol("vllm.v1.engine.core", "EngineCore", "class",
+                            members=("pause_scheduler", "resume_scheduler", "collective_rpc", "reset_prefix_cache",
+                                     "get_weight_version", "set_weight_version"),
+                            used_by="client/engine/in_process.py (pauses an in-process engine, caches cleared, "
+                            "around a reload: vLLM 0.34's extensible KV cache lends its memory to the reload then); "
+                            "server/versioned_rpc.py (a method added to the engine core)")
 SERVER_MODULE = PrivateSymbol("vllm.entrypoints.openai.api_server", None, "module",
                               used_by="server/launch.py (run as __main__)")
 # A headless node (`layerwise serve --headless`): vLLM's own `serve` subcommand, as `vllm serve --headless` runs it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import time
 from pathlib import Path
@@ -160,16 +161,25 @@ def make_checkpoint(tmp_path: Path):
 
 
 class _DemoModels:
-    """`demo_models["add"]`: a debug checkpoint, built on first use into a session-private cache."""
+    """`demo_models["add"]`: a debug checkpoint, built on first use into a cache of this run's."""
 
     def __init__(self, cache: Path) -> None:
         self._cache = cache
 
     def __getitem__(self, name: str) -> Path:
-        return demo_checkpoint(name, cache_dir=self._cache)
+        # One build per model in the run: a worker that needs one another worker is building waits for it
+        # (`demo_checkpoint` alone would be safe too, but would train it twice on the same two cores).
+        with open(self._cache / f".{name}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return demo_checkpoint(name, cache_dir=self._cache)
 
 
 @pytest.fixture(scope="session")
 def demo_models(tmp_path_factory: pytest.TempPathFactory) -> _DemoModels:
-    """The debug checkpoints (multiply, add, moe-multiply, moe-add)."""
+    """The debug checkpoints (multiply, add, moe-multiply, moe-add), built in this run: under xdist, once for all
+    its workers (their base temps share a parent of the run's own, as in `fresh_answers_shared`)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        cache = tmp_path_factory.getbasetemp().parent / "layerwise-cache"
+        cache.mkdir(exist_ok=True)
+        return _DemoModels(cache)
     return _DemoModels(tmp_path_factory.mktemp("layerwise-cache"))

@@ -17,7 +17,9 @@ import time
 import httpx
 import pytest
 
+from layerwise_cli import ENGINES_RPC_PATH
 from layerwise_cli.demo import demo_prompt, expected_answer
+from layerwise_cli.worker import rpc
 from tests.support.producers import Producer, save_pretrained_checkpoint
 from tests.support.server_support import SMALL, RunningServer, run_cli
 
@@ -215,6 +217,23 @@ def test_every_answer_names_the_weights_that_produced_it(layerwise_server, path)
     assert response.headers["x-weight-versions"] == version
 
 
+def test_the_prefix_cache_reset_and_the_version_ride_with_the_workers_call(layerwise_server):
+    """`/layerwise/engines_rpc` with a version and a reset: the engine core does both in the call's own utility
+    call, and says whether the reset took; a call that fails inside a worker changes neither."""
+    server = layerwise_server.server
+    url = f"{server.url}{ENGINES_RPC_PATH}"
+    body = {"method": rpc.PING, "kwargs": {}, "weight_version": "pinged", "reset_prefix_cache": True}
+    answer = httpx.post(url, json=body, headers=server.headers(), timeout=60).json()
+    assert answer["prefix_cache_reset"] is True and answer["one_step"] and answer["engines"][0][0]["ok"], answer
+    assert weight_version(server) == "pinged"
+    layerwise_server.version = "pinged"
+    refused = {"method": rpc.VERIFY, "kwargs": {"source": "/nonexistent"}, "weight_version": "never",
+               "reset_prefix_cache": True}
+    answer = httpx.post(url, json=refused, headers=server.headers(), timeout=60).json()
+    assert "prefix_cache_reset" not in answer and not answer["engines"][0][0]["ok"], answer
+    assert weight_version(server) == "pinged"
+
+
 @pytest.mark.parametrize("mode", ["keep", "wait", "none"])
 def test_answers_across_a_reload_name_the_weights_that_produced_them(layerwise_server, mode):
     """Requests back to back from 8 threads while a reload runs, in each pause mode. Every answer names versions
@@ -222,9 +241,10 @@ def test_answers_across_a_reload_name_the_weights_that_produced_them(layerwise_s
     new model's (40 tokens, EOS ignored: each model's text is its own); its spans cover its tokens in order and
     agree with the header. In mode wait none names both (in-flight requests finish on the old weights).
 
-    In mode none the texts are not compared: nothing holds the engine between the reload's call and the
-    version's (vLLM sets the version in a utility call of its own), so a token sampled between the two is the new
-    weights' under the old version (seen once in a suite run: '1217' named the old version, whose text is '12')."""
+    Mode none holds nothing, yet its answers are exact too: the engine core runs the reload, resets the prefix
+    cache and sets the version in one utility call (`server/versioned_rpc.py`). With vLLM's own version call after
+    the reload's, a token sampled between the two was the new weights' under the old version (seen once in a suite
+    run: '1217' named the old version, whose text is '12')."""
     server, other = layerwise_server.server, layerwise_server.other()
     old, new = weight_version(server), f"{other}-{mode}"
     text_old = _answer(server).json()["choices"][0]["text"]
@@ -258,7 +278,7 @@ def test_answers_across_a_reload_name_the_weights_that_produced_them(layerwise_s
         assert answer.headers["x-weight-versions"] == ",".join(versions)
         assert versions in ([old], [new], [old, new]), versions
         one_version = {(old,): text_old, (new,): text_new}.get(tuple(versions))
-        if mode != "none" and one_version is not None:
+        if one_version is not None:
             assert body["choices"][0]["text"] == one_version, versions
         named.append(versions)
     # The traffic spanned the reload: answers from before it and after it.

@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -70,6 +71,9 @@ def sources(demo_models, tmp_path_factory):
             "broken": reshard(demo_models["multiply"], base / "broken", parameter_kind, transform=broken)}
 
 
+# A server restarted beside another under steady traffic is healthy within this (issue 60).
+RESTART_DEADLINE_S = 120
+
 @pytest.fixture(scope="module")
 def servers(demo_models):
     """Two `layerwise serve` servers on *multiply*, started at once (INFO logs: a failure says where it stopped)."""
@@ -78,6 +82,12 @@ def servers(demo_models):
                                          start_timeout=600) for i in range(2)]) as pair:
         yield pair
 
+
+
+def start_lines(server: RunningServer) -> int:
+    """How many of SERVER's start lines (`layerwise serve`'s first line, wrapped by Rich) name its CPU cores."""
+    said = " ".join(Path(server._log.name).read_text(errors="replace").split())
+    return said.count("CPU cores")
 
 def arrive_together(trainer: Trainer, staging, names_models: list[tuple[str, str]]) -> None:
     """Write steps elsewhere, then rename them into ROOT back to back (atomic renames, as save_checkpoint does)."""
@@ -132,7 +142,14 @@ def test_watch_keeps_two_servers_on_the_newest_complete_step(servers, sources, t
                 # 28 s here alone and 48 s beside two other test files (2026-12-07).
                 began = time.monotonic()
                 start(b)
-                log(f"b restarted in {time.monotonic() - began:.0f} s")
+                restarted_s = time.monotonic() - began
+                log(f"b restarted in {restarted_s:.0f} s")
+                # Issue 60's bound for a server restarted beside a busy one on this host: healthy within 2 minutes
+                # (a deadline, not a speed figure: 28 to 48 s measured, and 10+ minutes before the fix).
+                assert restarted_s <= RESTART_DEADLINE_S, (
+                    f"b took {restarted_s:.0f} s to restart beside a (over {RESTART_DEADLINE_S} s):\n{b.log_tail()}")
+                # Both start lines of b (its first start and this one) and a's name the cores they took.
+                assert [start_lines(server) for server in (a, b)] == [1, 2], b.log_tail()
                 clients.resume(b)
                 watch.wait_for("server_back", server=b.url)
                 watch.wait_for("reload_done", step="step_6", server=b.url)

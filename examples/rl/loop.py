@@ -35,6 +35,8 @@ class LoopOptions:
         threads: client threads.
         interval: seconds between two listings of the run by `watch`.
         proof_steps: steps at which each server is verified and compared with a fresh engine (after the run).
+        pause_mode: how `watch` pauses the servers for a reload (`wait`: in-flight requests finish first;
+            `keep`: they are frozen where they are and go on with the new weights, no drain inside the pause).
     """
 
     steps: int = 6
@@ -45,6 +47,7 @@ class LoopOptions:
     threads: int = 2
     interval: float = 0.2
     proof_steps: tuple[int, ...] = ()
+    pause_mode: str = "wait"
 
 
 class Run:
@@ -85,7 +88,8 @@ class Run:
         self.publish(0, self.trainer.tensors())
         self.watch = WatchProcess(
             self.store.watch_root, *(a for u in urls for a in ("--url", u)), "--marker", "STABLE", "--settle", "0",
-            "--interval", str(self.options.interval), "--log", str(self.out / "watch.jsonl"), env=self.store.env)
+            "--interval", str(self.options.interval), "--log", str(self.out / "watch.jsonl"),
+            "--pause-mode", self.options.pause_mode, env=self.store.env)
         model = self.fleet.servers[0].model
         try:
             with Traffic(urls, model, self.prompts, threads=self.options.threads) as traffic:

@@ -14,7 +14,16 @@ body, same API-key rule).
 With `"weight_version": TAG` in the body, the server sets its weight version
 to TAG once every worker of every engine answered and none said it failed,
 in the same request: a client that dies after the reload cannot leave the tag
-naming the weights the server held before.
+naming the weights the server held before. With `"reset_prefix_cache": true`
+the prefix cache is reset on the same condition. Both happen inside the
+engine core's own utility call that runs the workers' method
+(`server/versioned_rpc.py`): no scheduler step runs between the new weights
+and their name, so an answer's version is exact even when nothing paused the
+server. The answer then says `"prefix_cache_reset": true|false`, and
+`"one_step": false` where an engine core lacks the method (vLLM started
+without layerwise's plugin): the three calls then follow each other. Where an
+engine failed and another already took the version, that one gets its
+previous version back.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from layerwise_cli import ENGINES_RPC_PATH, vllm_compat
 from layerwise_cli.server import metrics
 from layerwise_cli.server.answer_versions import AnswerVersions
 from layerwise_cli.server.pause_lease import add_pause_lease_routes
+from layerwise_cli.server.versioned_rpc import CORE_METHOD, workers_failed
 from layerwise_cli.server.weight_transfer.routes import add_weight_transfer_routes
 
 # How often a call in flight checks that the engine is still alive.
@@ -66,30 +76,79 @@ async def engines_rpc(raw_request: Request):
         raise HTTPException(status_code=400, detail="the body must be a JSON object with a 'method'")
     # As vLLM's /collective_rpc: only JSON arguments; the method deserializes what it needs.
     call = (body["method"], body.get("timeout"), tuple(body.get("args", [])), body.get("kwargs", {}))
+    version = body.get("weight_version") if isinstance(body.get("weight_version"), str) else None
+    reset = body.get("reset_prefix_cache") is True
     engine_client = raw_request.app.state.engine_client
-    gather = vllm_compat.call_utility_all_async(engine_client)
     start = time.perf_counter()
     try:
-        if gather is None:  # a client that talks to one engine only
-            per_engine = [await until_engine_dies(engine_client.collective_rpc(*call), engine_client,
-                                                  body["method"])]
+        if version is not None or reset:
+            answers = await _versioned_call(engine_client, call, version, reset)
         else:
-            per_engine = await until_engine_dies(gather("collective_rpc", *call), engine_client, body["method"])
+            answers = [{"results": results} for results in await _plain_call(engine_client, call)]
     except HTTPException:
         raise
     except Exception as exc:  # noqa: BLE001 - the engine's one line, as vLLM's handler words it, without a traceback
         return JSONResponse(status_code=500, content={"error": {"message": str(exc), "type": "InternalServerError",
                                                                 "code": 500}})
-    engines = [[_jsonable(r) for r in (results or [])] for results in per_engine]
+    engines = [[_jsonable(r) for r in (answer["results"] or [])] for answer in answers]
     metrics.record_call(body["method"], engines, time.perf_counter() - start)
-    version = body.get("weight_version")
-    # Every worker of every engine answered, and none said it failed (vLLM's own reload_weights answers None).
-    failed = any(not results or any(isinstance(r, dict) and not r.get("ok", True) for r in results)
-                 for results in engines)
-    if isinstance(version, str) and engines and not failed:
+    content: dict = {"engines": engines}
+    if version is not None or reset:
+        # Whether each engine core ran the call, the reset and the version in one utility call.
+        content["one_step"] = all("versioned" in answer for answer in answers)
+    if engines and not any(workers_failed(results) for results in engines):
+        if version is not None:
+            metrics.record_version(version)
+        if reset:
+            content["prefix_cache_reset"] = all(answer.get("prefix_cache_reset") for answer in answers)
+    else:
+        await _version_back(engine_client, answers)
+    return JSONResponse(content=content)
+
+
+async def _plain_call(engine_client, call: tuple) -> list[list]:
+    """The worker call CALL on every engine: one list of worker results per engine."""
+    gather = vllm_compat.call_utility_all_async(engine_client)
+    if gather is None:  # a client that talks to one engine only
+        return [await until_engine_dies(engine_client.collective_rpc(*call), engine_client, call[0])]
+    return await until_engine_dies(gather("collective_rpc", *call), engine_client, call[0])
+
+
+async def _versioned_call(engine_client, call: tuple, version: str | None, reset: bool) -> list[dict]:
+    """CALL on every engine, each engine core resetting its prefix cache (RESET) and naming its weights VERSION
+    in the same utility call when its workers succeeded: one `versioned_rpc.rpc_then_version` answer per engine.
+
+    An engine core without the method (vLLM started without layerwise's plugin) gets the call, then the reset
+    and the version as utility calls of their own, as before.
+    """
+    args = (*call, version, reset)
+    gather = vllm_compat.call_utility_all_async(engine_client)
+    one = vllm_compat.call_utility_async(engine_client)
+    try:
+        if gather is not None:
+            return await until_engine_dies(gather(CORE_METHOD, *args), engine_client, call[0])
+        if one is not None:
+            return [await until_engine_dies(one(CORE_METHOD, *args), engine_client, call[0])]
+    except Exception as exc:
+        if f"has no attribute '{CORE_METHOD}'" not in str(exc):
+            raise
+    answers = [{"results": results} for results in await _plain_call(engine_client, call)]
+    if any(workers_failed(answer["results"]) for answer in answers):
+        return answers
+    if reset:
+        done = await engine_client.reset_prefix_cache(reset_running_requests=True)
+        for answer in answers:
+            answer["prefix_cache_reset"] = bool(done)
+    if version is not None:
         await engine_client.update_weight_version(version)
-        metrics.record_version(version)
-    return JSONResponse(content={"engines": engines})
+    return answers
+
+
+async def _version_back(engine_client, answers: list[dict]) -> None:
+    """After a call that failed on some engine: the engines that took the new version get their previous back."""
+    previous = next((answer["previous"] for answer in answers if answer.get("versioned")), None)
+    if previous is not None:
+        await engine_client.update_weight_version(previous)
 
 
 async def until_engine_dies(call, engine_client, method: str, *, poll_s: float = ENGINE_POLL_S):

@@ -8,7 +8,9 @@ and the pause lease (`server/pause_lease.py`). In every process it also
 wraps vLLM's multiprocessing executor so that node 0 of an engine spread over
 several nodes (its engine core) watches the other nodes and ends the engine,
 naming the node, when one is gone (`server/follower_watch.py`); elsewhere
-that wrapper does nothing. And in every process it registers the `layerwise` backend of vLLM's
+that wrapper does nothing. In the engine core's process it adds the utility method that runs a reload, resets
+the prefix cache and sets the weight version in one engine-core step (`server/versioned_rpc.py`). And in every
+process it registers the `layerwise` backend of vLLM's
 weight-transfer API (`--weight-transfer-config '{"backend": "layerwise"}'`): its engine, built in each worker
 (`server/weight_transfer/engine.py`), and its trainer-side engine (`writer/trainer_engine.py`), each imported
 only when vLLM builds it.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import sys
 
 from layerwise_cli import WEIGHT_TRANSFER_BACKEND, vllm_compat
+from layerwise_cli.server import versioned_rpc
 from layerwise_cli.server.follower_watch import install
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -33,10 +36,12 @@ def in_api_server() -> bool:
 
 
 def register() -> None:
-    """Register the weight-transfer backend; watch the other nodes from node 0's executor; attach layerwise's
-    endpoints in the API server (idempotent)."""
+    """Register the weight-transfer backend; watch the other nodes from node 0's executor; give the engine core
+    the versioned worker call (`server/versioned_rpc.py`); attach layerwise's endpoints in the API server
+    (idempotent)."""
     _register_weight_transfer()
     _watch_other_nodes()
+    versioned_rpc.install()  # in the engine core's process: the reload and its version in one utility call
     if not in_api_server():
         return
     from layerwise_cli.server.engines_rpc import attach_engines_rpc  # noqa: PLC0415 - fastapi: only the API server loads it

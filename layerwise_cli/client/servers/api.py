@@ -86,6 +86,8 @@ class ServerClient:
         self.lease_token: str | None = None
         # Whether the server set the weight version itself, with the reload (`engines_rpc`'s `weight_version`).
         self.version_set_with_reload = False
+        # Whether the server reset its prefix cache with the last reload (None: it was not asked, or cannot).
+        self.prefix_cache_reset_with_reload: bool | None = None
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # A fresh connection per request: vLLM's server drops a connection after a failed handler (500),
         # and a pooled connection would then fail the next call (the resume, say) with a reset.
@@ -174,36 +176,46 @@ class ServerClient:
         return self._json(response, method).get("results") or []
 
     def engines_rpc(self, method: str, kwargs: dict | None = None, *, short: bool = False,
-                    weight_version: str | None = None) -> list[list]:
+                    weight_version: str | None = None, reset_prefix_cache: bool = False) -> list[list]:
         """A worker call answered by every data-parallel engine: one list of worker results per engine.
 
         Through `layerwise serve`'s `ENGINES_RPC_PATH`; a server without it
         (plain vLLM) answers through `/collective_rpc`, which returns the
-        first engine's workers only (`per_engine` turns False). WEIGHT_VERSION:
-        the server sets it once every worker answered and none failed, in the
-        same request.
+        first engine's workers only (`per_engine` turns False). WEIGHT_VERSION
+        and RESET_PREFIX_CACHE: once every worker answered and none failed, the
+        server names the weights and resets its prefix cache in the same
+        engine-core step as the call (`server/versioned_rpc.py`); whether the
+        reset took is in `prefix_cache_reset_with_reload`.
         """
+        self.prefix_cache_reset_with_reload = None
         if self.per_engine is not False:
             body = {"method": method, "kwargs": kwargs or {}}
             if weight_version is not None:
                 body["weight_version"] = weight_version
+            if reset_prefix_cache:
+                body["reset_prefix_cache"] = True
             response = self._request("POST", ENGINES_RPC_PATH, json=body, short=short, what=method)
             if response.status_code != 404:
                 self.per_engine = True
                 if response.status_code >= 400:
                     raise RpcError(method, response.status_code, _error_text(response))
-                engines = self._json(response, method).get("engines")
+                answer = self._json(response, method)
+                engines = answer.get("engines")
                 if not isinstance(engines, list) or not all(isinstance(e, list) for e in engines):
                     raise _ServerError(f"{method}: {ENGINES_RPC_PATH} answered {_excerpt(response)}, not a list "
                                        "per engine")
                 self.version_set_with_reload = weight_version is not None
+                reset = answer.get("prefix_cache_reset")
+                self.prefix_cache_reset_with_reload = reset if isinstance(reset, bool) else None
                 return engines
             self.per_engine = False
         return [self.collective_rpc(method, kwargs, short=short)]
 
-    def ask(self, call, *, short: bool = False, weight_version: str | None = None) -> list[list]:
+    def ask(self, call, *, short: bool = False, weight_version: str | None = None,
+            reset_prefix_cache: bool = False) -> list[list]:
         """Send CALL (a call of `layerwise_cli.worker.rpc`) to every worker of every engine (`engines_rpc`)."""
-        return self.engines_rpc(call.method, call.kwargs(), short=short, weight_version=weight_version)
+        return self.engines_rpc(call.method, call.kwargs(), short=short, weight_version=weight_version,
+                                reset_prefix_cache=reset_prefix_cache)
 
     def ping_extension(self) -> str | None:
         """None when every worker has layerwise's extension, else why not (one clause).
@@ -272,13 +284,14 @@ class ServerClient:
         response = self._request("POST", "/update_weight_version", json={"new_version": version}, short=True)
         self._json(response, "POST /update_weight_version")
 
-    def layerwise_reload(self, source: str, options: RemoteOptions) -> ReloadReport:
+    def layerwise_reload(self, source: str, options: RemoteOptions, *,
+                         reset_prefix_cache: bool = False) -> ReloadReport:
         # Options left at their defaults are not sent: a server running an older extension still takes the call.
         # The diagnostic switches set in this process travel with it (`ReloadOptions.with_switches`).
         call = ReloadCall(source=source, options=options.reload.with_switches())
         try:
             # The version travels with the reload: a server with layerwise's endpoint sets it on success.
-            engines = self.ask(call, weight_version=options.weight_version)
+            engines = self.ask(call, weight_version=options.weight_version, reset_prefix_cache=reset_prefix_cache)
         except _ServerError as exc:
             # Timed out or lost: the worker may still be streaming into the engine.
             if isinstance(exc, RpcError):
@@ -292,11 +305,13 @@ class ServerClient:
         return merge_reports([ReloadReport.from_dict(ReloadAnswer.from_json(r).report)
                               for results in engines for r in results])
 
-    def vllm_reload(self, source: str, weight_version: str | None = None) -> ReloadReport:
+    def vllm_reload(self, source: str, weight_version: str | None = None, *,
+                    reset_prefix_cache: bool = False) -> ReloadReport:
         """vLLM's own `reload_weights(weights_path=SOURCE)`: only its wall time is known."""
         start = time.perf_counter()
         try:
-            self.engines_rpc("reload_weights", {"weights_path": source}, weight_version=weight_version)
+            self.engines_rpc("reload_weights", {"weights_path": source}, weight_version=weight_version,
+                             reset_prefix_cache=reset_prefix_cache)
         except RpcError as exc:
             raise _ServerError(f"vLLM's reload_weights failed inside the server: {exc.detail}",
                                holds=HOLDS_UNKNOWN) from None
