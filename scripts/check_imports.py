@@ -99,6 +99,7 @@ CHECKPOINT_ROOMS = {
     "fetch": 1,  # bytes by range from any pinned source: the source protocol, the fetcher, partial files, the policy
     "hub": 2,  # the Hub: a revision pinned to a commit, headers by range, its range source and cache
     "store": 2,  # object stores and HTTPS (obstore): objects pinned to ETags, headers by range
+    "local_pin": 2,  # local files pinned by their identities (inode, size, times), for work kept on them
     "sources": 3,  # a SOURCE string (folder, file, Hub id, URL) opened as a `Checkpoint`
     "delta": 4,  # sparse delta steps: format, read, encode, opened as the full step they rebuild
     "steps": 5,  # a run's steps: which exist, which are complete, which may be deleted

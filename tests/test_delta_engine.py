@@ -19,6 +19,7 @@ from layerwise_cli.checkpoint.delta.read import read_delta
 from layerwise_cli.client.engine.in_process import EngineOptions, reload
 from layerwise_cli.demo import demo_prompt
 from layerwise_cli.errors import LayerwiseError
+from layerwise_cli.worker.reload.reload_plan import PREPARED_NOTE, PREPARED_REBUILT_NOTE
 from tests.support.deltas import rl_step, save_step, write_steps
 from tests.support.engine_support import assert_matches_fresh, engine_state, fresh_state
 from tests.support.in_process import start_here, stop_here
@@ -181,6 +182,24 @@ def test_the_wrong_base_is_refused_at_preflight(llm, steps):
     assert not answer["ok"] and "holds other weights" in answer["error"]
     assert llm.collective_rpc("layerwise_preflight", args=(str(steps["BA"]),))[0]["ok"]
     _assert_holds(llm, steps["B"])
+
+
+def test_a_local_delta_the_pre_flight_prepared_is_taken_while_its_files_are_unchanged(llm, steps):
+    """What a fleet does (pre-flight, then the reload inside the pause): the reload takes the step the pre-flight
+    opened, checked and (on the CPU's packed layers) rebuilt, unless a file of its chain was written since."""
+    prepared = (PREPARED_NOTE, PREPARED_REBUILT_NOTE)
+    _reload(llm, steps["A"], all_layers=True)
+    assert llm.collective_rpc("layerwise_preflight", args=(str(steps["AB"]),))[0]["ok"]
+    to_b = _reload(llm, steps["AB"])
+    assert set(prepared) & set(to_b.findings.notes), to_b.findings.notes
+    _assert_holds(llm, steps["B"])
+    # Pre-flighted, then the delta's file written again (the same bytes; its change time moves): opened again.
+    assert llm.collective_rpc("layerwise_preflight", args=(str(steps["BA"]),))[0]["ok"]
+    link = steps["BA"] / "delta.safetensors"
+    link.write_bytes(link.read_bytes())
+    to_a = _reload(llm, steps["BA"])
+    assert not set(prepared) & set(to_a.findings.notes), to_a.findings.notes
+    _assert_holds(llm, steps["A"])
 
 
 def _corrupt_copy(steps, name: str, edit) -> Path:

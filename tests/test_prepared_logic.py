@@ -4,6 +4,7 @@ kept once, and a delta step rebuilt once into a full step's files (`checkpoint/d
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -11,8 +12,9 @@ import torch
 from layerwise_cli import save_checkpoint
 from layerwise_cli.checkpoint.delta import rebuilt_step
 from layerwise_cli.checkpoint.delta.rebuilt_step import write_rebuilt_step
-from layerwise_cli.checkpoint.delta.source import open_step
+from layerwise_cli.checkpoint.delta.source import local_step_files, open_step
 from layerwise_cli.checkpoint.format.digests import checkpoint_digests
+from layerwise_cli.checkpoint.local_pin import files_pin
 from layerwise_cli.checkpoint.sources import open_checkpoint
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.worker.state import prepared
@@ -125,6 +127,29 @@ def test_a_checked_chain_is_not_decoded_again(chain, monkeypatch):
     fresh = open_step(str(chain / "run" / "step_3")).delta
     fresh.validate()
     assert calls == ["validate", "validate"]  # each opening checks anew, every link
+
+
+def test_a_local_step_is_taken_once_while_its_files_keep_their_pin(chain):
+    step = open_step(str(chain / "run" / "step_3"))
+    files = tuple(local_step_files(step))
+    names = {path.name for path in files}
+    # Both links' delta files, and the full step's shards and index at the chain's start.
+    assert [p.parent.name for p in files if p.name == "delta.safetensors"] == ["step_2", "step_3"]
+    assert "model.safetensors.index.json" in names and len([p for p in files if p.parent.name == "step_1"]) > 2
+    kept = Prepared()
+    kept.keep(step.source, files_pin(files), step, ("a note",), files)
+    assert kept.take_local(step.source) == (step, ("a note",))
+    assert kept.take_local(step.source) is None  # once
+    # The next reload takes it or ends it: a reload of another step in between leaves nothing for this one.
+    kept.keep(step.source, files_pin(files), step, (), files)
+    assert kept.take_local(str(chain / "run" / "step_2")) is None
+    assert kept.take_local(step.source) is None
+    # A link written after the pre-flight (its bytes as they were, its change time not): opened again.
+    kept.keep(step.source, files_pin(files), step, (), files)
+    link = chain / "run" / "step_2" / "delta.safetensors"
+    time.sleep(0.05)
+    link.write_bytes(link.read_bytes())
+    assert kept.take_local(step.source) is None
 
 
 def test_a_dead_process_s_prepared_folder_is_removed(tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import traceback
 
 from layerwise_cli import (
@@ -97,6 +98,7 @@ class LayerwiseWorkerExtension:
         positions, its new values, and (unless DELTA_BASE_CHECK is off, as for `watch`'s reloads, which rebuild
         it whatever the engine holds) that the engine holds its base (`reload_run.plan_run`).
         """
+        began = time.time()  # the local files a delta step is rebuilt from are pinned unchanged since
         try:
             run = plan_run(self, source, ReloadOptions(revision=revision, allow_partial=allow_partial,
                                                        delta_base_check=delta_base_check,
@@ -112,7 +114,7 @@ class LayerwiseWorkerExtension:
             # serves: the reload at this pin takes it.
             prepare_for_reload(self, source, revision, planned,
                                rebuilds=run.patch is None or bool(run.patch.not_patched),
-                               check_finite=not allow_nonfinite)
+                               check_finite=not allow_nonfinite, began=began)
             back, back_revision = loaded_from(self)
             try:
                 if is_remote_step(back):

@@ -11,8 +11,9 @@ from pathlib import Path
 
 from layerwise_cli.checkpoint.delta.hub_run import is_hub_step
 from layerwise_cli.checkpoint.delta.rebuilt_step import write_rebuilt_step
-from layerwise_cli.checkpoint.delta.source import is_remote_step, open_step
+from layerwise_cli.checkpoint.delta.source import is_remote_step, local_step_files, open_step
 from layerwise_cli.checkpoint.hub.pin import is_commit, repo_cache_folder
+from layerwise_cli.checkpoint.local_pin import files_pin
 from layerwise_cli.checkpoint.sources import Checkpoint, looks_like_repo_id, open_checkpoint, pin_source, resolve_local
 from layerwise_cli.checkpoint.store.objects import display_url, is_store_url
 from layerwise_cli.errors import LayerwiseError
@@ -24,6 +25,10 @@ from layerwise_cli.worker.state.prepared import prepared_folder, prepared_of
 from layerwise_cli.worker.stream.rank_plan import RankPosition, WorkerPlan, plan_for_worker, rank_position
 
 _LOADED_FROM = "_layerwise_loaded_from"
+# What a reload's report says when it took the step its pre-flight prepared (`prepare_for_reload`).
+PREPARED_NOTE = "opened and checked by the pre-flight, while the engine served"
+PREPARED_REBUILT_NOTE = ("rebuilt from its delta chain into a full step's files by the pre-flight, while the engine "
+                         "served")
 
 
 @dataclass
@@ -85,7 +90,14 @@ def plan_reload(worker, source: str, *, revision: str | None = None, allow_parti
         folder = checkpoint.local_dir or snapshot_folder(source, commit)
     else:
         folder = resolve_local(source, commit or revision)
-        checkpoint = replace(open_step(str(folder)), source=source)
+        # A local delta step the pre-flight prepared, its files unchanged since (`prepare_for_reload`).
+        kept = prepared_of(worker).take_local(source) if commit is None else None
+        if kept is not None:
+            checkpoint, prepared_notes = kept
+            if checkpoint.delta is None:  # rebuilt into a full step's files: read from there
+                folder = checkpoint.local_dir
+        else:
+            checkpoint = replace(open_step(str(folder)), source=source)
     hf_config = model_config.hf_config.to_dict() if hasattr(model_config.hf_config, "to_dict") else None
     position = rank_position(worker)
     # Only the tensors this rank holds: its pipeline stage, its experts.
@@ -106,8 +118,12 @@ def plan_reload(worker, source: str, *, revision: str | None = None, allow_parti
 
 
 def prepare_for_reload(worker, source: str, revision: str | None, planned: PlannedReload, rebuilds: bool,
-                       check_finite: bool = True) -> None:
+                       check_finite: bool = True, began: float | None = None) -> None:
     """Keep SOURCE as this pre-flight opened and checked it, for the reload at the same pin (`state/prepared.py`).
+
+    A step by URL or of a Hub run is kept at its pin REVISION. A local delta step is kept at its files' pin
+    (`checkpoint/local_pin.py`), when none of them changed after BEGAN (a `time.time()` taken before the
+    pre-flight read them); a local full step needs nothing prepared.
 
     A delta step the reload would rebuild (REBUILDS: some of its layers cannot be patched in place) is rebuilt
     here, once, into a full step's files on this host: the reload then reads those, inside a server's pause,
@@ -117,15 +133,21 @@ def prepare_for_reload(worker, source: str, revision: str | None, planned: Plann
     Raises:
         LayerwiseError: the step does not rebuild, or holds NaN or Inf (CHECK_FINITE).
     """
-    if not revision or not is_remote_step(source):
+    files: tuple[Path, ...] = ()
+    if not is_remote_step(source):
+        if planned.commit is not None or planned.checkpoint.delta is None or planned.checkpoint.local_dir is None:
+            return
+        files = tuple(local_step_files(planned.checkpoint))
+        revision = files_pin(files, unchanged_since=began) if began is not None else None
+    if not revision:
         return
-    checkpoint, notes = planned.checkpoint, ()
+    checkpoint, notes = planned.checkpoint, (PREPARED_NOTE,)
     position = planned.position
     if checkpoint.delta is not None and rebuilds and position.tp_size * position.pp_size == 1:
         checkpoint = write_rebuilt_step(checkpoint, prepared_folder(), check_finite=check_finite)
         # The rebuilt step is a full step: what the chain told about the engine is said here, once.
-        notes = tuple(note for note in planned.notes if note.startswith(OFF_CHAIN_NOTE))
-    prepared_of(worker).keep(source, revision, checkpoint, notes)
+        notes = (*(note for note in planned.notes if note.startswith(OFF_CHAIN_NOTE)), PREPARED_REBUILT_NOTE)
+    prepared_of(worker).keep(source, revision, checkpoint, notes, files)
 
 
 def opened_step(worker, source: str, revision: str | None) -> tuple[Checkpoint, tuple[str, ...]]:

@@ -8,9 +8,11 @@ sit inside the pause. The pre-flight keeps what it opened under (source, pin); t
 the same pin takes it, once, with the checks its delta passed (`DeltaChain.passed`).
 
 Only a pinned source is kept: a Hub commit, or a store pin (`etags:<hex>` of every object read), names every
-byte, and the objects are kept in this host's cache under their ETags. A local path's files can be rewritten
-between the two calls, and nothing names their bytes: it is opened and checked again. What is kept ends by
-itself: one entry, replaced by the next pre-flight, and not taken after `KEEP_S` seconds.
+byte, and the objects are kept in this host's cache under their ETags. A local delta step's files name no bytes;
+they are pinned by what the kernel keeps about each (`checkpoint/local_pin.py`: inode, size, modification and
+change times), taken when none had changed since before the pre-flight began, and the reload takes the step
+only while every file still has that pin (a file written or replaced in between: opened and checked again).
+What is kept ends by itself: one entry, replaced by the next pre-flight, and not taken after `KEEP_S` seconds.
 
 A delta step the reload would rebuild rather than patch in place (the CPU's packed linear layers) is rebuilt by
 the pre-flight into a full step's files (`checkpoint/delta/rebuilt_step.py`), in this process's folder of the
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from layerwise_cli.cache_root import cache_root
+from layerwise_cli.checkpoint.local_pin import files_pin
 from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.worker.state.worker_state import kept_on
 
@@ -42,6 +45,7 @@ class _Kept:
     checkpoint: Checkpoint
     notes: tuple[str, ...]
     at: float
+    files: tuple[Path, ...] = ()  # a local step's files, pinned by `revision` (`files_pin`)
 
 
 class Prepared:
@@ -50,10 +54,13 @@ class Prepared:
     def __init__(self) -> None:
         self._kept: _Kept | None = None
 
-    def keep(self, source: str, revision: str | None, checkpoint: Checkpoint, notes: tuple[str, ...] = ()) -> None:
+    def keep(self, source: str, revision: str | None, checkpoint: Checkpoint, notes: tuple[str, ...] = (),
+             files: tuple[Path, ...] = ()) -> None:
         """Keep CHECKPOINT, opened from SOURCE at the pin REVISION (nothing is kept without a pin), with the NOTES
-        the reload's report is to carry (what the pre-flight found that the prepared step no longer shows)."""
-        self._kept = _Kept(source, revision, checkpoint, tuple(notes), time.monotonic()) if revision else None
+        the reload's report is to carry (what the pre-flight found that the prepared step no longer shows). A
+        local step's REVISION is its FILES' `files_pin`."""
+        self._kept = _Kept(source, revision, checkpoint, tuple(notes), time.monotonic(), tuple(files)) \
+            if revision else None
 
     def take(self, source: str, revision: str | None) -> tuple[Checkpoint, tuple[str, ...]] | None:
         """The step kept for SOURCE at REVISION and its notes, once; None when there is none, another, or it is
@@ -62,6 +69,12 @@ class Prepared:
         if kept is None or not revision or (kept.source, kept.revision) != (source, revision):
             return None
         return (kept.checkpoint, kept.notes) if time.monotonic() - kept.at <= KEEP_S else None
+
+    def take_local(self, source: str) -> tuple[Checkpoint, tuple[str, ...]] | None:
+        """The local step kept for SOURCE and its notes, once, while each of its files has the pin it had when
+        the pre-flight read it; None otherwise. As `take`, it ends what was kept, whatever it returns."""
+        files = self._kept.files if self._kept is not None else ()
+        return self.take(source, files_pin(files) if files else None)
 
 
 def prepared_of(worker) -> Prepared:
