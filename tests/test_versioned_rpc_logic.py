@@ -69,12 +69,12 @@ def test_a_reset_that_did_not_take_is_said():
     assert answer["prefix_cache_reset"] is False
 
 
-def test_install_adds_the_method_where_the_engine_cores_module_is_loaded(monkeypatch):
+def test_add_to_engine_core_adds_the_method_where_the_engine_cores_module_is_loaded(monkeypatch):
     """Only in a process that imported vLLM's engine core (the engine core's own), and once. The real class's
     members are checked by `scripts/check_vllm_release.py` (`ENGINE_CORE`); servers run it."""
     module = types.ModuleType(vllm_compat.ENGINE_CORE.module)
     monkeypatch.delitem(sys.modules, module.__name__, raising=False)
-    versioned_rpc.install()  # not loaded here: nothing to patch, and nothing imported
+    versioned_rpc.add_to_engine_core()  # not loaded here: nothing to patch, and nothing imported
     assert module.__name__ not in sys.modules
 
     class EngineCore(FakeCore):
@@ -82,9 +82,9 @@ def test_install_adds_the_method_where_the_engine_cores_module_is_loaded(monkeyp
 
     module.EngineCore = EngineCore
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    versioned_rpc.install()
+    versioned_rpc.add_to_engine_core()
     method = getattr(EngineCore, CORE_METHOD)
-    versioned_rpc.install()
+    versioned_rpc.add_to_engine_core()
     assert getattr(EngineCore, CORE_METHOD) is method
     core = EngineCore([{"ok": True}])
     assert getattr(core, CORE_METHOD)("m", None, [], {}, "v", False)["versioned"] and core.version == "v"

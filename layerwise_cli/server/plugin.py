@@ -41,7 +41,7 @@ def register() -> None:
     (idempotent)."""
     _register_weight_transfer()
     _watch_other_nodes()
-    versioned_rpc.install()  # in the engine core's process: the reload and its version in one utility call
+    versioned_rpc.add_to_engine_core()  # in the engine core's process: the reload and its version in one utility call
     if not in_api_server():
         return
     from layerwise_cli.server.engines_rpc import attach_engines_rpc  # noqa: PLC0415 - fastapi: only the API server loads it

@@ -58,6 +58,6 @@ def _core_method(self, method, timeout, args, kwargs, version, reset_prefix_cach
     return rpc_then_version(self, method, timeout, args, kwargs, version, reset_prefix_cache)
 
 
-def install() -> None:
+def add_to_engine_core() -> None:
     """Add `CORE_METHOD` to vLLM's engine core, where this process runs one (idempotent)."""
     vllm_compat.add_engine_core_method(CORE_METHOD, _core_method)

@@ -194,19 +194,6 @@ class DeltaChain:
         return bool(left.size)
 
 
-def local_step_files(checkpoint: Checkpoint) -> list[Path]:
-    """Every local file a delta step is rebuilt from: each link's delta file and the `config.json` beside it, and
-    the shards, index and config of the full step at the chain's start. What `local_pin.files_pin` pins."""
-    assert checkpoint.delta is not None and checkpoint.local_dir is not None, checkpoint.source
-    files = [checkpoint.shard_path(shard) for shard in checkpoint.shards]
-    files += [path for path in (checkpoint.local_dir / "model.safetensors.index.json",
-                                checkpoint.local_dir / "config.json") if path.is_file()]
-    for link in checkpoint.delta.links:
-        config = link.path.parent / "config.json"
-        files += [link.path, config] if config.is_file() else [link.path]
-    return files
-
-
 def base_directory(delta: Delta) -> Path:
     """Where the delta's base is now: its recorded location, else a sibling of the delta's step of that name.
 

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 
 from layerwise_cli.checkpoint.hub.pin import is_commit
+from layerwise_cli.client.servers import prefix_cache
 from layerwise_cli.client.servers.api import (
     HOLDS_MIXED,
     HOLDS_NEW,
@@ -250,13 +251,12 @@ class ServerReload:
                 step_done(self.stage)
 
             self.stage = "reload"
-            reset = self._prefix_cache_needs_reset()
+            reset = prefix_cache.needs_reset(options.pause_mode, self._keeper)
             self.report = (self.client.layerwise_reload(self.source, options, reset_prefix_cache=reset)
                            if self.method == "layerwise"
                            else self.client.vllm_reload(self.source, options.weight_version, reset_prefix_cache=reset))
             self.holds = HOLDS_NEW
-            if reset:
-                self._reset_prefix_cache_unless_done()
+            self._prefix_cache_after_reload(reset)
             self._emit(Reloaded(self.url, self.report))
             step_done(self.stage)
 
@@ -280,21 +280,11 @@ class ServerReload:
             self.changed_ok = True
         return self.changed_ok
 
-    def _prefix_cache_needs_reset(self) -> bool:
-        """Whether the KV blocks computed with the previous weights must be dropped after the reload: not when the
-        pause did it. vLLM's pause (`wait`, `abort`) clears the caches once the engine is idle, and nothing ran
-        since while layerwise's lease held it (without the lease, anyone may have resumed it meanwhile)."""
-        keeper = self._keeper
-        return not (self.options.pause_mode in ("wait", "abort") and keeper is not None and not keeper.lost)
-
-    def _reset_prefix_cache_unless_done(self) -> None:
-        """Reset the prefix cache, unless the server did with the reload (`layerwise serve`: in the same
-        engine-core step, so no prompt meets the old KV); warn when the reset did not take."""
-        done = self.client.prefix_cache_reset_with_reload
-        if done is None:
-            self.warnings.extend(_reset_prefix_cache(self.client))
-        elif not done:
-            self.warnings.append(PREFIX_CACHE_KEPT)
+    def _prefix_cache_after_reload(self, asked: bool) -> None:
+        """Drop the old weights' KV blocks unless the server did with the reload (ASKED) or the pause did (the
+        lease can have been lost during the reload: then it is dropped now)."""
+        needed = prefix_cache.needs_reset(self.options.pause_mode, self._keeper)
+        self.warnings.extend(prefix_cache.after_reload(self.client, asked, needed))
 
     def refuse(self, because: str) -> None:
         """Leave this server as it is, because of another server (its result says so)."""
@@ -325,10 +315,9 @@ class ServerReload:
             back = replace(self.options, weight_version=self.version_before,
                            reload=replace(self.options.reload, revision=revision, all_layers=False,
                                           allow_partial=True, allow_nonfinite=True, delta_base_check=False))
-            reset = self._prefix_cache_needs_reset()
+            reset = prefix_cache.needs_reset(self.options.pause_mode, self._keeper)
             self.client.layerwise_reload(source, back, reset_prefix_cache=reset)
-            if reset:
-                self._reset_prefix_cache_unless_done()
+            self._prefix_cache_after_reload(reset)
             if self.options.verify:
                 checked = self.client.verify(source, revision, allow_unchecked=self.options.reload.allow_unchecked)
                 if not checked.ok:
@@ -392,19 +381,3 @@ class ServerReload:
                             warnings=tuple(self.warnings), engines=self.engines,
                             engine_holds=tuple(self.engine_holds), reloaded_back=self.reloaded_back,
                             left_alone=self.left_alone, answering=answering)
-
-
-PREFIX_CACHE_KEPT = ("the prefix cache could not be reset (blocks still held); cached prompt prefixes may reuse KV "
-                     "computed with the previous weights")
-
-
-def _reset_prefix_cache(client: ServerClient) -> list[str]:
-    """Reset the server's prefix cache; the warnings to report if it could not be."""
-    # KV blocks computed with the old weights must not serve prompts after the
-    # reload; pause (wait/abort) already dropped them, keep and none did not.
-    try:
-        if not client.reset_prefix_cache():
-            return [PREFIX_CACHE_KEPT]
-    except Exception as exc:  # noqa: BLE001 - a warning, not a failure
-        return [f"the prefix cache could not be reset: {one_line(str(exc))}"]
-    return []

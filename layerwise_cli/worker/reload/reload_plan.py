@@ -11,7 +11,7 @@ from pathlib import Path
 
 from layerwise_cli.checkpoint.delta.hub_run import is_hub_step
 from layerwise_cli.checkpoint.delta.rebuilt_step import write_rebuilt_step
-from layerwise_cli.checkpoint.delta.source import is_remote_step, local_step_files, open_step
+from layerwise_cli.checkpoint.delta.source import is_remote_step, open_step
 from layerwise_cli.checkpoint.hub.pin import is_commit, repo_cache_folder
 from layerwise_cli.checkpoint.local_pin import files_pin
 from layerwise_cli.checkpoint.sources import Checkpoint, looks_like_repo_id, open_checkpoint, pin_source, resolve_local
@@ -21,7 +21,7 @@ from layerwise_cli.worker.reload.delta_base import OFF_CHAIN_NOTE
 from layerwise_cli.worker.reload.preflight import preflight, reference_checkpoint, refuse_direct_mode
 from layerwise_cli.worker.repairs.amx_mla import missing_message
 from layerwise_cli.worker.state.plan_cache import plan_cache_of, structure_key
-from layerwise_cli.worker.state.prepared import prepared_folder, prepared_of
+from layerwise_cli.worker.state.prepared import prepared_folder, prepared_of, step_files
 from layerwise_cli.worker.stream.rank_plan import RankPosition, WorkerPlan, plan_for_worker, rank_position
 
 _LOADED_FROM = "_layerwise_loaded_from"
@@ -137,7 +137,7 @@ def prepare_for_reload(worker, source: str, revision: str | None, planned: Plann
     if not is_remote_step(source):
         if planned.commit is not None or planned.checkpoint.delta is None or planned.checkpoint.local_dir is None:
             return
-        files = tuple(local_step_files(planned.checkpoint))
+        files = tuple(step_files(planned.checkpoint))
         revision = files_pin(files, unchanged_since=began) if began is not None else None
     if not revision:
         return

@@ -77,6 +77,19 @@ class Prepared:
         return self.take(source, files_pin(files) if files else None)
 
 
+def step_files(checkpoint: Checkpoint) -> list[Path]:
+    """Every local file a delta step is rebuilt from: each link's delta file and the `config.json` beside it, and
+    the shards, index and config of the full step at the chain's start. What a local step is pinned by."""
+    assert checkpoint.delta is not None and checkpoint.local_dir is not None, checkpoint.source
+    files = [checkpoint.shard_path(shard) for shard in checkpoint.shards]
+    files += [path for path in (checkpoint.local_dir / "model.safetensors.index.json",
+                                checkpoint.local_dir / "config.json") if path.is_file()]
+    for link in checkpoint.delta.links:
+        config = link.path.parent / "config.json"
+        files += [link.path, config] if config.is_file() else [link.path]
+    return files
+
+
 def prepared_of(worker) -> Prepared:
     """The worker's kept step, made on first use."""
     return kept_on(worker, _ATTRIBUTE, Prepared)
