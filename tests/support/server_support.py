@@ -26,6 +26,8 @@ SMALL = ["--max-model-len", "64", "--max-num-seqs", "8"]
 # A small explicit KV cache (64 MiB: about 130k tokens of the debug models), so that several servers fit
 # beside other work; on CPU, vLLM's memory fraction is of host RAM and must also cover the process itself.
 KV_CACHE = ["--kv-cache-memory-bytes", str(64 * 2**20)]
+# Starts of one server when a port it binds was taken first by another process (`RunningServer.start`).
+PORT_TRIES = 3
 
 
 def own_core(index: int) -> dict[str, str]:
@@ -71,6 +73,7 @@ class RunningServer:
         self._extra = list(extra if extra is not None else SMALL)
         self._start_timeout = start_timeout
         self._proc: subprocess.Popen | None = None
+        self._healthy_once = False  # a restart keeps the URL its clients know
         # Open for the server's lifetime (its stdout and stderr), read by log_tail; deleted on exit.
         self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115
             prefix=f"vllm-{kind}-{self.port}-", suffix=".log", delete=False)
@@ -95,6 +98,26 @@ class RunningServer:
         return argv + self._extra, env
 
     def start(self) -> RunningServer:
+        """Start the server and wait until it is healthy. A first start that fails because a port it binds was
+        taken between `free_port` and the bind (another process of the run got it first: "Address already in
+        use", seen once in a whole run) is tried again on fresh ports, at most `PORT_TRIES` times in all; a
+        restart keeps its URL."""
+        for tries_left in range(PORT_TRIES - 1, -1, -1):
+            begun = Path(self._log.name).stat().st_size
+            try:
+                return self._start_once()
+            except RuntimeError:
+                self._log.flush()
+                with open(self._log.name, "rb") as log:
+                    log.seek(begun)
+                    taken = b"Address already in use" in log.read()
+                if not (taken and tries_left and not self._healthy_once):
+                    raise
+                self.port = free_port()
+                self.url = f"http://127.0.0.1:{self.port}"
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> RunningServer:
         argv, env = self.command()
         # A process group of its own (stop() signals the server and every process it spawned), in the test run's
         # session: Linux's scheduler shares a CPU between sessions first (autogroups), so a server in a session of
@@ -109,6 +132,7 @@ class RunningServer:
                                    f"{self.log_tail()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    self._healthy_once = True
                     return self
             except httpx.HTTPError:
                 pass
