@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -84,11 +83,6 @@ def servers(demo_models):
 
 
 
-def start_lines(server: RunningServer) -> int:
-    """How many of SERVER's start lines (`layerwise serve`'s first line, wrapped by Rich) name its CPU cores."""
-    said = " ".join(Path(server._log.name).read_text(errors="replace").split())
-    return said.count("CPU cores")
-
 def arrive_together(trainer: Trainer, staging, names_models: list[tuple[str, str]]) -> None:
     """Write steps elsewhere, then rename them into ROOT back to back (atomic renames, as save_checkpoint does)."""
     staged = Trainer(staging, trainer.sources)
@@ -149,7 +143,9 @@ def test_watch_keeps_two_servers_on_the_newest_complete_step(servers, sources, t
                 assert restarted_s <= RESTART_DEADLINE_S, (
                     f"b took {restarted_s:.0f} s to restart beside a (over {RESTART_DEADLINE_S} s):\n{b.log_tail()}")
                 # Both start lines of b (its first start and this one) and a's name the cores they took.
-                assert [start_lines(server) for server in (a, b)] == [1, 2], b.log_tail()
+                lines = [server.start_lines() for server in (a, b)]
+                assert [len(found) for found in lines] == [1, 2], lines
+                assert all("CPU cores" in line for found in lines for line in found), lines
                 clients.resume(b)
                 watch.wait_for("server_back", server=b.url)
                 watch.wait_for("reload_done", step="step_6", server=b.url)

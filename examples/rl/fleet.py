@@ -67,10 +67,7 @@ class Fleet:
 
     def start_lines(self, index: int) -> list[str]:
         """The `Serving ...` lines server INDEX printed (one per start), naming its CPU cores."""
-        text = Path(self.servers[index]._log.name).read_text(errors="replace")
-        # Rich wraps the line at the console's width: joined again.
-        return [" ".join(found.split())
-                for found in re.findall(r"^(Serving [^(]*?(?:\([^)]*\)[^(]*?)*?)\s+\(reload\s+it\s+with", text, re.M)]
+        return self.servers[index].start_lines()
 
 
 def weight_version(url: str) -> str | None:

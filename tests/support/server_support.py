@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -205,10 +206,19 @@ class RunningServer:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def log_tail(self, lines: int = 40) -> str:
+    def log_text(self) -> str:
+        """Everything the server wrote so far, every start of it."""
         self._log.flush()
-        text = Path(self._log.name).read_text(errors="replace").splitlines()
-        return "\n".join(text[-lines:])
+        return Path(self._log.name).read_text(errors="replace")
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def start_lines(self) -> list[str]:
+        """The `Serving ...` lines `layerwise serve` printed, one per start, each naming its CPU cores."""
+        # Rich wraps the line at the console's width: joined again.
+        return [" ".join(found.split()) for found in re.findall(
+            r"^(Serving [^(]*?(?:\([^)]*\)[^(]*?)*?)\s+\(reload\s+it\s+with", self.log_text(), re.M)]
 
     def __enter__(self) -> RunningServer:
         return self.start()
@@ -248,7 +258,7 @@ def start(server: RunningServer) -> None:
 
 def error_lines(server: RunningServer, limit: int = 60) -> str:
     """The last LIMIT lines of SERVER's log that say something failed."""
-    text = Path(server._log.name).read_text(errors="replace").splitlines()
+    text = server.log_text().splitlines()
     keep = [line for line in text if any(w in line for w in ("ERROR", "Error", "Traceback", "failed", "Killed"))
             and "ulimit" not in line]
     return "\n".join(keep[-limit:])

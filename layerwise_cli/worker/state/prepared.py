@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from layerwise_cli.cache_root import cache_root
+from layerwise_cli.checkpoint.format.layout import INDEX_NAME
 from layerwise_cli.checkpoint.local_pin import files_pin
 from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.worker.state.worker_state import kept_on
@@ -82,8 +83,8 @@ def step_files(checkpoint: Checkpoint) -> list[Path]:
     the shards, index and config of the full step at the chain's start. What a local step is pinned by."""
     assert checkpoint.delta is not None and checkpoint.local_dir is not None, checkpoint.source
     files = [checkpoint.shard_path(shard) for shard in checkpoint.shards]
-    files += [path for path in (checkpoint.local_dir / "model.safetensors.index.json",
-                                checkpoint.local_dir / "config.json") if path.is_file()]
+    files += [path for path in (checkpoint.local_dir / INDEX_NAME, checkpoint.local_dir / "config.json")
+              if path.is_file()]
     for link in checkpoint.delta.links:
         config = link.path.parent / "config.json"
         files += [link.path, config] if config.is_file() else [link.path]
