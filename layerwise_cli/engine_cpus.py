@@ -26,6 +26,9 @@ from layerwise_cli.engine_defaults import cpu_threads_binding
 from layerwise_cli.errors import UsageError
 
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+# "0": a single-rank engine's worker runs inside its engine core's process (or the caller's), where vLLM binds no core:
+# it binds a worker's threads only as its multiprocessing executor spawns the worker.
+SINGLE_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 # The process title vLLM gives its worker processes (`VLLM::Worker`, `VLLM::Worker_TP1`, ...).
 WORKER_TITLE = "VLLM::Worker"
 _SYS_CPU = Path("/sys/devices/system/cpu")
@@ -199,7 +202,8 @@ def choose_cores(workers: int, *, requested: str | None = None, holders: dict[in
         environ: where a binding the user set is read (default: os.environ).
 
     Returns:
-        The binding and the start line's words. Without a request or a
+        The binding and the start line's words. With one worker and
+        VLLM_ENABLE_V1_MULTIPROCESSING=0: none (vLLM binds no core then). Without a request or a
         binding in the environment: with no core held by another engine, what
         vLLM's `auto` picks for one worker (the first NUMA node's cores, one
         per physical core, less the last one, which vLLM leaves to the engine
@@ -211,6 +215,8 @@ def choose_cores(workers: int, *, requested: str | None = None, holders: dict[in
         UsageError: REQUESTED is not a CPU list, or names too few CPUs.
     """
     environ = os.environ if environ is None else environ
+    if workers == 1 and environ.get(SINGLE_PROCESS_ENV) == "0":
+        return _unbound(requested)
     if requested:
         binding = requested_binding(requested, workers)
         return CoreChoice(binding, f"CPU cores {binding} (--cpus)")
@@ -233,6 +239,16 @@ def choose_cores(workers: int, *, requested: str | None = None, holders: dict[in
     warning = (f"every CPU core here is held by another engine's worker ({load}); this engine shares {binding}, the "
                "least loaded: its start and answers will be slower (choose cores with --cpus)")
     return CoreChoice(binding, f"CPU cores {binding}, shared ({whose})", warning)
+
+
+def _unbound(requested: str | None) -> CoreChoice:
+    """A single worker that no process of its own will hold: vLLM binds no core, and the start line says so."""
+    if requested:
+        raise UsageError(f"--cpus binds a worker's process, and with {SINGLE_PROCESS_ENV}=0 the worker runs in the "
+                         "engine core's process, which vLLM binds to no core: unset the variable, or drop --cpus",
+                         where="CPU cores")
+    return CoreChoice(None, f"no CPU cores bound ({SINGLE_PROCESS_ENV}=0: the worker runs in the engine core's "
+                            "process, which vLLM binds to none)")
 
 
 def _unshared(workers: int, allowed: list[int]) -> CoreChoice:

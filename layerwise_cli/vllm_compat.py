@@ -357,6 +357,18 @@ def add_engine_core_method(name: str, function) -> None:
         setattr(engine_core, name, function)
 
 
+def lacks_method(error: str, method: str) -> bool:
+    """Whether ERROR, an error vLLM passed on from a worker or its engine core, says it has no METHOD.
+
+    vLLM words it two ways: `... has no attribute 'METHOD'` where it looks the
+    method up itself (a worker process of the multiprocessing executor, the
+    engine core's utility calls), and `Method 'METHOD' is not implemented.`
+    where it calls it through `run_method` (the single-process executor: one
+    rank on a GPU, or any engine with VLLM_ENABLE_V1_MULTIPROCESSING=0).
+    """
+    return f"has no attribute '{method}'" in error or f"Method '{method}' is not implemented" in error
+
+
 (ENGINE_CORE_PAUSE, ENGINE_CORE_RESUME, ENGINE_CORE_COLLECTIVE_RPC, ENGINE_CORE_RESET_PREFIX_CACHE,
  ENGINE_CORE_GET_VERSION, ENGINE_CORE_SET_VERSION) = ENGINE_CORE.members
 

@@ -131,10 +131,11 @@ def hub(demo_models):
 def multiply_server(demo_models, hub, tmp_path_factory):
     """The main server: `layerwise serve` on *multiply*, with an API key (so every test also proves the key
     works), one sequence at a time (so that requests queue and the pause modes can be told apart), and the
-    loopback Hub as its Hub."""
+    loopback Hub as its Hub. Its worker has a process of its own, the CPU backend's default layout: every
+    call to the workers crosses a process boundary, as users' CPU servers and multi-rank engines have it."""
     env = {"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path_factory.mktemp("server-hf-home")),
            "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1"}
-    with RunningServer(demo_models["multiply"], api_key=KEY, env=env,
+    with RunningServer(demo_models["multiply"], api_key=KEY, env=env, worker_process=True,
                        extra=["--max-model-len", "64", "--max-num-seqs", "1"]) as server:
         yield server
 
@@ -597,8 +598,10 @@ def test_pause_modes_with_requests_in_flight(on_multiply, demo_models, mode):
 
 @pytest.fixture(scope="module")
 def plain_server(demo_models):
-    """vLLM's own server (dev endpoints on, no layerwise extension) on *multiply*."""
-    with RunningServer(demo_models["multiply"], kind="plain") as server:
+    """vLLM's own server (dev endpoints on, no layerwise extension) on *multiply*, its worker in a process of its
+    own: a worker without the extension says so in that executor's words (`test_pause_lease_server.py`'s plain
+    server, its worker in the engine core, says it in the other's)."""
+    with RunningServer(demo_models["multiply"], kind="plain", worker_process=True) as server:
         yield server
 
 

@@ -1,5 +1,6 @@
 """The test servers' start (`tests/support/server_support.RunningServer`): a port taken between choosing it and
-binding it is chosen again on a first start, never on a restart (its clients know its URL)."""
+binding it is chosen again on a first start, never on a restart (its clients know its URL); a single-rank engine's
+worker runs in its engine core unless the test asks for a process of its own."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.support.server_support import RunningServer
+from tests.support.server_support import SMALL, WORKER_IN_ENGINE_CORE, RunningServer
 
 # A stand-in server: binds the port it is given (failing as any server does when it is taken) and answers /health.
 _TINY = """
@@ -53,3 +54,18 @@ def test_a_restart_keeps_its_url_and_says_why_it_failed(taken):
         assert server.port == taken
     finally:
         server.__exit__(None, None, None)  # stopped, its log removed
+
+
+def _layout_env(**kwargs) -> dict[str, str]:
+    _, env = RunningServer("/nowhere", **kwargs).command()
+    return {key: env.get(key) for key in WORKER_IN_ENGINE_CORE}
+
+
+def test_a_single_rank_server_runs_its_worker_in_the_engine_core_unless_asked_otherwise():
+    assert _layout_env() == WORKER_IN_ENGINE_CORE
+    assert _layout_env(kind="plain") == WORKER_IN_ENGINE_CORE
+    own = _layout_env(worker_process=True)
+    assert all(own[key] == os.environ.get(key) for key in WORKER_IN_ENGINE_CORE)
+    # Several ranks have a worker process each: the layout is not asked for.
+    several = _layout_env(extra=["--tensor-parallel-size", "2", *SMALL])
+    assert all(several[key] == os.environ.get(key) for key in WORKER_IN_ENGINE_CORE)

@@ -96,3 +96,21 @@ def test_direct_mode_is_refused_before_the_engine_is_touched(monkeypatch) -> Non
     assert "\n" not in str(raised.value)
     module.direct_reload_enabled = lambda: False
     assert vllm_compat.reload_mode() == "layerwise"
+
+
+def test_a_missing_method_is_told_in_both_of_vllms_wordings() -> None:
+    """A worker process of the multiprocessing executor looks the method up with getattr; the single-process
+    executor (one rank on a GPU) calls it through vLLM's `run_method`, which says it otherwise."""
+    from vllm.v1.serial_utils import run_method  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
+
+    class Worker:
+        pass
+
+    with pytest.raises(NotImplementedError) as single_process:
+        run_method(Worker(), "layerwise_ping", (), {})
+    with pytest.raises(AttributeError) as worker_process:
+        _ = Worker().layerwise_ping
+    for exc in (single_process.value, worker_process.value):
+        said = f"Call to collective_rpc method failed: {exc}"
+        assert vllm_compat.lacks_method(said, "layerwise_ping")
+        assert not vllm_compat.lacks_method(said, "layerwise_reload")

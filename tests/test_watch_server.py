@@ -75,10 +75,12 @@ RESTART_DEADLINE_S = 120
 
 @pytest.fixture(scope="module")
 def servers(demo_models):
-    """Two `layerwise serve` servers on *multiply*, started at once (INFO logs: a failure says where it stopped)."""
-    # Each on a core of its own (see own_core).
+    """Two `layerwise serve` servers on *multiply*, started at once (INFO logs: a failure says where it stopped).
+
+    Each worker in a process of its own (the CPU backend's layout), on a core of its own (see own_core): a server
+    restarted beside a busy one is started on the cores the other's worker does not hold."""
     with running_together([RunningServer(demo_models["multiply"], env={"VLLM_LOGGING_LEVEL": "INFO", **own_core(i)},
-                                         start_timeout=600) for i in range(2)]) as pair:
+                                         start_timeout=600, worker_process=True) for i in range(2)]) as pair:
         yield pair
 
 

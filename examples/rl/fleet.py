@@ -37,8 +37,10 @@ class Fleet:
     """Two servers on MODEL, reading steps with ENV (the store's credentials)."""
 
     def __init__(self, model: Path, env: dict[str, str], extra: list[str] | None = None) -> None:
-        self.servers = [RunningServer(model, env=env, extra=extra or SMALL, start_timeout=START_TIMEOUT_S)
-                        for _ in range(2)]
+        # The CPU backend's layout, workers in processes of their own, as `layerwise serve` runs for users: it binds
+        # each worker to cores the other's does not hold, and says which.
+        self.servers = [RunningServer(model, env=env, extra=extra or SMALL, start_timeout=START_TIMEOUT_S,
+                                      worker_process=True) for _ in range(2)]
 
     @property
     def urls(self) -> list[str]:

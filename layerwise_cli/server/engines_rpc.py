@@ -130,7 +130,7 @@ async def _versioned_call(engine_client, call: tuple, version: str | None, reset
         if one is not None:
             return [await until_engine_dies(one(CORE_METHOD, *args), engine_client, call[0])]
     except Exception as exc:
-        if f"has no attribute '{CORE_METHOD}'" not in str(exc):
+        if not vllm_compat.lacks_method(str(exc), CORE_METHOD):
             raise
     answers = [{"results": results} for results in await _plain_call(engine_client, call)]
     if any(workers_failed(answer["results"]) for answer in answers):

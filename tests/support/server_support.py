@@ -29,6 +29,13 @@ SMALL = ["--max-model-len", "64", "--max-num-seqs", "8"]
 KV_CACHE = ["--kv-cache-memory-bytes", str(64 * 2**20)]
 # Starts of one server when a port it binds was taken first by another process (`RunningServer.start`).
 PORT_TRIES = 3
+# A single-rank engine with its worker inside its engine-core process (vLLM's layout for one rank on a GPU).
+# The CPU backend gives the worker a process of its own unless this is 0, and each spawned process imports vLLM
+# and torch again: about 8 of a server's 25 CPU seconds to start. With the worker inside, nothing binds its
+# OpenMP threads (vLLM binds them as it spawns a worker process): one thread, as a worker bound to one core has.
+WORKER_IN_ENGINE_CORE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
+# Flags that give an engine more than one rank (a worker process for each, whatever the layout asked for).
+_RANK_FLAGS = ("--tensor-parallel-size", "--pipeline-parallel-size", "--data-parallel-size", "-tp", "-pp", "-dp")
 
 
 def own_core(index: int) -> dict[str, str]:
@@ -58,11 +65,19 @@ class RunningServer:
     `kind`: `layerwise` (`layerwise serve`: extension, dev endpoints),
     `plain` (vLLM's server with VLLM_SERVER_DEV_MODE=1, no extension) or
     `no-dev` (vLLM's server without the dev endpoints).
+
+    `worker_process`: a single-rank engine's worker in a process of its own,
+    the CPU backend's default (and every multi-rank engine's layout). Without
+    it, the worker runs inside the engine-core process (`WORKER_IN_ENGINE_CORE`),
+    as vLLM runs one rank on a GPU: one process fewer to start. The files
+    whose subject is the server itself keep the CPU default (`layerwise serve`'s
+    own tests, the worker's failed start, the RL example's fleet), so both
+    layouts stay tested.
     """
 
     def __init__(self, model: Path | str, *, kind: str = "layerwise", api_key: str | None = None,
                  extra: list[str] | None = None, env: dict[str, str] | None = None,
-                 start_timeout: float = 300.0, cwd: Path | None = None) -> None:
+                 start_timeout: float = 300.0, cwd: Path | None = None, worker_process: bool = False) -> None:
         self.model = str(model)
         # Its working directory: a relative SOURCE path resolves there (a node's own disk, in the fleet tests).
         self.cwd = cwd or ROOT
@@ -73,6 +88,7 @@ class RunningServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self._extra = list(extra if extra is not None else SMALL)
         self._start_timeout = start_timeout
+        self.worker_process = worker_process
         self._proc: subprocess.Popen | None = None
         self._healthy_once = False  # a restart keeps the URL its clients know
         # Open for the server's lifetime (its stdout and stderr), read by log_tail; deleted on exit.
@@ -83,6 +99,8 @@ class RunningServer:
         env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1"}
         env.pop("VLLM_SERVER_DEV_MODE", None)
         env.pop("LAYERWISE_API_KEY", None)
+        if not self.worker_process and not any(flag in self._extra for flag in _RANK_FLAGS):
+            env.update(WORKER_IN_ENGINE_CORE)
         env.update(self._env)
         if self.kind == "layerwise":
             argv = [LAYERWISE, "serve", self.model, "--port", str(self.port), *KV_CACHE]

@@ -227,7 +227,8 @@ def call_workers(llm, method: str, **kwargs) -> list[dict]:
             f"LLM(..., worker_extension_cls={EXTENSION_CLS!r})"
         ) from exc
     except Exception as exc:
-        if "layerwise_" in str(exc) and ("has no attribute" in str(exc) or "not found" in str(exc).lower()):
+        text = str(exc)
+        if vllm_compat.lacks_method(text, method) or ("layerwise_" in text and "not found" in text.lower()):
             raise LayerwiseError(
                 f"the engine has no layerwise worker extension; build it with "
                 f"LLM(..., worker_extension_cls={EXTENSION_CLS!r})"

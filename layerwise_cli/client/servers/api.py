@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from layerwise_cli import ENGINES_RPC_PATH, PAUSE_LEASE_PATH, RENEW_LEASE_PATH, RESUME_LEASE_PATH
+from layerwise_cli import ENGINES_RPC_PATH, PAUSE_LEASE_PATH, RENEW_LEASE_PATH, RESUME_LEASE_PATH, vllm_compat
 from layerwise_cli.client.servers.http_text import error_text as _error_text
 from layerwise_cli.client.servers.http_text import excerpt as _excerpt
 from layerwise_cli.errors import LayerwiseError, one_line
@@ -226,7 +226,7 @@ class ServerClient:
         try:
             engines = self.ask(PingCall(), short=True)
         except RpcError as exc:
-            if f"has no attribute '{rpc.PING}'" in exc.detail:
+            if vllm_compat.lacks_method(exc.detail, rpc.PING):
                 return f"the server has no layerwise worker extension (its workers have no method {rpc.PING})"
             raise _ServerError(f"{rpc.PING} failed inside the server: {exc.detail}") from None
         results = [r for workers in engines for r in workers]
