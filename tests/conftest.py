@@ -75,11 +75,19 @@ def engines_on_own_core():
     one core while the other does the rest (`own_core` in
     tests/support/server_support.py measured what that costs). Tests that
     start several ranks drop the variable (they give each rank its own core).
+
+    The worker's own torch work, and the engines it runs in its own process
+    (`tests/support/in_process.py`: vLLM binds no thread there), use one
+    thread: torch's default is one per core, and two workers' engines each
+    using both cores kept four compute threads on two.
     """
     core = xdist_core()
     if core is None or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         yield
         return
+    import torch  # noqa: PLC0415 - torch: heavy (test collection stays fast)
+
+    torch.set_num_threads(1)
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
     try:
         yield

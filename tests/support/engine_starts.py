@@ -18,6 +18,7 @@ a table per file, beside the seconds of `LAYERWISE_TEST_TIMELINE` or `--duration
 from __future__ import annotations
 
 import collections
+import importlib.util
 import os
 import subprocess
 
@@ -49,11 +50,27 @@ def kind_of_command(argv: list[str]) -> str | None:
 
 
 def install() -> None:
-    """Count from now on, in this process: wrap `vllm.LLM.__init__` and `subprocess.Popen.__init__` once."""
+    """Count from now on, in this process: wrap `vllm.LLM.__init__` (where vLLM is installed: the Hub floor's venv
+    has none, and its run inherits the variable from CI's) and `subprocess.Popen.__init__` once."""
     global _installed
     if _installed:
         return
     _installed = True
+    if importlib.util.find_spec("vllm") is not None:
+        _count_llm_starts()
+    popen_init = subprocess.Popen.__init__
+
+    def counted_popen_init(self, args, *rest, **kwargs):
+        kind = kind_of_command([args] if isinstance(args, str | bytes | os.PathLike) else list(args))
+        if kind is not None:
+            _counts[kind] += 1
+        popen_init(self, args, *rest, **kwargs)
+
+    subprocess.Popen.__init__ = counted_popen_init
+
+
+def _count_llm_starts() -> None:
+    """Wrap `vllm.LLM.__init__`: an engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) or the default way."""
     from vllm import LLM  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     llm_init = LLM.__init__
@@ -63,16 +80,7 @@ def install() -> None:
         _counts["in_process" if in_process else "engine"] += 1
         llm_init(self, *args, **kwargs)
 
-    popen_init = subprocess.Popen.__init__
-
-    def counted_popen_init(self, args, *rest, **kwargs):
-        kind = kind_of_command([args] if isinstance(args, str | bytes | os.PathLike) else list(args))
-        if kind is not None:
-            _counts[kind] += 1
-        popen_init(self, args, *rest, **kwargs)
-
     LLM.__init__ = counted_llm_init
-    subprocess.Popen.__init__ = counted_popen_init
 
 
 def take() -> dict[str, int]:
