@@ -28,7 +28,7 @@ from layerwise_cli.errors import UsageError
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 # "0": a single-rank engine's worker runs inside its engine core's process (or the caller's), where vLLM binds no core:
 # it binds a worker's threads only as its multiprocessing executor spawns the worker.
-SINGLE_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 # The process title vLLM gives its worker processes (`VLLM::Worker`, `VLLM::Worker_TP1`, ...).
 WORKER_TITLE = "VLLM::Worker"
 _SYS_CPU = Path("/sys/devices/system/cpu")
@@ -215,7 +215,7 @@ def choose_cores(workers: int, *, requested: str | None = None, holders: dict[in
         UsageError: REQUESTED is not a CPU list, or names too few CPUs.
     """
     environ = os.environ if environ is None else environ
-    if workers == 1 and environ.get(SINGLE_PROCESS_ENV) == "0":
+    if workers == 1 and environ.get(MULTIPROCESSING_ENV) == "0":
         return _unbound(requested)
     if requested:
         binding = requested_binding(requested, workers)
@@ -244,10 +244,10 @@ def choose_cores(workers: int, *, requested: str | None = None, holders: dict[in
 def _unbound(requested: str | None) -> CoreChoice:
     """A single worker that no process of its own will hold: vLLM binds no core, and the start line says so."""
     if requested:
-        raise UsageError(f"--cpus binds a worker's process, and with {SINGLE_PROCESS_ENV}=0 the worker runs in the "
+        raise UsageError(f"--cpus binds a worker's process, and with {MULTIPROCESSING_ENV}=0 the worker runs in the "
                          "engine core's process, which vLLM binds to no core: unset the variable, or drop --cpus",
                          where="CPU cores")
-    return CoreChoice(None, f"no CPU cores bound ({SINGLE_PROCESS_ENV}=0: the worker runs in the engine core's "
+    return CoreChoice(None, f"no CPU cores bound ({MULTIPROCESSING_ENV}=0: the worker runs in the engine core's "
                             "process, which vLLM binds to none)")
 
 

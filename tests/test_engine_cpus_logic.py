@@ -12,7 +12,7 @@ import pytest
 from layerwise_cli.client.engine.in_process import thread_confined
 from layerwise_cli.engine_cpus import (
     BIND_ENV,
-    SINGLE_PROCESS_ENV,
+    MULTIPROCESSING_ENV,
     choose_cores,
     format_cpu_list,
     parse_cpu_list,
@@ -80,15 +80,15 @@ def test_the_users_choice_wins_and_a_binding_in_the_environment_is_kept():
 def test_a_worker_inside_the_engine_core_is_bound_to_no_core_and_the_start_line_says_so():
     """vLLM binds a worker's threads as its multiprocessing executor spawns it: a single worker run inside the engine
     core's process (VLLM_ENABLE_V1_MULTIPROCESSING=0) is bound to none, whatever the environment names."""
-    inside = {SINGLE_PROCESS_ENV: "0", BIND_ENV: "1"}
+    inside = {MULTIPROCESSING_ENV: "0", BIND_ENV: "1"}
     choice = _choose(1, {0: 1}, [0, 1], environ=inside)
     assert choice.binding is None and choice.processes is None
-    assert choice.said.startswith(f"no CPU cores bound ({SINGLE_PROCESS_ENV}=0")
+    assert choice.said.startswith(f"no CPU cores bound ({MULTIPROCESSING_ENV}=0")
     with pytest.raises(UsageError, match="--cpus binds a worker's process"):
         _choose(1, {}, [0, 1], environ=inside, requested="1")
     # Several ranks always have processes of their own; "1" is vLLM's default.
-    assert _choose(2, {0: 1}, [0, 1, 2, 3], environ={SINGLE_PROCESS_ENV: "0"}).binding == "1|2"
-    assert _choose(1, {0: 1}, [0, 1], environ={SINGLE_PROCESS_ENV: "1"}).binding == "1"
+    assert _choose(2, {0: 1}, [0, 1, 2, 3], environ={MULTIPROCESSING_ENV: "0"}).binding == "1|2"
+    assert _choose(1, {0: 1}, [0, 1], environ={MULTIPROCESSING_ENV: "1"}).binding == "1"
 
 
 @pytest.mark.parametrize("bad", ["x", "0-", "0|1|2", "1-a"])

@@ -22,6 +22,8 @@ import importlib.util
 import os
 import subprocess
 
+from layerwise_cli.engine_cpus import MULTIPROCESSING_ENV
+
 FILE_ENV = "LAYERWISE_TEST_STARTS"
 KINDS = ("in_process", "engine", "server", "cli_engine", "script")
 
@@ -76,7 +78,7 @@ def _count_llm_starts() -> None:
     llm_init = LLM.__init__
 
     def counted_llm_init(self, *args, **kwargs):
-        in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        in_process = os.environ.get(MULTIPROCESSING_ENV) == "0"
         _counts["in_process" if in_process else "engine"] += 1
         llm_init(self, *args, **kwargs)
 

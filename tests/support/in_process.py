@@ -43,8 +43,8 @@ import warnings
 from pathlib import Path
 
 from layerwise_cli.client.engine.in_process import EngineOptions, start_engine, stop_engine
+from layerwise_cli.engine_cpus import MULTIPROCESSING_ENV
 
-MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 # The test models' KV cache at max_model_len 64 needs well under 1 MiB; the size does not change an answer.
 KV_CACHE_BYTES = 256 * 2**20
 

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from layerwise_cli.demo import demo_prompt
+from layerwise_cli.engine_cpus import MULTIPROCESSING_ENV
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository root
 LAYERWISE = str(Path(sys.executable).with_name("layerwise"))
@@ -33,7 +34,7 @@ PORT_TRIES = 3
 # The CPU backend gives the worker a process of its own unless this is 0, and each spawned process imports vLLM
 # and torch again: about 8 of a server's 25 CPU seconds to start. With the worker inside, nothing binds its
 # OpenMP threads (vLLM binds them as it spawns a worker process): one thread, as a worker bound to one core has.
-WORKER_IN_ENGINE_CORE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
+WORKER_IN_ENGINE_CORE = {MULTIPROCESSING_ENV: "0", "OMP_NUM_THREADS": "1"}
 # Flags that give an engine more than one rank (a worker process for each, whatever the layout asked for).
 _RANK_FLAGS = ("--tensor-parallel-size", "--pipeline-parallel-size", "--data-parallel-size", "-tp", "-pp", "-dp")
 
@@ -69,10 +70,10 @@ class RunningServer:
     `worker_process`: a single-rank engine's worker in a process of its own,
     the CPU backend's default (and every multi-rank engine's layout). Without
     it, the worker runs inside the engine-core process (`WORKER_IN_ENGINE_CORE`),
-    as vLLM runs one rank on a GPU: one process fewer to start. The files
-    whose subject is the server itself keep the CPU default (`layerwise serve`'s
-    own tests, the worker's failed start, the RL example's fleet), so both
-    layouts stay tested.
+    as vLLM runs one rank on a GPU: one process fewer to start. The servers
+    whose layout is the subject keep the CPU default (the main `layerwise
+    serve` server and vLLM's plain one in `test_serve_server.py`, the watch
+    pair, the RL example's fleet), so both layouts stay tested.
     """
 
     def __init__(self, model: Path | str, *, kind: str = "layerwise", api_key: str | None = None,
