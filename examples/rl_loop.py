@@ -113,9 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--outage", type=float, default=15.0, help="seconds the store is down (store_down)")
     parser.add_argument("--gap", type=float, default=1.0, help="seconds of traffic on each step before the next")
     parser.add_argument("--threads", type=int, default=2, help="client threads")
-    parser.add_argument("--pause-mode", choices=("wait", "keep"), default="wait",
-                        help="how watch pauses the servers: wait (in-flight requests finish first) or keep (they "
-                        "are frozen and go on with the new weights: no drain inside the pause)")
+    parser.add_argument("--pause-mode", choices=("wait", "keep", "none"), default="wait",
+                        help="how watch pauses the servers: wait (in-flight requests finish first), keep (they "
+                        "are frozen and go on with the new weights: no drain inside the pause) or none (no pause: "
+                        "each engine takes the reload between two of its steps, running requests go on with the "
+                        "new weights)")
     parser.add_argument("--out", default="rl-run", help="folder for events.jsonl, summary.json, timeline.png")
     parser.add_argument("--scratch", default=None, help="where the run's steps are written (default: a temp dir)")
     args = parser.parse_args(argv)

@@ -15,6 +15,7 @@ import pytest
 
 from layerwise_cli.client.engine.in_process import EngineOptions, reload
 from layerwise_cli.writer.delta_step import write_delta
+from tests.support.cpu_flags import cpu_flags
 from tests.support.deltas import rl_step, save_step
 from tests.support.engine_support import (
     assert_matches_fresh,
@@ -32,6 +33,8 @@ PROMPTS = [f"{a} {b} = " for a, b in [(1, 2), (3, 4), (15, 7), (99, 0), (42, 42)
                                       (21, 12), (7, 70)]]
 # MoE, a Mamba2 hybrid, MLA with MoE (the matrix's configurations of the same names).
 ARCHS = ("qwen3_moe", "nemotron_h", "deepseek_v3")
+AMX = "amx_tile" in cpu_flags()
+MLA_KV_B_PROJ = ["model.layers.0.self_attn.kv_b_proj", "model.layers.1.self_attn.kv_b_proj"]
 
 
 def _steps(arch: str, root: Path) -> dict[str, Path]:
@@ -61,8 +64,12 @@ def test_deltas_both_ways_equal_fresh_engines(arch, tmp_path):
         # The records survive a reload that changed the layers: B in full now loads nothing (a Mamba2 mixer's
         # record covers its conv1d and projections, layers of their own reloaded inside it), and the next delta
         # finds its base.
+        # On an AMX CPU vLLM's MLA backend empties each `kv_b_proj.weight` after loading: those layers are loaded
+        # by every reload (`worker/repairs/amx_mla.py`), and only those.
         again = reload(llm, str(steps["B"]))
-        assert again.unchanged.stale_layers == 0 and again.volume.tensors == 0, again.findings.notes
+        loaded = sorted(layer.name for layer in again.layers if layer.skipped is None)
+        assert again.unchanged.stale_layers == 0, again.findings.notes
+        assert loaded == (MLA_KV_B_PROJ if arch == "deepseek_v3" and AMX else []), again.findings.notes
         reload(llm, str(steps["BA"]))
         assert engine_state(llm)["checksums"] == fresh_a
         assert_matches_fresh(llm, steps["A"], PROMPTS, options=options)

@@ -190,6 +190,9 @@ def test_metrics_count_reloads_pauses_bytes_and_the_version(layerwise_server, tm
     # The drain is the first part of each pause: never longer than the pause it began.
     assert grew("layerwise_pause_drain_seconds_count") == 2
     assert 0 < grew("layerwise_pause_drain_seconds_sum") <= grew("layerwise_pause_seconds_sum")
+    # Each reload held the engine core (no step ran) for part of its wall time in the server, paused or not.
+    assert grew("layerwise_engine_stall_seconds_count") == 2
+    assert 0 < grew("layerwise_engine_stall_seconds_sum") <= grew("layerwise_reload_seconds_sum")
     assert grew("layerwise_read_bytes_total") > 0
     assert after[("layerwise_weight_version", (("version", "metrics-1"),))] == 1
     assert not any(name == "layerwise_weight_version" and dict(labels).get("version") != "metrics-1" and value

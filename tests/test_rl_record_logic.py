@@ -64,6 +64,23 @@ def test_the_pause_splits_into_its_drain_and_the_rest_each_against_the_fleet_s_s
     assert bare.steps[1].servers[0].stopped_s is None and bare.figures()["stopped_over_apply"]["n"] == 0
 
 
+def test_unpaused_servers_stopped_for_the_engine_core_s_hold_on_the_reload():
+    """Pause mode `none`: no lease pause (its histogram grew by 0), and the engine generated nothing only while the
+    reload held its core; paused servers keep the pause less its drain, which covers that hold."""
+    steps = [pub(0, 0.0, kind="full"), pub(1, 10.0)]
+    pauses = {(A, 1): 0.0, (B, 1): 0.9}
+    drains = {(A, 1): 0.0, (B, 1): 0.2}
+    stalls = {(A, 1): 0.52, (B, 1): 0.55}
+    applies = {(A, 1): 0.5, (B, 1): 0.45}
+    record = build_record(steps, [], [], [A, B], names(*steps).step_of, pauses=pauses, reloads=applies,
+                          drains=drains, stalls=stalls)
+    a, b = record.steps[1].servers
+    assert a.stopped_s == 0.52 and b.stopped_s == pytest.approx(0.7)
+    figures = record.figures()
+    assert figures["stalled_over_apply"]["p95"] == pytest.approx(0.55 / 0.5)
+    assert figures["stopped_over_apply"]["p50"] == pytest.approx((0.52 / 0.5 + 0.7 / 0.5) / 2)
+
+
 def test_percentiles_are_nearest_rank():
     assert percentiles([]) == {"p50": None, "p95": None, "n": 0}
     values = [float(v) for v in range(1, 21)]

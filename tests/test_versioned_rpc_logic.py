@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 import types
 
 import pytest
@@ -45,8 +46,31 @@ def test_the_call_then_the_reset_then_the_version():
     assert [call[0] for call in core.calls] == ["collective_rpc", "reset_prefix_cache", "set_weight_version"]
     assert core.calls[0] == ("collective_rpc", "layerwise_reload", ("a",), {"k": 1})
     assert core.calls[1] == ("reset_prefix_cache", True)  # running requests recompute on the new weights
+    held = answer.pop("engine_s")
     assert answer == {"results": [{"ok": True}, {"ok": True}], "previous": "old", "versioned": True,
                       "prefix_cache_reset": True}
+    assert isinstance(held, float) and held >= 0
+
+
+class SlowCore(FakeCore):
+    """A core whose workers take WORKER_S and whose reset takes RESET_S (time.sleep: the engine core is held)."""
+
+    worker_s, reset_s = 0.05, 0.03
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        time.sleep(self.worker_s)
+        return super().collective_rpc(method, timeout, args, kwargs)
+
+    def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
+        time.sleep(self.reset_s)
+        return super().reset_prefix_cache(reset_running_requests, reset_connector)
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_the_answer_says_how_long_the_engine_core_was_held(ok):
+    """The workers' call and the reset both hold the core: its time covers both (a failed call: the call)."""
+    answer = rpc_then_version(SlowCore([{"ok": ok}]), "layerwise_reload", None, [], {}, "v2", True)
+    assert answer["engine_s"] >= (SlowCore.worker_s + SlowCore.reset_s if ok else SlowCore.worker_s)
 
 
 @pytest.mark.parametrize("results", [[], [{"ok": True}, {"ok": False, "error": "x"}]])

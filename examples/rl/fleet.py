@@ -79,38 +79,44 @@ def weight_version(url: str) -> str | None:
         return None
 
 
-_SUM = re.compile(r"^(layerwise_pause(?:_drain)?_seconds)_sum(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.M)
+_SUM = re.compile(r"^(layerwise_(?:pause|pause_drain|engine_stall)_seconds)_sum(?:\{[^}]*\})?\s+([0-9.eE+-]+)$",
+                  re.M)
+_TOTALS = ("layerwise_pause_seconds", "layerwise_pause_drain_seconds", "layerwise_engine_stall_seconds")
 
 
-def pause_totals(url: str) -> tuple[float, float] | None:
-    """The server's `layerwise_pause_seconds` and `layerwise_pause_drain_seconds` histogram sums (every pause
-    under a lease since it started); None when it does not answer."""
+def pause_totals(url: str) -> tuple[float, float, float] | None:
+    """The server's `layerwise_pause_seconds`, `layerwise_pause_drain_seconds` and
+    `layerwise_engine_stall_seconds` histogram sums (every pause under a lease, and every reload's hold on the
+    engine core, since it started); None when it does not answer."""
     try:
         text = httpx.get(f"{url}/metrics", timeout=30).text
     except httpx.HTTPError:
         return None
     sums = {name: float(value) for name, value in _SUM.findall(text)}
-    return sums.get("layerwise_pause_seconds", 0.0), sums.get("layerwise_pause_drain_seconds", 0.0)
+    return tuple(sums.get(name, 0.0) for name in _TOTALS)
 
 
 class PauseMeter:
-    """Per (server, step): how much the server's pause and drain histograms grew for that step's reload."""
+    """Per (server, step): how much the server's pause, drain and engine-stall histograms grew for that step's
+    reload."""
 
     def __init__(self) -> None:
-        self.last: dict[str, tuple[float, float]] = {}
+        self.last: dict[str, tuple[float, ...]] = {}
         self.pauses: dict[tuple[str, int], float] = {}
         self.drains: dict[tuple[str, int], float] = {}
+        self.stalls: dict[tuple[str, int], float] = {}
 
     def reloaded(self, url: str, step: int) -> None:
         totals = pause_totals(url)
         if totals is None:
             return
-        before = self.last.get(url, (0.0, 0.0))
+        before = self.last.get(url, (0.0,) * len(_TOTALS))
         # A restarted server starts its histograms again.
         grew = [now - then if now >= then else now for now, then in zip(totals, before)]
-        self.pauses[(url, step)], self.drains[(url, step)] = grew
+        self.pauses[(url, step)], self.drains[(url, step)], self.stalls[(url, step)] = grew
         self.last[url] = totals
 
     def restarted(self, url: str, fleet_total: bool = False) -> None:
         """URL (re)started: its histograms count from 0 (FLEET_TOTAL: from what they hold now, at a run's start)."""
-        self.last[url] = (pause_totals(url) or (0.0, 0.0)) if fleet_total else (0.0, 0.0)
+        zero = (0.0,) * len(_TOTALS)
+        self.last[url] = (pause_totals(url) or zero) if fleet_total else zero

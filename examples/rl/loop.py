@@ -36,7 +36,8 @@ class LoopOptions:
         interval: seconds between two listings of the run by `watch`.
         proof_steps: steps at which each server is verified and compared with a fresh engine (after the run).
         pause_mode: how `watch` pauses the servers for a reload (`wait`: in-flight requests finish first;
-            `keep`: they are frozen where they are and go on with the new weights, no drain inside the pause).
+            `keep`: they are frozen where they are and go on with the new weights, no drain inside the pause;
+            `none`: no pause, each engine takes the reload between two of its steps).
     """
 
     steps: int = 6
@@ -212,7 +213,7 @@ class Run:
         self.checks.append(f.check_versions_loaded(events, answers, self.initial))
         failures = [x for x in self.traffic.failures if x.time >= self.began]
         record = build_record(self.published, answers, failures, self.fleet.urls, self.store.step_of,
-                              self.pauses.pauses, self.reloads, self.pauses.drains)
+                              self.pauses.pauses, self.reloads, self.pauses.drains, self.pauses.stalls)
         checks = {c.name: ("ok: " if c.ok else "FAILED: ") + c.detail for c in self.checks}
         lines = {url: self.fleet.start_lines(i) for i, url in enumerate(self.fleet.urls)}
         record = RunRecord(record.steps, record.answers_per_step, record.staleness, checks, lines)

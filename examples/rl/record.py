@@ -24,6 +24,8 @@ class ServerStep:
             reload_done report: its plan phase and its wall time).
         drain_s: the first part of the pause (`layerwise_pause_drain_seconds`): the in-flight requests
             finishing (pause mode `wait`: served, new ones held).
+        stalled_s: what the server's `layerwise_engine_stall_seconds` grew by: the reload's time inside the
+            engine core, where no scheduler step runs, paused or not.
     """
 
     server: str
@@ -31,11 +33,16 @@ class ServerStep:
     paused_s: float | None
     reload_s: float | None
     drain_s: float | None = None
+    stalled_s: float | None = None
 
     @property
     def stopped_s(self) -> float | None:
-        """The pause less its drain: the time the server generated nothing."""
-        return None if self.paused_s is None or self.drain_s is None else self.paused_s - self.drain_s
+        """The time the server generated nothing for this step: the pause less its drain; where nothing paused
+        it (pause mode `none`: the engine takes the reload between two of its steps), the reload's hold on the
+        engine core."""
+        if self.paused_s:
+            return None if self.drain_s is None else self.paused_s - self.drain_s
+        return self.stalled_s
 
 
 @dataclass(frozen=True)
@@ -75,7 +82,7 @@ class RunRecord:
 
     def figures(self) -> dict:
         """Step-to-serve and pause per step (p50, p95), bytes per step against the full step, the pause's drain
-        and the rest (stopped), and both against the step's apply.
+        and the rest (stopped: generating nothing), the engine core's hold, and each against the step's apply.
 
         The apply of a step is its slowest server's (`ServerStep.reload_s`): an all-or-nothing fleet resumes
         every server together, once the last one has applied it.
@@ -86,14 +93,17 @@ class RunRecord:
         saves = [r.save_s for r in later]
         written = [r.written_bytes / r.full_bytes for r in later if r.full_bytes]
         paused = [(s, r.apply_s) for r in later for s in r.servers if s.paused_s is not None and r.apply_s]
+        stopped = [(s, r.apply_s) for r in later for s in r.servers if s.stopped_s is not None and r.apply_s]
+        stalled = [(s, r.apply_s) for r in later for s in r.servers if s.stalled_s is not None and r.apply_s]
         return {"serve_s": percentiles(serve), "pause_s": percentiles(pause), "save_s": percentiles(saves),
                 "bytes_over_full": percentiles(written),
                 "drain_s": percentiles([s.drain_s for s, _ in paused if s.drain_s is not None]),
-                "stopped_s": percentiles([s.stopped_s for s, _ in paused if s.stopped_s is not None]),
+                "stopped_s": percentiles([s.stopped_s for s, _ in stopped]),
+                "stalled_s": percentiles([s.stalled_s for s, _ in stalled]),
                 "apply_s": percentiles([r.apply_s for r in later if r.apply_s]),
                 "pause_over_apply": percentiles([s.paused_s / apply for s, apply in paused]),
-                "stopped_over_apply": percentiles([s.stopped_s / apply for s, apply in paused
-                                                   if s.stopped_s is not None])}
+                "stopped_over_apply": percentiles([s.stopped_s / apply for s, apply in stopped]),
+                "stalled_over_apply": percentiles([s.stalled_s / apply for s, apply in stalled])}
 
 
 def percentiles(values: list[float]) -> dict:
@@ -117,7 +127,8 @@ def newest_at(published: list[Published], when: float) -> int:
 
 def build_record(published: list[Published], answers: list[Answer], failures: list[Failure], urls: list[str],
                  step_of, pauses: dict[tuple[str, int], float], reloads: dict[tuple[str, int], float],
-                 drains: dict[tuple[str, int], float] | None = None) -> RunRecord:
+                 drains: dict[tuple[str, int], float] | None = None,
+                 stalls: dict[tuple[str, int], float] | None = None) -> RunRecord:
     """The run's record from what the loop measured.
 
     Args:
@@ -129,6 +140,7 @@ def build_record(published: list[Published], answers: list[Answer], failures: li
         pauses: (server, step) -> paused seconds from the server's metrics.
         reloads: (server, step) -> the apply's seconds (the reload's plan and wall time) from `watch`.
         drains: (server, step) -> the pause's drain seconds from the server's metrics.
+        stalls: (server, step) -> the reload's seconds inside the engine core, from the server's metrics.
     """
     tagged = answer_steps(answers, step_of)
     first: dict[tuple[str, int], float] = {}
@@ -141,7 +153,8 @@ def build_record(published: list[Published], answers: list[Answer], failures: li
         until = published[index + 1].saved_at if index + 1 < len(published) else float("inf")
         servers = tuple(
             ServerStep(url, _since(first.get((url, pub.step)), pub.saved_at), pauses.get((url, pub.step)),
-                       reloads.get((url, pub.step)), (drains or {}).get((url, pub.step)))
+                       reloads.get((url, pub.step)), (drains or {}).get((url, pub.step)),
+                       (stalls or {}).get((url, pub.step)))
             for url in urls)
         served = sum(1 for a in answers if pub.saved_at <= a.done < until)
         failed = sum(1 for f in failures if not f.retried and pub.saved_at <= f.time < until)

@@ -36,8 +36,10 @@ def render(record: RunRecord, console=None) -> None:
     figures = record.figures()
     for name, label in (("serve_s", "step-to-serve"), ("pause_s", "pause per step"),
                         ("drain_s", "  of which the drain (in-flight requests finishing)"),
-                        ("stopped_s", "  of which stopped (nothing generated)"), ("apply_s", "apply per step"),
+                        ("stopped_s", "stopped (nothing generated)"), ("apply_s", "apply per step"),
+                        ("stalled_s", "engine held by the reload (no step ran)"),
                         ("pause_over_apply", "pause / apply"), ("stopped_over_apply", "stopped / apply"),
+                        ("stalled_over_apply", "engine held / apply"),
                         ("save_s", "trainer's save"), ("bytes_over_full", "bytes per step / full step")):
         value = figures[name]
         if value["n"]:

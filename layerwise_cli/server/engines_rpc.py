@@ -24,6 +24,10 @@ server. The answer then says `"prefix_cache_reset": true|false`, and
 without layerwise's plugin): the three calls then follow each other. Where an
 engine failed and another already took the version, that one gets its
 previous version back.
+
+A reload always goes through that one utility call, which times itself:
+`layerwise_engine_stall_seconds` is how long the reload kept the engine from
+generating, whether the server was paused or not.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from layerwise_cli.server.answer_versions import AnswerVersions
 from layerwise_cli.server.pause_lease import add_pause_lease_routes
 from layerwise_cli.server.versioned_rpc import CORE_METHOD, workers_failed
 from layerwise_cli.server.weight_transfer.routes import add_weight_transfer_routes
+from layerwise_cli.worker import rpc
 
 # How often a call in flight checks that the engine is still alive.
 ENGINE_POLL_S = 1.0
@@ -81,7 +86,7 @@ async def engines_rpc(raw_request: Request):
     engine_client = raw_request.app.state.engine_client
     start = time.perf_counter()
     try:
-        if version is not None or reset:
+        if version is not None or reset or body["method"] == rpc.RELOAD:  # a reload: how long it held the cores
             answers = await _versioned_call(engine_client, call, version, reset)
         else:
             answers = [{"results": results} for results in await _plain_call(engine_client, call)]
@@ -92,6 +97,9 @@ async def engines_rpc(raw_request: Request):
                                                                 "code": 500}})
     engines = [[_jsonable(r) for r in (answer["results"] or [])] for answer in answers]
     metrics.record_call(body["method"], engines, time.perf_counter() - start)
+    held = [answer["engine_s"] for answer in answers if isinstance(answer.get("engine_s"), float)]
+    if held and body["method"] == rpc.RELOAD:
+        metrics.record_stall(max(held))
     content: dict = {"engines": engines}
     if version is not None or reset:
         # Whether each engine core ran the call, the reset and the version in one utility call.

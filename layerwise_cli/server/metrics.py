@@ -2,7 +2,8 @@
 
 Recorded in the API server process from what passes through layerwise's
 endpoints: each reload's answers (`/layerwise/engines_rpc` with
-`layerwise_reload`), each verification, each pause under a lease, and the
+`layerwise_reload`), how long each reload held the engine cores, each
+verification, each pause under a lease, and the
 weight version set with a reload. They go to the registry vLLM's `/metrics`
 serves (`prometheus_client`'s default one; vLLM's multiprocess registry reads
 them too when `PROMETHEUS_MULTIPROC_DIR` is set). A version set through
@@ -12,6 +13,7 @@ vLLM's own `/update_weight_version` is not seen here.
 | --- | --- | --- |
 | `layerwise_reloads_total{result}` | counter | by result: `ok`, `refused`, `rolled_back`, `failed` |
 | `layerwise_reload_seconds` | histogram | a reload's wall time inside the server |
+| `layerwise_engine_stall_seconds` | histogram | a reload's time in the engine core: no step runs meanwhile |
 | `layerwise_pause_seconds` | histogram | a pause under a lease, from the pause to its end |
 | `layerwise_pause_drain_seconds` | histogram | its first part: in-flight requests finishing (`wait`) |
 | `layerwise_pause_leases_expired_total` | counter | leases that ended because their client stopped renewing |
@@ -41,6 +43,10 @@ def _metrics():
         "reloads": Counter("layerwise_reloads", "layerwise reloads by result", ["result"]),
         "reload_seconds": Histogram("layerwise_reload_seconds", "Wall time of a layerwise reload inside the server",
                                     buckets=SECONDS_BUCKETS),
+        "engine_stall_seconds": Histogram(
+            "layerwise_engine_stall_seconds",
+            "Seconds a layerwise reload held the engine core (no scheduler step ran), paused or not",
+            buckets=SECONDS_BUCKETS),
         "pause_seconds": Histogram("layerwise_pause_seconds", "Seconds generation stayed paused under a lease",
                                    buckets=SECONDS_BUCKETS),
         "pause_drain_seconds": Histogram("layerwise_pause_drain_seconds",
@@ -87,6 +93,12 @@ def _record_reload(answers: list[dict], seconds: float) -> None:
         metrics["read_bytes"].inc(report.get("read_bytes") or 0)
         metrics["skipped_layers"].inc(report.get("skipped_layers") or 0)
         metrics["refreshed"].inc(len(report.get("refreshed") or ()))
+
+
+def record_stall(seconds: float) -> None:
+    """A reload held the engine core SECONDS: no token was generated meanwhile. A data-parallel server's engines
+    are held each for their own reload: the longest of them is recorded."""
+    _metrics()["engine_stall_seconds"].observe(seconds)
 
 
 def record_version(version: str) -> None:

@@ -12,10 +12,16 @@ prompt served from KV blocks the old weights computed.
 every worker answered and none said it failed, resets the prefix cache if
 asked and sets the version, all inside the same utility call. No step runs
 between the weights and their name.
+
+The answer also says how long the call held the engine core
+(`"engine_s"`): no scheduler step runs during a utility call, so that is the
+time the engine generated nothing for this reload, even where nothing paused
+the server (`layerwise_engine_stall_seconds`).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from layerwise_cli import vllm_compat
@@ -37,13 +43,21 @@ def rpc_then_version(engine_core, method: str, timeout: float | None, args: list
     and name the weights VERSION (when given), with no scheduler step in between.
 
     Returns `{"results": [per worker], "previous": the version before, "versioned": whether VERSION was set,
-    "prefix_cache_reset": whether the reset took (None: not asked, or the call failed)}`.
+    "prefix_cache_reset": whether the reset took (None: not asked, or the call failed), "engine_s": the seconds
+    the call held the engine core}`.
     """
+    start = time.perf_counter()
     results = getattr(engine_core, vllm_compat.ENGINE_CORE_COLLECTIVE_RPC)(method, timeout, tuple(args), kwargs)
     previous = getattr(engine_core, vllm_compat.ENGINE_CORE_GET_VERSION)()
     answer = {"results": results, "previous": previous, "versioned": False, "prefix_cache_reset": None}
-    if workers_failed(results):
-        return answer
+    if not workers_failed(results):
+        _name_weights(engine_core, answer, version, reset_prefix_cache)
+    answer["engine_s"] = time.perf_counter() - start
+    return answer
+
+
+def _name_weights(engine_core, answer: dict[str, Any], version: str | None, reset_prefix_cache: bool) -> None:
+    """After workers that all succeeded: reset the prefix cache if asked, and set VERSION (when given)."""
     if reset_prefix_cache:
         # Running requests are preempted and recompute their KV with the new weights (as the client's own reset).
         answer["prefix_cache_reset"] = bool(
@@ -51,7 +65,6 @@ def rpc_then_version(engine_core, method: str, timeout: float | None, args: list
     if version is not None:
         getattr(engine_core, vllm_compat.ENGINE_CORE_SET_VERSION)(version)
         answer["versioned"] = True
-    return answer
 
 
 def _core_method(self, method, timeout, args, kwargs, version, reset_prefix_cache):

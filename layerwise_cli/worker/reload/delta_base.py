@@ -16,7 +16,7 @@ from layerwise_cli.worker.state.spot_check import spot_check
 
 def check_delta_base(checkpoint: Checkpoint, engine_stream: list[PlannedTensor], records: LayerRecords | None,
                      fingerprints: Callable[[list[str]], Mapping[str, object]], held: str,
-                     proved_after: Collection[str] = ()) -> None:
+                     proved_after: Collection[str] = (), rewritten: Collection[str] = ()) -> None:
     """Refuse the delta CHECKPOINT unless this rank's engine holds its base, or an earlier step of its chain, in
     every layer it streams.
 
@@ -40,6 +40,10 @@ def check_delta_base(checkpoint: Checkpoint, engine_stream: list[PlannedTensor],
             state is not read now; their record's digest and the samples of the engine's bytes the patch writes
             (`DeltaPatch.plan`) are their check here, and a state that differs from the record after all fails
             the reload, which is rolled back.
+        rewritten: layers every reload loads whole from the step's files, whatever the engine holds, and whose
+            state never equals their record (`amx_mla.must_hand_over`: vLLM's AMX MLA backend empties
+            `kv_b_proj.weight` after loading). The engine's values take no part in what they end as: their
+            record's digest and the samples of the step's files are their check here.
 
     Raises:
         LayerwiseError: one line naming the delta, its base, the first layer that does not hold it and what
@@ -51,7 +55,8 @@ def check_delta_base(checkpoint: Checkpoint, engine_stream: list[PlannedTensor],
         needs += " (or an earlier step of its chain)"
     if records is None:
         raise LayerwiseError(f"{needs}, and this reload keeps no records to prove it", where=checkpoint.source)
-    failure = _prove_base(checkpoint, engine_stream, records, fingerprints, proved_after, first_only=True)[1]
+    failure = _prove_base(checkpoint, engine_stream, records, fingerprints, {*proved_after, *rewritten},
+                          first_only=True)[1]
     if failure is not None:
         raise LayerwiseError(f"{needs}, but {failure}; the engine holds {held}", where=checkpoint.source)
 
@@ -72,17 +77,18 @@ def layers_holding_a_base(checkpoint: Checkpoint, engine_stream: list[PlannedTen
 
 
 def _prove_base(checkpoint: Checkpoint, engine_stream: list[PlannedTensor], records: LayerRecords,
-                fingerprints: Callable[[list[str]], Mapping[str, object]], proved_after: Collection[str],
+                fingerprints: Callable[[list[str]], Mapping[str, object]], deferred: Collection[str],
                 first_only: bool) -> tuple[set[str], str | None]:
     """The layers of ENGINE_STREAM that hold a step of the chain (records, state, spot check of that step's
-    files), and why the first that does not fails (None: all hold one); FIRST_ONLY stops there."""
+    files), and why the first that does not fails (None: all hold one); FIRST_ONLY stops there. The state of
+    the DEFERRED layers is not read (`proved_after`, `rewritten`)."""
     delta: DeltaChain = checkpoint.delta
     groups = _groups(engine_stream)
     steps = held_steps(delta, engine_stream, records)
-    deferred = set(proved_after)
+    deferred = set(deferred)
 
     def state_now(names: list[str]) -> dict[str, object]:
-        # A layer proved after its patch passes here on its record's state; the patch proves it whole.
+        # A layer proved after its patch, or rewritten whole from the files, passes here on its record's state.
         found = dict(fingerprints([name for name in names if name not in deferred]))
         found.update({name: records.get(name).fingerprint for name in names if name in deferred})
         return found

@@ -251,7 +251,8 @@ def settle_base(worker, planned: PlannedReload, options: ReloadOptions, records:
     if options.delta_base_check:
         held, _ = loaded_from(worker)
         check_delta_base(planned.checkpoint, engine_stream, records, skip._fingerprints, held,
-                         proved_after=patch.proved_after if patch is not None else ())
+                         proved_after=patch.proved_after if patch is not None else (),
+                         rewritten=must_hand_over(worker.model_runner.get_model()))
         return
     if records is not None and (note := off_chain_note(delta, engine_stream, records)) is not None:
         planned.notes.append(note)
