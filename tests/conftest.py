@@ -21,23 +21,20 @@ from tests.support.synthetic import SyntheticModel, write_checkpoint
 settings.register_profile("layerwise", deadline=None)
 settings.load_profile("layerwise")
 
-# Seconds each test file of 40 s or more took in a whole run in two xdist workers on this 2-core AMD EPYC
-# (2026-12-07, 46 min in all, other work beside it; `LAYERWISE_TEST_STARTS`, `scripts/engine_starts.py`). Under
-# xdist the files start heaviest first (and the rest in collection order), so that no long file is left to run
-# alone at the end. Order only: no test depends on it.
+# Seconds each test file of 40 s or more took in a whole run in two xdist workers on a 2-core Intel Xeon (AVX-512
+# with AMX; 2026-12-07, `.ci/run` in 31.6 min; `LAYERWISE_TEST_STARTS`, `scripts/engine_starts.py`). Under xdist
+# the files start heaviest first (and the rest in collection order), so that no long file is left to run alone at
+# the end. Order only: no test depends on it.
 HEAVY_FILES = {
-    "test_store_delta_server.py": 516, "test_equivalence_engine.py": 508, "test_rl_loop_server.py": 470,
-    "test_pause_lease_server.py": 279, "test_serve_server.py": 248, "test_nodes_server.py": 212,
-    "test_repairs_server.py": 197, "test_start_failure_server.py": 183, "test_watch_server.py": 179,
-    "test_hub_fleet_server.py": 144, "test_data_parallel_server.py": 136, "test_pipeline_parallel_engine.py": 136,
-    "test_moe_engine.py": 127, "test_delta_tp_engine.py": 127, "test_fleet_server.py": 124,
-    "test_nodes_pp_server.py": 102, "test_reload_cli.py": 89, "test_planner_engine.py": 86,
-    "test_untrusted_cli.py": 86, "test_store_engine.py": 81, "test_delta_server.py": 80,
-    "test_weight_transfer_server.py": 70, "test_watch_store_server.py": 57, "test_demo_models_logic.py": 53,
-    "test_arch_table.py": 53, "test_padded_engine.py": 52, "test_in_process_engine.py": 50,
-    "test_delta_matrix_engine.py": 49, "test_reorder_engine.py": 47, "test_store_server.py": 46,
-    "test_traffic_server.py": 45, "test_hub_cli.py": 44, "test_bench_quick.py": 42,
-    "test_online_quant_engine.py": 40,
+    "test_rl_loop_server.py": 260, "test_serve_server.py": 257, "test_equivalence_engine.py": 209,
+    "test_watch_server.py": 179, "test_store_delta_server.py": 174, "test_pause_lease_server.py": 163,
+    "test_nodes_pp_server.py": 155, "test_nodes_server.py": 154, "test_reload_cli.py": 142,
+    "test_fleet_server.py": 136, "test_start_failure_server.py": 113, "test_pipeline_parallel_engine.py": 109,
+    "test_data_parallel_server.py": 98, "test_hub_fleet_server.py": 85, "test_repairs_server.py": 84,
+    "test_bench_quick.py": 77, "test_watch_store_server.py": 73, "test_demo_cli.py": 56,
+    "test_delta_tp_engine.py": 55, "test_demo_models_logic.py": 47, "test_weight_transfer_server.py": 46,
+    "test_online_quant_engine.py": 46, "test_vllm_release.py": 45, "test_planner_engine.py": 43,
+    "test_delta_server.py": 42, "test_hub_cli.py": 41, "test_tensor_parallel_engine.py": 41,
 }
 
 
