@@ -79,9 +79,8 @@ def weight_version(url: str) -> str | None:
         return None
 
 
-_SUM = re.compile(r"^(layerwise_(?:pause|pause_drain|engine_stall)_seconds)_sum(?:\{[^}]*\})?\s+([0-9.eE+-]+)$",
-                  re.M)
 _TOTALS = ("layerwise_pause_seconds", "layerwise_pause_drain_seconds", "layerwise_engine_stall_seconds")
+_SUM = re.compile(rf"^({'|'.join(_TOTALS)})_sum(?:\{{[^}}]*\}})?\s+([0-9.eE+-]+)$", re.M)
 
 
 def pause_totals(url: str) -> tuple[float, float, float] | None:

@@ -92,9 +92,7 @@ class RunRecord:
         pause = [s.paused_s for r in later for s in r.servers if s.paused_s is not None]
         saves = [r.save_s for r in later]
         written = [r.written_bytes / r.full_bytes for r in later if r.full_bytes]
-        paused = [(s, r.apply_s) for r in later for s in r.servers if s.paused_s is not None and r.apply_s]
-        stopped = [(s, r.apply_s) for r in later for s in r.servers if s.stopped_s is not None and r.apply_s]
-        stalled = [(s, r.apply_s) for r in later for s in r.servers if s.stalled_s is not None and r.apply_s]
+        paused, stopped, stalled = (_with_apply(later, name) for name in ("paused_s", "stopped_s", "stalled_s"))
         return {"serve_s": percentiles(serve), "pause_s": percentiles(pause), "save_s": percentiles(saves),
                 "bytes_over_full": percentiles(written),
                 "drain_s": percentiles([s.drain_s for s, _ in paused if s.drain_s is not None]),
@@ -104,6 +102,11 @@ class RunRecord:
                 "pause_over_apply": percentiles([s.paused_s / apply for s, apply in paused]),
                 "stopped_over_apply": percentiles([s.stopped_s / apply for s, apply in stopped]),
                 "stalled_over_apply": percentiles([s.stalled_s / apply for s, apply in stalled])}
+
+
+def _with_apply(steps: list[StepRecord], name: str) -> list[tuple[ServerStep, float]]:
+    """Each server of STEPS whose figure NAME is known, with its step's apply, for the steps that have one."""
+    return [(s, r.apply_s) for r in steps for s in r.servers if getattr(s, name) is not None and r.apply_s]
 
 
 def percentiles(values: list[float]) -> dict:

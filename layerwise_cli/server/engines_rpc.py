@@ -84,9 +84,10 @@ async def engines_rpc(raw_request: Request):
     version = body.get("weight_version") if isinstance(body.get("weight_version"), str) else None
     reset = body.get("reset_prefix_cache") is True
     engine_client = raw_request.app.state.engine_client
+    is_reload = body["method"] == rpc.RELOAD
     start = time.perf_counter()
     try:
-        if version is not None or reset or body["method"] == rpc.RELOAD:  # a reload: how long it held the cores
+        if version is not None or reset or is_reload:  # a reload: also how long it held the engine cores
             answers = await _versioned_call(engine_client, call, version, reset)
         else:
             answers = [{"results": results} for results in await _plain_call(engine_client, call)]
@@ -98,7 +99,7 @@ async def engines_rpc(raw_request: Request):
     engines = [[_jsonable(r) for r in (answer["results"] or [])] for answer in answers]
     metrics.record_call(body["method"], engines, time.perf_counter() - start)
     held = [answer["engine_s"] for answer in answers if isinstance(answer.get("engine_s"), float)]
-    if held and body["method"] == rpc.RELOAD:
+    if held and is_reload:
         metrics.record_stall(max(held))
     content: dict = {"engines": engines}
     if version is not None or reset:

@@ -19,11 +19,12 @@ engine started the default way, bit for bit.
 An in-process engine leaves state in this process that the next one must not
 inherit: vLLM's cache of its environment variables (taken once the engine core
 is up, so a later `VLLM_CPU_OMP_THREADS_BIND` would be ignored; `start_here`
-turns it off at once), its distributed groups, a frozen garbage-collector
-heap, the worker extension class added to vLLM's worker class, the
-environment variables its start wrote (`VLLM_DIST_IDENT`, `LOCAL_WORLD_SIZE`,
-`LD_PRELOAD`: a server started later would inherit them), and the OpenMP
-binding of this thread to the engine's core. `stop_here` clears all of it.
+turns it off at once), its distributed groups, the worker extension class
+added to vLLM's worker class, the environment variables its start wrote
+(`VLLM_DIST_IDENT`, `LOCAL_WORLD_SIZE`, `LD_PRELOAD`: a server started later
+would inherit them), and the OpenMP binding of this thread to the engine's
+core. `stop_here` clears all of it.
+
 vLLM collects garbage several times as an engine loads and stops, each time
 the whole heap (it also unfreezes the heap it froze at start-up). In a test
 process, which holds vLLM, torch, transformers and pytest's items, that was a
@@ -33,6 +34,9 @@ vLLM's own freeze and unfreeze are left out for in-process engines
 (`_collections_of_the_engine_only`): its collections then look only at what
 came after, the engine among it, and free the engine as before. The engine
 and its answers are the same; only how much the collector walks changes.
+What is frozen stays frozen for the rest of the process: a cycle among it
+that becomes garbage later is never collected (the equivalence file's peak
+memory was the same, 2.5 GB, with and without the freeze).
 
 Two things it could not clear are avoided: models on vLLM's Transformers
 backend (it patches the `transformers` classes) start the default way, as do
@@ -177,7 +181,7 @@ def _clear() -> None:
     """Put back what the in-process engine (stopped, or failed to start) changed in this process."""
     global _RUNNING
     # vLLM's own clean-up between in-process engines (EngineCore.shutdown runs it too, not on a failed
-    # start): the environment cache off, the frozen heap unfrozen, the groups destroyed, a collection.
+    # start): the environment cache off, the groups destroyed, a collection (of what came after the freeze).
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory  # noqa: PLC0415 - vllm: heavy (test collection stays fast)
 
     with _collections_of_the_engine_only():

@@ -215,12 +215,14 @@ def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords 
         delta.validate()
         if not options.allow_nonfinite:
             delta.refuse_nonfinite()
+    # Layers every reload loads whole from the files, whatever the engine holds (vLLM's AMX MLA backend).
+    hand_over = must_hand_over(model) if delta is not None else set()
     patch = None
     if delta is not None and records is not None and options.patch_in_place and not delta_patch_disabled():
         patch = DeltaPatch.plan(model, delta, skip.stream, held_steps(delta, engine_stream, records), records,
-                                skip.covers, derived, never=skip.rerun.hand_over | must_hand_over(model),
+                                skip.covers, derived, never=skip.rerun.hand_over | hand_over,
                                 check_finite=not options.allow_nonfinite)
-    settle_base(worker, planned, options, records, engine_stream, skip, patch)
+    settle_base(worker, planned, options, records, engine_stream, skip, patch, hand_over)
     if patch is not None:
         take_out_patched(skip, patch)
     rank = getattr(worker, "rank", 0) or 0
@@ -241,10 +243,12 @@ def plan_run(worker, source: str, options: ReloadOptions, records: LayerRecords 
 
 
 def settle_base(worker, planned: PlannedReload, options: ReloadOptions, records: LayerRecords | None,
-                engine_stream: list[PlannedTensor], skip: LayerSkip, patch: DeltaPatch | None) -> None:
+                engine_stream: list[PlannedTensor], skip: LayerSkip, patch: DeltaPatch | None,
+                hand_over: set[str]) -> None:
     """A delta's base: refused unless the engine holds it (`check_delta_base`); or, without the check (`watch`, a
     rollback, a fleet going back), the patch kept to the layers proved to hold a step of the chain, and a note
-    when the engine held no step of it (`off_chain_note`: it is given the chain's full step and links)."""
+    when the engine held no step of it (`off_chain_note`: it is given the chain's full step and links).
+    HAND_OVER: the layers every reload loads whole from the files (`amx_mla.must_hand_over`)."""
     delta = planned.checkpoint.delta
     if delta is None:
         return
@@ -252,7 +256,7 @@ def settle_base(worker, planned: PlannedReload, options: ReloadOptions, records:
         held, _ = loaded_from(worker)
         check_delta_base(planned.checkpoint, engine_stream, records, skip._fingerprints, held,
                          proved_after=patch.proved_after if patch is not None else (),
-                         rewritten=must_hand_over(worker.model_runner.get_model()))
+                         rewritten=hand_over)
         return
     if records is not None and (note := off_chain_note(delta, engine_stream, records)) is not None:
         planned.notes.append(note)
