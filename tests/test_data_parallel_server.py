@@ -13,7 +13,6 @@ import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -77,7 +76,7 @@ def _batch(server) -> list[str]:
 
 def _served_per_engine(server) -> dict[str, float]:
     """vLLM's finished-request counter per engine index, from /metrics."""
-    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    text = server.http.get(f"{server.url}/metrics", timeout=30).text
     counts: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("vllm:request_success_total{"):

@@ -37,7 +37,7 @@ def expected(name: str) -> list[str]:
 
 
 def weight_version(server: RunningServer) -> str:
-    response = httpx.get(f"{server.url}/weight_info", headers=server.headers(), timeout=10)
+    response = server.http.get(f"{server.url}/weight_info", headers=server.headers(), timeout=10)
     response.raise_for_status()
     return response.json()["weight_version"]
 
@@ -117,7 +117,7 @@ def test_a_killed_client_leaves_a_vllm_server_with_the_plugin_serving_under_a_tr
 def test_a_pause_past_its_lease_ends_by_itself_and_a_second_client_is_refused_meanwhile(layerwise_server):
     server = layerwise_server.server
     lease_s = 15.0  # longer than a client process takes to start
-    held = httpx.post(f"{server.url}/layerwise/pause", params={"mode": "wait", "lease_s": lease_s}, timeout=30)
+    held = server.http.post(f"{server.url}/layerwise/pause", params={"mode": "wait", "lease_s": lease_s}, timeout=30)
     assert held.status_code == 200, held.text
     began = time.monotonic()
     assert server.is_paused()
@@ -127,10 +127,10 @@ def test_a_pause_past_its_lease_ends_by_itself_and_a_second_client_is_refused_me
     assert second.returncode == 1 and "already paused" in second.stderr, second.stderr[-2000:]
     assert "ends by itself" in second.stderr
     # A pause taken past that check (two clients at once) is refused by the server itself.
-    racing = httpx.post(f"{server.url}/layerwise/pause", params={"mode": "wait", "lease_s": 5}, timeout=30)
+    racing = server.http.post(f"{server.url}/layerwise/pause", params={"mode": "wait", "lease_s": 5}, timeout=30)
     assert racing.status_code == 409 and "another client's lease" in racing.text
     serving_within(server, lease_s + 5)
-    renew = httpx.post(f"{server.url}/layerwise/renew", params={"token": held.json()["token"], "lease_s": 5},
+    renew = server.http.post(f"{server.url}/layerwise/renew", params={"token": held.json()["token"], "lease_s": 5},
                        timeout=10)
     assert renew.status_code == 409 and "ran out" in renew.text
     assert server.answers(PAIRS) == expected(layerwise_server.serving)
@@ -153,14 +153,14 @@ def test_without_the_plugin_the_client_says_what_the_server_cannot_promise(demo_
         assert proc.returncode == 0, proc.stderr[-2000:]
         said = " ".join(proc.stderr.split())  # as one line: the output wraps at the terminal's width
         assert "has no pause lease" in said and "stayed paused until POST /resume" in said, said
-        assert httpx.post(f"{server.url}/layerwise/pause", params={"lease_s": 5}).status_code == 404
+        assert server.http.post(f"{server.url}/layerwise/pause", params={"lease_s": 5}).status_code == 404
 
 
 def _scrape(server: RunningServer) -> dict[tuple[str, tuple], float]:
     """Every sample of the server's /metrics: (name, sorted labels) -> value, parsed as Prometheus does."""
     from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415 - prometheus_client: heavy (test collection stays fast)
 
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    text = server.http.get(f"{server.url}/metrics", timeout=10).text
     return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
             for family in text_string_to_metric_families(text) for sample in family.samples}
 
@@ -205,7 +205,7 @@ def _answer(server: RunningServer, path: str = "/v1/completions", max_tokens: in
         body["prompt"] = demo_prompt(3, 4)
     else:
         body["messages"] = [{"role": "user", "content": demo_prompt(3, 4)}]
-    response = httpx.post(f"{server.url}{path}", json=body, headers=server.headers(), timeout=120)
+    response = server.http.post(f"{server.url}{path}", json=body, headers=server.headers(), timeout=120)
     response.raise_for_status()
     return response
 

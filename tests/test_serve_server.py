@@ -8,7 +8,6 @@ import shutil
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 from typer.testing import CliRunner
 
@@ -207,7 +206,7 @@ def test_reload_add_into_multiply_through_the_cli(on_multiply, demo_models):
     assert report["layers"] and report["peak_buffer_bytes"] == report["largest_layer_bytes"]
     assert entry["version_after"] == "add-1"
     assert server.answers(PAIRS) == expected("add")
-    assert httpx.get(f"{server.url}/weight_info", headers=server.headers()).json()["weight_version"] == "add-1"
+    assert server.http.get(f"{server.url}/weight_info", headers=server.headers()).json()["weight_version"] == "add-1"
     assert not server.is_paused()
 
 
@@ -367,13 +366,14 @@ def test_wrong_api_key_is_one_line_401_and_the_dev_endpoints_need_the_key(on_mul
     assert "wrong" not in done.stderr.replace("wrong or missing", "")
     assert on_multiply.answers(PAIRS) == expected("multiply")
     # `layerwise serve --api-key` guards the reload endpoints too (vLLM's own check covers only /v1) ...
-    unguarded = httpx.post(f"{on_multiply.url}/collective_rpc", json={"method": "layerwise_ping"}, timeout=30)
+    http, url = on_multiply.http, on_multiply.url
+    unguarded = http.post(f"{url}/collective_rpc", json={"method": "layerwise_ping"}, timeout=30)
     assert unguarded.status_code == 401
-    assert httpx.post(f"{on_multiply.url}/layerwise/engines_rpc", json={"method": "layerwise_ping"},
-                      timeout=30).status_code == 401
-    assert httpx.post(f"{on_multiply.url}/pause", timeout=30).status_code == 401
+    assert http.post(f"{url}/layerwise/engines_rpc", json={"method": "layerwise_ping"},
+                     timeout=30).status_code == 401
+    assert http.post(f"{url}/pause", timeout=30).status_code == 401
     # ... and leaves health checks open.
-    assert httpx.get(f"{on_multiply.url}/health", timeout=30).status_code == 200
+    assert http.get(f"{url}/health", timeout=30).status_code == 200
 
 
 def test_unreachable_server():
@@ -542,14 +542,15 @@ def test_pause_modes_with_requests_in_flight(on_multiply, demo_models, mode):
             # On two shared cores the server takes requests in slower than the engine serves them, so a
             # backlog in the engine has to be made: hold the scheduler (keep), let a burst of requests
             # queue in it, let it go, and reload at once.
-            keep = httpx.post(f"{on_multiply.url}/pause", params={"mode": "keep"}, headers=on_multiply.headers())
+            keep = on_multiply.http.post(f"{on_multiply.url}/pause", params={"mode": "keep"},
+                                         headers=on_multiply.headers())
             assert keep.status_code == 200
             traffic = _traffic(on_multiply, threads=48, tokens=tokens, once=True)
             deadline = time.monotonic() + 60
             while traffic.sent < 48 and time.monotonic() < deadline:
                 time.sleep(0.05)
             time.sleep(1.0)  # the last ones reach the scheduler
-            assert httpx.post(f"{on_multiply.url}/resume", headers=on_multiply.headers()).status_code == 200
+            assert on_multiply.http.post(f"{on_multiply.url}/resume", headers=on_multiply.headers()).status_code == 200
         else:
             traffic = _traffic(on_multiply, threads=16, tokens=tokens)
             assert traffic.first_done.wait(120)

@@ -118,7 +118,7 @@ def server(demo_models, fresh, hub, s3, https, tmp_path_factory):
 
 
 def post(server: RunningServer, path: str, body: dict | None = None) -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", json=body, timeout=300)
+    return server.http.post(f"{server.url}{path}", json=body, timeout=300)
 
 
 def update(server: RunningServer, update_info: dict, version: str | None = None) -> httpx.Response:
@@ -145,19 +145,19 @@ def assert_holds(server: RunningServer, reference: dict) -> None:
 
 
 def weight_version(server: RunningServer) -> str:
-    return httpx.get(f"{server.url}/weight_info", timeout=30).json()["weight_version"]
+    return server.http.get(f"{server.url}/weight_info", timeout=30).json()["weight_version"]
 
 
 def answered_by(server: RunningServer) -> str:
     """The weight version a completion's answer names (the `x-weight-versions` header)."""
     body = {"model": server.model, "prompt": prompts()[0], "max_tokens": 2, "temperature": 0.0}
-    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    response = server.http.post(f"{server.url}/v1/completions", json=body, timeout=60)
     response.raise_for_status()
     return response.headers["x-weight-versions"]
 
 
 def last_report(server: RunningServer) -> dict:
-    answer = httpx.get(f"{server.url}/layerwise/update_report", timeout=60).json()
+    answer = server.http.get(f"{server.url}/layerwise/update_report", timeout=60).json()
     assert answer["ok"], answer
     return answer["report"]
 
