@@ -38,6 +38,7 @@ of a few MB instead, for the test (`tests/test_bench_quick.py`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import tempfile
 import time
@@ -188,7 +189,10 @@ def measure(llm, api, served: ServedRun, full_step: Path) -> dict:
         sent, start = served.sent(), time.perf_counter()
         report = api.reload(llm, source)
         row = {"wall_s": time.perf_counter() - start, "sent": served.sent() - sent,
-               "fetched_bytes": report.volume.fetched_bytes, "patched_layers": report.volume.patched_layers}
+               "fetched_bytes": report.volume.fetched_bytes, "patched_layers": report.volume.patched_layers,
+               "rebuilt_layers": report.volume.rebuilt_layers,
+               # Where the reload's own seconds went (plan: the source opened, a chain's links fetched).
+               "timings": dataclasses.asdict(report.timings)}
         check = api.verify_engine(llm, str(full_step))
         return {**row, "on_step_4": check.ok, "verified_layers": check.matched}
 
