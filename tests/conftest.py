@@ -22,19 +22,19 @@ settings.register_profile("layerwise", deadline=None)
 settings.load_profile("layerwise")
 
 # Seconds each test file of 40 s or more took in a whole run in two xdist workers on a 2-core Intel Xeon (AVX-512
-# with AMX; 2026-12-07, `.ci/run` in 31.6 min; `LAYERWISE_TEST_STARTS`, `scripts/engine_starts.py`). Under xdist
-# the files start heaviest first (and the rest in collection order), so that no long file is left to run alone at
-# the end. Order only: no test depends on it.
+# with AMX; 2026-12-07, `.ci/run` in 31.8 min, a slow hour; `LAYERWISE_TEST_STARTS`, `scripts/engine_starts.py`).
+# Under xdist the files start heaviest first (and the rest in collection order), so that no long file is left to
+# run alone at the end. Order only: no test depends on it.
 HEAVY_FILES = {
-    "test_rl_loop_server.py": 260, "test_serve_server.py": 257, "test_equivalence_engine.py": 209,
-    "test_watch_server.py": 179, "test_store_delta_server.py": 174, "test_pause_lease_server.py": 163,
-    "test_nodes_pp_server.py": 155, "test_nodes_server.py": 154, "test_reload_cli.py": 142,
-    "test_fleet_server.py": 136, "test_start_failure_server.py": 113, "test_pipeline_parallel_engine.py": 109,
-    "test_data_parallel_server.py": 98, "test_hub_fleet_server.py": 85, "test_repairs_server.py": 84,
-    "test_bench_quick.py": 77, "test_watch_store_server.py": 73, "test_demo_cli.py": 56,
-    "test_delta_tp_engine.py": 55, "test_demo_models_logic.py": 47, "test_weight_transfer_server.py": 46,
-    "test_online_quant_engine.py": 46, "test_vllm_release.py": 45, "test_planner_engine.py": 43,
-    "test_delta_server.py": 42, "test_hub_cli.py": 41, "test_tensor_parallel_engine.py": 41,
+    "test_serve_server.py": 355, "test_rl_loop_server.py": 350, "test_equivalence_engine.py": 237,
+    "test_pause_lease_server.py": 209, "test_start_failure_server.py": 204, "test_nodes_server.py": 191,
+    "test_watch_server.py": 162, "test_reload_cli.py": 141, "test_store_delta_server.py": 123,
+    "test_data_parallel_server.py": 95, "test_repairs_server.py": 95, "test_pipeline_parallel_engine.py": 94,
+    "test_nodes_pp_server.py": 89, "test_fleet_server.py": 84, "test_bench_quick.py": 72,
+    "test_hub_fleet_server.py": 63, "test_demo_cli.py": 62, "test_watch_store_server.py": 52,
+    "test_delta_tp_engine.py": 52, "test_delta_server.py": 50, "test_online_quant_engine.py": 49,
+    "test_weight_transfer_server.py": 49, "test_arch_table.py": 43, "test_hub_cli.py": 41,
+    "test_tensor_parallel_engine.py": 41,
 }
 
 

@@ -13,10 +13,11 @@ from typer.testing import CliRunner
 
 from benchmarks.bench_rl_steps import measure
 from layerwise_cli import save_checkpoint
-from layerwise_cli.checkpoint.delta.format import DELTA_FILE, METADATA_KEY, WHOLE
+from layerwise_cli.checkpoint.delta.format import DELTA_FILE, METADATA_KEY, WHOLE, file_mapping
 from layerwise_cli.checkpoint.delta.read import read_delta
-from layerwise_cli.checkpoint.delta.source import open_step
+from layerwise_cli.checkpoint.delta.source import open_step, rebuilt_bytes, rebuilt_sample
 from layerwise_cli.checkpoint.delta.v2 import CHUNK_ELEMENTS, CODEC, FORMAT_V2, SPARSE
+from layerwise_cli.checkpoint.format.samples import buffer_sample
 from layerwise_cli.cli.app import app
 from layerwise_cli.errors import LayerwiseError
 from layerwise_cli.writer.delta_file import ShardBytes
@@ -202,3 +203,39 @@ def test_unknown_codec_and_chunks_out_of_order_are_refused(dtype_steps):
     corrupt(root / "delta", other_codec)
     with pytest.raises(LayerwiseError, match="codec 'lz4'"):
         read_delta(root / "delta")
+
+
+@pytest.mark.parametrize("delta_format", [1, 2])
+def test_a_sample_rebuilt_in_its_windows_is_the_sample_of_the_step_rebuilt_whole(tmp_path, delta_format):
+    # A chain of two links over a full step: windows that split elements (F32, 30,001 values), a tensor sampled
+    # whole (under 36 KiB), and one the second link replaces whole. The spot check of a layer holding the step
+    # samples it this way (`spot_check._rebuilt_sample`), instead of rebuilding every tensor whole.
+    gen = torch.Generator().manual_seed(7)
+    steps = [{"a.weight": torch.randn(30_001, generator=gen),
+              "b.weight": torch.randn(300, 40, generator=gen).to(torch.bfloat16),
+              "c.weight": torch.randn(5_000, generator=gen).to(torch.bfloat16)}]
+    for seed, whole in ((8, 0.01), (9, 0.95)):
+        rng = np.random.default_rng(seed)
+        steps.append({name: stepped(t, np.flatnonzero(rng.random(t.numel()) < (whole if name == "c.weight"
+                                                                               else 0.02)), seed)
+                      for name, t in steps[-1].items()})
+    for index, tensors in enumerate(steps):
+        save_checkpoint(tensors.items(), tmp_path / f"full_{index}", allow_nonfinite=True)
+    write_delta(tmp_path / "full_0", tmp_path / "full_1", tmp_path / "step_1", delta_format=delta_format)
+    write_delta(tmp_path / "step_1", tmp_path / "full_2", tmp_path / "step_2", delta_format=delta_format)
+    step = open_step(str(tmp_path / "step_2"))
+    assert len(step.delta.links) == 2 and step.delta.links[-1].patches["c.weight"].kind == WHOLE
+    base = open_step(str(tmp_path / "full_0"))
+    shards = {shard.name: shard for shard in base.shards}
+    for entry in base.tensors:
+        at = shards[entry.shard].data_start + entry.begin
+        bytes_of = file_mapping(base.shard_path(entry.shard))[at:at + entry.nbytes]
+        whole = rebuilt_bytes(step.delta, entry, bytes_of, entry.shard)
+        assert np.array_equal(whole, raw(steps[2][entry.name]))
+        assert rebuilt_sample(step.delta, entry, bytes_of) == buffer_sample(entry.dtype, entry.shape, whole)
+        # Another base gives another sample where a window shows it (the middle byte is in one), unless the
+        # last link replaces the tensor whole.
+        other = np.array(bytes_of)
+        other[len(other) // 2] ^= 1
+        replaced = step.delta.links[-1].patches[entry.name].kind == WHOLE
+        assert (rebuilt_sample(step.delta, entry, other) == rebuilt_sample(step.delta, entry, bytes_of)) is replaced

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from layerwise_cli.checkpoint.delta.format import file_mapping
-from layerwise_cli.checkpoint.delta.source import rebuilt_bytes
+from layerwise_cli.checkpoint.delta.source import rebuilt_sample
 from layerwise_cli.checkpoint.format.header import TensorEntry
-from layerwise_cli.checkpoint.format.samples import buffer_sample, sample_bytes, sample_digest, sample_spans
+from layerwise_cli.checkpoint.format.samples import sample_bytes, sample_digest, sample_spans
 from layerwise_cli.checkpoint.sources import Checkpoint
 from layerwise_cli.worker.state.layer_records import LayerRecords
 
@@ -94,12 +94,11 @@ def spot_check(layers: Iterable[str], entries: Mapping[str, list[TensorEntry]], 
             stale = None
             for entry in tensors:
                 at = shards[entry.shard].data_start + entry.begin
+                result.bytes_read += sample_bytes(entry.nbytes)
                 if _patched(checkpoint, entry.name):
-                    # A delta's step differs from the files here: its bytes are rebuilt (read whole) to sample.
-                    result.bytes_read += entry.nbytes
+                    # A delta's step differs from the files here: its windows are rebuilt from them to sample.
                     found = _rebuilt_sample(checkpoint, entry, at)
                 else:
-                    result.bytes_read += sample_bytes(entry.nbytes)
                     found = _file_sample(source, entry, at)
                 if found != record.samples[entry.name]:
                     stale = StaleDigest(layer, entry.name, source.where(entry.shard))
@@ -157,7 +156,6 @@ def _patched(checkpoint: Checkpoint, name: str) -> bool:
 
 
 def _rebuilt_sample(checkpoint: Checkpoint, entry: TensorEntry, at: int) -> str:
-    """The sample digest of ENTRY as the delta rebuilds it from the bytes at AT of its shard (proved on the way)."""
-    path = checkpoint.shard_path(entry.shard)
-    raw = file_mapping(path)[at:at + entry.nbytes]
-    return buffer_sample(entry.dtype, entry.shape, rebuilt_bytes(checkpoint.delta, entry, raw, str(path)))
+    """The sample digest of ENTRY as the delta rebuilds it from the bytes at AT of its shard (its windows only)."""
+    raw = file_mapping(checkpoint.shard_path(entry.shard))[at:at + entry.nbytes]
+    return rebuilt_sample(checkpoint.delta, entry, raw)
