@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from importlib import import_module as _import_module
 
-__version__ = "0.5.4"
+__version__ = "0.5.5"
 # Pass as `LLM(..., worker_extension_cls=EXTENSION_CLS)` to make an engine reloadable.
 EXTENSION_CLS = "layerwise_cli.worker.extension.LayerwiseWorkerExtension"
 # `layerwise serve`'s endpoint answering a worker call from every data-parallel engine (server.engines_rpc).

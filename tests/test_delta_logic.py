@@ -24,7 +24,8 @@ from layerwise_cli.checkpoint.delta.format import (
     WHOLE,
 )
 from layerwise_cli.checkpoint.delta.read import delta_file, read_delta
-from layerwise_cli.checkpoint.delta.source import open_step, rebuilt_bytes
+from layerwise_cli.checkpoint.delta.rebuild import rebuilt_bytes
+from layerwise_cli.checkpoint.delta.source import open_step
 from layerwise_cli.checkpoint.delta.v2 import SPARSE
 from layerwise_cli.checkpoint.format.digests import checkpoint_digests, tensor_digest
 from layerwise_cli.checkpoint.sources import open_checkpoint

@@ -15,7 +15,8 @@ from benchmarks.bench_rl_steps import measure
 from layerwise_cli import save_checkpoint
 from layerwise_cli.checkpoint.delta.format import DELTA_FILE, METADATA_KEY, WHOLE, file_mapping
 from layerwise_cli.checkpoint.delta.read import read_delta
-from layerwise_cli.checkpoint.delta.source import open_step, rebuilt_bytes, rebuilt_sample
+from layerwise_cli.checkpoint.delta.rebuild import rebuilt_bytes, rebuilt_sample
+from layerwise_cli.checkpoint.delta.source import open_step
 from layerwise_cli.checkpoint.delta.v2 import CHUNK_ELEMENTS, CODEC, FORMAT_V2, SPARSE
 from layerwise_cli.checkpoint.format.samples import buffer_sample
 from layerwise_cli.cli.app import app

@@ -8,7 +8,8 @@ import torch
 
 from layerwise_cli import save_checkpoint
 from layerwise_cli.checkpoint.delta.buffers import RebuildBuffers
-from layerwise_cli.checkpoint.delta.source import open_step, rebuilt_bytes
+from layerwise_cli.checkpoint.delta.rebuild import rebuilt_bytes
+from layerwise_cli.checkpoint.delta.source import open_step
 from tests.support.deltas import changed_copy, small_state_dict, stored_bytes
 
 

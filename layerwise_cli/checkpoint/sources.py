@@ -47,7 +47,7 @@ class Checkpoint:
     # The commit a Hub source was read at (`revision` resolved once, `hub.pin.pin_commit`); None for local files.
     commit: str | None = None
     # A sparse delta this checkpoint is rebuilt through (`checkpoint.delta.source`): then `source` is the delta,
-    # the shards and `local_dir` are its base's, and every tensor is read through `delta.source.rebuilt_tensor`.
+    # the shards and `local_dir` are its base's, and every tensor is read through `delta.rebuild.rebuilt_tensor`.
     delta: object | None = field(default=None, repr=False, compare=False)
     # A store source's objects as first read: filename -> (ETag or Last-Modified, size); `revision` is their
     # digest (`store.headers.store_pin`). None for other kinds.

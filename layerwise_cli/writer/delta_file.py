@@ -9,7 +9,8 @@ from pathlib import Path
 
 from layerwise_cli.checkpoint.delta.encode import VERSION, EncodedPatch, can_patch, delta_metadata, encode_patch
 from layerwise_cli.checkpoint.delta.format import DELTA_FILE, WHOLE_FRACTION, TensorPatch, file_mapping
-from layerwise_cli.checkpoint.delta.source import open_step, rebuilt_bytes
+from layerwise_cli.checkpoint.delta.rebuild import rebuilt_bytes
+from layerwise_cli.checkpoint.delta.source import open_step
 from layerwise_cli.checkpoint.format.digests import checkpoint_digests, tensor_digest
 from layerwise_cli.checkpoint.format.header import TensorEntry, encode_header
 from layerwise_cli.checkpoint.sources import Checkpoint

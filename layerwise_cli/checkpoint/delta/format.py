@@ -282,7 +282,7 @@ class Delta:
         base, as the unsigned integer type of the element's size (a writable numpy array).
 
         Only the changes inside the span are applied, and of a v2 patch only the chunks over it are decoded: what
-        a sample of a few windows of the step needs (`source.rebuilt_sample`), not the whole tensor.
+        a sample of a few windows of the step needs (`rebuild.rebuilt_sample`), not the whole tensor.
 
         Raises:
             LayerwiseError: a chunk over the span is corrupt, or the positions are invalid (`positions`).

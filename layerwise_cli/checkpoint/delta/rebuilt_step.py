@@ -16,7 +16,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from layerwise_cli.checkpoint.delta.buffers import RebuildBuffers
-from layerwise_cli.checkpoint.delta.source import DeltaChain, rebuilt_bytes
+from layerwise_cli.checkpoint.delta.rebuild import rebuilt_bytes
+from layerwise_cli.checkpoint.delta.source import DeltaChain
 from layerwise_cli.checkpoint.format.finite import ByteScan, NonFinite, refusal
 from layerwise_cli.checkpoint.format.header import encode_header
 from layerwise_cli.checkpoint.format.layout import INDEX_NAME

@@ -7,7 +7,7 @@ embeddings and, with vLLM's `F.linear` fallback, the linear layers), a delta
 needs no reload: its new values are written at their positions into the
 engine's tensor, and only the delta's bytes are read. Every other layer is
 rebuilt from the base's files and the patch, and handed to vLLM's reload as
-before (`delta_source.rebuilt_tensor`).
+before (`delta.rebuild.rebuilt_tensor`).
 
 Nothing here is taken on a file's or a rule's word:
 

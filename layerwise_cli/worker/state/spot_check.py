@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from layerwise_cli.checkpoint.delta.format import file_mapping
-from layerwise_cli.checkpoint.delta.source import rebuilt_sample
+from layerwise_cli.checkpoint.delta.rebuild import rebuilt_sample
 from layerwise_cli.checkpoint.format.header import TensorEntry
 from layerwise_cli.checkpoint.format.samples import sample_bytes, sample_digest, sample_spans
 from layerwise_cli.checkpoint.sources import Checkpoint

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from layerwise_cli.checkpoint.delta.buffers import RebuildBuffers
-from layerwise_cli.checkpoint.delta.source import rebuilt_tensor
+from layerwise_cli.checkpoint.delta.rebuild import rebuilt_tensor
 from layerwise_cli.checkpoint.sources import shard_file
 from layerwise_cli.planning.plan import PlannedTensor
 
@@ -34,7 +34,7 @@ class ShardReader:
     Given a `RemoteStream`, the shards are a pinned remote source's (a Hub commit, or a store's objects at their
     ETags), read as their bytes arrive (`remote_stream`).
     With a DELTA (`Checkpoint.delta`), FOLDER holds the delta's base and every tensor read is the step's,
-    rebuilt from the base's and proved by its digests (`delta.source.rebuilt_tensor`), into buffers reused
+    rebuilt from the base's and proved by its digests (`delta.rebuild.rebuilt_tensor`), into buffers reused
     once vLLM has let go of them (`RebuildBuffers`, until `close`).
     """
 
