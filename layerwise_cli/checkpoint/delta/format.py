@@ -277,37 +277,39 @@ class Delta:
         except BadChunk as exc:
             self._bad(name, f"chunk {index} (elements {chunk.start} to {chunk.end}): {exc}")
 
-    def apply_span(self, name: str, span, start: int) -> None:
-        """Patch tensor NAME's elements [START, START + SPAN.size) in place: SPAN holds them as they are in the
-        base, as the unsigned integer type of the element's size (a writable numpy array).
+    def apply_spans(self, name: str, spans) -> None:
+        """Patch tensor NAME's elements in each of SPANS in place: (array, start) pairs, each array holding the
+        elements [start, start + array.size) as they are in the base, as the unsigned integer type of the
+        element's size (writable numpy arrays).
 
-        Only the changes inside the span are applied, and of a v2 patch only the chunks over it are decoded: what
-        a sample of a few windows of the step needs (`rebuild.rebuilt_sample`), not the whole tensor.
+        Only the changes inside the spans are applied: of a v2 patch only the chunks under a span are decoded,
+        each once; v1 positions are read once. What a sample of a few windows of the step needs
+        (`rebuild.rebuilt_sample`), not the whole tensor.
 
         Raises:
-            LayerwiseError: a chunk over the span is corrupt, or the positions are invalid (`positions`).
+            LayerwiseError: a chunk under a span is corrupt, or the positions are invalid (`positions`).
         """
-        import numpy as np  # noqa: PLC0415 - numpy: 0.1 s to import, only where an array is built
-
         patch = self.patches.get(name)
         if patch is None:
             return
-        end = start + span.size
         if patch.kind == WHOLE:
-            size = span.dtype.itemsize
-            span[:] = self.raw(name + WHOLE_SUFFIX)[start * size:end * size].view(span.dtype)
+            whole = self.raw(name + WHOLE_SUFFIX)
+            for span, start in spans:
+                size = span.dtype.itemsize
+                span[:] = whole[start * size:(start + span.size) * size].view(span.dtype)
             return
         if patch.kind == SPARSE:
             for index, chunk in enumerate(patch.chunks):
-                if chunk.count and chunk.start < end and chunk.end > start:
+                under = [(span, start) for span, start in spans
+                         if chunk.count and chunk.start < start + span.size and chunk.end > start]
+                if under:
                     positions, diffs = self._chunk_changes(name, index)
-                    first, stop = np.searchsorted(positions, (start, end))
-                    span[positions[first:stop] - start] += diffs[first:stop]  # modulo 2**bits, as in `apply`
+                    for span, at, first, stop in _changes_in(positions, under):
+                        span[at] += diffs[first:stop]  # modulo 2**bits, as in `apply`
             return
-        positions = self.positions(name)
-        first, stop = np.searchsorted(positions, (start, end))
-        values = self.raw(name + VALUES_SUFFIX).view(span.dtype)
-        span[positions[first:stop] - start] = values[first:stop]
+        values = self.raw(name + VALUES_SUFFIX)
+        for span, at, first, stop in _changes_in(self.positions(name), spans):
+            span[at] = values.view(span.dtype)[first:stop]
 
     def validate(self) -> None:
         """Check every patch's positions, as a reload does before it applies them (`positions`): an index read
@@ -368,3 +370,13 @@ def unsigned_type(size: int):
     import numpy as np  # noqa: PLC0415 - numpy: 0.1 s to import, only where an array is built
 
     return {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[size]
+
+
+def _changes_in(positions, spans):
+    """For each (array, start) of SPANS, the changed POSITIONS inside it: (array, their indices in it, and the
+    first and last-plus-one index of them in POSITIONS), POSITIONS being strictly increasing."""
+    import numpy as np  # noqa: PLC0415 - numpy: 0.1 s to import, only where an array is built
+
+    for span, start in spans:
+        first, stop = (int(i) for i in np.searchsorted(positions, (start, start + span.size)))
+        yield span, positions[first:stop] - start, first, stop

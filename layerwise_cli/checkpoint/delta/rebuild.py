@@ -56,10 +56,10 @@ def rebuilt_sample(chain: DeltaChain, entry: TensorEntry, raw) -> str:
     """The sample digest (`checkpoint.format.samples`) of tensor ENTRY in the chain's step, from its bytes RAW in
     the chain's full step (a numpy uint8 array), rebuilt in the sample's windows alone.
 
-    Each window's elements are copied from RAW and patched by every link in turn (`Delta.apply_span`, decoding
-    only the chunks over them): the digest `buffer_sample` gives of the tensor rebuilt whole (`rebuilt_bytes`),
-    for a few windows' work instead of the tensor's. Unlike `rebuilt_bytes`, the rest of the tensor is not proved
-    against the step's digest: a reload that rebuilds it proves it then.
+    Each window's elements are copied from RAW and patched by every link in turn (`Delta.apply_spans`, decoding
+    only the chunks under them, each once): the digest `buffer_sample` gives of the tensor rebuilt whole
+    (`rebuilt_bytes`), for a few windows' work instead of the tensor's. Unlike `rebuilt_bytes`, the rest of the
+    tensor is not proved against the step's digest: a reload that rebuilds it proves it then.
 
     Raises:
         LayerwiseError: a link's chunk over a window is corrupt, or its positions are invalid.
@@ -67,15 +67,15 @@ def rebuilt_sample(chain: DeltaChain, entry: TensorEntry, raw) -> str:
     import numpy as np  # noqa: PLC0415 - numpy: 0.1 s to import, only where an array is built
 
     size = DTYPE_SIZES[entry.dtype]
-    patching = [link for link in chain.links if entry.name in link.patches]
-    windows = {}
+    spans, windows = [], {}
     for offset, length in sample_spans(entry.nbytes):
         first, stop = offset // size, -(-(offset + length) // size)  # the elements the window touches
         span = np.array(raw[first * size:stop * size]).view(unsigned_type(size))
-        for link in patching:
-            link.apply_span(entry.name, span, first)
+        spans.append((span, first))
         skip = offset - first * size
         windows[offset] = span.view(np.uint8)[skip:skip + length]
+    for link in chain.links:
+        link.apply_spans(entry.name, spans)
     return sample_digest(entry.dtype, entry.shape, entry.nbytes, lambda offset, _: windows[offset])
 
 
