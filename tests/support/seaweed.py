@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.server_support import free_port
+from tests.support.server_support import PORT_TRIES, free_port
 
 ACCESS_KEY, SECRET_KEY = "layerwise-test", "layerwise-test-secret"
 # A second identity that may read and list, not write or delete (a store that does not allow `watch --keep`).
@@ -88,21 +88,44 @@ class SeaweedS3:
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}, {
             "name": "reader", "credentials": [{"accessKey": READER_KEY, "secretKey": READER_SECRET}],
             "actions": ["Read", "List"]}]}))
-        (self.root / "data").mkdir()
-        ports = {flag: free_port() for flag in (
-            "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
-            "s3.port.grpc", "admin.port", "admin.port.grpc", "debug.port", "metricsPort")}
-        argv = [self.binary, "mini", f"-dir={self.root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-                f"-s3.port={self.port}", f"-s3.config={config}", f"-bucket={BUCKET}", "-webdav=false",
-                "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=64",
-                *(f"-{flag}={port}" for flag, port in ports.items())]
-        self._argv = argv
+        # A first start that fails because a port it binds was taken between `free_port` and the bind (another
+        # process of the run got it first: "address already in use", seen once in a whole run) is tried again on
+        # fresh ports and an empty data folder, at most `PORT_TRIES` times in all, as `RunningServer.start`.
         try:
-            self.start()
+            for tries_left in range(PORT_TRIES - 1, -1, -1):
+                shutil.rmtree(self.root / "data", ignore_errors=True)
+                (self.root / "data").mkdir()
+                self._argv = self._command(config)
+                begun = (self.root / "weed.log").stat().st_size
+                try:
+                    self.start()
+                    return self
+                except RuntimeError:
+                    self.stop()
+                    self._log.flush()
+                    with open(self.root / "weed.log", "rb") as log:
+                        log.seek(begun)
+                        said = log.read()
+                    # Taken before `weed` checked its ports, or between its check and its bind.
+                    taken = b"Port allocation failed" in said or b"address already in use" in said
+                    if not (taken and tries_left):
+                        raise
+                    self.port = free_port()
+                    self.endpoint = f"http://127.0.0.1:{self.port}"
         except BaseException:
             self.__exit__()
             raise
-        return self
+        raise AssertionError("unreachable")
+
+    def _command(self, config: Path) -> list[str]:
+        """`weed mini`'s command line: its S3 gateway on `self.port`, every other port a free one."""
+        ports = {flag: free_port() for flag in (
+            "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
+            "s3.port.grpc", "admin.port", "admin.port.grpc", "debug.port", "metricsPort")}
+        return [self.binary, "mini", f"-dir={self.root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                f"-s3.port={self.port}", f"-s3.config={config}", f"-bucket={BUCKET}", "-webdav=false",
+                "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.volumeSizeLimitMB=64",
+                *(f"-{flag}={port}" for flag, port in ports.items())]
 
     def start(self) -> None:
         """Start `weed mini` (again, after `stop`: the same ports, data and identities); return once it answers."""
