@@ -228,7 +228,8 @@ class Delta:
     def apply(self, name: str, base, buffers: RebuildBuffers | None = None):
         """The new bytes of tensor NAME from its base bytes BASE (a numpy uint8 array); BASE itself when unpatched.
 
-        The result is written into a buffer from BUFFERS (reused once free) where one is given, else a new one.
+        The result is written into a buffer from BUFFERS (reused once free) where one is given, else a new one, and
+        patched as one span of the whole tensor (`apply_spans`).
 
         Raises:
             LayerwiseError: the positions are invalid (`positions`), or BASE is not the tensor's size.
@@ -241,18 +242,10 @@ class Delta:
         size = DTYPE_SIZES[patch.dtype]
         if base.size != patch.numel * size:
             self._bad(name, f"the base holds {base.size} bytes, the patch needs {patch.numel * size}")
-        positions = None if patch.kind in (WHOLE, SPARSE) else self.positions(name)
         out = np.empty(base.size, dtype=np.uint8) if buffers is None else buffers.take(base.size)
-        if patch.kind == WHOLE:
-            np.copyto(out, self.raw(name + WHOLE_SUFFIX))
-            return out
-        np.copyto(out, base)
-        elements = out.view(unsigned_type(size))
-        if patch.kind == SPARSE:
-            for _, at, diffs in self.changes(name):
-                elements[at] += diffs  # modulo 2**bits: numpy's unsigned arithmetic wraps
-            return out
-        elements[positions] = self.raw(name + VALUES_SUFFIX).view(elements.dtype)
+        if patch.kind != WHOLE:  # a whole patch writes every byte
+            np.copyto(out, base)
+        self.apply_spans(name, [(out.view(unsigned_type(size)), 0)])
         return out
 
     def changes(self, name: str):
@@ -301,7 +294,7 @@ class Delta:
         if patch.kind == SPARSE:
             for index, chunk in enumerate(patch.chunks):
                 under = [(span, start) for span, start in spans
-                         if chunk.count and chunk.start < start + span.size and chunk.end > start]
+                         if chunk.start < start + span.size and chunk.end > start]
                 if under:
                     positions, diffs = self._chunk_changes(name, index)
                     for span, at, first, stop in _changes_in(positions, under):
@@ -379,4 +372,5 @@ def _changes_in(positions, spans):
 
     for span, start in spans:
         first, stop = (int(i) for i in np.searchsorted(positions, (start, start + span.size)))
-        yield span, positions[first:stop] - start, first, stop
+        inside = positions[first:stop]
+        yield span, (inside - start if start else inside), first, stop  # a whole tensor's: a view, not a copy
