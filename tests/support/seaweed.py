@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.server_support import PORT_TRIES, free_port
+from tests.support.server_support import free_port, started_on_free_ports
 
 ACCESS_KEY, SECRET_KEY = "layerwise-test", "layerwise-test-secret"
 # A second identity that may read and list, not write or delete (a store that does not allow `watch --keep`).
@@ -88,34 +88,27 @@ class SeaweedS3:
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}, {
             "name": "reader", "credentials": [{"accessKey": READER_KEY, "secretKey": READER_SECRET}],
             "actions": ["Read", "List"]}]}))
-        # A first start that fails because a port it binds was taken between `free_port` and the bind (another
-        # process of the run got it first: "address already in use", seen once in a whole run) is tried again on
-        # fresh ports and an empty data folder, at most `PORT_TRIES` times in all, as `RunningServer.start`.
+        # A first start that fails because a port it binds was taken (another process of the run got it first,
+        # before `weed` checked its ports or between its check and its bind) is tried again on fresh ports and an
+        # empty data folder (`started_on_free_ports`, as `RunningServer.start`).
+        def attempt() -> None:
+            self.stop()  # a try that failed: its process gone before the next
+            shutil.rmtree(self.root / "data", ignore_errors=True)
+            (self.root / "data").mkdir()
+            self._argv = self._command(config)
+            self.start()
+
+        def fresh_port() -> None:
+            self.port = free_port()
+            self.endpoint = f"http://127.0.0.1:{self.port}"
+
         try:
-            for tries_left in range(PORT_TRIES - 1, -1, -1):
-                shutil.rmtree(self.root / "data", ignore_errors=True)
-                (self.root / "data").mkdir()
-                self._argv = self._command(config)
-                begun = (self.root / "weed.log").stat().st_size
-                try:
-                    self.start()
-                    return self
-                except RuntimeError:
-                    self.stop()
-                    self._log.flush()
-                    with open(self.root / "weed.log", "rb") as log:
-                        log.seek(begun)
-                        said = log.read()
-                    # Taken before `weed` checked its ports, or between its check and its bind.
-                    taken = b"Port allocation failed" in said or b"address already in use" in said
-                    if not (taken and tries_left):
-                        raise
-                    self.port = free_port()
-                    self.endpoint = f"http://127.0.0.1:{self.port}"
+            started_on_free_ports(attempt, self.root / "weed.log",
+                                  (b"Port allocation failed", b"address already in use"), fresh_port)
         except BaseException:
             self.__exit__()
             raise
-        raise AssertionError("unreachable")
+        return self
 
     def _command(self, config: Path) -> list[str]:
         """`weed mini`'s command line: its S3 gateway on `self.port`, every other port a free one."""

@@ -12,8 +12,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import pytest
@@ -30,6 +31,7 @@ SMALL = ["--max-model-len", "64", "--max-num-seqs", "8"]
 KV_CACHE = ["--kv-cache-memory-bytes", str(64 * 2**20)]
 # Starts of one server when a port it binds was taken first by another process (`RunningServer.start`).
 PORT_TRIES = 3
+T = TypeVar("T")
 # A single-rank engine with its worker inside its engine-core process (vLLM's layout for one rank on a GPU).
 # The CPU backend gives the worker a process of its own unless this is 0, and each spawned process imports vLLM
 # and torch again: about 8 of a server's 25 CPU seconds to start. With the worker inside, nothing binds its
@@ -124,22 +126,14 @@ class RunningServer:
     def start(self) -> RunningServer:
         """Start the server and wait until it is healthy. A first start that fails because a port it binds was
         taken between `free_port` and the bind (another process of the run got it first: "Address already in
-        use", seen once in a whole run) is tried again on fresh ports, at most `PORT_TRIES` times in all; a
-        restart keeps its URL."""
-        for tries_left in range(PORT_TRIES - 1, -1, -1):
-            begun = Path(self._log.name).stat().st_size
-            try:
-                return self._start_once()
-            except RuntimeError:
-                self._log.flush()
-                with open(self._log.name, "rb") as log:
-                    log.seek(begun)
-                    taken = b"Address already in use" in log.read()
-                if not (taken and tries_left and not self._healthy_once):
-                    raise
-                self.port = free_port()
-                self.url = f"http://127.0.0.1:{self.port}"
-        raise AssertionError("unreachable")
+        use", seen once in a whole run) is tried again on fresh ports (`started_on_free_ports`); a restart keeps
+        its URL."""
+        def fresh_port() -> None:
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+
+        return started_on_free_ports(self._start_once, Path(self._log.name), (b"Address already in use",),
+                                     fresh_port, tries=1 if self._healthy_once else PORT_TRIES)
 
     def _start_once(self) -> RunningServer:
         argv, env = self.command()
@@ -270,6 +264,24 @@ class RunningServer:
         response = self.http.get(f"{self.url}/is_paused", headers=self.headers(), timeout=10)
         response.raise_for_status()
         return response.json()["is_paused"]
+
+
+def started_on_free_ports(start: Callable[[], T], log: Path, taken: tuple[bytes, ...], fresh_ports: Callable[[], None],
+                          tries: int = PORT_TRIES) -> T:
+    """START() once it succeeds, trying again after FRESH_PORTS() when it failed (RuntimeError) because a port was
+    taken: one of TAKEN in what the process wrote to LOG since that try began. At most TRIES starts in all."""
+    for tries_left in range(tries - 1, -1, -1):
+        begun = log.stat().st_size
+        try:
+            return start()
+        except RuntimeError:
+            with open(log, "rb") as written:
+                written.seek(begun)
+                said = written.read()
+            if not (tries_left and any(marker in said for marker in taken)):
+                raise
+            fresh_ports()
+    raise AssertionError("unreachable")
 
 
 def start(server: RunningServer) -> None:
